@@ -1,0 +1,36 @@
+"""A kernel-authoring DSL in the style of JAX's Pallas.
+
+    import dsl as pl
+
+Kernels are Python functions on refs; `pallas_call` (or `@kernel`) runs them
+over a grid of blocks described by BlockSpecs.
+"""
+from jax._src.state.types import TransformedRef
+
+from dsl import refs as _refs  # installs the static index checks
+from dsl.backends import BACKENDS
+from dsl.blockspec import (BlockMapping, BlockSpec, Blocked, Element, Squeezed,
+                           squeezed)
+from dsl.errors import BackendError, KernelError, KernelTypeError
+from dsl.gridspec import GridMapping, GridSpec, PrefetchScalarGridSpec
+from dsl.kernel import kernel
+from dsl.memory import ANY, MemoryRef, MemorySpace
+from dsl.pallas_call import KernelSpec, pallas_call, pallas_call_p
+from dsl.primitives import (cdiv, debug_print, loop, max_contiguous,
+                            multiple_of, run_scoped, when)
+from dsl.checks import debug_check
+from dsl.ref_ops import load, store, atomic_add, atomic_cas
+from dsl.refs import Slice, ds, dslice
+from dsl.tracing import num_programs, program_id
+from dsl import config as _config
+from dsl import triton, tpu
+
+__all__ = [
+    "ANY", "BACKENDS", "BackendError", "BlockMapping", "BlockSpec", "Blocked",
+    "Element", "GridMapping", "GridSpec", "KernelError", "KernelSpec",
+    "KernelTypeError", "MemoryRef", "MemorySpace", "PrefetchScalarGridSpec",
+    "Slice", "Squeezed", "TransformedRef", "cdiv", "debug_check",
+    "debug_print", "ds", "dslice", "kernel", "load", "loop", "max_contiguous",
+    "multiple_of", "num_programs", "pallas_call", "pallas_call_p",
+    "program_id", "run_scoped", "squeezed", "store", "tpu", "triton", "when",
+]

@@ -1,0 +1,81 @@
+"""The jax_pallas_* options, registered with JAX's config where JAX lacks them.
+
+Each is set like any JAX option: an environment variable
+(`JAX_PALLAS_ENABLE_RUNTIME_ASSERT=1`), `jax.config.update(name, value)`, or an
+absl flag after `jax.config.parse_flags_with_absl()`.
+"""
+from __future__ import annotations
+
+import jax
+from jax._src import config as jax_config
+
+
+def _existing(name):
+  return jax_config.config._value_holders.get(name)
+
+
+def _bool(name: str, default: bool, help: str):
+  holder = _existing(name)
+  if holder is not None or name in jax_config.config.values:
+    return holder
+  return jax_config.bool_state(name, default, help, include_in_jit_key=True)
+
+
+def _string(name: str, default: str, help: str):
+  holder = _existing(name)
+  if holder is not None or name in jax_config.config.values:
+    return holder
+  return jax_config.string_state(name, default, help)
+
+
+enable_runtime_assert_option = _bool(
+    "jax_pallas_enable_runtime_assert", False,
+    "If set, enables runtime assertions in the kernel via checkify.check. "
+    "Otherwise, runtime asserts are ignored unless functionalized using "
+    "checkify.checkify.")
+dump_promela_to_option = _string(
+    "jax_pallas_dump_promela_to", "",
+    "If set, dumps a Promela model of each Mosaic-lowered kernel to this "
+    "directory.")
+use_mosaic_gpu_option = _bool(
+    "jax_pallas_use_mosaic_gpu", False,
+    "If True, lower kernels to the Mosaic-dialect on GPUs instead of Triton.")
+dump_triton_to_option = _string(
+    "jax_pallas_dump_triton_to", "",
+    "If set, writes each generated Triton kernel's source to this directory.")
+dump_mlir_to_option = _string(
+    "jax_pallas_dump_mlir_to", "",
+    "If set, writes each kernel's Mosaic MLIR module to this directory.")
+# JAX defines jax_pallas_verbose_errors itself; it is read, not redefined.
+verbose_errors_option = _bool(
+    "jax_pallas_verbose_errors", True,
+    "If True, print verbose error messages for kernels.")
+
+
+def _read(name):
+  return jax.config.read(name) if hasattr(jax.config, "read") else getattr(
+      jax.config, name)
+
+
+def enable_runtime_assert() -> bool:
+  return bool(_read("jax_pallas_enable_runtime_assert"))
+
+
+def use_mosaic_gpu() -> bool:
+  return bool(_read("jax_pallas_use_mosaic_gpu"))
+
+
+def verbose_errors() -> bool:
+  return bool(_read("jax_pallas_verbose_errors"))
+
+
+def dump_promela_to() -> str:
+  return _read("jax_pallas_dump_promela_to") or ""
+
+
+def dump_triton_to() -> str:
+  return _read("jax_pallas_dump_triton_to") or ""
+
+
+def dump_mlir_to() -> str:
+  return _read("jax_pallas_dump_mlir_to") or ""

@@ -1,0 +1,153 @@
+"""GridSpec (what users write) and GridMapping (what backends consume)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+from jax import tree_util
+from jax._src import core
+from jax._src.state import types as state_types
+
+from dsl.blockspec import BlockMapping, BlockSpec, resolve_block_spec
+from dsl.errors import KernelError, KernelTypeError
+from dsl.memory import MemorySpace, scratch_aval
+
+
+@dataclasses.dataclass(frozen=True)
+class GridSpec:
+  """The grid, the operands' BlockSpecs and the scratch buffers of a kernel."""
+  grid: Any = ()
+  in_specs: Any = None
+  out_specs: Any = None
+  scratch_shapes: Any = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchScalarGridSpec(GridSpec):
+  """A GridSpec whose first `num_scalar_prefetch` operands go to SMEM first
+  and are passed to every index map after the grid indices."""
+  num_scalar_prefetch: int = 0
+
+  def __init__(self, num_scalar_prefetch, grid=(), in_specs=None,
+               out_specs=None, scratch_shapes=()):
+    object.__setattr__(self, "num_scalar_prefetch", num_scalar_prefetch)
+    object.__setattr__(self, "grid", grid)
+    object.__setattr__(self, "in_specs", in_specs)
+    object.__setattr__(self, "out_specs", out_specs)
+    object.__setattr__(self, "scratch_shapes", scratch_shapes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GridMapping:
+  """The resolved grid: one BlockMapping per input then per output."""
+  grid: tuple[int, ...]
+  block_mappings: tuple[BlockMapping, ...]
+  num_inputs: int
+  num_outputs: int
+  num_scalar_prefetch: int = 0
+  prefetch_avals: tuple[state_types.AbstractRef, ...] = ()
+  scratch_avals: tuple[state_types.AbstractRef, ...] = ()
+  in_tree: Any = None
+  out_tree: Any = None
+  scratch_tree: Any = None
+  # grid axes added by vmap: they are not visible to the kernel's numbering.
+  num_hidden_axes: int = 0
+
+  @property
+  def in_mappings(self) -> tuple[BlockMapping, ...]:
+    return self.block_mappings[:self.num_inputs]
+
+  @property
+  def out_mappings(self) -> tuple[BlockMapping, ...]:
+    return self.block_mappings[self.num_inputs:]
+
+  @property
+  def out_avals(self) -> tuple[core.ShapedArray, ...]:
+    return tuple(bm.array_aval for bm in self.out_mappings)
+
+  def unflatten_kernel_refs(self, refs: Sequence[Any]) -> list[Any]:
+    """The kernel's positional arguments, in the pytree shape of the specs."""
+    np_, ni, no = self.num_scalar_prefetch, self.num_inputs, self.num_outputs
+    prefetch, ins = list(refs[:np_]), refs[np_:np_ + ni]
+    outs, scratch = refs[np_ + ni:np_ + ni + no], refs[np_ + ni + no:]
+    args = list(prefetch)
+    args += list(tree_util.tree_unflatten(self.in_tree, ins))
+    out = tree_util.tree_unflatten(self.out_tree, outs)
+    args += list(out) if isinstance(out, (tuple, list)) else [out]
+    sc = (tree_util.tree_unflatten(self.scratch_tree, scratch)
+          if self.scratch_tree is not None else list(scratch))
+    args += list(sc) if isinstance(sc, (tuple, list)) else [sc]
+    return args
+
+
+def _is_spec_leaf(x):
+  return x is None or isinstance(x, BlockSpec)
+
+
+def normalize_grid(kernel: str, grid, where: str) -> tuple[int, ...]:
+  if grid is None:
+    grid = ()
+  if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
+    grid = (grid,)
+  if not isinstance(grid, (tuple, list)):
+    raise KernelTypeError(kernel, f"grid must be a tuple of positive integers, "
+                          f"got {grid!r}", where, operand="grid")
+  out = []
+  for i, g in enumerate(grid):
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
+      raise KernelTypeError(
+          kernel, f"grid[{i}] must be a positive integer, got {g!r} "
+          f"({type(g).__name__}); traced grid sizes are not supported",
+          where, operand="grid")
+    if g <= 0:
+      raise KernelError(kernel, f"grid[{i}] must be a positive integer, got "
+                        f"{int(g)}", where, operand="grid")
+    out.append(int(g))
+  return tuple(out)
+
+
+def _flatten_specs(kernel, specs, n, what, where, tree_desc):
+  if specs is None:
+    return [None] * n
+  if isinstance(specs, BlockSpec):
+    specs = [specs] if n == 1 or tree_desc == "single" else specs
+  leaves = tree_util.tree_leaves(specs, is_leaf=_is_spec_leaf)
+  if isinstance(specs, BlockSpec):
+    leaves = [specs]
+  if len(leaves) != n:
+    raise KernelError(kernel, f"{what} has {len(leaves)} BlockSpecs but there "
+                      f"are {n} {tree_desc}", where, operand=what)
+  return leaves
+
+
+def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
+                         scratch_shapes, num_scalar_prefetch: int,
+                         prefetch_avals, in_avals, in_tree, out_avals,
+                         out_tree, where: str) -> GridMapping:
+  """Checks user specs against the operands and resolves them."""
+  grid = normalize_grid(kernel, grid, where)
+  in_leaves = _flatten_specs(kernel, in_specs, len(in_avals), "in_specs",
+                             where, "inputs")
+  out_leaves = _flatten_specs(kernel, out_specs, len(out_avals), "out_specs",
+                              where, "outputs in out_shape")
+  p_refs = []
+  for aval in prefetch_avals:
+    p_refs.append(state_types.AbstractRef(
+        core.ShapedArray(aval.shape, aval.dtype),
+        memory_space=MemorySpace.SMEM))
+  mappings = []
+  for i, (spec, aval) in enumerate(zip(in_leaves, in_avals)):
+    mappings.append(resolve_block_spec(kernel, f"in_specs[{i}]", spec, aval,
+                                       len(grid), p_refs, where))
+  for i, (spec, aval) in enumerate(zip(out_leaves, out_avals)):
+    mappings.append(resolve_block_spec(kernel, f"out_specs[{i}]", spec, aval,
+                                       len(grid), p_refs, where))
+  scratch_leaves, scratch_tree = tree_util.tree_flatten(
+      list(scratch_shapes or ()),
+      is_leaf=lambda x: hasattr(x, "get_ref_aval") or hasattr(x, "dtype"))
+  scratch_avals = tuple(scratch_aval(kernel, i, s)
+                        for i, s in enumerate(scratch_leaves))
+  return GridMapping(grid, tuple(mappings), len(in_avals), len(out_avals),
+                     num_scalar_prefetch, tuple(p_refs), scratch_avals,
+                     in_tree, out_tree, scratch_tree)

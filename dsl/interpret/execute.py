@@ -1,0 +1,317 @@
+"""Runs a KernelSpec with plain JAX ops (the interpret backend).
+
+The kernel jaxpr is discharged (refs become values), then run once per step
+of the sequential grid dims, vectorized with `jax.vmap` over the parallel
+dims. Blocks come from views (reshapes) of the padded operands or from
+per-point dynamic slices; output blocks are written back in place.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core
+from jax._src.state import discharge as state_discharge
+
+from dsl.blockspec import BlockMapping, Element, squeezed
+from dsl.interpret.plan import OperandPlan, Plan, make_plan
+
+
+def _consts(j):
+  return list(getattr(j, "consts", ()) or ())
+
+
+@functools.lru_cache(maxsize=256)
+def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int):
+  j = jaxpr.jaxpr
+  should = [False] * grid_rank + [True] * (len(j.invars) - grid_rank)
+  closed = core.ClosedJaxpr(j, jaxpr.consts)
+  return state_discharge.discharge_state(closed, should_discharge=should,
+                                         strip_memory_space=True)
+
+
+def _eval(jaxpr, *args):
+  if isinstance(jaxpr, core.ClosedJaxpr):
+    return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
+  return core.eval_jaxpr(jaxpr, _consts(jaxpr), *args)
+
+
+# ------------------------------------------------------------ operand layout
+
+def _padding(bm: BlockMapping):
+  pads = []
+  for d, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes):
+    if isinstance(d, Element):
+      lo, hi = d.padding
+      pads.append((lo, hi + b))
+    else:
+      pads.append((0, (-n) % b))
+  return pads
+
+
+def pad(x, bm: BlockMapping):
+  pads = _padding(bm)
+  if all(p == (0, 0) for p in pads):
+    return x
+  return jnp.pad(x, pads)
+
+
+def unpad(x, bm: BlockMapping):
+  pads = _padding(bm)
+  if all(p == (0, 0) for p in pads):
+    return x
+  return x[tuple(slice(lo, lo + n) for (lo, _), n in
+                 zip(pads, bm.array_aval.shape))]
+
+
+def to_view(x, bm: BlockMapping):
+  """(n0*b0, n1*b1, ...) -> (n0, n1, ..., b0, b1, ...)."""
+  r = x.ndim
+  if r == 0:
+    return x
+  shape = []
+  for n, b in zip(x.shape, bm.block_sizes):
+    shape += [n // b, b]
+  y = x.reshape(shape)
+  perm = list(range(0, 2 * r, 2)) + list(range(1, 2 * r, 2))
+  return y.transpose(perm) if perm != list(range(2 * r)) else y
+
+
+def from_view(v, bm: BlockMapping):
+  r = len(bm.block_sizes)
+  if r == 0:
+    return v
+  perm = [k for j in range(r) for k in (j, r + j)]
+  y = v.transpose(perm)
+  return y.reshape([v.shape[j] * v.shape[r + j] for j in range(r)])
+
+
+def _view_window(op: OperandPlan, plan: Plan, seq_coords, view_shape):
+  """Start indices and sizes of the step's window in an operand's view."""
+  r = len(op.sources)
+  starts, sizes = [], []
+  for kind, val in op.sources:
+    if kind == "const":
+      starts.append(val)
+      sizes.append(1)
+    elif val in plan.parallel:
+      starts.append(0)
+      sizes.append(plan.grid[val])
+    else:
+      starts.append(seq_coords[val])
+      sizes.append(1)
+  starts += [0] * r
+  sizes += list(view_shape[r:])
+  return starts, sizes
+
+
+def _window_par_axes(op: OperandPlan):
+  """The parallel grid dims of an operand's window, in array-dim order."""
+  return [val for kind, val in op.sources
+          if kind == "grid" and val in op.par_dims]
+
+
+def read_view_block(view, op: OperandPlan, plan: Plan, seq_coords):
+  bm = op.mapping
+  r = len(op.sources)
+  if r == 0:
+    return view
+  starts, sizes = _view_window(op, plan, seq_coords, view.shape)
+  w = lax.dynamic_slice(view, [jnp.asarray(s, jnp.int32) for s in starts],
+                        sizes)
+  par_axes = [j for j, (kind, val) in enumerate(op.sources)
+              if kind == "grid" and val in op.par_dims]
+  w = w.reshape([sizes[j] for j in par_axes] + list(view.shape[r:]))
+  axes = _window_par_axes(op)
+  perm = [axes.index(d) for d in op.par_dims]
+  if perm != sorted(perm):
+    w = w.transpose(perm + list(range(len(perm), w.ndim)))
+  return w.reshape(w.shape[:len(par_axes)] + bm.kernel_shape)
+
+
+def write_view_block(view, block, op: OperandPlan, plan: Plan, seq_coords):
+  bm = op.mapping
+  r = len(op.sources)
+  if r == 0:
+    return block.astype(view.dtype)
+  starts, sizes = _view_window(op, plan, seq_coords, view.shape)
+  if list(sizes) == list(view.shape):   # the step writes the whole operand
+    return _to_window_layout(block, op).reshape(view.shape).astype(view.dtype)
+  block = _to_window_layout(block, op)
+  block = block.reshape(sizes)
+  return lax.dynamic_update_slice(
+      view, block.astype(view.dtype),
+      [jnp.asarray(s, jnp.int32) for s in starts])
+
+
+def _to_window_layout(block, op: OperandPlan):
+  axes = _window_par_axes(op)
+  perm = [op.par_dims.index(a) for a in axes]
+  if perm != sorted(perm):
+    block = block.transpose(perm + list(range(len(perm), block.ndim)))
+  return block
+
+
+@functools.lru_cache(maxsize=1024)
+def discharged_index_map(jaxpr: core.ClosedJaxpr, grid_rank: int):
+  """The index map as a pure function of grid ids and prefetch values."""
+  n = len(jaxpr.jaxpr.invars)
+  if n == grid_rank:
+    return jaxpr
+  should = [False] * grid_rank + [True] * (n - grid_rank)
+  return state_discharge.discharge_state(jaxpr, should_discharge=should,
+                                         strip_memory_space=True)
+
+
+def block_offsets(bm: BlockMapping, ids, prefetch):
+  dj = discharged_index_map(bm.index_map_jaxpr, len(ids))
+  idx = _eval(dj, *ids, *prefetch)[:len(bm.block_shape)]
+  return [jnp.asarray(o, jnp.int32) for o in bm.element_offsets(idx)]
+
+
+def read_gather_block(full, bm: BlockMapping, offsets):
+  if full.ndim == 0:
+    return full
+  blk = lax.dynamic_slice(full, offsets, bm.block_sizes)
+  return blk.reshape(bm.kernel_shape)
+
+
+def scatter_blocks(full, blocks, offsets, bm: BlockMapping, n_par: int):
+  """Writes per-point blocks (P..., kernel_shape) at offsets (P..., rank)."""
+  r = full.ndim
+  blocks = blocks.astype(full.dtype)
+  if r == 0:
+    return blocks.reshape(blocks.shape[n_par:]) if n_par == 0 else blocks.reshape(-1)[-1]
+  if n_par == 0:
+    return lax.dynamic_update_slice(full, blocks.reshape(bm.block_sizes),
+                                    list(offsets))
+  n = math.prod(blocks.shape[:n_par])
+  upd = blocks.reshape((n,) + bm.block_sizes)
+  idx = jnp.stack([o.reshape(n) for o in offsets], axis=1)
+  dnums = lax.ScatterDimensionNumbers(
+      update_window_dims=tuple(range(1, r + 1)), inserted_window_dims=(),
+      scatter_dims_to_operand_dims=tuple(range(r)))
+  return lax.scatter(full, idx, upd, dnums, indices_are_sorted=False,
+                     unique_indices=False, mode=lax.GatherScatterMode.CLIP)
+
+
+# ------------------------------------------------------------ the grid run
+
+def _nested_vmap(fn, plan: Plan, arg_dims: list[tuple[int, ...]]):
+  """vmaps `fn` over each parallel dim; arg k is batched over arg_dims[k]."""
+  for p in reversed(plan.parallel):
+    in_axes = tuple(0 if p in dims else None for dims in arg_dims)
+    fn = jax.vmap(fn, in_axes=in_axes, out_axes=0)
+  return fn
+
+
+def run(*args, spec):
+  """Evaluates the pallas_call described by `spec` on `args`."""
+  gm = spec.grid_mapping
+  plan = make_plan(gm)
+  grid_rank = len(gm.grid)
+  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
+  prefetch, inputs = list(args[:n_pf]), list(args[n_pf:])
+  in_plans, out_plans = plan.operands[:n_in], plan.operands[n_in:]
+  dj = discharged_kernel(spec.jaxpr, grid_rank)
+  n_scratch = len(gm.scratch_avals)
+  par_shape = tuple(gm.grid[d] for d in plan.parallel)
+
+  # Operand states: views for view operands, padded arrays otherwise.
+  in_states = []
+  for x, op in zip(inputs, in_plans):
+    x = pad(jnp.asarray(x), op.mapping)
+    in_states.append(to_view(x, op.mapping) if op.mode == "view" else x)
+  aliases = dict(spec.input_output_aliases)
+  out_states = []
+  for k, op in enumerate(out_plans):
+    bm = op.mapping
+    src = next((i for i, o in aliases.items() if o == k), None)
+    init = (jnp.asarray(args[src]).astype(bm.array_aval.dtype) if src is not None
+            else jnp.zeros(bm.array_aval.shape, bm.array_aval.dtype))
+    init = pad(init, bm)
+    out_states.append(to_view(init, bm) if op.mode == "view" else init)
+  scratch = [jnp.zeros(par_shape + tuple(a.inner_aval.shape), a.inner_aval.dtype)
+             for a in gm.scratch_avals]
+
+  def point(*flat):
+    # flat = (*ids, *prefetch, *in_args, *out_args, *scratch)
+    ids = flat[:grid_rank]
+    rest = flat[grid_rank:]
+    pf = rest[:n_pf]
+    in_args = rest[n_pf:n_pf + n_in]
+    out_args = rest[n_pf + n_in:n_pf + n_in + n_out]
+    sc = rest[n_pf + n_in + n_out:]
+    in_blocks = [a if op.mode == "view" else
+                 read_gather_block(a, op.mapping,
+                                   block_offsets(op.mapping, ids, pf))
+                 for a, op in zip(in_args, in_plans)]
+    out_blocks, out_offs = [], []
+    for a, op in zip(out_args, out_plans):
+      if op.mode == "view":
+        out_blocks.append(a)
+      else:
+        offs = block_offsets(op.mapping, ids, pf)
+        out_offs.append(jnp.stack(offs) if offs else jnp.zeros((0,), jnp.int32))
+        out_blocks.append(read_gather_block(a, op.mapping, offs))
+    finals = _eval(dj, *ids, *pf, *in_blocks, *out_blocks, *sc)
+    new_outs = finals[n_pf + n_in:n_pf + n_in + n_out]
+    new_scratch = finals[n_pf + n_in + n_out:]
+    return list(new_outs), list(new_scratch), out_offs
+
+  arg_dims = ([(d,) if d in plan.parallel else () for d in range(grid_rank)]
+              + [()] * n_pf
+              + [op.par_dims if op.mode == "view" else () for op in in_plans]
+              + [op.par_dims if op.mode == "view" else () for op in out_plans]
+              + [plan.parallel] * n_scratch)
+  vpoint = _nested_vmap(point, plan, arg_dims)
+
+  def step(seq_coords, out_states, scratch):
+    ids = [jnp.arange(gm.grid[d], dtype=jnp.int32) if d in plan.parallel
+           else jnp.asarray(seq_coords[d], jnp.int32) for d in range(grid_rank)]
+    in_args = [read_view_block(s, op, plan, seq_coords) if op.mode == "view"
+               else s for s, op in zip(in_states, in_plans)]
+    out_args = [read_view_block(s, op, plan, seq_coords) if op.mode == "view"
+                else s for s, op in zip(out_states, out_plans)]
+    new_outs, new_scratch, offs = vpoint(*ids, *prefetch, *in_args, *out_args,
+                                         *scratch)
+    offs = iter(offs)
+    updated = []
+    for s, blk, op in zip(out_states, new_outs, out_plans):
+      if op.mode == "view":
+        updated.append(write_view_block(s, blk, op, plan, seq_coords))
+      else:
+        o = next(offs)
+        updated.append(scatter_blocks(s, blk, [o[..., j] for j in
+                                               range(o.shape[-1])],
+                                      op.mapping, len(plan.parallel)))
+    return updated, list(new_scratch)
+
+  seq = plan.sequential
+  seq_sizes = [gm.grid[d] for d in seq]
+  n_steps = math.prod(seq_sizes)
+
+  def coords_of(s):
+    coords, rem = {}, s
+    for d, size in reversed(list(zip(seq, seq_sizes))):
+      coords[d] = rem % size
+      rem = rem // size
+    return coords
+
+  if n_steps == 1:
+    out_states, scratch = step({d: 0 for d in seq}, out_states, scratch)
+  else:
+    def body(s, carry):
+      outs, sc = carry
+      return tuple(step(coords_of(s), list(outs), list(sc)))
+    out_states, scratch = lax.fori_loop(0, n_steps, body,
+                                        (out_states, scratch))
+  results = []
+  for s, op in zip(out_states, out_plans):
+    full = from_view(s, op.mapping) if op.mode == "view" else s
+    results.append(unpad(full, op.mapping))
+  return results

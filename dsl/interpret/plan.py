@@ -1,0 +1,157 @@
+"""Static analysis of a grid for the interpret backend.
+
+From the index maps, evaluated on every grid point at trace time, it decides
+which grid dimensions are *parallel* (every output block belongs to exactly one
+point of those dimensions, so they run as one vectorized computation) and which
+are *sequential* (they revisit output blocks, so they run as a loop, in grid
+order). It also decides, per operand, how blocks are fetched: as a `view`
+(a reshape of the array whose block axes follow grid axes one to one; no
+gather) or by `gather` (a dynamic slice per grid point).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import numpy as np
+from jax._src import core
+
+from dsl.blockspec import BlockMapping, Element
+from dsl.gridspec import GridMapping
+
+MAX_ANALYSED_POINTS = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandPlan:
+  mapping: BlockMapping
+  mode: str                      # "view" or "gather"
+  sources: tuple = ()            # view: per array dim ("grid", d) | ("const", c)
+  par_dims: tuple[int, ...] = ()  # view: parallel grid dims it is batched over
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  grid: tuple[int, ...]
+  parallel: tuple[int, ...]
+  sequential: tuple[int, ...]
+  operands: tuple[OperandPlan, ...]   # inputs then outputs
+
+
+def _uses_prefetch(jaxpr: core.ClosedJaxpr, grid_rank: int) -> bool:
+  prefetch_vars = set(jaxpr.jaxpr.invars[grid_rank:])
+  if not prefetch_vars:
+    return False
+  for eqn in jaxpr.jaxpr.eqns:
+    if any(v in prefetch_vars for v in eqn.invars if isinstance(v, core.Var)):
+      return True
+  return any(v in prefetch_vars for v in jaxpr.jaxpr.outvars
+             if isinstance(v, core.Var))
+
+
+def evaluate_index_map(bm: BlockMapping, grid: tuple[int, ...]):
+  """Block indices of every grid point: int array (*grid, rank), or None."""
+  n_points = math.prod(grid)
+  if n_points > MAX_ANALYSED_POINTS or _uses_prefetch(bm.index_map_jaxpr,
+                                                      len(grid)):
+    return None
+  rank = len(bm.block_shape)
+  if rank == 0:
+    return np.zeros((*grid, 0), np.int64)
+  coords = [c.reshape(-1).astype(np.int32) for c in np.indices(grid)]
+  jaxpr = bm.index_map_jaxpr
+  n_prefetch = len(jaxpr.jaxpr.invars) - len(grid)
+
+  def one_point(*ids):
+    return core.jaxpr_as_fun(jaxpr)(*ids, *([None] * n_prefetch))
+
+  with jax.ensure_compile_time_eval():
+    if not grid:
+      outs = one_point()
+    else:
+      outs = jax.vmap(one_point)(*coords)
+    outs = [np.broadcast_to(np.asarray(o), (n_points,)) for o in outs]
+  return np.stack(outs, axis=-1).reshape(*grid, rank).astype(np.int64)
+
+
+def _varies_along(idx: np.ndarray, d: int) -> bool:
+  return idx.shape[d] > 1 and bool(np.any(np.diff(idx, axis=d) != 0))
+
+
+def _owned_by_one_point(idx: np.ndarray, parallel: tuple[int, ...]) -> bool:
+  """True when each block is touched by a single point of the parallel dims."""
+  grid = idx.shape[:-1]
+  par_coord = np.zeros(grid, np.int64)
+  for d in parallel:
+    par_coord = par_coord * grid[d] + np.indices(grid)[d]
+  rows = idx.reshape(-1, idx.shape[-1])
+  pairs = np.concatenate([par_coord.reshape(-1, 1), rows], axis=1)
+  n_blocks = len(np.unique(rows, axis=0)) if rows.shape[1] else 1
+  n_pairs = len(np.unique(pairs, axis=0))
+  return n_blocks == n_pairs
+
+
+def _n_blocks(bm: BlockMapping) -> tuple[int, ...]:
+  return tuple(-(-n // b) for n, b in zip(bm.array_aval.shape, bm.block_sizes))
+
+
+def _view_sources(bm: BlockMapping, idx, grid):
+  if idx is None or bm.has_element_dims:
+    return None
+  coords = np.indices(grid) if grid else np.zeros((0,))
+  sources, used = [], set()
+  for j, nb in enumerate(_n_blocks(bm)):
+    col = idx[..., j]
+    if col.size and col.min() < 0 or col.size and col.max() >= nb:
+      return None
+    flat = col.reshape(-1)
+    if flat.size == 0 or np.all(flat == flat[0]):
+      sources.append(("const", int(flat[0]) if flat.size else 0))
+      continue
+    match = [d for d in range(len(grid)) if d not in used
+             and np.array_equal(col, coords[d])]
+    if not match:
+      return None
+    used.add(match[0])
+    sources.append(("grid", match[0]))
+  return tuple(sources)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_cached(gm: GridMapping) -> Plan:
+  return make_plan_uncached(gm)
+
+
+def make_plan(gm: GridMapping) -> Plan:
+  return _plan_cached(gm)
+
+
+def make_plan_uncached(gm: GridMapping) -> Plan:
+  grid = gm.grid
+  idxs = [evaluate_index_map(bm, grid) for bm in gm.block_mappings]
+  out_idxs = idxs[gm.num_inputs:]
+  parallel: tuple[int, ...] = ()
+  if all(i is not None for i in out_idxs):
+    cand = tuple(d for d in range(len(grid))
+                 if all(_varies_along(i, d) for i in out_idxs))
+    if not out_idxs:
+      cand = tuple(range(len(grid)))
+    if cand and all(_owned_by_one_point(i, cand) for i in out_idxs):
+      parallel = cand
+  sequential = tuple(d for d in range(len(grid)) if d not in parallel)
+  plans = []
+  for bm, idx in zip(gm.block_mappings, idxs):
+    sources = _view_sources(bm, idx, grid)
+    if sources is None:
+      plans.append(OperandPlan(bm, "gather"))
+      continue
+    par = tuple(d for d in parallel
+                if ("grid", d) in sources)
+    plans.append(OperandPlan(bm, "view", sources, par))
+  # An output in view mode must be batched over every parallel dim.
+  for k, p in enumerate(plans[gm.num_inputs:], gm.num_inputs):
+    if p.mode == "view" and len(p.par_dims) != len(parallel):
+      plans[k] = OperandPlan(p.mapping, "gather")
+  return Plan(grid, parallel, sequential, tuple(plans))

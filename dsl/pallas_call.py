@@ -1,0 +1,196 @@
+"""`pallas_call`: the primitive that runs a kernel over a grid."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import tree_util
+from jax._src import core, dispatch
+from jax._src.interpreters import mlir
+from jax.extend.core import Primitive
+
+from dsl import backends
+from dsl.errors import KernelError, KernelTypeError, function_location, user_frame
+from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
+from dsl.tracing import trace_kernel
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelSpec:
+  """Everything a backend needs to run one kernel."""
+  name: str
+  jaxpr: core.ClosedJaxpr
+  grid_mapping: GridMapping
+  input_output_aliases: tuple[tuple[int, int], ...] = ()
+  compiler_params: Any = None
+  backend: str | None = None
+  debug: bool = False
+  where: str = "<unknown>"
+  kernel_src: str = "<unknown>"
+  cost_estimate: Any = None
+
+  def __repr__(self):
+    gm = self.grid_mapping
+    blocks = ", ".join(f"{bm.origin}={_block_str(bm)}" for bm in gm.block_mappings)
+    return (f"<kernel {self.name} grid={gm.grid} {blocks} at {self.kernel_src}>"
+            f"\n{self.jaxpr}")
+
+  def replace(self, **kw) -> "KernelSpec":
+    return dataclasses.replace(self, **kw)
+
+
+def _block_str(bm) -> str:
+  return f"{bm.array_aval.str_short()}/{tuple(bm.block_shape)}"
+
+
+pallas_call_p = Primitive("pallas_call")
+pallas_call_p.multiple_results = True
+pallas_call_p.def_impl(functools.partial(dispatch.apply_primitive,
+                                         pallas_call_p))
+
+
+@pallas_call_p.def_abstract_eval
+def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
+  return [core.ShapedArray(a.shape, a.dtype) for a in spec.grid_mapping.out_avals]
+
+
+def _lower(ctx, *args, spec: KernelSpec, platform: str):
+  from dsl import config
+  name = spec.backend
+  if name is None:
+    name = backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
+    if platform == "cuda" and config.use_mosaic_gpu():
+      raise KernelError(spec.name, "jax_pallas_use_mosaic_gpu is set, but the "
+                        "Mosaic-dialect lowering cannot run on GPUs yet; unset "
+                        "it to use Triton", spec.where)
+  rule = backends.lowering_rule(name, spec.name, spec.where)
+  return rule(ctx, *args, spec=spec)
+
+
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+  mlir.register_lowering(pallas_call_p,
+                         functools.partial(_lower, platform=_platform),
+                         platform=_platform)
+
+
+def _interpret_lowering(ctx, *args, spec):
+  from dsl import interpret
+  return mlir.lower_fun(functools.partial(interpret.run, spec=spec),
+                        multiple_results=True)(ctx, *args)
+
+
+backends.register_backend("interpret", _interpret_lowering)
+
+
+def _leaf_aval(kernel: str, x, what: str, where: str):
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
+  raise KernelTypeError(kernel, f"expected an array or jax.ShapeDtypeStruct, "
+                        f"got {x!r}", where, operand=what)
+
+
+def _check_aliases(name, aliases, in_avals_all, out_avals, where):
+  out = []
+  for i, o in dict(aliases or {}).items():
+    if not 0 <= i < len(in_avals_all):
+      raise KernelError(name, f"input {i} does not exist ({len(in_avals_all)} "
+                        "operands)", where, operand="input_output_aliases")
+    if not 0 <= o < len(out_avals):
+      raise KernelError(name, f"output {o} does not exist ({len(out_avals)} "
+                        "outputs)", where, operand="input_output_aliases")
+    a, b = in_avals_all[i], out_avals[o]
+    if (a.shape, a.dtype) != (b.shape, b.dtype):
+      raise KernelError(
+          name, f"input {i} ({a.str_short()}) is aliased to output {o} "
+          f"({b.str_short()}), but aliased buffers must have the same shape "
+          "and dtype", where, operand="input_output_aliases")
+    out.append((int(i), int(o)))
+  return tuple(out)
+
+
+def _hashable(x):
+  try:
+    hash(x)
+    return x
+  except TypeError:
+    if isinstance(x, (list, tuple)):
+      return tuple(_hashable(v) for v in x)
+    if isinstance(x, dict):
+      return tuple(sorted((k, _hashable(v)) for k, v in x.items()))
+    raise
+
+
+_SPEC_CACHE: dict = {}
+
+
+def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
+                in_specs=None, out_specs=None, grid_spec: GridSpec | None = None,
+                scratch_shapes=(), input_output_aliases=None,
+                interpret: bool = False, debug: bool = False,
+                name: str | None = None, compiler_params=None,
+                cost_estimate=None, backend: str | None = None):
+  """Returns a function that runs `kernel` over `grid` on its arguments.
+
+  The kernel reads blocks of the inputs through refs and writes blocks of the
+  outputs; `in_specs`/`out_specs` say which block each grid point sees.
+  """
+  name = name or getattr(kernel, "__name__", "kernel")
+  num_scalar_prefetch = 0
+  if grid_spec is not None:
+    grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
+    scratch_shapes = grid_spec.scratch_shapes or scratch_shapes
+    num_scalar_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
+  if interpret and backend is None:
+    backend = "interpret"
+  if isinstance(interpret, str):
+    backend = interpret
+
+  def wrapped(*args):
+    where = user_frame()
+    backends.check_backend_name(backend, name, where)
+    flat_args, in_tree_all = tree_util.tree_flatten(args)
+    flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
+                 for a in flat_args]
+    avals = [_leaf_aval(name, a, f"argument {i}", where)
+             for i, a in enumerate(flat_args)]
+    if len(args) < num_scalar_prefetch:
+      raise KernelError(name, f"expects {num_scalar_prefetch} scalar-prefetch "
+                        f"operands first, got {len(args)} arguments", where)
+    in_tree = tree_util.tree_structure(args[num_scalar_prefetch:])
+    n_pf_leaves = len(tree_util.tree_leaves(args[:num_scalar_prefetch]))
+    out_leaves, out_tree = tree_util.tree_flatten(
+        out_shape, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+    out_avals = [_leaf_aval(name, o, f"out_shape[{i}]", where)
+                 for i, o in enumerate(out_leaves)]
+    try:
+      key = (kernel, name, tuple(avals), in_tree, tuple(out_avals), out_tree,
+             _hashable(grid), _hashable(in_specs), _hashable(out_specs),
+             _hashable(scratch_shapes), num_scalar_prefetch,
+             _hashable(input_output_aliases), backend, debug,
+             _hashable(compiler_params))
+      hash(key)
+    except TypeError:
+      key = None
+    spec = _SPEC_CACHE.get(key) if key is not None else None
+    if spec is None:
+      gm = resolve_grid_mapping(
+          name, grid=grid, in_specs=in_specs, out_specs=out_specs,
+          scratch_shapes=scratch_shapes, num_scalar_prefetch=n_pf_leaves,
+          prefetch_avals=avals[:n_pf_leaves], in_avals=avals[n_pf_leaves:],
+          in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
+      jaxpr = trace_kernel(kernel, name, gm, where)
+      aliases = _check_aliases(name, input_output_aliases, avals, out_avals,
+                               where)
+      spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,
+                        debug, where, function_location(kernel), cost_estimate)
+      if debug:
+        print(f"--- kernel {name} ({spec.kernel_src})\n{jaxpr}")
+      if key is not None:
+        _SPEC_CACHE[key] = spec
+    outs = pallas_call_p.bind(*flat_args, spec=spec)
+    return tree_util.tree_unflatten(out_tree, outs)
+
+  return wrapped

@@ -1,0 +1,109 @@
+"""Ref indexing inside kernels: `pl.ds`, and static bounds checks.
+
+Refs are JAX's own `jax.ref` state types. While a kernel is being traced,
+every ref index goes through `check_static_indices`, so that a static index
+outside the block is an error at trace time instead of a silent clamp.
+"""
+from __future__ import annotations
+
+import contextvars
+import sys
+
+import numpy as np
+from jax._src import core
+from jax._src.state import indexing
+from jax._src.state.indexing import NDIndexer, Slice, ds
+
+from dsl.errors import KernelError, user_frame
+
+dslice = ds
+
+# id(ref tracer) -> "x_ref (in_specs[0])" while a kernel is traced.
+_ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "dsl_kernel_refs", default=None)
+
+
+def _static_int(x):
+  if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+    return int(x)
+  try:
+    return int(core.concrete_or_error(None, x))
+  except Exception:
+    return None
+
+
+def describe_ref_in_stack(names: dict) -> str | None:
+  """Finds which of the kernel's refs is being indexed by scanning frames."""
+  frame = sys._getframe(1)
+  while frame is not None:
+    for value in frame.f_locals.values():
+      base = getattr(value, "ref", value)
+      if id(base) in names:
+        return names[id(base)]
+    frame = frame.f_back
+  return None
+
+
+def _bounds_error(names, message):
+  ctx = names.get("__kernel__", "kernel")
+  operand = describe_ref_in_stack(names)
+  raise KernelError(ctx, message, user_frame(), operand=operand)
+
+
+def check_static_indices(indices, shape) -> None:
+  names = _ACTIVE.get()
+  if names is None:
+    return
+  if not isinstance(indices, tuple):
+    indices = (indices,)
+  n_real = sum(i is not ... and i is not None for i in indices)
+  if n_real > len(shape):
+    _bounds_error(names, f"{n_real} indices for a ref of shape {tuple(shape)}")
+  if any(i is ... for i in indices):
+    ip = next(k for k, i in enumerate(indices) if i is ...)
+    indices = (indices[:ip] + (slice(None),) * (len(shape) - len(indices) + 1)
+               + indices[ip + 1:])
+  for dim, (idx, n) in enumerate(zip(indices, shape)):
+    if not isinstance(n, (int, np.integer)):
+      continue
+    if isinstance(idx, slice):
+      if idx.step not in (None, 1) and _static_int(idx.step) is None:
+        continue
+      start = 0 if idx.start is None else _static_int(idx.start)
+      stop = n if idx.stop is None else _static_int(idx.stop)
+      if start is not None and start < 0:
+        start += n
+      if stop is not None and stop < 0:
+        stop += n
+      if (start is not None and not 0 <= start <= n) or (
+          stop is not None and stop > n):
+        _bounds_error(names, f"slice {idx.start}:{idx.stop} on dim {dim} is "
+                      f"outside the ref's shape {tuple(shape)}")
+    elif isinstance(idx, Slice):
+      start, size = _static_int(idx.start), _static_int(idx.size)
+      if size is not None and size > n:
+        _bounds_error(names, f"pl.ds(..., {size}) on dim {dim} is larger than "
+                      f"the ref's shape {tuple(shape)}")
+      if start is not None and size is not None and (
+          start < 0 or start + size * max(idx.stride, 1) - (idx.stride - 1) > n):
+        _bounds_error(names, f"pl.ds({start}, {size}) on dim {dim} is outside "
+                      f"the ref's shape {tuple(shape)}")
+    else:
+      i = _static_int(idx)
+      if i is not None and not -n <= i < n:
+        _bounds_error(names, f"index {i} on dim {dim} is outside the ref's "
+                      f"shape {tuple(shape)}")
+
+
+_original_from_indices_shape = NDIndexer.from_indices_shape.__func__
+
+
+def _checked_from_indices_shape(cls, indices, shape):
+  check_static_indices(indices, shape)
+  return _original_from_indices_shape(cls, indices, shape)
+
+
+NDIndexer.from_indices_shape = classmethod(_checked_from_indices_shape)
+
+__all__ = ["ds", "dslice", "Slice", "NDIndexer", "check_static_indices"]
+del indexing

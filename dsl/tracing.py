@@ -1,0 +1,160 @@
+"""Tracing a kernel body to a jaxpr over ref block avals.
+
+The kernel jaxpr takes `(*grid_indices, *prefetch_refs, *in_refs, *out_refs,
+*scratch_refs)`. Grid indices are ordinary int32 inputs: `program_id(axis)`
+returns the tracer of that input, so every backend sees them the same way
+(Triton as `tl.program_id`, Mosaic as the kernel's index arguments, the
+interpreter as vectorized values).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import api_util, core
+from jax._src import linear_util as lu
+from jax._src.interpreters import partial_eval as pe
+
+from dsl import refs as refs_mod
+from dsl.errors import (KernelError, function_location, frame_of_traceback,
+                        user_frame)
+from dsl.gridspec import GridMapping
+
+
+@dataclasses.dataclass
+class _GridEnv:
+  kernel: str
+  indices: tuple[Any, ...]
+  sizes: tuple[int, ...]
+
+
+_GRID_ENV: contextvars.ContextVar[_GridEnv | None] = contextvars.ContextVar(
+    "dsl_grid_env", default=None)
+
+
+def program_id(axis: int):
+  """The index of this program along grid axis `axis`."""
+  env = _GRID_ENV.get()
+  if env is None:
+    raise KernelError("<none>", "program_id can only be called inside a "
+                      "kernel body", user_frame())
+  if not 0 <= axis < len(env.indices):
+    raise KernelError(env.kernel, f"program_id({axis}) is outside the grid of "
+                      f"rank {len(env.indices)}", user_frame())
+  return env.indices[axis]
+
+
+def num_programs(axis: int):
+  """The grid's size along `axis` (a static int)."""
+  env = _GRID_ENV.get()
+  if env is None:
+    raise KernelError("<none>", "num_programs can only be called inside a "
+                      "kernel body", user_frame())
+  if not 0 <= axis < len(env.sizes):
+    raise KernelError(env.kernel, f"num_programs({axis}) is outside the grid "
+                      f"of rank {len(env.sizes)}", user_frame())
+  return env.sizes[axis]
+
+
+@contextlib.contextmanager
+def grid_env(kernel: str, indices, sizes):
+  token = _GRID_ENV.set(_GridEnv(kernel, tuple(indices), tuple(sizes)))
+  try:
+    yield
+  finally:
+    _GRID_ENV.reset(token)
+
+
+def _positional_arity(fn) -> int | None:
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return None
+  n = 0
+  for p in sig.parameters.values():
+    if p.kind == p.VAR_POSITIONAL:
+      return None
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and (
+        p.default is p.empty):
+      n += 1
+  return n
+
+
+def _param_names(fn, n):
+  try:
+    names = [p.name for p in inspect.signature(fn).parameters.values()]
+  except (TypeError, ValueError):
+    names = []
+  return names + [f"arg{i}" for i in range(len(names), n)]
+
+
+def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
+                 ) -> core.ClosedJaxpr:
+  """Traces `kernel_fn` over the block refs of `gm`; checks its arity."""
+  n_refs = (gm.num_scalar_prefetch + gm.num_inputs + gm.num_outputs
+            + len(gm.scratch_avals))
+  arity = _positional_arity(kernel_fn)
+  n_args = len(gm.unflatten_kernel_refs([object()] * n_refs))
+  if arity is not None and arity != n_args:
+    raise KernelError(
+        name, f"the kernel takes {arity} refs but pallas_call passes {n_args}: "
+        f"{gm.num_scalar_prefetch} scalar prefetch + {gm.num_inputs} inputs + "
+        f"{gm.num_outputs} outputs + {len(gm.scratch_avals)} scratch",
+        f"{where} (kernel defined at {function_location(kernel_fn)})")
+  grid_avals = [core.ShapedArray((), jnp.int32)] * len(gm.grid)
+  ref_avals = ([*gm.prefetch_avals]
+               + [bm.ref_aval for bm in gm.block_mappings]
+               + [*gm.scratch_avals])
+  origins = ([f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
+             + [bm.origin for bm in gm.block_mappings]
+             + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+  param_names = _param_names(kernel_fn, n_refs)
+  traced_names: dict = {}
+
+  def flat(*args):
+    ids, refs = args[:len(gm.grid)], args[len(gm.grid):]
+    names = {id(r): f"{pn} ({o})" for r, pn, o in zip(refs, param_names,
+                                                       origins)}
+    names["__kernel__"] = name
+    traced_names.update(names)
+    token = refs_mod._ACTIVE.set(names)
+    try:
+      with grid_env(name, ids, gm.grid):
+        out = kernel_fn(*gm.unflatten_kernel_refs(refs))
+    finally:
+      refs_mod._ACTIVE.reset(token)
+    if out is not None:
+      raise KernelError(name, "a kernel writes its results to its output refs "
+                        f"and returns None, but it returned {type(out).__name__}",
+                        function_location(kernel_fn))
+    return []
+
+  dbg = api_util.debug_info(f"kernel {name}", kernel_fn,
+                            tuple(range(len(grid_avals) + len(ref_avals))), {})
+  try:
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
+  except KernelError:
+    raise
+  except Exception as e:
+    line = frame_of_traceback(e.__traceback__) or where
+    operand = _operand_in_traceback(e.__traceback__, traced_names)
+    raise KernelError(name, f"{type(e).__name__}: {e}", line,
+                      operand=operand) from e
+  return core.ClosedJaxpr(jaxpr, consts)
+
+
+def _operand_in_traceback(tb, names: dict) -> str | None:
+  """Names the kernel ref that the failing statement touched, if any."""
+  import traceback
+  for frame, _ in reversed(list(traceback.walk_tb(tb))):
+    for value in frame.f_locals.values():
+      base = getattr(value, "ref", value)
+      if id(base) in names:
+        return names[id(base)]
+  return None

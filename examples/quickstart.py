@@ -1,0 +1,26 @@
+"""A kernel inside a jitted model: the README's first example."""
+import jax
+import jax.numpy as jnp
+
+import dsl as pl
+
+
+@pl.kernel(out_shape=lambda x, y: jax.ShapeDtypeStruct(x.shape, x.dtype),
+           grid=lambda x, y: (pl.cdiv(x.shape[0], 1024),),
+           in_specs=[pl.BlockSpec((1024,), lambda i: (i,))] * 2,
+           out_specs=pl.BlockSpec((1024,), lambda i: (i,)))
+def add(x_ref, y_ref, o_ref):
+  o_ref[...] = x_ref[...] + y_ref[...]
+
+
+@jax.jit
+def model(x, y):
+  return jnp.sum(add(x, y) ** 2)
+
+
+if __name__ == "__main__":
+  x = jnp.linspace(0.0, 1.0, 10_000)
+  y = jnp.ones_like(x)
+  got, want = model(x, y), jnp.sum((x + y) ** 2)
+  print(f"kernel: {float(got):.4f}  jnp: {float(want):.4f}")
+  assert jnp.allclose(got, want, rtol=1e-5)

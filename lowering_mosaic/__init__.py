@@ -1,0 +1,1 @@
+"""lowering_mosaic: see DESIGN.md."""

@@ -1,0 +1,1 @@
+"""lowering_triton: see DESIGN.md."""
