@@ -165,7 +165,7 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
             and jnp.issubdtype(a.dtype, jnp.integer)):
       raise KernelTypeError(
           kernel, f"index_map result {i} must be an integer scalar, got "
-          f"{a.str_short()}", f"{where} (index_map defined at {loc})",
+          f"{a.str_short(short_dtypes=True)}", f"{where} (index_map defined at {loc})",
           operand=origin)
   return core.ClosedJaxpr(jaxpr, consts)
 

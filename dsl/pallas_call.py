@@ -104,8 +104,8 @@ def _check_aliases(name, aliases, in_avals_all, out_avals, where):
     a, b = in_avals_all[i], out_avals[o]
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise KernelError(
-          name, f"input {i} ({a.str_short()}) is aliased to output {o} "
-          f"({b.str_short()}), but aliased buffers must have the same shape "
+          name, f"input {i} ({a.str_short(short_dtypes=True)}) is aliased to output {o} "
+          f"({b.str_short(short_dtypes=True)}), but aliased buffers must have the same shape "
           "and dtype", where, operand="input_output_aliases")
     out.append((int(i), int(o)))
   return tuple(out)
