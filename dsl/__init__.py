@@ -24,6 +24,7 @@ from dsl.refs import Slice, ds, dslice
 from dsl.tracing import num_programs, program_id
 from dsl import config as _config
 from dsl import triton, tpu
+from dsl import transforms as _transforms  # registers jvp/vmap/vjp rules
 
 __all__ = [
     "ANY", "BACKENDS", "BackendError", "BlockMapping", "BlockSpec", "Blocked",

@@ -47,6 +47,8 @@ def scratch_aval(kernel: str, index: int, shape: Any) -> state_types.AbstractRef
   from dsl.errors import KernelError, user_frame
   if hasattr(shape, "get_ref_aval"):
     return shape.get_ref_aval()
+  if isinstance(shape, state_types.AbstractRef):
+    return shape
   if hasattr(shape, "shape") and hasattr(shape, "dtype"):
     return state_types.AbstractRef(
         core.ShapedArray(tuple(shape.shape), jnp.dtype(shape.dtype)))

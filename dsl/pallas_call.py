@@ -31,6 +31,8 @@ class KernelSpec:
   where: str = "<unknown>"
   kernel_src: str = "<unknown>"
   cost_estimate: Any = None
+  # How this kernel was derived by a transformation, e.g. ("linear", spec, nz).
+  meta: tuple = ()
 
   def __repr__(self):
     gm = self.grid_mapping
@@ -150,47 +152,66 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
 
   def wrapped(*args):
     where = user_frame()
-    backends.check_backend_name(backend, name, where)
-    flat_args, in_tree_all = tree_util.tree_flatten(args)
+    flat_args, _ = tree_util.tree_flatten(args)
     flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
                  for a in flat_args]
-    avals = [_leaf_aval(name, a, f"argument {i}", where)
-             for i, a in enumerate(flat_args)]
-    if len(args) < num_scalar_prefetch:
-      raise KernelError(name, f"expects {num_scalar_prefetch} scalar-prefetch "
-                        f"operands first, got {len(args)} arguments", where)
-    in_tree = tree_util.tree_structure(args[num_scalar_prefetch:])
-    n_pf_leaves = len(tree_util.tree_leaves(args[:num_scalar_prefetch]))
-    out_leaves, out_tree = tree_util.tree_flatten(
-        out_shape, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-    out_avals = [_leaf_aval(name, o, f"out_shape[{i}]", where)
-                 for i, o in enumerate(out_leaves)]
-    try:
-      key = (kernel, name, tuple(avals), in_tree, tuple(out_avals), out_tree,
-             _hashable(grid), _hashable(in_specs), _hashable(out_specs),
-             _hashable(scratch_shapes), num_scalar_prefetch,
-             _hashable(input_output_aliases), backend, debug,
-             _hashable(compiler_params))
-      hash(key)
-    except TypeError:
-      key = None
-    spec = _SPEC_CACHE.get(key) if key is not None else None
-    if spec is None:
-      gm = resolve_grid_mapping(
-          name, grid=grid, in_specs=in_specs, out_specs=out_specs,
-          scratch_shapes=scratch_shapes, num_scalar_prefetch=n_pf_leaves,
-          prefetch_avals=avals[:n_pf_leaves], in_avals=avals[n_pf_leaves:],
-          in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
-      jaxpr = trace_kernel(kernel, name, gm, where)
-      aliases = _check_aliases(name, input_output_aliases, avals, out_avals,
-                               where)
-      spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,
-                        debug, where, function_location(kernel), cost_estimate)
-      if debug:
-        print(f"--- kernel {name} ({spec.kernel_src})\n{jaxpr}")
-      if key is not None:
-        _SPEC_CACHE[key] = spec
+    spec, out_tree = build_spec(
+        kernel, args, out_shape, name=name, grid=grid, in_specs=in_specs,
+        out_specs=out_specs, scratch_shapes=scratch_shapes,
+        num_scalar_prefetch=num_scalar_prefetch,
+        input_output_aliases=input_output_aliases, backend=backend,
+        debug=debug, compiler_params=compiler_params,
+        cost_estimate=cost_estimate, where=where)
     outs = pallas_call_p.bind(*flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 
   return wrapped
+
+
+def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
+               out_specs=None, scratch_shapes=(), num_scalar_prefetch=0,
+               input_output_aliases=None, backend=None, debug=False,
+               compiler_params=None, cost_estimate=None, where=None,
+               meta: tuple = ()):
+  """Resolves specs and traces `kernel` for arguments like `args` (cached)."""
+  where = where or user_frame()
+  backends.check_backend_name(backend, name, where)
+  flat_args, _ = tree_util.tree_flatten(args)
+  avals = [_leaf_aval(name, a, f"argument {i}", where)
+           for i, a in enumerate(flat_args)]
+  if len(args) < num_scalar_prefetch:
+    raise KernelError(name, f"expects {num_scalar_prefetch} scalar-prefetch "
+                      f"operands first, got {len(args)} arguments", where)
+  in_tree = tree_util.tree_structure(tuple(args[num_scalar_prefetch:]))
+  n_pf_leaves = len(tree_util.tree_leaves(tuple(args[:num_scalar_prefetch])))
+  out_leaves, out_tree = tree_util.tree_flatten(
+      out_shape, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  out_avals = [_leaf_aval(name, o, f"out_shape[{i}]", where)
+               for i, o in enumerate(out_leaves)]
+  try:
+    key = (kernel, name, tuple(avals), in_tree, tuple(out_avals), out_tree,
+           _hashable(grid), _hashable(in_specs), _hashable(out_specs),
+           _hashable(scratch_shapes), num_scalar_prefetch,
+           _hashable(input_output_aliases), backend, debug,
+           _hashable(compiler_params), meta)
+    hash(key)
+  except TypeError:
+    key = None
+  spec = _SPEC_CACHE.get(key) if key is not None else None
+  if spec is None:
+    gm = resolve_grid_mapping(
+        name, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        scratch_shapes=scratch_shapes, num_scalar_prefetch=n_pf_leaves,
+        prefetch_avals=avals[:n_pf_leaves], in_avals=avals[n_pf_leaves:],
+        in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
+    jaxpr = trace_kernel(kernel, name, gm, where)
+    aliases = _check_aliases(name, input_output_aliases, avals, out_avals,
+                             where)
+    spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,
+                      debug, where, function_location(kernel), cost_estimate,
+                      meta)
+    if debug:
+      print(f"--- kernel {name} ({spec.kernel_src})\n{jaxpr}")
+    if key is not None:
+      _SPEC_CACHE[key] = spec
+  return spec, out_tree

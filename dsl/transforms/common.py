@@ -1,0 +1,91 @@
+"""Shared pieces of the transformation rules: rebuilding specs of derived
+kernels from BlockMappings, and a kernel's per-grid-point pure function."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+
+from dsl.blockspec import BlockMapping, BlockSpec, squeezed
+from dsl.gridspec import GridMapping
+from dsl.interpret.execute import discharged_kernel
+from dsl.pallas_call import KernelSpec, build_spec, pallas_call_p
+
+
+def is_float(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def block_spec_of(bm: BlockMapping, n_grid: int,
+                  ids_fn: Callable[[Sequence], Sequence] = lambda ids: ids,
+                  lead: Callable[[Sequence], Sequence] | None = None
+                  ) -> BlockSpec:
+  """A BlockSpec equal to `bm`, for a grid of rank `n_grid`.
+
+  `ids_fn` maps the new grid's ids to the ids `bm`'s index map expects;
+  `lead(ids)` gives block indices of extra leading (squeezed) dims.
+  """
+  jaxpr = bm.index_map_jaxpr
+  shape = tuple(None if d is squeezed else d for d in bm.block_shape)
+  if lead is not None:
+    shape = (None,) + shape
+
+  def index_map(*args):
+    ids, pf = args[:n_grid], args[n_grid:]
+    out = list(core.jaxpr_as_fun(jaxpr)(*ids_fn(ids), *pf))
+    if lead is not None:
+      out = list(lead(ids)) + out
+    return tuple(out)
+
+  return BlockSpec(shape, index_map, memory_space=bm.memory_space)
+
+
+def sds(aval, batch: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(batch + tuple(aval.shape), aval.dtype)
+
+
+def scratch_of(gm: GridMapping):
+  return list(gm.scratch_avals)
+
+
+def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
+                 out_specs, scratch, aliases=(), suffix: str,
+                 meta: tuple = ()) -> KernelSpec:
+  """Builds the KernelSpec of a kernel derived from `spec` by a transform."""
+  gm = spec.grid_mapping
+  new_spec, _ = build_spec(
+      body, tuple(args), list(out_shapes), name=f"{spec.name}_{suffix}",
+      grid=grid, in_specs=list(in_specs), out_specs=list(out_specs),
+      scratch_shapes=list(scratch), num_scalar_prefetch=gm.num_scalar_prefetch,
+      input_output_aliases=dict(aliases), backend=spec.backend,
+      debug=False, compiler_params=spec.compiler_params,
+      where=spec.where, meta=meta)
+  return new_spec.replace(kernel_src=spec.kernel_src)
+
+
+def eval_ref_jaxpr(jaxpr: core.ClosedJaxpr, *args):
+  return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
+
+
+def point_function(spec: KernelSpec):
+  """The kernel at one grid point as a pure function.
+
+  `F(ids, pf, ins, outs, scratch) -> (outs', scratch')`: given the blocks it
+  sees on entry, the output and scratch blocks it leaves.
+  """
+  gm = spec.grid_mapping
+  dj = discharged_kernel(spec.jaxpr, len(gm.grid))
+  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
+
+  def F(ids, pf, ins, outs, scratch):
+    finals = core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins, *outs,
+                             *scratch)
+    return (list(finals[n_pf + n_in:n_pf + n_in + n_out]),
+            list(finals[n_pf + n_in + n_out:]))
+  return F
+
+
+def bind(spec: KernelSpec, *args):
+  return pallas_call_p.bind(*args, spec=spec)

@@ -1,0 +1,118 @@
+"""Forward mode: one kernel computes primals and tangents together.
+
+The kernel jaxpr is differentiated by JAX's own `jvp_jaxpr`, which gives
+every float ref a tangent ref beside it. The derived kernel takes the tangent
+blocks with the same BlockSpecs as their primals.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.interpreters import ad
+
+from dsl.pallas_call import KernelSpec, pallas_call_p
+from dsl.tracing import program_id
+from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
+                                   is_float, sds)
+
+
+def tangent_pattern(spec: KernelSpec, in_nz):
+  """Which outputs and scratch buffers carry tangents."""
+  gm = spec.grid_mapping
+  out_nz = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
+  scr_nz = [is_float(a.inner_aval.dtype) for a in gm.scratch_avals]
+  return out_nz, scr_nz
+
+
+def input_tangent_mask(spec: KernelSpec, nonzeros):
+  gm = spec.grid_mapping
+  n_pf = gm.num_scalar_prefetch
+  return [bool(nz) and is_float(bm.array_aval.dtype)
+          for nz, bm in zip(nonzeros[n_pf:], gm.in_mappings)]
+
+
+def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
+  """The kernel that computes primal and tangent outputs together.
+
+  Operands: (*prefetch, *inputs, *tangents of in_nz inputs);
+  outputs: (*outputs, *tangents of float outputs).
+  """
+  gm = spec.grid_mapping
+  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
+  n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
+  out_nz, scr_nz = tangent_pattern(spec, in_nz)
+  nonzeros = ([False] * (n_grid + n_pf) + list(in_nz) + out_nz + scr_nz)
+  jj, _ = ad.jvp_jaxpr(spec.jaxpr, nonzeros, instantiate=False)
+  n_tin, n_tout, n_tscr = sum(in_nz), sum(out_nz), sum(scr_nz)
+
+  def body(*refs):
+    ids = [program_id(d) for d in range(n_grid)]
+    k = 0
+    def take(n):
+      nonlocal k
+      part = list(refs[k:k + n])
+      k += n
+      return part
+    pf, ins, tins = take(n_pf), take(n_in), take(n_tin)
+    outs, touts = take(n_out), take(n_tout)
+    scr, tscr = take(n_scr), take(n_tscr)
+    eval_ref_jaxpr(jj, *ids, *pf, *ins, *outs, *scr, *tins, *touts, *tscr)
+
+  in_maps = list(gm.in_mappings)
+  tin_maps = [bm for bm, nz in zip(in_maps, in_nz) if nz]
+  out_maps = list(gm.out_mappings)
+  tout_maps = [bm for bm, nz in zip(out_maps, out_nz) if nz]
+  args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
+          + [sds(bm.array_aval) for bm in in_maps + tin_maps])
+  out_shapes = [sds(bm.array_aval) for bm in out_maps + tout_maps]
+  spec_of = lambda bm: block_spec_of(bm, n_grid)
+  scratch = list(gm.scratch_avals) + [
+      a for a, nz in zip(gm.scratch_avals, scr_nz) if nz]
+  aliases = dict(spec.input_output_aliases)
+  tin_pos = {k: n_pf + n_in + j for j, k in
+             enumerate(k for k, nz in enumerate(in_nz) if nz)}
+  tout_pos = {o: n_out + j for j, o in
+              enumerate(o for o, nz in enumerate(out_nz) if nz)}
+  for i, o in spec.input_output_aliases:
+    if i - n_pf in tin_pos and o in tout_pos:
+      aliases[tin_pos[i - n_pf]] = tout_pos[o]
+  return derived_spec(spec, body, args, out_shapes, grid=gm.grid,
+                      in_specs=[spec_of(bm) for bm in in_maps + tin_maps],
+                      out_specs=[spec_of(bm) for bm in out_maps + tout_maps],
+                      scratch=scratch, aliases=aliases, suffix="jvp",
+                      meta=meta)
+
+
+def _zero_tangent(aval):
+  return ad.Zero(core.ShapedArray(aval.shape, aval.dtype).to_tangent_aval())
+
+
+def split_outputs(spec: KernelSpec, outs, out_nz):
+  gm = spec.grid_mapping
+  n_out = gm.num_outputs
+  primal, tangents = list(outs[:n_out]), iter(outs[n_out:])
+  touts = [next(tangents) if nz else _zero_tangent(bm.array_aval)
+           for bm, nz in zip(gm.out_mappings, out_nz)]
+  return primal, touts
+
+
+def _alias_tangent_nonzero(spec, tangents):
+  """Aliased inputs carry their tangent into the output even if unread."""
+  return [type(t) is not ad.Zero for t in tangents]
+
+
+def pallas_call_jvp(primals, tangents, *, spec: KernelSpec):
+  gm = spec.grid_mapping
+  n_pf = gm.num_scalar_prefetch
+  in_nz = input_tangent_mask(spec, _alias_tangent_nonzero(spec, tangents))
+  out_nz, _ = tangent_pattern(spec, in_nz)
+  if not any(in_nz):
+    outs = pallas_call_p.bind(*primals, spec=spec)
+    return outs, [_zero_tangent(bm.array_aval) for bm in gm.out_mappings]
+  new = jvp_spec(spec, in_nz)
+  tins = [ad.instantiate_zeros(t) for t, nz in zip(tangents[n_pf:], in_nz) if nz]
+  outs = pallas_call_p.bind(*primals, *tins, spec=new)
+  return split_outputs(spec, outs, out_nz)
+
+
+ad.primitive_jvps[pallas_call_p] = pallas_call_jvp

@@ -1,0 +1,287 @@
+"""Reverse mode without a hand-written custom_vjp.
+
+Linearization splits a pallas_call into its primal kernel (run now) and the
+linear kernel from `jvp_spec` (run on tangents, with the primal inputs as
+residuals). The transpose of that linear kernel is a kernel too: it visits
+the grid with its sequential dims reversed and, at each point, applies the
+transpose of the point's tangent map (JAX's own `linear_transpose` of the
+per-point function). Cotangents of input blocks read by many grid points are
+accumulated (`+=`) into their blocks; cotangents of output and scratch state
+flow backwards through the revisits.
+
+Where the tangent map at a point depends on the state the point finds in its
+output or scratch blocks (not only on its inputs), a recording kernel first
+replays the forward pass and saves that entry state for every grid point.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.interpreters import ad
+from jax._src.interpreters import partial_eval as pe
+
+from dsl.errors import KernelError
+from dsl.interpret.plan import make_plan
+from dsl.pallas_call import KernelSpec, pallas_call_p
+from dsl.tracing import program_id
+from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
+                                   is_float, point_function, sds)
+from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
+                                tangent_pattern, _zero_tangent)
+
+
+# ----------------------------------------------------------- linearize
+
+def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
+  gm = spec.grid_mapping
+  n_pf = gm.num_scalar_prefetch
+  in_nz = input_tangent_mask(spec, nonzeros)
+  out_nz, _ = tangent_pattern(spec, in_nz)
+  primal_out = pallas_call_p.bind(*primals, spec=spec)
+  if not any(in_nz):
+    zeros = [_zero_tangent(bm.array_aval) for bm in gm.out_mappings]
+    return primal_out, [False] * len(zeros), [], None, lambda *_: zeros
+  lin = jvp_spec(spec, in_nz, meta=("linear", spec, tuple(in_nz)))
+
+  def linearized(residuals, _, *tangents):
+    tins = [ad.instantiate_zeros(t) for t, nz in zip(tangents[n_pf:], in_nz)
+            if nz]
+    outs = pallas_call_p.bind(*residuals, *tins, spec=lin)
+    return split_outputs(spec, outs, out_nz)[1]
+
+  return primal_out, out_nz, list(primals), None, linearized
+
+
+# ----------------------------------------------------------- entry state
+
+def _deps(jaxpr: core.Jaxpr) -> dict:
+  """Which jaxpr inputs each variable depends on (conservatively)."""
+  deps = {v: {k} for k, v in enumerate(jaxpr.invars)}
+  for eqn in jaxpr.eqns:
+    d = set()
+    for v in eqn.invars:
+      if isinstance(v, core.Var):
+        d |= deps.get(v, set())
+    for v in eqn.outvars:
+      deps[v] = d
+  return deps
+
+
+def needs_entry_state(spec: KernelSpec) -> bool:
+  """Does the tangent map at a point depend on its entry output/scratch state?"""
+  gm = spec.grid_mapping
+  F = point_function(spec)
+  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
+  ids = [jax.ShapeDtypeStruct((), jnp.int32)] * n_grid
+  pf = [sds(a.inner_aval) for a in gm.prefetch_avals]
+  ins = [sds(bm.ref_aval.inner_aval) for bm in gm.in_mappings]
+  outs = [sds(bm.ref_aval.inner_aval) for bm in gm.out_mappings]
+  scr = [sds(a.inner_aval) for a in gm.scratch_avals]
+  fl = lambda xs: [x for x in xs if is_float(x.dtype)]
+  if not fl(outs) and not fl(scr):
+    return False
+
+  def jvp_point(ids, pf, ins, outs, scr, tins, touts, tscr):
+    def f(fi, fo, fs):
+      return _float_call(F, ids, pf, ins, outs, scr, fi, fo, fs)
+    return jax.jvp(f, (fl(ins), fl(outs), fl(scr)), (tins, touts, tscr))
+
+  closed = jax.make_jaxpr(jvp_point)(ids, pf, ins, outs, scr, fl(ins),
+                                     fl(outs), fl(scr))
+  n_primal = len(ids) + len(pf) + len(ins) + len(outs) + len(scr)
+  n_tan = len(closed.jaxpr.invars) - n_primal
+  unknowns = [False] * n_primal + [True] * n_tan
+  known, _, out_uk, res_avals = pe.partial_eval_jaxpr_nounits(
+      closed, unknowns, instantiate=False)
+  deps = _deps(known.jaxpr)
+  state_inputs = set(range(len(ids) + len(pf) + len(ins), n_primal))
+  residuals = known.jaxpr.outvars[len(known.jaxpr.outvars) - len(res_avals):]
+  return any(isinstance(v, core.Var) and deps.get(v, set()) & state_inputs
+             for v in residuals)
+
+
+def _fill_floats(values, floats):
+  it = iter(floats)
+  return [next(it) if is_float(v.dtype) else v for v in values]
+
+
+def _float_call(F, ids, pf, ins, outs, scr, fi, fo, fs):
+  o, s = F(ids, pf, _fill_floats(ins, fi), _fill_floats(outs, fo),
+           _fill_floats(scr, fs))
+  return ([x for x in o if is_float(x.dtype)],
+          [x for x in s if is_float(x.dtype)])
+
+
+def _recording_spec(spec: KernelSpec) -> KernelSpec:
+  """The forward kernel, also saving every point's entry out/scratch blocks."""
+  gm = spec.grid_mapping
+  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
+  n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
+  state_avals = ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
+                 + [a.inner_aval for a in gm.scratch_avals])
+
+  def body(*refs):
+    ids = [program_id(d) for d in range(n_grid)]
+    base = refs[:n_pf + n_in + n_out]
+    rec = refs[n_pf + n_in + n_out:n_pf + n_in + n_out + len(state_avals)]
+    scr = refs[n_pf + n_in + n_out + len(state_avals):]
+    for r, s in zip(rec, list(base[n_pf + n_in:]) + list(scr)):
+      r[...] = s[...]
+    eval_ref_jaxpr(spec.jaxpr, *ids, *base, *scr)
+
+  rec_spec = lambda a: jax.tree_util.Partial  # placeholder for type checkers
+  del rec_spec
+  rec_specs = [_record_block_spec(a, n_grid) for a in state_avals]
+  args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
+          + [sds(bm.array_aval) for bm in gm.in_mappings])
+  out_shapes = ([sds(bm.array_aval) for bm in gm.out_mappings]
+                + [sds(a, gm.grid) for a in state_avals])
+  return derived_spec(
+      spec, body, args, out_shapes, grid=gm.grid,
+      in_specs=[block_spec_of(bm, n_grid) for bm in gm.in_mappings],
+      out_specs=[block_spec_of(bm, n_grid) for bm in gm.out_mappings] + rec_specs,
+      scratch=list(gm.scratch_avals), aliases=dict(spec.input_output_aliases),
+      suffix="record")
+
+
+def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
+  from dsl.blockspec import BlockSpec
+  shape = (None,) * n_grid + tuple(aval.shape)
+  return BlockSpec(shape, lambda *a: (*ids_fn(a[:n_grid]),) + (0,) * len(aval.shape))
+
+
+# ----------------------------------------------------------- transpose
+
+def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
+  gm = spec.grid_mapping
+  grid, n_grid = gm.grid, len(gm.grid)
+  n_pf, n_in, n_out, n_scr = (gm.num_scalar_prefetch, gm.num_inputs,
+                              gm.num_outputs, len(gm.scratch_avals))
+  sequential = set(make_plan(gm).sequential)
+  F = point_function(spec)
+
+  def rev(ids):
+    return [grid[d] - 1 - i if d in sequential else i
+            for d, i in enumerate(ids)]
+
+  out_f = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
+  scr_f = [is_float(a.inner_aval.dtype) for a in gm.scratch_avals]
+  in_f = [is_float(bm.array_aval.dtype) for bm in gm.in_mappings]
+  state_avals = ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
+                 + [a.inner_aval for a in gm.scratch_avals])
+  n_rec = len(state_avals) if recorded else 0
+  n_ct_out, n_ct_in = sum(out_f), sum(in_nz)
+  ct_scr_avals = [a for a, f in zip(gm.scratch_avals, scr_f) if f]
+
+  def body(*refs):
+    ids = rev([program_id(d) for d in range(n_grid)])
+    k = 0
+    def take(n):
+      nonlocal k
+      part = list(refs[k:k + n])
+      k += n
+      return part
+    pf_refs, in_refs, rec_refs = take(n_pf), take(n_in), take(n_rec)
+    _ct_out_in = take(n_ct_out)
+    ct_in_refs, ct_out_refs = take(n_ct_in), take(n_ct_out)
+    ct_scr_refs = take(len(ct_scr_avals))
+    pf = [r[...] for r in pf_refs]
+    ins = [r[...] for r in in_refs]
+    if recorded:
+      entry = [r[...] for r in rec_refs]
+    else:
+      entry = [jnp.zeros(a.shape, a.dtype) for a in state_avals]
+    outs_e, scr_e = entry[:n_out], entry[n_out:]
+
+    def tangent_map(t_in, t_out, t_scr):
+      full_t_in = iter(t_in)
+      t_in_all = [next(full_t_in) if nz else jnp.zeros(x.shape, x.dtype)
+                  for x, nz, f in zip(ins, in_nz, in_f) if f]
+      def f(fi, fo, fs):
+        return _float_call(F, ids, pf, ins, outs_e, scr_e, fi, fo, fs)
+      fl = lambda xs: [x for x in xs if is_float(x.dtype)]
+      _, tangents = jax.jvp(f, (fl(ins), fl(outs_e), fl(scr_e)),
+                            (t_in_all, t_out, t_scr))
+      return tangents
+
+    t_in_ex = [x for x, nz in zip(ins, in_nz) if nz]
+    t_out_ex = [x for x, f in zip(outs_e, out_f) if f]
+    t_scr_ex = [x for x, f in zip(scr_e, scr_f) if f]
+    transposed = jax.linear_transpose(tangent_map, t_in_ex, t_out_ex, t_scr_ex)
+    ct_out_now = [r[...] for r in ct_out_refs]
+    ct_scr_now = [r[...] for r in ct_scr_refs]
+    ct_tin, ct_tout, ct_tscr = transposed((ct_out_now, ct_scr_now))
+    for r, c in zip(ct_in_refs, ct_tin):
+      r[...] += c.astype(r.dtype)
+    for r, c in zip(ct_out_refs, ct_tout):
+      r[...] = c.astype(r.dtype)
+    for r, c in zip(ct_scr_refs, ct_tscr):
+      r[...] = c.astype(r.dtype)
+
+  spec_of = lambda bm: block_spec_of(bm, n_grid, rev)
+  in_maps = list(gm.in_mappings)
+  ct_out_maps = [bm for bm, f in zip(gm.out_mappings, out_f) if f]
+  ct_in_maps = [bm for bm, nz in zip(in_maps, in_nz) if nz]
+  args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
+          + [sds(bm.array_aval) for bm in in_maps]
+          + ([sds(a, grid) for a in state_avals] if recorded else [])
+          + [sds(bm.array_aval) for bm in ct_out_maps])
+  in_specs = ([spec_of(bm) for bm in in_maps]
+              + ([_record_block_spec(a, n_grid, rev) for a in state_avals]
+                 if recorded else [])
+              + [spec_of(bm) for bm in ct_out_maps])
+  out_shapes = ([sds(bm.array_aval) for bm in ct_in_maps]
+                + [sds(bm.array_aval) for bm in ct_out_maps])
+  out_specs = [spec_of(bm) for bm in ct_in_maps + ct_out_maps]
+  first_ct_out = n_pf + n_in + n_rec
+  aliases = {first_ct_out + j: n_ct_in + j for j in range(n_ct_out)}
+  return derived_spec(spec, body, args, out_shapes, grid=grid,
+                      in_specs=in_specs, out_specs=out_specs,
+                      scratch=ct_scr_avals, aliases=aliases,
+                      suffix="transpose")
+
+
+def pallas_call_transpose(cts, *args, spec: KernelSpec):
+  if not spec.meta or spec.meta[0] != "linear":
+    raise KernelError(spec.name, "cannot transpose this kernel: reverse mode "
+                      "applies to the linear kernels that jax.grad/jax.vjp "
+                      "derive", spec.where)
+  _, base, in_nz = spec.meta
+  gm = base.grid_mapping
+  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
+  primals = args[:n_pf + n_in]
+  if any(ad.is_undefined_primal(p) for p in primals):
+    raise KernelError(base.name, "reverse mode needs the kernel's primal "
+                      "inputs as residuals", base.where)
+  out_f = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
+  t_cts = iter(cts[n_out:])
+  ct_outs = []
+  for bm, f in zip(gm.out_mappings, out_f):
+    if f:
+      ct = next(t_cts)
+      ct_outs.append(ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct)
+  ct_outs = [jnp.asarray(c).astype(bm.array_aval.dtype) for c, bm in
+             zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
+  recorded = needs_entry_state(base)
+  rec = []
+  if recorded:
+    rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
+    rec = list(rec_outs[n_out:])
+  tspec = _transpose_spec(base, in_nz, recorded)
+  outs = pallas_call_p.bind(*primals, *rec, *ct_outs, spec=tspec)
+  n_ct_in = sum(in_nz)
+  ct_ins, ct_out_final = list(outs[:n_ct_in]), list(outs[n_ct_in:])
+  # Aliased inputs also receive the cotangent of the output's initial value.
+  final_by_out = dict(zip([o for o, f in enumerate(out_f) if f], ct_out_final))
+  pos = {k: j for j, k in enumerate(k for k, nz in enumerate(in_nz) if nz)}
+  for i, o in base.input_output_aliases:
+    if i - n_pf in pos and o in final_by_out:
+      ct_ins[pos[i - n_pf]] = ct_ins[pos[i - n_pf]] + final_by_out[o]
+  it = iter(ct_ins)
+  tangent_cts = [next(it) for _ in range(n_ct_in)]
+  return [None] * (n_pf + n_in) + tangent_cts
+
+
+ad.primitive_linearizations[pallas_call_p] = pallas_call_linearize
+ad.primitive_transposes[pallas_call_p] = pallas_call_transpose
