@@ -1,60 +1,73 @@
-"""Runtime checks inside kernels: `debug_check`.
+"""Runtime checks inside kernels: `debug_check` and `checkify.check`.
 
-With `jax_pallas_enable_runtime_assert` on, a failing check raises when the
-kernel runs; off (the default) checks are ignored.
+Both become JAX's `check` primitive in the kernel jaxpr. When a kernel is
+traced, every check in it is set by `jax_pallas_enable_runtime_assert`:
+on, a failing check raises when the kernel runs; off (the default), checks
+are ignored unless the caller functionalizes them with `checkify.checkify`,
+which returns the error as a value.
 """
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax._src import debugging
-from jax._src.interpreters import batching, mlir
-from jax.extend.core import Primitive
+from jax._src import checkify as jax_checkify
+from jax._src import core
+from jax.experimental import checkify
 
-debug_check_p = Primitive("debug_check")
-debug_check_p.multiple_results = True
+check_p = jax_checkify.check_p
 
 
-class KernelCheckError(RuntimeError):
-  """A `debug_check` failed while a kernel ran."""
+def debug_check(condition, message: str = "debug_check failed", *fmt_args,
+                **fmt_kwargs) -> None:
+  """Checks `condition` inside a kernel; see jax_pallas_enable_runtime_assert."""
+  checkify.debug_check(condition, message, *fmt_args, **fmt_kwargs)
 
 
-@debug_check_p.def_effectful_abstract_eval
-def _abstract_eval(pred_aval, *fmt_avals, msg, where):
-  return [], {debugging.debug_effect}
+def _sub_jaxprs(params):
+  for v in params.values():
+    vs = v if isinstance(v, (tuple, list)) else (v,)
+    for x in vs:
+      if isinstance(x, core.ClosedJaxpr):
+        yield x.jaxpr
+      elif isinstance(x, core.Jaxpr):
+        yield x
 
 
-def _raise_if_false(pred, *fmt_args, msg, where):
-  if not np.all(np.asarray(pred)):
-    text = msg.format(*[np.asarray(a) for a in fmt_args]) if fmt_args else msg
-    raise KernelCheckError(f"{text} (check at {where})")
+def has_checks(jaxpr: core.Jaxpr) -> bool:
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is check_p:
+      return True
+    if any(has_checks(j) for j in _sub_jaxprs(eqn.params)):
+      return True
+  return False
 
 
-def _impl(pred, *fmt_args, msg, where):
-  from dsl import config
-  if config.enable_runtime_assert():
-    jax.debug.callback(
-        lambda p, *a: _raise_if_false(p, *a, msg=msg, where=where),
-        pred, *fmt_args)
-  return []
+def _map_param(v, fn):
+  if isinstance(v, core.ClosedJaxpr):
+    return core.ClosedJaxpr(map_eqns(v.jaxpr, fn), v.consts)
+  if isinstance(v, core.Jaxpr):
+    return map_eqns(v, fn)
+  if isinstance(v, tuple) and any(isinstance(x, (core.Jaxpr, core.ClosedJaxpr))
+                                  for x in v):
+    return tuple(_map_param(x, fn) for x in v)
+  return v
 
 
-mlir.register_lowering(debug_check_p, mlir.lower_fun(_impl,
-                                                     multiple_results=True))
+def map_eqns(jaxpr: core.Jaxpr, fn) -> core.Jaxpr:
+  """Applies `fn` to every equation, in sub-jaxprs too."""
+  eqns = []
+  for eqn in jaxpr.eqns:
+    params = {k: _map_param(v, fn) for k, v in eqn.params.items()}
+    eqns.append(fn(eqn.replace(params=params)))
+  return jaxpr.replace(eqns=eqns)
 
 
-def _batch(args, dims, *, msg, where):
-  args = [batching.moveaxis(a, d, 0) if d is not None else a
-          for a, d in zip(args, dims)]
-  return debug_check_p.bind(*args, msg=msg, where=where), []
+def set_check_mode(closed: core.ClosedJaxpr, runtime: bool) -> core.ClosedJaxpr:
+  """Makes every check in a kernel jaxpr run-time (raises) or debug-only."""
+  if not has_checks(closed.jaxpr):
+    return closed
 
+  def fn(eqn):
+    if eqn.primitive is check_p:
+      return eqn.replace(params=dict(eqn.params, debug=not runtime))
+    return eqn
 
-batching.primitive_batchers[debug_check_p] = _batch
-
-
-def debug_check(condition, message: str = "debug_check failed", *fmt_args):
-  """Checks `condition` when the kernel runs (see jax_pallas_enable_runtime_assert)."""
-  from dsl.errors import user_frame
-  debug_check_p.bind(jnp.asarray(condition, jnp.bool_), *fmt_args,
-                     msg=message, where=user_frame())
+  return core.ClosedJaxpr(map_eqns(closed.jaxpr, fn), closed.consts)

@@ -18,7 +18,8 @@ def _bool(name: str, default: bool, help: str):
   holder = _existing(name)
   if holder is not None or name in jax_config.config.values:
     return holder
-  return jax_config.bool_state(name, default, help, include_in_jit_key=True)
+  return jax_config.bool_state(name, default, help, include_in_jit_key=True,
+                               include_in_trace_context=True)
 
 
 def _string(name: str, default: str, help: str):
@@ -53,8 +54,7 @@ verbose_errors_option = _bool(
 
 
 def _read(name):
-  return jax.config.read(name) if hasattr(jax.config, "read") else getattr(
-      jax.config, name)
+  return jax_config.config._value_holders[name].value
 
 
 def enable_runtime_assert() -> bool:

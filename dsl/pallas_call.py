@@ -12,7 +12,7 @@ from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
-from dsl import backends
+from dsl import backends, checks, config
 from dsl.errors import KernelError, KernelTypeError, function_location, user_frame
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.tracing import trace_kernel
@@ -80,8 +80,11 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
 
 def _interpret_lowering(ctx, *args, spec):
   from dsl import interpret
-  return mlir.lower_fun(functools.partial(interpret.run, spec=spec),
-                        multiple_results=True)(ctx, *args)
+  from jax._src import config as jax_config
+  # Run-time checks (jax_pallas_enable_runtime_assert) raise from the host.
+  with jax_config.xla_runtime_errors(True):
+    return mlir.lower_fun(functools.partial(interpret.run, spec=spec),
+                          multiple_results=True)(ctx, *args)
 
 
 backends.register_backend("interpret", _interpret_lowering)
@@ -193,7 +196,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),
            _hashable(scratch_shapes), num_scalar_prefetch,
            _hashable(input_output_aliases), backend, debug,
-           _hashable(compiler_params), meta)
+           _hashable(compiler_params), meta, config.enable_runtime_assert())
     hash(key)
   except TypeError:
     key = None
@@ -205,6 +208,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         prefetch_avals=avals[:n_pf_leaves], in_avals=avals[n_pf_leaves:],
         in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
     jaxpr = trace_kernel(kernel, name, gm, where)
+    jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert())
     aliases = _check_aliases(name, input_output_aliases, avals, out_avals,
                              where)
     spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,

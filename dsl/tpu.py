@@ -1,29 +1,92 @@
 """TPU-flavoured kernel API (mirrors the names of Pallas's TPU module).
 
-Memory spaces, scratch shapes, scalar prefetch and compiler parameters; DMA
-and semaphore operations arrive with the Mosaic lowering.
+Memory spaces, scratch shapes, scalar prefetch, compiler parameters, DMAs,
+semaphores, device ids and the cheap vector helpers (`roll`, `repeat`,
+`bitcast`). The primitives live in `dsl.tpu_primitives`; `lowering_mosaic`
+lowers them to the Mosaic `tpu` dialect and the `"interpret"` backend
+discharges them (see that module's docstring for their meaning there).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
 
 from dsl.gridspec import PrefetchScalarGridSpec
 from dsl.memory import ANY, MemoryRef, MemorySpace
+from dsl.tpu_primitives import (AsyncCopyDescriptor, BarrierSemaphore,
+                                DeviceIdType, SemaphoreShape, SemaphoreSpace,
+                                SemaphoreType, async_copy, bitcast, device_id,
+                                get_barrier_semaphore, make_async_copy,
+                                make_async_remote_copy, repeat, roll,
+                                semaphore_read, semaphore_signal,
+                                semaphore_wait)
 
 VMEM = MemorySpace.VMEM
 SMEM = MemorySpace.SMEM
 HBM = MemorySpace.HBM
+SEMAPHORE = MemorySpace.SEMAPHORE
 TPUMemorySpace = MemorySpace
+
+
+class GridDimensionSemantics(enum.Enum):
+  """How a grid dimension may be run: in parallel or in order."""
+  PARALLEL = "parallel"
+  ARBITRARY = "arbitrary"
+  CORE_PARALLEL = "core_parallel"
+
+  def __str__(self):
+    return self.value
+
+
+PARALLEL = GridDimensionSemantics.PARALLEL
+ARBITRARY = GridDimensionSemantics.ARBITRARY
+CORE_PARALLEL = GridDimensionSemantics.CORE_PARALLEL
+
+DEFAULT_VMEM_LIMIT_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class CompilerParams:
-  """Mosaic compiler parameters."""
-  dimension_semantics: tuple[str, ...] | None = None
+  """Mosaic compiler parameters.
+
+  dimension_semantics: one of "parallel"/"arbitrary" (or PARALLEL/ARBITRARY)
+    per grid dim; None means all "arbitrary".
+  vmem_limit_bytes: the VMEM budget the rule checker and Mosaic use
+    (default 16 MiB).
+  collective_id: the barrier semaphore's collective id (kernels that use
+    `get_barrier_semaphore`); 0 when not given.
+  has_side_effects: the kernel writes outside its outputs (keep it alive).
+  """
+  dimension_semantics: tuple[Any, ...] | None = None
   vmem_limit_bytes: int | None = None
   allow_input_fusion: Any = None
+  collective_id: int | None = None
+  has_side_effects: bool = False
+  internal_scratch_in_bytes: int | None = None
+  disable_bounds_checks: bool = False
+  flags: Any = None
+
+  def __post_init__(self):
+    if self.dimension_semantics is not None:
+      object.__setattr__(self, "dimension_semantics",
+                         tuple(self.dimension_semantics))
+    if isinstance(self.allow_input_fusion, list):
+      object.__setattr__(self, "allow_input_fusion",
+                         tuple(self.allow_input_fusion))
+    if isinstance(self.flags, dict):
+      object.__setattr__(self, "flags", tuple(sorted(self.flags.items())))
 
 
-__all__ = ["VMEM", "SMEM", "HBM", "ANY", "MemorySpace", "TPUMemorySpace",
-           "MemoryRef", "PrefetchScalarGridSpec", "CompilerParams"]
+TPUCompilerParams = CompilerParams
+
+__all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
+           "TPUMemorySpace", "MemoryRef", "PrefetchScalarGridSpec",
+           "CompilerParams", "TPUCompilerParams", "GridDimensionSemantics",
+           "PARALLEL", "ARBITRARY", "CORE_PARALLEL", "SemaphoreType",
+           "SemaphoreShape", "SemaphoreSpace", "DeviceIdType",
+           "BarrierSemaphore", "AsyncCopyDescriptor", "make_async_copy",
+           "async_copy", "make_async_remote_copy", "semaphore_signal",
+           "semaphore_wait", "semaphore_read", "get_barrier_semaphore",
+           "device_id", "roll", "repeat", "bitcast",
+           "DEFAULT_VMEM_LIMIT_BYTES"]

@@ -1,0 +1,77 @@
+"""vmap: the batch becomes a new leading grid dimension.
+
+Batched operands get a leading squeezed block dim indexed by that grid
+dimension; unbatched operands keep their BlockSpecs. The kernel body is
+unchanged and its own `program_id(k)` numbering does not see the new dim.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.interpreters import batching
+
+from dsl.memory import MemorySpace
+from dsl.pallas_call import KernelSpec, pallas_call_p
+from dsl.tracing import program_id
+from dsl.transforms.common import block_spec_of, derived_spec, eval_ref_jaxpr, sds
+
+
+def _batched_by_loop(args, dims, spec, size):
+  """Fallback: one call per batch element (for batched scalar prefetch or
+  unblocked `ANY` operands, whose refs cannot take a batch block dim)."""
+  args = [batching.moveaxis(a, d, 0) if d is not None else a
+          for a, d in zip(args, dims)]
+  batched = [d is not None for d in dims]
+
+  def one(xs):
+    it = iter(xs)
+    full = [next(it) if b else a for a, b in zip(args, batched)]
+    return pallas_call_p.bind(*full, spec=spec)
+
+  outs = lax.map(one, [a for a, b in zip(args, batched) if b])
+  return outs, [0] * len(outs)
+
+
+def pallas_call_batch(args, dims, *, spec: KernelSpec):
+  gm = spec.grid_mapping
+  n_pf, n_in, n_grid = gm.num_scalar_prefetch, gm.num_inputs, len(gm.grid)
+  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  unblocked = any(d is not None and bm.memory_space is MemorySpace.ANY
+                  for d, bm in zip(dims[n_pf:], gm.in_mappings))
+  if any(d is not None for d in dims[:n_pf]) or unblocked or any(
+      bm.memory_space is MemorySpace.ANY for bm in gm.out_mappings):
+    return _batched_by_loop(args, dims, spec, size)
+  args = [batching.moveaxis(a, d, 0) if d is not None else a
+          for a, d in zip(args, dims)]
+  batched = [d is not None for d in dims]
+  # An unbatched input aliased to a (batched) output is broadcast first.
+  for i, _ in spec.input_output_aliases:
+    if not batched[i]:
+      args[i] = jnp.broadcast_to(args[i], (size,) + args[i].shape)
+      batched[i] = True
+
+  def body(*refs):
+    ids = [program_id(d + 1) for d in range(n_grid)]
+    eval_ref_jaxpr(spec.jaxpr, *ids, *refs)
+
+  inner = lambda ids: ids[1:]
+  lead = lambda ids: (ids[0],)
+  in_specs = [block_spec_of(bm, n_grid + 1, inner, lead if b else None)
+              for bm, b in zip(gm.in_mappings, batched[n_pf:])]
+  out_specs = [block_spec_of(bm, n_grid + 1, inner, lead)
+               for bm in gm.out_mappings]
+  arg_shapes = ([sds(a.inner_aval, (size,) if b else ()) for a, b in
+                 zip(gm.prefetch_avals, batched[:n_pf])]
+                + [sds(bm.array_aval, (size,) if b else ())
+                   for bm, b in zip(gm.in_mappings, batched[n_pf:])])
+  out_shapes = [sds(bm.array_aval, (size,)) for bm in gm.out_mappings]
+  new = derived_spec(spec, body, arg_shapes, out_shapes,
+                     grid=(size,) + tuple(gm.grid), in_specs=in_specs,
+                     out_specs=out_specs, scratch=list(gm.scratch_avals),
+                     aliases=dict(spec.input_output_aliases), suffix="vmap")
+  outs = pallas_call_p.bind(*args, spec=new)
+  return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[pallas_call_p] = pallas_call_batch
