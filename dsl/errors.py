@@ -55,8 +55,19 @@ def function_location(fn) -> str:
   return f"{code.co_filename}:{code.co_firstlineno}"
 
 
+def verbose_errors() -> bool:
+  """JAX's own jax_pallas_verbose_errors option."""
+  from dsl import config
+  return config.verbose_errors()
+
+
 class KernelError(ValueError):
-  """A kernel or its specs are wrong; the message names kernel, operand, line."""
+  """A kernel or its specs are wrong; the message names kernel, operand, line.
+
+  With `jax_pallas_verbose_errors` on, the message also carries `detail`
+  (the kernel's source or jaxpr with the failing line marked); off, it is
+  one line ending in the user's file:line.
+  """
 
   def __init__(self, kernel: str, message: str, where: str | None = None,
                operand: str | None = None, detail: str | None = None):
@@ -64,14 +75,17 @@ class KernelError(ValueError):
     self.operand = operand
     self.where = where
     self.short = message
+    self.detail = detail
     parts = [f"kernel '{kernel}'"]
     if operand:
       parts.append(operand)
-    text = ", ".join(parts) + f": {message}"
-    if where:
-      text += f"\n  at {where}"
-    if detail:
-      text += "\n" + detail
+    head = ", ".join(parts) + f": {message}"
+    if verbose_errors():
+      text = head + (f"\n  at {where}" if where else "")
+      if detail:
+        text += "\n" + detail
+    else:
+      text = " ".join(head.split("\n")[0:1]) + (f" (at {where})" if where else "")
     super().__init__(text)
 
 
@@ -81,6 +95,63 @@ class KernelTypeError(KernelError, TypeError):
 
 class BackendError(KernelError, NotImplementedError):
   """A backend cannot run the kernel (missing, unsupported primitive)."""
+
+
+def source_excerpt(where: str | None, context: int = 3) -> str | None:
+  """The source lines around 'file:line', the line itself marked '>'."""
+  import linecache
+  if not where or ":" not in where:
+    return None
+  filename, _, line = where.rpartition(":")
+  line = line.split(" ")[0]
+  if not line.isdigit():
+    return None
+  n = int(line)
+  rows = []
+  for k in range(max(1, n - context), n + context + 1):
+    text = linecache.getline(filename, k)
+    if text:
+      rows.append(f"{'>' if k == n else ' '} {k:5d} | {text.rstrip()}")
+  return "\n".join(rows) or None
+
+
+def marked_jaxpr(jaxpr, failing_eqn) -> str:
+  """The kernel jaxpr, one equation a line, the failing one marked '>>>'."""
+  from jax._src import core
+  ctx = core.JaxprPpContext()
+  settings = core.JaxprPpSettings()
+  inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+
+  def contains(eqn):
+    if eqn is failing_eqn:
+      return True
+    for v in eqn.params.values():
+      for x in (v if isinstance(v, (tuple, list)) else (v,)):
+        j = getattr(x, "jaxpr", x)
+        if isinstance(j, core.Jaxpr) and any(contains(e) for e in j.eqns):
+          return True
+    return False
+
+  args = " ".join(core.pp_var(v, ctx) for v in inner.invars)
+  rows = [f"    {{ lambda ; {args}. let"]
+  for eqn in inner.eqns:
+    text = core.pp_eqn(eqn, ctx, settings).format()
+    first, *rest = text.split("\n")
+    mark = ">>> " if contains(eqn) else "    "
+    where = source_info_frame(eqn.source_info)
+    rows.append(f"{mark}  {first}" + (f"    # {where}" if where else ""))
+    rows += [f"      {r}" for r in rest]
+  rows.append("    }")
+  return "\n".join(rows)
+
+
+def eqn_error(cls, kernel: str, eqn, message: str, jaxpr=None,
+              operand: str | None = None):
+  """An error about one kernel-jaxpr equation, pointing at its source line."""
+  where = source_info_frame(eqn.source_info)
+  detail = marked_jaxpr(jaxpr, eqn) if (jaxpr is not None and
+                                        verbose_errors()) else None
+  return cls(kernel, message, where, operand=operand, detail=detail)
 
 
 def in_kernel_source_file(filename: str) -> bool:

@@ -56,7 +56,18 @@ pallas_call_p.def_impl(functools.partial(dispatch.apply_primitive,
 
 @pallas_call_p.def_abstract_eval
 def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
-  return [core.ShapedArray(a.shape, a.dtype) for a in spec.grid_mapping.out_avals]
+  # Inside shard_map, outputs vary over the manual axes the inputs vary over.
+  outs = spec.grid_mapping.out_avals
+  varying = [a for a in avals if getattr(getattr(a, "mat", None), "varying",
+                                         None)]
+  if not varying:
+    return [core.ShapedArray(a.shape, a.dtype) for a in outs]
+  like = max(varying, key=lambda a: len(a.mat.varying))
+  mesh = like.sharding.mesh
+  return [core.ShapedArray(
+      a.shape, a.dtype, manual_axis_type=like.mat,
+      sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+          for a in outs]
 
 
 def _lower(ctx, *args, spec: KernelSpec, platform: str):
@@ -82,7 +93,9 @@ def _interpret_lowering(ctx, *args, spec):
   from dsl import interpret
   from jax._src import config as jax_config
   # Run-time checks (jax_pallas_enable_runtime_assert) raise from the host.
-  with jax_config.xla_runtime_errors(True):
+  # Inside shard_map the operands vary over manual axes; the interpreter's
+  # own zeros and iotas do not, and the kernel is per-device anyway.
+  with jax_config.xla_runtime_errors(True), jax_config._check_vma(False):
     return mlir.lower_fun(functools.partial(interpret.run, spec=spec),
                           multiple_results=True)(ctx, *args)
 

@@ -14,7 +14,7 @@ from jax._src import core
 from jax._src.state import indexing
 from jax._src.state.indexing import NDIndexer, Slice, ds
 
-from dsl.errors import KernelError, user_frame
+from dsl.errors import KernelError, source_excerpt, user_frame
 
 dslice = ds
 
@@ -47,7 +47,9 @@ def describe_ref_in_stack(names: dict) -> str | None:
 def _bounds_error(names, message):
   ctx = names.get("__kernel__", "kernel")
   operand = describe_ref_in_stack(names)
-  raise KernelError(ctx, message, user_frame(), operand=operand)
+  where = user_frame()
+  raise KernelError(ctx, message, where, operand=operand,
+                    detail=source_excerpt(where))
 
 
 def check_static_indices(indices, shape) -> None:

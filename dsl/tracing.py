@@ -22,7 +22,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from dsl import refs as refs_mod
 from dsl.errors import (KernelError, function_location, frame_of_traceback,
-                        user_frame)
+                        source_excerpt, user_frame)
 from dsl.gridspec import GridMapping
 
 
@@ -145,7 +145,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     line = frame_of_traceback(e.__traceback__) or where
     operand = _operand_in_traceback(e.__traceback__, traced_names)
     raise KernelError(name, f"{type(e).__name__}: {e}", line,
-                      operand=operand) from e
+                      operand=operand, detail=source_excerpt(line)) from e
   return core.ClosedJaxpr(jaxpr, consts)
 
 

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   python3.12 -m venv .venv
 fi
-if ! .venv/bin/python -c "import jax, triton, pytest, hypothesis, xdist, matplotlib, dsl" 2>/dev/null; then
+if ! .venv/bin/python -c "import jax, triton, pytest, hypothesis, xdist, matplotlib, absl, dsl" 2>/dev/null; then
   .venv/bin/pip install --quiet --upgrade pip
   .venv/bin/pip install --quiet -e ".[test,bench]"
 fi
