@@ -22,7 +22,7 @@ from dsl.checks import debug_check
 from dsl.ref_ops import load, store, atomic_add, atomic_cas
 from dsl.refs import Slice, ds, dslice
 from dsl.tracing import num_programs, program_id
-from dsl import config as _config
+from dsl import config
 from dsl import triton, tpu
 from dsl import transforms as _transforms  # registers jvp/vmap/vjp rules
 

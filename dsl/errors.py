@@ -132,7 +132,7 @@ def marked_jaxpr(jaxpr, failing_eqn) -> str:
           return True
     return False
 
-  args = " ".join(core.pp_var(v, ctx) for v in inner.invars)
+  args = " ".join(str(core.pp_var(v, ctx)) for v in inner.invars)
   rows = [f"    {{ lambda ; {args}. let"]
   for eqn in inner.eqns:
     text = core.pp_eqn(eqn, ctx, settings).format()

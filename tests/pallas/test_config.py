@@ -1,0 +1,133 @@
+"""The jax_pallas_* options: set three ways, and what verbose errors change."""
+import contextlib
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import dsl as pl
+from dsl import config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+OPTIONS = {
+    "jax_pallas_enable_runtime_assert": ("1", "true", True),
+    "jax_pallas_use_mosaic_gpu": ("1", "true", True),
+    "jax_pallas_verbose_errors": ("1", "true", True),
+    "jax_pallas_dump_promela_to": ("/tmp/pml", "/tmp/pml", "/tmp/pml"),
+    "jax_pallas_dump_triton_to": ("/tmp/tt", "/tmp/tt", "/tmp/tt"),
+    "jax_pallas_dump_mlir_to": ("/tmp/mlir", "/tmp/mlir", "/tmp/mlir"),
+}
+
+PRINT = ("import jax, dsl; from dsl import config; "
+         "{parse}print(repr(config._read('{name}')))")
+
+
+def _run(code, env=None, argv=()):
+  full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+  out = subprocess.run([sys.executable, "-c", code, *argv], env=full_env,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_option_from_environment_variable(name):
+  env_value, _, expected = OPTIONS[name]
+  got = _run(PRINT.format(parse="", name=name), env={name.upper(): env_value})
+  assert got == repr(expected)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_option_from_absl_flag(name):
+  _, flag_value, expected = OPTIONS[name]
+  got = _run(PRINT.format(parse="jax.config.parse_flags_with_absl(); ",
+                          name=name), argv=(f"--{name}={flag_value}",))
+  assert got == repr(expected)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_option_from_config_update(name):
+  _, _, expected = OPTIONS[name]
+  old = config._read(name)
+  try:
+    jax.config.update(name, expected)
+    assert config._read(name) == expected
+  finally:
+    jax.config.update(name, old)
+
+
+def test_defaults():
+  assert config.enable_runtime_assert() is False
+  assert config.use_mosaic_gpu() is False
+  assert config.dump_promela_to() == ""
+
+
+@contextlib.contextmanager
+def _verbose(value):
+  old = config.verbose_errors()
+  jax.config.update("jax_pallas_verbose_errors", value)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_pallas_verbose_errors", old)
+
+
+def _bad_call():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...][:2]
+  return pl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32))(
+      jnp.ones(8))
+
+
+def test_verbose_errors_show_marked_source():
+  with _verbose(True):
+    with pytest.raises(pl.KernelError) as info:
+      _bad_call()
+  msg = str(info.value)
+  assert "\n  at " in msg and __file__ in msg
+  assert "> " in msg and "o_ref[...] = x_ref[...][:2]" in msg
+
+
+def test_terse_errors_are_one_line():
+  with _verbose(False):
+    with pytest.raises(pl.KernelError) as info:
+      _bad_call()
+  msg = str(info.value)
+  assert "\n" not in msg and f"(at {__file__}:" in msg
+
+
+def test_verbose_lowering_error_marks_failing_equation():
+  from dsl.errors import BackendError, eqn_error
+  def kernel(x_ref, o_ref):
+    y = jnp.cumsum(x_ref[...])
+    o_ref[...] = y
+  jaxpr = jax.make_jaxpr(
+      lambda x: pl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32))(x)
+  )(jnp.ones(8)).eqns[0].params["spec"].jaxpr
+  outer = next(e for e in jaxpr.jaxpr.eqns if "jaxpr" in e.params)
+  eqn = next(e for e in outer.params["jaxpr"].jaxpr.eqns
+             if e.primitive.name == "cumsum")
+  with _verbose(True):
+    err = eqn_error(BackendError, "kernel", eqn, "cumsum is not supported",
+                    jaxpr)
+  msg = str(err)
+  marked = [l for l in msg.splitlines() if l.startswith(">>>")]
+  assert len(marked) == 1 and "jit" in marked[0]  # the call holding it
+  assert "cumsum" in msg
+  assert f"{__file__}:{kernel.__code__.co_firstlineno + 1}" in msg
+  with _verbose(False):
+    err = eqn_error(BackendError, "kernel", eqn, "cumsum is not supported",
+                    jaxpr)
+  assert "\n" not in str(err)
+
+
+def test_use_mosaic_gpu_is_honoured_on_gpu_lowering():
+  f = lambda x: pl.pallas_call(lambda x_ref, o_ref: None,
+                               jax.ShapeDtypeStruct((8,), jnp.float32))(x)
+  with pl.config.use_mosaic_gpu_option(True):
+    with pytest.raises(Exception, match="jax_pallas_use_mosaic_gpu"):
+      jax.jit(f).trace(jnp.ones(8)).lower(lowering_platforms=("cuda",))
