@@ -1,0 +1,125 @@
+"""Property tests: blocked kernels equal their jnp references for random
+shapes, dtypes, block sizes and grids (partial edge blocks included)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+import dsl as pl
+
+SETTINGS = settings(max_examples=12, deadline=None)
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8]
+
+
+def _tol(dtype):
+  return {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}.get(dtype, 1e-5)
+
+
+def _array(key, shape, dtype):
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jax.random.randint(key, shape, -50, 50).astype(dtype)
+  return jax.random.normal(key, shape).astype(dtype)
+
+
+def _close(a, b, dtype):
+  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                             rtol=_tol(dtype), atol=_tol(dtype))
+
+
+@SETTINGS
+@given(m=st.integers(1, 70), n=st.integers(1, 70), bm=st.integers(1, 32),
+       bn=st.integers(1, 32), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_blocked_elementwise_2d(m, n, bm, bn, dtype, seed):
+  bm, bn = min(bm, m), min(bn, n)
+  x = _array(jax.random.key(seed), (m, n), dtype)
+  y = _array(jax.random.key(seed + 1), (m, n), dtype)
+
+  def kernel(x_ref, y_ref, o_ref):
+    a, b = x_ref[...], y_ref[...]
+    o_ref[...] = jnp.where(a > b, a * 2, b - a).astype(o_ref.dtype)
+
+  out = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((m, n), dtype),
+      grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
+      in_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j))] * 2,
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))(x, y)
+  _close(out, jnp.where(x > y, x * 2, y - x), dtype)
+
+
+@SETTINGS
+@given(m=st.sampled_from([16, 24, 40]), k=st.sampled_from([16, 24, 48]),
+       n=st.sampled_from([16, 24]), b=st.sampled_from([8, 16]),
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_blocked_matmul(m, k, n, b, dtype, seed):
+  x = _array(jax.random.key(seed), (m, k), dtype)
+  y = _array(jax.random.key(seed + 1), (k, n), dtype)
+
+  def kernel(x_ref, y_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...],
+                            preferred_element_type=jnp.float32)
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _():
+      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+  out = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((m, n), dtype),
+      grid=(pl.cdiv(m, b), pl.cdiv(n, b), pl.cdiv(k, b)),
+      in_specs=[pl.BlockSpec((b, b), lambda i, j, kk: (i, kk)),
+                pl.BlockSpec((b, b), lambda i, j, kk: (kk, j))],
+      out_specs=pl.BlockSpec((b, b), lambda i, j, kk: (i, j)),
+      scratch_shapes=[pl.tpu.VMEM((b, b), jnp.float32)])(x, y)
+  want = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
+  _close(out, want, dtype if dtype != jnp.float32 else jnp.bfloat16)
+
+
+@SETTINGS
+@given(rows=st.integers(1, 20), cols=st.integers(1, 64), br=st.integers(1, 8),
+       dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int32]),
+       seed=st.integers(0, 2**16))
+def test_row_reductions(rows, cols, br, dtype, seed):
+  br = min(br, rows)
+  x = _array(jax.random.key(seed), (rows, cols), dtype)
+
+  def kernel(x_ref, s_ref, m_ref, a_ref):
+    v = x_ref[...]
+    s_ref[...] = jnp.sum(v.astype(jnp.float32), axis=1)
+    m_ref[...] = jnp.max(v, axis=1)
+    a_ref[...] = jnp.argmin(v, axis=1).astype(jnp.int32)
+
+  s, mx, am = pl.pallas_call(
+      kernel, (jax.ShapeDtypeStruct((rows,), jnp.float32),
+               jax.ShapeDtypeStruct((rows,), dtype),
+               jax.ShapeDtypeStruct((rows,), jnp.int32)),
+      grid=(pl.cdiv(rows, br),),
+      in_specs=[pl.BlockSpec((br, cols), lambda i: (i, 0))],
+      out_specs=[pl.BlockSpec((br,), lambda i: (i,))] * 3)(x)
+  _close(s, jnp.sum(x.astype(jnp.float32), axis=1), jnp.bfloat16)
+  _close(mx, jnp.max(x, axis=1), dtype)
+  np.testing.assert_array_equal(am, jnp.argmin(x, axis=1))
+
+
+@SETTINGS
+@given(n=st.integers(1, 200), block=st.sampled_from([8, 16, 32, 64]),
+       src=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int32, jnp.bool_]),
+       dst=st.sampled_from([jnp.float32, jnp.float16, jnp.int32, jnp.int8]),
+       seed=st.integers(0, 2**16))
+def test_casts_with_masked_tail(n, block, src, dst, seed):
+  x = (_array(jax.random.key(seed), (n,), jnp.float32) * 3).astype(src)
+
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    offs = i * block + jnp.arange(block)
+    v = pl.load(x_ref.at[pl.ds(0, block)], mask=offs < n)
+    pl.store(o_ref.at[pl.ds(0, block)], v.astype(dst), mask=offs < n)
+
+  block = min(block, n)
+  out = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((n,), dst), grid=(pl.cdiv(n, block),),
+      in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+      out_specs=pl.BlockSpec((block,), lambda i: (i,)))(x)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(x.astype(dst)))
