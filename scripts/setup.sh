@@ -2,13 +2,33 @@
 # One-time set-up: .venv with python3.12 and the pinned toolchain, plus spin.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+find_python312() {
+  if python3.12 -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then
+    command -v python3.12; return
+  fi
+  # pyenv: the shim needs a version selected; use the installed 3.12 directly.
+  local root
+  root="$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"
+  for p in "$root"/versions/3.12*/bin/python3.12 /usr/bin/python3.12 /usr/local/bin/python3.12; do
+    if [ -x "$p" ]; then echo "$p"; return; fi
+  done
+  echo "error: python3.12 not found (install it, e.g. with pyenv)" >&2
+  exit 1
+}
+
 if [ ! -x .venv/bin/python ]; then
-  python3.12 -m venv .venv
+  "$(find_python312)" -m venv .venv
 fi
 if ! .venv/bin/python -c "import jax, triton, pytest, hypothesis, xdist, matplotlib, absl, dsl" 2>/dev/null; then
   .venv/bin/pip install --quiet --upgrade pip
   .venv/bin/pip install --quiet -e ".[test,bench]"
 fi
-if ! command -v spin >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && apt-get install -y -qq spin >/dev/null) || echo "warning: could not install spin"
+if ! command -v spin >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && apt-get install -y -qq spin >/dev/null) \
+      || echo "warning: could not install spin; verification tests will skip" >&2
+  else
+    echo "warning: spin missing (apt-get install spin); verification tests will skip" >&2
+  fi
 fi
