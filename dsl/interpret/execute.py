@@ -69,91 +69,83 @@ def unpad(x, bm: BlockMapping):
 
 
 def to_view(x, bm: BlockMapping):
-  """(n0*b0, n1*b1, ...) -> (n0, n1, ..., b0, b1, ...)."""
-  r = x.ndim
-  if r == 0:
+  """(n0*b0, n1*b1, ...) -> (n0, b0, n1, b1, ...): a free reshape."""
+  if x.ndim == 0:
     return x
   shape = []
   for n, b in zip(x.shape, bm.block_sizes):
     shape += [n // b, b]
-  y = x.reshape(shape)
-  perm = list(range(0, 2 * r, 2)) + list(range(1, 2 * r, 2))
-  return y.transpose(perm) if perm != list(range(2 * r)) else y
+  return x.reshape(shape)
 
 
 def from_view(v, bm: BlockMapping):
   r = len(bm.block_sizes)
   if r == 0:
     return v
-  perm = [k for j in range(r) for k in (j, r + j)]
-  y = v.transpose(perm)
-  return y.reshape([v.shape[j] * v.shape[r + j] for j in range(r)])
+  return v.reshape([v.shape[2 * j] * v.shape[2 * j + 1] for j in range(r)])
 
 
 def _view_window(op: OperandPlan, plan: Plan, seq_coords, view_shape):
   """Start indices and sizes of the step's window in an operand's view."""
-  r = len(op.sources)
   starts, sizes = [], []
-  for kind, val in op.sources:
+  for j, (kind, val) in enumerate(op.sources):
     if kind == "const":
       starts.append(val)
       sizes.append(1)
-    elif val in plan.parallel:
+    elif val in op.par_dims:
       starts.append(0)
       sizes.append(plan.grid[val])
     else:
       starts.append(seq_coords[val])
       sizes.append(1)
-  starts += [0] * r
-  sizes += list(view_shape[r:])
+    starts.append(0)
+    sizes.append(view_shape[2 * j + 1])
   return starts, sizes
 
 
-def _window_par_axes(op: OperandPlan):
-  """The parallel grid dims of an operand's window, in array-dim order."""
-  return [val for kind, val in op.sources
-          if kind == "grid" and val in op.par_dims]
+def _window_perm(op: OperandPlan):
+  """Axes of a window (s0, b0, s1, b1, ...) in the order
+  (parallel dims in canonical order, b0, b1, ..., the size-1 axes)."""
+  r = len(op.sources)
+  par_axis = {val: 2 * j for j, (kind, val) in enumerate(op.sources)
+              if kind == "grid" and val in op.par_dims}
+  first = [par_axis[d] for d in op.par_dims]
+  ones = [2 * j for j in range(r) if 2 * j not in first]
+  return first + [2 * j + 1 for j in range(r)] + ones
 
 
 def read_view_block(view, op: OperandPlan, plan: Plan, seq_coords):
   bm = op.mapping
-  r = len(op.sources)
-  if r == 0:
+  if not op.sources:
     return view
   starts, sizes = _view_window(op, plan, seq_coords, view.shape)
-  w = lax.dynamic_slice(view, [jnp.asarray(s, jnp.int32) for s in starts],
-                        sizes)
-  par_axes = [j for j, (kind, val) in enumerate(op.sources)
-              if kind == "grid" and val in op.par_dims]
-  w = w.reshape([sizes[j] for j in par_axes] + list(view.shape[r:]))
-  axes = _window_par_axes(op)
-  perm = [axes.index(d) for d in op.par_dims]
+  if list(sizes) == list(view.shape):
+    w = view
+  else:
+    w = lax.dynamic_slice(view, [jnp.asarray(s, jnp.int32) for s in starts],
+                          sizes)
+  perm = _window_perm(op)
   if perm != sorted(perm):
-    w = w.transpose(perm + list(range(len(perm), w.ndim)))
-  return w.reshape(w.shape[:len(par_axes)] + bm.kernel_shape)
+    w = w.transpose(perm)
+  n_par = len(op.par_dims)
+  return w.reshape(w.shape[:n_par] + bm.kernel_shape)
 
 
 def write_view_block(view, block, op: OperandPlan, plan: Plan, seq_coords):
   bm = op.mapping
-  r = len(op.sources)
-  if r == 0:
+  if not op.sources:
     return block.astype(view.dtype)
   starts, sizes = _view_window(op, plan, seq_coords, view.shape)
-  if list(sizes) == list(view.shape):   # the step writes the whole operand
-    return _to_window_layout(block, op).reshape(view.shape).astype(view.dtype)
-  block = _to_window_layout(block, op)
-  block = block.reshape(sizes)
-  return lax.dynamic_update_slice(
-      view, block.astype(view.dtype),
-      [jnp.asarray(s, jnp.int32) for s in starts])
-
-
-def _to_window_layout(block, op: OperandPlan):
-  axes = _window_par_axes(op)
-  perm = [op.par_dims.index(a) for a in axes]
+  n_par = len(op.par_dims)
+  perm = _window_perm(op)
+  permuted_shape = [sizes[a] for a in perm]
+  block = block.astype(view.dtype).reshape(permuted_shape)
   if perm != sorted(perm):
-    block = block.transpose(perm + list(range(len(perm), block.ndim)))
-  return block
+    block = block.transpose(np.argsort(perm))
+  if list(sizes) == list(view.shape):   # the step writes the whole operand
+    return block
+  return lax.dynamic_update_slice(
+      view, block, [jnp.asarray(s, jnp.int32) for s in starts])
 
 
 @functools.lru_cache(maxsize=1024)
