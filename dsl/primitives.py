@@ -165,7 +165,9 @@ def _zeros_of(aval):
 def _run_scoped_discharge(ctx, *args, jaxpr, num_consts):
   is_ref = [isinstance(v.aval, state_types.AbstractRef) for v in jaxpr.invars]
   scoped = [_zeros_of(v.aval) for v in jaxpr.invars[num_consts:]]
-  dj = state_discharge.discharge_state(jaxpr, should_discharge=is_ref)
+  dj = state_discharge.discharge_state(
+      jaxpr, should_discharge=is_ref,
+      strip_memory_space=getattr(ctx, "strip_memory_space", False))
   res = core.eval_jaxpr(dj, _jaxpr_consts(dj), *args, *scoped)
   n_out = len(jaxpr.outvars)
   outs, finals = res[:n_out], iter(res[n_out:])

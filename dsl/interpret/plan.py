@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
@@ -93,6 +94,11 @@ def _owned_by_one_point(idx: np.ndarray, parallel: tuple[int, ...]) -> bool:
   return n_blocks == n_pairs
 
 
+def _subsets_largest_first(dims: tuple[int, ...]):
+  for size in range(len(dims), 0, -1):
+    yield from itertools.combinations(dims, size)
+
+
 def _n_blocks(bm: BlockMapping) -> tuple[int, ...]:
   return tuple(-(-n // b) for n, b in zip(bm.array_aval.shape, bm.block_sizes))
 
@@ -138,8 +144,11 @@ def make_plan_uncached(gm: GridMapping) -> Plan:
                  if all(_varies_along(i, d) for i in out_idxs))
     if not out_idxs:
       cand = tuple(range(len(grid)))
-    if cand and all(_owned_by_one_point(i, cand) for i in out_idxs):
-      parallel = cand
+    # The largest subset of the candidates whose points own their blocks.
+    for subset in _subsets_largest_first(cand):
+      if all(_owned_by_one_point(i, subset) for i in out_idxs):
+        parallel = subset
+        break
   sequential = tuple(d for d in range(len(grid)) if d not in parallel)
   plans = []
   for bm, idx in zip(gm.block_mappings, idxs):

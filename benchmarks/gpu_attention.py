@@ -1,0 +1,138 @@
+"""GPU figures for the kernel library (issue 8), side by side in one run.
+
+Flash attention forward and forward+backward (bf16, batch 4, 16 heads,
+head_dim 128, seq 2048 and 8192) against jax.experimental.pallas's GPU
+attention and cuDNN (`jax.nn.dot_product_attention(implementation="cudnn")`);
+softmax, layer norm and rms norm GB/s against the device's copy bandwidth.
+
+    python -m benchmarks.gpu_attention [--seqs 2048,8192] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _time(fn, *args, repeats=20, warmup=3):
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  ts = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts))
+
+
+def copy_bandwidth(nbytes=1 << 30):
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  t = _time(jax.jit(lambda a: a + 0), x)   # reads and writes nbytes each
+  return 2 * nbytes / t
+
+
+def _try(name, fn, *args):
+  try:
+    return _time(fn, *args), None
+  except Exception as e:  # a peer that cannot run here is reported as such
+    return None, f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def attention_rows(seqs, batch=4, heads=16, dim=128, causal=False):
+  import kernels
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  rows = []
+  for s in seqs:
+    ks = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (batch, s, heads, dim), jnp.bfloat16)
+               for kk in ks)
+    scale = 1.0 / math.sqrt(dim)
+    ours = jax.jit(lambda q, k, v: kernels.flash_attention(
+        q, k, v, causal=causal, sm_scale=scale, backend="triton"))
+    peer = jax.jit(lambda q, k, v: pallas_attention.mha(
+        q, k, v, None, sm_scale=scale, causal=causal))
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, implementation="cudnn"))
+    loss = lambda f: jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+        f(q, k, v).astype(jnp.float32)), (0, 1, 2)))
+    flops = 4 * batch * heads * s * s * dim * (0.5 if causal else 1.0)
+    for mode, wrap, mult in (("fwd", lambda f: f, 1.0),
+                             ("fwd+bwd", loss, 3.5)):
+      t_ours, err = _try("ours", wrap(ours), q, k, v)
+      t_peer, perr = _try("pallas", wrap(peer), q, k, v)
+      t_cudnn, cerr = _try("cudnn", wrap(cudnn), q, k, v)
+      rows.append({
+          "kernel": "flash_attention", "mode": mode, "seq": s,
+          "ours_ms": t_ours and t_ours * 1e3, "error": err,
+          "tflops": t_ours and flops * mult / t_ours / 1e12,
+          "pallas_ms": t_peer and t_peer * 1e3, "pallas_note": perr,
+          "cudnn_ms": t_cudnn and t_cudnn * 1e3, "cudnn_note": cerr,
+          "vs_pallas": (t_peer / t_ours) if t_ours and t_peer else None,
+          "vs_cudnn": (t_cudnn / t_ours) if t_ours and t_cudnn else None,
+      })
+  return rows
+
+
+def rowwise_rows(bw, shape=(8192, 8192)):
+  import kernels
+  x = jax.random.normal(jax.random.key(1), shape, jnp.bfloat16)
+  w = jnp.ones(shape[-1], jnp.bfloat16)
+  b = jnp.zeros(shape[-1], jnp.bfloat16)
+  cases = {
+      "softmax": lambda x: kernels.softmax(x, backend="triton"),
+      "layer_norm": lambda x: kernels.layer_norm(x, w, b, backend="triton"),
+      "rms_norm": lambda x: kernels.rms_norm(x, w, backend="triton"),
+  }
+  rows = []
+  for name, fn in cases.items():
+    t, err = _try(name, jax.jit(fn), x)
+    gbs = t and 2 * x.size * x.dtype.itemsize / t
+    rows.append({"kernel": name, "shape": shape, "ms": t and t * 1e3,
+                 "GB/s": gbs and gbs / 1e9,
+                 "fraction_of_copy": gbs and gbs / bw, "error": err})
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--seqs", default="2048,8192")
+  p.add_argument("--json")
+  a = p.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    print("gpu_attention: needs a GPU (jax.default_backend() is "
+          f"{jax.default_backend()!r})", file=sys.stderr)
+    return 2
+  bw = copy_bandwidth()
+  print(f"device: {jax.devices()[0].device_kind}; copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s")
+  att = attention_rows([int(s) for s in a.seqs.split(",")])
+  for r in att:
+    print(f"flash_attention {r['mode']:8s} seq={r['seq']:5d}: ours "
+          f"{_fmt(r['ours_ms'])} ms ({_fmt(r['tflops'])} TFLOP/s) | pallas "
+          f"{_fmt(r['pallas_ms'])} ms -> {_fmt(r['vs_pallas'])}x | cudnn "
+          f"{_fmt(r['cudnn_ms'])} ms -> {_fmt(r['vs_cudnn'])}x "
+          f"{r['error'] or ''} {r['pallas_note'] or ''} {r['cudnn_note'] or ''}")
+  rw = rowwise_rows(bw)
+  for r in rw:
+    print(f"{r['kernel']:10s} {r['shape']}: {_fmt(r['ms'])} ms, "
+          f"{_fmt(r['GB/s'])} GB/s = {_fmt(r['fraction_of_copy'])} of copy "
+          f"{r['error'] or ''}")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"copy_GBps": bw / 1e9, "attention": att, "rowwise": rw}, f,
+                indent=1)
+  return 0
+
+
+def _fmt(v):
+  return "n/a" if v is None else f"{v:.3g}"
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,73 @@
+"""Block sizes per backend, shared by the kernels of this library.
+
+Each backend wants different blocks:
+
+- `interpret` (the CPU default) runs the parallel grid dims as one vectorized
+  XLA computation and the sequential ones as a loop, so big blocks that divide
+  the array exactly are best: few loop steps and no padding copies.
+- `triton` / `triton_interpret` want power-of-two blocks sized for one GPU
+  program (registers and shared memory).
+- `mosaic` / `mosaic_interpret` want blocks whose last two dims are multiples
+  of (8, 128) or the full array dims.
+"""
+from __future__ import annotations
+
+import jax
+
+from dsl.backends import DEFAULT_FOR_PLATFORM
+
+
+def resolve_backend(backend: str | None) -> str:
+  """The backend a `backend=None` kernel will run on, for choosing blocks."""
+  if backend is not None:
+    return backend
+  try:
+    platform = jax.default_backend()
+  except RuntimeError:
+    platform = "cpu"
+  if platform == "gpu":          # jax's name for CUDA and ROCm devices
+    platform = "cuda"
+  return DEFAULT_FOR_PLATFORM.get(platform, "interpret")
+
+
+def is_triton(backend: str) -> bool:
+  return backend.startswith("triton")
+
+
+def is_mosaic(backend: str) -> bool:
+  return backend.startswith("mosaic")
+
+
+def pow2_floor(n: int) -> int:
+  p = 1
+  while p * 2 <= n:
+    p *= 2
+  return p
+
+
+def divisor_block(n: int, target: int, multiple: int = 1) -> int:
+  """A block for a dim of size `n`, at most `target`.
+
+  The whole dim when it fits; else the largest divisor of `n` that is a
+  multiple of `multiple` and at least target/4 (no partial block, so no
+  padding); else `target` itself (the last block is partial and masked).
+  """
+  if n <= target:
+    return n
+  target = max(multiple, target - target % multiple)
+  for b in range(target, max(multiple, target // 4) - 1, -multiple):
+    if n % b == 0:
+      return b
+  return target
+
+
+def block_for(n: int, backend: str, *, interpret: int, triton: int,
+              mosaic: int, mosaic_multiple: int = 8) -> int:
+  """The block for a dim of size `n` on `backend`, from per-backend targets."""
+  if is_triton(backend):
+    return min(pow2_floor(max(n, 1)), triton)
+  if is_mosaic(backend):
+    if n <= mosaic:
+      return n
+    return divisor_block(n, mosaic, mosaic_multiple)
+  return divisor_block(n, interpret)

@@ -1,0 +1,428 @@
+"""Flash attention on `(batch, seq, heads, head_dim)`, forward and backward.
+
+Forward, grid `(batch, heads, q_blocks, kv_blocks)`: the first three dims are
+parallel, the last walks the keys in order. Each step scores one `(bq, bk)`
+tile, masks it (keys past the end of a partial last block, the causal
+triangle, differing segment ids), and folds it into a running max `m`, a
+running sum `l` and an unnormalized output `acc` (float32 scratch), rescaling
+them by `exp(m_old - m_new)` when the max grows. The last step writes
+`acc / l` and the log-sum-exp `m + log(l)` that the backward pass uses.
+
+Backward (FlashAttention-2 style), three kernels:
+
+- `delta = rowsum(o * do)`, parallel over every block;
+- dK/dV, grid `(batch, kv_heads, kv_blocks, group * q_blocks)`: each kv block
+  walks every q block of every q head that shares its kv head (GQA/MQA), so
+  the group's sum happens in the accumulator, not in a later reduction;
+- dQ, grid `(batch, heads, q_blocks, kv_blocks)`, walking the keys.
+
+Both recompute the probabilities from `q`, `k` and the saved log-sum-exp.
+Causal masking is aligned at the top left: query `i` sees keys `0..i`.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import dsl as pl
+from dsl import tpu as pltpu
+from kernels import blocking
+
+NEG = -1e30     # a finite -inf: exp(NEG - NEG) stays 1, never NaN
+
+
+# ---------------------------------------------------------------- reference
+
+def _split_segments(segment_ids, sq, sk):
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    q_seg, kv_seg = segment_ids
+  else:
+    if sq != sk:
+      raise ValueError("flash_attention: one segment_ids array needs equal q "
+                       "and kv lengths; pass (q_segment_ids, kv_segment_ids)")
+    q_seg = kv_seg = segment_ids
+  return jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+
+
+def reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
+  """Plain-jnp attention with the same masking, in float32."""
+  b, sq, h, d = q.shape
+  sk, hkv = k.shape[1], k.shape[2]
+  sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+  g = h // hkv
+  k32 = jnp.repeat(k.astype(jnp.float32), g, axis=2)
+  v32 = jnp.repeat(v.astype(jnp.float32), g, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k32) * sm_scale
+  mask = jnp.ones((b, 1, sq, sk), bool)
+  if causal:
+    mask &= (jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :])[None, None]
+  q_seg, kv_seg = _split_segments(segment_ids, sq, sk)
+  if q_seg is not None:
+    mask &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
+  s = jnp.where(mask, s, NEG)
+  p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+  p = jnp.where(mask, p, 0.0)
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(l == 0, 1.0, l)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v32).astype(q.dtype)
+
+
+# ---------------------------------------------------------------- blocks
+
+def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
+                     block_k=None, backward: bool = False):
+  if blocking.is_triton(backend):
+    tq, tk = (64, 64) if d <= 64 else (64, 32)
+    if backend == "triton_interpret":
+      tq, tk = 32, 32
+  elif blocking.is_mosaic(backend):
+    tq, tk = 512, 512
+  else:
+    # interpret: q blocks are parallel (vectorized), kv blocks are loop
+    # steps; (bq, 256) tiles keep each step's scores cache-sized. The
+    # backward kernels measured faster with whole 1024 x 1024 tiles (XLA
+    # re-lays out vectorized narrow tiles of the dK/dV kernel).
+    tq, tk = (1024, 1024) if backward else (1024, 256)
+  bq = block_q or blocking.block_for(sq, backend, interpret=tq, triton=tq,
+                                     mosaic=tq, mosaic_multiple=8)
+  bk = block_k or blocking.block_for(sk, backend, interpret=tk, triton=tk,
+                                     mosaic=tk, mosaic_multiple=128)
+  return min(bq, sq), min(bk, sk)
+
+
+def _tile_mask(qi, kj, *, bq, bk, sq, sk, causal, qs_ref, ks_ref,
+               mask_q=False):
+  """(bq, bk) bool mask of the tile at q block qi, kv block kj, or None."""
+  mask = None
+
+  def conj(a, b):
+    return b if a is None else a & b
+
+  qpos = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  kpos = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  if sk % bk:
+    mask = conj(mask, kpos < sk)
+  if mask_q and sq % bq:
+    mask = conj(mask, qpos < sq)
+  if causal:
+    mask = conj(mask, qpos >= kpos)
+  if qs_ref is not None:
+    mask = conj(mask, qs_ref[...][:, None] == ks_ref[...][None, :])
+  return mask
+
+
+def _tile_needed(qi, kj, *, bq, bk, causal):
+  """False for tiles entirely above the causal diagonal."""
+  if not causal:
+    return True
+  return kj * bk <= qi * bq + bq - 1
+
+
+def _run_if(cond, fn):
+  if cond is True:
+    fn()
+  else:
+    pl.when(cond)(fn)
+
+
+def _dot_nt(a, b):   # a @ b.T
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _dot_tn(a, b):   # a.T @ b
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------- forward
+
+def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
+  q_ref, k_ref, v_ref = refs[:3]
+  qs_ref, ks_ref = refs[3:5] if has_seg else (None, None)
+  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[-5:]
+  qi, kj = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(kj == 0)
+  def _():
+    m_sc[...] = jnp.full_like(m_sc, NEG)
+    l_sc[...] = jnp.zeros_like(l_sc)
+    acc_sc[...] = jnp.zeros_like(acc_sc)
+
+  def tile():
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    s = _dot_nt(q, k) * sm_scale
+    mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
+                      qs_ref=qs_ref, ks_ref=ks_ref)
+    if mask is not None:
+      s = jnp.where(mask, s, NEG)
+    m_prev = m_sc[...]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    p = jnp.exp(s - m_new[:, None])
+    if mask is not None:
+      p = jnp.where(mask, p, 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1)
+    acc_sc[...] = acc_sc[...] * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    m_sc[...] = m_new
+
+  _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
+
+  @pl.when(kj == nk - 1)
+  def _():
+    l = l_sc[...]
+    l = jnp.where(l == 0.0, 1.0, l)     # rows that see no key output 0
+    o_ref[...] = (acc_sc[...] / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m_sc[...] + jnp.log(l)
+
+
+def _seg_args(q_seg, kv_seg, q_map, kv_map, bq, bk):
+  if q_seg is None:
+    return [], []
+  return ([q_seg, kv_seg],
+          [pl.BlockSpec((None, bq), q_map), pl.BlockSpec((None, bk), kv_map)])
+
+
+def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
+            backend=None, block_q=None, block_k=None):
+  """The forward kernel: returns (out, lse) with lse of shape (b, h, sq)."""
+  b, sq, h, d = q.shape
+  sk, hkv = k.shape[1], k.shape[2]
+  g = h // hkv
+  bq, bk = attention_blocks(sq, sk, d, blocking.resolve_backend(backend),
+                            block_q, block_k)
+  nq, nk = pl.cdiv(sq, bq), pl.cdiv(sk, bk)
+  q_spec = pl.BlockSpec((None, bq, None, d),
+                        lambda b_, h_, i, j: (b_, i, h_, 0))
+  kv_spec = pl.BlockSpec((None, bk, None, d),
+                         lambda b_, h_, i, j: (b_, j, h_ // g, 0))
+  lse_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i, j: (b_, h_, i))
+  seg_args, seg_specs = _seg_args(q_seg, kv_seg,
+                                  lambda b_, h_, i, j: (b_, i),
+                                  lambda b_, h_, i, j: (b_, j), bq, bk)
+  kernel = functools.partial(_fwd_kernel, sm_scale=sm_scale, causal=causal,
+                             has_seg=q_seg is not None, bq=bq, bk=bk, sq=sq,
+                             sk=sk, nk=nk)
+  return pl.pallas_call(
+      kernel,
+      (jax.ShapeDtypeStruct(q.shape, q.dtype),
+       jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
+      grid=(b, h, nq, nk),
+      in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
+      out_specs=(q_spec, lse_spec),
+      scratch_shapes=[pltpu.VMEM((bq,), jnp.float32),
+                      pltpu.VMEM((bq,), jnp.float32),
+                      pltpu.VMEM((bq, d), jnp.float32)],
+      backend=backend, name="flash_attention_fwd")(q, k, v, *seg_args)
+
+
+# ---------------------------------------------------------------- backward
+
+def _delta_kernel(o_ref, do_ref, delta_ref):
+  delta_ref[...] = jnp.sum(o_ref[...].astype(jnp.float32)
+                           * do_ref[...].astype(jnp.float32), axis=1)
+
+
+def _probs(q, k, lse, mask, sm_scale):
+  s = _dot_nt(q, k) * sm_scale
+  p = jnp.exp(s - lse[:, None])
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+  return p
+
+
+def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+  qs_ref, ks_ref = refs[6:8] if has_seg else (None, None)
+  dk_ref, dv_ref, dk_sc, dv_sc = refs[-4:]
+  kj, t = pl.program_id(2), pl.program_id(3)
+  qi = t % nq
+
+  @pl.when(t == 0)
+  def _():
+    dk_sc[...] = jnp.zeros_like(dk_sc)
+    dv_sc[...] = jnp.zeros_like(dv_sc)
+
+  def tile():
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
+                      qs_ref=qs_ref, ks_ref=ks_ref, mask_q=True)
+    p = _probs(q, k, lse_ref[...], mask, sm_scale)
+    dv_sc[...] += _dot_tn(p.astype(do.dtype), do)
+    dp = _dot_nt(do, v)
+    ds = p * (dp - delta_ref[...][:, None])
+    dk_sc[...] += _dot_tn(ds.astype(q.dtype), q) * sm_scale
+
+  _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
+
+  @pl.when(t == nt - 1)
+  def _():
+    dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+    dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
+  qs_ref, ks_ref = refs[6:8] if has_seg else (None, None)
+  dq_ref, dq_sc = refs[-2:]
+  qi, kj = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(kj == 0)
+  def _():
+    dq_sc[...] = jnp.zeros_like(dq_sc)
+
+  def tile():
+    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
+                      qs_ref=qs_ref, ks_ref=ks_ref)
+    p = _probs(q, k, lse_ref[...], mask, sm_scale)
+    dp = _dot_nt(do, v)
+    ds = p * (dp - delta_ref[...][:, None])
+    dq_sc[...] += _dot(ds.astype(k.dtype), k) * sm_scale
+
+  _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
+
+  @pl.when(kj == nk - 1)
+  def _():
+    dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+
+
+def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
+             backend=None, block_q=None, block_k=None):
+  """The backward kernels: returns (dq, dk, dv)."""
+  b, sq, h, d = q.shape
+  sk, hkv = k.shape[1], k.shape[2]
+  g = h // hkv
+  bq, bk = attention_blocks(sq, sk, d, blocking.resolve_backend(backend),
+                            block_q, block_k, backward=True)
+  nq, nk = pl.cdiv(sq, bq), pl.cdiv(sk, bk)
+  has_seg = q_seg is not None
+  common = dict(sm_scale=sm_scale, causal=causal, has_seg=has_seg, bq=bq,
+                bk=bk, sq=sq, sk=sk)
+
+  # delta = rowsum(o * do), laid out like lse.
+  q3 = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
+  delta = pl.pallas_call(
+      _delta_kernel, jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
+      grid=(b, h, nq), in_specs=[q3, q3],
+      out_specs=pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
+      backend=backend, name="flash_attention_bwd_delta")(o, do)
+
+  # dK, dV: grid (b, kv_heads, kv_blocks, group * q_blocks).
+  nt = g * nq
+  q_map = lambda b_, hk, j, t: (b_, t % nq, hk * g + t // nq, 0)
+  kv_map = lambda b_, hk, j, t: (b_, j, hk, 0)
+  row_map = lambda b_, hk, j, t: (b_, hk * g + t // nq, t % nq)
+  q_spec = pl.BlockSpec((None, bq, None, d), q_map)
+  kv_spec = pl.BlockSpec((None, bk, None, d), kv_map)
+  row_spec = pl.BlockSpec((None, None, bq), row_map)
+  seg_args, seg_specs = _seg_args(q_seg, kv_seg,
+                                  lambda b_, hk, j, t: (b_, t % nq),
+                                  lambda b_, hk, j, t: (b_, j), bq, bk)
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, nq=nq, nt=nt, **common),
+      (jax.ShapeDtypeStruct(k.shape, k.dtype),
+       jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      grid=(b, hkv, nk, nt),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+                *seg_specs],
+      out_specs=(kv_spec, kv_spec),
+      scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32),
+                      pltpu.VMEM((bk, d), jnp.float32)],
+      backend=backend, name="flash_attention_bwd_dkdv")(
+          q, k, v, do, lse, delta, *seg_args)
+
+  # dQ: grid (b, heads, q_blocks, kv_blocks).
+  q_spec = pl.BlockSpec((None, bq, None, d),
+                        lambda b_, h_, i, j: (b_, i, h_, 0))
+  kv_spec = pl.BlockSpec((None, bk, None, d),
+                         lambda b_, h_, i, j: (b_, j, h_ // g, 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i, j: (b_, h_, i))
+  seg_args, seg_specs = _seg_args(q_seg, kv_seg,
+                                  lambda b_, h_, i, j: (b_, i),
+                                  lambda b_, h_, i, j: (b_, j), bq, bk)
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, nk=nk, **common),
+      jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(b, h, nq, nk),
+      in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+                *seg_specs],
+      out_specs=q_spec,
+      scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
+      backend=backend, name="flash_attention_bwd_dq")(
+          q, k, v, do, lse, delta, *seg_args)
+  return dq, dk, dv
+
+
+# ---------------------------------------------------------------- autodiff
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _flash(q, k, v, q_seg, kv_seg, causal, sm_scale, backend, block_q,
+           block_k):
+  return forward(q, k, v, q_seg, kv_seg, causal=causal, sm_scale=sm_scale,
+                 backend=backend, block_q=block_q, block_k=block_k)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, causal, sm_scale, backend, block_q,
+               block_k):
+  o, lse = forward(q, k, v, q_seg, kv_seg, causal=causal, sm_scale=sm_scale,
+                   backend=backend, block_q=block_q, block_k=block_k)
+  return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _flash_bwd(causal, sm_scale, backend, block_q, block_k, res, do):
+  q, k, v, q_seg, kv_seg, o, lse = res
+  dq, dk, dv = backward(q, k, v, q_seg, kv_seg, o, lse, do, causal=causal,
+                        sm_scale=sm_scale, backend=backend, block_q=block_q,
+                        block_k=block_k)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def check_shapes(q, k, v):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError("flash_attention: q, k, v must be (batch, seq, heads, "
+                     f"head_dim); got {q.shape}, {k.shape}, {v.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"flash_attention: k {k.shape} and v {v.shape} differ")
+  b, _, h, d = q.shape
+  if k.shape[0] != b or k.shape[3] != d:
+    raise ValueError(f"flash_attention: q {q.shape} and k {k.shape} disagree "
+                     "on batch or head_dim")
+  if h % k.shape[2]:
+    raise ValueError(f"flash_attention: {h} q heads are not a multiple of "
+                     f"{k.shape[2]} kv heads")
+
+
+def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None,
+                    sm_scale: float | None = None, backend=None,
+                    block_q: int | None = None, block_k: int | None = None):
+  """softmax(q k^T * sm_scale, masked) v for `(batch, seq, heads, head_dim)`.
+
+  `k`/`v` may have fewer heads than `q` (GQA/MQA; q head `i` uses kv head
+  `i // (heads // kv_heads)`). `segment_ids`: `(batch, seq)` ints when q and
+  kv have the same length, or a pair `(q_segment_ids, kv_segment_ids)`;
+  a query attends only to keys of its own segment. `sm_scale` defaults to
+  `1/sqrt(head_dim)`. Differentiable in q, k, v (`custom_vjp` with the
+  backward kernels above).
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  check_shapes(q, k, v)
+  sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(
+      sm_scale)
+  q_seg, kv_seg = _split_segments(segment_ids, q.shape[1], k.shape[1])
+  return _flash(q, k, v, q_seg, kv_seg, bool(causal), sm_scale, backend,
+                block_q, block_k)

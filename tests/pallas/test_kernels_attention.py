@@ -1,0 +1,148 @@
+"""kernels.flash_attention: values, gradients (GQA, causal, segments, masks)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+import kernels
+from kernels import flash
+from tests.pallas.kernels_testing import (DTYPES, GRAD_SETTINGS,
+                                          OTHER_CPU_BACKENDS, SETTINGS,
+                                          assert_close, assert_tree_close,
+                                          automatic_vjp_or_xfail, jitted,
+                                          normal, rng, run_or_skip, vjp_with)
+
+HEADS = [(1, 1), (2, 2), (4, 2), (3, 1)]        # (q heads, kv heads)
+BLOCKS = [(None, None), (8, 8), (16, 8)]
+
+
+def _inputs(b, sq, sk, h, hkv, d, dtype, seed=0):
+  ks = [(seed, i) for i in range(4)]
+  q = normal(ks[0], (b, sq, h, d), dtype)
+  k = normal(ks[1], (b, sk, hkv, d), dtype)
+  v = normal(ks[2], (b, sk, hkv, d), dtype)
+  do = normal(ks[3], (b, sq, h, d), dtype)
+  return q, k, v, do
+
+
+def _segments(b, sq, sk, seed):
+  """Sorted segment ids; every q segment also occurs among the keys."""
+  r = rng(("segments", seed))
+  q_seg = np.sort(r.integers(0, 3, (b, sq)), axis=1).astype(np.int32)
+  kv_seg = np.sort(r.integers(0, 3, (b, sk)), axis=1).astype(np.int32)
+  return jnp.asarray(q_seg), jnp.asarray(kv_seg)
+
+
+@st.composite
+def configs(draw):
+  h, hkv = draw(st.sampled_from(HEADS))
+  sq = draw(st.integers(1, 40))
+  causal = draw(st.booleans())
+  same = causal or draw(st.booleans())
+  sk = sq if same else draw(st.integers(1, 40))
+  return dict(b=draw(st.integers(1, 2)), sq=sq, sk=sk, h=h, hkv=hkv,
+              d=draw(st.sampled_from([4, 8, 16])), causal=causal,
+              segments=draw(st.booleans()),
+              blocks=draw(st.sampled_from(BLOCKS)))
+
+
+def _kw(c, q_seg_kv_seg):
+  return dict(causal=c["causal"],
+              segment_ids=q_seg_kv_seg if c["segments"] else None)
+
+
+@SETTINGS
+@given(c=configs(), dtype=st.sampled_from(DTYPES))
+def test_forward_matches_reference(c, dtype):
+  q, k, v, _ = _inputs(c["b"], c["sq"], c["sk"], c["h"], c["hkv"], c["d"],
+                       dtype, c["sq"] + c["sk"])
+  kw = _kw(c, _segments(c["b"], c["sq"], c["sk"], c["d"]))
+  bq, bk = c["blocks"]
+  f = jax.jit(lambda q, k, v: kernels.flash_attention(
+      q, k, v, backend="interpret", block_q=bq, block_k=bk, **kw))
+  assert_close(f(q, k, v), jitted(flash.reference, **kw)(q, k, v), dtype,
+               f32=2e-5,
+               bf16=3e-2)
+
+
+@GRAD_SETTINGS
+@given(c=configs())
+def test_gradients_match_reference(c):
+  q, k, v, do = _inputs(c["b"], c["sq"], c["sk"], c["h"], c["hkv"], c["d"],
+                        jnp.float32, c["sq"] * c["sk"])
+  kw = _kw(c, _segments(c["b"], c["sq"], c["sk"], c["d"]))
+  bq, bk = c["blocks"]
+  fn = lambda q, k, v: kernels.flash_attention(q, k, v, block_q=bq,
+                                               block_k=bk, **kw)
+  got = jax.jit(lambda *a: vjp_with(fn, a, do))(q, k, v)
+  want = jax.jit(lambda *a: vjp_with(
+      lambda q, k, v: flash.reference(q, k, v, **kw), a, do))(q, k, v)
+  assert_tree_close(got, want, f32=1e-4)
+
+
+def test_bf16_gradients_gqa_causal_partial_blocks():
+  q, k, v, do = _inputs(2, 37, 37, 4, 2, 16, jnp.bfloat16, 1)
+  got = vjp_with(lambda q, k, v: kernels.flash_attention(
+      q, k, v, causal=True, block_q=16, block_k=8), (q, k, v), do)
+  want = vjp_with(lambda q, k, v: flash.reference(q, k, v, causal=True),
+                  (q, k, v), do)
+  assert_tree_close(got, want, jnp.bfloat16, bf16=5e-2)
+
+
+def test_mqa_single_segment_array_and_sm_scale():
+  q, k, v, do = _inputs(2, 24, 24, 4, 1, 8, jnp.float32, 2)
+  seg = jnp.repeat(jnp.arange(3)[None], 8, axis=1).reshape(1, 24)
+  seg = jnp.concatenate([seg, seg[:, ::-1]], axis=0)
+  got = kernels.flash_attention(q, k, v, segment_ids=seg, sm_scale=0.3,
+                                block_q=8, block_k=16)
+  want = flash.reference(q, k, v, segment_ids=seg, sm_scale=0.3)
+  assert_close(got, want, f32=2e-5)
+
+
+def test_hand_written_backward_matches_automatic():
+  q, k, v, do = _inputs(1, 20, 20, 4, 2, 8, jnp.float32, 3)
+  kv_seg = jnp.array([[0] * 12 + [1] * 8], jnp.int32)
+  kw = dict(causal=True, sm_scale=0.35, block_q=8, block_k=8)
+  raw = lambda q, k, v: flash.forward(q, k, v, kv_seg, kv_seg, **kw)[0]
+  auto = automatic_vjp_or_xfail(raw, (q, k, v), do)
+  hand = vjp_with(lambda q, k, v: kernels.flash_attention(
+      q, k, v, segment_ids=kv_seg, **kw), (q, k, v), do)
+  assert_tree_close(hand, auto, f32=1e-4)
+
+
+def test_rows_that_see_no_key_are_zero():
+  q, k, v, _ = _inputs(1, 8, 8, 1, 1, 4, jnp.float32, 4)
+  q_seg = jnp.array([[0, 0, 0, 0, 5, 5, 5, 5]], jnp.int32)
+  kv_seg = jnp.zeros((1, 8), jnp.int32)
+  got = kernels.flash_attention(q, k, v, segment_ids=(q_seg, kv_seg))
+  assert_close(got[:, 4:], jnp.zeros_like(got[:, 4:]))
+  assert_close(got, flash.reference(q, k, v, segment_ids=(q_seg, kv_seg)))
+
+
+@pytest.mark.parametrize("backend", OTHER_CPU_BACKENDS)
+def test_other_cpu_backends(backend):
+  q, k, v, _ = _inputs(1, 128, 128, 2, 1, 128, jnp.float32, 5)
+  got = run_or_skip(lambda q, k, v: kernels.flash_attention(
+      q, k, v, causal=True, backend=backend), q, k, v)
+  assert_close(got, flash.reference(q, k, v, causal=True), f32=2e-5)
+
+
+@pytest.mark.parametrize("backend", OTHER_CPU_BACKENDS)
+def test_other_cpu_backends_partial_blocks_and_backward(backend):
+  q, k, v, do = _inputs(1, 100, 100, 4, 2, 32, jnp.float32, 6)
+  fn = lambda q, k, v: kernels.flash_attention(q, k, v, causal=True,
+                                               backend=backend)
+  got = run_or_skip(lambda *a: vjp_with(fn, a, do), q, k, v)
+  want = vjp_with(lambda q, k, v: flash.reference(q, k, v, causal=True),
+                  (q, k, v), do)
+  assert_tree_close(got, want, f32=1e-4)
+
+
+def test_vmap_of_forward_and_gradient():
+  q = normal(7, (2, 1, 12, 2, 8), jnp.float32)
+  fn = lambda q: kernels.flash_attention(q, q, q, causal=True)
+  ref = lambda q: flash.reference(q, q, q, causal=True)
+  assert_close(jax.vmap(fn)(q), jax.vmap(ref)(q), f32=2e-5)
+  grad = lambda f: jax.vmap(jax.grad(lambda q: jnp.sum(f(q) ** 2)))
+  assert_close(grad(fn)(q), grad(ref)(q), f32=1e-4)
