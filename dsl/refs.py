@@ -34,13 +34,26 @@ def _static_int(x):
 
 def describe_ref_in_stack(names: dict) -> str | None:
   """Finds which of the kernel's refs is being indexed by scanning frames."""
+  def lookup(value):
+    base = getattr(value, "ref", value)
+    return names.get(id(base)) if not isinstance(base, (int, str)) else None
+
+  frames = []
   frame = sys._getframe(1)
   while frame is not None:
-    for value in frame.f_locals.values():
-      base = getattr(value, "ref", value)
-      if id(base) in names:
-        return names[id(base)]
+    frames.append(frame)
     frame = frame.f_back
+  # First the ref being indexed (JAX's indexing helpers name it), then any.
+  for frame in frames:
+    local = frame.f_locals
+    for value in (local.get("ref_or_view"), local.get("ref"),
+                  getattr(local.get("self"), "ref_or_view", None)):
+      if value is not None and (found := lookup(value)):
+        return found
+  for frame in frames:
+    for value in frame.f_locals.values():
+      if found := lookup(value):
+        return found
   return None
 
 

@@ -28,7 +28,6 @@ import dataclasses
 import enum
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax, tree_util
@@ -290,20 +289,25 @@ def _mesh_names(mesh_axes, kernel_op):
   return names if len(names) > 1 else names[0]
 
 
-def _gather_sent(value, target, mesh_axes, what):
-  """All-gathers `value` and `target` (logical ids) over the mesh; returns
-  (received value or None-mask, number of senders to this device)."""
-  names = _mesh_names(mesh_axes, what)
-  n = int(np.prod([s for _, s in mesh_axes]))
-  all_vals = lax.all_gather(value, names, tiled=False)
-  all_tgt = lax.all_gather(jnp.asarray(target, jnp.int32), names, tiled=False)
-  all_vals = all_vals.reshape((n,) + jnp.shape(value))
-  all_tgt = all_tgt.reshape((n,))
-  me = _my_logical_id(mesh_axes)
-  hits = all_tgt == me
-  count = jnp.sum(hits.astype(jnp.int32))
-  src_index = jnp.argmax(hits)
-  return all_vals[src_index], count
+class _Exchange:
+  """All-gathers over the mesh so that each device can pick what the device
+  that targets it sent (at most one sender per remote operation)."""
+
+  def __init__(self, target, mesh_axes, what):
+    self.names = _mesh_names(mesh_axes, what)
+    self.n = int(np.prod([s for _, s in mesh_axes]))
+    all_tgt = self.gather(jnp.asarray(target, jnp.int32))
+    hits = all_tgt == _my_logical_id(mesh_axes)
+    self.count = jnp.sum(hits.astype(jnp.int32))
+    self.sender = jnp.argmax(hits)
+
+  def gather(self, x):
+    x = jnp.asarray(x)
+    return lax.all_gather(x, self.names, tiled=False).reshape(
+        (self.n,) + x.shape)
+
+  def from_sender(self, x):
+    return self.gather(x)[self.sender]
 
 
 # ------------------------------------------------------------ dma_start
@@ -338,23 +342,31 @@ def _dma_start_discharge(ctx, *flat, layout, device_id_type, device_id_axes,
   val = state_discharge.transform_array(a["src"], a["src_t"])
   nbytes = _nbytes(val.shape, val.dtype)
   remote = bool(a["device_id"])
+  dst_t = a["dst_t"]
   if remote:
     target = logical_device_id(a["device_id"], device_id_type,
                                device_id_axes, mesh_axes)
-    received, count = _gather_sent(val, target, mesh_axes,
-                                   "make_async_remote_copy")
-    old = state_discharge.transform_array(a["dst"], a["dst_t"])
-    val = jnp.where(count > 0, received, old)
-    recv_amount = count * nbytes
+    ex = _Exchange(target, mesh_axes, "make_async_remote_copy")
+    # the window written is the sender's: take its indices and its data
+    leaves, tree = tree_util.tree_flatten(dst_t)
+    dst_t = tree_util.tree_unflatten(
+        tree, [ex.from_sender(leaf) for leaf in leaves])
+    received = ex.from_sender(val)
+    old = state_discharge.transform_array(a["dst"], dst_t)
+    val = jnp.where(ex.count > 0, received, old)
+    recv_amount = ex.count * nbytes
   else:
     recv_amount = nbytes
-  _, new_dst = state_discharge.transform_swap_array(a["dst"], a["dst_t"], val)
+  _, new_dst = state_discharge.transform_swap_array(a["dst"], dst_t, val)
   new[position(layout, "dst")] = new_dst
-  new[position(layout, "dst_sem")] = _sem_add(a["dst_sem"], a["dst_sem_t"],
-                                              recv_amount)
+  dst_sem = _sem_add(a["dst_sem"], a["dst_sem_t"], recv_amount)
   if a["src_sem"] is not None:
-    new[position(layout, "src_sem")] = _sem_add(a["src_sem"], a["src_sem_t"],
-                                                nbytes)
+    if a["src_sem"] is a["dst_sem"]:     # two cells of one semaphore array
+      dst_sem = _sem_add(dst_sem, a["src_sem_t"], nbytes)
+    else:
+      new[position(layout, "src_sem")] = _sem_add(a["src_sem"],
+                                                  a["src_sem_t"], nbytes)
+  new[position(layout, "dst_sem")] = dst_sem
   return new, []
 
 
@@ -407,11 +419,11 @@ def _signal_discharge(ctx, *flat, layout, kind, device_id_type,
   if a["device_id"]:
     target = logical_device_id(a["device_id"], device_id_type,
                                device_id_axes, mesh_axes)
-    names = _mesh_names(mesh_axes, "semaphore_signal")
-    all_inc = lax.all_gather(amount, names, tiled=False).reshape(-1)
-    all_tgt = lax.all_gather(target, names, tiled=False).reshape(-1)
+    ex = _Exchange(target, mesh_axes, "semaphore_signal")
+    all_tgt = ex.gather(target)
     me = _my_logical_id(mesh_axes)
-    amount = jnp.sum(jnp.where(all_tgt == me, all_inc, 0)).astype(jnp.int32)
+    amount = jnp.sum(jnp.where(all_tgt == me, ex.gather(amount), 0)).astype(
+        jnp.int32)
   new[position(layout, "sem")] = _sem_add(a["sem"], a["sem_t"], amount)
   return new, []
 

@@ -1,1 +1,40 @@
-"""lowering_mosaic: see DESIGN.md."""
+"""lowering_mosaic: kernels as Mosaic-dialect MLIR for TPUs.
+
+- `build_module(spec)`: KernelSpec -> verified MLIR module (lowering.py, rules/)
+- `check_tpu_rules(spec)`: TPU tiling / VMEM / SMEM rules (checks.py)
+- `to_mlir(f, *args)`: the module text of the pallas_calls in `f`
+- backend "mosaic": the module in a `tpu_custom_call` (TPU lowering)
+- backend "mosaic_interpret": the module run on CPU by our MLIR interpreter,
+  with simulated DMA engines, semaphores, a race checker and several devices
+  (interpreter/)
+
+Importing the package registers both backends with dsl. See docs/mosaic.md.
+"""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from lowering_mosaic.checks import check_tpu_rules  # noqa: E402
+from lowering_mosaic.inspection import dump_module, to_mlir, to_modules  # noqa: E402
+from lowering_mosaic.lowering import build_module, module_text  # noqa: E402
+from lowering_mosaic import backend as _backend  # noqa: E402,F401
+from lowering_mosaic.interpreter import (  # noqa: E402
+    InterpreterOptions, KernelDeadlockError, KernelRaceError,
+    KernelSimulationError, interpreter_options)
+
+__all__ = ["build_module", "check_tpu_rules", "dump_module", "module_text",
+           "to_mlir", "to_modules", "InterpreterOptions",
+           "KernelDeadlockError", "KernelRaceError", "KernelSimulationError",
+           "interpreter_options"]
+
+
+def __getattr__(name):
+  # `lowering_mosaic.verify(f, *args)`; imported lazily so that
+  # `python -m lowering_mosaic.verify` runs without a runpy warning.
+  if name == "verify":
+    import importlib
+    return importlib.import_module("lowering_mosaic.verify")
+  raise AttributeError(name)

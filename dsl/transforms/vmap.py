@@ -6,6 +6,8 @@ unchanged and its own `program_id(k)` numbering does not see the new dim.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -70,6 +72,8 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
                      grid=(size,) + tuple(gm.grid), in_specs=in_specs,
                      out_specs=out_specs, scratch=list(gm.scratch_avals),
                      aliases=dict(spec.input_output_aliases), suffix="vmap")
+  new = new.replace(grid_mapping=dataclasses.replace(
+      new.grid_mapping, num_hidden_axes=gm.num_hidden_axes + 1))
   outs = pallas_call_p.bind(*args, spec=new)
   return outs, [0] * len(outs)
 

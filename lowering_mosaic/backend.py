@@ -1,0 +1,202 @@
+"""The two Mosaic backends registered with dsl.
+
+- "mosaic": the module, serialized, in a `tpu_custom_call` (what a TPU runs);
+  built with `jax._src.tpu_custom_call.lower_module_to_custom_call`.
+- "mosaic_interpret": the same module run on the host by our interpreter
+  through `jax.pure_callback`. Inside `shard_map`, every operand is
+  all-gathered over the mesh, one callback simulates every device of the
+  launch (the devices' callbacks share that one simulation), and each
+  device keeps its own slice of the outputs.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+
+import jax
+import numpy as np
+from jax import lax
+from jax._src import core, sharding_impls
+from jax._src.interpreters import mlir
+
+from dsl import backends
+from dsl.errors import BackendError
+from lowering_mosaic import interpreter as interp
+from lowering_mosaic import promela
+from lowering_mosaic.inspection import dump_module, mesh_axes_of
+from lowering_mosaic.interpreter.run import cached_program, simulate
+from lowering_mosaic.lowering import (build_module_and_context, module_text,
+                                      strip_annotations)
+
+
+def _num_devices(mesh_axes) -> int:
+  return math.prod(s for _, s in mesh_axes) if mesh_axes else 1
+
+
+def mesh_axes_from_context(ctx, spec) -> tuple:
+  """((axis, size), ...) of the shard_map mesh the kernel runs in, or ()."""
+  ac = ctx.module_context.axis_context
+  if isinstance(ac, sharding_impls.SPMDAxisContext):
+    manual = set(ac.manual_axes)
+    return tuple((n, s) for n, s in mesh_axes_of(ac.mesh)
+                 if not manual or n in manual)
+  if isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices > 1:
+    raise BackendError(spec.name, "a Mosaic kernel cannot be partitioned "
+                       "automatically over several devices; call it inside "
+                       "jax.shard_map", spec.where)
+  return ()
+
+
+def _tpu_params(spec):
+  from dsl import tpu
+  p = spec.compiler_params
+  return p if isinstance(p, tpu.CompilerParams) else tpu.CompilerParams()
+
+
+# ------------------------------------------------------------ "mosaic"
+
+def mosaic_lowering(ctx, *args, spec):
+  from jax._src import tpu_custom_call
+  platforms = tuple(ctx.module_context.platforms or ())
+  if "tpu" not in platforms:
+    raise BackendError(
+        spec.name, f"backend 'mosaic' lowers for TPUs, but this computation "
+        f"is lowered for {', '.join(platforms) or 'no platform'}; use "
+        "backend='mosaic_interpret' to run the Mosaic module on the host",
+        spec.where)
+  mesh_axes = mesh_axes_from_context(ctx, spec)
+  module, lctx = build_module_and_context(spec, mesh_axes)
+  dump_module(spec, module)
+  promela.maybe_dump(module, spec.name, num_devices=_num_devices(mesh_axes))
+  params = _tpu_params(spec)
+  collective_id = params.collective_id
+  if lctx.uses_barrier and collective_id is None:
+    collective_id = 0
+  out_avals = tuple(core.ShapedArray(a.shape, a.dtype)
+                    for a in spec.grid_mapping.out_avals)
+  allow_fusion = (list(params.allow_input_fusion)
+                  if params.allow_input_fusion is not None else None)
+  return tpu_custom_call.lower_module_to_custom_call(
+      ctx, *args, module=strip_annotations(module), out_type=out_avals, kernel_name=spec.name,
+      cost_estimate=None, vmem_limit_bytes=params.vmem_limit_bytes,
+      flags=dict(params.flags) if params.flags else None,
+      allow_input_fusion=allow_fusion,
+      input_output_aliases=tuple(spec.input_output_aliases),
+      internal_scratch_in_bytes=params.internal_scratch_in_bytes,
+      collective_id=collective_id,
+      has_side_effects=bool(params.has_side_effects),
+      serialization_format=1, output_memory_spaces=None,
+      disable_bounds_checks=bool(params.disable_bounds_checks),
+      input_memory_spaces=None)
+
+
+# ------------------------------------------------------------ interpret
+
+class _SharedLaunch:
+  """The one simulation that the n device callbacks of a launch share."""
+
+  def __init__(self, n):
+    self.event = threading.Event()
+    self.remaining = n
+    self.result = None
+    self.error = None
+
+
+_SHARED: dict = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _digest(arrays) -> str:
+  h = hashlib.sha1()
+  for a in arrays:
+    a = np.ascontiguousarray(a)
+    h.update(str((a.shape, a.dtype.str)).encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def _run(key, text, per_device, out_shapes, options):
+  prog = cached_program(key, text)
+  try:
+    outs, world = simulate(prog, per_device, out_shapes, options)
+  except interp.KernelSimulationError as e:
+    interp._LAST_FAILURE.append(e)
+    raise
+  interp._REPORTS.extend(world.reports)
+  return outs
+
+
+def _shared_run(key, text, gathered, n, out_shapes, options):
+  launch_key = (key, _digest(gathered), options)
+  with _SHARED_LOCK:
+    entry = _SHARED.get(launch_key)
+    owner = entry is None
+    if owner:
+      entry = _SHARED[launch_key] = _SharedLaunch(n)
+  if owner:
+    try:
+      per_device = [[g[d] for g in gathered] for d in range(n)]
+      entry.result = _run(key, text, per_device, out_shapes, options)
+    except BaseException as e:    # every device's callback reports it
+      entry.error = e
+    finally:
+      entry.event.set()
+  else:
+    entry.event.wait()
+  with _SHARED_LOCK:
+    entry.remaining -= 1
+    if entry.remaining <= 0:
+      _SHARED.pop(launch_key, None)
+  if entry.error is not None:
+    raise entry.error
+  return entry.result
+
+
+def interpret_lowering(ctx, *args, spec):
+  mesh_axes = mesh_axes_from_context(ctx, spec)
+  module, _ = build_module_and_context(spec, mesh_axes)
+  dump_module(spec, module)
+  promela.maybe_dump(module, spec.name, num_devices=_num_devices(mesh_axes))
+  text = module_text(module, debug_info=True)
+  key = hashlib.sha1(text.encode()).hexdigest()
+  options = interp.current_options()
+  out_avals = spec.grid_mapping.out_avals
+  out_shapes = [tuple(a.shape) for a in out_avals]
+  n = math.prod(s for _, s in mesh_axes) if mesh_axes else 1
+
+  if n == 1:
+    def host(*arrays):
+      outs = _run(key, text, [[np.asarray(a) for a in arrays]], out_shapes,
+                  options)
+      return [np.asarray(o, a.dtype) for o, a in zip(outs[0], out_avals)]
+
+    def fn(*xs):
+      return jax.pure_callback(
+          host, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals],
+          *xs, vmap_method="sequential")
+  else:
+    names = tuple(nm for nm, _ in mesh_axes)
+    axis = names if len(names) > 1 else names[0]
+
+    def host(*gathered):
+      gathered = [np.asarray(g) for g in gathered]
+      outs = _shared_run(key, text, gathered, n, out_shapes, options)
+      return [np.stack([np.asarray(outs[d][k], a.dtype) for d in range(n)])
+              for k, a in enumerate(out_avals)]
+
+    def fn(*xs):
+      with core.extend_axis_env_nd(list(mesh_axes)):
+        gathered = [lax.all_gather(x, axis, tiled=False).reshape(
+            (n,) + tuple(x.shape)) for x in xs]
+        outs = jax.pure_callback(
+            host, [jax.ShapeDtypeStruct((n,) + tuple(a.shape), a.dtype)
+                   for a in out_avals], *gathered, vmap_method="sequential")
+        me = lax.axis_index(axis)
+        return [o[me] for o in outs]
+
+  return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+backends.register_backend("mosaic", mosaic_lowering)
+backends.register_backend("mosaic_interpret", interpret_lowering)

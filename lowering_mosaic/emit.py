@@ -1,0 +1,106 @@
+"""Small MLIR builders shared by the lowering rules (value level).
+
+Arrays of shape () are MLIR scalars; every other array is a `vector`.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
+
+from lowering_mosaic import dialect
+from lowering_mosaic.lowering import constant
+
+
+def is_float(dtype) -> bool:
+  return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+
+
+def is_bool(dtype) -> bool:
+  return jnp.dtype(dtype) == jnp.bool_
+
+
+def is_unsigned(dtype) -> bool:
+  return jnp.issubdtype(jnp.dtype(dtype), jnp.unsignedinteger)
+
+
+def bits(dtype) -> int:
+  return 1 if is_bool(dtype) else jnp.dtype(dtype).itemsize * 8
+
+
+def vtype(shape, dtype) -> ir.Type:
+  return dialect.value_type(tuple(shape), dtype)
+
+
+def is_vector(x: ir.Value) -> bool:
+  return isinstance(x.type, ir.VectorType)
+
+
+def broadcast_to(x: ir.Value, shape, dtype) -> ir.Value:
+  """Scalars are splatted to `shape`; vectors of that shape pass through."""
+  shape = tuple(shape)
+  if shape == () or (is_vector(x) and
+                     tuple(ir.VectorType(x.type).shape) == shape):
+    return x
+  return vector.BroadcastOp(vtype(shape, dtype), x).result
+
+
+def reshape(x: ir.Value, from_shape, to_shape, dtype) -> ir.Value:
+  """A shape cast that also goes to and from scalars."""
+  from_shape, to_shape = tuple(from_shape), tuple(to_shape)
+  if from_shape == to_shape:
+    return x
+  if to_shape == ():
+    return vector.ExtractOp(x, [], [0] * len(from_shape)).result
+  if from_shape == ():
+    return vector.BroadcastOp(vtype(to_shape, dtype), x).result
+  return vector.ShapeCastOp(vtype(to_shape, dtype), x).result
+
+
+def zeros(shape, dtype) -> ir.Value:
+  return constant(0, shape, dtype)
+
+
+def convert(x: ir.Value, shape, src, dst) -> ir.Value:
+  """`convert_element_type` between float, integer and bool types."""
+  src, dst = jnp.dtype(src), jnp.dtype(dst)
+  if src == dst:
+    return x
+  t = vtype(shape, dst)
+  if is_bool(dst):
+    zero = zeros(shape, src)
+    if is_float(src):
+      return arith.CmpFOp(arith.CmpFPredicate.UNE, x, zero).result
+    return arith.CmpIOp(arith.CmpIPredicate.ne, x, zero).result
+  if is_float(src) and is_float(dst):
+    if bits(dst) > bits(src):
+      return arith.ExtFOp(t, x).result
+    if bits(dst) < bits(src):
+      return arith.TruncFOp(t, x).result
+    return arith.TruncFOp(t, arith.ExtFOp(vtype(shape, jnp.float32),
+                                          x).result).result
+  if is_float(src):        # float -> int
+    if is_unsigned(dst):
+      return arith.FPToUIOp(t, x).result
+    return arith.FPToSIOp(t, x).result
+  if is_float(dst):        # int -> float
+    if is_unsigned(src) or is_bool(src):
+      return arith.UIToFPOp(t, x).result
+    return arith.SIToFPOp(t, x).result
+  # int -> int
+  if bits(dst) > bits(src):
+    if is_unsigned(src) or is_bool(src):
+      return arith.ExtUIOp(t, x).result
+    return arith.ExtSIOp(t, x).result
+  if bits(dst) < bits(src):
+    return arith.TruncIOp(t, x).result
+  return x                 # same width, signedness only
+
+
+def select(pred, on_true, on_false) -> ir.Value:
+  return arith.SelectOp(pred, on_true, on_false).result
+
+
+def np_dtype(dtype):
+  return np.dtype(jnp.dtype(dtype))

@@ -1,0 +1,297 @@
+"""Runs a Mosaic module on CPU: the grid loop, block pipeline and devices.
+
+The grid loop does what Mosaic's pipeline does around the kernel body: for
+each grid point (row-major order; "parallel" dims too), it evaluates every
+blocked operand's `@transform_k` to get its block index; when the index
+changed since the previous step, an input block is copied from the operand's
+HBM array into its VMEM buffer and an output block is written back and the
+new one read in (so revisiting an output block over consecutive steps
+accumulates, and aliased outputs keep unwritten blocks). Partial edge
+blocks are zero-filled on the way in and clipped on the way out. Scratch
+buffers persist over the whole grid; everything starts at zero.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+from jax._src.lib.mlir import ir
+
+from lowering_mosaic import dialect
+from lowering_mosaic.interpreter.memory import Buffer, MemRef
+from lowering_mosaic.interpreter.program import (CFunc, Frame, compile_module,
+                                                 run_block, run_to_end)
+from lowering_mosaic.interpreter.simulator import (PREEMPT,
+                                                   InterpreterOptions, World)
+
+
+@dataclasses.dataclass
+class Window:
+  transform: str | None        # None: the whole array (pl.ANY)
+  bounds: tuple = ()
+  element_dims: tuple = ()
+  padding_low: tuple = ()
+
+
+@dataclasses.dataclass
+class KernelProgram:
+  name: str
+  funcs: dict
+  grid: tuple
+  num_prefetch: int
+  num_inputs: int
+  num_outputs: int
+  num_scratch: int
+  windows: list
+  arg_types: list               # memref types after the grid ids
+  operand_names: list
+  aliases: list                 # [(operand index, output index)]
+
+  @property
+  def main(self) -> CFunc:
+    return self.funcs["main"]
+
+
+def _i64s(attr):
+  return tuple(int(x) for x in ir.DenseI64ArrayAttr(attr))
+
+
+def program_from_module(module: ir.Module) -> KernelProgram:
+  funcs = compile_module(module)
+  main = funcs["main"]
+  a = main.attrs
+  grid = _i64s(a["iteration_bounds"]) if "iteration_bounds" in a else ()
+  n_pf = ir.IntegerAttr(a["scalar_prefetch"]).value
+  n_sc = ir.IntegerAttr(a["scratch_operands"]).value
+  windows = []
+  for w in ir.ArrayAttr(a["window_params"]):
+    d = ir.DictAttr(w)
+    if "transform_indices" not in d:
+      windows.append(Window(None))
+      continue
+    elem = _i64s(d["dsl.element_dims"]) if "dsl.element_dims" in d else ()
+    pad = (_i64s(d["dsl.element_padding_low"])
+           if "dsl.element_padding_low" in d else ())
+    windows.append(Window(ir.FlatSymbolRefAttr(d["transform_indices"]).value,
+                          _i64s(d["window_bounds"]), elem, pad))
+  n_ops = len(windows)
+  n_in = (ir.IntegerAttr(a["dsl.num_inputs"]).value
+          if "dsl.num_inputs" in a else n_ops - 1)
+  names = ([ir.StringAttr(s).value for s in ir.ArrayAttr(a["dsl.operand_names"])]
+           if "dsl.operand_names" in a else [])
+  aliases = []
+  if "dsl.input_output_aliases" in a:
+    flat = _i64s(a["dsl.input_output_aliases"])
+    aliases = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+  name = (ir.StringAttr(a["dsl.kernel_name"]).value
+          if "dsl.kernel_name" in a else "kernel")
+  return KernelProgram(name, funcs, grid, n_pf, n_in, n_ops - n_in, n_sc,
+                       windows, main.arg_types[len(grid):], names[len(grid):],
+                       aliases)
+
+
+# ------------------------------------------------------------ buffers
+
+def _space(t) -> str:
+  return dialect.memref_space(t)
+
+
+def _zeros_for(t) -> np.ndarray:
+  mt = ir.MemRefType(t)
+  if dialect.semaphore_kind_of(t):
+    return np.zeros(tuple(mt.shape), np.int64)
+  return np.zeros(tuple(mt.shape), dialect.numpy_dtype(mt.element_type))
+
+
+def _name(prog, k, default):
+  return prog.operand_names[k] if k < len(prog.operand_names) else default
+
+
+@dataclasses.dataclass
+class Operand:
+  index: int
+  is_output: bool
+  window: Window
+  hbm: Buffer
+  block: Buffer | None
+  current: tuple | None = None
+
+
+def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
+                  out_shapes):
+  """Buffers of one device; returns (kernel args, operands)."""
+  device = world.devices[dev]
+  n_pf = prog.num_prefetch
+  args, operands = [], []
+  for i in range(n_pf):
+    t = prog.arg_types[i]
+    arr = np.array(inputs[i], dtype=dialect.numpy_dtype(
+        ir.MemRefType(t).element_type)).reshape(tuple(ir.MemRefType(t).shape))
+    buf = device.add(Buffer(_name(prog, i, f"scalar prefetch {i}"),
+                            ("prefetch", i), arr, dialect.SMEM, dev))
+    args.append(MemRef(buf))
+  hbm = {}
+  n_in = prog.num_inputs
+  alias_of = {o: i for i, o in prog.aliases}
+  for k, win in enumerate(prog.windows):
+    t = prog.arg_types[n_pf + k]
+    name = _name(prog, n_pf + k, f"operand {k}")
+    is_out = k >= n_in
+    if not is_out:
+      arr = np.array(inputs[n_pf + k], copy=True)
+    else:
+      src = alias_of.get(k - n_in)
+      arr = None
+      if src is not None and src >= n_pf:
+        # the output shares the aliased input's HBM buffer
+        hbm[k] = hbm[src - n_pf]
+      elif src is not None:
+        arr = np.array(inputs[src], copy=True)
+      if arr is None and k not in hbm:
+        arr = np.zeros(out_shapes[k - n_in], _dtype(t))
+    if k not in hbm:
+      hbm[k] = device.add(Buffer(f"{name} (HBM)", ("hbm", k), arr,
+                                 dialect.ANY, dev))
+    if win.transform is None:
+      operands.append(Operand(k, is_out, win, hbm[k], None))
+      args.append(MemRef(hbm[k]))
+    else:
+      blk = device.add(Buffer(f"{name} block", ("block", k), _zeros_for(t),
+                              _space(t), dev))
+      operands.append(Operand(k, is_out, win, hbm[k], blk))
+      args.append(MemRef(blk))
+  for i in range(prog.num_scratch):
+    t = prog.arg_types[n_pf + len(prog.windows) + i]
+    kind = dialect.semaphore_kind_of(t)
+    buf = device.add(Buffer(f"scratch_shapes[{i}]", ("scratch", i),
+                            _zeros_for(t), _space(t), dev, kind))
+    args.append(MemRef(buf))
+  device.add(Buffer("barrier semaphore", "barrier", np.zeros((), np.int64),
+                    "semaphore_mem", dev, "regular"))
+  return args, operands
+
+
+def _dtype(t):
+  return dialect.numpy_dtype(ir.MemRefType(t).element_type)
+
+
+# ------------------------------------------------------------ pipeline
+
+def _window_box(op: Operand, idx):
+  """(starts, sizes) of the block in the HBM array (may leave it)."""
+  win = op.window
+  starts = []
+  for d, (i, b) in enumerate(zip(idx, win.bounds)):
+    if d in win.element_dims:
+      lo = win.padding_low[win.element_dims.index(d)]
+      starts.append(int(i) - lo)
+    else:
+      starts.append(int(i) * b)
+  return starts, list(win.bounds)
+
+
+def _clip(starts, sizes, shape):
+  src, dst = [], []
+  for s, n, full in zip(starts, sizes, shape):
+    lo, hi = max(s, 0), min(s + n, full)
+    if hi <= lo:
+      return None
+    src.append(slice(lo, hi))
+    dst.append(slice(lo - s, hi - s))
+  return tuple(src), tuple(dst)
+
+
+def _copy_in(world, op: Operand, idx, line):
+  starts, sizes = _window_box(op, idx)
+  hbm = op.hbm.array
+  full = np.zeros(sizes, hbm.dtype)
+  clipped = _clip(starts, sizes, hbm.shape)
+  if clipped is not None:
+    src, dst = clipped
+    box = (tuple(s.start for s in src), tuple(s.stop - s.start for s in src))
+    world.check_access(op.hbm, box, False, line, "read by the grid pipeline")
+    full[dst] = hbm[src]
+  blk = op.block
+  world.check_access(blk, ((0,) * blk.array.ndim, blk.array.shape), True,
+                     line, "overwritten by the grid pipeline")
+  blk.array[...] = full.reshape(blk.array.shape)
+
+
+def _copy_out(world, op: Operand, idx, line):
+  starts, sizes = _window_box(op, idx)
+  blk = op.block
+  world.check_access(blk, ((0,) * blk.array.ndim, blk.array.shape), False,
+                     line, "written back by the grid pipeline")
+  clipped = _clip(starts, sizes, op.hbm.array.shape)
+  if clipped is None:
+    return
+  src, dst = clipped
+  op.hbm.array[src] = blk.array.reshape(sizes)[dst]
+
+
+def device_program(world: World, prog: KernelProgram, dev: int, args,
+                   operands):
+  """The whole grid on one device (a generator for the scheduler)."""
+  main = prog.main
+  n_pf = prog.num_prefetch
+  prefetch = args[:n_pf]
+  line = f"the grid pipeline of kernel '{prog.name}'"
+  for point in np.ndindex(*prog.grid):
+    ids = [np.int32(i) for i in point]
+    for op in operands:
+      if op.block is None:
+        continue
+      f = prog.funcs[op.window.transform]
+      tframe = Frame(world, dev, prog.name)
+      idx = tuple(int(x) for x in run_to_end(
+          run_block(tframe, f.block, ids + prefetch)))
+      if idx == op.current:
+        continue
+      if op.is_output and op.current is not None:
+        _copy_out(world, op, op.current, line)
+      _copy_in(world, op, idx, line)
+      op.current = idx
+    frame = Frame(world, dev, prog.name)
+    yield from run_block(frame, main.block, ids + args)
+    yield PREEMPT
+  for op in operands:
+    if op.is_output and op.block is not None and op.current is not None:
+      _copy_out(world, op, op.current, line)
+
+
+def simulate(prog: KernelProgram, per_device_inputs, out_shapes,
+             options: InterpreterOptions):
+  """Runs the kernel on len(per_device_inputs) devices; returns the outputs
+  of every device (list per device)."""
+  out_shapes = [tuple(s) for s in out_shapes]
+  n = len(per_device_inputs)
+  world = World(n, options, prog.name)
+  setups = [_setup_device(world, prog, d, per_device_inputs[d], out_shapes)
+            for d in range(n)]
+  with np.errstate(all="ignore"):
+    world.run(device_program(world, prog, d, args, ops)
+              for d, (args, ops) in enumerate(setups))
+  outs = []
+  for args, ops in setups:
+    outs.append([np.array(op.hbm.array) for op in ops if op.is_output])
+  return outs, world
+
+
+# ------------------------------------------------------------ program cache
+
+_PROGRAMS: dict = {}
+_LOCK = threading.Lock()
+
+
+def cached_program(key, module_text: str) -> KernelProgram:
+  with _LOCK:
+    prog = _PROGRAMS.get(key)
+    if prog is None:
+      ctx = dialect.make_context()
+      with ctx:
+        module = ir.Module.parse(module_text)
+        prog = program_from_module(module)
+      prog.context, prog.module = ctx, module   # keep them alive
+      _PROGRAMS[key] = prog
+    return prog

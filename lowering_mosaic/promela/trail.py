@@ -1,0 +1,493 @@
+"""Counterexample trails in the kernel's own terms.
+
+A model file describes itself (builder.py writes the tables into its header
+comment): `@@stmt id line | what`, `@@buf`, `@@sem`, `@@proc`, and every
+statement line ends with `/* @sN ... */`. `ModelInfo.parse(text)` reads
+that back, and `translate(info, replay_output)` turns the output of
+`spin -t -p -g model.pml` into `TrailStep`s, the blocked processes of a
+deadlock, and a one-paragraph message naming buffers, semaphores, devices
+and kernel source lines.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Optional
+
+from lowering_mosaic.promela import builder as B
+from lowering_mosaic.promela.report import TrailStep
+
+
+def display_line(line: Optional[str]) -> Optional[str]:
+  """'file:line' with the file relative to the working directory when it
+  lies below it."""
+  if not line:
+    return line
+  path, _, num = line.rpartition(":")
+  try:
+    rel = os.path.relpath(path)
+  except ValueError:
+    return line
+  return f"{rel}:{num}" if not rel.startswith("..") else line
+
+
+# ------------------------------------------------------------ expressions
+
+_TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_]\w*)|(->|<<|>>|<=|>=|==|!=|&&|"
+                    r"\|\||[-+*/%<>&|^!():]))")
+_BINARY = {"||": 2, "&&": 3, "|": 4, "^": 5, "&": 6, "==": 7, "!=": 7,
+           "<": 8, "<=": 8, ">": 8, ">=": 8, "<<": 9, ">>": 9, "+": 10,
+           "-": 10, "*": 11, "/": 11, "%": 11}
+
+
+def _c_div(a, b):
+  q = abs(a) // abs(b)
+  return q if (a >= 0) == (b >= 0) else -q
+
+
+_APPLY = {
+    "||": lambda a, b: int(bool(a) or bool(b)),
+    "&&": lambda a, b: int(bool(a) and bool(b)),
+    "|": lambda a, b: a | b, "^": lambda a, b: a ^ b, "&": lambda a, b: a & b,
+    "==": lambda a, b: int(a == b), "!=": lambda a, b: int(a != b),
+    "<": lambda a, b: int(a < b), "<=": lambda a, b: int(a <= b),
+    ">": lambda a, b: int(a > b), ">=": lambda a, b: int(a >= b),
+    "<<": lambda a, b: a << b, ">>": lambda a, b: a >> b,
+    "+": lambda a, b: a + b, "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b, "/": _c_div,
+    "%": lambda a, b: a - b * _c_div(a, b),
+}
+
+
+def evaluate(text: str, env: dict) -> Optional[int]:
+  """The value of a Promela expression (the subset the builder writes:
+  integers, variables, C operators, `(c -> a : b)`), or None."""
+  toks, pos = [], 0
+  while pos < len(text):
+    m = _TOKEN.match(text, pos)
+    if not m or m.end() == pos:
+      if text[pos:].strip():
+        return None
+      break
+    toks.append(m.group(1) or m.group(2) or m.group(3))
+    pos = m.end()
+  k = [0]
+
+  def peek():
+    return toks[k[0]] if k[0] < len(toks) else None
+
+  def take():
+    k[0] += 1
+    return toks[k[0] - 1]
+
+  def atom():
+    t = take()
+    if t == "(":
+      v = expr(0)
+      if peek() == "->":
+        take()
+        a = expr(0)
+        if take() != ":":
+          raise ValueError
+        b = expr(0)
+        v = a if v else b
+      if take() != ")":
+        raise ValueError
+      return v
+    if t == "-":
+      return -atom()
+    if t == "!":
+      return int(not atom())
+    if t.isdigit():
+      return int(t)
+    if t in env:
+      return int(env[t])
+    raise KeyError(t)
+
+  def expr(level):
+    v = atom()
+    while peek() in _BINARY and _BINARY[peek()] > level:
+      op = take()
+      v = _APPLY[op](v, expr(_BINARY[op]))
+    return v
+
+  try:
+    v = expr(0)
+    return v if k[0] == len(toks) else None
+  except (KeyError, ValueError, IndexError, ZeroDivisionError):
+    return None
+
+
+def render(what: str, env: Optional[dict]) -> str:
+  """Replaces each `{expression}` of a statement's text by its value in
+  `env` (the process's variables at that step); keeps the text otherwise."""
+  def one(m):
+    v = evaluate(m.group(1), env) if env is not None else None
+    return str(v) if v is not None else m.group(1)
+  return re.sub(r"\{([^{}]*)\}", one, what)
+
+
+@dataclasses.dataclass
+class BufInfo:
+  base: int
+  owners: int
+  scope: str
+  name: str
+
+
+@dataclasses.dataclass
+class SemInfo:
+  base: int
+  count: int
+  owners: int
+  scope: str
+  kind: str
+  remote_recv: bool
+  name: str
+
+
+@dataclasses.dataclass
+class ModelInfo:
+  kernel: str = "kernel"
+  devices: int = 1
+  par: int = 1
+  stmts: dict = dataclasses.field(default_factory=dict)    # id -> (line, what)
+  bufs: list = dataclasses.field(default_factory=list)
+  sems: list = dataclasses.field(default_factory=list)
+  procs: dict = dataclasses.field(default_factory=dict)    # pid -> text
+  proc_args: dict = dataclasses.field(default_factory=dict)  # pid -> {var: v}
+  line_stmt: dict = dataclasses.field(default_factory=dict)  # pml line -> id
+  notes: list = dataclasses.field(default_factory=list)
+
+  @classmethod
+  def parse(cls, text: str) -> "ModelInfo":
+    info = cls()
+    for n, line in enumerate(text.splitlines(), start=1):
+      m = re.search(r"/\* @s(\d+) ", line)
+      if m:
+        info.line_stmt[n] = int(m.group(1))
+        continue
+      m = re.match(r"\s*\* @@model (.*)", line)
+      if m:
+        kv = dict(p.split("=", 1) for p in m.group(1).split())
+        info.kernel = kv.get("kernel", "kernel")
+        info.devices = int(kv.get("devices", 1))
+        info.par = int(kv.get("par", 1))
+        continue
+      m = re.match(r"\s*\* @@stmt (\d+) (\S+) \| (.*)", line)
+      if m:
+        src = None if m.group(2) == "-" else m.group(2)
+        info.stmts[int(m.group(1))] = (src, m.group(3))
+        continue
+      m = re.match(r"\s*\* @@buf (\d+) (\d+) (\w+) \d+ \| (.*)", line)
+      if m:
+        info.bufs.append(BufInfo(int(m.group(1)), int(m.group(2)),
+                                 m.group(3), m.group(4)))
+        continue
+      m = re.match(r"\s*\* @@sem (\d+) (\d+) (\d+) (\w+) (\w+) (\d) \| (.*)",
+                   line)
+      if m:
+        info.sems.append(SemInfo(int(m.group(1)), int(m.group(2)),
+                                 int(m.group(3)), m.group(4), m.group(5),
+                                 m.group(6) == "1", m.group(7)))
+        continue
+      m = re.match(r"\s*\* @@proc (\d+) ((?:\w+=-?\d+ )*)\| (.*)", line)
+      if m:
+        pid = int(m.group(1))
+        info.procs[pid] = m.group(3)
+        info.proc_args[pid] = {k: int(v) for k, v in (
+            a.split("=") for a in m.group(2).split())}
+        continue
+      m = re.match(r"\s*\* note: (.*)", line)
+      if m:
+        info.notes.append(m.group(1))
+    return info
+
+  # -------------------------------------------------------- naming
+
+  def line(self, stmt: int) -> Optional[str]:
+    return display_line(self.stmts.get(stmt, (None, ""))[0])
+
+  def what(self, stmt: int, env: Optional[dict] = None) -> str:
+    return render(self.stmts.get(stmt, (None, f"statement {stmt}"))[1], env)
+
+  def at(self, stmt: int, env: Optional[dict] = None) -> str:
+    return f"{self.line(stmt) or '?'} ({self.what(stmt, env)})"
+
+  def pid_of(self, inst: int) -> Optional[int]:
+    for pid, args in self.proc_args.items():
+      if "inst" in args and args["inst"] == inst:
+        return pid
+    return None
+
+  def instance(self, inst: int) -> str:
+    dev, p = divmod(inst, max(self.par, 1))
+    return f"device {dev}" + (f" (grid point {p})" if self.par > 1 else "")
+
+  def issuer(self, inst1: int) -> str:
+    return self.instance(inst1 - 1) if inst1 > 0 else "a device"
+
+  def owner(self, fin: int) -> str:
+    """An entered[]/gone[] index: an instance, or NINST + device."""
+    ninst = self.devices * self.par
+    if fin >= ninst:
+      return f"device {fin - ninst}"
+    return self.instance(fin)
+
+  def region(self, reg: int) -> str:
+    for b in self.bufs:
+      if b.base <= reg < b.base + b.owners:
+        k = reg - b.base
+        who = f"device {k}" if b.scope == "device" else self.instance(k)
+        return f"{who}'s {b.name}"
+    return f"buffer region {reg}"
+
+  def sem(self, idx: int) -> tuple[str, Optional[SemInfo]]:
+    for s in self.sems:
+      if s.base <= idx < s.base + s.count * s.owners:
+        owner, elem = divmod(idx - s.base, s.count)
+        who = f"device {owner}" if s.scope == "device" else self.instance(owner)
+        name = s.name + (f"[{elem}]" if s.count > 1 else "")
+        return f"{who}'s {name}", s
+    return f"semaphore {idx}", None
+
+
+# ------------------------------------------------------------ replay output
+
+_STEP = re.compile(r"^\s*(\d+):\s+proc\s+(\d+)\s+\(([^)]*)\)\s+(\S+?):(\d+)\s+"
+                   r"\(state\s+\d+\)\s*(.*)$")
+_ERR = re.compile(r"@@E ((?:-?\d+\s*)+)")
+_DMA = re.compile(r"@@D (read|land) (-?\d+) (-?\d+)(?: (-?\d+))?")
+_SLOT = re.compile(r"@@S (\d+) (\d+)")
+
+
+@dataclasses.dataclass
+class Translation:
+  steps: list
+  blocked: list
+  error: Optional[list]       # the @@E numbers
+  error_pid: Optional[int]
+  message: str
+  error_line: Optional[str]
+
+
+_LOCAL = re.compile(r"^\s+\w+\((\d+)\):(\w+) = (-?\d+)")
+
+
+class _Texts:
+  """Statement texts with their `{expressions}` evaluated as each process
+  had them when it ran the statement."""
+
+  def __init__(self, info: ModelInfo):
+    self.info = info
+    self.envs = {pid: dict(a) for pid, a in info.proc_args.items()}
+    self.seen: dict = {}
+    self.slots: dict = {}      # DMA queue slot -> (stmt, text) of its DMA
+
+  def started(self, slot: int, stmt: int, pid: Optional[int]):
+    self.slots[slot] = (stmt, self.what(stmt, pid))
+
+  def dma_what(self, stmt: int, slot: Optional[int], pid: Optional[int]):
+    got = self.slots.get(slot)
+    if got is not None and got[0] == stmt:
+      return got[1]
+    return self.what(stmt, pid)
+
+  def dma_at(self, stmt: int, slot: Optional[int], pid: Optional[int]) -> str:
+    return f"{self.info.line(stmt) or '?'} ({self.dma_what(stmt, slot, pid)})"
+
+  def run(self, stmt: int, pid: int) -> str:
+    text = self.info.what(stmt, self.envs.get(pid))
+    self.seen[(stmt, pid)] = text
+    return text
+
+  def what(self, stmt: int, pid: Optional[int]) -> str:
+    if (stmt, pid) in self.seen:
+      return self.seen[(stmt, pid)]
+    return self.info.what(stmt, self.envs.get(pid))
+
+  def at(self, stmt: int, pid: Optional[int]) -> str:
+    return f"{self.info.line(stmt) or '?'} ({self.what(stmt, pid)})"
+
+
+def translate(info: ModelInfo, output: str, kind: str) -> Translation:
+  """Reads `spin -t -p -l` output of a trail of this model."""
+  texts = _Texts(info)
+  steps: list[TrailStep] = []
+  error = None
+  error_pid = None
+  last_key = None
+  last_pid = None
+  final = False
+  finals = []
+  for raw in output.splitlines():
+    if raw.startswith("#processes"):
+      final = True
+      continue
+    m = _ERR.search(raw)
+    if m and error is None:
+      error = [int(x) for x in m.group(1).split()]
+      continue
+    m = _SLOT.search(raw)
+    if m and not final:
+      texts.started(int(m.group(1)), int(m.group(2)), last_pid)
+      continue
+    m = _DMA.search(raw)
+    if m and not final:
+      stmt, inst1 = int(m.group(2)), int(m.group(3))
+      slot = int(m.group(4)) if m.group(4) is not None else None
+      desc = texts.dma_what(stmt, slot, info.pid_of(inst1 - 1))
+      what = (f"has read the source of: {desc} (send semaphore signalled)"
+              if m.group(1) == "read" else f"lands: {desc}")
+      steps.append(TrailStep(f"DMA engine of {info.issuer(inst1).split(' (')[0]}",
+                             info.line(stmt), what))
+      last_key = None
+      continue
+    m = _STEP.match(raw)
+    if m:
+      pid, pml_line, rest = int(m.group(2)), int(m.group(5)), m.group(6)
+      if not final:
+        last_pid = pid
+      if final:
+        finals.append((pid, pml_line, "<valid end state>" in rest))
+        continue
+      if error is not None:
+        if error_pid is None:
+          error_pid = pid
+        continue              # the rest of the failing atomic step
+      stmt = info.line_stmt.get(pml_line)
+      if stmt is None:
+        continue
+      key = (pid, stmt, m.group(1))   # one atomic step shares its number
+      if key == last_key:
+        continue
+      last_key = key
+      steps.append(TrailStep(info.procs.get(pid, f"process {pid}"),
+                             info.line(stmt), texts.run(stmt, pid)))
+      continue
+    m = _LOCAL.match(raw)
+    if m and not final:
+      texts.envs.setdefault(int(m.group(1)), {})[m.group(2)] = int(m.group(3))
+  blocked = []
+  for pid, pml_line, valid in finals:
+    if valid:
+      continue
+    stmt = info.line_stmt.get(pml_line)
+    desc = info.procs.get(pid, f"process {pid}")
+    if stmt is None:
+      blocked.append(TrailStep(desc, None, "ends"))
+    else:
+      blocked.append(TrailStep(desc, info.line(stmt),
+                               "blocked: " + texts.what(stmt, pid)))
+  message, line = _message(info, texts, kind, error, error_pid, blocked)
+  return Translation(steps, blocked, error, error_pid, message, line)
+
+
+def _message(info: ModelInfo, texts: _Texts, kind, error, pid, blocked):
+  actor = info.procs.get(pid, "a process") if pid is not None else "a process"
+  actor = actor.replace(" kernel", "")
+  if kind == "deadlock":
+    if not blocked:
+      return "deadlock: some process can never finish", None
+    parts = [f"{b.process} waits forever at {b.line or '?'} "
+             f"({b.what.removeprefix('blocked: ')})" for b in blocked]
+    return "deadlock: " + "; ".join(parts), blocked[0].line
+  if not error:
+    return "", None
+  code, args = error[0], error[1:]
+
+  def a(k):
+    return args[k] if k < len(args) else 0
+
+  if code in (B.E_READ_VS_DMA_WRITE, B.E_WRITE_VS_DMA_WRITE,
+              B.E_WRITE_VS_DMA_READ, B.E_DMA_SRC_VS_DMA_WRITE,
+              B.E_DMA_DST_VS_DMA_WRITE, B.E_DMA_DST_VS_DMA_READ,
+              B.E_PIPELINE_VS_DMA_WRITE, B.E_PIPELINE_VS_DMA_READ,
+              B.E_SCOPE_VS_DMA_WRITE, B.E_SCOPE_VS_DMA_READ):
+    stmt, dma, inst1, reg, slot = a(0), a(1), a(2), a(3), a(4)
+    buf = info.region(reg)
+    dma_side = ("writing into it" if code in (
+        B.E_READ_VS_DMA_WRITE, B.E_WRITE_VS_DMA_WRITE,
+        B.E_DMA_SRC_VS_DMA_WRITE, B.E_DMA_DST_VS_DMA_WRITE,
+        B.E_PIPELINE_VS_DMA_WRITE, B.E_SCOPE_VS_DMA_WRITE)
+        else "reading from it")
+    at = f" at {texts.at(stmt, pid)}"
+    doing = {
+        B.E_READ_VS_DMA_WRITE: f"{actor} reads {buf}{at}",
+        B.E_WRITE_VS_DMA_WRITE: f"{actor} writes {buf}{at}",
+        B.E_WRITE_VS_DMA_READ: f"{actor} overwrites {buf}{at}",
+        B.E_DMA_SRC_VS_DMA_WRITE: f"{actor} starts a DMA out of {buf}{at}",
+        B.E_DMA_DST_VS_DMA_WRITE: f"{actor} starts a DMA into {buf}{at}",
+        B.E_DMA_DST_VS_DMA_READ: f"{actor} starts a DMA into {buf}{at}",
+        B.E_PIPELINE_VS_DMA_WRITE: f"the pipeline copies the block {buf} "
+                                   "in/out at the end of a grid step",
+        B.E_PIPELINE_VS_DMA_READ: f"the pipeline copies the block {buf} "
+                                  "in/out at the end of a grid step",
+        B.E_SCOPE_VS_DMA_WRITE: f"{actor} frees {buf} when its run_scoped "
+                                f"ends at {info.line(stmt) or '?'}",
+        B.E_SCOPE_VS_DMA_READ: f"{actor} frees {buf} when its run_scoped "
+                               f"ends at {info.line(stmt) or '?'}",
+    }[code]
+    return (f"race: {doing} while the DMA started at "
+            f"{texts.dma_at(dma, slot, info.pid_of(inst1 - 1))} by "
+            f"{info.issuer(inst1)} is still {dma_side}"), info.line(stmt)
+  if code == B.E_LAND_AFTER_EXIT:
+    dma, inst1, fin, slot = a(0), a(1), a(2), a(3)
+    return (f"race: {info.owner(fin)} left the kernel while {info.issuer(inst1)} "
+            f"still wrote into it: the DMA started at "
+            f"{texts.dma_at(dma, slot, info.pid_of(inst1 - 1))} lands "
+            "after it ended"), info.line(dma)
+  if code == B.E_LAND_BEFORE_ENTRY:
+    dma, inst1, fin, slot = a(0), a(1), a(2), a(3)
+    return (f"race: the DMA started at "
+            f"{texts.dma_at(dma, slot, info.pid_of(inst1 - 1))}"
+            f" by {info.issuer(inst1)} "
+            f"lands in {info.owner(fin)} before that device entered the "
+            "kernel (its buffers may still belong to the previous op); make "
+            "the devices meet on the barrier semaphore first"), info.line(dma)
+  if code == B.E_EXIT_OWN_DMA:
+    dma, inst, slot = a(0), a(1), a(3)
+    return (f"semaphore: {info.instance(inst)} leaves the kernel while its DMA "
+            f"started at {texts.dma_at(dma, slot, info.pid_of(inst))} is "
+            "still in "
+            "flight: it was never "
+            "waited for, and its semaphore will be left non-zero"
+            ), info.line(dma)
+  if code == B.E_EXIT_PEER_DMA:
+    dma, inst1, fin, slot = a(0), a(1), a(2), a(3)
+    return (f"race: {info.owner(fin)} leaves the kernel while the DMA started "
+            f"at {texts.dma_at(dma, slot, info.pid_of(inst1 - 1))} by "
+            f"{info.issuer(inst1)}"
+            " still writes into it"
+            ), info.line(dma)
+  if code in (B.E_EXIT_SEM, B.E_EXIT_RECV_SEM):
+    idx, value, fin = a(0), a(1), a(2)
+    name, s = info.sem(idx)
+    if code == B.E_EXIT_RECV_SEM:
+      return (f"race: {info.owner(fin)} leaves the kernel with {name} at "
+              f"{value}: a peer's DMA into it was never waited for (the "
+              "device left while the peer still wrote into it)"), None
+    return (f"semaphore: {name} is {value}, not 0, when {info.owner(fin)} "
+            "leaves the kernel (a DMA never waited for, or more signals than "
+            "waits)"), None
+  if code == B.E_SCOPE_SEM:
+    idx, value = a(0), a(1)
+    name, _ = info.sem(idx)
+    return (f"semaphore: {name} is {value}, not 0, at the end of its "
+            "run_scoped"), None
+  if code == B.E_SIGNAL_AFTER_EXIT:
+    stmt, fin = a(0), a(1)
+    return (f"semaphore: {actor} signals {info.owner(fin)} at {texts.at(stmt, pid)} "
+            "after that device left the kernel (more signals than waits)"
+            ), info.line(stmt)
+  if code == B.E_SIGNAL_BEFORE_ENTRY:
+    stmt, fin = a(0), a(1)
+    return (f"race: {actor} signals {info.owner(fin)} at {texts.at(stmt, pid)} "
+            "before that device entered the kernel; meet on the barrier "
+            "semaphore first"), info.line(stmt)
+  if code == B.E_BAD_DEVICE:
+    stmt, dev = a(0), a(1)
+    return (f"error: {actor} names device {dev} at {texts.at(stmt, pid)}, but there "
+            f"are {info.devices} devices"), info.line(stmt)
+  return f"error code {code} {args}", None

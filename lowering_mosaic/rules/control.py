@@ -1,0 +1,152 @@
+"""Control flow -> `scf`; calls are inlined; `run_scoped` -> `tpu.region`.
+
+- `cond` -> `scf.if` (a chain of them for more than two branches)
+- `scan` without xs/ys (what `fori_loop` and `pl.loop` make) -> `scf.for`
+  over i32
+- `while` -> `scf.while`
+- `pjit`/`closed_call`/`custom_jvp_call`/`custom_vjp_call` -> inlined
+- `run_scoped` -> `tpu.region` holding `memref.alloca` (VMEM/SMEM) and
+  `tpu.sem_alloc` (semaphores) for the scoped refs
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax._src import core
+from jax._src.lib import tpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, scf
+
+from dsl import primitives as dsl_primitives
+from dsl.tpu_primitives import SemaphoreSpace
+from lowering_mosaic import dialect, emit
+from lowering_mosaic.lowering import RefVal, constant, i32_const
+from lowering_mosaic.rules import register
+
+
+def _result_types(ctx, avals):
+  types = []
+  for a in avals:
+    if not hasattr(a, "shape") or hasattr(a, "inner_aval"):
+      raise ctx.error("cannot return refs from control flow")
+    types.append(emit.vtype(a.shape, a.dtype))
+  return types
+
+
+def _closed(j):
+  if isinstance(j, core.ClosedJaxpr):
+    return j.jaxpr, j.consts
+  return j, ()
+
+
+def _lower_branch(ctx, branch, args):
+  jaxpr, consts = _closed(branch)
+  return ctx.lower_sub(jaxpr, consts, args)
+
+
+@register("cond")
+def _cond(ctx, index, *args, branches, **params):
+  out_types = _result_types(ctx, ctx.avals_out)
+  idx_aval = ctx.avals_in[0]
+
+  def build(k):
+    """Branch k unless k is the last one; returns the results."""
+    if k == len(branches) - 1:
+      return _lower_branch(ctx, branches[k], args)
+    if emit.is_bool(idx_aval.dtype):
+      pred = arith.XOrIOp(index, constant(True, (), jnp.bool_)).result
+    else:
+      pred = arith.CmpIOp(arith.CmpIPredicate.eq, index,
+                          constant(k, (), idx_aval.dtype)).result
+    op = scf.IfOp(pred, out_types, has_else=True)
+    with ir.InsertionPoint(op.then_block):
+      scf.YieldOp(_lower_branch(ctx, branches[k], args))
+    with ir.InsertionPoint(op.else_block):
+      scf.YieldOp(build(k + 1))
+    return list(op.results)
+
+  if len(branches) == 1:
+    return _lower_branch(ctx, branches[0], args)
+  return build(0)
+
+
+def _scan_parts(args, params):
+  if "ft_in" in params:
+    consts, carry, xs = (list(p) for p in
+                         params["ft_in"].update(list(args)).unpack())
+    return consts, carry, xs
+  nc, ncar = params["num_consts"], params["num_carry"]
+  return list(args[:nc]), list(args[nc:nc + ncar]), list(args[nc + ncar:])
+
+
+@register("scan")
+def _scan(ctx, *args, jaxpr, length, reverse, **params):
+  consts, carry, xs = _scan_parts(args, params)
+  body, body_consts = _closed(jaxpr)
+  n_carry = len(carry)
+  if xs or len(body.outvars) != n_carry:
+    raise ctx.error("scan over arrays (xs/ys) is not supported by the Mosaic "
+                    "lowering; use lax.fori_loop / pl.loop over refs")
+  lb, ub, step = i32_const(0), i32_const(int(length)), i32_const(1)
+  loop = scf.ForOp(lb, ub, step, carry)
+  with ir.InsertionPoint(loop.body):
+    outs = ctx.lower_sub(body, body_consts,
+                         consts + list(loop.inner_iter_args))
+    scf.YieldOp(outs)
+  del reverse   # the body keeps its own counter in the carry
+  return list(loop.results)
+
+
+@register("while")
+def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+  cconsts = list(args[:cond_nconsts])
+  bconsts = list(args[cond_nconsts:cond_nconsts + body_nconsts])
+  init = list(args[cond_nconsts + body_nconsts:])
+  types = [v.type for v in init]
+  op = scf.WhileOp(types, init)
+  before = op.before.blocks.append(*types)
+  with ir.InsertionPoint(before):
+    (pred,) = _lower_branch(ctx, cond_jaxpr, cconsts + list(before.arguments))
+    scf.ConditionOp(pred, list(before.arguments))
+  after = op.after.blocks.append(*types)
+  with ir.InsertionPoint(after):
+    scf.YieldOp(_lower_branch(ctx, body_jaxpr, bconsts + list(after.arguments)))
+  return list(op.results)
+
+
+@register("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+          "custom_lin")
+def _inline(ctx, *args, **params):
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    if key in params:
+      j = params[key]
+      break
+  else:
+    raise ctx.error("has no jaxpr to inline")
+  jaxpr, consts = _closed(j)
+  n = len(jaxpr.invars)
+  return ctx.lower_sub(jaxpr, consts, list(args)[-n:] if n else [])
+
+
+@register(dsl_primitives.run_scoped_p)
+def _run_scoped(ctx, *consts, jaxpr, num_consts, **params):
+  out_types = _result_types(ctx, ctx.avals_out)
+  region = tpu.RegionOp(out_types)
+  block = region.regions[0].blocks.append() if not len(
+      region.regions[0].blocks) else region.regions[0].blocks[0]
+  with ir.InsertionPoint(block):
+    scoped = []
+    for k, v in enumerate(jaxpr.invars[num_consts:]):
+      aval = v.aval
+      t = dialect.ref_memref_type(aval, dialect.VMEM)
+      ms = aval.memory_space
+      if isinstance(ms, SemaphoreSpace):
+        val = tpu.AllocaSemaphoreOp(t).result
+        space = dialect.SEMAPHORE_MEM
+      else:
+        space = dialect.space_name(ms, dialect.VMEM)
+        val = memref.AllocaOp(t, [], []).result
+      scoped.append(RefVal(val, aval, space, f"run_scoped ref {k}"))
+    outs = ctx.lower_sub(jaxpr, (), list(consts) + scoped)
+    tpu.YieldOp(outs)
+  return list(region.results)

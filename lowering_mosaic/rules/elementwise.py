@@ -1,0 +1,245 @@
+"""Elementwise lax primitives -> `arith` / `math` ops (scalars or vectors)."""
+from __future__ import annotations
+
+from jax import lax
+from jax._src.lax import lax as lax_internal
+from jax._src.lib.mlir.dialects import arith, math
+
+from lowering_mosaic import emit
+from lowering_mosaic.lowering import constant
+from lowering_mosaic.rules import register
+
+
+def _operands(ctx, args):
+  """Operands broadcast to the output shape (jaxprs may mix in scalars)."""
+  out = ctx.avals_out[0]
+  return [emit.broadcast_to(a, out.shape, av.dtype)
+          for a, av in zip(args, ctx.avals_in)]
+
+
+def _by_type(float_op, signed_op, unsigned_op=None, bool_op=None):
+  """A rule choosing an arith op by the operands' element type."""
+  def rule(ctx, *args, **params):
+    dtype = ctx.avals_in[0].dtype
+    ops = _operands(ctx, args)
+    if emit.is_float(dtype):
+      op = float_op
+    elif emit.is_bool(dtype) and bool_op is not None:
+      op = bool_op
+    elif emit.is_unsigned(dtype) and unsigned_op is not None:
+      op = unsigned_op
+    else:
+      op = signed_op
+    if op is None:
+      raise ctx.error(f"is not supported for {dtype}")
+    return op(*ops).result
+  return rule
+
+
+register(lax.add_p, "add_any")(_by_type(arith.AddFOp, arith.AddIOp,
+                                       bool_op=arith.OrIOp))
+register(lax.sub_p)(_by_type(arith.SubFOp, arith.SubIOp))
+register(lax.mul_p)(_by_type(arith.MulFOp, arith.MulIOp, bool_op=arith.AndIOp))
+register(lax.div_p)(_by_type(arith.DivFOp, arith.DivSIOp, arith.DivUIOp))
+register(lax.rem_p)(_by_type(arith.RemFOp, arith.RemSIOp, arith.RemUIOp))
+register(lax.max_p)(_by_type(arith.MaximumFOp, arith.MaxSIOp, arith.MaxUIOp,
+                             bool_op=arith.OrIOp))
+register(lax.min_p)(_by_type(arith.MinimumFOp, arith.MinSIOp, arith.MinUIOp,
+                             bool_op=arith.AndIOp))
+register(lax.and_p)(_by_type(None, arith.AndIOp))
+register(lax.or_p)(_by_type(None, arith.OrIOp))
+register(lax.xor_p)(_by_type(None, arith.XOrIOp))
+register(lax.shift_left_p)(_by_type(None, arith.ShLIOp))
+register(lax.shift_right_arithmetic_p)(_by_type(None, arith.ShRSIOp))
+register(lax.shift_right_logical_p)(_by_type(None, arith.ShRUIOp))
+register(lax.atan2_p)(_by_type(math.Atan2Op, None))
+register(lax.pow_p)(_by_type(math.PowFOp, None))
+
+
+@register(lax.neg_p)
+def _neg(ctx, x, **_):
+  dtype = ctx.avals_in[0].dtype
+  if emit.is_float(dtype):
+    return arith.NegFOp(x).result
+  zero = emit.zeros(ctx.avals_in[0].shape, dtype)
+  return arith.SubIOp(zero, x).result
+
+
+@register(lax.not_p)
+def _not(ctx, x, **_):
+  aval = ctx.avals_in[0]
+  ones = constant(True if emit.is_bool(aval.dtype) else -1, aval.shape,
+                  aval.dtype)
+  return arith.XOrIOp(x, ones).result
+
+
+@register(lax.abs_p)
+def _abs(ctx, x, **_):
+  if emit.is_float(ctx.avals_in[0].dtype):
+    return math.AbsFOp(x).result
+  return math.AbsIOp(x).result
+
+
+def _unary_float(op):
+  def rule(ctx, x, **params):
+    if not emit.is_float(ctx.avals_in[0].dtype):
+      raise ctx.error(f"needs a float operand, got {ctx.avals_in[0].dtype}")
+    return op(x).result
+  return rule
+
+
+for _p, _op in [(lax.exp_p, math.ExpOp), (lax.exp2_p, math.Exp2Op),
+                (lax.log_p, math.LogOp), (lax.log1p_p, math.Log1pOp),
+                (lax.expm1_p, math.ExpM1Op), (lax.sqrt_p, math.SqrtOp),
+                (lax.rsqrt_p, math.RsqrtOp), (lax.cbrt_p, math.CbrtOp),
+                (lax.tanh_p, math.TanhOp), (lax.sin_p, math.SinOp),
+                (lax.cos_p, math.CosOp), (lax.tan_p, math.TanOp),
+                (lax.erf_p, math.ErfOp), (lax.floor_p, math.FloorOp),
+                (lax.ceil_p, math.CeilOp)]:
+  register(_p)(_unary_float(_op))
+
+
+@register(lax.round_p)
+def _round(ctx, x, *, rounding_method, **_):
+  if rounding_method == lax.RoundingMethod.TO_NEAREST_EVEN:
+    return math.RoundEvenOp(x).result
+  return math.RoundOp(x).result
+
+
+@register(lax.is_finite_p)
+def _is_finite(ctx, x, **_):
+  return math.IsFiniteOp(x).result
+
+
+@register(lax.logistic_p)
+def _logistic(ctx, x, **_):
+  aval = ctx.avals_in[0]
+  one = constant(1.0, aval.shape, aval.dtype)
+  e = math.ExpOp(arith.NegFOp(x).result).result
+  return arith.DivFOp(one, arith.AddFOp(one, e).result).result
+
+
+@register(lax.sign_p)
+def _sign(ctx, x, **_):
+  aval = ctx.avals_in[0]
+  zero = emit.zeros(aval.shape, aval.dtype)
+  one = constant(1, aval.shape, aval.dtype)
+  minus = constant(-1, aval.shape, aval.dtype)
+  if emit.is_float(aval.dtype):
+    pos = arith.CmpFOp(arith.CmpFPredicate.OGT, x, zero).result
+    neg = arith.CmpFOp(arith.CmpFPredicate.OLT, x, zero).result
+  else:
+    pos = arith.CmpIOp(arith.CmpIPredicate.sgt, x, zero).result
+    neg = arith.CmpIOp(arith.CmpIPredicate.slt, x, zero).result
+  return emit.select(pos, one, emit.select(neg, minus, x if emit.is_float(
+      aval.dtype) else zero))
+
+
+@register(lax.square_p)
+def _square(ctx, x, **_):
+  if emit.is_float(ctx.avals_in[0].dtype):
+    return arith.MulFOp(x, x).result
+  return arith.MulIOp(x, x).result
+
+
+@register(lax.integer_pow_p)
+def _integer_pow(ctx, x, *, y, **_):
+  aval = ctx.avals_in[0]
+  mul = arith.MulFOp if emit.is_float(aval.dtype) else arith.MulIOp
+  if y == 0:
+    return constant(1, aval.shape, aval.dtype)
+  base, acc, n = x, None, abs(y)
+  while n:
+    if n & 1:
+      acc = base if acc is None else mul(acc, base).result
+    n >>= 1
+    if n:
+      base = mul(base, base).result
+  if y < 0:
+    if not emit.is_float(aval.dtype):
+      raise ctx.error("negative integer powers need a float operand")
+    acc = arith.DivFOp(constant(1.0, aval.shape, aval.dtype), acc).result
+  return acc
+
+
+@register(lax.clamp_p)
+def _clamp(ctx, lo, x, hi, **_):
+  aval = ctx.avals_out[0]
+  lo = emit.broadcast_to(lo, aval.shape, aval.dtype)
+  hi = emit.broadcast_to(hi, aval.shape, aval.dtype)
+  if emit.is_float(aval.dtype):
+    return arith.MinimumFOp(arith.MaximumFOp(x, lo).result, hi).result
+  return arith.MinSIOp(arith.MaxSIOp(x, lo).result, hi).result
+
+
+_FLOAT_CMP = {"eq": arith.CmpFPredicate.OEQ, "ne": arith.CmpFPredicate.UNE,
+              "lt": arith.CmpFPredicate.OLT, "le": arith.CmpFPredicate.OLE,
+              "gt": arith.CmpFPredicate.OGT, "ge": arith.CmpFPredicate.OGE}
+_SIGNED_CMP = {"eq": arith.CmpIPredicate.eq, "ne": arith.CmpIPredicate.ne,
+               "lt": arith.CmpIPredicate.slt, "le": arith.CmpIPredicate.sle,
+               "gt": arith.CmpIPredicate.sgt, "ge": arith.CmpIPredicate.sge}
+_UNSIGNED_CMP = {"eq": arith.CmpIPredicate.eq, "ne": arith.CmpIPredicate.ne,
+                 "lt": arith.CmpIPredicate.ult, "le": arith.CmpIPredicate.ule,
+                 "gt": arith.CmpIPredicate.ugt, "ge": arith.CmpIPredicate.uge}
+
+
+def _compare(kind):
+  def rule(ctx, x, y, **_):
+    dtype = ctx.avals_in[0].dtype
+    shape = ctx.avals_out[0].shape
+    x = emit.broadcast_to(x, shape, dtype)
+    y = emit.broadcast_to(y, shape, dtype)
+    if emit.is_float(dtype):
+      return arith.CmpFOp(_FLOAT_CMP[kind], x, y).result
+    table = (_UNSIGNED_CMP if emit.is_unsigned(dtype) or emit.is_bool(dtype)
+             else _SIGNED_CMP)
+    return arith.CmpIOp(table[kind], x, y).result
+  return rule
+
+
+for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
+  register(getattr(lax, f"{_name}_p"))(_compare(_name))
+
+
+@register(lax.select_n_p)
+def _select_n(ctx, which, *cases, **_):
+  out = ctx.avals_out[0]
+  cases = [emit.broadcast_to(c, out.shape, out.dtype) for c in cases]
+  waval = ctx.avals_in[0]
+  which = emit.broadcast_to(which, out.shape, waval.dtype)
+  if len(cases) == 1:
+    return cases[0]
+  if emit.is_bool(waval.dtype):
+    return emit.select(which, cases[1], cases[0])
+  # integer selector: a chain of compares, last case by default
+  result = cases[-1]
+  for k in range(len(cases) - 2, -1, -1):
+    is_k = arith.CmpIOp(arith.CmpIPredicate.eq, which,
+                        constant(k, out.shape, waval.dtype)).result
+    result = emit.select(is_k, cases[k], result)
+  return result
+
+
+@register(lax.convert_element_type_p)
+def _convert(ctx, x, *, new_dtype, weak_type=False, sharding=None):
+  aval = ctx.avals_in[0]
+  return emit.convert(x, aval.shape, aval.dtype, new_dtype)
+
+
+@register(lax.bitcast_convert_type_p)
+def _bitcast_convert(ctx, x, *, new_dtype):
+  aval, out = ctx.avals_in[0], ctx.avals_out[0]
+  if emit.bits(aval.dtype) != emit.bits(new_dtype):
+    raise ctx.error("between types of different widths is not supported; "
+                    "use dsl.tpu.bitcast")
+  return arith.BitcastOp(emit.vtype(out.shape, new_dtype), x).result
+
+
+@register(lax_internal.copy_p, "copy", "optimization_barrier")
+def _copy(ctx, *args, **params):
+  return args[0] if not ctx.eqn.primitive.multiple_results else list(args)
+
+
+@register(lax.reduce_precision_p)
+def _reduce_precision(ctx, x, **params):
+  return x

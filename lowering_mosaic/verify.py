@@ -1,0 +1,236 @@
+"""Model checking of Mosaic kernels with SPIN.
+
+    import lowering_mosaic.verify
+    report = lowering_mosaic.verify(f, *args, num_devices=4)
+    report.kind     # "ok" | "race" | "deadlock" | "semaphore" | "bound" | "error"
+    print(report)   # the counterexample, in the kernel's source lines
+
+`f(*args)` is traced (args may be arrays or `jax.ShapeDtypeStruct`s), every
+`pallas_call` in it is lowered to its Mosaic module, the module becomes a
+Promela model (lowering_mosaic/promela/) and SPIN searches all of its
+interleavings. Command line:
+
+    python -m lowering_mosaic.verify kernel.pml
+    python -m lowering_mosaic.verify my.module:function f32[8,128] ...
+
+See docs/verification.md.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import types
+from typing import Optional
+
+from lowering_mosaic.promela import Options, to_promela
+from lowering_mosaic.promela.report import Report, Reports
+from lowering_mosaic.promela.spin import (SpinNotFoundError, require_spin,
+                                          run_spin)
+
+__all__ = ["verify", "verify_module", "verify_promela", "main",
+           "SpinNotFoundError"]
+
+
+def _options(queue, check_entry, max_parallel, max_cells) -> Options:
+  return Options(queue=int(queue), check_entry=bool(check_entry),
+                 max_parallel=int(max_parallel), max_cells=int(max_cells))
+
+
+def verify_module(module, *, num_devices: Optional[int] = None,
+                  max_depth: int = 200_000, timeout_s: float = 60.0,
+                  memory_mb: int = 512, queue: int = 4,
+                  check_entry: bool = True, max_parallel: int = 4,
+                  max_cells: int = 16, keep_dir: Optional[str] = None
+                  ) -> Report:
+  """Verifies one Mosaic module (an `ir.Module` from `lowering_mosaic`)."""
+  require_spin()
+  opts = _options(queue, check_entry, max_parallel, max_cells)
+  text = to_promela(module, num_devices, opts)
+  return verify_promela(text, max_depth=max_depth, timeout_s=timeout_s,
+                        memory_mb=memory_mb, keep_dir=keep_dir)
+
+
+def verify_promela(model: str, *, max_depth: int = 200_000,
+                   timeout_s: float = 60.0, memory_mb: int = 512,
+                   keep_dir: Optional[str] = None) -> Report:
+  """Verifies a Promela model: its text, or the path of a `.pml` file (one
+  written by `jax_pallas_dump_promela_to` translates back to kernel lines)."""
+  text = model
+  path = None
+  if "\n" not in model and os.path.exists(model):
+    path = model
+    with open(model) as fh:
+      text = fh.read()
+  name = "model"
+  if path:
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_",
+                  os.path.splitext(os.path.basename(path))[0]) or "model"
+  workdir = None
+  if keep_dir:
+    os.makedirs(keep_dir, exist_ok=True)
+    workdir = keep_dir
+  return run_spin(text, max_depth=max_depth, timeout_s=timeout_s,
+                  memory_mb=memory_mb, workdir=workdir, name=name)
+
+
+def verify(f, *args, num_devices: Optional[int] = None,
+           max_depth: int = 200_000, timeout_s: float = 60.0,
+           memory_mb: int = 512, queue: int = 4, check_entry: bool = True,
+           max_parallel: int = 4, max_cells: int = 16,
+           keep_dir: Optional[str] = None, **kwargs):
+  """Checks every `pallas_call` in `f(*args)` for races and deadlocks on
+  all interleavings of its devices, grid points and DMA engines.
+
+  num_devices: devices running the kernel (default: the shard_map mesh the
+    kernel is called in, else 1).
+  max_depth: SPIN's search depth limit (steps along one interleaving).
+  timeout_s: wall-clock limit of each search; memory_mb: its memory limit.
+  queue: DMA queue slots per device (a start blocks while they are full).
+  check_entry: a remote DMA or signal reaching a device before it entered
+    the kernel counts as a race (real TPUs need a barrier handshake).
+  max_parallel: parallel grid points per device modelled as processes of
+    their own; beyond this they run in order.
+  keep_dir: keep the model, pan.c and the trail there.
+
+  Returns a `Report` (one kernel) or a `Reports` list (several); `.kind` is
+  ok / race / deadlock / semaphore / bound / error. Raises
+  `SpinNotFoundError` (saying `apt-get install spin`) without SPIN.
+  """
+  require_spin()
+  from lowering_mosaic.inspection import to_modules
+  modules = to_modules(f, *args, **kwargs)
+  if not modules:
+    raise ValueError("verify: the function calls no pallas_call")
+  reports = []
+  for k, m in enumerate(modules):
+    sub = os.path.join(keep_dir, f"kernel{k}") if keep_dir and len(
+        modules) > 1 else keep_dir
+    reports.append(verify_module(
+        m, num_devices=num_devices, max_depth=max_depth, timeout_s=timeout_s,
+        memory_mb=memory_mb, queue=queue, check_entry=check_entry,
+        max_parallel=max_parallel, max_cells=max_cells, keep_dir=sub))
+  return reports[0] if len(reports) == 1 else Reports(reports)
+
+
+# ------------------------------------------------------------ CLI
+
+_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16",
+           "i32": "int32", "i16": "int16", "i8": "int8", "u8": "uint8",
+           "u32": "uint32", "bool": "bool", "f64": "float64",
+           "i64": "int64"}
+
+
+def parse_shape(text: str):
+  """'f32[8,128]', 'float32[8, 128]' or '8x128xf32' -> ShapeDtypeStruct."""
+  import jax
+  import jax.numpy as jnp
+  t = text.strip()
+  m = re.fullmatch(r"([A-Za-z0-9_]+)\[([\d,\s]*)\]", t)
+  if m:
+    dt, dims = m.group(1), m.group(2)
+    shape = tuple(int(d) for d in dims.replace(" ", "").split(",") if d)
+  else:
+    parts = t.split("x")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:-1]):
+      raise ValueError(f"cannot read the shape {text!r}; write e.g. "
+                       "f32[8,128] or 8x128xf32")
+    dt, shape = parts[-1], tuple(int(p) for p in parts[:-1])
+  return jax.ShapeDtypeStruct(shape, jnp.dtype(_DTYPES.get(dt, dt)))
+
+
+def _load_function(target: str):
+  mod_name, _, fn_name = target.rpartition(":")
+  if not mod_name or not fn_name:
+    raise ValueError(f"expected FILE.pml or module:function, got {target!r}")
+  if mod_name.endswith(".py") or os.sep in mod_name:
+    spec = importlib.util.spec_from_file_location("_verify_target", mod_name)
+    if spec is None or spec.loader is None:
+      raise ValueError(f"cannot load {mod_name}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+  else:
+    if os.getcwd() not in sys.path:
+      sys.path.insert(0, os.getcwd())
+    mod = importlib.import_module(mod_name)
+  fn = mod
+  for part in fn_name.split("."):
+    fn = getattr(fn, part)
+  return fn
+
+
+def _host_devices(n: int):
+  flag = "--xla_force_host_platform_device_count"
+  flags = os.environ.get("XLA_FLAGS", "")
+  if flag not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}={n}".strip()
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(
+      prog="python -m lowering_mosaic.verify",
+      description="Check a Mosaic kernel (or a Promela model of one) for "
+      "races, deadlocks and unbalanced semaphores with SPIN.")
+  ap.add_argument("target", help="a .pml file, or module:function (also "
+                  "path/to/file.py:function) calling pallas_call")
+  ap.add_argument("shapes", nargs="*", help="argument shapes for "
+                  "module:function, e.g. f32[8,128] or 8x128xf32")
+  ap.add_argument("--num-devices", type=int, default=None)
+  ap.add_argument("--max-depth", type=int, default=200_000)
+  ap.add_argument("--timeout", type=float, default=60.0, help="seconds")
+  ap.add_argument("--memory-mb", type=int, default=512)
+  ap.add_argument("--queue", type=int, default=4,
+                  help="DMA queue slots per device")
+  ap.add_argument("--no-entry-check", action="store_true",
+                  help="allow remote writes before the peer entered")
+  ap.add_argument("--host-devices", type=int, default=8,
+                  help="CPU devices for shard_map meshes (default 8)")
+  ap.add_argument("--keep", metavar="DIR", default=None,
+                  help="keep the model, pan.c and trail in DIR")
+  ap.add_argument("--emit", action="store_true",
+                  help="print the Promela model instead of verifying it")
+  a = ap.parse_args(argv)
+  try:
+    if a.target.endswith(".pml") and ":" not in a.target:
+      if a.emit:
+        print(open(a.target).read())
+        return 0
+      rep = verify_promela(a.target, max_depth=a.max_depth,
+                           timeout_s=a.timeout, memory_mb=a.memory_mb,
+                           keep_dir=a.keep)
+    else:
+      _host_devices(a.host_devices)
+      fn = _load_function(a.target)
+      args = [parse_shape(s) for s in a.shapes]
+      if a.emit:
+        from lowering_mosaic.inspection import to_modules
+        for m in to_modules(fn, *args):
+          print(to_promela(m, a.num_devices, _options(
+              a.queue, not a.no_entry_check, 4, 16)))
+        return 0
+      rep = verify(fn, *args, num_devices=a.num_devices,
+                   max_depth=a.max_depth, timeout_s=a.timeout,
+                   memory_mb=a.memory_mb, queue=a.queue,
+                   check_entry=not a.no_entry_check, keep_dir=a.keep)
+  except SpinNotFoundError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
+  print(rep)
+  kind = rep.kind
+  return 0 if kind == "ok" else (2 if kind == "bound" else 1)
+
+
+class _CallableModule(types.ModuleType):
+  """`lowering_mosaic.verify` is this module; calling it calls `verify`."""
+
+  def __call__(self, *args, **kwargs):
+    return verify(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+  sys.exit(main())
