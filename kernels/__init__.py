@@ -8,8 +8,9 @@ sense through hand-written backward kernels attached with `jax.custom_vjp`.
     import kernels
     y = kernels.flash_attention(q, k, v, causal=True)
 """
-from kernels import (decode, flash, fused_matmul, layernorm, online_softmax,
-                     paged, rmsnorm)
+from kernels import (collectives, decode, flash, fused_matmul, layernorm,
+                     online_softmax, paged, rmsnorm)
+from kernels.collectives import all_gather, reduce_scatter
 from kernels.decode import decode_attention
 from kernels.flash import flash_attention
 from kernels.fused_matmul import matmul
@@ -32,5 +33,5 @@ MODULES = {
 # kernel name -> its plain-jnp reference, with the same signature.
 REFERENCES = {name: module.reference for name, module in MODULES.items()}
 
-__all__ = ["softmax", "layer_norm", "rms_norm", "matmul", "flash_attention",
+__all__ = ["all_gather", "reduce_scatter", "softmax", "layer_norm", "rms_norm", "matmul", "flash_attention",
            "decode_attention", "paged_attention", "MODULES", "REFERENCES"]
