@@ -1,0 +1,91 @@
+"""Ahead-of-time use without a GPU: the kernels a function calls, their
+source, and their compilation for a CUDA architecture."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+from jax._src import core
+
+from dsl.pallas_call import pallas_call_p
+from lowering_triton.compile import compile_kernel
+from lowering_triton.kernel import generate
+
+
+@dataclasses.dataclass(frozen=True)
+class AotKernel:
+  """One kernel compiled ahead of time."""
+  name: str            # the kernel's name
+  fn_name: str         # the function in `source`
+  target: str          # e.g. "sm_90"
+  cubin: bytes
+  ptx: str
+  shared: int          # bytes of shared memory
+  num_warps: int
+  num_stages: int
+  source: str
+  asm: dict = dataclasses.field(repr=False, default_factory=dict)
+  metadata: Any = dataclasses.field(repr=False, default=None)
+
+
+def _sub_jaxprs(value):
+  if isinstance(value, core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _sub_jaxprs(v)
+
+
+def _walk(jaxpr: core.Jaxpr, out: list) -> None:
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is pallas_call_p:
+      out.append(eqn.params["spec"])
+      continue
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        _walk(sub, out)
+
+
+def kernel_specs(f, *args, **kwargs) -> list:
+  """The KernelSpecs of the pallas_calls `f(*args)` makes, in program order."""
+  closed = jax.make_jaxpr(f)(*args, **kwargs)
+  out: list = []
+  _walk(closed.jaxpr, out)
+  return out
+
+
+def to_source(f, *args, **kwargs) -> list[str]:
+  """The generated Triton source of each pallas_call in `f(*args)`."""
+  return [generate(spec).source for spec in kernel_specs(f, *args, **kwargs)]
+
+
+def parse_target(target) -> int:
+  """"sm_90", "sm_90a", "90", 90 or "9.0" -> 90."""
+  if isinstance(target, int):
+    return target
+  m = re.fullmatch(r"(?:sm_?)?(\d+)\.?(\d)a?", str(target).strip().lower())
+  if not m:
+    raise ValueError(f"unknown CUDA target {target!r}; use e.g. 'sm_80' or "
+                     "'sm_90'")
+  return int(m.group(1)) * 10 + int(m.group(2))
+
+
+def compile_aot(f, *args, target="sm_90", **kwargs) -> list[AotKernel]:
+  """Compiles the kernels of `f(*args)` for a CUDA arch; no GPU needed."""
+  arch = parse_target(target)
+  result = []
+  for spec in kernel_specs(f, *args, **kwargs):
+    gk = generate(spec)
+    compiled = compile_kernel(gk, arch)
+    md = compiled.metadata
+    result.append(AotKernel(
+        name=gk.name, fn_name=gk.fn_name, target=f"sm_{arch}",
+        cubin=compiled.asm["cubin"], ptx=compiled.asm["ptx"],
+        shared=int(md.shared), num_warps=int(md.num_warps),
+        num_stages=int(md.num_stages), source=gk.source,
+        asm=dict(compiled.asm), metadata=md))
+  return result

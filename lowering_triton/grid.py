@@ -1,0 +1,53 @@
+"""The kernel grid on Triton's program ids.
+
+Grid dims that revisit output blocks (a reduction axis in the grid, an
+accumulator over steps) must run in order; they become `for` loops inside
+each program, so an output block and the scratch buffers stay with one
+program. The other (parallel) dims become program ids: up to three map to
+`tl.program_id(0..2)` directly; more, or sizes beyond CUDA's limits on the y
+and z axes, are flattened onto `tl.program_id(0)`. Which dims are parallel
+is decided from the index maps, as the interpret backend does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from dsl.interpret.plan import make_plan
+
+MAX_GRID_X = 2 ** 31 - 1
+MAX_GRID_YZ = 65535
+
+
+@dataclasses.dataclass(frozen=True)
+class GridPlan:
+  grid: tuple[int, ...]
+  parallel: tuple[int, ...]
+  sequential: tuple[int, ...]
+  flattened: bool
+  launch: tuple[int, int, int]
+
+  def program_axis(self, dim: int) -> int | None:
+    if self.flattened or dim not in self.parallel:
+      return None
+    return self.parallel.index(dim)
+
+
+def plan_grid(grid_mapping) -> GridPlan:
+  grid = tuple(int(g) for g in grid_mapping.grid)
+  plan = make_plan(grid_mapping)
+  parallel = tuple(d for d in plan.parallel if grid[d] > 1)
+  sequential = tuple(d for d in range(len(grid))
+                     if d not in parallel and grid[d] > 1)
+  sizes = [grid[d] for d in parallel]
+  flattened = (len(sizes) > 3 or (sizes and sizes[0] > MAX_GRID_X)
+               or any(s > MAX_GRID_YZ for s in sizes[1:]))
+  if flattened:
+    total = math.prod(sizes)
+    if total > MAX_GRID_X:
+      raise ValueError(f"grid {grid} has {total} parallel programs, more than "
+                       f"CUDA's limit of {MAX_GRID_X}")
+    launch = (total, 1, 1)
+  else:
+    launch = tuple(sizes) + (1,) * (3 - len(sizes))
+  return GridPlan(grid, parallel, sequential, flattened, launch)

@@ -1,0 +1,253 @@
+"""Backend "triton_interpret": the generated Triton source, run by Triton's
+interpreter on numpy buffers inside `jax.jit` (through `jax.pure_callback`).
+
+Triton's interpreter normally needs `TRITON_INTERPRET=1` before `triton` is
+imported and torch tensors as arguments. Here the interpreter is driven
+directly: pointers are built from numpy buffers, and for the duration of a
+run `triton.language` is patched the way `TRITON_INTERPRET=1` would have
+set it up (builtins on numpy, `@jit` library functions such as `tl.sum` as
+interpreted functions). Everything is restored afterwards, so Triton's
+compiler keeps working in the same process.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import sys
+import threading
+import traceback
+
+import jax
+import numpy as np
+from jax._src.interpreters import mlir
+
+from jax._src import checkify as jax_checkify
+from jax._src import config as jax_config
+from dsl.errors import BackendError
+from lowering_triton import dtypes, loader
+from lowering_triton.kernel import GeneratedKernel, generate
+
+_LOCK = threading.RLock()
+
+
+def _interpreter():
+  from triton.runtime import interpreter
+  return interpreter
+
+
+@contextlib.contextmanager
+def _interpreter_scope(debug: bool = False):
+  """Patches triton.language for interpretation; restores it on exit.
+
+  `debug` enables `tl.device_assert`, as compiling with debug=True does.
+  """
+  import triton.language as tl
+  from triton.runtime.jit import JITFunction
+  ti = _interpreter()
+  scope = ti._LangPatchScope()
+  try:
+    for lang in (tl, tl.core):
+      ti._patch_builtin(lang, ti.interpreter_builder, scope)
+      ti._patch_builtin(lang.tensor, ti.interpreter_builder, scope)
+      if lang is tl:
+        ti._patch_builtin(lang.math, ti.interpreter_builder, scope)
+      ti._patch_lang_tensor(lang.tensor, scope)
+      ti._patch_lang_core(lang, scope)
+    ti._patch_builtin(tl.core.tensor_descriptor_base, ti.interpreter_builder,
+                      scope)
+    ti._patch_reduce_scan(scope)
+    # Library functions decorated with @triton.jit (tl.sum, tl.max, ...).
+    wrapped: dict[int, object] = {}
+    for mod_name, mod in list(sys.modules.items()):
+      if mod is None or not mod_name.startswith("triton.language"):
+        continue
+      for attr, value in list(vars(mod).items()):
+        if isinstance(value, JITFunction):
+          w = wrapped.setdefault(id(value), ti.InterpretedFunction(value.fn))
+          scope.set_attr(mod, attr, w)
+    # Loop variables are int32 tensors in compiled Triton; the interpreter's
+    # range yields Python ints, which lack tensor methods such as .to().
+    scope.set_attr(tl, "range", _tensor_range)
+    scope.set_attr(tl, "static_range", _tensor_range)
+    # The interpreter's dot multiplies bf16 bit patterns as integers, and its
+    # casts truncate (f32 -> bf16) or reinterpret (int <-> bf16) values.
+    # Compiled Triton rounds to nearest even; these versions do too.
+    scope.set_attr(ti.InterpreterBuilder, "create_dot", _create_dot)
+    scope.set_attr(ti.interpreter_builder, "options", dataclasses.replace(
+        ti.interpreter_builder.options, debug=debug, sanitize_overflow=False))
+    scope.set_attr(ti.InterpreterBuilder, "cast_impl", _cast_impl)
+    scope.set_attr(ti.InterpreterBuilder, "create_fp_to_fp", _fp_to_fp)
+    for name in ("create_si_to_fp", "create_ui_to_fp", "create_fp_to_si",
+                 "create_fp_to_ui", "create_fp_ext", "create_fp_trunc"):
+      scope.set_attr(ti.InterpreterBuilder, name, _cast_impl)
+    yield
+  finally:
+    scope.restore()
+
+
+def _tensor_range(arg1, arg2=None, step=None, **kwargs):
+  import triton.language as tl
+  ti = _interpreter()
+  start, end = (0, arg1) if arg2 is None else (arg1, arg2)
+  as_int = lambda v: int(v.handle.data.reshape(-1)[0]) if hasattr(v, "handle") \
+      else int(v)
+  for i in range(as_int(start), as_int(end), as_int(step or 1)):
+    yield tl.tensor(ti.TensorHandle(np.array([i], dtype=np.int32), tl.int32),
+                    tl.int32)
+
+
+def _ml_dtype(tl_type):
+  """The ml_dtypes type of a Triton float type the interpreter stores as
+  unsigned ints (bf16, fp8), or None."""
+  import ml_dtypes
+  return {"bf16": ml_dtypes.bfloat16, "fp8e4nv": ml_dtypes.float8_e4m3fn,
+          "fp8e5": ml_dtypes.float8_e5m2,
+          "fp8e4b8": ml_dtypes.float8_e4m3fnuz,
+          "fp8e5b16": ml_dtypes.float8_e5m2fnuz}.get(tl_type.name)
+
+
+def _decode(data: np.ndarray, tl_type) -> np.ndarray:
+  ml = _ml_dtype(tl_type)
+  return data.view(ml) if ml is not None else data
+
+
+def _encode(values: np.ndarray, tl_type) -> np.ndarray:
+  ti = _interpreter()
+  ml = _ml_dtype(tl_type)
+  if ml is not None:
+    return np.asarray(values).astype(np.float32).astype(ml).view(
+        ti._get_np_dtype(tl_type))
+  target = ti._get_np_dtype(tl_type)
+  if target == np.bool_:
+    return np.asarray(values) != 0
+  values = np.asarray(values)
+  if values.dtype.kind == "V" or values.dtype.name in ("bfloat16",) or \
+      values.dtype.name.startswith("float8"):
+    values = values.astype(np.float32)
+  return values.astype(target)
+
+
+def _cast_impl(self, src, dst_type, *unused):
+  ti = _interpreter()
+  out = _encode(_decode(src.data, src.dtype.scalar), dst_type.scalar)
+  return ti.TensorHandle(out, dst_type.scalar)
+
+
+def _fp_to_fp(self, src, dst_type, rounding_mode):
+  return _cast_impl(self, src, dst_type)
+
+
+def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+  ti = _interpreter()
+  a_data = _decode(a.data, a.dtype.scalar).astype(np.float32) \
+      if _ml_dtype(a.dtype.scalar) is not None else a.data
+  b_data = _decode(b.data, b.dtype.scalar).astype(np.float32) \
+      if _ml_dtype(b.dtype.scalar) is not None else b.data
+  out = np.matmul(a_data, b_data).astype(d.data.dtype) + d.data
+  return ti.TensorHandle(out, d.dtype.scalar)
+
+
+def _pointer(array: np.ndarray, dtype):
+  import triton.language as tl
+  ti = _interpreter()
+  ty = tl.pointer_type(dtypes.tl_object(dtype))
+  handle = ti.TensorHandle(np.array([array.ctypes.data], dtype=np.uint64), ty)
+  return tl.tensor(handle, ty)
+
+
+_LOC = re.compile(r"^\s*# (\S+:\d+)(?::|$)")
+
+
+def user_line(source: str, lineno: int) -> str | None:
+  """The user's source line commented above line `lineno` of `source`."""
+  lines = source.splitlines()
+  for k in range(min(lineno, len(lines)) - 1, -1, -1):
+    m = _LOC.match(lines[k])
+    if m and not lines[k].lstrip().startswith("# Triton kernel"):
+      return m.group(1)
+  return None
+
+
+def _generated_lineno(gk: GeneratedKernel, exc: BaseException) -> int | None:
+  filename = loader.filename_of(gk.source, gk.fn_name)
+  found = None
+  e = exc
+  while e is not None:
+    for frame, lineno in traceback.walk_tb(e.__traceback__):
+      if frame.f_code.co_filename == filename:
+        found = lineno
+    e = e.__cause__ or e.__context__
+    if found is not None:
+      break
+  return found
+
+
+def _buffers(gk: GeneratedKernel, arrays) -> tuple[dict, list[np.ndarray]]:
+  """Kernel parameter name -> numpy buffer, and the output buffers (zeros,
+  or a copy of the aliased input)."""
+  operands = [np.array(a, copy=True, order="C") for a in arrays]
+  n_pf = sum(p.kind == "prefetch" for p in gk.params)
+  aliases = {o: i for i, o in gk.aliases}
+  outs = []
+  for p in gk.params:
+    if p.kind == "output":
+      src = aliases.get(p.index)
+      outs.append(np.zeros(p.shape, p.dtype) if src is None else
+                  np.array(operands[src], dtype=p.dtype, copy=True, order="C"))
+  by_kind = {"prefetch": operands[:n_pf], "input": operands[n_pf:],
+             "const": [np.ascontiguousarray(c) for c in gk.consts],
+             "output": outs}
+  return {p.name: by_kind[p.kind][p.index] for p in gk.params}, outs
+
+
+def run(gk: GeneratedKernel, arrays) -> list[np.ndarray]:
+  """Runs the kernel over its grid with Triton's interpreter."""
+  jf = loader.jit_function(gk)
+  ti = _interpreter()
+  fn = ti.InterpretedFunction(jf.fn).rewrite()
+  buffers, outs = _buffers(gk, arrays)
+  gx, gy, gz = gk.launch_grid
+  with _LOCK, np.errstate(all="ignore"), _interpreter_scope(gk.debug):
+    ti.interpreter_builder.set_grid_dim(gx, gy, gz)
+    kwargs = {name: _pointer(buf, buf.dtype) for name, buf in buffers.items()}
+    try:
+      for x in range(gx):
+        for y in range(gy):
+          for z in range(gz):
+            ti.interpreter_builder.set_grid_idx(x, y, z)
+            fn(**kwargs)
+    except AssertionError as e:
+      raise jax_checkify.JaxRuntimeError(str(e)) from None
+    except Exception as e:
+      lineno = _generated_lineno(gk, e)
+      where = user_line(gk.source, lineno) if lineno else None
+      raise BackendError(
+          gk.name, f"Triton's interpreter failed running the generated kernel "
+          f"(generated line {lineno}): {type(e).__name__}: {e}",
+          where or gk.where) from e
+    finally:
+      if gk.has_side_effects:
+        sys.stdout.flush()      # tl.device_print output, in program order
+  return outs
+
+
+def _lowering(ctx, *args, spec):
+  gk = generate(spec)
+  result_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                   for a in spec.grid_mapping.out_avals]
+
+  def host(*arrays):
+    return run(gk, arrays)
+
+  def call(*xs):
+    return jax.pure_callback(host, result_shapes, *xs,
+                             vmap_method="sequential")
+
+  # Inside shard_map the operands vary over manual axes and the callback's
+  # results are per device, as the interpret backend's are.
+  check_vma = getattr(jax_config, "_check_vma", None)
+  guard = check_vma(False) if check_vma is not None else contextlib.nullcontext()
+  with guard:
+    return mlir.lower_fun(call, multiple_results=True)(ctx, *args)
+

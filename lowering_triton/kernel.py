@@ -1,0 +1,420 @@
+"""From a `dsl.pallas_call.KernelSpec` to the source of one `@triton.jit`
+function (plus its launch metadata): `generate(spec)`.
+
+The generated module reads top to bottom like a hand-written kernel: a
+header that says how the grid and every BlockSpec were mapped, the kernel
+with the user's source lines as comments above the code they produced, and a
+small launcher.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from dsl import config
+from dsl.blockspec import Element, squeezed
+from dsl.errors import BackendError
+from lowering_triton import dtypes
+from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
+from lowering_triton.context import Lowering
+from lowering_triton.grid import GridPlan, plan_grid
+from lowering_triton.naming import grid_names, operand_names
+from lowering_triton.refs import Axis, MemRef, row_major_strides
+from lowering_triton.values import TVal, literal_value, pow2
+from lowering_triton.zero_init import zero_outputs
+
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParam:
+  """A pointer argument of the generated kernel."""
+  name: str
+  kind: str              # "prefetch", "input", "const" or "output"
+  index: int             # position among the operands of its kind
+  dtype: np.dtype
+  shape: tuple[int, ...]
+
+  @property
+  def signature(self) -> str:
+    return "*" + dtypes.signature(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GeneratedKernel:
+  """The Triton source of one kernel and how to launch it."""
+  name: str                       # the kernel's name (KernelSpec.name)
+  fn_name: str                    # the @triton.jit function in `source`
+  source: str
+  params: tuple[KernelParam, ...]
+  consts: tuple[np.ndarray, ...]  # arrays for the "const" params, in order
+  grid: tuple[int, ...]
+  grid_plan: GridPlan
+  num_warps: int
+  num_stages: int
+  num_ctas: int
+  enable_fp_fusion: bool
+  debug: bool                     # compiled with device asserts
+  zero_outputs: tuple[bool, ...]  # outputs to zero before the launch
+  aliases: tuple[tuple[int, int], ...]
+  has_side_effects: bool
+  where: str
+
+  @property
+  def launch_grid(self) -> tuple[int, int, int]:
+    return self.grid_plan.launch
+
+  @property
+  def signature(self) -> dict[str, str]:
+    return {p.name: p.signature for p in self.params}
+
+  @functools.cached_property
+  def digest(self) -> str:
+    return hashlib.sha256(self.source.encode()).hexdigest()[:16]
+
+  def __repr__(self):
+    return (f"<GeneratedKernel {self.fn_name} grid={self.launch_grid} "
+            f"num_warps={self.num_warps}>")
+
+
+# ------------------------------------------------------------- generation
+
+def _describe_block(bm, name: str) -> str:
+  a = bm.array_aval
+  if bm.whole_array:
+    return f"{bm.origin} {name}: {a.str_short()}, whole array"
+  dims = []
+  for d in bm.block_shape:
+    if d is squeezed:
+      dims.append("None")
+    elif isinstance(d, Element):
+      dims.append(f"Element({d.block_size})")
+    else:
+      dims.append(str(d))
+  block = f"({dims[0]},)" if len(dims) == 1 else f"({', '.join(dims)})"
+  text = f"{bm.origin} {name}: {a.str_short()}, block {block}"
+  notes, edges = [], []
+  for d, n in zip(bm.block_shape, a.shape):
+    if d is squeezed:
+      continue
+    b = d.block_size if isinstance(d, Element) else d
+    if pow2(b) != b:
+      notes.append(f"{b} padded to {pow2(b)} lanes")
+    if isinstance(d, Element) or n % b:
+      edges.append(str(n))
+  if edges:
+    notes.append(f"edge blocks masked at {' x '.join(edges)}")
+  if notes:
+    text += "; " + ", ".join(notes)
+  return text
+
+
+def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
+               prefetch_refs) -> MemRef:
+  a = bm.array_aval
+  shape = tuple(int(n) for n in a.shape)
+  rank = len(shape)
+  wide = a.size * np.dtype(a.dtype).itemsize >= 2 ** 31
+  if bm.whole_array:
+    starts = [0] * rank
+  else:
+    outs = lowering.lower_closed(bm.index_map_jaxpr,
+                                 list(grid_ids) + list(prefetch_refs))
+    starts = []
+    for d, (dim, idx) in enumerate(zip(bm.block_shape, outs[:rank])):
+      size = 1 if dim is squeezed else (
+          dim.block_size if isinstance(dim, Element) else int(dim))
+      lo = dim.padding[0] if isinstance(dim, Element) else 0
+      if idx.literal is not None:
+        starts.append(int(idx.literal) * (1 if isinstance(dim, Element) else size)
+                      - lo)
+        continue
+      expr = idx.expr if idx.dtype == np.int32 else f"{paren(idx.expr)}.to(tl.int32)"
+      if not isinstance(dim, Element) and size != 1:
+        expr = f"{expr} * {size}"
+      if lo:
+        expr = f"{expr} - {lo}"
+      word = "start" if rank == 1 else f"start{d}"
+      starts.append(lowering.bind_raw(expr, f"{base}_{word}"))
+  fixed, axes, upper, lower = [], [], [], []
+  for d, (dim, n) in enumerate(zip(bm.block_shape, shape)):
+    if bm.whole_array:
+      axes.append(Axis(d, 0, 1, n))
+      upper.append(False)
+      lower.append(False)
+      continue
+    size = 1 if dim is squeezed else (
+        dim.block_size if isinstance(dim, Element) else int(dim))
+    is_elem = isinstance(dim, Element)
+    upper.append(is_elem or n % size != 0)
+    lower.append(is_elem and dim.padding[0] > 0)
+    if dim is squeezed:
+      fixed.append((d, starts[d]))
+    else:
+      axes.append(Axis(d, starts[d], 1, size))
+  return MemRef(base, ptr, np.dtype(a.dtype), shape, row_major_strides(shape),
+                tuple(fixed), tuple(axes), tuple(upper), tuple(lower), wide,
+                bm.origin)
+
+
+def _prefetch_ref(aval, base: str, ptr: str) -> MemRef:
+  inner = getattr(aval, "inner_aval", aval)
+  shape = tuple(int(n) for n in inner.shape)
+  return MemRef(base, ptr, np.dtype(inner.dtype), shape,
+                row_major_strides(shape), (),
+                tuple(Axis(d, 0, 1, n) for d, n in enumerate(shape)),
+                (False,) * len(shape), (False,) * len(shape), False,
+                "scalar prefetch")
+
+
+def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
+  buf = lowering.buf
+  if not plan.parallel:
+    return
+  if not plan.flattened:
+    for axis, d in enumerate(plan.parallel):
+      buf.line(f"{ids[d]} = tl.program_id({axis})")
+    return
+  pid = lowering.fresh("pid")
+  buf.line(f"{pid} = tl.program_id(0)")
+  sizes = [plan.grid[d] for d in plan.parallel]
+  for k, d in enumerate(plan.parallel):
+    inner = math.prod(sizes[k + 1:])
+    expr = pid if inner == 1 else f"{pid} // {inner}"
+    if k > 0:
+      expr = f"({expr}) % {sizes[k]}" if inner != 1 else f"{pid} % {sizes[k]}"
+    buf.line(f"{ids[d]} = {expr}")
+
+
+def _generate(spec) -> GeneratedKernel:
+  gm = spec.grid_mapping
+  try:
+    plan = plan_grid(gm)
+  except ValueError as e:
+    raise BackendError(spec.name, str(e), spec.where) from e
+  names = Names()
+  fn_name = names.fresh(sanitize(spec.name))
+  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
+  # Stems prefix generated names (x_ptr, x_offs); they are not names
+  # themselves, so a loaded block can be called `x`.
+  stems = _unique([sanitize(s) for s in operand_names(spec)])
+  grid_ids = grid_names(spec, names)
+  params: list[KernelParam] = []
+  ptrs = []
+  for i, stem in enumerate(stems[:n_pf + n_in + n_out]):
+    ptr = names.fresh(f"{stem}_ptr")
+    ptrs.append(ptr)
+    if i < n_pf:
+      aval = gm.prefetch_avals[i]
+      inner = getattr(aval, "inner_aval", aval)
+      params.append(KernelParam(ptr, "prefetch", i, np.dtype(inner.dtype),
+                                tuple(inner.shape)))
+    elif i < n_pf + n_in:
+      a = gm.block_mappings[i - n_pf].array_aval
+      params.append(KernelParam(ptr, "input", i - n_pf, np.dtype(a.dtype),
+                                tuple(a.shape)))
+    else:
+      a = gm.block_mappings[i - n_pf].array_aval
+      params.append(KernelParam(ptr, "output", i - n_pf - n_in,
+                                np.dtype(a.dtype), tuple(a.shape)))
+
+  buf = CodeBuffer()
+  lowering = Lowering(spec.name, spec.where, names, buf, spec.jaxpr)
+  jaxpr = spec.jaxpr
+  rank = len(gm.grid)
+  with buf.indent():
+    # Grid: program ids, then loops for the sequential dims.
+    _emit_program_ids(lowering, plan, grid_ids)
+    id_vals: list[Any] = []
+    for d in range(rank):
+      if d in plan.parallel:
+        id_vals.append(TVal(grid_ids[d], (), np.dtype(np.int32)))
+      elif d in plan.sequential:
+        id_vals.append(TVal(grid_ids[d], (), np.dtype(np.int32)))
+      else:
+        id_vals.append(literal_value(0, np.int32))
+    prefetch_refs = [_prefetch_ref(gm.prefetch_avals[i], stems[i], ptrs[i])
+                     for i in range(n_pf)]
+    scratch_refs = []
+    for k, aval in enumerate(gm.scratch_avals):
+      stem = stems[n_pf + n_in + n_out + k]
+      scratch_refs.append(_scratch(lowering, aval, stem, k))
+    loops = [d for d in plan.sequential]
+    headers = [f"for {grid_ids[d]} in tl.range(0, {gm.grid[d]}):" for d in loops]
+    if loops:
+      buf.comment("sequential grid dims run in order inside each program: "
+                  + ", ".join(f"{grid_ids[d]} < {gm.grid[d]}" for d in loops))
+    _emit_steps(lowering, headers, spec, gm, stems, ptrs, id_vals,
+                prefetch_refs, scratch_refs, jaxpr)
+  lowering.drop_needless_barriers()
+  buf.drop_unused_definitions()
+
+  # Assemble the module.
+  const_params = []
+  for k, (ptr, arr) in enumerate(lowering.const_buffers):
+    const_params.append(KernelParam(ptr, "const", k, arr.dtype, arr.shape))
+  ordered = ([p for p in params if p.kind in ("prefetch", "input")] +
+             const_params + [p for p in params if p.kind == "output"])
+  cp = spec.compiler_params
+  num_warps = getattr(cp, "num_warps", None) or DEFAULT_NUM_WARPS
+  num_stages = getattr(cp, "num_stages", None) or DEFAULT_NUM_STAGES
+  num_ctas = getattr(cp, "num_ctas", None) or 1
+  fp_fusion = getattr(cp, "enable_fp_fusion", True)
+  if fp_fusion is None:
+    fp_fusion = True
+  source = _module_source(spec, gm, plan, fn_name, ordered, stems, grid_ids,
+                          buf, lowering, num_warps, num_stages)
+  return GeneratedKernel(
+      name=spec.name, fn_name=fn_name, source=source, params=tuple(ordered),
+      consts=tuple(arr for _, arr in lowering.const_buffers),
+      grid=tuple(gm.grid), grid_plan=plan, num_warps=int(num_warps),
+      num_stages=int(num_stages), num_ctas=int(num_ctas),
+      enable_fp_fusion=bool(fp_fusion), debug=lowering.uses_asserts,
+      zero_outputs=zero_outputs(spec), aliases=tuple(spec.input_output_aliases),
+      has_side_effects=lowering.has_side_effects, where=spec.where)
+
+
+def _unique(stems: list[str]) -> list[str]:
+  seen: dict[str, int] = {}
+  out = []
+  for s in stems:
+    if s in seen:
+      seen[s] += 1
+      s = f"{s}{seen[s]}"
+    seen.setdefault(s, 0)
+    out.append(s)
+  return out
+
+
+def _scratch(lowering: Lowering, aval, stem: str, k: int):
+  from lowering_triton.refs import ValueRef
+  from lowering_triton.values import full_expr
+  inner = getattr(aval, "inner_aval", aval)
+  space = str(getattr(aval, "memory_space", "") or "")
+  if space.startswith("semaphore"):
+    raise lowering.error(f"scratch_shapes[{k}] is a semaphore, which the "
+                         "Triton backend does not support")
+  shape = tuple(int(d) for d in inner.shape)
+  dtype = np.dtype(inner.dtype)
+  lowering.buf.comment(f"scratch_shapes[{k}] {stem}: {dtype.name}{list(shape)}"
+                       ", held in registers for the whole program")
+  name = lowering.bind_raw(full_expr(shape, 0, dtype), stem, pure=False)
+  return ValueRef(name, shape, dtype, f"scratch_shapes[{k}]")
+
+
+def _emit_steps(lowering, headers, spec, gm, stems, ptrs, id_vals,
+                prefetch_refs, scratch_refs, jaxpr):
+  """Emits the sequential loops (recursively) and the body of one step."""
+  buf = lowering.buf
+  if headers:
+    with buf.indent(headers[0]):
+      lowering.reset_comments()
+      _emit_steps(lowering, headers[1:], spec, gm, stems, ptrs, id_vals,
+                  prefetch_refs, scratch_refs, jaxpr)
+      if len(headers) == 1:
+        lowering.barrier("the next grid step may read this step's stores")
+    return
+  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
+  block_refs = []
+  for i, bm in enumerate(gm.block_mappings):
+    stem = stems[n_pf + i]
+    buf.comment(_describe_block(bm, stem))
+    block_refs.append(_block_ref(lowering, bm, stem, ptrs[n_pf + i],
+                                 id_vals, prefetch_refs))
+  buf.comment(f"kernel body ({spec.kernel_src})")
+  lowering.reset_comments()
+  args = id_vals + prefetch_refs + block_refs + scratch_refs
+  lowering.lower_closed(jaxpr, args)
+
+
+def _module_source(spec, gm, plan: GridPlan, fn_name: str, params, stems,
+                   grid_ids, body: CodeBuffer, lowering: Lowering,
+                   num_warps: int, num_stages: int) -> str:
+  out = CodeBuffer()
+  out.comment(f"Triton kernel generated by lowering_triton from kernel "
+              f"'{spec.name}'")
+  out.comment(f"  defined at {spec.kernel_src}, called at {spec.where}")
+  grid_desc = []
+  for d, size in enumerate(gm.grid):
+    axis = plan.program_axis(d)
+    if d in plan.sequential:
+      grid_desc.append(f"{grid_ids[d]} < {size}: loop inside each program")
+    elif axis is not None:
+      grid_desc.append(f"{grid_ids[d]} < {size}: tl.program_id({axis})")
+    elif d in plan.parallel:
+      grid_desc.append(f"{grid_ids[d]} < {size}: flattened into "
+                       "tl.program_id(0)")
+    else:
+      grid_desc.append(f"{grid_ids[d]} = 0")
+  out.comment(f"grid {tuple(gm.grid)}" + (": " + "; ".join(grid_desc)
+                                          if grid_desc else ""))
+  out.comment(f"launch grid {plan.launch}, num_warps={num_warps}, "
+              f"num_stages={num_stages}")
+  out.line("import triton")
+  out.line("import triton.language as tl")
+  out.line()
+  for src in lowering.helpers.values():
+    out.line()
+    out.line(src)
+    out.line()
+  out.line()
+  out.line("@triton.jit")
+  out.line(f"def {fn_name}({', '.join(p.name for p in params)}):")
+  text = out.getvalue() + body.getvalue()
+  tail = CodeBuffer()
+  tail.line()
+  tail.line()
+  tail.line(f"GRID = {plan.launch}")
+  tail.line(f"NUM_WARPS = {num_warps}")
+  tail.line(f"NUM_STAGES = {num_stages}")
+  tail.line()
+  tail.line()
+  args = [p.name[:-4] if p.name.endswith("_ptr") else p.name for p in params]
+  with tail.indent(f"def launch({', '.join(args)}):"):
+    tail.line('"""Launches the kernel on buffers that have a data_ptr() (such '
+              'as torch tensors).')
+    tail.line()
+    tail.line("Outputs must be zero-initialized when the kernel reads them "
+              "before writing.")
+    tail.line('"""')
+    tail.line(f"{fn_name}[GRID]({', '.join(args)}, num_warps=NUM_WARPS, "
+              "num_stages=NUM_STAGES)")
+  return text + tail.getvalue()
+
+
+@functools.lru_cache(maxsize=512)
+def _generate_cached(spec, runtime_asserts: bool, matmul_precision: str
+                     ) -> GeneratedKernel:
+  del runtime_asserts, matmul_precision   # cache key parts: they change code
+  return _generate(spec)
+
+
+def generate(spec) -> GeneratedKernel:
+  """The Triton source and launch metadata of `spec` (cached per spec)."""
+  from lowering_triton.rules.dot import default_matmul_precision
+  key = (config.enable_runtime_assert(), default_matmul_precision())
+  fresh = _generate_cached.cache_info().misses
+  gk = _generate_cached(spec, *key)
+  if spec.debug and _generate_cached.cache_info().misses > fresh:
+    print(f"--- Triton source of kernel {spec.name} ({spec.kernel_src})\n"
+          f"{gk.source}")
+  dump_dir = config.dump_triton_to()
+  if dump_dir:
+    dump(gk, dump_dir)
+  return gk
+
+
+def dump(gk: GeneratedKernel, directory: str) -> str:
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, f"{gk.fn_name}_{gk.digest[:8]}.py")
+  if not os.path.exists(path):
+    with open(path, "w") as f:
+      f.write(gk.source)
+  return path

@@ -1,0 +1,202 @@
+"""Refs of the generated kernel.
+
+A `MemRef` is a window of an array in global memory: the operand's pointer
+plus, per array dim, either a fixed coordinate or a visible axis
+(`start + step * k` for `k < size`). BlockSpecs produce one per operand and
+grid step; `NDIndexer`s (`x_ref[pl.ds(i, 8), 0]`) narrow it without emitting
+code; loads and stores turn it into pointer arithmetic with strides and a
+mask for padded lanes and partial edge blocks.
+
+A `ValueRef` is a ref kept in registers: a variable holding the whole
+(padded) tensor, reassigned on every write. Scratch buffers and
+`run_scoped` allocations are `ValueRef`s.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import numpy as np
+from jax._src.state import indexing
+
+from lowering_triton.codegen import paren
+from lowering_triton.values import TVal, pow2
+
+Sym = Union[int, str]   # a static int, or the source of an int32 scalar
+
+
+def sym_add(a: Sym, b: Sym) -> Sym:
+  if isinstance(a, int) and isinstance(b, int):
+    return a + b
+  if isinstance(a, int) and a == 0:
+    return b
+  if isinstance(b, int) and b == 0:
+    return a
+  return f"{a} + {paren(b)}"
+
+
+def sym_mul(a: Sym, k: int) -> Sym:
+  if isinstance(a, int):
+    return a * k
+  if k == 1:
+    return a
+  if k == 0:
+    return 0
+  return f"{paren(a)} * {k}"
+
+
+def as_sym(x) -> Sym:
+  """A Slice start or integer index (int or TVal) as a Sym."""
+  if isinstance(x, (int, np.integer)):
+    return int(x)
+  if isinstance(x, TVal):
+    if x.literal is not None:
+      return int(x.literal)
+    return x.expr
+  raise TypeError(f"unsupported index {x!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """A visible axis of a ref: array coordinate `start + step * k`, k < size."""
+  dim: int
+  start: Sym
+  step: int
+  size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemRef:
+  base: str                      # stem for generated names, e.g. "x"
+  ptr: str                       # the kernel parameter, e.g. "x_ptr"
+  dtype: np.dtype
+  array_shape: tuple[int, ...]
+  strides: tuple[int, ...]
+  fixed: tuple[tuple[int, Sym], ...]    # (array dim, coordinate)
+  axes: tuple[Axis, ...]
+  check_upper: tuple[bool, ...]  # per array dim: mask coordinates >= size
+  check_lower: tuple[bool, ...]  # per array dim: mask coordinates < 0
+  wide: bool = False             # offsets need int64
+  origin: str = ""               # "in_specs[0]" etc., for messages
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(a.size for a in self.axes)
+
+  @property
+  def padded_shape(self) -> tuple[int, ...]:
+    return tuple(pow2(a.size) for a in self.axes)
+
+
+@dataclasses.dataclass
+class ValueRef:
+  """A ref held in a variable of the generated source."""
+  var: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  origin: str = ""
+
+
+def row_major_strides(shape) -> tuple[int, ...]:
+  strides, acc = [], 1
+  for d in reversed(shape):
+    strides.append(acc)
+    acc *= int(d)
+  return tuple(reversed(strides))
+
+
+class UnsupportedIndex(Exception):
+  pass
+
+
+def apply_indexer(ref: MemRef, indexer) -> MemRef:
+  """The window `ref[indexer]` (static; emits nothing)."""
+  if not isinstance(indexer, indexing.NDIndexer):
+    raise UnsupportedIndex(f"ref transform {type(indexer).__name__} is not "
+                           "supported by the Triton backend")
+  indices = tuple(indexer.indices)
+  if len(indices) != len(ref.axes):
+    raise UnsupportedIndex(f"{len(indices)} indices for a ref of rank "
+                           f"{len(ref.axes)}")
+  fixed = list(ref.fixed)
+  axes = []
+  for ax, idx in zip(ref.axes, indices):
+    if isinstance(idx, indexing.Slice):
+      start = as_sym(idx.start)
+      axes.append(Axis(ax.dim, sym_add(ax.start, sym_mul(start, ax.step)),
+                       ax.step * int(idx.stride), int(idx.size)))
+    elif isinstance(idx, (int, np.integer)) or (
+        isinstance(idx, TVal) and idx.shape == ()):
+      fixed.append((ax.dim, sym_add(ax.start, sym_mul(as_sym(idx), ax.step))))
+    else:
+      raise UnsupportedIndex("indexing a ref with an array of indices is not "
+                             "supported by the Triton backend; use scalar "
+                             "indices or pl.ds slices")
+  return dataclasses.replace(ref, fixed=tuple(sorted(fixed, key=lambda f: f[0])),
+                             axes=tuple(axes))
+
+
+def _axis_word(j: int, rank: int) -> str:
+  if rank == 1:
+    return "offs"
+  if rank == 2:
+    return ("rows", "cols")[j]
+  return f"idx{j}"
+
+
+def bcast(j: int, rank: int) -> str:
+  """Indexing that places a 1-D vector on axis j of a rank-`rank` tensor."""
+  if rank <= 1:
+    return ""
+  return "[" + ", ".join(":" if k == j else "None" for k in range(rank)) + "]"
+
+
+def emit_address(ctx, ref: MemRef, extra_mask: str | None = None):
+  """Emits the pointers and mask of `ref`; returns (pointer expr, mask expr)."""
+  rank = len(ref.axes)
+  terms, masks = [], []
+  for j, ax in enumerate(ref.axes):
+    p = pow2(ax.size)
+    lanes = f"tl.arange(0, {p})"
+    coord = sym_add(ax.start, lanes if ax.step == 1 else f"{lanes} * {ax.step}")
+    coord = str(coord)
+    if ref.wide:
+      coord = f"({coord}).to(tl.int64)"
+    name = ctx.bind_raw(coord, f"{ref.base}_{_axis_word(j, rank)}")
+    b = bcast(j, rank)
+    stride = ref.strides[ax.dim]
+    terms.append(f"{name}{b}" + (f" * {stride}" if stride != 1 else ""))
+    if p != ax.size:
+      masks.append(f"tl.arange(0, {p}){b} < {ax.size}")
+    if ref.check_upper[ax.dim]:
+      masks.append(f"{name}{b} < {ref.array_shape[ax.dim]}")
+    if ref.check_lower[ax.dim]:
+      masks.append(f"{name}{b} >= 0")
+  for d, c in ref.fixed:
+    if isinstance(c, int):
+      if c:
+        terms.append(str(c * ref.strides[d]))
+    else:
+      c_expr = f"({c}).to(tl.int64)" if ref.wide else paren(c)
+      terms.append(c_expr + (f" * {ref.strides[d]}" if ref.strides[d] != 1
+                             else ""))
+      if ref.check_upper[d]:
+        masks.append(f"{paren(c)} < {ref.array_shape[d]}")
+      if ref.check_lower[d]:
+        masks.append(f"{paren(c)} >= 0")
+  ptr = ref.ptr if not terms else f"{ref.ptr} + " + " + ".join(terms)
+  if extra_mask is not None:
+    masks.append(extra_mask)
+  if not masks:
+    return ptr, None
+  if len(masks) == 1:
+    return ptr, masks[0]
+  mask = " & ".join(f"({m})" for m in masks)
+  return ptr, ctx.bind_raw(mask, f"{ref.base}_mask")
+
+
+def has_padding_or_bounds(ref: MemRef) -> bool:
+  if any(pow2(a.size) != a.size for a in ref.axes):
+    return True
+  dims = [a.dim for a in ref.axes] + [d for d, _ in ref.fixed]
+  return any(ref.check_upper[d] or ref.check_lower[d] for d in dims)

@@ -1,0 +1,220 @@
+"""Control flow: `cond` (and `pl.when`) as `if`/`elif`, `while` as a Triton
+`while` on a loop-carried flag, `scan` from `fori_loop` as a `for` loop, and
+calls (`jit`, custom derivatives, remat) inlined.
+
+Values that flow out of a branch or around a loop get a name that every
+branch and iteration assigns, so Triton sees a well-typed `scf.if`/`scf.for`.
+"""
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+from jax._src import core
+
+from lowering_triton.rules import register
+from lowering_triton.values import TVal
+
+
+def _typed(v) -> str:
+  """Source of a value usable as a loop-carried/branch-yielded tensor."""
+  if not isinstance(v, TVal):
+    raise TypeError(f"cannot carry {type(v).__name__} through control flow")
+  return v.expr
+
+
+def _is_empty(closed) -> bool:
+  j = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+  return not j.eqns and not j.outvars
+
+
+def _assign(ctx, targets: list[TVal], values: list) -> None:
+  """`target_i = value_i` for all i, safe when values name other targets."""
+  names = {t.expr for t in targets}
+  staged = []
+  for t, v in zip(targets, values):
+    e = _typed(v)
+    if e != t.expr and e in names:
+      e = ctx.bind_raw(e, "prev")
+    staged.append(e)
+  for t, e in zip(targets, staged):
+    if e != t.expr:
+      ctx.emit(f"{t.expr} = {e}")
+
+
+@register(lax.cond_p)
+def _cond(ctx, index, *ops, branches, **params):
+  if index.literal is not None:
+    k = min(max(int(index.literal), 0), len(branches) - 1)
+    return ctx.lower_closed(branches[k], list(ops))
+  outs = [TVal(ctx.fresh(ctx.hint("cond_out") if len(ctx.avals_out) == 1
+                         else "cond_out"), tuple(a.shape), np.dtype(a.dtype))
+          for a in ctx.avals_out]
+  n = len(branches)
+  if n == 2:
+    src = index.bool_source
+    pred = src.expr if src is not None else f"{index.expr} != 0"
+    arms = [(f"if {pred}:", 1), ("else:", 0)]
+    if not outs and _is_empty(branches[0]):
+      arms = arms[:1]
+    elif not outs and _is_empty(branches[1]):
+      neg = f"{index.expr} == 0" if src is None else f"~{src.expr}" \
+          if src.expr.isidentifier() else f"~({src.expr})"
+      arms = [(f"if {neg}:", 0)]
+  else:
+    arms = [(f"if {index.expr} <= 0:", 0)]
+    arms += [(f"elif {index.expr} == {k}:", k) for k in range(1, n - 1)]
+    arms += [("else:", n - 1)]
+  for header, k in arms:
+    with ctx.buf.indent(header):
+      ctx.lowering.reset_comments()
+      results = ctx.lower_closed(branches[k], list(ops))
+      for o, r in zip(outs, results):
+        ctx.emit(f"{o.expr} = {_typed(r)}")
+  ctx.lowering.reset_comments()
+  return outs
+
+
+@register(lax.while_p)
+def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
+           **params):
+  cconsts = list(args[:cond_nconsts])
+  bconsts = list(args[cond_nconsts:cond_nconsts + body_nconsts])
+  init = args[cond_nconsts + body_nconsts:]
+  carries = []
+  for v in init:
+    name = ctx.fresh("carry")
+    ctx.emit(f"{name} = {_typed(v)}")
+    carries.append(TVal(name, v.shape, v.dtype))
+  go = ctx.fresh("keep_going")
+  (pred,) = ctx.lower_closed(cond_jaxpr, cconsts + carries)
+  ctx.emit(f"{go} = {_typed(pred)}")
+  with ctx.buf.indent(f"while {go}:"):
+    ctx.lowering.reset_comments()
+    mark = ctx.lowering.writes_mark()
+    new = ctx.lower_closed(body_jaxpr, bconsts + carries)
+    _assign(ctx, carries, new)
+    (pred,) = ctx.lower_closed(cond_jaxpr, cconsts + carries)
+    ctx.emit(f"{go} = {_typed(pred)}")
+    ctx.lowering.end_of_loop_body(mark)
+  ctx.lowering.reset_comments()
+  return carries
+
+
+def _producer(jaxpr: core.Jaxpr, var):
+  for eqn in jaxpr.eqns:
+    if var in eqn.outvars:
+      return eqn
+  return None
+
+
+def _counter_index(jaxpr: core.Jaxpr, n_consts: int, n_carry: int, init):
+  """The carry that a fori_loop increments by one per step, if any."""
+  for k in range(n_carry):
+    inv = jaxpr.invars[n_consts + k]
+    outv = jaxpr.outvars[k]
+    if not isinstance(outv, core.Var):
+      continue
+    eqn = _producer(jaxpr, outv)
+    if eqn is None or eqn.primitive is not lax.add_p:
+      continue
+    a, b = eqn.invars
+    one = [x for x in (a, b) if isinstance(x, core.Literal)]
+    if inv in (a, b) and one and np.asarray(one[0].val) == 1 and \
+        isinstance(init[k], TVal) and init[k].shape == () and \
+        np.issubdtype(init[k].dtype, np.integer):
+      return k
+  return None
+
+
+def _loop_var_name(ctx, jaxpr) -> str:
+  names = getattr(getattr(jaxpr, "debug_info", None), "arg_names", None) or ()
+  for n in names:
+    if n and n.isidentifier() and n not in ("carry", "_"):
+      return ctx.fresh(n)
+  return ctx.fresh("step")
+
+
+@register(lax.scan_p)
+def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
+  if "ft_in" in params:
+    n_consts, n_carry, n_xs = (len(p) for p in params["ft_in"].unpack())
+    n_ys = len(params["ft_out"].unpack()[1])
+  else:
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_xs = len(args) - n_consts - n_carry
+    n_ys = len(jaxpr.out_avals) - n_carry
+  if n_xs or n_ys:
+    raise ctx.error("lax.scan over arrays (xs/ys) is not supported by the "
+                    "Triton backend; use lax.fori_loop and index refs instead")
+  consts = list(args[:n_consts])
+  init = list(args[n_consts:n_consts + n_carry])
+  body = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+  counter = _counter_index(body, n_consts, n_carry, init)
+  carries = []
+  for k, v in enumerate(init):
+    if k == counter:
+      carries.append(None)
+      continue
+    name = ctx.fresh("carry")
+    ctx.emit(f"{name} = {_typed(v)}")
+    carries.append(TVal(name, v.shape, v.dtype))
+  iv = _loop_var_name(ctx, jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr)
+                      else jaxpr)
+  length = int(length)
+  static = unroll is True or (not isinstance(unroll, bool) and
+                              int(unroll) > 1 and int(unroll) >= length)
+  rng = "tl.static_range" if static else "tl.range"
+  with ctx.buf.indent(f"for {iv} in {rng}(0, {length}):"):
+    ctx.lowering.reset_comments()
+    loop_args = list(carries)
+    if counter is not None:
+      start = init[counter]
+      if start.literal is not None and int(start.literal) == 0 and \
+          start.dtype == np.int32:
+        loop_args[counter] = TVal(iv, (), np.dtype(np.int32))
+      else:
+        expr = f"{start.expr} + {iv}"
+        if start.dtype != np.int32:
+          expr = f"{start.expr} + {iv}.to({_tl(start.dtype)})"
+        loop_args[counter] = ctx.bind(expr, (), start.dtype, "index")
+    mark = ctx.lowering.writes_mark()
+    new = ctx.lower_closed(jaxpr, consts + loop_args)
+    targets = [c for c in carries if c is not None]
+    values = [v for k, v in enumerate(new[:n_carry]) if k != counter]
+    _assign(ctx, targets, values)
+    ctx.lowering.end_of_loop_body(mark)
+  ctx.lowering.reset_comments()
+  outs = list(carries)
+  if counter is not None:
+    start = init[counter]
+    if start.literal is not None:
+      from lowering_triton.values import literal_value
+      outs[counter] = literal_value(int(start.literal) + length, start.dtype)
+    else:
+      outs[counter] = ctx.bind(f"{start.expr} + {length}", (), start.dtype,
+                               "index_end")
+  return outs
+
+
+def _tl(dtype) -> str:
+  from lowering_triton.dtypes import tl_type
+  return tl_type(dtype)
+
+
+def _inline(ctx, *args, **params):
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    if key in params:
+      return ctx.lower_closed(params[key], list(args))
+  raise ctx.error(f"cannot inline '{ctx.primitive}': no jaxpr parameter")
+
+
+for _name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+              "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint",
+              "remat", "remat2", "custom_lin"):
+  register(_name)(_inline)
+del _name
+
+
+@register("name")
+def _name_identity(ctx, x, **params):
+  return x

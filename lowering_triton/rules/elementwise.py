@@ -1,0 +1,459 @@
+"""Elementwise primitives: arithmetic, math functions, comparisons, bitwise
+operations, `select_n`, `clamp` and casts.
+
+Float16/bfloat16/fp8 operands are computed in float32 and rounded back to
+their dtype after each operation (as XLA does on CPU, and as Triton's math
+functions require). Functions Triton lacks (tanh, log1p, expm1, pow, ...) are
+written out from the ones it has.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+from jax import lax
+from jax._src.lax import special as lax_special
+
+from lowering_triton import dtypes
+from lowering_triton.codegen import paren
+from lowering_triton.rules import register
+from lowering_triton.values import TVal, full_expr, literal_value
+
+
+def _fold(ctx, args, params):
+  """Evaluates an equation whose operands are all constants."""
+  if not args or not all(isinstance(a, TVal) and a.literal is not None
+                         for a in args):
+    return None
+  vals = [np.asarray(a.literal, a.dtype) for a in args]
+  with jax.ensure_compile_time_eval():
+    out = ctx.eqn.primitive.bind(*vals, **params)
+  out = np.asarray(out)
+  if out.ndim:
+    return None
+  return literal_value(out, ctx.out_aval.dtype)
+
+
+def _result(ctx, expr: str, computed_in, hint: str):
+  aval = ctx.out_aval
+  return ctx.finish(expr, aval.shape, aval.dtype, computed_in,
+                    hint=ctx.hint(hint))
+
+
+# ------------------------------------------------------------- unary
+
+def _unary(prim, template: str, hint: str, *, floats_only=False):
+  @register(prim)
+  def rule(ctx, x, **params):
+    folded = _fold(ctx, [x], params)
+    if folded is not None:
+      return folded
+    if floats_only and not dtypes.is_float(x.dtype):
+      raise ctx.error(f"'{ctx.primitive}' of {x.dtype} is not supported by the "
+                      "Triton backend")
+    cd = dtypes.compute_dtype(x.dtype)
+    return _result(ctx, template.format(x=ctx.compute(x)), cd, hint)
+  return rule
+
+
+_unary(lax.exp_p, "tl.exp({x})", "exp", floats_only=True)
+_unary(lax.exp2_p, "tl.exp2({x})", "exp2", floats_only=True)
+_unary(lax.log_p, "tl.log({x})", "log", floats_only=True)
+_unary(getattr(lax, "log2_p", None), "tl.log2({x})", "log2", floats_only=True)
+_unary(lax.sin_p, "tl.sin({x})", "sin", floats_only=True)
+_unary(lax.cos_p, "tl.cos({x})", "cos", floats_only=True)
+_unary(lax.tan_p, "tl.sin({x}) / tl.cos({x})", "tan", floats_only=True)
+_unary(lax.sqrt_p, "tl.sqrt_rn({x})", "sqrt", floats_only=True)
+_unary(lax.rsqrt_p, "tl.rsqrt({x})", "rsqrt", floats_only=True)
+_unary(lax.logistic_p, "tl.sigmoid({x})", "sigmoid", floats_only=True)
+_unary(lax_special.erf_p, "tl.erf({x})", "erf", floats_only=True)
+_unary(lax_special.erfc_p, "1.0 - tl.erf({x})", "erfc", floats_only=True)
+_unary(lax.floor_p, "tl.floor({x})", "floor", floats_only=True)
+_unary(lax.ceil_p, "tl.ceil({x})", "ceil", floats_only=True)
+_unary(lax.abs_p, "tl.abs({x})", "abs")
+_unary(lax.neg_p, "-{x}", "neg")
+_unary(lax.square_p, "{x} * {x}", "square")
+_unary(getattr(lax, "one_minus_square_p", None), "1.0 - {x} * {x}",
+       "one_minus_square", floats_only=True)
+_unary(lax.copy_p, "{x}", "copy")
+
+
+def _named_input(ctx, x: TVal, hint="x"):
+  """`x` in its compute dtype, bound to a name (for reuse in formulas)."""
+  e = ctx.compute(x)
+  if e.isidentifier():
+    return e
+  return ctx.bind_raw(e, hint)
+
+
+@register(lax.tanh_p)
+def _tanh(ctx, x, **params):
+  folded = _fold(ctx, [x], params)
+  if folded is not None:
+    return folded
+  xf = _named_input(ctx, x)
+  a = ctx.bind_raw(f"tl.abs({xf})", "tanh_abs")
+  e = ctx.bind_raw(f"tl.exp(-2.0 * {a})", "tanh_exp")
+  big = ctx.bind_raw(f"(1.0 - {e}) / (1.0 + {e})", "tanh_big")
+  x2 = ctx.bind_raw(f"{xf} * {xf}", "tanh_sq")
+  # Near 0 the exp form cancels; the odd Taylor series is exact there.
+  small = (f"{xf} * (1.0 + {x2} * (-0.3333333333333333 + {x2} * "
+           f"(0.13333333333333333 + {x2} * -0.05396825396825397)))")
+  expr = (f"tl.where({a} < 0.125, {small}, tl.where({xf} < 0, -{big}, {big}))")
+  return _result(ctx, expr, np.float32, "tanh")
+
+
+@register(lax.log1p_p)
+def _log1p(ctx, x, **params):
+  folded = _fold(ctx, [x], params)
+  if folded is not None:
+    return folded
+  xf = _named_input(ctx, x)
+  u = ctx.bind_raw(f"1.0 + {xf}", "log1p_u")
+  expr = (f"tl.where({u} == 1.0, {xf}, tl.where({u} == float('inf'), {u}, "
+          f"tl.log({u}) * ({xf} / ({u} - 1.0))))")
+  return _result(ctx, expr, np.float32, "log1p")
+
+
+@register(lax.expm1_p)
+def _expm1(ctx, x, **params):
+  folded = _fold(ctx, [x], params)
+  if folded is not None:
+    return folded
+  xf = _named_input(ctx, x)
+  u = ctx.bind_raw(f"tl.exp({xf})", "expm1_u")
+  expr = (f"tl.where({u} == 1.0, {xf}, tl.where({u} - 1.0 == -1.0, -1.0, "
+          f"tl.where({u} == float('inf'), {u}, "
+          f"({u} - 1.0) * ({xf} / tl.log({u})))))")
+  return _result(ctx, expr, np.float32, "expm1")
+
+
+@register(lax.sinh_p)
+def _sinh(ctx, x, **params):
+  xf = _named_input(ctx, x)
+  return _result(ctx, f"0.5 * (tl.exp({xf}) - tl.exp(-{xf}))", np.float32,
+                 "sinh")
+
+
+@register(lax.cosh_p)
+def _cosh(ctx, x, **params):
+  xf = _named_input(ctx, x)
+  return _result(ctx, f"0.5 * (tl.exp({xf}) + tl.exp(-{xf}))", np.float32,
+                 "cosh")
+
+
+@register(lax.cbrt_p)
+def _cbrt(ctx, x, **params):
+  xf = _named_input(ctx, x)
+  expr = (f"tl.where({xf} < 0, -tl.exp2(tl.log2(-{xf}) / 3.0), "
+          f"tl.exp2(tl.log2({xf}) / 3.0))")
+  return _result(ctx, expr, np.float32, "cbrt")
+
+
+@register(lax.sign_p)
+def _sign(ctx, x, **params):
+  folded = _fold(ctx, [x], params)
+  if folded is not None:
+    return folded
+  xf = _named_input(ctx, x)
+  cd = dtypes.compute_dtype(x.dtype)
+  if dtypes.is_float(cd):
+    expr = f"tl.where({xf} > 0, 1.0, tl.where({xf} < 0, -1.0, {xf}))"
+  elif dtypes.is_unsigned(cd):
+    one, zero = (literal_value(v, cd).expr for v in (1, 0))
+    expr = f"tl.where({xf} > 0, {one}, {zero})"
+  else:
+    one, minus, zero = (literal_value(v, cd).expr for v in (1, -1, 0))
+    expr = f"tl.where({xf} > 0, {one}, tl.where({xf} < 0, {minus}, {zero}))"
+  return _result(ctx, expr, cd, "sign")
+
+
+@register(lax.round_p)
+def _round(ctx, x, rounding_method=0, **params):
+  xf = _named_input(ctx, x)
+  if int(rounding_method) == 0:      # away from zero
+    expr = f"tl.where({xf} >= 0, tl.floor({xf} + 0.5), tl.ceil({xf} - 0.5))"
+  else:                               # to nearest even
+    r = ctx.bind_raw(f"tl.floor({xf} + 0.5)", "round_up")
+    expr = (f"tl.where(({r} - {xf} == 0.5) & ({r} - 2.0 * tl.floor({r} * 0.5)"
+            f" != 0.0), {r} - 1.0, {r})")
+  return _result(ctx, expr, np.float32, "round")
+
+
+@register(lax.is_finite_p)
+def _is_finite(ctx, x, **params):
+  return _result(ctx, f"tl.abs({ctx.compute(x)}) < float('inf')", np.bool_,
+                 "is_finite")
+
+
+@register(lax.not_p)
+def _not(ctx, x, **params):
+  folded = _fold(ctx, [x], params)
+  if folded is not None:
+    return folded
+  return _result(ctx, f"~{paren(ctx.compute(x))}", x.dtype, "not_")
+
+
+@register(lax.integer_pow_p)
+def _integer_pow(ctx, x, y, **params):
+  folded = _fold(ctx, [x], dict(y=y, **params))
+  if folded is not None:
+    return folded
+  cd = dtypes.compute_dtype(x.dtype)
+  base = _named_input(ctx, x)
+  n = abs(int(y))
+  if n == 0:
+    return _result(ctx, full_expr(x.shape, 1, cd), cd, "pow")
+  # Exponentiation by squaring, with named partial products.
+  acc, sq = None, base
+  while True:
+    if n & 1:
+      acc = sq if acc is None else ctx.bind_raw(f"{acc} * {sq}", "pow_acc")
+    n >>= 1
+    if not n:
+      break
+    sq = ctx.bind_raw(f"{sq} * {sq}", "pow_sq")
+  expr = acc if y > 0 else f"1.0 / {paren(acc)}"
+  return _result(ctx, expr, cd, "pow")
+
+
+@register(lax.pow_p)
+def _pow(ctx, x, y, **params):
+  folded = _fold(ctx, [x, y], params)
+  if folded is not None:
+    return folded
+  if not dtypes.is_float(x.dtype):
+    raise ctx.error("'pow' of integers is not supported by the Triton backend;"
+                    " use lax.integer_pow (x ** n with a Python int n)")
+  xf = _named_input(ctx, x, "pow_x")
+  yf = ctx.compute(y) if dtypes.is_float(y.dtype) else \
+      f"{paren(y.expr)}.to(tl.float32)"
+  if not yf.isidentifier() and y.literal is None:
+    yf = ctx.bind_raw(yf, "pow_y")
+  r = ctx.bind_raw(f"tl.exp2({yf} * tl.log2(tl.abs({xf})))", "pow_mag")
+  y_int = ctx.bind_raw(f"tl.floor({yf}) == {yf}", "pow_y_int")
+  y_odd = ctx.bind_raw(
+      f"{y_int} & (tl.abs({yf} - 2.0 * tl.floor({yf} * 0.5)) == 1.0)",
+      "pow_y_odd")
+  expr = (f"tl.where({yf} == 0.0, 1.0, tl.where({xf} < 0, tl.where({y_int}, "
+          f"tl.where({y_odd}, -{r}, {r}), float('nan')), {r}))")
+  return _result(ctx, expr, np.float32, "pow")
+
+
+# ------------------------------------------------------------- binary
+
+def _identity(op: str, a: TVal, b: TVal):
+  """Algebraic identities with a constant operand, on integers and bools:
+  `x + 0`, `x * 1`, `x % 1`, `p & True`, `p != False`, ... Index maps and
+  jnp's integer helpers produce many of them."""
+  if a.shape != b.shape:
+    return None
+  if a.dtype == np.bool_:
+    for x, c in ((a, b), (b, a)):
+      if c.literal is None:
+        continue
+      if op in ("!=", "^", "|") and c.literal is False:
+        return x
+      if op in ("&", "==") and c.literal is True:
+        return x
+      if op == "&" and c.literal is False:
+        return c
+      if op == "|" and c.literal is True:
+        return c
+    return None
+  if not dtypes.is_int(a.dtype):
+    return None
+  if op == "%" and b.literal in (1, -1):
+    return literal_value(0, a.dtype)
+  if op == "*" and (a.literal == 0 or b.literal == 0):
+    return literal_value(0, a.dtype)
+  if op in ("+", "-", "|", "^", "<<", ">>") and b.literal == 0:
+    return a
+  if op in ("+", "|", "^") and a.literal == 0:
+    return b
+  if op == "*" and b.literal == 1:
+    return a
+  if op == "*" and a.literal == 1:
+    return b
+  return None
+
+
+def _binary(prim, op: str, hint: str, *, kind="any"):
+  """`op` is a Python operator (`+`) or a function template (`{a}`, `{b}`)."""
+  @register(prim)
+  def rule(ctx, a, b, **params):
+    folded = _fold(ctx, [a, b], params)
+    if folded is not None:
+      return folded
+    same = _identity(op, a, b)
+    if same is not None:
+      return same
+    cd = dtypes.compute_dtype(a.dtype)
+    ae, be = ctx.compute(a), ctx.compute(b)
+    if "{" in op:
+      expr = op.format(a=ae, b=be)
+    else:
+      expr = f"{paren(ae)} {op} {paren(be)}"
+    out_dtype = ctx.out_aval.dtype
+    computed = np.bool_ if out_dtype == np.bool_ else cd
+    return _result(ctx, expr, computed, hint)
+  return rule
+
+
+_binary(lax.add_p, "+", "add")
+_binary(lax.sub_p, "-", "sub")
+_binary(lax.mul_p, "*", "mul")
+_binary(lax.rem_p, "%", "rem")
+_binary(lax.and_p, "&", "and_")
+_binary(lax.or_p, "|", "or_")
+_binary(lax.xor_p, "^", "xor")
+_binary(lax.shift_left_p, "<<", "shl")
+_binary(lax.shift_right_arithmetic_p, ">>", "shr")
+_binary(lax.eq_p, "==", "eq")
+_binary(lax.ne_p, "!=", "ne")
+_binary(lax.lt_p, "<", "lt")
+_binary(lax.le_p, "<=", "le")
+_binary(lax.gt_p, ">", "gt")
+_binary(lax.ge_p, ">=", "ge")
+
+
+@register(lax.div_p)
+def _div(ctx, a, b, **params):
+  folded = _fold(ctx, [a, b], params)
+  if folded is not None:
+    return folded
+  cd = dtypes.compute_dtype(a.dtype)
+  if dtypes.is_int(cd) and b.literal == 1:
+    return a
+  op = "/" if dtypes.is_float(cd) else "//"   # Triton's // truncates, as lax.div
+  expr = f"{paren(ctx.compute(a))} {op} {paren(ctx.compute(b))}"
+  return _result(ctx, expr, cd, "div")
+
+
+def _minmax(prim, fn: str, bool_op: str):
+  @register(prim)
+  def rule(ctx, a, b, **params):
+    folded = _fold(ctx, [a, b], params)
+    if folded is not None:
+      return folded
+    cd = dtypes.compute_dtype(a.dtype)
+    ae, be = ctx.compute(a), ctx.compute(b)
+    if cd == np.bool_:
+      expr = f"{paren(ae)} {bool_op} {paren(be)}"
+    elif dtypes.is_float(cd):
+      expr = f"tl.{fn}({ae}, {be}, propagate_nan=tl.PropagateNan.ALL)"
+    else:
+      expr = f"tl.{fn}({ae}, {be})"
+    return _result(ctx, expr, cd, fn)
+  return rule
+
+
+_minmax(lax.max_p, "maximum", "|")
+_minmax(lax.min_p, "minimum", "&")
+
+
+@register(lax.shift_right_logical_p)
+def _shift_right_logical(ctx, a, b, **params):
+  folded = _fold(ctx, [a, b], params)
+  if folded is not None:
+    return folded
+  if dtypes.is_unsigned(a.dtype):
+    return _result(ctx, f"{paren(ctx.compute(a))} >> {paren(ctx.compute(b))}",
+                   a.dtype, "shr")
+  bits = np.dtype(a.dtype).itemsize * 8
+  ut = f"tl.uint{bits}"
+  expr = (f"({paren(a.expr)}.to({ut}, bitcast=True) >> "
+          f"{paren(ctx.value(b) if b.literal is None else b.expr)}.to({ut}, "
+          f"bitcast=True)).to({dtypes.tl_type(a.dtype)}, bitcast=True)")
+  return _result(ctx, expr, a.dtype, "shr")
+
+
+@register(lax.select_n_p)
+def _select_n(ctx, pred, *cases, **params):
+  if pred.literal is not None:
+    k = int(pred.literal)
+    return cases[min(max(k, 0), len(cases) - 1)]
+  out = ctx.out_aval
+  vals = [ctx.value(c) for c in cases]
+  if len(cases) == 1:
+    return cases[0]
+  if pred.dtype == np.bool_:
+    expr = f"tl.where({pred.expr}, {vals[1]}, {vals[0]})"
+  else:
+    expr = vals[-1]
+    for k in range(len(cases) - 2, -1, -1):
+      expr = f"tl.where({paren(pred.expr)} == {k}, {vals[k]}, {expr})"
+  return ctx.bind(expr, out.shape, out.dtype, ctx.hint("select"))
+
+
+@register(lax.clamp_p)
+def _clamp(ctx, lo, x, hi, **params):
+  folded = _fold(ctx, [lo, x, hi], params)
+  if folded is not None:
+    return folded
+  cd = dtypes.compute_dtype(x.dtype)
+  expr = (f"tl.minimum(tl.maximum({ctx.compute(x)}, {ctx.compute(lo)}), "
+          f"{ctx.compute(hi)})")
+  return _result(ctx, expr, cd, "clamp")
+
+
+# ------------------------------------------------------------- casts
+
+@register(lax.convert_element_type_p)
+def _convert(ctx, x, new_dtype, **params):
+  new_dtype = np.dtype(new_dtype)
+  if x.literal is not None:
+    return literal_value(x.literal, new_dtype)
+  if x.dtype == new_dtype:
+    return x
+  if new_dtype == np.bool_:
+    expr = f"{paren(ctx.compute(x))} != 0"
+  else:
+    expr = f"{paren(x.expr)}.to({dtypes.tl_type(new_dtype)})"
+  if x.dtype == np.bool_:
+    # Left unbound: `lax.cond` turns its bool into an int index this way,
+    # and the `if` reads the bool itself.
+    return TVal(paren(expr), x.shape, new_dtype, bool_source=x)
+  return ctx.bind(expr, x.shape, new_dtype,
+                  ctx.hint(f"{x.expr}_{new_dtype.name}" if x.expr.isidentifier()
+                           else "cast"))
+
+
+@register(lax.bitcast_convert_type_p)
+def _bitcast(ctx, x, new_dtype, **params):
+  new_dtype = np.dtype(new_dtype)
+  if np.dtype(x.dtype).itemsize != new_dtype.itemsize:
+    raise ctx.error(f"bitcast from {x.dtype} to {new_dtype} changes the width;"
+                    " the Triton backend supports same-width bitcasts only")
+  expr = f"{paren(x.expr)}.to({dtypes.tl_type(new_dtype)}, bitcast=True)"
+  return ctx.bind(expr, x.shape, new_dtype, ctx.hint("bitcast"))
+
+
+@register(lax.reduce_precision_p)
+def _reduce_precision(ctx, x, exponent_bits, mantissa_bits, **params):
+  # Rounding through the narrower float type that has these bits.
+  target = {(8, 7): "bfloat16", (5, 10): "float16", (8, 23): "float32"}.get(
+      (int(exponent_bits), int(mantissa_bits)))
+  if target is None:
+    raise ctx.error(f"reduce_precision to {exponent_bits} exponent and "
+                    f"{mantissa_bits} mantissa bits is not supported")
+  expr = (f"{paren(ctx.compute(x))}.to(tl.{target}).to("
+          f"{dtypes.tl_type(dtypes.compute_dtype(x.dtype))})")
+  return _result(ctx, expr, dtypes.compute_dtype(x.dtype), "reduce_precision")
+
+
+@register(lax.optimization_barrier_p)
+def _optimization_barrier(ctx, *args, **params):
+  return list(args)
+
+
+@register("stop_gradient")
+def _stop_gradient(ctx, x, **params):
+  return x
+
+
+@register("add_any")
+def _add_any(ctx, a, b, **params):
+  """The sum of two cotangents (from JAX's transposition)."""
+  cd = dtypes.compute_dtype(a.dtype)
+  return _result(ctx, f"{paren(ctx.compute(a))} + {paren(ctx.compute(b))}",
+                 cd, "add")

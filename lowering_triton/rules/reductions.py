@@ -1,0 +1,159 @@
+"""Reductions (sum, max, min, prod, and, or, argmax, argmin) and cumulative
+scans. Padded lanes are replaced by the reduction's identity first."""
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+from jax._src.lax import control_flow as lax_cf
+
+from lowering_triton import dtypes
+from lowering_triton.codegen import paren
+from lowering_triton.refs import bcast
+from lowering_triton.rules import register
+from lowering_triton.values import TVal, pow2, py_literal
+
+
+def lane_mask(shape, axes) -> str | None:
+  """`True` on logical lanes of the padded axes among `axes`."""
+  terms = []
+  for ax in axes:
+    n = shape[ax]
+    if pow2(n) != n:
+      terms.append(f"tl.arange(0, {pow2(n)}){bcast(ax, len(shape))} < {n}")
+  if not terms:
+    return None
+  return " & ".join(f"({t})" if len(terms) > 1 else t for t in terms)
+
+
+def fill_padding(ctx, expr: str, shape, axes, fill: str) -> str:
+  mask = lane_mask(shape, axes)
+  if mask is None:
+    return expr
+  return f"tl.where({mask}, {expr}, {fill})"
+
+
+def _reduce_dtype(dtype):
+  """The dtype a reduction of `dtype` is computed in."""
+  dtype = np.dtype(dtype)
+  if dtypes.is_low_float(dtype):
+    return np.dtype(np.float32)
+  if dtype == np.bool_ or (dtypes.is_int(dtype) and dtype.itemsize < 4):
+    return np.dtype(np.int32) if not dtypes.is_unsigned(dtype) else \
+        np.dtype(np.uint32)
+  return dtype
+
+
+def _input(ctx, x: TVal, cd) -> str:
+  if x.dtype == cd:
+    return x.expr
+  return f"{paren(x.expr)}.to({dtypes.tl_type(cd)})"
+
+
+def _reduce(ctx, x, axes, fn: str, identity, hint: str):
+  out = ctx.out_aval
+  cd = _reduce_dtype(x.dtype)
+  expr = fill_padding(ctx, _input(ctx, x, cd), x.shape, axes,
+                      py_literal(identity(cd), cd))
+  for ax in sorted(axes, reverse=True):
+    expr = fn.format(x=expr, axis=ax)
+  if out.dtype == np.bool_:
+    expr = f"{paren(expr)} != 0"
+    cd = np.dtype(np.bool_)
+  return ctx.finish(expr, out.shape, out.dtype, cd, hint=ctx.hint(hint))
+
+
+@register(lax.reduce_sum_p)
+def _sum(ctx, x, axes, **params):
+  return _reduce(ctx, x, axes, "tl.sum({x}, axis={axis})", lambda d: 0, "sum")
+
+
+@register(lax.reduce_max_p)
+def _max(ctx, x, axes, **params):
+  return _reduce(ctx, x, axes, "tl.max({x}, axis={axis})", dtypes.min_value,
+                 "max")
+
+
+@register(lax.reduce_min_p)
+def _min(ctx, x, axes, **params):
+  return _reduce(ctx, x, axes, "tl.min({x}, axis={axis})", dtypes.max_value,
+                 "min")
+
+
+@register(lax.reduce_or_p)
+def _any(ctx, x, axes, **params):
+  return _reduce(ctx, x, axes, "tl.max({x}, axis={axis})", lambda d: 0, "any")
+
+
+@register(lax.reduce_and_p)
+def _all(ctx, x, axes, **params):
+  return _reduce(ctx, x, axes, "tl.min({x}, axis={axis})", lambda d: 1, "all")
+
+
+_MUL_COMBINE = '''@triton.jit
+def _mul_combine(a, b):
+    return a * b'''
+
+_MAX_COMBINE = '''@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)'''
+
+_MIN_COMBINE = '''@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)'''
+
+
+@register(lax.reduce_prod_p)
+def _prod(ctx, x, axes, **params):
+  fn = ctx.lowering.need_helper("_mul_combine", _MUL_COMBINE)
+  return _reduce(ctx, x, axes, "tl.reduce({x}, {axis}, " + fn + ")",
+                 lambda d: 1, "prod")
+
+
+def _arg(ctx, x, axes, index_dtype, fn: str, identity, hint: str):
+  (axis,) = axes
+  out = ctx.out_aval
+  cd = _reduce_dtype(x.dtype)
+  expr = fill_padding(ctx, _input(ctx, x, cd), x.shape, [axis],
+                      py_literal(identity(cd), cd))
+  expr = f"tl.{fn}({expr}, axis={axis}, tie_break_left=True)"
+  return ctx.finish(expr, out.shape, out.dtype, np.int32, hint=ctx.hint(hint))
+
+
+@register(lax.argmax_p)
+def _argmax(ctx, x, axes, index_dtype, **params):
+  return _arg(ctx, x, axes, index_dtype, "argmax", dtypes.min_value, "argmax")
+
+
+@register(lax.argmin_p)
+def _argmin(ctx, x, axes, index_dtype, **params):
+  return _arg(ctx, x, axes, index_dtype, "argmin", dtypes.max_value, "argmin")
+
+
+def _cumulative(prim, template: str, identity, hint: str):
+  @register(prim)
+  def rule(ctx, x, axis, reverse=False, **params):
+    out = ctx.out_aval
+    cd = _reduce_dtype(x.dtype)
+    expr = fill_padding(ctx, _input(ctx, x, cd), x.shape, [axis],
+                        py_literal(identity(cd), cd))
+    expr = template.format(x=expr, axis=axis, reverse=bool(reverse),
+                           max=ctx.lowering.need_helper("_max_combine",
+                                                        _MAX_COMBINE)
+                           if "{max}" in template else "",
+                           min=ctx.lowering.need_helper("_min_combine",
+                                                        _MIN_COMBINE)
+                           if "{min}" in template else "")
+    return ctx.finish(expr, out.shape, out.dtype, cd, hint=ctx.hint(hint))
+  return rule
+
+
+_cumulative(lax_cf.cumsum_p, "tl.cumsum({x}, axis={axis}, reverse={reverse})",
+            lambda d: 0, "cumsum")
+_cumulative(lax_cf.cumprod_p, "tl.cumprod({x}, axis={axis}, reverse={reverse})",
+            lambda d: 1, "cumprod")
+_cumulative(lax_cf.cummax_p,
+            "tl.associative_scan({x}, {axis}, {max}, reverse={reverse})",
+            dtypes.min_value, "cummax")
+_cumulative(lax_cf.cummin_p,
+            "tl.associative_scan({x}, {axis}, {min}, reverse={reverse})",
+            dtypes.max_value, "cummin")

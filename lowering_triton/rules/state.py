@@ -1,0 +1,402 @@
+"""Refs: JAX state `get`/`swap`/`addupdate`, dsl masked loads and stores,
+atomics and `run_scoped`.
+
+On a `MemRef` (an operand block in global memory) these become `tl.load`,
+`tl.store` and `tl.atomic_*` on pointer tensors; on a `ValueRef` (a scratch
+buffer in registers) reads gather the indexed window and writes merge it
+back with `tl.where`.
+"""
+from __future__ import annotations
+
+import numpy as np
+from jax import tree_util
+from jax._src.state import indexing
+from jax._src.state import primitives as state_primitives
+
+from dsl import primitives as dsl_primitives
+from dsl import ref_ops
+from lowering_triton import dtypes
+from lowering_triton.codegen import paren
+from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
+                                  apply_indexer, as_sym, bcast, emit_address,
+                                  has_padding_or_bounds)
+from lowering_triton.rules import register
+from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
+from lowering_triton.values import TVal, full_expr, padded
+
+
+def _transforms(ctx, tree, flat):
+  try:
+    return list(tree_util.tree_unflatten(tree, list(flat)))
+  except Exception as e:
+    raise ctx.error(f"cannot read the ref indexers: {e}")
+
+
+def _view(ctx, ref: MemRef, transforms) -> MemRef:
+  try:
+    for t in transforms:
+      ref = apply_indexer(ref, t)
+  except UnsupportedIndex as e:
+    raise ctx.error(str(e))
+  return ref
+
+
+def _zero(dtype) -> str:
+  if dtypes.is_float(dtype):
+    return "0.0"
+  return "0"
+
+
+def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
+          other: str | None = None, extra: str = "") -> TVal:
+  ctx.lowering.before_read(view.ptr)
+  args = [ptr]
+  if mask is not None:
+    args.append(f"mask={mask}")
+    args.append(f"other={other if other is not None else _zero(view.dtype)}")
+  if extra:
+    args.append(extra)
+  return ctx.bind(f"tl.load({', '.join(args)})", view.shape, view.dtype, hint,
+                  pure="volatile" not in extra)
+
+
+def _store(ctx, ptr: str, value: str, mask: str | None, extra: str = "",
+           base: str | None = None):
+  ctx.lowering.wrote(base or ptr.split(" ")[0])
+  args = [ptr, value]
+  if mask is not None:
+    args.append(f"mask={mask}")
+  if extra:
+    args.append(extra)
+  ctx.emit(f"tl.store({', '.join(args)})")
+
+
+def _shared_ptr(ctx, ptr: str, view: MemRef) -> str:
+  """Names a pointer expression that is used more than once."""
+  if ptr.isidentifier():
+    return ptr
+  return ctx.bind_raw(ptr, f"{view.base}_ptrs")
+
+
+# ------------------------------------------------------------- value refs
+
+def _is_full(indexer, shape) -> bool:
+  for idx, n in zip(indexer.indices, shape):
+    if not isinstance(idx, indexing.Slice):
+      return False
+    if as_sym(idx.start) != 0 or int(idx.size) != n or int(idx.stride) != 1:
+      return False
+  return True
+
+
+def _current(vref: ValueRef) -> TVal:
+  return TVal(vref.var, tuple(vref.shape), np.dtype(vref.dtype))
+
+
+def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
+  """`x[indexer]` for a value (gathers along the sliced axes)."""
+  if not isinstance(indexer, indexing.NDIndexer):
+    raise ctx.error(f"ref transform {type(indexer).__name__} is not supported "
+                    "by the Triton backend")
+  if _is_full(indexer, x.shape):
+    return x
+  drop = []
+  for axis, idx in enumerate(indexer.indices):
+    n = x.shape[axis]
+    if isinstance(idx, indexing.Slice):
+      s, size, st = as_sym(idx.start), int(idx.size), int(idx.stride)
+      if s == 0 and size == n and st == 1:
+        continue
+      pos = lanes(size) if st == 1 else f"{lanes(size)} * {st}"
+      if s != 0:
+        pos = f"{pos} + {paren(s)}"
+      x = take(ctx, x, axis, clamp(pos, 0, n - 1), size, hint)
+    elif isinstance(idx, TVal) and idx.shape == () or isinstance(idx, int):
+      s = as_sym(idx)
+      x = take(ctx, x, axis, clamp(f"tl.full((1,), {s}, tl.int32)", 0, n - 1),
+               1, hint)
+      drop.append(axis)
+    else:
+      raise ctx.error("indexing a scratch ref with an array of indices is not "
+                      "supported by the Triton backend")
+  if drop:
+    x = reshape_value(ctx, x, [d for i, d in enumerate(x.shape)
+                               if i not in drop], hint)
+  return x
+
+
+def value_read(ctx, vref: ValueRef, transforms, hint: str) -> TVal:
+  x = _current(vref)
+  for t in transforms:
+    x = _index_value(ctx, x, t, hint)
+  return x
+
+
+def _spread(ctx, vref: ValueRef, indexer, v: TVal, fill_mask: bool):
+  """`v` (shaped like `vref[indexer]`) spread to the ref's shape, and the
+  mask of the window it covers."""
+  shape = tuple(vref.shape)
+  rank = len(shape)
+  conds = []
+  # Re-insert the integer-indexed axes as size-1 axes.
+  full_rank_shape, k = [], 0
+  for idx, n in zip(indexer.indices, shape):
+    if isinstance(idx, indexing.Slice):
+      full_rank_shape.append(v.shape[k])
+      k += 1
+    else:
+      full_rank_shape.append(1)
+  x = reshape_value(ctx, v, full_rank_shape, "spread") if v.shape else v
+  if x.literal is not None or x.shape == ():
+    x = ctx.bind(f"tl.broadcast_to({x.expr}, {padded(full_rank_shape)})"
+                 if x.literal is None else
+                 full_expr(full_rank_shape, x.literal, x.dtype),
+                 full_rank_shape, x.dtype, "spread")
+  for axis, (idx, n) in enumerate(zip(indexer.indices, shape)):
+    ar = lanes(n)
+    if isinstance(idx, indexing.Slice):
+      s, size, st = as_sym(idx.start), int(idx.size), int(idx.stride)
+      if s == 0 and size == n and st == 1:
+        continue
+      rel = f"{ar} - {paren(s)}" if s != 0 else ar
+      if st == 1:
+        src = clamp(rel, 0, size - 1)
+        cond = f"({rel} >= 0) & ({rel} < {size})"
+      else:
+        src = clamp(f"({rel}) // {st}", 0, size - 1)
+        cond = f"({rel} >= 0) & ({rel} < {size * st}) & (({rel}) % {st} == 0)"
+      x = take(ctx, x, axis, src, n, "spread")
+    else:
+      s = as_sym(idx)
+      new_shape = list(x.shape)
+      new_shape[axis] = n
+      x = ctx.bind(f"tl.broadcast_to({x.expr}, {padded(new_shape)})",
+                   new_shape, x.dtype, "spread")
+      cond = f"{ar} == {paren(s)}"
+    conds.append(f"({cond}){bcast(axis, rank)}")
+  return x, conds
+
+
+def value_write(ctx, vref: ValueRef, transforms, v: TVal,
+                mask: TVal | None = None) -> None:
+  if len(transforms) > 1:
+    raise ctx.error("writing a scratch ref through more than one indexer "
+                    "(x.at[...][...]) is not supported by the Triton backend")
+  indexer = transforms[0] if transforms else None
+  if indexer is not None and not isinstance(indexer, indexing.NDIndexer):
+    raise ctx.error(f"ref transform {type(indexer).__name__} is not supported "
+                    "by the Triton backend")
+  cur = _current(vref)
+  if indexer is None or _is_full(indexer, cur.shape):
+    new = v.expr
+    if mask is not None:
+      new = f"tl.where({mask.expr}, {v.expr}, {cur.expr})"
+    elif v.literal is not None or v.shape != cur.shape:
+      new = full_expr(cur.shape, v.literal, cur.dtype) if v.literal is not None \
+          else f"tl.broadcast_to({v.expr}, {padded(cur.shape)})"
+    ctx.emit(f"{vref.var} = {new}")
+    return
+  spread, conds = _spread(ctx, vref, indexer, v, False)
+  if mask is not None:
+    mspread, _ = _spread(ctx, vref, indexer, mask, False)
+    conds.append(mspread.expr)
+  cond = " & ".join(conds) if conds else "True"
+  ctx.emit(f"{vref.var} = tl.where({cond}, {spread.expr}, {cur.expr})")
+
+
+# ------------------------------------------------------------- JAX state
+
+@register(state_primitives.get_p)
+def _get(ctx, ref, *flat, tree, **params):
+  transforms = _transforms(ctx, tree, flat)
+  if isinstance(ref, ValueRef):
+    return value_read(ctx, ref, transforms, ctx.hint(ref.var))
+  view = _view(ctx, ref, transforms)
+  ptr, mask = emit_address(ctx, view)
+  return _load(ctx, view, ptr, mask, ctx.hint(view.base))
+
+
+@register(state_primitives.swap_p)
+def _swap(ctx, ref, val, *flat, tree, **params):
+  transforms = _transforms(ctx, tree, flat)
+  if isinstance(ref, ValueRef):
+    old = value_read(ctx, ref, transforms, "old") if ctx.out_used(0) else None
+    value_write(ctx, ref, transforms, val)
+    return old
+  view = _view(ctx, ref, transforms)
+  ptr, mask = emit_address(ctx, view)
+  old = None
+  if ctx.out_used(0):
+    ptr = _shared_ptr(ctx, ptr, view)
+    old = _load(ctx, view, ptr, mask, "old")
+  _store(ctx, ptr, ctx.value(val), mask, base=view.ptr)
+  return old
+
+
+@register(state_primitives.addupdate_p)
+def _addupdate(ctx, ref, val, *flat, tree, **params):
+  transforms = _transforms(ctx, tree, flat)
+  cd = dtypes.compute_dtype(val.dtype)
+  if isinstance(ref, ValueRef):
+    cur = value_read(ctx, ref, transforms, "cur")
+    new = ctx.finish(f"{ctx.compute(cur)} + {paren(ctx.compute(val))}",
+                     cur.shape, cur.dtype, cd, hint="updated")
+    value_write(ctx, ref, transforms, new)
+    return []
+  view = _view(ctx, ref, transforms)
+  ptr, mask = emit_address(ctx, view)
+  ptr = _shared_ptr(ctx, ptr, view)
+  cur = _load(ctx, view, ptr, mask, "cur")
+  new = ctx.finish(f"{ctx.compute(cur)} + {paren(ctx.compute(val))}",
+                   cur.shape, cur.dtype, cd, hint="updated")
+  _store(ctx, ptr, new.expr, mask, base=view.ptr)
+  return []
+
+
+# ------------------------------------------------------------- dsl ref ops
+
+def _split_extra(flat, tree, n_extra):
+  n_idx = tree.num_leaves
+  return list(flat[:n_idx]), list(flat[n_idx:])
+
+
+def _hints(cache_modifier=None, eviction_policy=None, volatile=False) -> str:
+  parts = []
+  if cache_modifier:
+    parts.append(f"cache_modifier={cache_modifier!r}")
+  if eviction_policy:
+    parts.append(f"eviction_policy={eviction_policy!r}")
+  if volatile:
+    parts.append("volatile=True")
+  return ", ".join(parts)
+
+
+@register(ref_ops.masked_load_p)
+def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
+                 cache_modifier=None, eviction_policy=None, volatile=False,
+                 **params):
+  flat, extra = _split_extra(args, tree, has_mask + has_other)
+  transforms = _transforms(ctx, tree, flat)
+  mask = extra.pop(0) if has_mask else None
+  other = extra.pop(0) if has_other else None
+  if isinstance(ref, ValueRef):
+    val = value_read(ctx, ref, transforms, ctx.hint("load"))
+    if mask is None:
+      return val
+    fill = other.expr if other is not None else full_expr(val.shape, 0,
+                                                          val.dtype)
+    return ctx.bind(f"tl.where({mask.expr}, {val.expr}, {fill})", val.shape,
+                    val.dtype, ctx.hint("load"))
+  view = _view(ctx, ref, transforms)
+  ptr, m = emit_address(ctx, view, extra_mask=mask.expr if mask is not None
+                        else None)
+  return _load(ctx, view, ptr, m, ctx.hint(view.base),
+               other=other.expr if other is not None else None,
+               extra=_hints(cache_modifier, eviction_policy, volatile))
+
+
+@register(ref_ops.masked_store_p)
+def _masked_store(ctx, ref, *args, tree, has_mask, eviction_policy=None,
+                  **params):
+  flat, extra = _split_extra(args, tree, 1 + has_mask)
+  transforms = _transforms(ctx, tree, flat)
+  val = extra[0]
+  mask = extra[1] if has_mask else None
+  if isinstance(ref, ValueRef):
+    value_write(ctx, ref, transforms, val, mask)
+    return []
+  view = _view(ctx, ref, transforms)
+  ptr, m = emit_address(ctx, view, extra_mask=mask.expr if mask is not None
+                        else None)
+  _store(ctx, ptr, ctx.value(val), m, _hints(eviction_policy=eviction_policy),
+         base=view.ptr)
+  return []
+
+
+_ATOMIC_NAMES = {
+    ref_ops.AtomicOp.ADD: "atomic_add", ref_ops.AtomicOp.MAX: "atomic_max",
+    ref_ops.AtomicOp.MIN: "atomic_min", ref_ops.AtomicOp.AND: "atomic_and",
+    ref_ops.AtomicOp.OR: "atomic_or", ref_ops.AtomicOp.XOR: "atomic_xor",
+    ref_ops.AtomicOp.XCHG: "atomic_xchg",
+}
+
+_ATOMIC_EXPR = {
+    ref_ops.AtomicOp.ADD: "{old} + {val}",
+    ref_ops.AtomicOp.MAX: "tl.maximum({old}, {val})",
+    ref_ops.AtomicOp.MIN: "tl.minimum({old}, {val})",
+    ref_ops.AtomicOp.AND: "{old} & {val}",
+    ref_ops.AtomicOp.OR: "{old} | {val}",
+    ref_ops.AtomicOp.XOR: "{old} ^ {val}",
+    ref_ops.AtomicOp.XCHG: "{val}",
+}
+
+
+@register(ref_ops.atomic_rmw_p)
+def _atomic_rmw(ctx, ref, *args, tree, has_mask, op, out_aval, **params):
+  flat, extra = _split_extra(args, tree, 1 + has_mask)
+  transforms = _transforms(ctx, tree, flat)
+  val = extra[0]
+  mask = extra[1] if has_mask else None
+  ctx.lowering.has_side_effects = True
+  if isinstance(ref, ValueRef):
+    # A scratch ref is private to the program: no atomicity is needed.
+    old = value_read(ctx, ref, transforms, "old")
+    new = ctx.bind(_ATOMIC_EXPR[op].format(old=old.expr, val=ctx.value(val)),
+                   old.shape, old.dtype, "new")
+    value_write(ctx, ref, transforms, new, mask)
+    return old
+  view = _view(ctx, ref, transforms)
+  ptr, m = emit_address(ctx, view, extra_mask=mask.expr if mask is not None
+                        else None)
+  ctx.lowering.before_read(view.ptr)
+  ctx.lowering.wrote(view.ptr)
+  call = f"tl.{_ATOMIC_NAMES[op]}({ptr}, {ctx.value(val)}"
+  call += f", mask={m})" if m is not None else ")"
+  if ctx.out_used(0):
+    return ctx.bind(call, view.shape, view.dtype, ctx.hint("old"), pure=False)
+  ctx.emit(call)
+  return None
+
+
+@register(ref_ops.atomic_cas_p)
+def _atomic_cas(ctx, ref, *args, tree, out_aval, **params):
+  flat, (cmp, val) = _split_extra(args, tree, 2)
+  transforms = _transforms(ctx, tree, flat)
+  ctx.lowering.has_side_effects = True
+  if isinstance(ref, ValueRef):
+    old = value_read(ctx, ref, transforms, "old")
+    new = ctx.bind(f"tl.where({old.expr} == {ctx.value(cmp)}, {ctx.value(val)}"
+                   f", {old.expr})", old.shape, old.dtype, "new")
+    value_write(ctx, ref, transforms, new)
+    return old
+  view = _view(ctx, ref, transforms)
+  if has_padding_or_bounds(view):
+    raise ctx.error("atomic_cas on a window that needs masking (padded or "
+                    "partial block) is not supported: Triton's atomic_cas "
+                    "takes no mask")
+  ptr, _ = emit_address(ctx, view)
+  ctx.lowering.before_read(view.ptr)
+  ctx.lowering.wrote(view.ptr)
+  return ctx.bind(f"tl.atomic_cas({ptr}, {ctx.value(cmp)}, {ctx.value(val)})",
+                  view.shape, view.dtype, ctx.hint("old"), pure=False)
+
+
+# ------------------------------------------------------------- run_scoped
+
+def new_value_ref(ctx, aval, hint: str, origin: str = "") -> ValueRef:
+  inner = getattr(aval, "inner_aval", aval)
+  shape = tuple(int(d) for d in inner.shape)
+  dtype = np.dtype(inner.dtype)
+  if str(getattr(aval, "memory_space", "")).startswith("semaphore"):
+    raise ctx.error("semaphores are not supported by the Triton backend")
+  name = ctx.fresh(hint)
+  ctx.emit(f"{name} = {full_expr(shape, 0, dtype)}")
+  return ValueRef(name, shape, dtype, origin)
+
+
+@register(dsl_primitives.run_scoped_p)
+def _run_scoped(ctx, *consts, jaxpr, num_consts, **params):
+  refs = [new_value_ref(ctx, v.aval, "scoped", "run_scoped")
+          for v in jaxpr.invars[num_consts:]]
+  return ctx.lower_closed(jaxpr, list(consts) + refs)
+

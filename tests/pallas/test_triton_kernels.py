@@ -1,0 +1,45 @@
+"""The kernel library (kernels/) on the Triton backends: each kernels test
+module's `test_other_cpu_backends` runs under "triton_interpret" (values
+against the jnp references), and every kernel it lowered compiles ahead of
+time for sm_80 and sm_90."""
+import glob
+import importlib
+import os
+
+import pytest
+
+import lowering_triton
+from lowering_triton.compile import compile_kernel
+from tests.pallas.triton_testing import ARCHS, BACKEND, default_backend
+
+_HERE = os.path.dirname(__file__)
+MODULES = sorted(os.path.basename(p)[:-3] for p in
+                 glob.glob(os.path.join(_HERE, "test_kernels_*.py")))
+
+
+def _run(name):
+  try:
+    module = importlib.import_module(f"tests.pallas.{name}")
+  except ImportError as e:
+    pytest.skip(f"{name} does not import: {e}")
+  fn = getattr(module, "test_other_cpu_backends", None)
+  if fn is None:
+    pytest.skip(f"{name} has no test_other_cpu_backends")
+  with default_backend() as lowered:
+    fn(BACKEND)
+  return lowered
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_kernels_match_references_and_compile_ahead_of_time(name):
+  lowered = _run(name)
+  assert lowered, f"{name} lowered nothing through {BACKEND}"
+  seen = set()
+  for spec in lowered:
+    gk = lowering_triton.generate(spec)
+    if gk.source in seen:
+      continue
+    seen.add(gk.source)
+    for arch in ARCHS:
+      compiled = compile_kernel(gk, int(arch[3:]))
+      assert compiled.asm["cubin"], (spec.name, arch)
