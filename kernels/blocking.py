@@ -71,3 +71,21 @@ def block_for(n: int, backend: str, *, interpret: int, triton: int,
       return n
     return divisor_block(n, mosaic, mosaic_multiple)
   return divisor_block(n, interpret)
+
+
+def triton_params(backend: str, *, num_warps: int, num_stages: int | None = None):
+  """Launch parameters for Triton backends (None elsewhere)."""
+  if not is_triton(backend):
+    return None
+  from dsl import triton as plt
+  return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def row_warps(width: int) -> int:
+  """Warps for one program per row of `width` elements (measured on an H100:
+  16 warps reach the copy bandwidth for 8192-wide bf16 rows)."""
+  if width >= 4096:
+    return 16
+  if width >= 1024:
+    return 8
+  return 4

@@ -38,7 +38,7 @@ def row_block(rows: int, width: int, backend: str, block_rows=None) -> int:
   if block_rows is not None:
     return min(block_rows, rows)
   if blocking.is_triton(backend):
-    target = max(1, min(16, 8192 // max(width, 1)))
+    target = max(1, min(16, 2048 // max(width, 1)))   # one row per program
   elif blocking.is_mosaic(backend):
     target = max(8, min(512, (1 << 20) // max(width * 4, 1)))
   else:
@@ -98,6 +98,8 @@ def forward(x2, weight, bias, *, eps, backend=None, block_rows=None):
       (jax.ShapeDtypeStruct(x2.shape, x2.dtype), stat, stat),
       grid=(pl.cdiv(rows, br),), in_specs=[row_spec, vec_spec, vec_spec],
       out_specs=(row_spec, stat_spec, stat_spec), backend=backend,
+      compiler_params=blocking.triton_params(
+          blocking.resolve_backend(backend), num_warps=blocking.row_warps(d)),
       name="layer_norm_fwd")(x2, weight, bias)
 
 

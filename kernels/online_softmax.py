@@ -37,11 +37,11 @@ def reference(x, axis=-1):
 
 def _blocks(rows: int, cols: int, backend: str, block_rows, block_cols):
   bc = block_cols or blocking.block_for(cols, backend, interpret=1 << 16,
-                                        triton=1024, mosaic=2048,
+                                        triton=16384, mosaic=2048,
                                         mosaic_multiple=128)
   if block_rows is None:
     if blocking.is_triton(backend):
-      block_rows = max(1, min(16, 4096 // max(bc, 1)))
+      block_rows = max(1, min(16, 2048 // max(bc, 1)))  # a row per program
     elif blocking.is_mosaic(backend):
       block_rows = max(8, min(256, (1 << 19) // max(bc, 1)))
     else:
@@ -140,6 +140,8 @@ def softmax_2d(x, *, backend=None, block_rows=None, block_cols=None):
     block, _ = _row_specs(br, cols, False)
     return pl.pallas_call(_fused_kernel, out, grid=(nr,), in_specs=[block],
                           out_specs=block, backend=backend,
+                          compiler_params=blocking.triton_params(
+                              be, num_warps=blocking.row_warps(cols)),
                           name="softmax_fused")(x)
   block, row = _row_specs(br, bc, True)
   stat = jax.ShapeDtypeStruct((rows,), jnp.float32)

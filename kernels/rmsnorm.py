@@ -61,7 +61,10 @@ def forward(x2, weight, *, eps, backend=None, block_rows=None):
       grid=(pl.cdiv(rows, br),),
       in_specs=[row_spec, pl.BlockSpec((d,), lambda i: (0,))],
       out_specs=(row_spec, pl.BlockSpec((br,), lambda i: (i,))),
-      backend=backend, name="rms_norm_fwd")(x2, weight)
+      backend=backend, name="rms_norm_fwd",
+      compiler_params=blocking.triton_params(
+          blocking.resolve_backend(backend), num_warps=blocking.row_warps(d)),
+  )(x2, weight)
 
 
 def backward(x2, weight, rstd, dy2, *, backend=None, block_rows=None):
