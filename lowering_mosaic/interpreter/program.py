@@ -426,6 +426,18 @@ def _sem_read(op, c):
   return fn, list(op.operands), True
 
 
+@stateful("cf.assert")
+def _assert(op, c):
+  msg = ir.StringAttr(op.attributes["msg"]).value
+
+  def fn(frame, ok):
+    if not np.all(np.asarray(ok)):
+      raise KernelSimulationError(
+          "check", f"kernel '{frame.kernel}': {msg} (check at {frame.line})",
+          (frame.line,))
+  return fn, list(op.operands), False
+
+
 @stateful("tpu.log")
 def _log(op, c):
   tag = ir.StringAttr(op.attributes["tag"]).value

@@ -259,9 +259,27 @@ def _debug_print(ctx, *args, fmt):
 
 
 @register("check")
-def _check(ctx, *args, **params):
-  if params.get("debug", True):
+def _check(ctx, *args, err_tree, debug, **params):
+  """A run-time check (jax_pallas_enable_runtime_assert) becomes `cf.assert`
+  on the negated error flag, with the check's message."""
+  if debug:
     return []       # debug-only checks are dropped, as without checkify
-  raise ctx.error("run-time checks (jax_pallas_enable_runtime_assert) are not "
-                  "lowered to Mosaic; unset the flag or use backend="
-                  "'interpret'")
+  import jax
+  from jax._src.lib.mlir.dialects import arith as _arith, cf
+  error = jax.tree_util.tree_unflatten(err_tree, list(args))
+  messages = []
+  for code, md in error._metadata.items():
+    n_payload = len(jax.tree_util.tree_leaves(
+        next(iter(error._payload.values()), ())))
+    try:
+      exc = jax.tree_util.tree_unflatten(md, [None] * md.num_leaves)
+      messages.append(str(getattr(exc, "fmt_string", exc)))
+    except Exception:  # noqa: BLE001 - a message is a courtesy
+      messages.append("check failed")
+  del n_payload
+  message = "; ".join(messages) or "check failed"
+  for failed in error._pred.values():
+    true = _arith.ConstantOp(failed.type, ir.IntegerAttr.get(failed.type, 1))
+    ok = _arith.XOrIOp(failed, true.result).result
+    cf.AssertOp(ok, message)
+  return []

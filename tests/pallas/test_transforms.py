@@ -353,3 +353,20 @@ def test_shard_map_and_sharded_jit_with_transforms():
   xd, yd = jax.device_put(x, sharding), jax.device_put(y, sharding)
   out = jax.jit(lambda a, b: sin_mul(a.reshape(8, 16)[0], b.reshape(8, 16)[0]))(xd, yd)
   _close(out, jnp.sin(x[:16]) * y[:16])
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret",
+                                     "mosaic_interpret"])
+def test_runtime_assert_on_every_cpu_backend(backend):
+  def kernel(x_ref, o_ref):
+    pl.debug_check(jnp.all(x_ref[...] > 0), "x must be positive")
+    o_ref[...] = x_ref[...] * 2
+  f = jax.jit(lambda x: pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32), backend=backend)(x))
+  ones = jnp.ones((8, 128))
+  _close(f(ones), 2 * ones)                       # off: ignored
+  _close(f(-ones), -2 * ones)
+  with pl.config.enable_runtime_assert_option(True):
+    _close(f(ones), 2 * ones)
+    with pytest.raises(Exception, match="x must be positive"):
+      jax.block_until_ready(f(-ones))
