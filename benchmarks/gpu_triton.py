@@ -233,10 +233,10 @@ def bench_rows(rows_n: int, cols: int, peers, rows: list) -> None:
                    note="measured device copy bandwidth (read + write)"))
   nbytes = 2 * x.size * x.dtype.itemsize
   cases = [
-      ("softmax", lambda pl: make_softmax(pl), (x,),
+      ("softmax", lambda pl, nw: make_softmax(pl, num_warps=nw), (x,),
        jax.nn.softmax(x.astype(jnp.float32), -1)),
-      ("layer norm", lambda pl: make_layer_norm(pl), (x, w, b),
-       _layer_norm_reference(x, w, b)),
+      ("layer norm", lambda pl, nw: make_layer_norm(pl, num_warps=nw),
+       (x, w, b), _layer_norm_reference(x, w, b)),
   ]
   for bench, make, args, want in cases:
     ref = jax.jit({"softmax": lambda x: jax.nn.softmax(x, -1),
@@ -247,14 +247,16 @@ def bench_rows(rows_n: int, cols: int, peers, rows: list) -> None:
                      err=_max_error(ref(*args), want),
                      note=f"{nbytes / t / 1e6 / copy_gbs:.0%} of copy"))
     for name, pl in peers.items():
+     for nw in (4, 8, 16):     # the same launch configs for every peer
       try:
-        f = jax.jit(make(pl))
+        f = jax.jit(make(pl, nw))
         t = time_ms(f, *args)
         err = _max_error(f(*args), want)
         gbs = nbytes / t / 1e6
         rows.append(dict(bench=f"{bench} bf16 {rows_n}x{cols}", impl=name,
-                         config="1 row/program", ms=t, value=gbs, unit="GB/s",
-                         err=err, note=f"{gbs / copy_gbs:.0%} of copy"))
+                         config=f"1 row/program w{nw}", ms=t, value=gbs,
+                         unit="GB/s", err=err,
+                         note=f"{gbs / copy_gbs:.0%} of copy"))
       except Exception as e:   # noqa: BLE001
         rows.append(dict(bench=f"{bench} bf16 {rows_n}x{cols}", impl=name,
                          config="", ms=float("nan"), value=float("nan"),
@@ -280,6 +282,8 @@ def print_table(rows: list) -> None:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="small sizes")
+  parser.add_argument("--only", choices=["matmul", "rows"],
+                      help="run one of the two benchmarks")
   parser.add_argument("--json", help="also write the rows to this file")
   parser.add_argument("--matmul-size", type=int, default=None)
   args = parser.parse_args(argv)
@@ -294,8 +298,10 @@ def main(argv=None) -> int:
   rows_n, cols = (1024, 1024) if args.quick else (16384, 8192)
   peers = _peers()
   rows: list = []
-  bench_matmul(size, peers, rows)
-  bench_rows(rows_n, cols, peers, rows)
+  if args.only != "rows":
+    bench_matmul(size, peers, rows)
+  if args.only != "matmul":
+    bench_rows(rows_n, cols, peers, rows)
   print_table(rows)
   if args.json:
     with open(args.json, "w") as f:
