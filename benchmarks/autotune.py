@@ -10,12 +10,15 @@ The cache is one JSON file, `$DSL_AUTOTUNE_CACHE` or
          "<kernel>/<backend>/<size key>": {"config": {...}, "median_s": ...,
                                            "candidates": 18, "tuned_at": ...}}}}
 
-For kernels to use the cache (this module imports neither dsl nor, until a
-device kind is needed, jax):
+The cache itself (lookup, store, keys) lives in `dsl.autotune_cache`, so that
+kernels read it with no dependency on benchmarks/: `kernels/` looks up
+`kernels.<name>` for its size and backend whenever the caller passes no block
+sizes (`kernels.blocking.tuned`).
 
-    from benchmarks.autotune import lookup, size_key
-    cfg = lookup("matmul", size_key((m, k, n), x.dtype), backend="interpret")
-    # -> {"variant": "grid_k", "bm": 128, "bn": 128, "bk": 256} or None
+    from dsl.autotune_cache import lookup, size_key
+    cfg = lookup("kernels.matmul", size_key((m, k, n), x.dtype),
+                 backend="interpret")
+    # -> {"block_sizes": [512, 512, 1024]} or None
 """
 from __future__ import annotations
 
@@ -26,111 +29,10 @@ import os
 import tempfile
 from typing import Any
 
-FORMAT = 1
-ENV_VAR = "DSL_AUTOTUNE_CACHE"
-
-
-def cache_path() -> str:
-  path = os.environ.get(ENV_VAR)
-  if path:
-    return os.path.expanduser(path)
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-      os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "dsl", "autotune.json")
-
-
-def _version(package: str) -> str:
-  try:
-    return importlib.metadata.version(package)
-  except importlib.metadata.PackageNotFoundError:
-    return "none"
-
-
-def _current_device_kind() -> str:
-  import jax
-  d = jax.devices()[0]
-  return "cpu" if d.platform == "cpu" else getattr(d, "device_kind", d.platform)
-
-
-def device_key(device_kind: str | None = None) -> str:
-  """'<device kind>|jax=<version>|triton=<version>'."""
-  kind = device_kind or _current_device_kind()
-  return f"{kind}|jax={_version('jax')}|triton={_version('triton')}"
-
-
-def size_key(dims, dtype=None) -> str:
-  """(1024, 1024, 1024), float32 -> '1024x1024x1024:float32'.
-
-  dims are the kernel's size as the benchmarks name it: add (N,), matmul
-  (M, K, N), softmax / layer_norm (ROWS, COLS).
-  """
-  key = "x".join(str(int(d)) for d in dims)
-  if dtype is not None:
-    try:
-      import numpy as np
-      name = np.dtype(dtype).name
-    except TypeError:
-      name = str(dtype)
-    key += f":{name}"
-  return key
-
-
-def entry_key(kernel: str, backend: str, size: str) -> str:
-  return f"{kernel}/{backend}/{size}"
-
-
-def load(path: str | None = None) -> dict:
-  path = path or cache_path()
-  try:
-    with open(path) as f:
-      data = json.load(f)
-  except FileNotFoundError:
-    return {"format": FORMAT, "devices": {}}
-  except (OSError, ValueError):
-    return {"format": FORMAT, "devices": {}}   # unreadable cache: start over
-  if not isinstance(data, dict) or data.get("format") != FORMAT:
-    return {"format": FORMAT, "devices": {}}
-  data.setdefault("devices", {})
-  return data
-
-
-def _default_backend() -> str:
-  import jax
-  return {"gpu": "triton", "tpu": "mosaic"}.get(jax.default_backend(),
-                                                 "interpret")
-
-
-def lookup(kernel: str, size: str, backend: str | None = None,
-           device_kind: str | None = None, path: str | None = None
-           ) -> dict[str, Any] | None:
-  """The cached winning config of `kernel` at `size` (a `size_key`), or None.
-
-  backend defaults to the platform's default dsl backend; device_kind to the
-  first JAX device's kind. Never raises for a missing or corrupt cache.
-  """
-  backend = backend or _default_backend()
-  entries = load(path)["devices"].get(device_key(device_kind), {})
-  hit = entries.get(entry_key(kernel, backend, size))
-  return dict(hit["config"]) if hit and "config" in hit else None
-
-
-def store(kernel: str, size: str, backend: str, config: dict, *,
-          median_s: float, candidates: int, device_kind: str | None = None,
-          path: str | None = None, extra: dict | None = None) -> None:
-  """Records a winner (read-merge-write, atomic replace)."""
-  path = path or cache_path()
-  data = load(path)
-  dev = data["devices"].setdefault(device_key(device_kind), {})
-  dev[entry_key(kernel, backend, size)] = {
-      "config": dict(config), "median_s": median_s, "candidates": candidates,
-      "tuned_at": datetime.datetime.now().isoformat(timespec="seconds"),
-      **(extra or {})}
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(prefix=".autotune.", dir=os.path.dirname(
-      os.path.abspath(path)))
-  with os.fdopen(fd, "w") as f:
-    json.dump(data, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
+from dsl.autotune_cache import (ENV_VAR, FORMAT, cache_path,  # noqa: F401
+                                device_key, entry_key, load, lookup, size_key,
+                                store)
+from dsl.autotune_cache import _default_backend  # noqa: F401
 
 
 def search(bench, size, dtype, backend: str, platform: str, *,

@@ -73,6 +73,19 @@ def block_for(n: int, backend: str, *, interpret: int, triton: int,
   return divisor_block(n, interpret)
 
 
+def tuned(kernel: str, dims, dtype, backend: str | None) -> dict:
+  """The autotuning cache's winner for `kernels.<kernel>` at this size on this
+  device and backend (`python -m benchmarks --autotune` fills it), or {}."""
+  from dsl import autotune_cache
+  try:
+    cfg = autotune_cache.lookup(f"kernels.{kernel}",
+                                autotune_cache.size_key(dims, dtype),
+                                backend=resolve_backend(backend))
+  except Exception:  # noqa: BLE001 - a broken cache never breaks a kernel
+    return {}
+  return cfg or {}
+
+
 def triton_params(backend: str, *, num_warps: int, num_stages: int | None = None):
   """Launch parameters for Triton backends (None elsewhere)."""
   if not is_triton(backend):

@@ -437,5 +437,8 @@ def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None,
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(
       sm_scale)
   q_seg, kv_seg = _split_segments(segment_ids, q.shape[1], k.shape[1])
+  if block_q is None and block_k is None:
+    cfg = blocking.tuned("flash_attention", q.shape, q.dtype, backend)
+    block_q, block_k = cfg.get("block_q"), cfg.get("block_k")
   return _flash(q, k, v, q_seg, kv_seg, bool(causal), sm_scale, backend,
                 block_q, block_k)

@@ -231,6 +231,10 @@ def matmul(x, y, *, bias=None, activation=None, backend=None,
   x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
   if x.ndim == 1:
     x2 = x.reshape(1, -1)
+  if block_sizes is None:
+    block_sizes = blocking.tuned("matmul", (x2.shape[0], x2.shape[1],
+                                            y.shape[1]), x2.dtype,
+                                 backend).get("block_sizes")
   blocks = tuple(block_sizes) if block_sizes is not None else None
   out = _matmul(x2, y, bias, activation, backend, blocks)
   return out.reshape(*lead, y.shape[1])

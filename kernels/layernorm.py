@@ -161,4 +161,7 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, *, backend=None,
   if weight.shape != (d,) or bias.shape != (d,):
     raise ValueError(f"layer_norm: weight {weight.shape} and bias "
                      f"{bias.shape} must both have shape ({d},)")
+  if block_rows is None:
+    block_rows = blocking.tuned("layer_norm", (x.size // max(d, 1), d),
+                                x.dtype, backend).get("block_rows")
   return _layer_norm(x, weight, bias, float(eps), backend, block_rows)

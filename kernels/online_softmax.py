@@ -223,4 +223,8 @@ def softmax(x, axis: int = -1, *, backend=None, block_rows=None,
     raise ValueError(f"axis {axis} is out of range for an array of rank "
                      f"{x.ndim}")
   axis = axis % x.ndim
+  if block_rows is None and block_cols is None:
+    rows = x.size // max(x.shape[axis], 1)
+    block_rows = blocking.tuned("softmax", (rows, x.shape[axis]), x.dtype,
+                                backend).get("block_rows")
   return _softmax(x, axis, backend, block_rows, block_cols)

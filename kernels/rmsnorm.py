@@ -118,4 +118,7 @@ def rms_norm(x, weight, eps: float = 1e-6, *, backend=None, block_rows=None):
     weight = jnp.ones((d,), x.dtype)
   if weight.shape != (d,):
     raise ValueError(f"rms_norm: weight {weight.shape} must have shape ({d},)")
+  if block_rows is None:
+    block_rows = blocking.tuned("rms_norm", (x.size // max(d, 1), d), x.dtype,
+                                backend).get("block_rows")
   return _rms_norm(x, weight, float(eps), backend, block_rows)
