@@ -111,14 +111,15 @@ class BlockMapping:
     return offs
 
 
-def _index_map_arity(fn) -> int | None:
+def positional_arity(fn) -> int | None:
+  """Required positional parameters of `fn`; None if it takes *args."""
   try:
     sig = inspect.signature(fn)
   except (TypeError, ValueError):
     return None
   n = 0
   for p in sig.parameters.values():
-    if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+    if p.kind == p.VAR_POSITIONAL:
       return None
     if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
                                            p.POSITIONAL_OR_KEYWORD):
@@ -129,7 +130,7 @@ def _index_map_arity(fn) -> int | None:
 def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
                      prefetch_avals, rank: int, where: str) -> core.ClosedJaxpr:
   n_args = grid_rank + len(prefetch_avals)
-  arity = _index_map_arity(fn)
+  arity = positional_arity(fn)
   loc = function_location(fn)
   if arity is not None and arity != n_args:
     extra = (f" and {len(prefetch_avals)} scalar-prefetch refs"

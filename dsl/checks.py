@@ -21,7 +21,8 @@ def debug_check(condition, message: str = "debug_check failed", *fmt_args,
   checkify.debug_check(condition, message, *fmt_args, **fmt_kwargs)
 
 
-def _sub_jaxprs(params):
+def sub_jaxprs(params):
+  """The jaxprs among an equation's params (cond branches, loop bodies...)."""
   for v in params.values():
     vs = v if isinstance(v, (tuple, list)) else (v,)
     for x in vs:
@@ -35,7 +36,7 @@ def has_checks(jaxpr: core.Jaxpr) -> bool:
   for eqn in jaxpr.eqns:
     if eqn.primitive is check_p:
       return True
-    if any(has_checks(j) for j in _sub_jaxprs(eqn.params)):
+    if any(has_checks(j) for j in sub_jaxprs(eqn.params)):
       return True
   return False
 

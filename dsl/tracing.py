@@ -70,19 +70,7 @@ def grid_env(kernel: str, indices, sizes):
     _GRID_ENV.reset(token)
 
 
-def _positional_arity(fn) -> int | None:
-  try:
-    sig = inspect.signature(fn)
-  except (TypeError, ValueError):
-    return None
-  n = 0
-  for p in sig.parameters.values():
-    if p.kind == p.VAR_POSITIONAL:
-      return None
-    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and (
-        p.default is p.empty):
-      n += 1
-  return n
+from dsl.blockspec import positional_arity as _positional_arity
 
 
 def _param_names(fn, n):

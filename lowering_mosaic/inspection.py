@@ -7,17 +7,8 @@ import os
 import jax
 from jax._src import core
 
+from dsl.checks import sub_jaxprs as _sub_jaxprs
 from lowering_mosaic.lowering import build_module, module_text
-
-
-def _sub_jaxprs(params):
-  for v in params.values():
-    vs = v if isinstance(v, (tuple, list)) else (v,)
-    for x in vs:
-      if isinstance(x, core.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, core.Jaxpr):
-        yield x
 
 
 def mesh_axes_of(mesh) -> tuple:

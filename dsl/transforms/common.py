@@ -65,6 +65,15 @@ def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
   return new_spec.replace(kernel_src=spec.kernel_src)
 
 
+def split(seq, *sizes):
+  """Consecutive parts of `seq` of the given sizes."""
+  parts, k = [], 0
+  for n in sizes:
+    parts.append(list(seq[k:k + n]))
+    k += n
+  return parts
+
+
 def eval_ref_jaxpr(jaxpr: core.ClosedJaxpr, *args):
   return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 

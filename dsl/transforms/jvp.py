@@ -13,7 +13,7 @@ from jax._src.interpreters import ad
 from dsl.pallas_call import KernelSpec, pallas_call_p
 from dsl.tracing import program_id
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   is_float, sds)
+                                   is_float, sds, split)
 
 
 def tangent_pattern(spec: KernelSpec, in_nz):
@@ -47,15 +47,8 @@ def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
 
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
-    k = 0
-    def take(n):
-      nonlocal k
-      part = list(refs[k:k + n])
-      k += n
-      return part
-    pf, ins, tins = take(n_pf), take(n_in), take(n_tin)
-    outs, touts = take(n_out), take(n_tout)
-    scr, tscr = take(n_scr), take(n_tscr)
+    pf, ins, tins, outs, touts, scr, tscr = split(
+        refs, n_pf, n_in, n_tin, n_out, n_tout, n_scr, n_tscr)
     eval_ref_jaxpr(jj, *ids, *pf, *ins, *outs, *scr, *tins, *touts, *tscr)
 
   in_maps = list(gm.in_mappings)

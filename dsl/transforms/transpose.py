@@ -26,7 +26,7 @@ from dsl.interpret.plan import make_plan
 from dsl.pallas_call import KernelSpec, pallas_call_p
 from dsl.tracing import program_id
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   is_float, point_function, sds)
+                                   is_float, point_function, sds, split)
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
 
@@ -176,16 +176,9 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
 
   def body(*refs):
     ids = rev([program_id(d) for d in range(n_grid)])
-    k = 0
-    def take(n):
-      nonlocal k
-      part = list(refs[k:k + n])
-      k += n
-      return part
-    pf_refs, in_refs, rec_refs = take(n_pf), take(n_in), take(n_rec)
-    _ct_out_in = take(n_ct_out)
-    ct_in_refs, ct_out_refs = take(n_ct_in), take(n_ct_out)
-    ct_scr_refs = take(len(ct_scr_avals))
+    (pf_refs, in_refs, rec_refs, _ct_out_in, ct_in_refs, ct_out_refs,
+     ct_scr_refs) = split(refs, n_pf, n_in, n_rec, n_ct_out, n_ct_in,
+                          n_ct_out, len(ct_scr_avals))
     pf = [r[...] for r in pf_refs]
     ins = [r[...] for r in in_refs]
     if recorded:
