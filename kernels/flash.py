@@ -154,7 +154,7 @@ def _dot(a, b):
 def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
   q_ref, k_ref, v_ref = refs[:3]
   qs_ref, ks_ref = refs[3:5] if has_seg else (None, None)
-  o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[-5:]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc = refs[-6:]
   qi, kj = pl.program_id(2), pl.program_id(3)
 
   @pl.when(kj == 0)
@@ -162,9 +162,10 @@ def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     m_sc[...] = jnp.full_like(m_sc, NEG)
     l_sc[...] = jnp.zeros_like(l_sc)
     acc_sc[...] = jnp.zeros_like(acc_sc)
+    q_sc[...] = q_ref[...]      # the q block stays on chip across kv steps
 
   def tile():
-    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    q, k, v = q_sc[...], k_ref[...], v_ref[...]
     s = _dot_nt(q, k) * sm_scale
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref)
@@ -226,7 +227,8 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
       out_specs=(q_spec, lse_spec),
       scratch_shapes=[pltpu.VMEM((bq,), jnp.float32),
                       pltpu.VMEM((bq,), jnp.float32),
-                      pltpu.VMEM((bq, d), jnp.float32)],
+                      pltpu.VMEM((bq, d), jnp.float32),
+                      pltpu.VMEM((bq, d), q.dtype)],
       compiler_params=_fwd_triton_params(blocking.resolve_backend(backend),
                                          bq, bk),
       backend=backend, name="flash_attention_fwd")(q, k, v, *seg_args)
