@@ -15,18 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
+from benchmarks.gpu_attention import _time
 import lowering_triton.kernel as tk
-
-
-def _time(fn, *args, repeats=20):
-  for _ in range(3):
-    jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts))
 
 
 def main():

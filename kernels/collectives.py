@@ -121,36 +121,19 @@ def _reduce_scatter_call(x, axis_name, backend):
       name="reduce_scatter", backend=backend)(x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _all_gather(x, axis_name, backend):
-  return _all_gather_call(x, axis_name, backend)
+def _with_dual_vjp(call, dual):
+  """`call` differentiable with `dual` as its transpose (they are linear)."""
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+  def f(x, axis_name, backend):
+    return call(x, axis_name, backend)
+
+  f.defvjp(lambda x, axis_name, backend: (call(x, axis_name, backend), None),
+           lambda axis_name, backend, _, g: (dual(g, axis_name, backend),))
+  return f
 
 
-def _all_gather_fwd(x, axis_name, backend):
-  return _all_gather_call(x, axis_name, backend), None
-
-
-def _all_gather_bwd(axis_name, backend, _, g):
-  return (_reduce_scatter_call(g, axis_name, backend),)
-
-
-_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _reduce_scatter(x, axis_name, backend):
-  return _reduce_scatter_call(x, axis_name, backend)
-
-
-def _reduce_scatter_fwd(x, axis_name, backend):
-  return _reduce_scatter_call(x, axis_name, backend), None
-
-
-def _reduce_scatter_bwd(axis_name, backend, _, g):
-  return (_all_gather_call(g, axis_name, backend),)
-
-
-_reduce_scatter.defvjp(_reduce_scatter_fwd, _reduce_scatter_bwd)
+_all_gather = _with_dual_vjp(_all_gather_call, _reduce_scatter_call)
+_reduce_scatter = _with_dual_vjp(_reduce_scatter_call, _all_gather_call)
 
 
 def all_gather(x, *, axis_name, backend=None):

@@ -273,10 +273,8 @@ def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref, mask_q=True)
-    p = _probs(q, k, lse_ref[...], mask, sm_scale)
+    p, ds = _probs_and_ds(q, k, v, do, lse_ref, delta_ref, mask, sm_scale)
     dv_sc[...] += _dot_tn(p.astype(do.dtype), do)
-    dp = _dot_nt(do, v)
-    ds = p * (dp - delta_ref[...][:, None])
     dk_sc[...] += _dot_tn(ds.astype(q.dtype), q) * sm_scale
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
@@ -285,6 +283,13 @@ def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
   def _():
     dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+def _probs_and_ds(q, k, v, do, lse_ref, delta_ref, mask, sm_scale):
+  """A tile's probabilities (recomputed from lse) and score gradients."""
+  p = _probs(q, k, lse_ref[...], mask, sm_scale)
+  ds = p * (_dot_nt(do, v) - delta_ref[...][:, None])
+  return p, ds
 
 
 def _dq_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
@@ -301,9 +306,7 @@ def _dq_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref)
-    p = _probs(q, k, lse_ref[...], mask, sm_scale)
-    dp = _dot_nt(do, v)
-    ds = p * (dp - delta_ref[...][:, None])
+    _, ds = _probs_and_ds(q, k, v, do, lse_ref, delta_ref, mask, sm_scale)
     dq_sc[...] += _dot(ds.astype(k.dtype), k) * sm_scale
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)

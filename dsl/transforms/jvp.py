@@ -89,15 +89,10 @@ def split_outputs(spec: KernelSpec, outs, out_nz):
   return primal, touts
 
 
-def _alias_tangent_nonzero(spec, tangents):
-  """Aliased inputs carry their tangent into the output even if unread."""
-  return [type(t) is not ad.Zero for t in tangents]
-
-
 def pallas_call_jvp(primals, tangents, *, spec: KernelSpec):
   gm = spec.grid_mapping
   n_pf = gm.num_scalar_prefetch
-  in_nz = input_tangent_mask(spec, _alias_tangent_nonzero(spec, tangents))
+  in_nz = input_tangent_mask(spec, [type(t) is not ad.Zero for t in tangents])
   out_nz, _ = tangent_pattern(spec, in_nz)
   if not any(in_nz):
     outs = pallas_call_p.bind(*primals, spec=spec)

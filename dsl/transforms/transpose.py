@@ -130,8 +130,6 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
       r[...] = s[...]
     eval_ref_jaxpr(spec.jaxpr, *ids, *base, *scr)
 
-  rec_spec = lambda a: jax.tree_util.Partial  # placeholder for type checkers
-  del rec_spec
   rec_specs = [_record_block_spec(a, n_grid) for a in state_avals]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in gm.in_mappings])

@@ -19,7 +19,7 @@ from dsl.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, eval_ref_jaxpr, sds
 
 
-def _batched_by_loop(args, dims, spec, size):
+def _batched_by_loop(args, dims, spec):
   """Fallback: one call per batch element (for batched scalar prefetch or
   unblocked `ANY` operands, whose refs cannot take a batch block dim)."""
   args = [batching.moveaxis(a, d, 0) if d is not None else a
@@ -43,7 +43,7 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
                   for d, bm in zip(dims[n_pf:], gm.in_mappings))
   if any(d is not None for d in dims[:n_pf]) or unblocked or any(
       bm.memory_space is MemorySpace.ANY for bm in gm.out_mappings):
-    return _batched_by_loop(args, dims, spec, size)
+    return _batched_by_loop(args, dims, spec)
   args = [batching.moveaxis(a, d, 0) if d is not None else a
           for a, d in zip(args, dims)]
   batched = [d is not None for d in dims]

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from jax._src.lib.mlir import ir
 
+from lowering_mosaic import dialect
 from lowering_mosaic.promela import model as M
 from lowering_mosaic.promela.model import Expr, binop, const, select, var
 
@@ -51,20 +52,10 @@ def _is_memref(t) -> bool:
 
 
 def _space(t) -> str:
-  ms = ir.MemRefType(t).memory_space
-  if ms is None:
-    return "any"
-  m = re.match(r"#tpu\.memory_space<(\w+)>", str(ms))
-  return m.group(1) if m else str(ms)
+  return dialect.memref_space(t)
 
 
-def _sem_kind(t) -> Optional[str]:
-  s = str(ir.MemRefType(t).element_type)
-  if s == "!tpu.dma_semaphore":
-    return "dma"
-  if s == "!tpu.semaphore":
-    return "regular"
-  return None
+_sem_kind = dialect.semaphore_kind_of
 
 
 def _shape(t) -> tuple:

@@ -268,15 +268,12 @@ def _check(ctx, *args, err_tree, debug, **params):
   from jax._src.lib.mlir.dialects import arith as _arith, cf
   error = jax.tree_util.tree_unflatten(err_tree, list(args))
   messages = []
-  for code, md in error._metadata.items():
-    n_payload = len(jax.tree_util.tree_leaves(
-        next(iter(error._payload.values()), ())))
+  for md in error._metadata.values():
     try:
       exc = jax.tree_util.tree_unflatten(md, [None] * md.num_leaves)
       messages.append(str(getattr(exc, "fmt_string", exc)))
     except Exception:  # noqa: BLE001 - a message is a courtesy
       messages.append("check failed")
-  del n_payload
   message = "; ".join(messages) or "check failed"
   for failed in error._pred.values():
     true = _arith.ConstantOp(failed.type, ir.IntegerAttr.get(failed.type, 1))
