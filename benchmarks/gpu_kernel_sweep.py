@@ -1,28 +1,26 @@
-"""Sweeps block sizes and num_warps of the kernel library on a GPU, to pick
-the Triton defaults in kernels/ (a tuning aid; prints one line per config).
+"""Sweeps tiles, num_warps and num_stages of the kernel library on a GPU, to
+pick the Triton defaults in kernels/ (a tuning aid; one line per config).
 
-    python -m benchmarks.gpu_kernel_sweep
+    python -m benchmarks.gpu_kernel_sweep [--only rows,fwd,bwd] [--seq 2048]
 """
 from __future__ import annotations
 
-import itertools
-import math
+import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import kernels
-from benchmarks.gpu_attention import _time
 import lowering_triton.kernel as tk
+from benchmarks.gpu_attention import _time
+from kernels import flash
+
+TILES = ((64, 32), (64, 64), (128, 32), (128, 64), (64, 128), (128, 128))
+LAUNCH = ((4, 2), (4, 3), (8, 2), (8, 3))
 
 
-def main():
-  if jax.default_backend() != "gpu":
-    print("needs a GPU", file=sys.stderr)
-    return 2
+def rows():
   x = jax.random.normal(jax.random.key(0), (16384, 8192), jnp.bfloat16)
   w = jnp.ones(8192, jnp.bfloat16)
   nbytes = 2 * x.size * 2
@@ -39,28 +37,66 @@ def main():
         "softmax row": lambda x: kernels.softmax(x, backend="triton", block_rows=1, block_cols=8192),
     }
     for name, fn in cases.items():
-      try:
-        t = _time(jax.jit(fn), x)
-        print(f"nw={nw:2d} {name:18s} {t * 1e3:.3f} ms {nbytes / t / 1e9:.0f} GB/s "
-              f"{copy / t:.2f} of copy")
-      except Exception as e:
-        print(f"nw={nw:2d} {name:18s} failed: {type(e).__name__}: {str(e)[:100]}")
-  b, s, h, d = 4, 2048, 16, 128
+      _report(f"nw={nw:2d} {name:18s}", lambda: _time(jax.jit(fn), x),
+              lambda t: f"{nbytes / t / 1e9:.0f} GB/s {copy / t:.2f} of copy")
+
+
+def _qkv(seq, b=4, h=16, d=128):
   ks = jax.random.split(jax.random.key(1), 3)
-  q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in ks)
-  flops = 4 * b * h * s * s * d
-  for nw, stages in ((4, 2), (4, 3), (8, 2), (8, 3)):
-    tk.DEFAULT_NUM_WARPS, tk.DEFAULT_NUM_STAGES = nw, stages
-    jax.clear_caches()
-    for bq, bk in ((64, 32), (64, 64), (128, 64), (128, 128), (64, 128)):
-      fn = jax.jit(lambda q, k, v: kernels.flash_attention(
-          q, k, v, backend="triton", block_q=bq, block_k=bk))
-      try:
-        t = _time(fn, q, k, v, repeats=10)
-        print(f"flash fwd nw={nw} st={stages} bq={bq:3d} bk={bk:3d}: {t * 1e3:.3f} ms "
-              f"{flops / t / 1e12:.0f} TFLOP/s")
-      except Exception as e:
-        print(f"flash fwd nw={nw} st={stages} bq={bq} bk={bk}: failed {type(e).__name__}: {str(e)[:100]}")
+  return [jax.random.normal(kk, (b, seq, h, d), jnp.bfloat16) for kk in ks]
+
+
+def attention(mode, seq):
+  """Forward tiles/launch (mode "fwd") or backward ones (mode "bwd", timing
+  forward + backward with the forward at its defaults)."""
+  q, k, v = _qkv(seq)
+  b, s, h, d = q.shape
+  flops = 4 * b * h * s * s * d * (1.0 if mode == "fwd" else 3.5)
+  fwd_tiles, fwd_warps = flash.FWD_TILES, dict(flash.FWD_WARPS)
+  bwd_tiles, bwd_warps = flash.BWD_TILES, dict(flash.BWD_WARPS)
+  f = lambda q, k, v: kernels.flash_attention(q, k, v, backend="triton")
+  if mode == "bwd":
+    f = jax.grad(lambda q, k, v: jnp.sum(
+        kernels.flash_attention(q, k, v, backend="triton").astype(
+            jnp.float32)), (0, 1, 2))
+  try:
+    for tiles in TILES:
+      for nw, st in LAUNCH:
+        if mode == "fwd":
+          flash.FWD_TILES, flash.FWD_WARPS = tiles, {0: (nw, st)}
+        else:
+          flash.BWD_TILES, flash.BWD_WARPS = tiles, {0: (nw, st)}
+        jax.clear_caches()
+        _report(f"flash {mode} seq={seq} tiles={tiles} nw={nw} st={st}",
+                lambda: _time(jax.jit(f), q, k, v, repeats=10),
+                lambda t: f"{flops / t / 1e12:.0f} TFLOP/s")
+  finally:
+    flash.FWD_TILES, flash.FWD_WARPS = fwd_tiles, fwd_warps
+    flash.BWD_TILES, flash.BWD_WARPS = bwd_tiles, bwd_warps
+
+
+def _report(label, timed, extra):
+  try:
+    t = timed()
+    print(f"{label}: {t * 1e3:.3f} ms {extra(t)}", flush=True)
+  except Exception as e:  # a config that does not compile (shared memory)
+    print(f"{label}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--only", default="rows,fwd,bwd")
+  p.add_argument("--seq", type=int, default=2048)
+  a = p.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    print("needs a GPU", file=sys.stderr)
+    return 2
+  parts = a.only.split(",")
+  if "rows" in parts:
+    rows()
+  for mode in ("fwd", "bwd"):
+    if mode in parts:
+      attention(mode, a.seq)
   return 0
 
 

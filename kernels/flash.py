@@ -5,7 +5,9 @@ parallel, the last walks the keys in order. Each step scores one `(bq, bk)`
 tile, masks it (keys past the end of a partial last block, the causal
 triangle, differing segment ids), and folds it into a running max `m`, a
 running sum `l` and an unnormalized output `acc` (float32 scratch), rescaling
-them by `exp(m_old - m_new)` when the max grows. The last step writes
+them by `exp(m_old - m_new)` when the max grows. Scores are kept in base 2
+(`sm_scale * log2(e)` folded into the scale, `exp2` for `exp`), which saves a
+multiply per score on GPUs. The last step writes
 `acc / l` and the log-sum-exp `m + log(l)` that the backward pass uses.
 
 Backward (FlashAttention-2 style), three kernels:
@@ -33,6 +35,7 @@ from dsl import tpu as pltpu
 from kernels import blocking
 
 NEG = -1e30     # a finite -inf: exp(NEG - NEG) stays 1, never NaN
+LOG2E = math.log2(math.e)
 
 
 # ---------------------------------------------------------------- reference
@@ -75,13 +78,18 @@ def reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
 
 # ---------------------------------------------------------------- blocks
 
+# Triton tiles (block_q, block_k) for head_dim > 64, measured on an H100 with
+# `python -m benchmarks.gpu_kernel_sweep`.
+FWD_TILES = (128, 128)
+BWD_TILES = (64, 32)
+
 def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
                      block_k=None, backward: bool = False):
   if blocking.is_triton(backend):
     if d <= 64:
       tq, tk = 64, 64
     else:
-      tq, tk = (64, 32) if backward else (128, 128)
+      tq, tk = BWD_TILES if backward else FWD_TILES
     if backend == "triton_interpret":
       tq, tk = 32, 32
   elif blocking.is_mosaic(backend):
@@ -166,17 +174,17 @@ def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
 
   def tile():
     q, k, v = q_sc[...], k_ref[...], v_ref[...]
-    s = _dot_nt(q, k) * sm_scale
+    s = _dot_nt(q, k) * (sm_scale * LOG2E)     # scores in base 2
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref)
     if mask is not None:
       s = jnp.where(mask, s, NEG)
     m_prev = m_sc[...]
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    p = jnp.exp(s - m_new[:, None])
+    p = jnp.exp2(s - m_new[:, None])
     if mask is not None:
       p = jnp.where(mask, p, 0.0)
-    alpha = jnp.exp(m_prev - m_new)
+    alpha = jnp.exp2(m_prev - m_new)
     l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1)
     acc_sc[...] = acc_sc[...] * alpha[:, None] + _dot(p.astype(v.dtype), v)
     m_sc[...] = m_new
@@ -188,7 +196,7 @@ def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     l = l_sc[...]
     l = jnp.where(l == 0.0, 1.0, l)     # rows that see no key output 0
     o_ref[...] = (acc_sc[...] / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m_sc[...] + jnp.log(l)
+    lse_ref[...] = m_sc[...] / LOG2E + jnp.log(l)   # back to base e
 
 
 def _seg_args(q_seg, kv_seg, q_map, kv_map, bq, bk):
@@ -229,17 +237,21 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
                       pltpu.VMEM((bq,), jnp.float32),
                       pltpu.VMEM((bq, d), jnp.float32),
                       pltpu.VMEM((bq, d), q.dtype)],
-      compiler_params=_fwd_triton_params(blocking.resolve_backend(backend),
-                                         bq, bk),
+      compiler_params=_triton_params(FWD_WARPS,
+                                     blocking.resolve_backend(backend), bq, bk),
       backend=backend, name="flash_attention_fwd")(q, k, v, *seg_args)
 
 
-def _fwd_triton_params(backend, bq, bk):
-  """Measured on an H100 (bf16, d=128, seq 2048): 128x128 tiles with 8 warps
-  and 2 stages; smaller tiles with 4 warps and 3 stages."""
-  if bq * bk >= 128 * 128:
-    return blocking.triton_params(backend, num_warps=8, num_stages=2)
-  return blocking.triton_params(backend, num_warps=4, num_stages=3)
+# Triton (num_warps, num_stages) by tile area, measured on an H100 with
+# `python -m benchmarks.gpu_kernel_sweep` (bf16, d=128, seq 2048).
+FWD_WARPS = {128 * 128: (8, 2), 0: (4, 3)}
+BWD_WARPS = {128 * 128: (8, 2), 0: (4, 3)}
+
+
+def _triton_params(table, backend, bq, bk):
+  area = max(a for a in table if a <= bq * bk)
+  nw, st = table[area]
+  return blocking.triton_params(backend, num_warps=nw, num_stages=st)
 
 
 # ---------------------------------------------------------------- backward
@@ -250,8 +262,8 @@ def _delta_kernel(o_ref, do_ref, delta_ref):
 
 
 def _probs(q, k, lse, mask, sm_scale):
-  s = _dot_nt(q, k) * sm_scale
-  p = jnp.exp(s - lse[:, None])
+  s = _dot_nt(q, k) * (sm_scale * LOG2E)      # in base 2, as the forward
+  p = jnp.exp2(s - (lse * LOG2E)[:, None])
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
   return p
@@ -328,6 +340,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
   has_seg = q_seg is not None
   common = dict(sm_scale=sm_scale, causal=causal, has_seg=has_seg, bq=bq,
                 bk=bk, sq=sq, sk=sk)
+  params = _triton_params(BWD_WARPS, blocking.resolve_backend(backend), bq, bk)
 
   # delta = rowsum(o * do), laid out like lse.
   q3 = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
@@ -358,7 +371,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
       out_specs=(kv_spec, kv_spec),
       scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32),
                       pltpu.VMEM((bk, d), jnp.float32)],
-      backend=backend, name="flash_attention_bwd_dkdv")(
+      compiler_params=params, backend=backend,
+      name="flash_attention_bwd_dkdv")(
           q, k, v, do, lse, delta, *seg_args)
 
   # dQ: grid (b, heads, q_blocks, kv_blocks).
@@ -378,7 +392,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
                 *seg_specs],
       out_specs=q_spec,
       scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)],
-      backend=backend, name="flash_attention_bwd_dq")(
+      compiler_params=params, backend=backend,
+      name="flash_attention_bwd_dq")(
           q, k, v, do, lse, delta, *seg_args)
   return dq, dk, dv
 

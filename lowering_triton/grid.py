@@ -4,9 +4,16 @@ Grid dims that revisit output blocks (a reduction axis in the grid, an
 accumulator over steps) must run in order; they become `for` loops inside
 each program, so an output block and the scratch buffers stay with one
 program. The other (parallel) dims become program ids: up to three map to
-`tl.program_id(0..2)` directly; more, or sizes beyond CUDA's limits on the y
-and z axes, are flattened onto `tl.program_id(0)`. Which dims are parallel
-is decided from the index maps, as the interpret backend does.
+`tl.program_id(0..2)` directly, the last parallel dim on axis 0; more, or
+sizes beyond CUDA's limits on the y and z axes, are flattened onto
+`tl.program_id(0)` in row-major order. Which dims are parallel is decided
+from the index maps, as the interpret backend does.
+
+Either way the programs start in the grid's row-major order (the last dim
+fastest, as the interpret backend walks it): the GPU schedules axis 0
+fastest, so programs that run at the same time differ in the inner grid dims
+and share the blocks that index maps keep fixed along them (the keys and
+values of one head in attention, a row of tiles in a matmul) in L2.
 """
 from __future__ import annotations
 
@@ -27,10 +34,15 @@ class GridPlan:
   flattened: bool
   launch: tuple[int, int, int]
 
+  @property
+  def axes(self) -> tuple[int, ...]:
+    """The parallel dims in program-id order: the last one on axis 0."""
+    return self.parallel[::-1]
+
   def program_axis(self, dim: int) -> int | None:
     if self.flattened or dim not in self.parallel:
       return None
-    return self.parallel.index(dim)
+    return self.axes.index(dim)
 
 
 def plan_grid(grid_mapping) -> GridPlan:
@@ -39,7 +51,7 @@ def plan_grid(grid_mapping) -> GridPlan:
   parallel = tuple(d for d in plan.parallel if grid[d] > 1)
   sequential = tuple(d for d in range(len(grid))
                      if d not in parallel and grid[d] > 1)
-  sizes = [grid[d] for d in parallel]
+  sizes = [grid[d] for d in parallel[::-1]]     # x, y, z
   flattened = (len(sizes) > 3 or (sizes and sizes[0] > MAX_GRID_X)
                or any(s > MAX_GRID_YZ for s in sizes[1:]))
   if flattened:

@@ -25,6 +25,7 @@ from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
 from lowering_triton.context import Lowering
 from lowering_triton.grid import GridPlan, plan_grid
 from lowering_triton.naming import grid_names, operand_names
+from lowering_triton.peel import peel
 from lowering_triton.refs import Axis, MemRef, row_major_strides
 from lowering_triton.values import TVal, literal_value, pow2
 from lowering_triton.zero_init import zero_outputs
@@ -179,8 +180,8 @@ def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
   if not plan.parallel:
     return
   if not plan.flattened:
-    for axis, d in enumerate(plan.parallel):
-      buf.line(f"{ids[d]} = tl.program_id({axis})")
+    for d in plan.parallel:
+      buf.line(f"{ids[d]} = tl.program_id({plan.program_axis(d)})")
     return
   pid = lowering.fresh("pid")
   buf.line(f"{pid} = tl.program_id(0)")
@@ -252,7 +253,7 @@ def _generate(spec) -> GeneratedKernel:
       buf.comment("sequential grid dims run in order inside each program: "
                   + ", ".join(f"{grid_ids[d]} < {gm.grid[d]}" for d in loops))
     _emit_steps(lowering, headers, spec, gm, stems, ptrs, id_vals,
-                prefetch_refs, scratch_refs, jaxpr)
+                prefetch_refs, scratch_refs, jaxpr, loops)
   lowering.drop_needless_barriers()
   buf.drop_unused_definitions()
 
@@ -310,28 +311,61 @@ def _scratch(lowering: Lowering, aval, stem: str, k: int):
 
 
 def _emit_steps(lowering, headers, spec, gm, stems, ptrs, id_vals,
-                prefetch_refs, scratch_refs, jaxpr):
-  """Emits the sequential loops (recursively) and the body of one step."""
+                prefetch_refs, scratch_refs, jaxpr, loops):
+  """Emits the sequential loops (recursively) and the body of one step.
+
+  Around the innermost loop, the step's `pl.when(j == 0)` blocks run before
+  it and its `pl.when(j == last)` blocks after it (see `peel`).
+  """
   buf = lowering.buf
-  if headers:
+  if len(headers) > 1:
     with buf.indent(headers[0]):
       lowering.reset_comments()
       _emit_steps(lowering, headers[1:], spec, gm, stems, ptrs, id_vals,
-                  prefetch_refs, scratch_refs, jaxpr)
-      if len(headers) == 1:
-        lowering.barrier("the next grid step may read this step's stores")
+                  prefetch_refs, scratch_refs, jaxpr, loops[1:])
     return
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
+  emit = functools.partial(_emit_step, lowering, spec, gm, stems, ptrs,
+                           prefetch_refs=prefetch_refs,
+                           scratch_refs=scratch_refs)
+  if not headers:
+    emit(id_vals, jaxpr.jaxpr, jaxpr.consts)
+    return
+  (d,) = loops
+  trip = int(gm.grid[d])
+  parts = peel(jaxpr.jaxpr, jaxpr.jaxpr.invars[d], trip)
+  name = id_vals[d].expr
+  at = lambda k: [literal_value(k, np.int32) if i == d else v
+                  for i, v in enumerate(id_vals)]
+  if parts.prologue is not None:
+    buf.comment(f"first step ({name} = 0), peeled out of the loop")
+    emit(at(0), parts.prologue, jaxpr.consts, describe=False)
+    lowering.barrier("the loop may read these stores")
+  with buf.indent(headers[0]):
+    lowering.reset_comments()
+    emit(id_vals, parts.body, jaxpr.consts)
+    lowering.barrier("the next grid step may read this step's stores")
+  if parts.epilogue is not None:
+    buf.comment(f"last step ({name} = {trip - 1}), peeled out of the loop")
+    emit(at(trip - 1), parts.epilogue, jaxpr.consts, describe=False)
+
+
+def _emit_step(lowering, spec, gm, stems, ptrs, id_vals, jaxpr, consts, *,
+               prefetch_refs, scratch_refs, describe=True):
+  """Emits the block refs at grid point `id_vals` and `jaxpr` on them."""
+  buf = lowering.buf
+  n_pf = gm.num_scalar_prefetch
   block_refs = []
   for i, bm in enumerate(gm.block_mappings):
     stem = stems[n_pf + i]
-    buf.comment(_describe_block(bm, stem))
+    if describe:
+      buf.comment(_describe_block(bm, stem))
     block_refs.append(_block_ref(lowering, bm, stem, ptrs[n_pf + i],
                                  id_vals, prefetch_refs))
-  buf.comment(f"kernel body ({spec.kernel_src})")
+  if describe:
+    buf.comment(f"kernel body ({spec.kernel_src})")
   lowering.reset_comments()
   args = id_vals + prefetch_refs + block_refs + scratch_refs
-  lowering.lower_closed(jaxpr, args)
+  lowering.lower_jaxpr(jaxpr, consts, args)
 
 
 def _module_source(spec, gm, plan: GridPlan, fn_name: str, params, stems,

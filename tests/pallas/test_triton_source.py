@@ -128,6 +128,75 @@ def test_sequential_grid_dims_become_loops():
   assert "tl.debug_barrier()" in src
 
 
+def _accumulate(x, kernel, out_block_rows=16):
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((32, 16), jnp.float32), grid=(2, 4),
+      in_specs=[pl.BlockSpec((16, 16), lambda i, k: (i, k))],
+      out_specs=pl.BlockSpec((out_block_rows, 16), lambda i, k: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((16, 16), jnp.float32)], backend=BACKEND)(x)
+
+
+def _loop_parts(src):
+  """The source before, inside and after the `for k` loop."""
+  head, rest = src.split("for k in tl.range(0, 4):", 1)
+  lines = rest.split("\n")
+  body = [l for l in lines[1:] if l.startswith(" " * 8)]
+  after = [l for l in lines[1:] if not l.startswith(" " * 8)]
+  return head, "\n".join(body), "\n".join(after)
+
+
+def test_first_and_last_step_blocks_are_peeled_out_of_the_loop():
+  def kernel(x_ref, o_ref, acc_ref):
+    k = pl.program_id(1)
+
+    @pl.when(k == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)   # PEEL-INIT
+    acc_ref[...] += x_ref[...] * 2.0
+
+    @pl.when(k == pl.num_programs(1) - 1)
+    def _():
+      o_ref[...] = acc_ref[...] + 1.0          # PEEL-LAST
+  x = array(3, (32, 64), jnp.float32)
+  f = lambda x: _accumulate(x, kernel)
+  (src,) = lowering_triton.to_source(f, x)
+  head, body, after = _loop_parts(src)
+  assert "PEEL-INIT" in head and "first step (k = 0)" in head
+  assert "PEEL-LAST" in after and "last step (k = 3)" in after
+  assert "if " not in body and "tl.store" not in body
+  want = (x.reshape(32, 4, 16).sum(1) * 2.0) + 1.0
+  assert_close(jax.jit(f)(x), want)
+
+
+def test_blocks_stay_in_the_loop_when_moving_them_would_reorder_effects():
+  def kernel(x_ref, o_ref, acc_ref):
+    k = pl.program_id(1)
+    # a read before the first-step block writes (its value unused at k = 0)
+    before = jnp.where(k == 0, 0.0, acc_ref[...])
+
+    @pl.when(k == 0)
+    def _():
+      acc_ref[...] = jnp.ones_like(acc_ref)
+    step = x_ref[...] + before
+    acc_ref[...] += step
+
+    @pl.when(k == 3)
+    def _():
+      o_ref[...] = acc_ref[...] + step    # uses a value of the last step
+  x = array(4, (32, 64), jnp.float32)
+  f = lambda x: _accumulate(x, kernel)
+  (src,) = lowering_triton.to_source(f, x)
+  head, body, after = _loop_parts(src)
+  assert "first step" not in head and "last step" not in after
+  assert body.count("if ") == 2
+  assert_close(jax.jit(f)(x), jax.jit(lambda x: pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((32, 16), jnp.float32), grid=(2, 4),
+      in_specs=[pl.BlockSpec((16, 16), lambda i, k: (i, k))],
+      out_specs=pl.BlockSpec((16, 16), lambda i, k: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((16, 16), jnp.float32)],
+      backend="interpret")(x))(x))
+
+
 def test_grid_of_rank_four_flattens_program_ids():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] + 1
@@ -140,6 +209,22 @@ def test_grid_of_rank_four_flattens_program_ids():
   (src,) = lowering_triton.to_source(f, x)
   assert "flattened into tl.program_id(0)" in src
   assert "GRID = (120, 1, 1)" in src
+
+
+def test_programs_start_in_row_major_grid_order():
+  # The last parallel dim is CUDA's fastest axis (x), as the grid's
+  # row-major order has it; the second-to-last is y, the first z.
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+  x = array(5, (2, 3, 5, 8), jnp.float32)
+  spec = pl.BlockSpec((None, None, None, 8), lambda a, b, c: (a, b, c, 0))
+  f = lambda x: pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               grid=(2, 3, 5), in_specs=[spec],
+                               out_specs=spec, backend=BACKEND)(x)
+  (src,) = lowering_triton.to_source(f, x)
+  assert "a = tl.program_id(2)" in src and "c = tl.program_id(0)" in src
+  assert "GRID = (5, 3, 2)" in src
+  assert_close(jax.jit(f)(x), x * 2)
 
 
 def test_compiler_params_reach_source_and_binary():
