@@ -13,32 +13,18 @@ import argparse
 import json
 import math
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from benchmarks.gpu_triton import time_ms
 
 
-def _time(fn, *args, repeats=20, warmup=3, batch_s=2e-3):
-  """Median seconds per call. Calls are enqueued back to back in batches of
-  about `batch_s` and synchronized once per batch, so the host's dispatch
-  and synchronization latency (tens of microseconds) is not counted as
-  device time; every kernel and peer is timed this way."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  inner = int(min(50, max(1, math.ceil(batch_s / (time.perf_counter() - t0)))))
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(inner):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t0) / inner)
-  return float(np.median(ts))
+def _time(fn, *args):
+  """Seconds per call, with calls queued back to back so that the host's
+  dispatch and synchronization latency is not counted (`gpu_triton.time_ms`,
+  the same for every kernel and peer)."""
+  return time_ms(fn, *args) / 1e3
 
 
 def copy_bandwidth(nbytes=1 << 30):

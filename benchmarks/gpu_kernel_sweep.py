@@ -17,6 +17,7 @@ from benchmarks.gpu_attention import _time
 from kernels import flash
 
 TILES = ((64, 32), (64, 64), (128, 32), (128, 64), (64, 128), (128, 128))
+# (backward: the larger of the two is the block each kernel keeps)
 LAUNCH = ((4, 2), (4, 3), (8, 2), (8, 3))
 
 
@@ -52,8 +53,7 @@ def attention(mode, seq):
   q, k, v = _qkv(seq)
   b, s, h, d = q.shape
   flops = 4 * b * h * s * s * d * (1.0 if mode == "fwd" else 3.5)
-  fwd_tiles, fwd_warps = flash.FWD_TILES, dict(flash.FWD_WARPS)
-  bwd_tiles, bwd_warps = flash.BWD_TILES, dict(flash.BWD_WARPS)
+  saved = dict(flash.TRITON_CONFIGS)
   f = lambda q, k, v: kernels.flash_attention(q, k, v, backend="triton")
   if mode == "bwd":
     f = jax.grad(lambda q, k, v: jnp.sum(
@@ -63,16 +63,17 @@ def attention(mode, seq):
     for tiles in TILES:
       for nw, st in LAUNCH:
         if mode == "fwd":
-          flash.FWD_TILES, flash.FWD_WARPS = tiles, {0: (nw, st)}
-        else:
-          flash.BWD_TILES, flash.BWD_WARPS = tiles, {0: (nw, st)}
+          flash.TRITON_CONFIGS["fwd"] = (*tiles, nw, st)
+        else:     # dK/dV keeps the larger block of kv rows, dQ of q rows
+          small, big = sorted(tiles)
+          flash.TRITON_CONFIGS["dkdv"] = (small, big, nw, st)
+          flash.TRITON_CONFIGS["dq"] = (big, small, nw, st)
         jax.clear_caches()
         _report(f"flash {mode} seq={seq} tiles={tiles} nw={nw} st={st}",
-                lambda: _time(jax.jit(f), q, k, v, repeats=10),
+                lambda: _time(jax.jit(f), q, k, v),
                 lambda t: f"{flops / t / 1e12:.0f} TFLOP/s")
   finally:
-    flash.FWD_TILES, flash.FWD_WARPS = fwd_tiles, fwd_warps
-    flash.BWD_TILES, flash.BWD_WARPS = bwd_tiles, bwd_warps
+    flash.TRITON_CONFIGS.update(saved)
 
 
 def _report(label, timed, extra):

@@ -78,18 +78,34 @@ def reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
 
 # ---------------------------------------------------------------- blocks
 
-# Triton tiles (block_q, block_k) for head_dim > 64, measured on an H100 with
-# `python -m benchmarks.gpu_kernel_sweep`.
-FWD_TILES = (128, 128)
-BWD_TILES = (64, 32)
+# Triton configs (block_q, block_k, num_warps, num_stages) for head_dim > 64.
+# The forward's was measured on an H100 with `python -m
+# benchmarks.gpu_kernel_sweep`. In the backward each kernel keeps one block
+# and walks the other: dK/dV keeps 128 kv rows (the M side of all its dots,
+# two warpgroups of Hopper wgmma; 32 rows would fall back to mma.sync) and
+# steps 32 q rows; dQ keeps 128 q rows and steps 32 kv rows. Both compile
+# for sm_90 without register spills at 8 warps (240 and 161 registers).
+TRITON_CONFIGS = {
+    "fwd": (128, 128, 8, 2),
+    "dkdv": (32, 128, 8, 3),
+    "dq": (128, 32, 8, 3),
+}
+SMALL_CONFIG = (64, 64, 4, 3)    # head_dim <= 64, or smaller given tiles
+
+
+def _triton_params(kernel, backend, d, bq, bk):
+  cfg = TRITON_CONFIGS[kernel]
+  if d <= 64 or bq * bk < cfg[0] * cfg[1]:
+    cfg = SMALL_CONFIG
+  return blocking.triton_params(backend, num_warps=cfg[2], num_stages=cfg[3])
+
 
 def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
-                     block_k=None, backward: bool = False):
+                     block_k=None, kernel: str = "fwd"):
+  """(block_q, block_k) of `kernel` ("fwd", "dkdv" or "dq")."""
+  backward = kernel != "fwd"
   if blocking.is_triton(backend):
-    if d <= 64:
-      tq, tk = 64, 64
-    else:
-      tq, tk = BWD_TILES if backward else FWD_TILES
+    tq, tk = (SMALL_CONFIG if d <= 64 else TRITON_CONFIGS[kernel])[:2]
     if backend == "triton_interpret":
       tq, tk = 32, 32
   elif blocking.is_mosaic(backend):
@@ -108,15 +124,18 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
 
 
 def _tile_mask(qi, kj, *, bq, bk, sq, sk, causal, qs_ref, ks_ref,
-               mask_q=False):
-  """(bq, bk) bool mask of the tile at q block qi, kv block kj, or None."""
+               mask_q=False, kv_major=False):
+  """The bool mask of the tile at q block qi, kv block kj, or None: of shape
+  (bq, bk), or (bk, bq) with `kv_major` (the dK/dV kernel's transposed
+  tiles)."""
   mask = None
 
   def conj(a, b):
     return b if a is None else a & b
 
-  qpos = qi * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  kpos = kj * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  shape, qdim = ((bk, bq), 1) if kv_major else ((bq, bk), 0)
+  qpos = qi * bq + lax.broadcasted_iota(jnp.int32, shape, qdim)
+  kpos = kj * bk + lax.broadcasted_iota(jnp.int32, shape, 1 - qdim)
   if sk % bk:
     mask = conj(mask, kpos < sk)
   if mask_q and sq % bq:
@@ -124,7 +143,9 @@ def _tile_mask(qi, kj, *, bq, bk, sq, sk, causal, qs_ref, ks_ref,
   if causal:
     mask = conj(mask, qpos >= kpos)
   if qs_ref is not None:
-    mask = conj(mask, qs_ref[...][:, None] == ks_ref[...][None, :])
+    qs, ks = qs_ref[...], ks_ref[...]
+    mask = conj(mask, ks[:, None] == qs[None, :] if kv_major
+                else qs[:, None] == ks[None, :])
   return mask
 
 
@@ -144,11 +165,6 @@ def _run_if(cond, fn):
 
 def _dot_nt(a, b):   # a @ b.T
   return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-
-
-def _dot_tn(a, b):   # a.T @ b
-  return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
 
 
@@ -237,21 +253,9 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
                       pltpu.VMEM((bq,), jnp.float32),
                       pltpu.VMEM((bq, d), jnp.float32),
                       pltpu.VMEM((bq, d), q.dtype)],
-      compiler_params=_triton_params(FWD_WARPS,
-                                     blocking.resolve_backend(backend), bq, bk),
+      compiler_params=_triton_params("fwd", blocking.resolve_backend(backend),
+                                     d, bq, bk),
       backend=backend, name="flash_attention_fwd")(q, k, v, *seg_args)
-
-
-# Triton (num_warps, num_stages) by tile area, measured on an H100 with
-# `python -m benchmarks.gpu_kernel_sweep` (bf16, d=128, seq 2048).
-FWD_WARPS = {128 * 128: (8, 2), 0: (4, 3)}
-BWD_WARPS = {128 * 128: (8, 2), 0: (4, 3)}
-
-
-def _triton_params(table, backend, bq, bk):
-  area = max(a for a in table if a <= bq * bk)
-  nw, st = table[area]
-  return blocking.triton_params(backend, num_warps=nw, num_stages=st)
 
 
 # ---------------------------------------------------------------- backward
@@ -270,6 +274,8 @@ def _probs(q, k, lse, mask, sm_scale):
 
 
 def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
+  """Works on transposed tiles (kv rows x q rows), so the kv block is the M
+  side of every dot: sT = k q^T, dV += pT do, dpT = v do^T, dK += dsT q."""
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
   qs_ref, ks_ref = refs[6:8] if has_seg else (None, None)
   dk_ref, dv_ref, dk_sc, dv_sc = refs[-4:]
@@ -284,10 +290,15 @@ def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
   def tile():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
-                      qs_ref=qs_ref, ks_ref=ks_ref, mask_q=True)
-    p, ds = _probs_and_ds(q, k, v, do, lse_ref, delta_ref, mask, sm_scale)
-    dv_sc[...] += _dot_tn(p.astype(do.dtype), do)
-    dk_sc[...] += _dot_tn(ds.astype(q.dtype), q) * sm_scale
+                      qs_ref=qs_ref, ks_ref=ks_ref, mask_q=True,
+                      kv_major=True)
+    s_t = _dot_nt(k, q) * (sm_scale * LOG2E)
+    p_t = jnp.exp2(s_t - (lse_ref[...] * LOG2E)[None, :])
+    if mask is not None:
+      p_t = jnp.where(mask, p_t, 0.0)
+    dv_sc[...] += _dot(p_t.astype(do.dtype), do)
+    ds_t = p_t * (_dot_nt(v, do) - delta_ref[...][None, :])
+    dk_sc[...] += _dot(ds_t.astype(q.dtype), q) * sm_scale
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
 
@@ -295,13 +306,6 @@ def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
   def _():
     dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
     dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
-
-
-def _probs_and_ds(q, k, v, do, lse_ref, delta_ref, mask, sm_scale):
-  """A tile's probabilities (recomputed from lse) and score gradients."""
-  p = _probs(q, k, lse_ref[...], mask, sm_scale)
-  ds = p * (_dot_nt(do, v) - delta_ref[...][:, None])
-  return p, ds
 
 
 def _dq_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
@@ -318,7 +322,8 @@ def _dq_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref)
-    _, ds = _probs_and_ds(q, k, v, do, lse_ref, delta_ref, mask, sm_scale)
+    p = _probs(q, k, lse_ref[...], mask, sm_scale)
+    ds = p * (_dot_nt(do, v) - delta_ref[...][:, None])
     dq_sc[...] += _dot(ds.astype(k.dtype), k) * sm_scale
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
@@ -334,13 +339,16 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
   b, sq, h, d = q.shape
   sk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
-  bq, bk = attention_blocks(sq, sk, d, blocking.resolve_backend(backend),
-                            block_q, block_k, backward=True)
-  nq, nk = pl.cdiv(sq, bq), pl.cdiv(sk, bk)
-  has_seg = q_seg is not None
-  common = dict(sm_scale=sm_scale, causal=causal, has_seg=has_seg, bq=bq,
-                bk=bk, sq=sq, sk=sk)
-  params = _triton_params(BWD_WARPS, blocking.resolve_backend(backend), bq, bk)
+  resolved = blocking.resolve_backend(backend)
+
+  def setup(kernel):
+    bq, bk = attention_blocks(sq, sk, d, resolved, block_q, block_k, kernel)
+    common = dict(sm_scale=sm_scale, causal=causal, has_seg=q_seg is not None,
+                  bq=bq, bk=bk, sq=sq, sk=sk)
+    return (bq, bk, pl.cdiv(sq, bq), pl.cdiv(sk, bk), common,
+            _triton_params(kernel, resolved, d, bq, bk))
+
+  bq, bk, nq, nk, common, params = setup("dkdv")
 
   # delta = rowsum(o * do), laid out like lse.
   q3 = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
@@ -376,6 +384,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
           q, k, v, do, lse, delta, *seg_args)
 
   # dQ: grid (b, heads, q_blocks, kv_blocks).
+  bq, bk, nq, nk, common, params = setup("dq")
   q_spec = pl.BlockSpec((None, bq, None, d),
                         lambda b_, h_, i, j: (b_, i, h_, 0))
   kv_spec = pl.BlockSpec((None, bk, None, d),
