@@ -105,9 +105,13 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
   """(block_q, block_k) of `kernel` ("fwd", "dkdv" or "dq")."""
   backward = kernel != "fwd"
   if blocking.is_triton(backend):
-    tq, tk = (SMALL_CONFIG if d <= 64 else TRITON_CONFIGS[kernel])[:2]
+    tq, tk = TRITON_CONFIGS[kernel][:2]
+    if d <= 64:
+      tq, tk = SMALL_CONFIG[:2]
     if backend == "triton_interpret":
-      tq, tk = 32, 32
+      # A quarter of the GPU's tiles, so each backward kernel's own shape
+      # runs through Triton's interpreter too.
+      tq, tk = TRITON_CONFIGS[kernel][0] // 4, TRITON_CONFIGS[kernel][1] // 4
   elif blocking.is_mosaic(backend):
     tq, tk = 512, 512
   else:
