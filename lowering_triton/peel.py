@@ -104,9 +104,11 @@ def peel(jaxpr: core.Jaxpr, step_var, trip: int) -> Peeled:
   pro_eqns, pro_blocks = _moved(eqns[:lead], step_var, 0, producers, operands)
 
   # Trailing region: pure eqns and `j == trip - 1` blocks after the last
-  # other effect (and not already taken by the prologue).
+  # other effect or prologue block (its pure eqns may be the leading
+  # region's too: they stay in the body and are emitted again after it).
+  taken = {id(e) for e in pro_blocks}
   tail = len(eqns)
-  while tail > lead and (
+  while tail > 0 and id(eqns[tail - 1]) not in taken and (
       _pure(eqns[tail - 1])
       or _step_guard(eqns[tail - 1], step_var, producers) == trip - 1):
     tail -= 1

@@ -168,6 +168,26 @@ def test_first_and_last_step_blocks_are_peeled_out_of_the_loop():
   assert_close(jax.jit(f)(x), want)
 
 
+def test_a_step_made_only_of_first_and_last_blocks_peels_both():
+  def kernel(x_ref, o_ref, acc_ref):
+    k = pl.program_id(1)
+
+    @pl.when(k == 0)
+    def _():
+      o_ref[...] = x_ref[...]
+
+    @pl.when(k == 3)
+    def _():
+      o_ref[...] += x_ref[...]    # the last step's x block
+  x = array(6, (32, 64), jnp.float32)
+  f = lambda x: _accumulate(x, kernel)
+  (src,) = lowering_triton.to_source(f, x)
+  head, body, after = _loop_parts(src)
+  assert "first step (k = 0)" in head and "last step (k = 3)" in after
+  assert "tl.load" not in body and "tl.store" not in body
+  assert_close(jax.jit(f)(x), x[:, :16] + x[:, 48:])
+
+
 def test_blocks_stay_in_the_loop_when_moving_them_would_reorder_effects():
   def kernel(x_ref, o_ref, acc_ref):
     k = pl.program_id(1)
