@@ -93,9 +93,13 @@ TRITON_CONFIGS = {
 SMALL_CONFIG = (64, 64, 4, 3)    # head_dim <= 64, or smaller given tiles
 
 
+def _triton_config(kernel, d):
+  return SMALL_CONFIG if d <= 64 else TRITON_CONFIGS[kernel]
+
+
 def _triton_params(kernel, backend, d, bq, bk):
-  cfg = TRITON_CONFIGS[kernel]
-  if d <= 64 or bq * bk < cfg[0] * cfg[1]:
+  cfg = _triton_config(kernel, d)
+  if bq * bk < cfg[0] * cfg[1]:
     cfg = SMALL_CONFIG
   return blocking.triton_params(backend, num_warps=cfg[2], num_stages=cfg[3])
 
@@ -105,13 +109,11 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
   """(block_q, block_k) of `kernel` ("fwd", "dkdv" or "dq")."""
   backward = kernel != "fwd"
   if blocking.is_triton(backend):
-    tq, tk = TRITON_CONFIGS[kernel][:2]
-    if d <= 64:
-      tq, tk = SMALL_CONFIG[:2]
+    tq, tk = _triton_config(kernel, d)[:2]
     if backend == "triton_interpret":
       # A quarter of the GPU's tiles, so each backward kernel's own shape
       # runs through Triton's interpreter too.
-      tq, tk = TRITON_CONFIGS[kernel][0] // 4, TRITON_CONFIGS[kernel][1] // 4
+      tq, tk = (t // 4 for t in TRITON_CONFIGS[kernel][:2])
   elif blocking.is_mosaic(backend):
     tq, tk = 512, 512
   else:
@@ -226,6 +228,20 @@ def _seg_args(q_seg, kv_seg, q_map, kv_map, bq, bk):
           [pl.BlockSpec((None, bq), q_map), pl.BlockSpec((None, bk), kv_map)])
 
 
+def _q_major_specs(bq, bk, d, g, q_seg, kv_seg):
+  """Specs of a kernel on grid (batch, heads, q_blocks, kv_blocks): q-like
+  blocks, kv blocks (head // g under GQA), (b, h, seq) rows, segments."""
+  q_spec = pl.BlockSpec((None, bq, None, d),
+                        lambda b_, h_, i, j: (b_, i, h_, 0))
+  kv_spec = pl.BlockSpec((None, bk, None, d),
+                         lambda b_, h_, i, j: (b_, j, h_ // g, 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i, j: (b_, h_, i))
+  seg_args, seg_specs = _seg_args(q_seg, kv_seg,
+                                  lambda b_, h_, i, j: (b_, i),
+                                  lambda b_, h_, i, j: (b_, j), bq, bk)
+  return q_spec, kv_spec, row_spec, seg_args, seg_specs
+
+
 def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
             backend=None, block_q=None, block_k=None):
   """The forward kernel: returns (out, lse) with lse of shape (b, h, sq)."""
@@ -235,14 +251,8 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
   bq, bk = attention_blocks(sq, sk, d, blocking.resolve_backend(backend),
                             block_q, block_k)
   nq, nk = pl.cdiv(sq, bq), pl.cdiv(sk, bk)
-  q_spec = pl.BlockSpec((None, bq, None, d),
-                        lambda b_, h_, i, j: (b_, i, h_, 0))
-  kv_spec = pl.BlockSpec((None, bk, None, d),
-                         lambda b_, h_, i, j: (b_, j, h_ // g, 0))
-  lse_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i, j: (b_, h_, i))
-  seg_args, seg_specs = _seg_args(q_seg, kv_seg,
-                                  lambda b_, h_, i, j: (b_, i),
-                                  lambda b_, h_, i, j: (b_, j), bq, bk)
+  q_spec, kv_spec, lse_spec, seg_args, seg_specs = _q_major_specs(
+      bq, bk, d, g, q_seg, kv_seg)
   kernel = functools.partial(_fwd_kernel, sm_scale=sm_scale, causal=causal,
                              has_seg=q_seg is not None, bq=bq, bk=bk, sq=sq,
                              sk=sk, nk=nk)
@@ -269,9 +279,13 @@ def _delta_kernel(o_ref, do_ref, delta_ref):
                            * do_ref[...].astype(jnp.float32), axis=1)
 
 
-def _probs(q, k, lse, mask, sm_scale):
-  s = _dot_nt(q, k) * (sm_scale * LOG2E)      # in base 2, as the forward
-  p = jnp.exp2(s - (lse * LOG2E)[:, None])
+def _probs(q, k, lse, mask, sm_scale, kv_major=False):
+  """A tile's probabilities recomputed from the log-sum-exp, in base 2 as in
+  the forward: (bq, bk), or (bk, bq) with `kv_major` (then `q`, `k` come
+  swapped: the kv block first)."""
+  s = _dot_nt(q, k) * (sm_scale * LOG2E)
+  lse2 = lse * LOG2E
+  p = jnp.exp2(s - (lse2[None, :] if kv_major else lse2[:, None]))
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
   return p
@@ -296,10 +310,7 @@ def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref, mask_q=True,
                       kv_major=True)
-    s_t = _dot_nt(k, q) * (sm_scale * LOG2E)
-    p_t = jnp.exp2(s_t - (lse_ref[...] * LOG2E)[None, :])
-    if mask is not None:
-      p_t = jnp.where(mask, p_t, 0.0)
+    p_t = _probs(k, q, lse_ref[...], mask, sm_scale, kv_major=True)
     dv_sc[...] += _dot(p_t.astype(do.dtype), do)
     ds_t = p_t * (_dot_nt(v, do) - delta_ref[...][None, :])
     dk_sc[...] += _dot(ds_t.astype(q.dtype), q) * sm_scale
@@ -389,14 +400,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
 
   # dQ: grid (b, heads, q_blocks, kv_blocks).
   bq, bk, nq, nk, common, params = setup("dq")
-  q_spec = pl.BlockSpec((None, bq, None, d),
-                        lambda b_, h_, i, j: (b_, i, h_, 0))
-  kv_spec = pl.BlockSpec((None, bk, None, d),
-                         lambda b_, h_, i, j: (b_, j, h_ // g, 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i, j: (b_, h_, i))
-  seg_args, seg_specs = _seg_args(q_seg, kv_seg,
-                                  lambda b_, h_, i, j: (b_, i),
-                                  lambda b_, h_, i, j: (b_, j), bq, bk)
+  q_spec, kv_spec, row_spec, seg_args, seg_specs = _q_major_specs(
+      bq, bk, d, g, q_seg, kv_seg)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, nk=nk, **common),
       jax.ShapeDtypeStruct(q.shape, q.dtype),

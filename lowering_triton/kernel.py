@@ -247,13 +247,12 @@ def _generate(spec) -> GeneratedKernel:
     for k, aval in enumerate(gm.scratch_avals):
       stem = stems[n_pf + n_in + n_out + k]
       scratch_refs.append(_scratch(lowering, aval, stem, k))
-    loops = [d for d in plan.sequential]
-    headers = [f"for {grid_ids[d]} in tl.range(0, {gm.grid[d]}):" for d in loops]
+    loops = list(plan.sequential)
     if loops:
       buf.comment("sequential grid dims run in order inside each program: "
                   + ", ".join(f"{grid_ids[d]} < {gm.grid[d]}" for d in loops))
-    _emit_steps(lowering, headers, spec, gm, stems, ptrs, id_vals,
-                prefetch_refs, scratch_refs, jaxpr, loops)
+    _emit_steps(lowering, spec, gm, stems, ptrs, id_vals, prefetch_refs,
+                scratch_refs, jaxpr, loops)
   lowering.drop_needless_barriers()
   buf.drop_unused_definitions()
 
@@ -310,24 +309,26 @@ def _scratch(lowering: Lowering, aval, stem: str, k: int):
   return ValueRef(name, shape, dtype, f"scratch_shapes[{k}]")
 
 
-def _emit_steps(lowering, headers, spec, gm, stems, ptrs, id_vals,
-                prefetch_refs, scratch_refs, jaxpr, loops):
-  """Emits the sequential loops (recursively) and the body of one step.
+def _emit_steps(lowering, spec, gm, stems, ptrs, id_vals, prefetch_refs,
+                scratch_refs, jaxpr, loops):
+  """Emits a `for` per sequential grid dim in `loops` (recursively) and the
+  body of one step.
 
   Around the innermost loop, the step's `pl.when(j == 0)` blocks run before
   it and its `pl.when(j == last)` blocks after it (see `peel`).
   """
   buf = lowering.buf
-  if len(headers) > 1:
-    with buf.indent(headers[0]):
+  header = lambda d: f"for {id_vals[d].expr} in tl.range(0, {gm.grid[d]}):"
+  if len(loops) > 1:
+    with buf.indent(header(loops[0])):
       lowering.reset_comments()
-      _emit_steps(lowering, headers[1:], spec, gm, stems, ptrs, id_vals,
-                  prefetch_refs, scratch_refs, jaxpr, loops[1:])
+      _emit_steps(lowering, spec, gm, stems, ptrs, id_vals, prefetch_refs,
+                  scratch_refs, jaxpr, loops[1:])
     return
   emit = functools.partial(_emit_step, lowering, spec, gm, stems, ptrs,
                            prefetch_refs=prefetch_refs,
                            scratch_refs=scratch_refs)
-  if not headers:
+  if not loops:
     emit(id_vals, jaxpr.jaxpr, jaxpr.consts)
     return
   (d,) = loops
@@ -340,7 +341,7 @@ def _emit_steps(lowering, headers, spec, gm, stems, ptrs, id_vals,
     buf.comment(f"first step ({name} = 0), peeled out of the loop")
     emit(at(0), parts.prologue, jaxpr.consts, describe=False)
     lowering.barrier("the loop may read these stores")
-  with buf.indent(headers[0]):
+  with buf.indent(header(d)):
     lowering.reset_comments()
     emit(id_vals, parts.body, jaxpr.consts)
     lowering.barrier("the next grid step may read this step's stores")
