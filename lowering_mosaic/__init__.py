@@ -10,18 +10,12 @@
 
 Importing the package registers both backends with dsl. See docs/mosaic.md.
 """
-import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
-
-from lowering_mosaic.checks import check_tpu_rules  # noqa: E402
-from lowering_mosaic.inspection import dump_module, to_mlir, to_modules  # noqa: E402
-from lowering_mosaic.lowering import build_module, module_text  # noqa: E402
-from lowering_mosaic import backend as _backend  # noqa: E402,F401
-from lowering_mosaic.interpreter import (  # noqa: E402
+from lowering_mosaic import rules as _rules  # noqa: F401 (fills the table)
+from lowering_mosaic.checks import check_tpu_rules
+from lowering_mosaic.inspection import dump_module, to_mlir, to_modules
+from lowering_mosaic.lowering import build_module, module_text
+from lowering_mosaic import backend as _backend  # noqa: F401
+from lowering_mosaic.interpreter import (
     InterpreterOptions, KernelDeadlockError, KernelRaceError,
     KernelSimulationError, interpreter_options)
 

@@ -20,13 +20,14 @@ reads:
     returns the block index of operand k per array dim (element offsets for
     `Element` dims, listed in its window's `dsl.element_dims`).
 
-The kernel jaxpr is lowered equation by equation through `rules.RULES`, a
-table keyed by primitive (see rules/__init__.py). Every operation carries the
-user's source line as its MLIR location, which the interpreter and the race
-checker report.
+The kernel jaxpr is lowered equation by equation by the shared
+`dsl.jaxpr_walk.walk_jaxpr` through `TABLE`, a table keyed by primitive that
+the modules of rules/ fill. Every operation carries the user's source line as
+its MLIR location, which the interpreter and the race checker report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -38,9 +39,14 @@ from jax._src.lib.mlir.dialects import arith, func
 
 from dsl.blockspec import Element, squeezed
 from dsl.errors import BackendError, source_info_frame
+from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
 from lowering_mosaic import dialect
 
 MOSAIC_VERSION = 14
+
+# The rule table, keyed by primitive; the modules of `lowering_mosaic.rules`
+# fill it when the package is imported.
+TABLE = RuleTable("the Mosaic (TPU) lowering")
 
 
 @dataclasses.dataclass
@@ -195,46 +201,44 @@ def _location(eqn, lctx: LoweringContext, outer_line) -> ir.Location:
 
 # ------------------------------------------------------------ the jaxpr walk
 
-def _read(env, v):
-  if isinstance(v, core.Literal):
-    aval = v.aval
-    return constant(v.val, aval.shape, aval.dtype)
-  return env[v]
+class _Walk(LoweringHost):
+  """The shared walker's hooks for one jaxpr lowered into `lctx`."""
+  rules = TABLE
+
+  def __init__(self, lctx: LoweringContext):
+    self.lctx = lctx
+    self.outer_line = lctx.current_line
+
+  def literal(self, atom):
+    return constant(atom.val, atom.aval.shape, atom.aval.dtype)
+
+  def constvar(self, var, value):
+    if isinstance(value, (ir.Value, RefVal)):
+      return value
+    return constant(np.asarray(value), var.aval.shape, var.aval.dtype)
+
+  def rule_context(self, eqn, used, position):
+    return RuleContext(self.lctx, eqn, [v.aval for v in eqn.invars],
+                       [v.aval for v in eqn.outvars],
+                       [v in used for v in eqn.outvars])
+
+  def error(self, message, eqn=None):
+    line = source_info_frame(eqn.source_info) if eqn is not None else None
+    return self.lctx.error(message, line=line or self.outer_line)
+
+  @contextlib.contextmanager
+  def lowering_eqn(self, eqn):
+    with _location(eqn, self.lctx, self.outer_line):
+      yield
 
 
 def lower_jaxpr(lctx: LoweringContext, jaxpr: core.Jaxpr, consts, args):
   """Lowers `jaxpr` at the current insertion point; returns its outputs."""
-  from lowering_mosaic.rules import rule_for
-  env: dict = {}
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c if isinstance(c, (ir.Value, RefVal)) else constant(
-        np.asarray(c), v.aval.shape, v.aval.dtype)
-  for v, a in zip(jaxpr.invars, args):
-    env[v] = a
-  used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var)}
-  used |= {v for v in jaxpr.outvars if isinstance(v, core.Var)}
   outer_line = lctx.current_line
-  for eqn in jaxpr.eqns:
-    loc = _location(eqn, lctx, outer_line)
-    rule = rule_for(eqn.primitive, lctx)
-    invals = [_read(env, v) for v in eqn.invars]
-    rctx = RuleContext(lctx, eqn, [v.aval for v in eqn.invars],
-                       [v.aval for v in eqn.outvars],
-                       [v in used for v in eqn.outvars])
-    with loc:
-      try:
-        outs = rule(rctx, *invals, **eqn.params)
-      except BackendError:
-        raise
-      except NotImplementedError as e:
-        raise lctx.error(str(e), eqn.primitive.name) from e
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, o in zip(eqn.outvars, outs):
-      if not isinstance(v, core.DropVar):
-        env[v] = o
-  lctx.current_line = outer_line
-  return [_read(env, v) for v in jaxpr.outvars]
+  try:
+    return walk_jaxpr(_Walk(lctx), jaxpr, consts, args)
+  finally:
+    lctx.current_line = outer_line
 
 
 # ------------------------------------------------------------ the module

@@ -8,6 +8,7 @@ lowered operands, and returns the lowered results.
 """
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import re
@@ -18,6 +19,7 @@ from jax._src import core
 
 from dsl import config
 from dsl.errors import BackendError, marked_jaxpr, source_info_frame
+from dsl.jaxpr_walk import LoweringHost, walk_jaxpr
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren
 from lowering_triton.refs import MemRef, ValueRef, row_major_strides
@@ -56,11 +58,12 @@ def _subjaxprs_using(eqn) -> bool:
              for v in eqn.params.values())
 
 
-class Lowering:
+class Lowering(LoweringHost):
   """State of one kernel's generation: its code buffer, names and consts."""
 
   def __init__(self, kernel: str, where: str, names: Names, buf: CodeBuffer,
-               kernel_jaxpr=None):
+               rules, kernel_jaxpr=None):
+    self.rules = rules
     self.kernel = kernel
     self.where = where
     self.names = names
@@ -73,6 +76,7 @@ class Lowering:
     self.has_side_effects = False
     self._last_comment: tuple | None = None
     self._eqn_stack: list = []
+    self._hints: dict[int, dict[int, str]] = {}   # id(jaxpr) -> name hints
     # Operands stored to since the last barrier (see `before_read`), and
     # the operands the kernel reads at all.
     self._written: set[str] = set()
@@ -211,11 +215,6 @@ class Lowering:
 
   # ---------------------------------------------------------------- jaxprs
 
-  def read(self, env: dict, atom) -> Any:
-    if isinstance(atom, core.Literal):
-      return self.const_value(atom)
-    return env[atom]
-
   def lower_closed(self, closed, args: Sequence[Any]) -> list:
     if isinstance(closed, core.ClosedJaxpr):
       return self.lower_jaxpr(closed.jaxpr, closed.consts, args)
@@ -223,54 +222,35 @@ class Lowering:
 
   def lower_jaxpr(self, jaxpr: core.Jaxpr, consts: Sequence[Any],
                   args: Sequence[Any]) -> list:
-    from lowering_triton import rules as rules_mod
-    env: dict = {}
-    for v, c in zip(jaxpr.constvars, consts):
-      env[v] = c if isinstance(c, (TVal, MemRef, ValueRef)) else \
-          self.const_value(c)
-    if len(args) != len(jaxpr.invars):
-      raise self.error(f"internal error: {len(args)} arguments for a jaxpr "
-                       f"with {len(jaxpr.invars)} inputs")
-    for v, a in zip(jaxpr.invars, args):
-      env[v] = a
-    used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var)}
-    used |= {v for v in jaxpr.outvars if isinstance(v, core.Var)}
-    outer = {source_info_frame(e.source_info) for e in self._eqn_stack}
-    hints = {i: n for i, n in self._name_hints(jaxpr).items()
-             if source_info_frame(jaxpr.eqns[i].source_info) not in outer}
-    for i, eqn in enumerate(jaxpr.eqns):
-      self._comment(eqn)
-      rule = rules_mod.lookup(eqn.primitive)
-      if rule is None:
-        raise self.error(
-            f"primitive '{eqn.primitive.name}' is not supported by the Triton "
-            "backend (it has no Triton lowering rule); run this kernel with "
-            "backend='interpret' or rewrite it with supported operations",
-            eqn)
-      invals = [self.read(env, v) for v in eqn.invars]
-      ctx = RuleContext(self, eqn, used, hints.get(i))
-      self._eqn_stack.append(eqn)
-      try:
-        outs = rule(ctx, *invals, **eqn.params)
-      except BackendError:
-        raise
-      except Exception as e:  # a bug or an unforeseen case in a rule
-        raise self.error(
-            f"the Triton backend failed to lower primitive "
-            f"'{eqn.primitive.name}': {type(e).__name__}: {e}", eqn) from e
-      finally:
-        self._eqn_stack.pop()
-      if not eqn.primitive.multiple_results:
-        outs = [outs] if not isinstance(outs, (list, tuple)) else outs
-      outs = list(outs)
-      if len(outs) != len(eqn.outvars):
-        raise self.error(f"internal error: rule for '{eqn.primitive.name}' "
-                         f"returned {len(outs)} values for "
-                         f"{len(eqn.outvars)} outputs", eqn)
-      for v, o in zip(eqn.outvars, outs):
-        if not isinstance(v, core.DropVar):
-          env[v] = o
-    return [self.read(env, v) for v in jaxpr.outvars]
+    return walk_jaxpr(self, jaxpr, consts, args)
+
+  # ------------------------------------------------- the walker's host hooks
+
+  def literal(self, atom) -> Any:
+    return self.const_value(atom)
+
+  def constvar(self, var, value) -> Any:
+    if isinstance(value, (TVal, MemRef, ValueRef)):
+      return value
+    return self.const_value(value)
+
+  def rule_context(self, eqn, used: set, position: tuple) -> "RuleContext":
+    jaxpr, i = position
+    if i == 0:    # a walk starts: name hints from lines outside the callers
+      outer = {source_info_frame(e.source_info) for e in self._eqn_stack}
+      self._hints[id(jaxpr)] = {
+          k: n for k, n in self._name_hints(jaxpr).items()
+          if source_info_frame(jaxpr.eqns[k].source_info) not in outer}
+    return RuleContext(self, eqn, used, self._hints[id(jaxpr)].get(i))
+
+  @contextlib.contextmanager
+  def lowering_eqn(self, eqn):
+    self._comment(eqn)
+    self._eqn_stack.append(eqn)
+    try:
+      yield
+    finally:
+      self._eqn_stack.pop()
 
   def _comment(self, eqn) -> None:
     frame = source_info_frame(eqn.source_info)

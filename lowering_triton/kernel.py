@@ -27,6 +27,7 @@ from lowering_triton.grid import GridPlan, plan_grid
 from lowering_triton.naming import grid_names, operand_names
 from lowering_triton.peel import peel
 from lowering_triton.refs import Axis, MemRef, row_major_strides
+from lowering_triton.rules import TABLE
 from lowering_triton.values import TVal, literal_value, pow2
 from lowering_triton.zero_init import zero_outputs
 
@@ -227,7 +228,7 @@ def _generate(spec) -> GeneratedKernel:
                                 np.dtype(a.dtype), tuple(a.shape)))
 
   buf = CodeBuffer()
-  lowering = Lowering(spec.name, spec.where, names, buf, spec.jaxpr)
+  lowering = Lowering(spec.name, spec.where, names, buf, TABLE, spec.jaxpr)
   jaxpr = spec.jaxpr
   rank = len(gm.grid)
   with buf.indent():

@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 from jax._src.lib.mlir import ir
 
+from dsl.jaxpr_walk import RuleTable
 from lowering_mosaic import dialect
 from lowering_mosaic.interpreter.memory import Buffer, MemRef
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
@@ -84,11 +85,12 @@ class Compiler:
     name = op.name
     line = dialect.location_line(op.location)
     outs = [self.slot(r) for r in op.results]
-    if name in STATEFUL:
-      fn, args, gen = STATEFUL[name](op, self)
+    stateful_op = STATEFUL.lookup(name)
+    if stateful_op is not None:
+      fn, args, gen = stateful_op(op, self)
       args = [self.slot(v) for v in args]
       return COp(name, fn, args, outs, gen, line)
-    make = VALUE_OPS.get(name)
+    make = VALUE_OPS.lookup(name)
     if make is None:
       raise KernelSimulationError(
           "unsupported", f"the Mosaic interpreter cannot run '{name}' "
@@ -157,15 +159,8 @@ def compile_module(module) -> dict[str, CFunc]:
 
 # ------------------------------------------------------------ stateful ops
 
-STATEFUL: dict = {}
-
-
-def stateful(*names):
-  def deco(make):
-    for n in names:
-      STATEFUL[n] = make
-    return make
-  return deco
+STATEFUL = RuleTable("the Mosaic interpreter")
+stateful = STATEFUL.register
 
 
 def _fail(frame, message):

@@ -1,6 +1,6 @@
 """numpy meaning of the pure (value) ops: arith, math, vector, tpu vectors.
 
-`VALUE_OPS[name](op) -> fn(*operand values) -> result` reads the op's
+`VALUE_OPS.lookup(name)(op) -> fn(*operand values) -> result` reads the op's
 attributes once; the returned function runs on numpy values (numpy scalars
 for MLIR scalars, arrays for vectors).
 """
@@ -13,17 +13,11 @@ import numpy as np
 import scipy.special
 from jax._src.lib.mlir import ir
 
+from dsl.jaxpr_walk import RuleTable
 from lowering_mosaic import dialect
 
-VALUE_OPS: dict = {}
-
-
-def value_op(*names):
-  def deco(make):
-    for n in names:
-      VALUE_OPS[n] = make
-    return make
-  return deco
+VALUE_OPS = RuleTable("the Mosaic interpreter")
+value_op = VALUE_OPS.register
 
 
 def result_dtype(op, k: int = 0):

@@ -1,4 +1,4 @@
-"""The Mosaic lowering's rule table: `RULES[primitive] = rule`.
+"""The Mosaic lowering's rules, filling `lowering_mosaic.lowering.TABLE`.
 
 A rule is `rule(ctx: RuleContext, *args, **params)`; `args` are MLIR values
 (scalars, vectors) or `RefVal`s for refs, and it returns the output value
@@ -11,32 +11,9 @@ the kernel and the user's source line.
 """
 from __future__ import annotations
 
-from typing import Callable
+from lowering_mosaic.lowering import TABLE
 
-RULES: dict = {}
-RULES_BY_NAME: dict[str, Callable] = {}
-
-
-def register(*primitives):
-  """Decorator: registers a rule for primitives (objects or names)."""
-  def deco(rule):
-    for p in primitives:
-      if isinstance(p, str):
-        RULES_BY_NAME[p] = rule
-      else:
-        RULES[p] = rule
-    return rule
-  return deco
-
-
-def rule_for(primitive, lctx) -> Callable:
-  rule = RULES.get(primitive) or RULES_BY_NAME.get(primitive.name)
-  if rule is None:
-    raise lctx.error(
-        "is not supported by the Mosaic (TPU) lowering; rewrite the kernel "
-        "without it or run it with backend='interpret'", primitive.name)
-  return rule
-
+register = TABLE.register
 
 from lowering_mosaic.rules import (control, elementwise, memory,  # noqa: E402,F401
                                    reductions, shapes, tpu_ops)

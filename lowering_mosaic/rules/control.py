@@ -11,12 +11,14 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jax._src import core
 from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, memref, scf
 
 from dsl import primitives as dsl_primitives
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
 from dsl.tpu_primitives import SemaphoreSpace
 from lowering_mosaic import dialect, emit
 from lowering_mosaic.lowering import RefVal, constant, i32_const
@@ -43,7 +45,7 @@ def _lower_branch(ctx, branch, args):
   return ctx.lower_sub(jaxpr, consts, args)
 
 
-@register("cond")
+@register(lax.cond_p)
 def _cond(ctx, index, *args, branches, **params):
   out_types = _result_types(ctx, ctx.avals_out)
   idx_aval = ctx.avals_in[0]
@@ -78,7 +80,7 @@ def _scan_parts(args, params):
   return list(args[:nc]), list(args[nc:nc + ncar]), list(args[nc + ncar:])
 
 
-@register("scan")
+@register(lax.scan_p)
 def _scan(ctx, *args, jaxpr, length, reverse, **params):
   consts, carry, xs = _scan_parts(args, params)
   body, body_consts = _closed(jaxpr)
@@ -96,7 +98,7 @@ def _scan(ctx, *args, jaxpr, length, reverse, **params):
   return list(loop.results)
 
 
-@register("while")
+@register(lax.while_p)
 def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
   cconsts = list(args[:cond_nconsts])
   bconsts = list(args[cond_nconsts:cond_nconsts + body_nconsts])
@@ -113,19 +115,12 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
   return list(op.results)
 
 
-@register("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
-          "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-          "custom_lin")
+@register(*CALL_PRIMITIVES)
 def _inline(ctx, *args, **params):
-  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-    if key in params:
-      j = params[key]
-      break
-  else:
+  body = call_body(params, args)
+  if body is None:
     raise ctx.error("has no jaxpr to inline")
-  jaxpr, consts = _closed(j)
-  n = len(jaxpr.invars)
-  return ctx.lower_sub(jaxpr, consts, list(args)[-n:] if n else [])
+  return ctx.lower_sub(*body)
 
 
 @register(dsl_primitives.run_scoped_p)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from jax import lax
+from jax._src import ad_util
 from jax._src.lax import lax as lax_internal
 from jax._src.lib.mlir.dialects import arith, math
 
@@ -36,7 +37,7 @@ def _by_type(float_op, signed_op, unsigned_op=None, bool_op=None):
   return rule
 
 
-register(lax.add_p, "add_any")(_by_type(arith.AddFOp, arith.AddIOp,
+register(lax.add_p, ad_util.add_jaxvals_p)(_by_type(arith.AddFOp, arith.AddIOp,
                                        bool_op=arith.OrIOp))
 register(lax.sub_p)(_by_type(arith.SubFOp, arith.SubIOp))
 register(lax.mul_p)(_by_type(arith.MulFOp, arith.MulIOp, bool_op=arith.AndIOp))
@@ -235,7 +236,7 @@ def _bitcast_convert(ctx, x, *, new_dtype):
   return arith.BitcastOp(emit.vtype(out.shape, new_dtype), x).result
 
 
-@register(lax_internal.copy_p, "copy", "optimization_barrier")
+@register(lax_internal.copy_p, lax_internal.optimization_barrier_p)
 def _copy(ctx, *args, **params):
   return args[0] if not ctx.eqn.primitive.multiple_results else list(args)
 

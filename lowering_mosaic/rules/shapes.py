@@ -43,12 +43,6 @@ def _squeeze(ctx, x, *, dimensions):
   return emit.reshape(x, aval.shape, out.shape, aval.dtype)
 
 
-@register("expand_dims")
-def _expand_dims(ctx, x, **params):
-  aval, out = ctx.avals_in[0], ctx.avals_out[0]
-  return emit.reshape(x, aval.shape, out.shape, aval.dtype)
-
-
 @register(lax.transpose_p)
 def _transpose(ctx, x, *, permutation):
   out = ctx.avals_out[0]

@@ -27,6 +27,7 @@ copy, a wait on the receive semaphore does not.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax._src import checkify, core
 from jax._src.lax import parallel as lax_parallel
 from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
@@ -245,7 +246,7 @@ def _multiple_of(ctx, x, *, values):
   return x
 
 
-@register(dsl_primitives.max_contiguous_p, "pvary", "reduced_vary_cast")
+@register(dsl_primitives.max_contiguous_p, core.pvary_p, core.reduced_vary_cast_p)
 def _identity(ctx, *args, **params):
   if ctx.eqn.primitive.multiple_results:
     return list(args)
@@ -258,7 +259,7 @@ def _debug_print(ctx, *args, fmt):
   return []
 
 
-@register("check")
+@register(checkify.check_p)
 def _check(ctx, *args, err_tree, debug, **params):
   """A run-time check (jax_pallas_enable_runtime_assert) becomes `cf.assert`
   on the negated error flag, with the check's message."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
-from jax._src import core
+from jax._src import ad_checkpoint, core
 
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
 from lowering_triton.rules import register
 from lowering_triton.values import TVal
 
@@ -201,20 +202,14 @@ def _tl(dtype) -> str:
   return tl_type(dtype)
 
 
+@register(*CALL_PRIMITIVES)
 def _inline(ctx, *args, **params):
-  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-    if key in params:
-      return ctx.lower_closed(params[key], list(args))
-  raise ctx.error(f"cannot inline '{ctx.primitive}': no jaxpr parameter")
+  body = call_body(params, args)
+  if body is None:
+    raise ctx.error(f"cannot inline '{ctx.primitive}': no jaxpr parameter")
+  return ctx.lowering.lower_jaxpr(*body)
 
 
-for _name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
-              "custom_vjp_call", "custom_vjp_call_jaxpr", "checkpoint",
-              "remat", "remat2", "custom_lin"):
-  register(_name)(_inline)
-del _name
-
-
-@register("name")
+@register(ad_checkpoint.name_p)
 def _name_identity(ctx, x, **params):
   return x

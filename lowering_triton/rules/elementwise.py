@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import jax
 from jax import lax
+from jax._src import ad_util, custom_derivatives
 from jax._src.lax import special as lax_special
 
 from lowering_triton import dtypes
@@ -446,12 +447,12 @@ def _optimization_barrier(ctx, *args, **params):
   return list(args)
 
 
-@register("stop_gradient")
+@register(custom_derivatives.stop_gradient_p)
 def _stop_gradient(ctx, x, **params):
   return x
 
 
-@register("add_any")
+@register(ad_util.add_jaxvals_p)
 def _add_any(ctx, a, b, **params):
   """The sum of two cotangents (from JAX's transposition)."""
   cd = dtypes.compute_dtype(a.dtype)

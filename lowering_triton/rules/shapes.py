@@ -332,7 +332,7 @@ def _pad(ctx, x, padding_value, padding_config, **params):
   return y
 
 
-@register(getattr(lax, "split_p", None))
+@register(lax.split_p)
 def _split(ctx, x, sizes, axis, **params):
   outs, offset = [], 0
   n_in = x.shape[axis]
@@ -346,7 +346,7 @@ def _split(ctx, x, sizes, axis, **params):
   return outs
 
 
-@register(getattr(lax, "stack_p", None) or "stack")
+@register(lax.stack_p)
 def _stack(ctx, *xs, axis, **params):
   axis = int(axis)
   parts = []
@@ -361,7 +361,7 @@ def _stack(ctx, *xs, axis, **params):
   return _concatenate(ctx, *parts, dimension=axis)
 
 
-@register(getattr(lax, "unstack_p", None) or "unstack")
+@register(lax.unstack_p)
 def _unstack(ctx, x, axis, **params):
   axis = int(axis)
   outs = []
@@ -372,7 +372,7 @@ def _unstack(ctx, x, axis, **params):
   return outs
 
 
-@register(getattr(lax, "tile_p", None) or "tile")
+@register(lax.tile_p)
 def _tile(ctx, x, reps, **params):
   y = x
   for axis, r in enumerate(reps):
