@@ -13,6 +13,7 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
 from dsl import backends, checks, config
+from dsl.normalize import normalize
 from dsl.errors import KernelError, KernelTypeError, function_location, user_frame
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.tracing import trace_kernel
@@ -80,6 +81,8 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
                         "Mosaic-dialect lowering cannot run on GPUs yet; unset "
                         "it to use Triton", spec.where)
   rule = backends.lowering_rule(name, spec.name, spec.where)
+  if name != "interpret":   # the interpret backend runs every JAX primitive
+    spec = normalize(spec)
   return rule(ctx, *args, spec=spec)
 
 

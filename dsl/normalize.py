@@ -1,0 +1,164 @@
+"""Rewrites kernel jaxprs into the primitives every lowering handles.
+
+JAX's own transformations leave primitives in derived kernels (jvp, linear,
+transposed and recording kernels) that a user never writes: `empty2`
+allocations from scan's transpose, `one_minus_square` from tanh's derivative,
+`select_n` with three or more cases, `copy`, and calls (`jit`, `eval_jaxpr`,
+`custom_jvp_call`, `custom_vjp_call`). Before a kernel goes to a compiled or
+host lowering (Triton, Mosaic), `normalize` re-traces its jaxpr, replacing
+each primitive of `DECOMPOSITIONS` with plain lax operations, inlining calls
+and recursing into the jaxprs of control flow and `run_scoped`. Every new
+equation keeps the source line of the equation it replaces.
+
+Primitives not in the table pass through unchanged, so a kernel that holds
+none of them comes back equal (and `normalize` returns the same spec).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import numpy as np
+from jax import lax
+from jax._src import core, source_info_util
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lax import lax as lax_internal
+import jax.extend.linear_util as lu
+
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
+
+# primitive -> fn(*operands, **params) -> result(s), written with lax ops.
+DECOMPOSITIONS: dict[Any, Callable] = {}
+
+
+def _decomposes(*primitives):
+  def register(fn):
+    for p in primitives:
+      DECOMPOSITIONS[p] = fn
+    return fn
+  return register
+
+
+@_decomposes(lax_internal.empty_p)
+def _empty(*, shape, dtype, out_sharding=None):
+  return lax.full(shape, 0, dtype)
+
+
+@_decomposes(lax_internal.empty2_p)
+def _empty2(*, dtype, memory_space=None):
+  return lax.full((), 0, dtype)
+
+
+@_decomposes(lax_internal.one_minus_square_p)
+def _one_minus_square(x):
+  return lax.sub(lax.full_like(x, 1), lax.mul(x, x))
+
+
+@_decomposes(lax_internal.copy_p)
+def _copy(x):
+  return x
+
+
+@_decomposes(lax.select_n_p)
+def _select_n(which, *cases):
+  """`select_n` with a boolean or two cases stays; more cases become a
+  binary tree of two-case selects on the bits of `which`."""
+  if len(cases) <= 2:
+    return lax.select_n(which, *cases)
+  half = 1 << (len(cases) - 1).bit_length() - 1
+  low = _select_n(which, *cases[:half])
+  rest = cases[half:]
+  shifted = lax.sub(which, lax.full_like(which, half))
+  high = rest[0] if len(rest) == 1 else _select_n(
+      lax.max(shifted, lax.full_like(shifted, 0)), *rest)
+  return lax.select(lax.lt(which, lax.full_like(which, half)), low, high)
+
+
+def _sub_jaxpr_params(params: dict) -> bool:
+  return any(True for _ in _subjaxprs(params))
+
+
+def _normalized_param(value):
+  if isinstance(value, core.ClosedJaxpr):
+    return normalize_closed(value)
+  if isinstance(value, core.Jaxpr):
+    closed = normalize_closed(core.ClosedJaxpr(value, ()))
+    if closed.consts:
+      return None          # an open jaxpr must stay closed over nothing
+    return closed.jaxpr
+  if isinstance(value, tuple) and value and isinstance(
+      value[0], (core.Jaxpr, core.ClosedJaxpr)):
+    new = tuple(_normalized_param(v) for v in value)
+    return None if any(v is None for v in new) else new
+  return value
+
+
+def _bind(eqn, invals):
+  params = eqn.params
+  if _sub_jaxpr_params(params):
+    new = {k: _normalized_param(v) for k, v in params.items()}
+    if all(v is not None for v in new.values()):
+      params = new
+  return eqn.primitive.bind(*invals, **params)
+
+
+def _eval(jaxpr: core.Jaxpr, consts, args) -> list:
+  env: dict = {}
+
+  def read(v):
+    return v.val if isinstance(v, core.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=eqn.source_info.name_stack):
+      if eqn.primitive in CALL_PRIMITIVES:
+        body = call_body(eqn.params, invals)
+        outs = _eval(*body) if body is not None else _bind(eqn, invals)
+      elif eqn.primitive in DECOMPOSITIONS:
+        outs = DECOMPOSITIONS[eqn.primitive](*invals, **eqn.params)
+      else:
+        outs = _bind(eqn, invals)
+    if not eqn.primitive.multiple_results:
+      outs = [outs]
+    for v, o in zip(eqn.outvars, outs):
+      if not isinstance(v, core.DropVar):
+        env[v] = o
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _subjaxprs(params):
+  for v in params.values():
+    for x in (v if isinstance(v, tuple) else (v,)):
+      if isinstance(x, core.ClosedJaxpr):
+        yield x.jaxpr
+      elif isinstance(x, core.Jaxpr):
+        yield x
+
+
+def needs_normalizing(jaxpr: core.Jaxpr) -> bool:
+  return any(eqn.primitive in DECOMPOSITIONS or eqn.primitive in CALL_PRIMITIVES
+             or any(needs_normalizing(j) for j in _subjaxprs(eqn.params))
+             for eqn in jaxpr.eqns)
+
+
+def normalize_closed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+  if not needs_normalizing(closed.jaxpr):
+    return closed
+  fn = lu.wrap_init(lambda *args: _eval(closed.jaxpr, closed.consts, args),
+                    debug_info=closed.jaxpr.debug_info)
+  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+      fn, [v.aval for v in closed.jaxpr.invars])
+  return core.ClosedJaxpr(jaxpr, consts)
+
+
+@functools.lru_cache(maxsize=256)
+def normalize(spec):
+  """`spec` with its kernel jaxpr in the primitives every lowering handles."""
+  jaxpr = normalize_closed(spec.jaxpr)
+  if jaxpr is spec.jaxpr:
+    return spec
+  return dataclasses.replace(spec, jaxpr=jaxpr)
