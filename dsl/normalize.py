@@ -22,11 +22,14 @@ from typing import Any, Callable
 import numpy as np
 from jax import lax
 from jax._src import core, source_info_util
+from jax._src.state import types as state_types
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 import jax.extend.linear_util as lu
 
 from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
+from dsl.memory import MemorySpace
+from dsl.primitives import run_scoped
 
 # primitive -> fn(*operands, **params) -> result(s), written with lax ops.
 DECOMPOSITIONS: dict[Any, Callable] = {}
@@ -73,6 +76,54 @@ def _select_n(which, *cases):
   high = rest[0] if len(rest) == 1 else _select_n(
       lax.max(shifted, lax.full_like(shifted, 0)), *rest)
   return lax.select(lax.lt(which, lax.full_like(which, half)), low, high)
+
+
+def scan_layout(params: dict) -> tuple[int, int, int, int]:
+  """(consts, carry, xs, ys) counts of a scan equation."""
+  n_consts, n_carry, n_xs = (len(p) for p in params["ft_in"].unpack())
+  return n_consts, n_carry, n_xs, len(params["ft_out"].unpack()[1])
+
+
+@_decomposes(lax.scan_p)
+def _scan(*args, jaxpr, length, reverse, **params):
+  """A scan over stacked arrays (what JAX's transposition makes of a loop
+  with per-iteration residuals) becomes a loop over refs: xs and ys live in
+  `run_scoped` buffers indexed by the iteration. Scans without xs/ys (what
+  `fori_loop` makes) stay scans."""
+  n_consts, n_carry, n_xs, n_ys = scan_layout(params)
+  body = normalize_closed(jaxpr)
+  if not n_xs and not n_ys:
+    return lax.scan_p.bind(*args, jaxpr=body, length=length, reverse=reverse,
+                           **params)
+  consts = list(args[:n_consts])
+  init = list(args[n_consts:n_consts + n_carry])
+  xs = list(args[n_consts + n_carry:])
+  buffers = ([_buffer(x.shape, x.dtype) for x in xs] +
+             [_buffer((length, *a.shape), a.dtype)
+              for a in body.out_avals[n_carry:]])
+
+  def scoped(*refs):
+    xs_refs, ys_refs = refs[:n_xs], refs[n_xs:]
+    for ref, x in zip(xs_refs, xs):
+      ref[...] = x
+
+    def step(k, carry):
+      i = (length - 1 - k) if reverse else k
+      outs = core.jaxpr_as_fun(body)(*consts, *carry,
+                                     *[ref[i] for ref in xs_refs])
+      for ref, y in zip(ys_refs, outs[n_carry:]):
+        ref[i] = y
+      return list(outs[:n_carry])
+
+    carry = lax.fori_loop(0, length, step, init)
+    return list(carry) + [ref[...] for ref in ys_refs]
+
+  return run_scoped(scoped, *buffers)
+
+
+def _buffer(shape, dtype):
+  return state_types.AbstractRef(core.ShapedArray(tuple(shape), dtype),
+                                 memory_space=MemorySpace.VMEM)
 
 
 def _sub_jaxpr_params(params: dict) -> bool:
@@ -140,9 +191,18 @@ def _subjaxprs(params):
 
 
 def needs_normalizing(jaxpr: core.Jaxpr) -> bool:
-  return any(eqn.primitive in DECOMPOSITIONS or eqn.primitive in CALL_PRIMITIVES
+  return any(_rewritten(eqn) or eqn.primitive in CALL_PRIMITIVES
              or any(needs_normalizing(j) for j in _subjaxprs(eqn.params))
              for eqn in jaxpr.eqns)
+
+
+def _rewritten(eqn) -> bool:
+  if eqn.primitive is lax.scan_p:
+    _, _, n_xs, n_ys = scan_layout(eqn.params)
+    return bool(n_xs or n_ys)
+  if eqn.primitive is lax.select_n_p:
+    return len(eqn.invars) > 3
+  return eqn.primitive in DECOMPOSITIONS
 
 
 def normalize_closed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:

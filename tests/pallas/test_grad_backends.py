@@ -127,3 +127,33 @@ def test_normalize_removes_transformation_primitives_and_keeps_lines():
   for got, want in zip(jax_core.jaxpr_as_fun(out)(x, x),
                        jax_core.jaxpr_as_fun(jaxpr)(x, x)):
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _row_loop_kernel(x_ref, o_ref):
+  def body(i, carry):
+    o_ref[pl.ds(i, 1), :] = jnp.tanh(x_ref[pl.ds(i, 1), :]) * 2
+    return carry
+  lax.fori_loop(0, x_ref.shape[0], body, 0)
+
+
+def row_loop(x, backend):
+  return pl.pallas_call(_row_loop_kernel, backend=backend,
+                        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+@pytest.mark.parametrize("backend", ("interpret", "triton_interpret"))
+def test_fori_loop_over_rows_grads(backend):
+  (x,) = _data((8, 128))
+  f = functools.partial(row_loop, backend=backend)
+  np.testing.assert_allclose(f(x), jnp.tanh(x) * 2, rtol=1e-6)
+  check_grads(f, (x,), order=1, modes=("fwd", "rev"), atol=2e-2, rtol=2e-2)
+
+
+def test_fori_loop_reverse_mode_on_mosaic_says_why():
+  (x,) = _data((8, 128))
+  f = functools.partial(row_loop, backend="mosaic_interpret")
+  np.testing.assert_allclose(f(x), jnp.tanh(x) * 2, rtol=1e-6)
+  with pytest.raises(pl.BackendError,
+                     match=r"_row_loop_kernel_transpose.*dynamic_slice.*"
+                           r"test_grad_backends.py:\d+"):
+    jax.grad(lambda a: jnp.sum(f(a)))(x)
