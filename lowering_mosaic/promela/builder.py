@@ -21,8 +21,9 @@ The model (one Promela file, self-describing):
   lists the statements, buffers, semaphores and processes, so that a trail
   of this file can be translated back to kernel source lines on its own.
 
-Failures print `@@E code args...` (see `trail.ERRORS`) and then assert a
-variable whose name is the kind: `no_race`, `sem_balanced`, `valid_model`.
+Failures print `@@E code args...` and then assert a variable whose name is
+the kind: `no_race`, `sem_balanced`, `valid_model` (errors.py holds the
+codes, their arguments and their messages).
 A blocked kernel process at the end of a run is SPIN's "invalid end state":
 a deadlock.
 """
@@ -31,31 +32,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from lowering_mosaic.promela import errors as E
 from lowering_mosaic.promela import model as M
+from lowering_mosaic.promela.errors import fail
 from lowering_mosaic.promela.model import binop, const
-
-# Error codes printed before a failing assert; trail.py words them.
-E_READ_VS_DMA_WRITE = 1       # (+1 in chk_write: the DMA reads them)
-E_WRITE_VS_DMA_WRITE = 2
-E_WRITE_VS_DMA_READ = 3
-E_DMA_SRC_VS_DMA_WRITE = 4
-E_DMA_DST_VS_DMA_WRITE = 5
-E_DMA_DST_VS_DMA_READ = 6
-E_PIPELINE_VS_DMA_WRITE = 7
-E_PIPELINE_VS_DMA_READ = 8
-E_SCOPE_VS_DMA_WRITE = 9
-E_SCOPE_VS_DMA_READ = 10
-E_LAND_AFTER_EXIT = 11
-E_LAND_BEFORE_ENTRY = 12
-E_EXIT_OWN_DMA = 13
-E_EXIT_PEER_DMA = 14
-E_EXIT_SEM = 15
-E_EXIT_RECV_SEM = 16
-E_SIGNAL_AFTER_EXIT = 17
-E_SIGNAL_BEFORE_ENTRY = 18
-E_BAD_DEVICE = 19
-E_SCOPE_SEM = 20
-
 
 @dataclasses.dataclass
 class Options:
@@ -389,12 +369,12 @@ class Builder:
     e('  printf("@@D land %d %d %d\\n", dma_stmt[K], dma_inst[K], K);')
     e("  if")
     e("  :: dma_remote[K] && gone[dma_fin[K]] ->")
-    e(f'     printf("@@E {E_LAND_AFTER_EXIT} %d %d %d %d\\n", dma_stmt[K], '
+    e(f'     printf("@@E {E.LAND_AFTER_EXIT} %d %d %d %d\\n", dma_stmt[K], '
       'dma_inst[K], dma_fin[K], K);')
     e("     assert(no_race)")
     if self.o.check_entry:
       e("  :: dma_remote[K] && !entered[dma_fin[K]] ->")
-      e(f'     printf("@@E {E_LAND_BEFORE_ENTRY} %d %d %d %d\\n", dma_stmt[K], '
+      e(f'     printf("@@E {E.LAND_BEFORE_ENTRY} %d %d %d %d\\n", dma_stmt[K], '
         'dma_inst[K], dma_fin[K], K);')
       e("     assert(no_race)")
     e("  :: else -> skip")
@@ -488,7 +468,8 @@ class Builder:
   def _Access(self, s: M.Access):
     reg = self.region(s.window.base)
     mask = self.mask(s.window)
-    code = E_READ_VS_DMA_WRITE if s.kind == "read" else E_WRITE_VS_DMA_WRITE
+    code = (E.READ_VS_DMA_WRITE if s.kind == "read" else
+            E.WRITE_VS_DMA_WRITE)
     fn = "chk_read" if s.kind == "read" else "chk_write"
     self.out.emit(f"h_dreg = {reg}; h_dmask = {mask}; "
                   f"{fn}(h_dreg, h_dmask, {s.info.id}, {code});", s.info)
@@ -501,8 +482,8 @@ class Builder:
 
   def _check_device(self, dev_text: str, stmt: M.Stmt):
     self.out.emit(f"if :: {dev_text} < 0 || {dev_text} >= NDEV -> "
-                  f'printf("@@E {E_BAD_DEVICE} %d %d\\n", {stmt.id}, '
-                  f"{dev_text}); assert(valid_model) :: else -> skip fi;")
+                  f"{fail(E.BAD_DEVICE, str(stmt.id), dev_text)} "
+                  ":: else -> skip fi;")
 
   def _pick_device(self, s):
     """The target device's expression; unknown ids are chosen freely."""
@@ -524,9 +505,9 @@ class Builder:
       self._check_device("h_tdev", s.info)
     tdev = "h_tdev" if s.remote else None
     e(f"h_sreg = {self.region(s.src.base)}; h_smask = {self.mask(s.src)};")
-    e(f"chk_read(h_sreg, h_smask, {s.info.id}, {E_DMA_SRC_VS_DMA_WRITE});")
+    e(f"chk_read(h_sreg, h_smask, {s.info.id}, {E.DMA_SRC_VS_DMA_WRITE});")
     e(f"h_dreg = {self.region(s.dst.base, tdev)}; h_dmask = {self.mask(s.dst)};")
-    e(f"chk_write(h_dreg, h_dmask, {s.info.id}, {E_DMA_DST_VS_DMA_WRITE});")
+    e(f"chk_write(h_dreg, h_dmask, {s.info.id}, {E.DMA_DST_VS_DMA_WRITE});")
     e("h_k = dev * Q;")
     e("do :: dma_phase[h_k] == 0 -> break :: else -> h_k++ od;")
     e(f"dma_phase[h_k] = 1; dma_remote[h_k] = {int(s.remote)}; "
@@ -572,11 +553,13 @@ class Builder:
     e(f"h_tdev = {dev};")
     self._check_device("h_tdev", s.info)
     e(f"h_fin = {self.fin(s.sem.sem.scope, 'h_tdev')};")
-    e(f"if :: gone[h_fin] -> printf(\"@@E {E_SIGNAL_AFTER_EXIT} %d %d %d\\n\", "
-      f"{s.info.id}, h_fin, inst); assert(sem_balanced) :: else -> skip fi;")
+    e(f"if :: gone[h_fin] -> "
+      f"{fail(E.SIGNAL_AFTER_EXIT, str(s.info.id), 'h_fin', 'inst')} "
+      ":: else -> skip fi;")
     if self.o.check_entry and s.sem.sem.kind != "barrier":
-      e(f"if :: !entered[h_fin] -> printf(\"@@E {E_SIGNAL_BEFORE_ENTRY} %d %d "
-        f"%d\\n\", {s.info.id}, h_fin, inst); assert(no_race) :: else -> skip fi;")
+      e(f"if :: !entered[h_fin] -> "
+        f"{fail(E.SIGNAL_BEFORE_ENTRY, str(s.info.id), 'h_fin', 'inst')} "
+        ":: else -> skip fi;")
     e(f"h_sem = {self.sem_index(s.sem, 'h_tdev')};")
     e(f"sem[h_sem] = sem[h_sem] + ({a})")
     self.out.dedent()
@@ -685,7 +668,7 @@ class Builder:
       self.out.indent()
       for b in s.blocked:
         e(f"h_dreg = {self.region(b)}; h_dmask = {self.full_mask(b)}; "
-          f"chk_write(h_dreg, h_dmask, {s.info.id}, {E_PIPELINE_VS_DMA_WRITE});")
+          f"chk_write(h_dreg, h_dmask, {s.info.id}, {E.PIPELINE_VS_DMA_WRITE});")
       e(":: else -> skip fi" + (" };" if opened else ";"))
       self.out.dedent()
     for v, n in reversed(dims):
@@ -700,12 +683,12 @@ class Builder:
     self.out.indent()
     for b in s.buffers:
       e(f"h_dreg = {self.region(b)}; h_dmask = {self.full_mask(b)}; "
-        f"chk_write(h_dreg, h_dmask, {s.info.id}, {E_SCOPE_VS_DMA_WRITE});")
+        f"chk_write(h_dreg, h_dmask, {s.info.id}, {E.SCOPE_VS_DMA_WRITE});")
     for sm in s.sems:
       for k in range(sm.count):
         i = f"({self.sem_base[sm]} + inst * {sm.count} + {k})"
-        e(f"if :: sem[{i}] != 0 -> printf(\"@@E {E_SCOPE_SEM} %d %d %d\\n\", "
-          f"{i}, sem[{i}], inst); assert(sem_balanced) :: else -> skip fi;")
+        e(f"if :: sem[{i}] != 0 -> "
+          f"{fail(E.SCOPE_SEM, i, f'sem[{i}]', 'inst')} :: else -> skip fi;")
         e(f"sem[{i}] = 0;")
     e("skip")
     self.out.dedent()
@@ -723,11 +706,11 @@ class Builder:
     e(":: h_k < NSLOTS ->")
     e("   if")
     e("   :: dma_phase[h_k] == 1 && dma_inst[h_k] == inst + 1 ->")
-    e(f'      printf("@@E {E_EXIT_OWN_DMA} %d %d %d %d\\n", dma_stmt[h_k], inst, '
-      'dma_fin[h_k], h_k); assert(sem_balanced)')
+    e("      " + fail(E.EXIT_OWN_DMA, "dma_stmt[h_k]", "inst", "dma_fin[h_k]",
+                       "h_k"))
     e("   :: dma_phase[h_k] != 0 && dma_fin[h_k] == inst && dma_inst[h_k] != inst + 1 ->")
-    e(f'      printf("@@E {E_EXIT_PEER_DMA} %d %d %d %d\\n", dma_stmt[h_k], '
-      'dma_inst[h_k], inst, h_k); assert(no_race)')
+    e("      " + fail(E.EXIT_PEER_DMA, "dma_stmt[h_k]", "dma_inst[h_k]",
+                       "inst", "h_k"))
     e("   :: else -> skip")
     e("   fi;")
     e("   h_k++")
@@ -746,8 +729,8 @@ class Builder:
     e(":: h_k < NSLOTS ->")
     e("   if")
     e("   :: dma_phase[h_k] != 0 && dma_fin[h_k] == NINST + dev ->")
-    e(f'      printf("@@E {E_EXIT_PEER_DMA} %d %d %d %d\\n", dma_stmt[h_k], '
-      'dma_inst[h_k], NINST + dev, h_k); assert(no_race)')
+    e("      " + fail(E.EXIT_PEER_DMA, "dma_stmt[h_k]", "dma_inst[h_k]",
+                       "NINST + dev", "h_k"))
     e("   :: else -> skip")
     e("   fi;")
     e("   h_k++")
@@ -765,13 +748,12 @@ class Builder:
 
   def _sem_zero(self, sm: M.SemArray, owner: str):
     e = self.out.emit
-    code = E_EXIT_RECV_SEM if sm.remote_recv else E_EXIT_SEM
-    what = "no_race" if sm.remote_recv else "sem_balanced"
+    code = E.EXIT_RECV_SEM if sm.remote_recv else E.EXIT_SEM
     base = f"{self.sem_base[sm]} + {owner} * {sm.count}"
-    e(f"h_j = 0;")
+    fin = "inst" if owner == "inst" else "NINST + dev"
+    e("h_j = 0;")
     e(f"do :: h_j < {sm.count} -> if :: sem[{base} + h_j] != 0 -> "
-      f'printf("@@E {code} %d %d %d\\n", {base} + h_j, sem[{base} + h_j], '
-      f"{'inst' if owner == 'inst' else 'NINST + dev'}); assert({what}) "
+      f"{fail(code, f'{base} + h_j', f'sem[{base} + h_j]', fin)} "
       ":: else -> skip fi; h_j++ :: else -> break od;")
 
 
