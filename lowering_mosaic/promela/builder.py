@@ -30,6 +30,9 @@ a deadlock.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.resources
+import string
 from typing import Optional
 
 from lowering_mosaic.promela import errors as E
@@ -43,6 +46,26 @@ class Options:
   max_cells: int = 16         # cells per buffer region (<= 30)
   check_entry: bool = True    # remote writes before the peer entered: a race
   max_parallel: int = 4
+
+
+@functools.cache
+def _prelude_source() -> str:
+  return (importlib.resources.files(__package__) / "prelude.pml").read_text()
+
+
+def prelude(options: Options) -> str:
+  """The inline macros of prelude.pml for these options: its `//` lines
+  dropped, the `//@if OPTION` sections of options that are off left out,
+  the `$NAME` error codes filled in."""
+  lines, keep = [], [True]
+  for line in _prelude_source().splitlines():
+    if line.startswith("//@if "):
+      keep.append(keep[-1] and bool(getattr(options, line.split()[1])))
+    elif line.startswith("//@endif"):
+      keep.pop()
+    elif keep[-1] and not line.startswith("//"):
+      lines.append(line)
+  return string.Template("\n".join(lines) + "\n").substitute(E.CODES)
 
 
 class Lines:
@@ -315,80 +338,8 @@ class Builder:
     e("")
 
   def _inlines(self):
-    e = self.out.emit
-    e("/* R, M: a region and cells the kernel (or a DMA) reads; no DMA may be")
-    e("   writing them */")
-    e("inline chk_read(R, M, S, CODE) {")
-    e("  h_k = 0;")
-    e("  do")
-    e("  :: h_k < NSLOTS ->")
-    e("     if")
-    e("     :: dma_phase[h_k] != 0 && dma_dreg[h_k] == R && (dma_dmask[h_k] & (M)) ->")
-    e('        printf("@@E %d %d %d %d %d %d\\n", CODE, S, dma_stmt[h_k], '
-      'dma_inst[h_k], R, h_k);')
-    e("        assert(no_race)")
-    e("     :: else -> skip")
-    e("     fi;")
-    e("     h_k++")
-    e("  :: else -> break")
-    e("  od;")
-    e("  h_k = 0  /* (a d_step must not end in a loop) */")
-    e("}")
-    e("")
-    e("/* ... that it writes: no DMA may be reading or writing them */")
-    e("inline chk_write(R, M, S, CODE) {")
-    e("  chk_read(R, M, S, CODE);")
-    e("  h_k = 0;")
-    e("  do")
-    e("  :: h_k < NSLOTS ->")
-    e("     if")
-    e("     :: dma_phase[h_k] != 0 && dma_sreg[h_k] == R && (dma_smask[h_k] & (M)) ->")
-    e('        printf("@@E %d %d %d %d %d %d\\n", CODE + 1, S, dma_stmt[h_k], '
-      'dma_inst[h_k], R, h_k);')
-    e("        assert(no_race)")
-    e("     :: else -> skip")
-    e("     fi;")
-    e("     h_k++")
-    e("  :: else -> break")
-    e("  od;")
-    e("  h_k = 0  /* (a d_step must not end in a loop) */")
-    e("}")
-    e("")
-    e("/* the engine reads a remote DMA's source: the send semaphore goes up */")
-    e("inline dma_read(K) {")
-    e('  printf("@@D read %d %d %d\\n", dma_stmt[K], dma_inst[K], K);')
-    e("  if")
-    e("  :: dma_ssem[K] > 0 -> sem[dma_ssem[K] - 1] = sem[dma_ssem[K] - 1] + dma_amt[K]")
-    e("  :: else -> skip")
-    e("  fi;")
-    e("  dma_sreg[K] = 0; dma_smask[K] = 0; dma_ssem[K] = 0; dma_phase[K] = 2")
-    e("}")
-    e("")
-    e("/* a DMA lands: the receive semaphore goes up and the slot is free */")
-    e("inline dma_land(K) {")
-    e('  printf("@@D land %d %d %d\\n", dma_stmt[K], dma_inst[K], K);')
-    e("  if")
-    e("  :: dma_remote[K] && gone[dma_fin[K]] ->")
-    e(f'     printf("@@E {E.LAND_AFTER_EXIT} %d %d %d %d\\n", dma_stmt[K], '
-      'dma_inst[K], dma_fin[K], K);')
-    e("     assert(no_race)")
-    if self.o.check_entry:
-      e("  :: dma_remote[K] && !entered[dma_fin[K]] ->")
-      e(f'     printf("@@E {E.LAND_BEFORE_ENTRY} %d %d %d %d\\n", dma_stmt[K], '
-        'dma_inst[K], dma_fin[K], K);')
-      e("     assert(no_race)")
-    e("  :: else -> skip")
-    e("  fi;")
-    e("  sem[dma_dsem[K] - 1] = sem[dma_dsem[K] - 1] + dma_amt[K];")
-    e("  if")
-    e("  :: dma_ssem[K] > 0 -> sem[dma_ssem[K] - 1] = sem[dma_ssem[K] - 1] + dma_amt[K]")
-    e("  :: else -> skip")
-    e("  fi;")
-    e("  dma_phase[K] = 0; dma_remote[K] = 0; dma_inst[K] = 0; dma_stmt[K] = 0;")
-    e("  dma_sreg[K] = 0; dma_smask[K] = 0; dma_dreg[K] = 0; dma_dmask[K] = 0;")
-    e("  dma_ssem[K] = 0; dma_dsem[K] = 0; dma_amt[K] = 0; dma_fin[K] = 0")
-    e("}")
-    e("")
+    for line in prelude(self.o).splitlines():
+      self.out.emit(line)
 
   def _engine(self):
     e = self.out.emit

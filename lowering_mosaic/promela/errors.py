@@ -149,6 +149,10 @@ WRITE_CHECKS = {WRITE_VS_DMA_WRITE: WRITE_VS_DMA_READ,
                 SCOPE_VS_DMA_WRITE: SCOPE_VS_DMA_READ}
 assert all(r == w + 1 for w, r in WRITE_CHECKS.items())
 
+# name -> code, for the `$NAME`s of prelude.pml
+CODES = {name: code for name, code in globals().items()
+         if name.isupper() and isinstance(code, int) and code in ERRORS}
+
 
 def fail(code: int, *args: str) -> str:
   """The Promela that reports error `code` with `args` (Promela
