@@ -1,4 +1,6 @@
-"""`KernelModel` -> Promela text.
+"""`KernelModel` -> Promela text: the processes, declarations and macros
+of the file; layout.py numbers the regions, cells and semaphores, and
+statements.py writes the kernel's statements.
 
 The model (one Promela file, self-describing):
 
@@ -38,7 +40,9 @@ from typing import Optional
 from lowering_mosaic.promela import errors as E
 from lowering_mosaic.promela import model as M
 from lowering_mosaic.promela.errors import fail
-from lowering_mosaic.promela.model import binop, const
+from lowering_mosaic.promela.layout import Layout
+from lowering_mosaic.promela.statements import Lines, Statements, clean
+
 
 @dataclasses.dataclass
 class Options:
@@ -68,158 +72,19 @@ def prelude(options: Options) -> str:
   return string.Template("\n".join(lines) + "\n").substitute(E.CODES)
 
 
-class Lines:
-  """An indented text buffer that knows its line numbers."""
-
-  def __init__(self):
-    self.lines: list[str] = []
-    self.level = 0
-
-  def emit(self, text: str, stmt: Optional[M.Stmt] = None):
-    line = "  " * self.level + text
-    if stmt is not None:
-      line += f"  /* @s{stmt.id} {_clean(stmt.line or '?')}: {_clean(stmt.what)} */"
-    self.lines.append(line)
-
-  def indent(self):
-    self.level += 1
-
-  def dedent(self):
-    self.level -= 1
-
-  def text(self) -> str:
-    return "\n".join(self.lines) + "\n"
-
-
-def _clean(s: str) -> str:
-  return str(s).replace("*/", "* /").replace("\n", " ")
-
-
-def _visible(s) -> bool:
-  """Does the statement change shared state or block (so it is a step of
-  its own)? Accesses and local assignments only look."""
-  if isinstance(s, (M.Access, M.Assign)):
-    return False
-  if isinstance(s, M.Loop):
-    return s.var is None or any(_visible(b) for b in s.body)
-  if isinstance(s, M.If):
-    return s.cond is None or any(_visible(b) for b in s.then + s.orelse)
-  if isinstance(s, M.GridStep):
-    return any(_visible(b) for b in s.body)
-  return True       # DMAs, waits, signals, scope ends, while loops
-
-
 class Builder:
   """Writes one model; `build()` returns the Promela text."""
 
   def __init__(self, km: M.KernelModel, options: Options):
     self.km = km
     self.o = options
-    for b in km.buffers:
-      M.layout_cells(b, min(options.max_cells, 30))
-    self.out = Lines()
-    # region bases and semaphore bases
-    base = 1
-    self.reg_base = {}
-    for b in km.buffers:
-      self.reg_base[b] = base
-      base += self.owners(b.scope)
-    self.sem_base = {}
-    base = 0
-    for s in km.sems:
-      self.sem_base[s] = base
-      base += self.owners(s.scope) * s.count
-    self.nsems = base
-    self.has_unknown_device = any(
-        isinstance(s, (M.DmaStart, M.Signal)) and s.remote and s.device is None
-        for s in M.walk(km.body))
-
-  # -------------------------------------------------------- layout
-
-  def owners(self, scope: str) -> int:
-    return self.km.num_devices if scope == "device" else self.km.num_instances
-
-  def owner(self, scope: str, device: Optional[str] = None) -> str:
-    """The owner index expression: this process's, or device `device`'s."""
-    if scope == "device":
-      return device or "dev"
-    if device is None:
-      return "inst"
-    if self.km.num_parallel == 1:
-      return device
-    return f"({device} * NPAR + inst % NPAR)"
-
-  def fin(self, scope: str, device: Optional[str] = None) -> str:
-    """Index in entered[]/gone[] of the owner of a buffer or semaphore."""
-    if scope == "device":
-      return f"(NINST + {device or 'dev'})"
-    return self.owner(scope, device)
-
-  def region(self, buf: M.Buffer, device: Optional[str] = None) -> str:
-    return f"({self.reg_base[buf]} + {self.owner(buf.scope, device)})"
-
-  def full_mask(self, buf: M.Buffer) -> int:
-    return (1 << buf.ncells) - 1
-
-  def mask(self, w: M.Window) -> str:
-    """The cells of its buffer that window `w` covers, as a bit mask."""
-    buf = w.base
-    ranges = []      # per cut dim: (lo, hi) as ints or Promela text
-    for d, n, g in buf.cell_dims:
-      off, size = w.offsets[d], int(w.sizes[d])
-      if off is None:
-        ranges.append((0, n - 1))
-      elif off.const is not None:
-        ranges.append((min(max(off.const // g, 0), n - 1),
-                       min(max((off.const + size - 1) // g, 0), n - 1)))
-      else:
-        lo = binop("/", off, const(g))
-        hi = lo if size == 1 and g == 1 else binop(
-            "/", binop("+", off, const(size - 1)), const(g))
-        ranges.append((f"CLAMP({lo.text}, {n - 1})",
-                       f"CLAMP({hi.text}, {n - 1})"))
-    if not ranges:
-      return "1"
-    if all(isinstance(x, int) for r in ranges for x in r):
-      m = 0
-      if len(ranges) == 1:
-        (lo, hi), = ranges
-        for c in range(lo, hi + 1):
-          m |= 1 << c
-      else:
-        (alo, ahi), (blo, bhi) = ranges
-        nb = buf.cell_dims[1][1]
-        for a in range(alo, ahi + 1):
-          for b in range(blo, bhi + 1):
-            m |= 1 << (a * nb + b)
-      return str(m)
-
-    def span(lo, hi):
-      return f"CELL({lo})" if lo == hi else f"RANGE({lo}, {hi})"
-
-    if len(ranges) == 1:
-      return span(*ranges[0])
-    (alo, ahi), (blo, bhi) = ranges
-    nb = buf.cell_dims[1][1]
-    return f"(ROWS({alo}, {ahi}, {nb}) * {span(blo, bhi)})"
-
-  def sem_index(self, ref: M.SemRef, device: Optional[str] = None) -> str:
-    s = ref.sem
-    idx = ref.index.text if ref.index is not None else "0"
-    owner = self.owner(s.scope, device)
-    return f"({self.sem_base[s]} + {owner} * {s.count} + {idx})"
-
-  def amount(self, nbytes: int) -> int:
-    return max(1, nbytes // self.km.dma_unit)
-
-  # -------------------------------------------------------- the file
+    self.lay = Layout(km, options)
 
   def build(self) -> str:
-    self.temps = 0
-    self.in_dstep = False
+    kernel = self.out = Lines()
+    self.statements = Statements(self.lay, self.o, kernel)
     self._kernel()
     self._init()
-    kernel = self.out
     self.out = Lines()
     self._header()
     self._globals()
@@ -258,8 +123,8 @@ class Builder:
 
   def _header(self):
     km, e = self.km, self.out.emit
-    e(f"/* Promela model of the Mosaic kernel `{_clean(km.name)}`"
-      + (f" (defined at {_clean(km.source)})" if km.source else ""))
+    e(f"/* Promela model of the Mosaic kernel `{clean(km.name)}`"
+      + (f" (defined at {clean(km.source)})" if km.source else ""))
     e(" * written by lowering_mosaic.promela from its MLIR module; data values")
     e(" * are abstracted away: the model tracks who touches which buffer when.")
     e(f" * devices: {km.num_devices}; grid: {km.grid} "
@@ -267,18 +132,18 @@ class Builder:
       f"{km.num_parallel}; DMA queue: {self.o.queue} slots per device;")
     e(f" * DMA semaphores count units of {km.dma_unit} bytes.")
     for n in km.notes:
-      e(f" * note: {_clean(n)}")
+      e(f" * note: {clean(n)}")
     e(" *")
-    e(f" * @@model kernel={_clean(km.name).replace(' ', '_')} devices={km.num_devices} "
+    e(f" * @@model kernel={clean(km.name).replace(' ', '_')} devices={km.num_devices} "
       f"par={km.num_parallel} queue={self.o.queue} unit={km.dma_unit}")
     for s in km.stmts:
-      e(f" * @@stmt {s.id} {_clean(s.line or '-')} | {_clean(s.what)}")
+      e(f" * @@stmt {s.id} {clean(s.line or '-')} | {clean(s.what)}")
     for b in km.buffers:
-      e(f" * @@buf {self.reg_base[b]} {self.owners(b.scope)} {b.scope} "
-        f"{b.ncells} | {_clean(b.name)} ({b.space}{list(b.shape)})")
+      e(f" * @@buf {self.lay.reg_base[b]} {self.lay.owners(b.scope)} {b.scope} "
+        f"{b.ncells} | {clean(b.name)} ({b.space}{list(b.shape)})")
     for s in km.sems:
-      e(f" * @@sem {self.sem_base[s]} {s.count} {self.owners(s.scope)} "
-        f"{s.scope} {s.kind} {int(s.remote_recv)} | {_clean(s.name)}")
+      e(f" * @@sem {self.lay.sem_base[s]} {s.count} {self.lay.owners(s.scope)} "
+        f"{s.scope} {s.kind} {int(s.remote_recv)} | {clean(s.name)}")
     for pid, desc, kind, args in self._procs():
       names = (["d"] if kind == "engine" else
                ["dev", "inst"] + [f"p{d}" for d, _ in km.parallel_dims])
@@ -294,7 +159,7 @@ class Builder:
     e(f"#define NINST {km.num_instances}")
     e(f"#define Q {self.o.queue}")
     e("#define NSLOTS (NDEV * Q)")
-    e(f"#define NSEMS {max(1, self.nsems)}")
+    e(f"#define NSEMS {max(1, self.lay.nsems)}")
     e("/* cell masks: cell c, cells lo..hi, rows lo..hi of n cells each */")
     e("#define CELL(c) (1 << (c))")
     e("#define RANGE(lo, hi) ((1 << ((hi) + 1)) - (1 << (lo)))")
@@ -309,8 +174,8 @@ class Builder:
     e("/* scratch for atomic steps (not part of the state) */")
     e("hidden int h_k, h_j, h_sreg, h_smask, h_dreg, h_dmask, h_sem, h_tdev, "
       "h_fin;")
-    if self.temps:
-      e(f"hidden int {', '.join(f'h_t{k}' for k in range(self.temps))};")
+    if self.statements.temps:
+      e(f"hidden int {', '.join(f'h_t{k}' for k in range(self.statements.temps))};")
     e("")
     e("int sem[NSEMS];")
     e("bit entered[NINST + NDEV];")
@@ -324,7 +189,7 @@ class Builder:
     e("short dma_stmt[NSLOTS];")
     mask_t = "short" if max((b.ncells for b in km.buffers), default=1) <= 15 \
         else "int"
-    amounts = [self.amount(s.nbytes) for s in M.walk(km.body)
+    amounts = [self.lay.amount(s.nbytes) for s in M.walk(km.body)
                if isinstance(s, M.DmaStart)]
     amt_t = "short" if max(amounts, default=1) < 32000 else "int"
     e("short dma_sreg[NSLOTS];")
@@ -365,11 +230,12 @@ class Builder:
     names = [n for n, _ in km.locals]
     if names:
       e(f"int {', '.join(names)};")
-    if self.has_unknown_device:
+    if any(isinstance(s, (M.DmaStart, M.Signal)) and s.remote
+           and s.device is None for s in M.walk(km.body)):
       e("byte rdev;")
     e("d_step { entered[inst] = 1; entered[NINST + dev] = 1 };  "
       "/* the kernel starts */")
-    self.block(km.body)
+    self.statements.block(km.body)
     self._exit()
     self.out.dedent()
     e("}")
@@ -385,265 +251,6 @@ class Builder:
       e(f"    run {kind}({', '.join(str(a) for a in args)});  /* pid {pid}: {desc} */")
     e("  }")
     e("}")
-
-  # -------------------------------------------------------- statements
-
-  def block(self, stmts):
-    """Emits statements; runs of invisible ones share one atomic step."""
-    run = []
-    for s in stmts:
-      if _visible(s):
-        self._flush(run)
-        run = []
-        self.stmt(s)
-      else:
-        run.append(s)
-    self._flush(run)
-
-  def _flush(self, run):
-    if not run:
-      return
-    e = self.out.emit
-    e("d_step {")
-    self.out.indent()
-    self.in_dstep = True
-    for s in run:
-      self.stmt(s)
-    self.in_dstep = False
-    self.out.dedent()
-    e("};")
-
-  def stmt(self, s):
-    getattr(self, "_" + type(s).__name__)(s)
-
-  def _Access(self, s: M.Access):
-    reg = self.region(s.window.base)
-    mask = self.mask(s.window)
-    code = (E.READ_VS_DMA_WRITE if s.kind == "read" else
-            E.WRITE_VS_DMA_WRITE)
-    fn = "chk_read" if s.kind == "read" else "chk_write"
-    self.out.emit(f"h_dreg = {reg}; h_dmask = {mask}; "
-                  f"{fn}(h_dreg, h_dmask, {s.info.id}, {code});", s.info)
-
-  def _Assign(self, s: M.Assign):
-    if s.value is None:
-      self.out.emit(f"skip;  /* {s.var} keeps its value (not modelled) */")
-      return
-    self.out.emit(f"{s.var} = {s.value.text};", s.info)
-
-  def _check_device(self, dev_text: str, stmt: M.Stmt):
-    self.out.emit(f"if :: {dev_text} < 0 || {dev_text} >= NDEV -> "
-                  f"{fail(E.BAD_DEVICE, str(stmt.id), dev_text)} "
-                  ":: else -> skip fi;")
-
-  def _pick_device(self, s):
-    """The target device's expression; unknown ids are chosen freely."""
-    if s.device is not None:
-      return s.device.text
-    alts = " ".join(f":: rdev = {d}" for d in range(self.km.num_devices))
-    self.out.emit(f"if {alts} fi;", s.info)
-    return "rdev"
-
-  def _DmaStart(self, s: M.DmaStart):
-    e = self.out.emit
-    dev = self._pick_device(s) if s.remote else None
-    free = " || ".join(f"dma_phase[dev * Q + {k}] == 0"
-                       for k in range(self.o.queue))
-    e(f"d_step {{ ({free}) ->", s.info)
-    self.out.indent()
-    if s.remote:
-      e(f"h_tdev = {dev};")
-      self._check_device("h_tdev", s.info)
-    tdev = "h_tdev" if s.remote else None
-    e(f"h_sreg = {self.region(s.src.base)}; h_smask = {self.mask(s.src)};")
-    e(f"chk_read(h_sreg, h_smask, {s.info.id}, {E.DMA_SRC_VS_DMA_WRITE});")
-    e(f"h_dreg = {self.region(s.dst.base, tdev)}; h_dmask = {self.mask(s.dst)};")
-    e(f"chk_write(h_dreg, h_dmask, {s.info.id}, {E.DMA_DST_VS_DMA_WRITE});")
-    e("h_k = dev * Q;")
-    e("do :: dma_phase[h_k] == 0 -> break :: else -> h_k++ od;")
-    e(f"dma_phase[h_k] = 1; dma_remote[h_k] = {int(s.remote)}; "
-      f"dma_inst[h_k] = inst + 1; dma_stmt[h_k] = {s.info.id};")
-    e("dma_sreg[h_k] = h_sreg; dma_smask[h_k] = h_smask; "
-      "dma_dreg[h_k] = h_dreg; dma_dmask[h_k] = h_dmask;")
-    ssem = (f"{self.sem_index(s.src_sem)} + 1" if s.src_sem is not None
-            else "0")
-    e(f"dma_ssem[h_k] = {ssem}; "
-      f"dma_dsem[h_k] = {self.sem_index(s.dst_sem, tdev)} + 1;")
-    e(f"dma_amt[h_k] = {self.amount(s.nbytes)}; "
-      f"dma_fin[h_k] = {self.fin(s.dst.base.scope, tdev)};")
-    e(f'printf("@@S %d %d\\n", h_k, {s.info.id})')
-    self.out.dedent()
-    e("};")
-
-  def _DmaWait(self, s: M.DmaWait):
-    i = self.sem_index(s.sem)
-    a = self.amount(s.nbytes)
-    self.out.emit(f"d_step {{ sem[{i}] >= {a} -> sem[{i}] = sem[{i}] - {a} }};",
-                  s.info)
-
-  def _SemWait(self, s: M.SemWait):
-    i = self.sem_index(s.sem)
-    a = s.amount.text if s.amount is not None else "1"
-    if s.sem.sem.kind == "dma" and s.amount is not None and s.amount.const:
-      a = str(self.amount(s.amount.const))
-    self.out.emit(f"d_step {{ sem[{i}] >= {a} -> sem[{i}] = sem[{i}] - ({a}) }};",
-                  s.info)
-
-  def _Signal(self, s: M.Signal):
-    e = self.out.emit
-    a = s.amount.text if s.amount is not None else "1"
-    if s.sem.sem.kind == "dma" and s.amount is not None and s.amount.const:
-      a = str(self.amount(s.amount.const))
-    if not s.remote:
-      i = self.sem_index(s.sem)
-      e(f"d_step {{ sem[{i}] = sem[{i}] + ({a}) }};", s.info)
-      return
-    dev = self._pick_device(s)
-    e("d_step {", s.info)
-    self.out.indent()
-    e(f"h_tdev = {dev};")
-    self._check_device("h_tdev", s.info)
-    e(f"h_fin = {self.fin(s.sem.sem.scope, 'h_tdev')};")
-    e(f"if :: gone[h_fin] -> "
-      f"{fail(E.SIGNAL_AFTER_EXIT, str(s.info.id), 'h_fin', 'inst')} "
-      ":: else -> skip fi;")
-    if self.o.check_entry and s.sem.sem.kind != "barrier":
-      e(f"if :: !entered[h_fin] -> "
-        f"{fail(E.SIGNAL_BEFORE_ENTRY, str(s.info.id), 'h_fin', 'inst')} "
-        ":: else -> skip fi;")
-    e(f"h_sem = {self.sem_index(s.sem, 'h_tdev')};")
-    e(f"sem[h_sem] = sem[h_sem] + ({a})")
-    self.out.dedent()
-    e("};")
-
-  def _Loop(self, s: M.Loop):
-    e = self.out.emit
-    inits = [f"{c} = {v.text};" for c, v in s.carried if v is not None]
-    if s.var is not None:
-      inits.insert(0, f"{s.var} = {s.lo.text};")
-    if inits:
-      e(" ".join(inits), s.info)
-    e("do")
-    e(f":: {s.var} < {s.hi.text} ->" if s.var is not None else ":: true ->")
-    self.out.indent()
-    self.block(s.body)
-    tail = self._parallel_assign(
-        [(c, y) for (c, _), y in zip(s.carried, s.yields) if y is not None])
-    if s.var is not None:
-      tail.append(f"{s.var} = {s.var} + {s.step.text};")
-    if tail:
-      e(("d_step { " + " ".join(tail) + " };") if _visible(s)
-        else " ".join(tail))
-    elif not s.body:
-      e("skip;")
-    self.out.dedent()
-    e(":: else -> break" if s.var is not None else ":: true -> break")
-    self._od()
-
-  def _od(self):
-    # SPIN rejects a `break` that jumps straight into a d_step.
-    self.out.emit("od;" if self.in_dstep else "od; skip;")
-
-  def _parallel_assign(self, updates) -> list[str]:
-    """`c_k = y_k` for all k at once: through hidden temporaries when a new
-    value reads another carried variable (always inside an atomic step)."""
-    names = [c for c, _ in updates]
-    if len(updates) <= 1 or not any(
-        n in y.text for c, y in updates for n in names if n != c):
-      return [f"{c} = {y.text};" for c, y in updates]
-    self.temps = max(self.temps, len(updates))
-    return ([f"h_t{k} = {y.text};" for k, (_, y) in enumerate(updates)]
-            + [f"{c} = h_t{k};" for k, (c, _) in enumerate(updates)])
-
-  def _If(self, s: M.If):
-    e = self.out.emit
-    e("if", s.info)
-    for cond, body, ys in ((s.cond.text if s.cond is not None else "true",
-                            s.then, s.then_yields),
-                           ("else" if s.cond is not None else "true",
-                            s.orelse, s.else_yields)):
-      e(f":: {cond} ->")
-      self.out.indent()
-      self.block(body)
-      assigns = [f"{r} = {y.text};" for r, y in zip(s.results, ys)
-                 if y is not None]
-      if assigns:
-        e(" ".join(assigns))
-      if not body and not assigns:
-        e("skip;")
-      self.out.dedent()
-    e("fi;")
-
-  def _While(self, s: M.While):
-    e = self.out.emit
-    inits = [f"{c} = {v.text};" for c, v in s.carried if v is not None]
-    if inits:
-      e(" ".join(inits), s.info)
-    e("do")
-    e(":: true ->")
-    self.out.indent()
-    self.block(s.before)
-    e("if")
-    e(f":: {s.cond.text if s.cond is not None else 'true'} ->")
-    self.out.indent()
-    a = [f"{n} = {v.text};" for n, v in s.after_vars if v is not None]
-    if a:
-      e(" ".join(a))
-    self.block(s.after)
-    tail = self._parallel_assign([(c, y) for (c, _), y in zip(s.carried, s.yields)
-                                  if y is not None])
-    e(("d_step { " + " ".join(tail) + " };") if tail else "skip;")
-    self.out.dedent()
-    e(f":: {'else' if s.cond is not None else 'true'} ->")
-    self.out.indent()
-    r = [f"{n} = {v.text};" for n, v in s.results if v is not None]
-    e(" ".join(r + ["break;"]))
-    self.out.dedent()
-    e("fi;")
-    self.out.dedent()
-    self._od()
-
-  def _GridStep(self, s: M.GridStep):
-    e = self.out.emit
-    dims = s.dims
-    for v, n in dims:
-      e(f"{v} = 0;")
-      e("do")
-      e(f":: {v} < {n} ->")
-      self.out.indent()
-    self.block(s.body)
-    if s.blocked:
-      last = " && ".join(f"{v} == {n - 1}" for v, n in dims)
-      opened = not self.in_dstep
-      e(("d_step { " if opened else "") + f"if :: !({last}) ->", s.info)
-      self.out.indent()
-      for b in s.blocked:
-        e(f"h_dreg = {self.region(b)}; h_dmask = {self.full_mask(b)}; "
-          f"chk_write(h_dreg, h_dmask, {s.info.id}, {E.PIPELINE_VS_DMA_WRITE});")
-      e(":: else -> skip fi" + (" };" if opened else ";"))
-      self.out.dedent()
-    for v, n in reversed(dims):
-      e(f"{v} = {v} + 1;")
-      self.out.dedent()
-      e(":: else -> break")
-      self._od()
-
-  def _ScopeEnd(self, s: M.ScopeEnd):
-    e = self.out.emit
-    e("d_step {", s.info)
-    self.out.indent()
-    for b in s.buffers:
-      e(f"h_dreg = {self.region(b)}; h_dmask = {self.full_mask(b)}; "
-        f"chk_write(h_dreg, h_dmask, {s.info.id}, {E.SCOPE_VS_DMA_WRITE});")
-    for sm in s.sems:
-      for k in range(sm.count):
-        i = f"({self.sem_base[sm]} + inst * {sm.count} + {k})"
-        e(f"if :: sem[{i}] != 0 -> "
-          f"{fail(E.SCOPE_SEM, i, f'sem[{i}]', 'inst')} :: else -> skip fi;")
-        e(f"sem[{i}] = 0;")
-    e("skip")
-    self.out.dedent()
-    e("};")
 
   def _exit(self):
     """The kernel ends: nothing of this instance may still be in flight,
@@ -700,7 +307,7 @@ class Builder:
   def _sem_zero(self, sm: M.SemArray, owner: str):
     e = self.out.emit
     code = E.EXIT_RECV_SEM if sm.remote_recv else E.EXIT_SEM
-    base = f"{self.sem_base[sm]} + {owner} * {sm.count}"
+    base = f"{self.lay.sem_base[sm]} + {owner} * {sm.count}"
     fin = "inst" if owner == "inst" else "NINST + dev"
     e("h_j = 0;")
     e(f"do :: h_j < {sm.count} -> if :: sem[{base} + h_j] != 0 -> "
