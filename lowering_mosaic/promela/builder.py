@@ -168,14 +168,14 @@ class Builder:
       "/ ((1 << (n)) - 1))")
     e("")
     e("/* assertion names say the kind of error */")
-    e("hidden byte no_race;")
-    e("hidden byte sem_balanced;")
-    e("hidden byte valid_model;")
+    for name in E.ASSERTION.values():
+      e(f"hidden byte {name};")
     e("/* scratch for atomic steps (not part of the state) */")
     e("hidden int h_k, h_j, h_sreg, h_smask, h_dreg, h_dmask, h_sem, h_tdev, "
       "h_fin;")
     if self.statements.temps:
-      e(f"hidden int {', '.join(f'h_t{k}' for k in range(self.statements.temps))};")
+      temps = range(self.statements.temps)
+      e(f"hidden int {', '.join(f'h_t{k}' for k in temps)};")
     e("")
     e("int sem[NSEMS];")
     e("bit entered[NINST + NDEV];")

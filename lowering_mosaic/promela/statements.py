@@ -140,9 +140,10 @@ class Statements:
       e(f"h_tdev = {dev};")
       self.check_device("h_tdev", s.info)
     tdev = "h_tdev" if s.remote else None
-    e(f"h_sreg = {self.lay.region(s.src.base)}; h_smask = {self.lay.mask(s.src)};")
+    lay = self.lay
+    e(f"h_sreg = {lay.region(s.src.base)}; h_smask = {lay.mask(s.src)};")
     e(f"chk_read(h_sreg, h_smask, {s.info.id}, {E.DMA_SRC_VS_DMA_WRITE});")
-    e(f"h_dreg = {self.lay.region(s.dst.base, tdev)}; h_dmask = {self.lay.mask(s.dst)};")
+    e(f"h_dreg = {lay.region(s.dst.base, tdev)}; h_dmask = {lay.mask(s.dst)};")
     e(f"chk_write(h_dreg, h_dmask, {s.info.id}, {E.DMA_DST_VS_DMA_WRITE});")
     e("h_k = dev * Q;")
     e("do :: dma_phase[h_k] == 0 -> break :: else -> h_k++ od;")
@@ -304,7 +305,8 @@ class Statements:
       self.out.indent()
       for b in s.blocked:
         e(f"h_dreg = {self.lay.region(b)}; h_dmask = {self.lay.full_mask(b)}; "
-          f"chk_write(h_dreg, h_dmask, {s.info.id}, {E.PIPELINE_VS_DMA_WRITE});")
+          f"chk_write(h_dreg, h_dmask, {s.info.id}, "
+          f"{E.PIPELINE_VS_DMA_WRITE});")
       e(":: else -> skip fi" + (" };" if opened else ";"))
       self.out.dedent()
     for v, n in reversed(dims):
