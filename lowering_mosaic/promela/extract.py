@@ -183,10 +183,6 @@ class Extractor:
                        stmts=self.stmts, locals=self.locals, notes=self.notes,
                        mesh_shape=mesh_shape)
     km.dma_unit = _dma_unit(km)
-    for i, b in enumerate(km.buffers):
-      b.index = i
-    for i, s in enumerate(km.sems):
-      s.index = i
     return km
 
   def _num_devices(self, mesh_shape) -> int:
