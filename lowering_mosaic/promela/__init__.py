@@ -1,11 +1,17 @@
 """Promela models of Mosaic kernels, and SPIN runs on them.
 
-- `extract(module, num_devices)`: MLIR module -> `KernelModel` (extract.py)
-- `to_promela(module, num_devices)`: the model's Promela text (builder.py)
+- `extract(module, num_devices)`: MLIR module -> `KernelModel` (model.py),
+  walking the module with one rule per op (extract.py; the rules in
+  views.py and ops_*.py, their table in mosaic_ir.py)
+- `to_promela(module, num_devices)`: the model's Promela text (builder.py:
+  the file and its processes; layout.py: where regions, cells and
+  semaphores live; statements.py: one writer per statement type;
+  prelude.pml: the inline macros every model shares)
 - `maybe_dump(module, kernel_name, num_devices)`: writes the model to
   `jax_pallas_dump_promela_to` when that option is set (dump.py)
 - `run_spin(text)` -> `Report`: `spin -a`, gcc, `pan` (spin.py), with the
   counterexample trail translated to kernel source lines (trail.py)
+- errors.py: the errors a model reports, their codes and their messages
 
 See docs/verification.md.
 """

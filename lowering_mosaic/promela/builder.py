@@ -1,4 +1,6 @@
-"""`KernelModel` -> Promela text.
+"""`KernelModel` -> Promela text: the processes, declarations and macros
+of the file; layout.py numbers the regions, cells and semaphores, and
+statements.py writes the kernel's statements.
 
 The model (one Promela file, self-describing):
 
@@ -21,40 +23,25 @@ The model (one Promela file, self-describing):
   lists the statements, buffers, semaphores and processes, so that a trail
   of this file can be translated back to kernel source lines on its own.
 
-Failures print `@@E code args...` (see `trail.ERRORS`) and then assert a
-variable whose name is the kind: `no_race`, `sem_balanced`, `valid_model`.
+Failures print `@@E code args...` and then assert a variable whose name is
+the kind: `no_race`, `sem_balanced`, `valid_model` (errors.py holds the
+codes, their arguments and their messages).
 A blocked kernel process at the end of a run is SPIN's "invalid end state":
 a deadlock.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.resources
+import string
 from typing import Optional
 
+from lowering_mosaic.promela import errors as E
 from lowering_mosaic.promela import model as M
-from lowering_mosaic.promela.model import binop, const
-
-# Error codes printed before a failing assert; trail.py words them.
-E_READ_VS_DMA_WRITE = 1       # (+1 in chk_write: the DMA reads them)
-E_WRITE_VS_DMA_WRITE = 2
-E_WRITE_VS_DMA_READ = 3
-E_DMA_SRC_VS_DMA_WRITE = 4
-E_DMA_DST_VS_DMA_WRITE = 5
-E_DMA_DST_VS_DMA_READ = 6
-E_PIPELINE_VS_DMA_WRITE = 7
-E_PIPELINE_VS_DMA_READ = 8
-E_SCOPE_VS_DMA_WRITE = 9
-E_SCOPE_VS_DMA_READ = 10
-E_LAND_AFTER_EXIT = 11
-E_LAND_BEFORE_ENTRY = 12
-E_EXIT_OWN_DMA = 13
-E_EXIT_PEER_DMA = 14
-E_EXIT_SEM = 15
-E_EXIT_RECV_SEM = 16
-E_SIGNAL_AFTER_EXIT = 17
-E_SIGNAL_BEFORE_ENTRY = 18
-E_BAD_DEVICE = 19
-E_SCOPE_SEM = 20
+from lowering_mosaic.promela.errors import fail
+from lowering_mosaic.promela.layout import Layout
+from lowering_mosaic.promela.statements import Lines, Statements, clean
 
 
 @dataclasses.dataclass
@@ -65,45 +52,24 @@ class Options:
   max_parallel: int = 4
 
 
-class Lines:
-  """An indented text buffer that knows its line numbers."""
-
-  def __init__(self):
-    self.lines: list[str] = []
-    self.level = 0
-
-  def emit(self, text: str, stmt: Optional[M.Stmt] = None):
-    line = "  " * self.level + text
-    if stmt is not None:
-      line += f"  /* @s{stmt.id} {_clean(stmt.line or '?')}: {_clean(stmt.what)} */"
-    self.lines.append(line)
-
-  def indent(self):
-    self.level += 1
-
-  def dedent(self):
-    self.level -= 1
-
-  def text(self) -> str:
-    return "\n".join(self.lines) + "\n"
+@functools.cache
+def _prelude_source() -> str:
+  return (importlib.resources.files(__package__) / "prelude.pml").read_text()
 
 
-def _clean(s: str) -> str:
-  return str(s).replace("*/", "* /").replace("\n", " ")
-
-
-def _visible(s) -> bool:
-  """Does the statement change shared state or block (so it is a step of
-  its own)? Accesses and local assignments only look."""
-  if isinstance(s, (M.Access, M.Assign)):
-    return False
-  if isinstance(s, M.Loop):
-    return s.var is None or any(_visible(b) for b in s.body)
-  if isinstance(s, M.If):
-    return s.cond is None or any(_visible(b) for b in s.then + s.orelse)
-  if isinstance(s, M.GridStep):
-    return any(_visible(b) for b in s.body)
-  return True       # DMAs, waits, signals, scope ends, while loops
+def prelude(options: Options) -> str:
+  """The inline macros of prelude.pml for these options: its `//` lines
+  dropped, the `//@if OPTION` sections of options that are off left out,
+  the `$NAME` error codes filled in."""
+  lines, keep = [], [True]
+  for line in _prelude_source().splitlines():
+    if line.startswith("//@if "):
+      keep.append(keep[-1] and bool(getattr(options, line.split()[1])))
+    elif line.startswith("//@endif"):
+      keep.pop()
+    elif keep[-1] and not line.startswith("//"):
+      lines.append(line)
+  return string.Template("\n".join(lines) + "\n").substitute(E.CODES)
 
 
 class Builder:
@@ -112,111 +78,13 @@ class Builder:
   def __init__(self, km: M.KernelModel, options: Options):
     self.km = km
     self.o = options
-    for b in km.buffers:
-      M.layout_cells(b, min(options.max_cells, 30))
-    self.out = Lines()
-    # region bases and semaphore bases
-    base = 1
-    self.reg_base = {}
-    for b in km.buffers:
-      self.reg_base[b] = base
-      base += self.owners(b.scope)
-    self.sem_base = {}
-    base = 0
-    for s in km.sems:
-      self.sem_base[s] = base
-      base += self.owners(s.scope) * s.count
-    self.nsems = base
-    self.has_unknown_device = any(
-        isinstance(s, (M.DmaStart, M.Signal)) and s.remote and s.device is None
-        for s in M.walk(km.body))
-
-  # -------------------------------------------------------- layout
-
-  def owners(self, scope: str) -> int:
-    return self.km.num_devices if scope == "device" else self.km.num_instances
-
-  def owner(self, scope: str, device: Optional[str] = None) -> str:
-    """The owner index expression: this process's, or device `device`'s."""
-    if scope == "device":
-      return device or "dev"
-    if device is None:
-      return "inst"
-    if self.km.num_parallel == 1:
-      return device
-    return f"({device} * NPAR + inst % NPAR)"
-
-  def fin(self, scope: str, device: Optional[str] = None) -> str:
-    """Index in entered[]/gone[] of the owner of a buffer or semaphore."""
-    if scope == "device":
-      return f"(NINST + {device or 'dev'})"
-    return self.owner(scope, device)
-
-  def region(self, buf: M.Buffer, device: Optional[str] = None) -> str:
-    return f"({self.reg_base[buf]} + {self.owner(buf.scope, device)})"
-
-  def full_mask(self, buf: M.Buffer) -> int:
-    return (1 << buf.ncells) - 1
-
-  def mask(self, w: M.Window) -> str:
-    """The cells of its buffer that window `w` covers, as a bit mask."""
-    buf = w.base
-    ranges = []      # per cut dim: (lo, hi) as ints or Promela text
-    for d, n, g in buf.cell_dims:
-      off, size = w.offsets[d], int(w.sizes[d])
-      if off is None:
-        ranges.append((0, n - 1))
-      elif off.const is not None:
-        ranges.append((min(max(off.const // g, 0), n - 1),
-                       min(max((off.const + size - 1) // g, 0), n - 1)))
-      else:
-        lo = binop("/", off, const(g))
-        hi = lo if size == 1 and g == 1 else binop(
-            "/", binop("+", off, const(size - 1)), const(g))
-        ranges.append((f"CLAMP({lo.text}, {n - 1})",
-                       f"CLAMP({hi.text}, {n - 1})"))
-    if not ranges:
-      return "1"
-    if all(isinstance(x, int) for r in ranges for x in r):
-      m = 0
-      if len(ranges) == 1:
-        (lo, hi), = ranges
-        for c in range(lo, hi + 1):
-          m |= 1 << c
-      else:
-        (alo, ahi), (blo, bhi) = ranges
-        nb = buf.cell_dims[1][1]
-        for a in range(alo, ahi + 1):
-          for b in range(blo, bhi + 1):
-            m |= 1 << (a * nb + b)
-      return str(m)
-
-    def span(lo, hi):
-      return f"CELL({lo})" if lo == hi else f"RANGE({lo}, {hi})"
-
-    if len(ranges) == 1:
-      return span(*ranges[0])
-    (alo, ahi), (blo, bhi) = ranges
-    nb = buf.cell_dims[1][1]
-    return f"(ROWS({alo}, {ahi}, {nb}) * {span(blo, bhi)})"
-
-  def sem_index(self, ref: M.SemRef, device: Optional[str] = None) -> str:
-    s = ref.sem
-    idx = ref.index.text if ref.index is not None else "0"
-    owner = self.owner(s.scope, device)
-    return f"({self.sem_base[s]} + {owner} * {s.count} + {idx})"
-
-  def amount(self, nbytes: int) -> int:
-    return max(1, nbytes // self.km.dma_unit)
-
-  # -------------------------------------------------------- the file
+    self.lay = Layout(km, options)
 
   def build(self) -> str:
-    self.temps = 0
-    self.in_dstep = False
+    kernel = self.out = Lines()
+    self.statements = Statements(self.lay, self.o, kernel)
     self._kernel()
     self._init()
-    kernel = self.out
     self.out = Lines()
     self._header()
     self._globals()
@@ -255,8 +123,8 @@ class Builder:
 
   def _header(self):
     km, e = self.km, self.out.emit
-    e(f"/* Promela model of the Mosaic kernel `{_clean(km.name)}`"
-      + (f" (defined at {_clean(km.source)})" if km.source else ""))
+    e(f"/* Promela model of the Mosaic kernel `{clean(km.name)}`"
+      + (f" (defined at {clean(km.source)})" if km.source else ""))
     e(" * written by lowering_mosaic.promela from its MLIR module; data values")
     e(" * are abstracted away: the model tracks who touches which buffer when.")
     e(f" * devices: {km.num_devices}; grid: {km.grid} "
@@ -264,18 +132,18 @@ class Builder:
       f"{km.num_parallel}; DMA queue: {self.o.queue} slots per device;")
     e(f" * DMA semaphores count units of {km.dma_unit} bytes.")
     for n in km.notes:
-      e(f" * note: {_clean(n)}")
+      e(f" * note: {clean(n)}")
     e(" *")
-    e(f" * @@model kernel={_clean(km.name).replace(' ', '_')} devices={km.num_devices} "
+    e(f" * @@model kernel={clean(km.name).replace(' ', '_')} devices={km.num_devices} "
       f"par={km.num_parallel} queue={self.o.queue} unit={km.dma_unit}")
     for s in km.stmts:
-      e(f" * @@stmt {s.id} {_clean(s.line or '-')} | {_clean(s.what)}")
+      e(f" * @@stmt {s.id} {clean(s.line or '-')} | {clean(s.what)}")
     for b in km.buffers:
-      e(f" * @@buf {self.reg_base[b]} {self.owners(b.scope)} {b.scope} "
-        f"{b.ncells} | {_clean(b.name)} ({b.space}{list(b.shape)})")
+      e(f" * @@buf {self.lay.reg_base[b]} {self.lay.owners(b.scope)} {b.scope} "
+        f"{b.ncells} | {clean(b.name)} ({b.space}{list(b.shape)})")
     for s in km.sems:
-      e(f" * @@sem {self.sem_base[s]} {s.count} {self.owners(s.scope)} "
-        f"{s.scope} {s.kind} {int(s.remote_recv)} | {_clean(s.name)}")
+      e(f" * @@sem {self.lay.sem_base[s]} {s.count} {self.lay.owners(s.scope)} "
+        f"{s.scope} {s.kind} {int(s.remote_recv)} | {clean(s.name)}")
     for pid, desc, kind, args in self._procs():
       names = (["d"] if kind == "engine" else
                ["dev", "inst"] + [f"p{d}" for d, _ in km.parallel_dims])
@@ -291,7 +159,7 @@ class Builder:
     e(f"#define NINST {km.num_instances}")
     e(f"#define Q {self.o.queue}")
     e("#define NSLOTS (NDEV * Q)")
-    e(f"#define NSEMS {max(1, self.nsems)}")
+    e(f"#define NSEMS {max(1, self.lay.nsems)}")
     e("/* cell masks: cell c, cells lo..hi, rows lo..hi of n cells each */")
     e("#define CELL(c) (1 << (c))")
     e("#define RANGE(lo, hi) ((1 << ((hi) + 1)) - (1 << (lo)))")
@@ -300,14 +168,14 @@ class Builder:
       "/ ((1 << (n)) - 1))")
     e("")
     e("/* assertion names say the kind of error */")
-    e("hidden byte no_race;")
-    e("hidden byte sem_balanced;")
-    e("hidden byte valid_model;")
+    for name in E.ASSERTION.values():
+      e(f"hidden byte {name};")
     e("/* scratch for atomic steps (not part of the state) */")
     e("hidden int h_k, h_j, h_sreg, h_smask, h_dreg, h_dmask, h_sem, h_tdev, "
       "h_fin;")
-    if self.temps:
-      e(f"hidden int {', '.join(f'h_t{k}' for k in range(self.temps))};")
+    if self.statements.temps:
+      temps = range(self.statements.temps)
+      e(f"hidden int {', '.join(f'h_t{k}' for k in temps)};")
     e("")
     e("int sem[NSEMS];")
     e("bit entered[NINST + NDEV];")
@@ -321,7 +189,7 @@ class Builder:
     e("short dma_stmt[NSLOTS];")
     mask_t = "short" if max((b.ncells for b in km.buffers), default=1) <= 15 \
         else "int"
-    amounts = [self.amount(s.nbytes) for s in M.walk(km.body)
+    amounts = [self.lay.amount(s.nbytes) for s in M.walk(km.body)
                if isinstance(s, M.DmaStart)]
     amt_t = "short" if max(amounts, default=1) < 32000 else "int"
     e("short dma_sreg[NSLOTS];")
@@ -335,80 +203,8 @@ class Builder:
     e("")
 
   def _inlines(self):
-    e = self.out.emit
-    e("/* R, M: a region and cells the kernel (or a DMA) reads; no DMA may be")
-    e("   writing them */")
-    e("inline chk_read(R, M, S, CODE) {")
-    e("  h_k = 0;")
-    e("  do")
-    e("  :: h_k < NSLOTS ->")
-    e("     if")
-    e("     :: dma_phase[h_k] != 0 && dma_dreg[h_k] == R && (dma_dmask[h_k] & (M)) ->")
-    e('        printf("@@E %d %d %d %d %d %d\\n", CODE, S, dma_stmt[h_k], '
-      'dma_inst[h_k], R, h_k);')
-    e("        assert(no_race)")
-    e("     :: else -> skip")
-    e("     fi;")
-    e("     h_k++")
-    e("  :: else -> break")
-    e("  od;")
-    e("  h_k = 0  /* (a d_step must not end in a loop) */")
-    e("}")
-    e("")
-    e("/* ... that it writes: no DMA may be reading or writing them */")
-    e("inline chk_write(R, M, S, CODE) {")
-    e("  chk_read(R, M, S, CODE);")
-    e("  h_k = 0;")
-    e("  do")
-    e("  :: h_k < NSLOTS ->")
-    e("     if")
-    e("     :: dma_phase[h_k] != 0 && dma_sreg[h_k] == R && (dma_smask[h_k] & (M)) ->")
-    e('        printf("@@E %d %d %d %d %d %d\\n", CODE + 1, S, dma_stmt[h_k], '
-      'dma_inst[h_k], R, h_k);')
-    e("        assert(no_race)")
-    e("     :: else -> skip")
-    e("     fi;")
-    e("     h_k++")
-    e("  :: else -> break")
-    e("  od;")
-    e("  h_k = 0  /* (a d_step must not end in a loop) */")
-    e("}")
-    e("")
-    e("/* the engine reads a remote DMA's source: the send semaphore goes up */")
-    e("inline dma_read(K) {")
-    e('  printf("@@D read %d %d %d\\n", dma_stmt[K], dma_inst[K], K);')
-    e("  if")
-    e("  :: dma_ssem[K] > 0 -> sem[dma_ssem[K] - 1] = sem[dma_ssem[K] - 1] + dma_amt[K]")
-    e("  :: else -> skip")
-    e("  fi;")
-    e("  dma_sreg[K] = 0; dma_smask[K] = 0; dma_ssem[K] = 0; dma_phase[K] = 2")
-    e("}")
-    e("")
-    e("/* a DMA lands: the receive semaphore goes up and the slot is free */")
-    e("inline dma_land(K) {")
-    e('  printf("@@D land %d %d %d\\n", dma_stmt[K], dma_inst[K], K);')
-    e("  if")
-    e("  :: dma_remote[K] && gone[dma_fin[K]] ->")
-    e(f'     printf("@@E {E_LAND_AFTER_EXIT} %d %d %d %d\\n", dma_stmt[K], '
-      'dma_inst[K], dma_fin[K], K);')
-    e("     assert(no_race)")
-    if self.o.check_entry:
-      e("  :: dma_remote[K] && !entered[dma_fin[K]] ->")
-      e(f'     printf("@@E {E_LAND_BEFORE_ENTRY} %d %d %d %d\\n", dma_stmt[K], '
-        'dma_inst[K], dma_fin[K], K);')
-      e("     assert(no_race)")
-    e("  :: else -> skip")
-    e("  fi;")
-    e("  sem[dma_dsem[K] - 1] = sem[dma_dsem[K] - 1] + dma_amt[K];")
-    e("  if")
-    e("  :: dma_ssem[K] > 0 -> sem[dma_ssem[K] - 1] = sem[dma_ssem[K] - 1] + dma_amt[K]")
-    e("  :: else -> skip")
-    e("  fi;")
-    e("  dma_phase[K] = 0; dma_remote[K] = 0; dma_inst[K] = 0; dma_stmt[K] = 0;")
-    e("  dma_sreg[K] = 0; dma_smask[K] = 0; dma_dreg[K] = 0; dma_dmask[K] = 0;")
-    e("  dma_ssem[K] = 0; dma_dsem[K] = 0; dma_amt[K] = 0; dma_fin[K] = 0")
-    e("}")
-    e("")
+    for line in prelude(self.o).splitlines():
+      self.out.emit(line)
 
   def _engine(self):
     e = self.out.emit
@@ -434,11 +230,12 @@ class Builder:
     names = [n for n, _ in km.locals]
     if names:
       e(f"int {', '.join(names)};")
-    if self.has_unknown_device:
+    if any(isinstance(s, (M.DmaStart, M.Signal)) and s.remote
+           and s.device is None for s in M.walk(km.body)):
       e("byte rdev;")
     e("d_step { entered[inst] = 1; entered[NINST + dev] = 1 };  "
       "/* the kernel starts */")
-    self.block(km.body)
+    self.statements.block(km.body)
     self._exit()
     self.out.dedent()
     e("}")
@@ -455,262 +252,6 @@ class Builder:
     e("  }")
     e("}")
 
-  # -------------------------------------------------------- statements
-
-  def block(self, stmts):
-    """Emits statements; runs of invisible ones share one atomic step."""
-    run = []
-    for s in stmts:
-      if _visible(s):
-        self._flush(run)
-        run = []
-        self.stmt(s)
-      else:
-        run.append(s)
-    self._flush(run)
-
-  def _flush(self, run):
-    if not run:
-      return
-    e = self.out.emit
-    e("d_step {")
-    self.out.indent()
-    self.in_dstep = True
-    for s in run:
-      self.stmt(s)
-    self.in_dstep = False
-    self.out.dedent()
-    e("};")
-
-  def stmt(self, s):
-    getattr(self, "_" + type(s).__name__)(s)
-
-  def _Access(self, s: M.Access):
-    reg = self.region(s.window.base)
-    mask = self.mask(s.window)
-    code = E_READ_VS_DMA_WRITE if s.kind == "read" else E_WRITE_VS_DMA_WRITE
-    fn = "chk_read" if s.kind == "read" else "chk_write"
-    self.out.emit(f"h_dreg = {reg}; h_dmask = {mask}; "
-                  f"{fn}(h_dreg, h_dmask, {s.info.id}, {code});", s.info)
-
-  def _Assign(self, s: M.Assign):
-    if s.value is None:
-      self.out.emit(f"skip;  /* {s.var} keeps its value (not modelled) */")
-      return
-    self.out.emit(f"{s.var} = {s.value.text};", s.info)
-
-  def _check_device(self, dev_text: str, stmt: M.Stmt):
-    self.out.emit(f"if :: {dev_text} < 0 || {dev_text} >= NDEV -> "
-                  f'printf("@@E {E_BAD_DEVICE} %d %d\\n", {stmt.id}, '
-                  f"{dev_text}); assert(valid_model) :: else -> skip fi;")
-
-  def _pick_device(self, s):
-    """The target device's expression; unknown ids are chosen freely."""
-    if s.device is not None:
-      return s.device.text
-    alts = " ".join(f":: rdev = {d}" for d in range(self.km.num_devices))
-    self.out.emit(f"if {alts} fi;", s.info)
-    return "rdev"
-
-  def _DmaStart(self, s: M.DmaStart):
-    e = self.out.emit
-    dev = self._pick_device(s) if s.remote else None
-    free = " || ".join(f"dma_phase[dev * Q + {k}] == 0"
-                       for k in range(self.o.queue))
-    e(f"d_step {{ ({free}) ->", s.info)
-    self.out.indent()
-    if s.remote:
-      e(f"h_tdev = {dev};")
-      self._check_device("h_tdev", s.info)
-    tdev = "h_tdev" if s.remote else None
-    e(f"h_sreg = {self.region(s.src.base)}; h_smask = {self.mask(s.src)};")
-    e(f"chk_read(h_sreg, h_smask, {s.info.id}, {E_DMA_SRC_VS_DMA_WRITE});")
-    e(f"h_dreg = {self.region(s.dst.base, tdev)}; h_dmask = {self.mask(s.dst)};")
-    e(f"chk_write(h_dreg, h_dmask, {s.info.id}, {E_DMA_DST_VS_DMA_WRITE});")
-    e("h_k = dev * Q;")
-    e("do :: dma_phase[h_k] == 0 -> break :: else -> h_k++ od;")
-    e(f"dma_phase[h_k] = 1; dma_remote[h_k] = {int(s.remote)}; "
-      f"dma_inst[h_k] = inst + 1; dma_stmt[h_k] = {s.info.id};")
-    e("dma_sreg[h_k] = h_sreg; dma_smask[h_k] = h_smask; "
-      "dma_dreg[h_k] = h_dreg; dma_dmask[h_k] = h_dmask;")
-    ssem = (f"{self.sem_index(s.src_sem)} + 1" if s.src_sem is not None
-            else "0")
-    e(f"dma_ssem[h_k] = {ssem}; "
-      f"dma_dsem[h_k] = {self.sem_index(s.dst_sem, tdev)} + 1;")
-    e(f"dma_amt[h_k] = {self.amount(s.nbytes)}; "
-      f"dma_fin[h_k] = {self.fin(s.dst.base.scope, tdev)};")
-    e(f'printf("@@S %d %d\\n", h_k, {s.info.id})')
-    self.out.dedent()
-    e("};")
-
-  def _DmaWait(self, s: M.DmaWait):
-    i = self.sem_index(s.sem)
-    a = self.amount(s.nbytes)
-    self.out.emit(f"d_step {{ sem[{i}] >= {a} -> sem[{i}] = sem[{i}] - {a} }};",
-                  s.info)
-
-  def _SemWait(self, s: M.SemWait):
-    i = self.sem_index(s.sem)
-    a = s.amount.text if s.amount is not None else "1"
-    if s.sem.sem.kind == "dma" and s.amount is not None and s.amount.const:
-      a = str(self.amount(s.amount.const))
-    self.out.emit(f"d_step {{ sem[{i}] >= {a} -> sem[{i}] = sem[{i}] - ({a}) }};",
-                  s.info)
-
-  def _Signal(self, s: M.Signal):
-    e = self.out.emit
-    a = s.amount.text if s.amount is not None else "1"
-    if s.sem.sem.kind == "dma" and s.amount is not None and s.amount.const:
-      a = str(self.amount(s.amount.const))
-    if not s.remote:
-      i = self.sem_index(s.sem)
-      e(f"d_step {{ sem[{i}] = sem[{i}] + ({a}) }};", s.info)
-      return
-    dev = self._pick_device(s)
-    e("d_step {", s.info)
-    self.out.indent()
-    e(f"h_tdev = {dev};")
-    self._check_device("h_tdev", s.info)
-    e(f"h_fin = {self.fin(s.sem.sem.scope, 'h_tdev')};")
-    e(f"if :: gone[h_fin] -> printf(\"@@E {E_SIGNAL_AFTER_EXIT} %d %d %d\\n\", "
-      f"{s.info.id}, h_fin, inst); assert(sem_balanced) :: else -> skip fi;")
-    if self.o.check_entry and s.sem.sem.kind != "barrier":
-      e(f"if :: !entered[h_fin] -> printf(\"@@E {E_SIGNAL_BEFORE_ENTRY} %d %d "
-        f"%d\\n\", {s.info.id}, h_fin, inst); assert(no_race) :: else -> skip fi;")
-    e(f"h_sem = {self.sem_index(s.sem, 'h_tdev')};")
-    e(f"sem[h_sem] = sem[h_sem] + ({a})")
-    self.out.dedent()
-    e("};")
-
-  def _Loop(self, s: M.Loop):
-    e = self.out.emit
-    inits = [f"{c} = {v.text};" for c, v in s.carried if v is not None]
-    if s.var is not None:
-      inits.insert(0, f"{s.var} = {s.lo.text};")
-    if inits:
-      e(" ".join(inits), s.info)
-    e("do")
-    e(f":: {s.var} < {s.hi.text} ->" if s.var is not None else ":: true ->")
-    self.out.indent()
-    self.block(s.body)
-    tail = self._parallel_assign(
-        [(c, y) for (c, _), y in zip(s.carried, s.yields) if y is not None])
-    if s.var is not None:
-      tail.append(f"{s.var} = {s.var} + {s.step.text};")
-    if tail:
-      e(("d_step { " + " ".join(tail) + " };") if _visible(s)
-        else " ".join(tail))
-    elif not s.body:
-      e("skip;")
-    self.out.dedent()
-    e(":: else -> break" if s.var is not None else ":: true -> break")
-    self._od()
-
-  def _od(self):
-    # SPIN rejects a `break` that jumps straight into a d_step.
-    self.out.emit("od;" if self.in_dstep else "od; skip;")
-
-  def _parallel_assign(self, updates) -> list[str]:
-    """`c_k = y_k` for all k at once: through hidden temporaries when a new
-    value reads another carried variable (always inside an atomic step)."""
-    names = [c for c, _ in updates]
-    if len(updates) <= 1 or not any(
-        n in y.text for c, y in updates for n in names if n != c):
-      return [f"{c} = {y.text};" for c, y in updates]
-    self.temps = max(self.temps, len(updates))
-    return ([f"h_t{k} = {y.text};" for k, (_, y) in enumerate(updates)]
-            + [f"{c} = h_t{k};" for k, (c, _) in enumerate(updates)])
-
-  def _If(self, s: M.If):
-    e = self.out.emit
-    e("if", s.info)
-    for cond, body, ys in ((s.cond.text if s.cond is not None else "true",
-                            s.then, s.then_yields),
-                           ("else" if s.cond is not None else "true",
-                            s.orelse, s.else_yields)):
-      e(f":: {cond} ->")
-      self.out.indent()
-      self.block(body)
-      assigns = [f"{r} = {y.text};" for r, y in zip(s.results, ys)
-                 if y is not None]
-      if assigns:
-        e(" ".join(assigns))
-      if not body and not assigns:
-        e("skip;")
-      self.out.dedent()
-    e("fi;")
-
-  def _While(self, s: M.While):
-    e = self.out.emit
-    inits = [f"{c} = {v.text};" for c, v in s.carried if v is not None]
-    if inits:
-      e(" ".join(inits), s.info)
-    e("do")
-    e(":: true ->")
-    self.out.indent()
-    self.block(s.before)
-    e("if")
-    e(f":: {s.cond.text if s.cond is not None else 'true'} ->")
-    self.out.indent()
-    a = [f"{n} = {v.text};" for n, v in s.after_vars if v is not None]
-    if a:
-      e(" ".join(a))
-    self.block(s.after)
-    tail = self._parallel_assign([(c, y) for (c, _), y in zip(s.carried, s.yields)
-                                  if y is not None])
-    e(("d_step { " + " ".join(tail) + " };") if tail else "skip;")
-    self.out.dedent()
-    e(f":: {'else' if s.cond is not None else 'true'} ->")
-    self.out.indent()
-    r = [f"{n} = {v.text};" for n, v in s.results if v is not None]
-    e(" ".join(r + ["break;"]))
-    self.out.dedent()
-    e("fi;")
-    self.out.dedent()
-    self._od()
-
-  def _GridStep(self, s: M.GridStep):
-    e = self.out.emit
-    dims = s.dims
-    for v, n in dims:
-      e(f"{v} = 0;")
-      e("do")
-      e(f":: {v} < {n} ->")
-      self.out.indent()
-    self.block(s.body)
-    if s.blocked:
-      last = " && ".join(f"{v} == {n - 1}" for v, n in dims)
-      opened = not self.in_dstep
-      e(("d_step { " if opened else "") + f"if :: !({last}) ->", s.info)
-      self.out.indent()
-      for b in s.blocked:
-        e(f"h_dreg = {self.region(b)}; h_dmask = {self.full_mask(b)}; "
-          f"chk_write(h_dreg, h_dmask, {s.info.id}, {E_PIPELINE_VS_DMA_WRITE});")
-      e(":: else -> skip fi" + (" };" if opened else ";"))
-      self.out.dedent()
-    for v, n in reversed(dims):
-      e(f"{v} = {v} + 1;")
-      self.out.dedent()
-      e(":: else -> break")
-      self._od()
-
-  def _ScopeEnd(self, s: M.ScopeEnd):
-    e = self.out.emit
-    e("d_step {", s.info)
-    self.out.indent()
-    for b in s.buffers:
-      e(f"h_dreg = {self.region(b)}; h_dmask = {self.full_mask(b)}; "
-        f"chk_write(h_dreg, h_dmask, {s.info.id}, {E_SCOPE_VS_DMA_WRITE});")
-    for sm in s.sems:
-      for k in range(sm.count):
-        i = f"({self.sem_base[sm]} + inst * {sm.count} + {k})"
-        e(f"if :: sem[{i}] != 0 -> printf(\"@@E {E_SCOPE_SEM} %d %d %d\\n\", "
-          f"{i}, sem[{i}], inst); assert(sem_balanced) :: else -> skip fi;")
-        e(f"sem[{i}] = 0;")
-    e("skip")
-    self.out.dedent()
-    e("};")
-
   def _exit(self):
     """The kernel ends: nothing of this instance may still be in flight,
     its semaphores must be back at zero; the last instance of a device
@@ -723,11 +264,11 @@ class Builder:
     e(":: h_k < NSLOTS ->")
     e("   if")
     e("   :: dma_phase[h_k] == 1 && dma_inst[h_k] == inst + 1 ->")
-    e(f'      printf("@@E {E_EXIT_OWN_DMA} %d %d %d %d\\n", dma_stmt[h_k], inst, '
-      'dma_fin[h_k], h_k); assert(sem_balanced)')
+    e("      " + fail(E.EXIT_OWN_DMA, "dma_stmt[h_k]", "inst", "dma_fin[h_k]",
+                       "h_k"))
     e("   :: dma_phase[h_k] != 0 && dma_fin[h_k] == inst && dma_inst[h_k] != inst + 1 ->")
-    e(f'      printf("@@E {E_EXIT_PEER_DMA} %d %d %d %d\\n", dma_stmt[h_k], '
-      'dma_inst[h_k], inst, h_k); assert(no_race)')
+    e("      " + fail(E.EXIT_PEER_DMA, "dma_stmt[h_k]", "dma_inst[h_k]",
+                       "inst", "h_k"))
     e("   :: else -> skip")
     e("   fi;")
     e("   h_k++")
@@ -746,8 +287,8 @@ class Builder:
     e(":: h_k < NSLOTS ->")
     e("   if")
     e("   :: dma_phase[h_k] != 0 && dma_fin[h_k] == NINST + dev ->")
-    e(f'      printf("@@E {E_EXIT_PEER_DMA} %d %d %d %d\\n", dma_stmt[h_k], '
-      'dma_inst[h_k], NINST + dev, h_k); assert(no_race)')
+    e("      " + fail(E.EXIT_PEER_DMA, "dma_stmt[h_k]", "dma_inst[h_k]",
+                       "NINST + dev", "h_k"))
     e("   :: else -> skip")
     e("   fi;")
     e("   h_k++")
@@ -765,13 +306,12 @@ class Builder:
 
   def _sem_zero(self, sm: M.SemArray, owner: str):
     e = self.out.emit
-    code = E_EXIT_RECV_SEM if sm.remote_recv else E_EXIT_SEM
-    what = "no_race" if sm.remote_recv else "sem_balanced"
-    base = f"{self.sem_base[sm]} + {owner} * {sm.count}"
-    e(f"h_j = 0;")
+    code = E.EXIT_RECV_SEM if sm.remote_recv else E.EXIT_SEM
+    base = f"{self.lay.sem_base[sm]} + {owner} * {sm.count}"
+    fin = "inst" if owner == "inst" else "NINST + dev"
+    e("h_j = 0;")
     e(f"do :: h_j < {sm.count} -> if :: sem[{base} + h_j] != 0 -> "
-      f'printf("@@E {code} %d %d %d\\n", {base} + h_j, sem[{base} + h_j], '
-      f"{'inst' if owner == 'inst' else 'NINST + dev'}); assert({what}) "
+      f"{fail(code, f'{base} + h_j', f'sem[{base} + h_j]', fin)} "
       ":: else -> skip fi; h_j++ :: else -> break od;")
 
 

@@ -6,7 +6,6 @@ each module they build; it costs nothing when the option is unset.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import re
 import warnings
@@ -20,16 +19,6 @@ def _safe(name: str) -> str:
 def dump_directory() -> str:
   from dsl import config
   return config.dump_promela_to()
-
-
-def mesh_devices(module) -> Optional[int]:
-  """The device count the module was lowered for (its shard_map mesh)."""
-  from jax._src.lib.mlir import ir
-  with module.context:
-    for op in module.body.operations:
-      if "dsl.mesh_shape" in op.attributes:
-        return math.prod(ir.DenseI64ArrayAttr(op.attributes["dsl.mesh_shape"]))
-  return None
 
 
 def write_model(text: str, kernel_name: str, directory: str) -> str:

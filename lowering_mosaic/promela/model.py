@@ -7,8 +7,9 @@ expressions over the process's variables (its device id, its parallel grid
 point, loop counters). Data values are abstracted away: a vector load is
 only "this process reads these cells of that buffer now".
 
-`builder.py` then lays the model out as Promela (`layout_cells` decides how
-finely each buffer is tracked) and writes the text.
+`builder.py` then writes the Promela text; layout.py numbers its regions
+and semaphores (`layout_cells` here decides how finely each buffer is
+tracked).
 """
 from __future__ import annotations
 
@@ -131,7 +132,6 @@ class Buffer:
   windows: list = dataclasses.field(default_factory=list)
   # Filled by layout_cells:
   cell_dims: tuple = ()      # ((dim, ncells, granularity), ...) <= 2 dims
-  index: int = 0             # ordinal, for region ids
 
   @property
   def ncells(self) -> int:
@@ -152,7 +152,6 @@ class SemArray:
   scope: str
   scoped: bool = False
   remote_recv: bool = False
-  index: int = 0
 
   @property
   def count(self) -> int:

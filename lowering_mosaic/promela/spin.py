@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from lowering_mosaic.promela import trail as T
+from lowering_mosaic.promela.errors import KIND_OF_ASSERTION
 from lowering_mosaic.promela.report import Report
 
 INSTALL_HINT = ("SPIN (the Promela model checker) is needed to verify "
@@ -132,7 +133,7 @@ def parse_pan(out: str) -> dict:
 def _kind_of_error(error: str) -> str:
   if error.startswith("assertion violated"):
     name = error.split()[-1]
-    return {"no_race": "race", "sem_balanced": "semaphore"}.get(name, "error")
+    return KIND_OF_ASSERTION.get(name, "error")
   if error.startswith("invalid end state"):
     return "deadlock"
   return "error"

@@ -15,7 +15,7 @@ import os
 import re
 from typing import Optional
 
-from lowering_mosaic.promela import builder as B
+from lowering_mosaic.promela.errors import ERRORS
 from lowering_mosaic.promela.report import TrailStep
 
 
@@ -385,8 +385,8 @@ def translate(info: ModelInfo, output: str, kind: str) -> Translation:
 
 
 def _message(info: ModelInfo, texts: _Texts, kind, error, pid, blocked):
-  actor = info.procs.get(pid, "a process") if pid is not None else "a process"
-  actor = actor.replace(" kernel", "")
+  """(message, kernel line) of a failed run: its deadlock, or the error
+  its model printed (`@@E code args...`, worded from errors.ERRORS)."""
   if kind == "deadlock":
     if not blocked:
       return "deadlock: some process can never finish", None
@@ -396,98 +396,36 @@ def _message(info: ModelInfo, texts: _Texts, kind, error, pid, blocked):
   if not error:
     return "", None
   code, args = error[0], error[1:]
+  e = ERRORS.get(code)
+  if e is None:
+    return f"error code {code} {args}", None
+  values = dict(zip(e.args, args + [0] * len(e.args)))
+  fields = _fields(info, texts, values, pid)
+  line = info.line(values[e.line]) if e.line is not None else None
+  return f"{e.kind}: {e.message.format(**fields)}", line
 
-  def a(k):
-    return args[k] if k < len(args) else 0
 
-  if code in (B.E_READ_VS_DMA_WRITE, B.E_WRITE_VS_DMA_WRITE,
-              B.E_WRITE_VS_DMA_READ, B.E_DMA_SRC_VS_DMA_WRITE,
-              B.E_DMA_DST_VS_DMA_WRITE, B.E_DMA_DST_VS_DMA_READ,
-              B.E_PIPELINE_VS_DMA_WRITE, B.E_PIPELINE_VS_DMA_READ,
-              B.E_SCOPE_VS_DMA_WRITE, B.E_SCOPE_VS_DMA_READ):
-    stmt, dma, inst1, reg, slot = a(0), a(1), a(2), a(3), a(4)
-    buf = info.region(reg)
-    dma_side = ("writing into it" if code in (
-        B.E_READ_VS_DMA_WRITE, B.E_WRITE_VS_DMA_WRITE,
-        B.E_DMA_SRC_VS_DMA_WRITE, B.E_DMA_DST_VS_DMA_WRITE,
-        B.E_PIPELINE_VS_DMA_WRITE, B.E_SCOPE_VS_DMA_WRITE)
-        else "reading from it")
-    at = f" at {texts.at(stmt, pid)}"
-    doing = {
-        B.E_READ_VS_DMA_WRITE: f"{actor} reads {buf}{at}",
-        B.E_WRITE_VS_DMA_WRITE: f"{actor} writes {buf}{at}",
-        B.E_WRITE_VS_DMA_READ: f"{actor} overwrites {buf}{at}",
-        B.E_DMA_SRC_VS_DMA_WRITE: f"{actor} starts a DMA out of {buf}{at}",
-        B.E_DMA_DST_VS_DMA_WRITE: f"{actor} starts a DMA into {buf}{at}",
-        B.E_DMA_DST_VS_DMA_READ: f"{actor} starts a DMA into {buf}{at}",
-        B.E_PIPELINE_VS_DMA_WRITE: f"the pipeline copies the block {buf} "
-                                   "in/out at the end of a grid step",
-        B.E_PIPELINE_VS_DMA_READ: f"the pipeline copies the block {buf} "
-                                  "in/out at the end of a grid step",
-        B.E_SCOPE_VS_DMA_WRITE: f"{actor} frees {buf} when its run_scoped "
-                                f"ends at {info.line(stmt) or '?'}",
-        B.E_SCOPE_VS_DMA_READ: f"{actor} frees {buf} when its run_scoped "
-                               f"ends at {info.line(stmt) or '?'}",
-    }[code]
-    return (f"race: {doing} while the DMA started at "
-            f"{texts.dma_at(dma, slot, info.pid_of(inst1 - 1))} by "
-            f"{info.issuer(inst1)} is still {dma_side}"), info.line(stmt)
-  if code == B.E_LAND_AFTER_EXIT:
-    dma, inst1, fin, slot = a(0), a(1), a(2), a(3)
-    return (f"race: {info.owner(fin)} left the kernel while {info.issuer(inst1)} "
-            f"still wrote into it: the DMA started at "
-            f"{texts.dma_at(dma, slot, info.pid_of(inst1 - 1))} lands "
-            "after it ended"), info.line(dma)
-  if code == B.E_LAND_BEFORE_ENTRY:
-    dma, inst1, fin, slot = a(0), a(1), a(2), a(3)
-    return (f"race: the DMA started at "
-            f"{texts.dma_at(dma, slot, info.pid_of(inst1 - 1))}"
-            f" by {info.issuer(inst1)} "
-            f"lands in {info.owner(fin)} before that device entered the "
-            "kernel (its buffers may still belong to the previous op); make "
-            "the devices meet on the barrier semaphore first"), info.line(dma)
-  if code == B.E_EXIT_OWN_DMA:
-    dma, inst, slot = a(0), a(1), a(3)
-    return (f"semaphore: {info.instance(inst)} leaves the kernel while its DMA "
-            f"started at {texts.dma_at(dma, slot, info.pid_of(inst))} is "
-            "still in "
-            "flight: it was never "
-            "waited for, and its semaphore will be left non-zero"
-            ), info.line(dma)
-  if code == B.E_EXIT_PEER_DMA:
-    dma, inst1, fin, slot = a(0), a(1), a(2), a(3)
-    return (f"race: {info.owner(fin)} leaves the kernel while the DMA started "
-            f"at {texts.dma_at(dma, slot, info.pid_of(inst1 - 1))} by "
-            f"{info.issuer(inst1)}"
-            " still writes into it"
-            ), info.line(dma)
-  if code in (B.E_EXIT_SEM, B.E_EXIT_RECV_SEM):
-    idx, value, fin = a(0), a(1), a(2)
-    name, s = info.sem(idx)
-    if code == B.E_EXIT_RECV_SEM:
-      return (f"race: {info.owner(fin)} leaves the kernel with {name} at "
-              f"{value}: a peer's DMA into it was never waited for (the "
-              "device left while the peer still wrote into it)"), None
-    return (f"semaphore: {name} is {value}, not 0, when {info.owner(fin)} "
-            "leaves the kernel (a DMA never waited for, or more signals than "
-            "waits)"), None
-  if code == B.E_SCOPE_SEM:
-    idx, value = a(0), a(1)
-    name, _ = info.sem(idx)
-    return (f"semaphore: {name} is {value}, not 0, at the end of its "
-            "run_scoped"), None
-  if code == B.E_SIGNAL_AFTER_EXIT:
-    stmt, fin = a(0), a(1)
-    return (f"semaphore: {actor} signals {info.owner(fin)} at {texts.at(stmt, pid)} "
-            "after that device left the kernel (more signals than waits)"
-            ), info.line(stmt)
-  if code == B.E_SIGNAL_BEFORE_ENTRY:
-    stmt, fin = a(0), a(1)
-    return (f"race: {actor} signals {info.owner(fin)} at {texts.at(stmt, pid)} "
-            "before that device entered the kernel; meet on the barrier "
-            "semaphore first"), info.line(stmt)
-  if code == B.E_BAD_DEVICE:
-    stmt, dev = a(0), a(1)
-    return (f"error: {actor} names device {dev} at {texts.at(stmt, pid)}, but there "
-            f"are {info.devices} devices"), info.line(stmt)
-  return f"error code {code} {args}", None
+def _fields(info: ModelInfo, texts: _Texts, v: dict, pid) -> dict:
+  """The words for the arguments `v` of an error (see errors.py)."""
+  actor = info.procs.get(pid, "a process") if pid is not None else "a process"
+  f = {"actor": actor.replace(" kernel", ""), "devices": info.devices}
+  if "stmt" in v:
+    f["at"] = texts.at(v["stmt"], pid)
+    f["line"] = info.line(v["stmt"]) or "?"
+  if "dma" in v:
+    by = v["issuer"] - 1 if "issuer" in v else v["inst"]
+    f["dma"] = texts.dma_at(v["dma"], v.get("slot"), info.pid_of(by))
+  if "issuer" in v:
+    f["issuer"] = info.issuer(v["issuer"])
+  if "inst" in v:
+    f["inst"] = info.instance(v["inst"])
+  if "region" in v:
+    f["region"] = info.region(v["region"])
+  if "owner" in v:
+    f["owner"] = info.owner(v["owner"])
+  if "sem" in v:
+    f["sem"] = info.sem(v["sem"])[0]
+  for k in ("value", "device"):
+    if k in v:
+      f[k] = v[k]
+  return f
