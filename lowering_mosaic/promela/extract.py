@@ -1,7 +1,7 @@
 """Mosaic MLIR module -> `KernelModel` (see model.py).
 
 The walk follows `func.func @main` op by op, in the style of the lowering's
-rule table: `OPS[op name] = rule(extractor, op, env, out)` (mosaic_ir.py),
+rule table `OPS` (a `RuleTable` keyed by op name; mosaic_ir.py),
 with the rules of integer ops (ops_int.py), views (views.py), loads and
 stores (ops_memory.py), DMAs and semaphores (ops_sync.py) and control flow
 (ops_control.py). The environment maps each MLIR value to what the model
@@ -121,7 +121,7 @@ class Extractor:
       if name in ("scf.yield", "tpu.yield", "scf.condition", "func.return"):
         self.line = saved
         return out, [env.get(v) for v in op.operands]
-      rule = OPS.get(name, unknown_op)
+      rule = OPS.lookup(name) or unknown_op
       rule(self, op, env, out)
     return out, []
 

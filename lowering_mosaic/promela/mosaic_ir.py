@@ -1,15 +1,16 @@
 """What the Promela extractor reads off a Mosaic module: the sizes and
 memory spaces of its types, the kernel source lines of its locations, and
-the table of op rules (`OPS[op name] = rule(extractor, op, env, out)`,
+the table of op rules (`OPS`, a `RuleTable` of op name -> rule(extractor, op, env, out),
 filled by the ops_*.py and views.py modules)."""
 from __future__ import annotations
 
 import math
 import re
-from typing import Callable, Optional
+from typing import Optional
 
 from jax._src.lib.mlir import ir
 
+from dsl.jaxpr_walk import RuleTable
 from lowering_mosaic import dialect
 
 
@@ -74,12 +75,5 @@ def location_of(op) -> tuple[Optional[str], Optional[str]]:
 
 # ------------------------------------------------------------ op rules
 
-OPS: dict[str, Callable] = {}
-
-
-def handles(*names):
-  def deco(fn):
-    for n in names:
-      OPS[n] = fn
-    return fn
-  return deco
+OPS = RuleTable("the Promela extractor")
+handles = OPS.register
