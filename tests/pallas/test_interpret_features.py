@@ -9,11 +9,7 @@ import pytest
 import dsl as pl
 from dsl import triton as plt
 from dsl import tpu as pltpu
-
-
-def _close(a, b, tol=1e-5):
-  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                             rtol=tol, atol=tol)
+from tests.pallas.testing import assert_close
 
 
 def add_kernel(x_ref, y_ref, o_ref):
@@ -33,7 +29,7 @@ def blocked_add(x, y, block=128):
 def test_add_partial_edge_blocks(n, dtype):
   x = jnp.arange(n).astype(dtype)
   y = (2 * jnp.arange(n)).astype(dtype)
-  _close(jax.jit(blocked_add)(x, y), x + y)
+  assert_close(jax.jit(blocked_add)(x, y), x + y)
 
 
 def matmul_kernel(x_ref, y_ref, o_ref):
@@ -60,7 +56,7 @@ def test_matmul_revisits_output_block(shape):
   m, k, n = shape
   x = jax.random.normal(jax.random.key(0), (m, k))
   y = jax.random.normal(jax.random.key(1), (k, n))
-  _close(jax.jit(matmul)(x, y), x @ y, 1e-4)
+  assert_close(jax.jit(matmul)(x, y), x @ y, tol=1e-4)
 
 
 def test_column_sums_revisit_with_outer_sequential_dim():
@@ -75,7 +71,7 @@ def test_column_sums_revisit_with_outer_sequential_dim():
       kernel, jax.ShapeDtypeStruct((48,), jnp.float32), grid=(4, 3),
       in_specs=[pl.BlockSpec((16, 16), lambda i, j: (i, j))],
       out_specs=pl.BlockSpec((16,), lambda i, j: (j,)))(x)
-  _close(out, x.sum(0), 1e-4)
+  assert_close(out, x.sum(0), tol=1e-4)
 
 
 def test_squeezed_dims_and_2d_grid():
@@ -88,7 +84,7 @@ def test_squeezed_dims_and_2d_grid():
       in_specs=[pl.BlockSpec((None, pl.Squeezed, 8), lambda i, j: (i, j, 0))],
       out_specs=pl.BlockSpec((None, None, 8), lambda i, j: (i, j, 0)))(x)
   want = (jnp.arange(4)[:, None, None] + 10 * jnp.arange(3)[None, :, None]) * x
-  _close(out, want)
+  assert_close(out, want)
 
 
 def test_transposed_index_map_gathers():
@@ -100,7 +96,7 @@ def test_transposed_index_map_gathers():
       kernel, jax.ShapeDtypeStruct((48, 32), jnp.float32), grid=(3, 2),
       in_specs=[pl.BlockSpec((16, 16), lambda i, j: (j, i))],
       out_specs=pl.BlockSpec((16, 16), lambda i, j: (i, j)))(x)
-  _close(out, x.T)
+  assert_close(out, x.T)
 
 
 def test_reversed_index_map():
@@ -111,7 +107,7 @@ def test_reversed_index_map():
       kernel, jax.ShapeDtypeStruct((64,), jnp.float32), grid=(4,),
       in_specs=[pl.BlockSpec((16,), lambda i: (3 - i,))],
       out_specs=pl.BlockSpec((16,), lambda i: (i,)))(x)
-  _close(out, x[::-1])
+  assert_close(out, x[::-1])
 
 
 def test_no_specs_whole_array_and_multiple_outputs():
@@ -121,8 +117,8 @@ def test_no_specs_whole_array_and_multiple_outputs():
   x = jax.random.normal(jax.random.key(3), (8, 16))
   s, m = pl.pallas_call(kernel, (jax.ShapeDtypeStruct((1, 1), jnp.float32),
                                  jax.ShapeDtypeStruct((8,), jnp.float32)))(x)
-  _close(s, x.sum(keepdims=True), 1e-4)
-  _close(m, x.max(1))
+  assert_close(s, x.sum(keepdims=True), tol=1e-4)
+  assert_close(m, x.max(1))
 
 
 def test_zero_d_refs_and_int_dtypes():
@@ -139,7 +135,7 @@ def test_pytree_operands_and_out_shape():
   a, b = jnp.arange(8.), jnp.ones(8)
   out = pl.pallas_call(
       kernel, {"s": jax.ShapeDtypeStruct((8,), jnp.float32)})({"a": a, "b": b})
-  _close(out["s"], a + b)
+  assert_close(out["s"], a + b)
 
 
 def test_fori_loop_ds_and_at_views():
@@ -150,7 +146,7 @@ def test_fori_loop_ds_and_at_views():
     jax.lax.fori_loop(0, 4, body, 0)
   x = jnp.ones(16)
   out = pl.pallas_call(kernel, jax.ShapeDtypeStruct((16,), jnp.float32))(x)
-  _close(out, jnp.repeat(jnp.arange(4.), 4))
+  assert_close(out, jnp.repeat(jnp.arange(4.), 4))
 
 
 def test_loop_cond_while_and_casts():
@@ -164,7 +160,7 @@ def test_loop_cond_while_and_casts():
     o_ref[3] = jnp.float32(n)
   out = pl.pallas_call(kernel, jax.ShapeDtypeStruct((4,), jnp.float32))(
       jnp.array([1., 2., 3., 4.]))
-  _close(out, [2., 2., 6., 12.])
+  assert_close(out, [2., 2., 6., 12.])
 
 
 def test_scratch_accumulator_persists_over_sequential_steps():
@@ -183,7 +179,7 @@ def test_scratch_accumulator_persists_over_sequential_steps():
       in_specs=[pl.BlockSpec((8, 8), lambda i, k: (i, k))],
       out_specs=pl.BlockSpec((8, 8), lambda i, k: (i, 0)),
       scratch_shapes=[pltpu.VMEM((8, 8), jnp.float32)])(x)
-  _close(out, x.reshape(16, 8, 8).sum(1), 1e-4)
+  assert_close(out, x.reshape(16, 8, 8).sum(1), tol=1e-4)
 
 
 def test_input_output_aliases():
@@ -192,7 +188,7 @@ def test_input_output_aliases():
   x = jnp.arange(8.)
   out = pl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32),
                        input_output_aliases={0: 0})(x)
-  _close(out, x + 1)
+  assert_close(out, x + 1)
 
 
 def test_aliased_output_keeps_unwritten_blocks():
@@ -204,7 +200,7 @@ def test_aliased_output_keeps_unwritten_blocks():
                        in_specs=[pl.BlockSpec((8,), lambda i: (1,))],
                        out_specs=pl.BlockSpec((8,), lambda i: (1,)),
                        input_output_aliases={0: 0})(x)
-  _close(out, x.at[8:16].set(-1))
+  assert_close(out, x.at[8:16].set(-1))
 
 
 def test_masked_load_store():
@@ -218,7 +214,7 @@ def test_masked_load_store():
                        input_output_aliases={})(x)
   offs = np.arange(16)
   want = np.where(offs % 2 == 0, np.where(offs < 10, np.arange(16.), -1) * 2, 0)
-  _close(out, want)
+  assert_close(out, want)
 
 
 def test_atomic_histogram_across_grid():
@@ -255,7 +251,7 @@ def test_run_scoped_scratch():
       o_ref[...] = tmp_ref[...] + 1
     pl.run_scoped(body, pltpu.VMEM((8,), jnp.float32))
   x = jnp.arange(8.)
-  _close(pl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32))(x),
+  assert_close(pl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32))(x),
          x * 2 + 1)
 
 
@@ -272,7 +268,7 @@ def test_dot_einsum_iota_reshape_reductions():
   o, i = pl.pallas_call(kernel, (jax.ShapeDtypeStruct((8, 8), jnp.float32),
                                  jax.ShapeDtypeStruct((8, 8), jnp.int32)))(a, b)
   c = 2 * (a @ b)
-  _close(o, c.reshape(4, 64).sum(0).reshape(8, 8), 1e-3)
+  assert_close(o, c.reshape(4, 64).sum(0).reshape(8, 8), tol=1e-3)
   np.testing.assert_array_equal(i, np.arange(8)[None, :] + np.argmax(a[:8], 1)[:, None])
 
 
@@ -284,7 +280,7 @@ def test_element_block_dims():
       kernel, jax.ShapeDtypeStruct((32,), jnp.float32), grid=(4,),
       in_specs=[pl.BlockSpec((pl.Element(8),), lambda i: (i * 8 + 3,))],
       out_specs=pl.BlockSpec((8,), lambda i: (i,)))(x)
-  _close(out, x[3:35])
+  assert_close(out, x[3:35])
 
 
 def test_scalar_prefetch_index_map():
@@ -298,7 +294,7 @@ def test_scalar_prefetch_index_map():
           num_scalar_prefetch=1, grid=(3,),
           in_specs=[pl.BlockSpec((1, 8), lambda i, idx: (idx[i], 0))],
           out_specs=pl.BlockSpec((1, 8), lambda i, idx: (i, 0))))(idx, x)
-  _close(out, x[idx] + idx[:, None])
+  assert_close(out, x[idx] + idx[:, None])
 
 
 def test_kernel_decorator_in_jit_and_make_jaxpr():
@@ -312,7 +308,7 @@ def test_kernel_decorator_in_jit_and_make_jaxpr():
   f = jax.jit(lambda x: jnp.sum(double(x)))
   for n in (8, 20, 64):
     x = jnp.arange(n, dtype=jnp.float32)
-    _close(f(x), 2 * x.sum())
+    assert_close(f(x), 2 * x.sum())
   jaxpr = jax.make_jaxpr(double)(jnp.ones(16))
   assert [e.primitive.name for e in jaxpr.eqns] == ["pallas_call"]
   assert "kernel double" in str(jaxpr)
@@ -337,4 +333,4 @@ def test_multiple_of_and_max_contiguous_are_identity():
   out = pl.pallas_call(kernel, jax.ShapeDtypeStruct((16,), jnp.float32),
                        grid=(2,), in_specs=[pl.BlockSpec((8,), lambda i: (i,))],
                        out_specs=pl.BlockSpec((8,), lambda i: (i,)))(jnp.zeros(16))
-  _close(out, jnp.repeat(jnp.array([0., 8.]), 8))
+  assert_close(out, jnp.repeat(jnp.array([0., 8.]), 8))

@@ -3,27 +3,13 @@ shapes, dtypes, block sizes and grids (partial edge blocks included)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import dsl as pl
+from tests.pallas.testing import array, assert_close, hypothesis_settings
 
-SETTINGS = settings(max_examples=12, deadline=None)
+SETTINGS = hypothesis_settings(12, derandomize=False)
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8]
-
-
-def _tol(dtype):
-  return {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}.get(dtype, 1e-5)
-
-
-def _array(key, shape, dtype):
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jax.random.randint(key, shape, -50, 50).astype(dtype)
-  return jax.random.normal(key, shape).astype(dtype)
-
-
-def _close(a, b, dtype):
-  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                             rtol=_tol(dtype), atol=_tol(dtype))
 
 
 @SETTINGS
@@ -32,8 +18,8 @@ def _close(a, b, dtype):
        seed=st.integers(0, 2**16))
 def test_blocked_elementwise_2d(m, n, bm, bn, dtype, seed):
   bm, bn = min(bm, m), min(bn, n)
-  x = _array(jax.random.key(seed), (m, n), dtype)
-  y = _array(jax.random.key(seed + 1), (m, n), dtype)
+  x = array(seed, (m, n), dtype)
+  y = array(seed + 1, (m, n), dtype)
 
   def kernel(x_ref, y_ref, o_ref):
     a, b = x_ref[...], y_ref[...]
@@ -44,7 +30,7 @@ def test_blocked_elementwise_2d(m, n, bm, bn, dtype, seed):
       grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
       in_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j))] * 2,
       out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))(x, y)
-  _close(out, jnp.where(x > y, x * 2, y - x), dtype)
+  assert_close(out, jnp.where(x > y, x * 2, y - x), dtype)
 
 
 @SETTINGS
@@ -53,8 +39,8 @@ def test_blocked_elementwise_2d(m, n, bm, bn, dtype, seed):
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
        seed=st.integers(0, 2**16))
 def test_blocked_matmul(m, k, n, b, dtype, seed):
-  x = _array(jax.random.key(seed), (m, k), dtype)
-  y = _array(jax.random.key(seed + 1), (k, n), dtype)
+  x = array(seed, (m, k), dtype)
+  y = array(seed + 1, (k, n), dtype)
 
   def kernel(x_ref, y_ref, o_ref, acc_ref):
     @pl.when(pl.program_id(2) == 0)
@@ -74,7 +60,7 @@ def test_blocked_matmul(m, k, n, b, dtype, seed):
       out_specs=pl.BlockSpec((b, b), lambda i, j, kk: (i, j)),
       scratch_shapes=[pl.tpu.VMEM((b, b), jnp.float32)])(x, y)
   want = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
-  _close(out, want, dtype if dtype != jnp.float32 else jnp.bfloat16)
+  assert_close(out, want, dtype if dtype != jnp.float32 else jnp.bfloat16)
 
 
 @SETTINGS
@@ -83,7 +69,7 @@ def test_blocked_matmul(m, k, n, b, dtype, seed):
        seed=st.integers(0, 2**16))
 def test_row_reductions(rows, cols, br, dtype, seed):
   br = min(br, rows)
-  x = _array(jax.random.key(seed), (rows, cols), dtype)
+  x = array(seed, (rows, cols), dtype)
 
   def kernel(x_ref, s_ref, m_ref, a_ref):
     v = x_ref[...]
@@ -98,8 +84,8 @@ def test_row_reductions(rows, cols, br, dtype, seed):
       grid=(pl.cdiv(rows, br),),
       in_specs=[pl.BlockSpec((br, cols), lambda i: (i, 0))],
       out_specs=[pl.BlockSpec((br,), lambda i: (i,))] * 3)(x)
-  _close(s, jnp.sum(x.astype(jnp.float32), axis=1), jnp.bfloat16)
-  _close(mx, jnp.max(x, axis=1), dtype)
+  assert_close(s, jnp.sum(x.astype(jnp.float32), axis=1), jnp.bfloat16)
+  assert_close(mx, jnp.max(x, axis=1), dtype)
   np.testing.assert_array_equal(am, jnp.argmin(x, axis=1))
 
 
@@ -109,7 +95,7 @@ def test_row_reductions(rows, cols, br, dtype, seed):
        dst=st.sampled_from([jnp.float32, jnp.float16, jnp.int32, jnp.int8]),
        seed=st.integers(0, 2**16))
 def test_casts_with_masked_tail(n, block, src, dst, seed):
-  x = (_array(jax.random.key(seed), (n,), jnp.float32) * 3).astype(src)
+  x = (array(seed, (n,), jnp.float32) * 3).astype(src)
 
   def kernel(x_ref, o_ref):
     i = pl.program_id(0)

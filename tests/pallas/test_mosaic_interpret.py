@@ -10,13 +10,9 @@ import pytest
 import dsl as pl
 from dsl import tpu as pltpu
 from dsl import triton as plt
+from tests.pallas.testing import assert_close
 
 MI = "mosaic_interpret"
-
-
-def _close(a, b, tol=1e-5):
-  np.testing.assert_allclose(np.asarray(a, np.float32),
-                             np.asarray(b, np.float32), rtol=tol, atol=tol)
 
 
 def add_kernel(x_ref, y_ref, o_ref):
@@ -34,7 +30,7 @@ def test_add_partial_edge_blocks(n, dtype):
       grid=(2, pl.cdiv(n, 256)),
       in_specs=[pl.BlockSpec((rows, 256), lambda i, j: (i, j))] * 2,
       out_specs=pl.BlockSpec((rows, 256), lambda i, j: (i, j)), backend=MI)
-  _close(jax.jit(f)(x, y), x + y)
+  assert_close(jax.jit(f)(x, y), x + y)
 
 
 def matmul_kernel(x_ref, y_ref, o_ref):
@@ -64,14 +60,14 @@ def test_matmul_revisits_output_block(shape):
   m, k, n = shape
   x = jax.random.normal(jax.random.key(0), (m, k))
   y = jax.random.normal(jax.random.key(1), (k, n))
-  _close(jax.jit(functools.partial(matmul, bm=64))(x, y), x @ y, 1e-3)
+  assert_close(jax.jit(functools.partial(matmul, bm=64))(x, y), x @ y, tol=1e-3)
 
 
 def test_bf16_matmul_f32_accumulate():
   x = jax.random.normal(jax.random.key(0), (128, 256)).astype(jnp.bfloat16)
   y = jax.random.normal(jax.random.key(1), (256, 128)).astype(jnp.bfloat16)
   want = jnp.dot(x, y, preferred_element_type=jnp.float32)
-  _close(matmul(x, y), want, 1e-2)
+  assert_close(matmul(x, y), want, tol=1e-2)
 
 
 def test_column_sums_revisit_with_outer_sequential_dim():
@@ -85,7 +81,7 @@ def test_column_sums_revisit_with_outer_sequential_dim():
       kernel, jax.ShapeDtypeStruct((384,), jnp.float32), grid=(4, 3),
       in_specs=[pl.BlockSpec((16, 128), lambda i, j: (i, j))],
       out_specs=pl.BlockSpec((128,), lambda i, j: (j,)), backend=MI)(x)
-  _close(out, x.sum(0), 1e-4)
+  assert_close(out, x.sum(0), tol=1e-4)
 
 
 def test_squeezed_dims_and_2d_grid():
@@ -99,7 +95,7 @@ def test_squeezed_dims_and_2d_grid():
       out_specs=pl.BlockSpec((None, None, 128), lambda i, j: (i, j, 0)),
       backend=MI)(x)
   want = (jnp.arange(4)[:, None, None] + 10 * jnp.arange(3)[None, :, None]) * x
-  _close(out, want)
+  assert_close(out, want)
 
 
 def test_transposed_and_reversed_index_maps():
@@ -110,7 +106,7 @@ def test_transposed_and_reversed_index_maps():
       kernel, jax.ShapeDtypeStruct((384, 256), jnp.float32), grid=(3, 2),
       in_specs=[pl.BlockSpec((128, 128), lambda i, j: (j, i))],
       out_specs=pl.BlockSpec((128, 128), lambda i, j: (i, j)), backend=MI)(x)
-  _close(out, x.T)
+  assert_close(out, x.T)
 
   def rev(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2
@@ -119,7 +115,7 @@ def test_transposed_and_reversed_index_maps():
       rev, jax.ShapeDtypeStruct((8, 512), jnp.float32), grid=(4,),
       in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 3 - i))],
       out_specs=pl.BlockSpec((8, 128), lambda i: (0, i)), backend=MI)(y)
-  _close(out, 2 * y.reshape(8, 4, 128)[:, ::-1].reshape(8, 512))
+  assert_close(out, 2 * y.reshape(8, 4, 128)[:, ::-1].reshape(8, 512))
 
 
 def test_no_specs_whole_array_and_multiple_outputs():
@@ -130,8 +126,8 @@ def test_no_specs_whole_array_and_multiple_outputs():
   s, m = pl.pallas_call(kernel, (jax.ShapeDtypeStruct((1, 1), jnp.float32),
                                  jax.ShapeDtypeStruct((8,), jnp.float32)),
                         backend=MI)(x)
-  _close(s, x.sum(keepdims=True), 1e-4)
-  _close(m, x.max(1))
+  assert_close(s, x.sum(keepdims=True), tol=1e-4)
+  assert_close(m, x.max(1))
 
 
 def test_scalars_in_smem():
@@ -152,7 +148,7 @@ def test_pytree_operands_and_out_shape():
   out = pl.pallas_call(
       kernel, {"s": jax.ShapeDtypeStruct((8, 128), jnp.float32)},
       backend=MI)({"a": a, "b": b})
-  _close(out["s"], a + b)
+  assert_close(out["s"], a + b)
 
 
 def test_fori_loop_ds_and_at_views():
@@ -165,7 +161,7 @@ def test_fori_loop_ds_and_at_views():
   out = pl.pallas_call(kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32),
                        backend=MI)(x)
   want = jnp.repeat(jnp.arange(4.) * 2, 8)[:, None] * x
-  _close(out, want)
+  assert_close(out, want)
 
 
 def test_loop_cond_while_and_casts():
@@ -182,7 +178,7 @@ def test_loop_cond_while_and_casts():
                        backend=MI)(x)
   want = jnp.stack([x[0] * 2, x[1].astype(jnp.bfloat16).astype(jnp.float32),
                     x[2] * 2, jnp.full((128,), 12.)])
-  _close(out, want)
+  assert_close(out, want)
 
 
 def test_scratch_accumulator_persists_over_sequential_steps():
@@ -201,7 +197,7 @@ def test_scratch_accumulator_persists_over_sequential_steps():
       in_specs=[pl.BlockSpec((8, 128), lambda i, k: (i, k))],
       out_specs=pl.BlockSpec((8, 128), lambda i, k: (i, 0)),
       scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)], backend=MI)(x)
-  _close(out, x.reshape(16, 8, 128).sum(1), 1e-4)
+  assert_close(out, x.reshape(16, 8, 128).sum(1), tol=1e-4)
 
 
 def test_input_output_aliases_keep_unwritten_blocks():
@@ -213,7 +209,7 @@ def test_input_output_aliases_keep_unwritten_blocks():
                        in_specs=[pl.BlockSpec((8, 128), lambda i: (1, 0))],
                        out_specs=pl.BlockSpec((8, 128), lambda i: (1, 0)),
                        input_output_aliases={0: 0}, backend=MI)(x)
-  _close(out, x.at[8:16].set(-1))
+  assert_close(out, x.at[8:16].set(-1))
 
 
 def test_masked_load_store():
@@ -227,7 +223,7 @@ def test_masked_load_store():
                        backend=MI)(x)
   offs = np.arange(128)[None]
   want = np.where(offs % 2 == 0, np.where(offs < 100, np.asarray(x), -1) * 2, 0)
-  _close(out, want)
+  assert_close(out, want)
 
 
 def test_run_scoped_scratch():
@@ -237,7 +233,7 @@ def test_run_scoped_scratch():
       o_ref[...] = tmp_ref[...] + 1
     pl.run_scoped(body, pltpu.VMEM((8, 128), jnp.float32))
   x = jnp.arange(8 * 128.).reshape(8, 128)
-  _close(pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+  assert_close(pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
                         backend=MI)(x), x * 2 + 1)
 
 
@@ -255,7 +251,7 @@ def test_dot_einsum_iota_reductions():
                                  jax.ShapeDtypeStruct((8, 128), jnp.int32)),
                         backend=MI)(a, b)
   c = 2 * (a @ b)
-  _close(o, c.reshape(8, 16, 128).sum(1), 1e-3)
+  assert_close(o, c.reshape(8, 16, 128).sum(1), tol=1e-3)
   np.testing.assert_array_equal(
       i, np.arange(128)[None, :] + np.argmax(a[:8], 1)[:, None])
 
@@ -272,8 +268,8 @@ def test_elementwise_math_and_comparisons():
           jax.nn.sigmoid(x) + jnp.where(x > 0, jnp.sqrt(jnp.abs(x)), -x) +
           jnp.maximum(x, 0.5) + jax.lax.rsqrt(jnp.abs(x) + 1) +
           jnp.sin(x) ** 2 + jnp.floor(x))
-  _close(pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
-                        backend=MI)(x), want, 1e-4)
+  assert_close(pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                        backend=MI)(x), want, tol=1e-4)
 
 
 def test_integer_ops():
@@ -300,7 +296,7 @@ def test_scalar_prefetch_index_map():
           out_specs=pl.BlockSpec((8, 128), lambda i, idx: (i, 0))),
       backend=MI)(idx, x)
   want = x.reshape(3, 8, 128)[idx] + idx[:, None, None]
-  _close(out, want.reshape(24, 128))
+  assert_close(out, want.reshape(24, 128))
 
 
 def test_kernel_decorator_in_jit_and_grad():
@@ -314,7 +310,7 @@ def test_kernel_decorator_in_jit_and_grad():
   f = jax.jit(lambda x: jnp.sum(double(x)))
   for n in (8, 24):
     x = jnp.arange(n * 128, dtype=jnp.float32).reshape(n, 128)
-    _close(f(x), 2 * x.sum())
+    assert_close(f(x), 2 * x.sum())
 
 
 def test_debug_print(capfd):
@@ -345,8 +341,8 @@ def test_roll_repeat_bitcast_match_interpret_backend():
   got = pl.pallas_call(kernel, outs, in_specs=specs, backend=MI)(x, shift)
   ref = pl.pallas_call(kernel, outs, in_specs=specs,
                        backend="interpret")(x, shift)
-  _close(got[0], jnp.roll(x, 3, 1) + jnp.roll(x, 5, 0))
-  _close(got[1], jnp.tile(x, (1, 2)))
+  assert_close(got[0], jnp.roll(x, 3, 1) + jnp.roll(x, 5, 0))
+  assert_close(got[1], jnp.tile(x, (1, 2)))
   np.testing.assert_array_equal(got[2], jax.lax.bitcast_convert_type(
       x, jnp.int32))
   for g, r in zip(got, ref):
@@ -377,12 +373,12 @@ def test_grad_and_vmap_through_mosaic_interpret():
     o_ref[...] = x_ref[...] * x_ref[...]
 
   x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128) / 100
-  _close(jax.grad(lambda x: jnp.sum(square(x)))(x), 2 * x, 1e-5)
+  assert_close(jax.grad(lambda x: jnp.sum(square(x)))(x), 2 * x, tol=1e-5)
   xs = jnp.stack([x, x + 1])
-  _close(jax.vmap(square)(xs), xs ** 2, 1e-5)
+  assert_close(jax.vmap(square)(xs), xs ** 2, tol=1e-5)
   ys = jax.random.normal(jax.random.key(11), (2, 128, 128))
-  _close(jax.vmap(functools.partial(matmul, bm=64))(ys, ys),
-         jnp.einsum("bij,bjk->bik", ys, ys), 1e-3)
+  assert_close(jax.vmap(functools.partial(matmul, bm=64))(ys, ys),
+         jnp.einsum("bij,bjk->bik", ys, ys), tol=1e-3)
 
 
 def test_element_block_dims_with_padding():

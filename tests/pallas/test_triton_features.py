@@ -9,8 +9,8 @@ import pytest
 import lowering_triton
 from lowering_triton.compile import compile_kernel
 from tests.pallas import test_interpret_features as features
-from tests.pallas.triton_testing import (ARCHS, default_backend,
-                                         parametrize_cases, test_cases)
+from tests.pallas.testing import (TRITON_ARCHS, default_backend,
+                                  parametrize_cases, test_cases)
 
 # test_debug_print checks the interpret backend's print format; the Triton
 # format (tl.device_print) is checked in test_triton_source.py.
@@ -42,7 +42,7 @@ def _feature_specs(name):
 FEATURE_NAMES = sorted({c.values[0] for c in FEATURE_CASES})
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TRITON_ARCHS)
 @pytest.mark.parametrize("name", FEATURE_NAMES)
 def test_feature_kernel_compiles_ahead_of_time(name, arch):
   specs = _feature_specs(name)
