@@ -1,9 +1,8 @@
-"""The core-DSL feature tests (test_interpret_features.py) and the interpret
-property tests, run again with the Triton backends: every kernel runs in
-Triton's interpreter (backend "triton_interpret") against the same jnp
-references, and compiles ahead of time for sm_80 and sm_90."""
-import inspect
-
+"""The core-DSL feature tests (test_interpret_features.py), run again with
+the Triton backends: every kernel runs in Triton's interpreter (backend
+"triton_interpret") against the same jnp references, and compiles ahead of
+time for sm_80 and sm_90. (The property tests, test_feature_properties.py,
+take the backend as a parameter.)"""
 import pytest
 
 import lowering_triton
@@ -55,21 +54,3 @@ def test_feature_kernel_compiles_ahead_of_time(name, arch):
     seen.add(gk.source)
     compiled = compile_kernel(gk, int(arch[3:]))
     assert compiled.asm["cubin"] and ".entry" in compiled.asm["ptx"]
-
-
-# The property tests of the interpret backend (random shapes, dtypes, block
-# sizes; partial and non-power-of-two blocks), with the Triton interpreter.
-try:
-  from tests.pallas import test_interpret_hypothesis as properties
-  PROPERTY_TESTS = [n for n, f in inspect.getmembers(properties,
-                                                     inspect.isfunction)
-                    if n.startswith("test_")]
-except ImportError:       # the module is not there in every checkout
-  properties, PROPERTY_TESTS = None, []
-
-
-@pytest.mark.parametrize("name", PROPERTY_TESTS)
-def test_interpret_property_tests_in_triton_interpreter(name):
-  with default_backend() as lowered:
-    getattr(properties, name)()
-  assert lowered
