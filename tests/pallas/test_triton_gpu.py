@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from tests.pallas import test_interpret_features as features
+from tests.pallas import test_features as features
 from tests.pallas import test_triton_ops as ops
 from tests.pallas import testing
 from tests.pallas.testing import assert_close, default_backend, test_cases
@@ -39,11 +39,11 @@ def _gpu_backend_and_exact_f32_dots():
   testing.TRITON[0] = old
 
 
-@pytest.mark.parametrize("name,kwargs",
-                         list(test_cases(features, skip={"test_debug_print"})))
+@pytest.mark.parametrize("name,kwargs", list(test_cases(
+    features, backend="triton_interpret")))
 def test_feature_kernels_on_gpu(name, kwargs):
   with default_backend("triton", platform="cuda") as lowered:
-    getattr(features, name)(**kwargs)
+    getattr(features, name)(backend="triton", **kwargs)
   assert lowered
 
 
