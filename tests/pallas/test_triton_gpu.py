@@ -32,11 +32,11 @@ pytestmark = [pytest.mark.gpu,
 def _gpu_backend_and_exact_f32_dots():
   """`call` uses backend="triton"; f32 dots (kernel and jnp reference) use
   full f32 precision, as on the CPU."""
-  old = testing.TRITON[0]
-  testing.TRITON[0] = "triton"
+  old = testing.TRITON_BACKEND[0]
+  testing.TRITON_BACKEND[0] = "triton"
   with jax.default_matmul_precision("float32"):
     yield
-  testing.TRITON[0] = old
+  testing.TRITON_BACKEND[0] = old
 
 
 @pytest.mark.parametrize("name,kwargs", list(test_cases(

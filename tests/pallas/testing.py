@@ -22,7 +22,7 @@ CPU_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
 OTHER_CPU_BACKENDS = tuple(b for b in CPU_BACKENDS if b != "interpret")
 
 # The Triton backend that `call` uses; the GPU tests switch it to "triton".
-TRITON = ["triton_interpret"]
+TRITON_BACKEND = ["triton_interpret"]
 # The GPU architectures the Triton tests compile for ahead of time.
 TRITON_ARCHS = ("sm_80", "sm_90")
 
@@ -86,15 +86,17 @@ def assert_close(got, want, dtype=jnp.float32, tol=None):
   number, or {dtype: tolerance} overriding the table for some dtypes.
 
   Every element is within t * (1 + |want|) (numpy's allclose with
-  rtol = atol = t) and within t * max(1, max |want|)."""
+  rtol = atol = t: NaN and inf where `want` has them) and within
+  t * max(1, max |want|), the max over the finite elements."""
   t = tol if isinstance(tol, (int, float)) else tolerance(dtype, tol)
   got = np.asarray(jnp.asarray(got, jnp.float32))
   want = np.asarray(jnp.asarray(want, jnp.float32))
   assert got.shape == want.shape, (got.shape, want.shape)
   np.testing.assert_allclose(got, want, rtol=t, atol=t)
-  if want.size:
-    scale = max(1.0, float(np.max(np.abs(want))))
-    err = float(np.max(np.abs(got - want)))
+  finite = np.isfinite(want)
+  if finite.any():
+    scale = max(1.0, float(np.max(np.abs(want[finite]))))
+    err = float(np.max(np.abs(got[finite] - want[finite])))
     assert err <= t * scale, f"max error {err} > {t} * {scale}"
 
 
@@ -110,7 +112,7 @@ def assert_tree_close(got, want, dtype=jnp.float32, tol=None):
 def call(kernel, out_shape, *args, backend=None, **kw):
   """pallas_call on `backend` (default: the current Triton backend), under
   jit."""
-  backend = backend or TRITON[0]
+  backend = backend or TRITON_BACKEND[0]
   return jax.jit(lambda *a: pl.pallas_call(kernel, out_shape, backend=backend,
                                            **kw)(*a))(*args)
 
