@@ -7,11 +7,11 @@ from hypothesis import given, strategies as st
 
 import kernels
 from kernels import flash
-from tests.pallas.kernels_testing import (DTYPES, GRAD_SETTINGS,
-                                          OTHER_CPU_BACKENDS, SETTINGS,
-                                          assert_close, assert_tree_close,
-                                          automatic_vjp_or_xfail, jitted,
-                                          normal, rng, run_or_skip, vjp_with)
+from tests.pallas.testing import (KERNEL_GRAD_SETTINGS, KERNEL_SETTINGS,
+                                  OTHER_CPU_BACKENDS, array, assert_close,
+                                  assert_tree_close, automatic_vjp_or_xfail,
+                                  jitted, kernel_dtypes, rng, run_or_skip,
+                                  vjp_with)
 
 HEADS = [(1, 1), (2, 2), (4, 2), (3, 1)]        # (q heads, kv heads)
 BLOCKS = [(None, None), (8, 8), (16, 8)]
@@ -19,10 +19,10 @@ BLOCKS = [(None, None), (8, 8), (16, 8)]
 
 def _inputs(b, sq, sk, h, hkv, d, dtype, seed=0):
   ks = [(seed, i) for i in range(4)]
-  q = normal(ks[0], (b, sq, h, d), dtype)
-  k = normal(ks[1], (b, sk, hkv, d), dtype)
-  v = normal(ks[2], (b, sk, hkv, d), dtype)
-  do = normal(ks[3], (b, sq, h, d), dtype)
+  q = array(ks[0], (b, sq, h, d), dtype)
+  k = array(ks[1], (b, sk, hkv, d), dtype)
+  v = array(ks[2], (b, sk, hkv, d), dtype)
+  do = array(ks[3], (b, sq, h, d), dtype)
   return q, k, v, do
 
 
@@ -52,8 +52,8 @@ def _kw(c, q_seg_kv_seg):
               segment_ids=q_seg_kv_seg if c["segments"] else None)
 
 
-@SETTINGS
-@given(c=configs(), dtype=st.sampled_from(DTYPES))
+@KERNEL_SETTINGS
+@given(c=configs(), dtype=kernel_dtypes)
 def test_forward_matches_reference(c, dtype):
   q, k, v, _ = _inputs(c["b"], c["sq"], c["sk"], c["h"], c["hkv"], c["d"],
                        dtype, c["sq"] + c["sk"])
@@ -62,11 +62,10 @@ def test_forward_matches_reference(c, dtype):
   f = jax.jit(lambda q, k, v: kernels.flash_attention(
       q, k, v, backend="interpret", block_q=bq, block_k=bk, **kw))
   assert_close(f(q, k, v), jitted(flash.reference, **kw)(q, k, v), dtype,
-               f32=2e-5,
-               bf16=3e-2)
+               tol={jnp.float32: 2e-5, jnp.bfloat16: 3e-2})
 
 
-@GRAD_SETTINGS
+@KERNEL_GRAD_SETTINGS
 @given(c=configs())
 def test_gradients_match_reference(c):
   q, k, v, do = _inputs(c["b"], c["sq"], c["sk"], c["h"], c["hkv"], c["d"],
@@ -78,7 +77,7 @@ def test_gradients_match_reference(c):
   got = jax.jit(lambda *a: vjp_with(fn, a, do))(q, k, v)
   want = jax.jit(lambda *a: vjp_with(
       lambda q, k, v: flash.reference(q, k, v, **kw), a, do))(q, k, v)
-  assert_tree_close(got, want, f32=1e-4)
+  assert_tree_close(got, want, tol=1e-4)
 
 
 def test_bf16_gradients_gqa_causal_partial_blocks():
@@ -87,7 +86,7 @@ def test_bf16_gradients_gqa_causal_partial_blocks():
       q, k, v, causal=True, block_q=16, block_k=8), (q, k, v), do)
   want = vjp_with(lambda q, k, v: flash.reference(q, k, v, causal=True),
                   (q, k, v), do)
-  assert_tree_close(got, want, jnp.bfloat16, bf16=5e-2)
+  assert_tree_close(got, want, jnp.bfloat16, tol=5e-2)
 
 
 def test_mqa_single_segment_array_and_sm_scale():
@@ -97,7 +96,7 @@ def test_mqa_single_segment_array_and_sm_scale():
   got = kernels.flash_attention(q, k, v, segment_ids=seg, sm_scale=0.3,
                                 block_q=8, block_k=16)
   want = flash.reference(q, k, v, segment_ids=seg, sm_scale=0.3)
-  assert_close(got, want, f32=2e-5)
+  assert_close(got, want, tol=2e-5)
 
 
 def test_hand_written_backward_matches_automatic():
@@ -108,7 +107,7 @@ def test_hand_written_backward_matches_automatic():
   auto = automatic_vjp_or_xfail(raw, (q, k, v), do)
   hand = vjp_with(lambda q, k, v: kernels.flash_attention(
       q, k, v, segment_ids=kv_seg, **kw), (q, k, v), do)
-  assert_tree_close(hand, auto, f32=1e-4)
+  assert_tree_close(hand, auto, tol=1e-4)
 
 
 def test_rows_that_see_no_key_are_zero():
@@ -125,7 +124,7 @@ def test_other_cpu_backends(backend):
   q, k, v, _ = _inputs(1, 128, 128, 2, 1, 128, jnp.float32, 5)
   got = run_or_skip(lambda q, k, v: kernels.flash_attention(
       q, k, v, causal=True, backend=backend), q, k, v)
-  assert_close(got, flash.reference(q, k, v, causal=True), f32=2e-5)
+  assert_close(got, flash.reference(q, k, v, causal=True), tol=2e-5)
 
 
 @pytest.mark.parametrize("backend", OTHER_CPU_BACKENDS)
@@ -136,13 +135,13 @@ def test_other_cpu_backends_partial_blocks_and_backward(backend):
   got = run_or_skip(lambda *a: vjp_with(fn, a, do), q, k, v)
   want = vjp_with(lambda q, k, v: flash.reference(q, k, v, causal=True),
                   (q, k, v), do)
-  assert_tree_close(got, want, f32=1e-4)
+  assert_tree_close(got, want, tol=1e-4)
 
 
 def test_vmap_of_forward_and_gradient():
-  q = normal(7, (2, 1, 12, 2, 8), jnp.float32)
+  q = array(7, (2, 1, 12, 2, 8), jnp.float32)
   fn = lambda q: kernels.flash_attention(q, q, q, causal=True)
   ref = lambda q: flash.reference(q, q, q, causal=True)
-  assert_close(jax.vmap(fn)(q), jax.vmap(ref)(q), f32=2e-5)
+  assert_close(jax.vmap(fn)(q), jax.vmap(ref)(q), tol=2e-5)
   grad = lambda f: jax.vmap(jax.grad(lambda q: jnp.sum(f(q) ** 2)))
-  assert_close(grad(fn)(q), grad(ref)(q), f32=1e-4)
+  assert_close(grad(fn)(q), grad(ref)(q), tol=1e-4)

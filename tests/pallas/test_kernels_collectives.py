@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import kernels
+from tests.pallas.testing import assert_close
 
 BACKENDS = ["mosaic_interpret", "interpret"]
 
@@ -49,7 +50,7 @@ def test_reduce_scatter(n, backend):
                                      backend=backend), n, x)
   ref, _ = _sharded(functools.partial(
       kernels.collectives.reference_reduce_scatter, axis_name="x"), n, x)
-  np.testing.assert_allclose(f(xs), ref(xs), rtol=1e-5, atol=1e-5)
+  assert_close(f(xs), ref(xs))
 
 
 def test_gradients_are_each_other():
@@ -69,7 +70,7 @@ def test_gradients_are_each_other():
                                          backend="mosaic_interpret")))(x, w)
   want = jax.grad(loss(functools.partial(
       kernels.collectives.reference_all_gather, axis_name="x")))(x, w)
-  np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
+  assert_close(ours, want)
 
 
 @pytest.mark.skipif(shutil.which("spin") is None,

@@ -6,11 +6,10 @@ from hypothesis import given, strategies as st
 
 import kernels
 from kernels import fused_matmul
-from tests.pallas.kernels_testing import (DTYPES, GRAD_SETTINGS,
-                                          OTHER_CPU_BACKENDS, SETTINGS,
-                                          assert_close, assert_tree_close,
-                                          automatic_vjp_or_xfail, normal,
-                                          run_or_skip, vjp_with)
+from tests.pallas.testing import (KERNEL_GRAD_SETTINGS, KERNEL_SETTINGS,
+                                  OTHER_CPU_BACKENDS, array, assert_close,
+                                  assert_tree_close, automatic_vjp_or_xfail,
+                                  kernel_dtypes, run_or_skip, vjp_with)
 
 ACTS = [None, "relu", "gelu", "silu", "tanh"]
 BLOCKS = [None, (8, 8, 8), (16, 8, 16)]
@@ -18,16 +17,16 @@ BLOCKS = [None, (8, 8, 8), (16, 8, 16)]
 
 def _inputs(m, k, n, dtype, bias, seed=0):
   ks = [(seed, i) for i in range(4)]
-  x = normal(ks[0], (m, k), dtype)
-  y = normal(ks[1], (k, n), dtype, scale=1.0 / k ** 0.5)
-  b = normal(ks[2], (n,), dtype) if bias else None
-  ct = normal(ks[3], (m, n), dtype)
+  x = array(ks[0], (m, k), dtype)
+  y = array(ks[1], (k, n), dtype, scale=1.0 / k ** 0.5)
+  b = array(ks[2], (n,), dtype) if bias else None
+  ct = array(ks[3], (m, n), dtype)
   return x, y, b, ct
 
 
-@SETTINGS
+@KERNEL_SETTINGS
 @given(m=st.integers(1, 40), k=st.integers(1, 40), n=st.integers(1, 40),
-       dtype=st.sampled_from(DTYPES), bias=st.booleans(),
+       dtype=kernel_dtypes, bias=st.booleans(),
        activation=st.sampled_from(ACTS), blocks=st.sampled_from(BLOCKS))
 def test_forward_matches_reference(m, k, n, dtype, bias, activation, blocks):
   x, y, b, _ = _inputs(m, k, n, dtype, bias, m + k + n)
@@ -36,10 +35,10 @@ def test_forward_matches_reference(m, k, n, dtype, bias, activation, blocks):
       block_sizes=blocks))
   want = jax.jit(lambda x, y, b: fused_matmul.reference(
       x, y, bias=b, activation=activation))(x, y, b)
-  assert_close(f(x, y, b), want, dtype, f32=2e-5)
+  assert_close(f(x, y, b), want, dtype, tol={jnp.float32: 2e-5})
 
 
-@GRAD_SETTINGS
+@KERNEL_GRAD_SETTINGS
 @given(m=st.integers(1, 30), k=st.integers(1, 30), n=st.integers(1, 30),
        bias=st.booleans(), activation=st.sampled_from(ACTS),
        blocks=st.sampled_from(BLOCKS))
@@ -51,25 +50,25 @@ def test_gradients_match_reference(m, k, n, bias, activation, blocks):
                                      block_sizes=blocks), a, ct))(*args)
   want = jax.jit(lambda *a: vjp_with(lambda x, y, b: fused_matmul.reference(
       x, y, bias=b, activation=activation), a, ct))(*args)
-  assert_tree_close(got, want, f32=1e-4)
+  assert_tree_close(got, want, tol=1e-4)
 
 
 def test_bf16_gradients_and_leading_dims():
   x, y, b, _ = _inputs(24, 20, 12, jnp.bfloat16, True, 1)
   x = x.reshape(2, 12, 20)
-  ct = normal(9, (2, 12, 12), jnp.bfloat16)
+  ct = array(9, (2, 12, 12), jnp.bfloat16)
   got = vjp_with(lambda x, y, b: kernels.matmul(
       x, y, bias=b, activation="gelu", block_sizes=(8, 8, 8)), (x, y, b), ct)
   want = vjp_with(lambda x, y, b: fused_matmul.reference(
       x, y, bias=b, activation="gelu"), (x, y, b), ct)
-  assert_tree_close(got, want, jnp.bfloat16, bf16=5e-2)
+  assert_tree_close(got, want, jnp.bfloat16, tol=5e-2)
 
 
 def test_callable_activation_and_partial_k_block():
   x, y, b, ct = _inputs(20, 37, 9, jnp.float32, True, 2)
   act = lambda z: z * jax.nn.sigmoid(2.0 * z)
   got = kernels.matmul(x, y, bias=b, activation=act, block_sizes=(8, 8, 16))
-  assert_close(got, act(x @ y + b), f32=2e-5)
+  assert_close(got, act(x @ y + b), tol=2e-5)
 
 
 def test_hand_written_backward_matches_automatic():
@@ -79,7 +78,7 @@ def test_hand_written_backward_matches_automatic():
   auto = automatic_vjp_or_xfail(raw, (x, y, b), ct)
   hand = vjp_with(lambda x, y, b: kernels.matmul(
       x, y, bias=b, activation="gelu", block_sizes=(8, 8, 8)), (x, y, b), ct)
-  assert_tree_close(hand, auto, f32=1e-4)
+  assert_tree_close(hand, auto, tol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["interpret", "triton", "triton_interpret",
@@ -101,7 +100,7 @@ def test_other_cpu_backends(backend):
   got = run_or_skip(lambda x, y, b: kernels.matmul(
       x, y, bias=b, activation="relu", backend=backend), x, y, b)
   assert_close(got, fused_matmul.reference(x, y, bias=b, activation="relu"),
-               f32=2e-5)
+               tol=2e-5)
   # partial blocks in every dim, and the backward products
   x, y, b, ct = _inputs(40, 136, 72, jnp.float32, True, 5)
   fn = lambda x, y, b: kernels.matmul(x, y, bias=b, activation="gelu",
@@ -109,4 +108,4 @@ def test_other_cpu_backends(backend):
   got = run_or_skip(lambda *a: vjp_with(fn, a, ct), x, y, b)
   want = vjp_with(lambda x, y, b: fused_matmul.reference(
       x, y, bias=b, activation="gelu"), (x, y, b), ct)
-  assert_tree_close(got, want, f32=1e-4)
+  assert_tree_close(got, want, tol=1e-4)

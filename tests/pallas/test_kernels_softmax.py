@@ -6,44 +6,43 @@ from hypothesis import given, strategies as st
 
 import kernels
 from kernels import online_softmax
-from tests.pallas.kernels_testing import (DTYPES, GRAD_SETTINGS,
-                                          OTHER_CPU_BACKENDS, SETTINGS,
-                                          assert_close, automatic_vjp_or_xfail,
-                                          jitted, normal, run_or_skip,
-                                          vjp_with)
+from tests.pallas.testing import (KERNEL_GRAD_SETTINGS, KERNEL_SETTINGS,
+                                  OTHER_CPU_BACKENDS, array, assert_close,
+                                  automatic_vjp_or_xfail, jitted, kernel_dtypes,
+                                  run_or_skip, vjp_with)
 
 shapes = st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple)
 
 
-@SETTINGS
-@given(shape=shapes, data=st.data(), dtype=st.sampled_from(DTYPES),
+@KERNEL_SETTINGS
+@given(shape=shapes, data=st.data(), dtype=kernel_dtypes,
        block_cols=st.sampled_from([None, 8, 16]),
        block_rows=st.sampled_from([None, 8]))
 def test_forward_matches_reference(shape, data, dtype, block_cols, block_rows):
   axis = data.draw(st.integers(-len(shape), len(shape) - 1), label="axis")
-  x = normal(shape, shape, dtype, scale=3.0)
+  x = array(shape, shape, dtype, scale=3.0)
   f = jax.jit(lambda x: kernels.softmax(x, axis, backend="interpret",
                                         block_rows=block_rows,
                                         block_cols=block_cols))
   assert_close(f(x), jitted(online_softmax.reference, axis=axis)(x), dtype,
-               bf16=1e-2)
+               tol={jnp.bfloat16: 1e-2})
 
 
-@GRAD_SETTINGS
+@KERNEL_GRAD_SETTINGS
 @given(rows=st.integers(1, 30), cols=st.integers(1, 70),
        block_cols=st.sampled_from([None, 16]))
 def test_gradient_matches_reference(rows, cols, block_cols):
-  x = normal(rows * 100 + cols, (rows, cols), jnp.float32, 2.0)
-  ct = normal(7, (rows, cols), jnp.float32)
+  x = array(rows * 100 + cols, (rows, cols), jnp.float32, scale=2.0)
+  ct = array(7, (rows, cols), jnp.float32)
   got = jax.jit(lambda x: vjp_with(
       lambda x: kernels.softmax(x, block_cols=block_cols), (x,), ct))(x)
   want = jax.jit(lambda x: vjp_with(online_softmax.reference, (x,), ct))(x)
-  assert_close(got[0], want[0], f32=1e-5)
+  assert_close(got[0], want[0], tol=1e-5)
 
 
 def test_online_path_masks_the_partial_last_block():
   # 100 columns in blocks of 32: four column blocks, the last one 4 wide.
-  x = normal(0, (24, 100), jnp.float32, 5.0)
+  x = array(0, (24, 100), jnp.float32, scale=5.0)
   x = x.at[:, 97].set(30.0)          # the max lies in the partial block
   got = kernels.softmax(x, block_cols=32, block_rows=8)
   assert_close(got, jax.nn.softmax(x, axis=-1))
@@ -51,17 +50,17 @@ def test_online_path_masks_the_partial_last_block():
 
 
 def test_bf16_gradient():
-  x = normal(1, (16, 50), jnp.bfloat16, 2.0)
-  ct = normal(2, (16, 50), jnp.bfloat16)
+  x = array(1, (16, 50), jnp.bfloat16, scale=2.0)
+  ct = array(2, (16, 50), jnp.bfloat16)
   got = vjp_with(lambda x: kernels.softmax(x, block_cols=16), (x,), ct)
   want = vjp_with(online_softmax.reference, (x,), ct)
-  assert_close(got[0], want[0], jnp.bfloat16, bf16=3e-2)
+  assert_close(got[0], want[0], jnp.bfloat16, tol=3e-2)
 
 
 @pytest.mark.parametrize("block_cols", [None, 16])
 def test_hand_written_backward_matches_automatic(block_cols):
-  x = normal(3, (12, 40), jnp.float32, 2.0)
-  ct = normal(4, (12, 40), jnp.float32)
+  x = array(3, (12, 40), jnp.float32, scale=2.0)
+  ct = array(4, (12, 40), jnp.float32)
   auto = automatic_vjp_or_xfail(
       lambda x: online_softmax.softmax_2d(x, block_cols=block_cols), (x,), ct)
   hand = vjp_with(lambda x: kernels.softmax(x, block_cols=block_cols), (x,),
@@ -70,18 +69,18 @@ def test_hand_written_backward_matches_automatic(block_cols):
 
 
 def test_default_backend_and_jit_composition():
-  x = normal(5, (3, 5, 7), jnp.float32)
+  x = array(5, (3, 5, 7), jnp.float32)
   f = jax.jit(lambda x: jnp.sum(kernels.softmax(x, axis=1) ** 2))
   assert_close(f(x), jnp.sum(jax.nn.softmax(x, axis=1) ** 2))
 
 
 @pytest.mark.parametrize("backend", OTHER_CPU_BACKENDS)
 def test_other_cpu_backends(backend):
-  x = normal(6, (16, 256), jnp.float32, 3.0)
+  x = array(6, (16, 256), jnp.float32, scale=3.0)
   got = run_or_skip(lambda x: kernels.softmax(x, backend=backend), x)
   assert_close(got, jax.nn.softmax(x, axis=-1))
   # the online path: column blocks of 128 over rows of 300 (masked tail)
-  x = normal(8, (16, 300), jnp.float32, 3.0)
+  x = array(8, (16, 300), jnp.float32, scale=3.0)
   got = run_or_skip(lambda x: kernels.softmax(x, backend=backend,
                                               block_cols=128), x)
   assert_close(got, jax.nn.softmax(x, axis=-1))

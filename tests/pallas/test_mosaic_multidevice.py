@@ -14,6 +14,7 @@ from dsl import tpu as pltpu
 import lowering_mosaic
 from lowering_mosaic import KernelRaceError, interpreter_options
 from lowering_mosaic import interpreter
+from tests.pallas.testing import assert_close
 
 N = 4
 pytestmark = pytest.mark.skipif(len(jax.devices()) < N,
@@ -140,7 +141,7 @@ def test_ring_reduce_scatter(backend):
   x = jax.random.normal(jax.random.key(0), (N * N * 8, 128))
   out = ring_reduce_scatter(x, backend)
   want = x.reshape(N, N * 8, 128).sum(0)      # chunk d of the sum on device d
-  np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+  assert_close(out, want)
 
 
 def test_reduce_scatter_correct_in_any_order():
@@ -149,7 +150,7 @@ def test_reduce_scatter_correct_in_any_order():
   for seed in range(5):
     with interpreter_options(seed=seed, dma_completion_prob=0.1 + 0.2 * seed):
       out = ring_reduce_scatter(x, "mosaic_interpret")
-      np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+      assert_close(out, want)
 
 
 def _races(fn, seeds):

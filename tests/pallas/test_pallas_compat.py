@@ -2,13 +2,13 @@
 the peer) and under dsl, by changing only the module it uses."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.experimental import pallas as jpl
 
 import dsl
 
 from jax.experimental.pallas import triton as jpl_triton
+from tests.pallas.testing import assert_close
 
 TRITON = {dsl: dsl.triton, jpl: jpl_triton}
 
@@ -71,5 +71,4 @@ def run(pl, name):
 def test_same_source_same_result(name):
   ours = run(dsl, name)
   peer = run(jpl, name)
-  np.testing.assert_allclose(np.asarray(ours), np.asarray(peer), rtol=1e-5,
-                             atol=1e-5)
+  assert_close(ours, peer)

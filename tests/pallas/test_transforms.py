@@ -1,6 +1,4 @@
 """pallas_call under jvp, linearize, grad/vjp, vmap, checkify and shardings."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,11 +8,7 @@ from jax.test_util import check_grads
 
 import dsl as pl
 from dsl import tpu as pltpu
-
-
-def _close(a, b, tol=1e-4):
-  np.testing.assert_allclose(np.asarray(a, np.float32),
-                             np.asarray(b, np.float32), rtol=tol, atol=tol)
+from tests.pallas.testing import assert_close
 
 
 # ------------------------------------------------------------ test kernels
@@ -109,8 +103,8 @@ def test_jvp_is_one_kernel_and_correct():
   tx, ty = jnp.ones(16), jnp.arange(16.)
   p, t = jax.jvp(sin_mul, (X, Y), (tx, ty))
   pr, tr = jax.jvp(lambda x, y: jnp.sin(x) * y, (X, Y), (tx, ty))
-  _close(p, pr)
-  _close(t, tr)
+  assert_close(p, pr)
+  assert_close(t, tr)
   jaxpr = jax.make_jaxpr(lambda x, y: jax.jvp(sin_mul, (x, y), (x, y)))(X, Y)
   assert [e.primitive.name for e in jaxpr.eqns] == ["pallas_call"]
   inner = jaxpr.eqns[0].params["spec"]
@@ -120,11 +114,11 @@ def test_jvp_is_one_kernel_and_correct():
 def test_jvp_matmul_scratch_state_and_loops():
   ta, tb = jnp.ones_like(A), jnp.ones_like(B)
   _, t = jax.jvp(matmul, (A, B), (ta, tb))
-  _close(t, ta @ B + A @ tb)
+  assert_close(t, ta @ B + A @ tb)
   tx = jax.random.normal(jax.random.key(9), (16, 24))
   _, t = jax.jvp(lse, (A,), (tx,))
   _, tr = jax.jvp(lambda a: jax.nn.logsumexp(a, axis=1), (A,), (tx,))
-  _close(t, tr)
+  assert_close(t, tr)
 
 
 def test_jvp_int_inputs_get_float0_tangents():
@@ -133,15 +127,15 @@ def test_jvp_int_inputs_get_float0_tangents():
                              (jnp.ones(16), np.zeros(16, jax.dtypes.float0)))
   (ro, rn), (tro, _) = jax.jvp(loop_ref, (X, s),
                                (jnp.ones(16), np.zeros(16, jax.dtypes.float0)))
-  _close(o, ro)
-  _close(to, tro)
+  assert_close(o, ro)
+  assert_close(to, tro)
   assert tn.dtype == jax.dtypes.float0
 
 
 def test_linearize():
   y, f_jvp = jax.linearize(sin_mul, X, Y)
-  _close(y, jnp.sin(X) * Y)
-  _close(f_jvp(jnp.ones(16), jnp.zeros(16)), jnp.cos(X) * Y)
+  assert_close(y, jnp.sin(X) * Y)
+  assert_close(f_jvp(jnp.ones(16), jnp.zeros(16)), jnp.cos(X) * Y)
 
 
 # ------------------------------------------------------------ reverse mode
@@ -157,25 +151,25 @@ def test_grad_matches_reference(fn, ref, args):
   got = jax.grad(loss(fn), argnums)(*args)
   want = jax.grad(loss(ref), argnums)(*args)
   for g, w in zip(got, want):
-    _close(g, w)
+    assert_close(g, w)
 
 
 def test_grad_through_loops_cond_and_int_operands():
   s = jnp.arange(16, dtype=jnp.int32)
   f = lambda x: jnp.sum(loop_call(x, s)[0] ** 2)
   fr = lambda x: jnp.sum(loop_ref(x, s)[0] ** 2)
-  _close(jax.grad(f)(X), jax.grad(fr)(X), 1e-3)
+  assert_close(jax.grad(f)(X), jax.grad(fr)(X), tol=1e-3)
 
 
 def test_vjp_and_value_and_grad():
   out, vjp = jax.vjp(matmul, A, B)
   ct = jax.random.normal(jax.random.key(5), out.shape)
   ga, gb = vjp(ct)
-  _close(ga, ct @ B.T)
-  _close(gb, A.T @ ct)
+  assert_close(ga, ct @ B.T)
+  assert_close(gb, A.T @ ct)
   v, g = jax.value_and_grad(lambda a: jnp.sum(lse(a)))(A)
-  _close(v, jnp.sum(jax.nn.logsumexp(A, axis=1)))
-  _close(g, jax.nn.softmax(A, axis=1))
+  assert_close(v, jnp.sum(jax.nn.logsumexp(A, axis=1)))
+  assert_close(g, jax.nn.softmax(A, axis=1))
 
 
 def test_check_grads_fwd_rev_order_2():
@@ -208,7 +202,7 @@ def test_hand_written_custom_vjp_agrees_with_automatic():
   hand = jax.grad(loss(f), (0, 1))(X, Y)
   auto = jax.grad(loss(sin_mul), (0, 1))(X, Y)
   for h, a in zip(hand, auto):
-    _close(h, a)
+    assert_close(h, a)
 
 
 def test_grad_with_aliased_input():
@@ -219,14 +213,14 @@ def test_grad_with_aliased_input():
                           grid=(1,), in_specs=[pl.BlockSpec((8,), lambda i: (0,))],
                           out_specs=pl.BlockSpec((8,), lambda i: (0,)),
                           input_output_aliases={0: 0})(x)
-  _close(f(X), X.at[:8].multiply(3.0))
+  assert_close(f(X), X.at[:8].multiply(3.0))
   g = jax.grad(lambda x: jnp.sum(f(x) * jnp.arange(16.)))(X)
-  _close(g, jnp.arange(16.) * jnp.where(jnp.arange(16) < 8, 3.0, 1.0))
+  assert_close(g, jnp.arange(16.) * jnp.where(jnp.arange(16) < 8, 3.0, 1.0))
 
 
 def test_grad_inside_jit():
   g = jax.jit(jax.grad(lambda a, b: jnp.sum(matmul(a, b) ** 2)))(A, B)
-  _close(g, jax.grad(lambda a, b: jnp.sum((a @ b) ** 2))(A, B), 1e-3)
+  assert_close(g, jax.grad(lambda a, b: jnp.sum((a @ b) ** 2))(A, B), tol=1e-3)
 
 
 # ------------------------------------------------------------ vmap
@@ -243,7 +237,7 @@ def test_vmap_axes_match_python_loop(in_axes, out_axes):
   want = jnp.stack([sin_mul(xs[b] if in_axes[0] is not None else xs[0],
                             ys[b] if in_axes[1] is not None else ys[0])
                     for b in range(3)], axis=0)
-  _close(jnp.moveaxis(got, out_axes, 0), want)
+  assert_close(jnp.moveaxis(got, out_axes, 0), want)
 
 
 def test_nested_vmap_with_program_id_and_scratch():
@@ -258,7 +252,7 @@ def test_nested_vmap_with_program_id_and_scratch():
   xs = jax.random.normal(jax.random.key(8), (2, 3, 8))
   got = jax.vmap(jax.vmap(f))(xs)
   want = jnp.stack([jnp.stack([f(xs[a, b]) for b in range(3)]) for a in range(2)])
-  _close(got, want)
+  assert_close(got, want)
   assert jax.make_jaxpr(jax.vmap(jax.vmap(f)))(xs).eqns[0].params[
       "spec"].grid_mapping.grid == (2, 3, 2)
 
@@ -278,19 +272,19 @@ def test_vmap_grid_spec_prefetch_and_aliases():
   xs = jax.random.normal(jax.random.key(9), (2, 4, 8))
   got = jax.vmap(f)(idx, xs)
   want = jnp.stack([f(idx[b], xs[b]) for b in range(2)])
-  _close(got, want)
+  assert_close(got, want)
   got = jax.vmap(f, in_axes=(None, 0))(idx[0], xs)
   want = jnp.stack([f(idx[0], xs[b]) for b in range(2)])
-  _close(got, want)
+  assert_close(got, want)
 
 
 def test_grad_of_vmap_and_vmap_of_grad():
   xs = jax.random.normal(jax.random.key(10), (3, 16))
   g = jax.grad(lambda x: jnp.sum(jax.vmap(sin_mul, (0, None))(x, Y) ** 2))(xs)
   gr = jax.grad(lambda x: jnp.sum((jnp.sin(x) * Y) ** 2))(xs)
-  _close(g, gr)
+  assert_close(g, gr)
   g2 = jax.vmap(jax.grad(lambda x: jnp.sum(sin_mul(x, Y))))(xs)
-  _close(g2, jnp.cos(xs) * Y)
+  assert_close(g2, jnp.cos(xs) * Y)
 
 
 # ------------------------------------------------------------ checks
@@ -320,14 +314,15 @@ def test_checkify_returns_error_as_value():
   assert "x too big: 208.0" in err.get()
   err, out = checkify.checkify(checked)(jnp.arange(16.) + 1)
   assert err.get() is None
-  _close(out, jnp.sqrt(jnp.arange(16.) + 1))
+  assert_close(out, jnp.sqrt(jnp.arange(16.) + 1))
 
 
 def test_runtime_assert_flag_raises_with_message():
   with pl.config.enable_runtime_assert_option(True):
     with pytest.raises(Exception, match="x must be positive"):
       jax.block_until_ready(jax.jit(checked)(jnp.arange(16.) - 1))
-    _close(jax.jit(checked)(jnp.arange(16.) + 1), jnp.sqrt(jnp.arange(16.) + 1))
+    assert_close(jax.jit(checked)(jnp.arange(16.) + 1),
+                 jnp.sqrt(jnp.arange(16.) + 1))
 
 
 # ------------------------------------------------------------ several devices
@@ -342,17 +337,17 @@ def test_shard_map_and_sharded_jit_with_transforms():
   y = jax.random.normal(jax.random.key(12), (8 * 16,))
   f = jax.shard_map(sin_mul, mesh=mesh, in_specs=(P("d"), P("d")),
                     out_specs=P("d"))
-  _close(jax.jit(f)(x, y), jnp.sin(x) * y)
+  assert_close(jax.jit(f)(x, y), jnp.sin(x) * y)
   g = jax.jit(jax.grad(lambda x, y: jnp.sum(f(x, y) ** 2)))(x, y)
-  _close(g, 2 * jnp.sin(x) * y * jnp.cos(x) * y)
+  assert_close(g, 2 * jnp.sin(x) * y * jnp.cos(x) * y)
   _, t = jax.jvp(f, (x, y), (jnp.ones_like(x), jnp.zeros_like(y)))
-  _close(t, jnp.cos(x) * y)
+  assert_close(t, jnp.cos(x) * y)
   xs = jnp.stack([x, y])
-  _close(jax.vmap(f, (0, None))(xs, y), jnp.sin(xs) * y)
+  assert_close(jax.vmap(f, (0, None))(xs, y), jnp.sin(xs) * y)
   sharding = NamedSharding(mesh, P("d"))
   xd, yd = jax.device_put(x, sharding), jax.device_put(y, sharding)
   out = jax.jit(lambda a, b: sin_mul(a.reshape(8, 16)[0], b.reshape(8, 16)[0]))(xd, yd)
-  _close(out, jnp.sin(x[:16]) * y[:16])
+  assert_close(out, jnp.sin(x[:16]) * y[:16])
 
 
 @pytest.mark.parametrize("backend", ["interpret", "triton_interpret",
@@ -364,9 +359,9 @@ def test_runtime_assert_on_every_cpu_backend(backend):
   f = jax.jit(lambda x: pl.pallas_call(
       kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32), backend=backend)(x))
   ones = jnp.ones((8, 128))
-  _close(f(ones), 2 * ones)                       # off: ignored
-  _close(f(-ones), -2 * ones)
+  assert_close(f(ones), 2 * ones)                       # off: ignored
+  assert_close(f(-ones), -2 * ones)
   with pl.config.enable_runtime_assert_option(True):
-    _close(f(ones), 2 * ones)
+    assert_close(f(ones), 2 * ones)
     with pytest.raises(Exception, match="x must be positive"):
       jax.block_until_ready(f(-ones))

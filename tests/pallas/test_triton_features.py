@@ -1,75 +1,27 @@
-"""The core-DSL feature tests (test_interpret_features.py) and the interpret
-property tests, run again with the Triton backends: every kernel runs in
-Triton's interpreter (backend "triton_interpret") against the same jnp
-references, and compiles ahead of time for sm_80 and sm_90."""
-import inspect
-
+"""The feature suite (test_features.py) ahead of time on the Triton backend:
+every kernel that its triton_interpret cases lower compiles for sm_80 and
+sm_90. (The suite itself checks their values under triton_interpret.)"""
 import pytest
 
 import lowering_triton
 from lowering_triton.compile import compile_kernel
-from tests.pallas import test_interpret_features as features
-from tests.pallas.triton_testing import (ARCHS, default_backend,
-                                         parametrize_cases, test_cases)
-
-# test_debug_print checks the interpret backend's print format; the Triton
-# format (tl.device_print) is checked in test_triton_source.py.
-_OWN_FORMAT = {"test_debug_print"}
+from tests.pallas import test_features as features
+from tests.pallas.testing import TRITON_ARCHS, default_backend, test_cases
 
 
-FEATURE_CASES = list(test_cases(features, skip=_OWN_FORMAT))
-_LOWERED: dict[str, list] = {}
-
-
-@pytest.mark.parametrize("name,kwargs", FEATURE_CASES)
-def test_feature_kernel_matches_reference_in_triton_interpreter(name, kwargs):
-  with default_backend() as lowered:
-    getattr(features, name)(**kwargs)
-  assert lowered, f"{name} lowered no kernel through triton_interpret"
-  _LOWERED.setdefault(name, []).extend(lowered)
-
-
-def _feature_specs(name):
-  if name not in _LOWERED:
-    fn = getattr(features, name)
-    kwargs = next(iter(parametrize_cases(fn)))
-    with default_backend() as lowered:
-      fn(**kwargs)
-    _LOWERED[name] = lowered
-  return _LOWERED[name]
-
-
-FEATURE_NAMES = sorted({c.values[0] for c in FEATURE_CASES})
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("name", FEATURE_NAMES)
-def test_feature_kernel_compiles_ahead_of_time(name, arch):
-  specs = _feature_specs(name)
-  assert specs
+@pytest.mark.parametrize("name,kwargs", list(test_cases(
+    features, backend="triton_interpret")))
+def test_feature_kernels_compile_ahead_of_time(name, kwargs):
+  # Recorded as lowered for triton_interpret, run on interpret (fast).
+  with default_backend("triton_interpret", run_on="interpret") as lowered:
+    getattr(features, name)(backend="triton_interpret", **kwargs)
+  assert lowered, f"{name} lowered no kernel for triton_interpret"
   seen = set()
-  for spec in specs:
+  for spec in lowered:
     gk = lowering_triton.generate(spec)
     if gk.source in seen:
       continue
     seen.add(gk.source)
-    compiled = compile_kernel(gk, int(arch[3:]))
-    assert compiled.asm["cubin"] and ".entry" in compiled.asm["ptx"]
-
-
-# The property tests of the interpret backend (random shapes, dtypes, block
-# sizes; partial and non-power-of-two blocks), with the Triton interpreter.
-try:
-  from tests.pallas import test_interpret_hypothesis as properties
-  PROPERTY_TESTS = [n for n, f in inspect.getmembers(properties,
-                                                     inspect.isfunction)
-                    if n.startswith("test_")]
-except ImportError:       # the module is not there in every checkout
-  properties, PROPERTY_TESTS = None, []
-
-
-@pytest.mark.parametrize("name", PROPERTY_TESTS)
-def test_interpret_property_tests_in_triton_interpreter(name):
-  with default_backend() as lowered:
-    getattr(properties, name)()
-  assert lowered
+    for arch in TRITON_ARCHS:
+      compiled = compile_kernel(gk, int(arch[3:]))
+      assert compiled.asm["cubin"] and ".entry" in compiled.asm["ptx"]

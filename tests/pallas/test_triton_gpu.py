@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from tests.pallas import test_interpret_features as features
+from tests.pallas import test_features as features
 from tests.pallas import test_triton_ops as ops
-from tests.pallas import triton_testing
-from tests.pallas.triton_testing import assert_close, default_backend, test_cases
+from tests.pallas import testing
+from tests.pallas.testing import assert_close, default_backend, test_cases
 
 
 def _has_gpu() -> bool:
@@ -32,18 +32,18 @@ pytestmark = [pytest.mark.gpu,
 def _gpu_backend_and_exact_f32_dots():
   """`call` uses backend="triton"; f32 dots (kernel and jnp reference) use
   full f32 precision, as on the CPU."""
-  old = triton_testing.CURRENT[0]
-  triton_testing.CURRENT[0] = "triton"
+  old = testing.TRITON_BACKEND[0]
+  testing.TRITON_BACKEND[0] = "triton"
   with jax.default_matmul_precision("float32"):
     yield
-  triton_testing.CURRENT[0] = old
+  testing.TRITON_BACKEND[0] = old
 
 
-@pytest.mark.parametrize("name,kwargs",
-                         list(test_cases(features, skip={"test_debug_print"})))
+@pytest.mark.parametrize("name,kwargs", list(test_cases(
+    features, backend="triton_interpret")))
 def test_feature_kernels_on_gpu(name, kwargs):
   with default_backend("triton", platform="cuda") as lowered:
-    getattr(features, name)(**kwargs)
+    getattr(features, name)(backend="triton", **kwargs)
   assert lowered
 
 
@@ -68,7 +68,7 @@ def test_bf16_matmul(shape):
   y = jnp.asarray(r.standard_normal((k, n)), jnp.bfloat16)
   got = jax.jit(_matmul)(x, y)
   want = jnp.dot(x, y, preferred_element_type=jnp.float32)
-  assert_close(got, want, jnp.bfloat16, rtol=3e-2)
+  assert_close(got, want, jnp.bfloat16, tol=3e-2)
 
 
 @pytest.mark.parametrize("rows,cols", [(512, 1024), (300, 1000)])
@@ -85,7 +85,7 @@ def test_softmax_and_layer_norm(rows, cols):
   mu = xf.mean(-1, keepdims=True)
   want = (xf - mu) * jax.lax.rsqrt(((xf - mu) ** 2).mean(-1, keepdims=True)
                                    + 1e-5) * w + b
-  assert_close(got, want, jnp.bfloat16, rtol=5e-2)
+  assert_close(got, want, jnp.bfloat16, tol=5e-2)
 
 
 def test_compile_cache_reuses_kernels():

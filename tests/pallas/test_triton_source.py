@@ -7,7 +7,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 
@@ -15,7 +14,7 @@ import dsl as pl
 import lowering_triton
 from dsl import triton as plt
 from dsl import tpu as pltpu
-from tests.pallas.triton_testing import BACKEND, array, assert_close, call
+from tests.pallas.testing import array, assert_close, call
 
 
 def add_kernel(x_ref, y_ref, o_ref):
@@ -95,7 +94,7 @@ def test_non_power_of_two_blocks_are_padded_and_masked():
   got = call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), x, grid=(3,),
              in_specs=[pl.BlockSpec((10, 100), lambda i: (i, 0))],
              out_specs=pl.BlockSpec((10, 100), lambda i: (i, 0)))
-  assert_close(got, x - x.sum(1, keepdims=True), rtol=1e-5)
+  assert_close(got, x - x.sum(1, keepdims=True), tol=1e-5)
 
 
 def test_small_dot_is_padded_to_sixteen():
@@ -133,7 +132,8 @@ def _accumulate(x, kernel, out_block_rows=16):
       kernel, jax.ShapeDtypeStruct((32, 16), jnp.float32), grid=(2, 4),
       in_specs=[pl.BlockSpec((16, 16), lambda i, k: (i, k))],
       out_specs=pl.BlockSpec((out_block_rows, 16), lambda i, k: (i, 0)),
-      scratch_shapes=[pltpu.VMEM((16, 16), jnp.float32)], backend=BACKEND)(x)
+      scratch_shapes=[pltpu.VMEM((16, 16), jnp.float32)],
+      backend="triton_interpret")(x)
 
 
 def _loop_parts(src):
@@ -240,7 +240,7 @@ def test_programs_start_in_row_major_grid_order():
   spec = pl.BlockSpec((None, None, None, 8), lambda a, b, c: (a, b, c, 0))
   f = lambda x: pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
                                grid=(2, 3, 5), in_specs=[spec],
-                               out_specs=spec, backend=BACKEND)(x)
+                               out_specs=spec, backend="triton_interpret")(x)
   (src,) = lowering_triton.to_source(f, x)
   assert "a = tl.program_id(2)" in src and "c = tl.program_id(0)" in src
   assert "GRID = (5, 3, 2)" in src
@@ -273,7 +273,7 @@ def test_dump_flag_writes_each_kernel(tmp_path):
   jax.config.update("jax_pallas_dump_triton_to", str(tmp_path))
   try:
     x = jnp.arange(300.)
-    got = jax.jit(lambda x: blocked_add(x, x, backend=BACKEND))(x)
+    got = jax.jit(lambda x: blocked_add(x, x, backend="triton_interpret"))(x)
   finally:
     jax.config.update("jax_pallas_dump_triton_to", "")
   assert_close(got, 2 * x)
@@ -312,7 +312,7 @@ def test_compile_aot_returns_cubin_ptx_shared_and_warps(arch):
       in_specs=[pl.BlockSpec((32, 128), lambda i, j: (i, 0)),
                 pl.BlockSpec((128, 32), lambda i, j: (0, j))],
       out_specs=pl.BlockSpec((32, 32), lambda i, j: (i, j)),
-      backend=BACKEND)(x, y))(x, y)
+      backend="triton_interpret")(x, y))(x, y)
   assert_close(got, jnp.full((64, 64), 128.0), jnp.bfloat16)
 
 
@@ -435,7 +435,7 @@ def _checked_kernel(x_ref, o_ref):
 
 def _checked(x):
   return pl.pallas_call(_checked_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        backend=BACKEND)(x)
+                        backend="triton_interpret")(x)
 
 
 def test_runtime_assert_becomes_device_assert(runtime_asserts):
@@ -461,7 +461,7 @@ def test_unsupported_primitive_names_primitive_kernel_and_line():
   with pytest.raises(pl.BackendError) as e:
     jax.jit(lambda x: pl.pallas_call(
         erf_inv_kernel, jax.ShapeDtypeStruct((8,), jnp.float32),
-        backend=BACKEND)(x))(x)
+        backend="triton_interpret")(x))(x)
   msg = str(e.value)
   assert "primitive 'erf_inv'" in msg and "kernel 'erf_inv_kernel'" in msg
   assert f"test_triton_source.py:{_line_of('# UNSUPPORTED-LINE')}" in msg
@@ -537,7 +537,8 @@ def test_float32_dot_precision_follows_jax_config():
 
 def test_debug_flag_prints_the_generated_source(capsys):
   x = jnp.arange(256.)
-  jax.jit(lambda x: blocked_add(x, x, backend=BACKEND, debug=True))(x)
+  jax.jit(lambda x: blocked_add(x, x, backend="triton_interpret",
+                                debug=True))(x)
   out = capsys.readouterr().out
   assert "--- Triton source of kernel add_kernel" in out
   assert "def add_kernel(x_ptr, y_ptr, o_ptr):" in out

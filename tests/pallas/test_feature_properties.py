@@ -1,39 +1,32 @@
 """Property tests: blocked kernels equal their jnp references for random
-shapes, dtypes, block sizes and grids (partial edge blocks included)."""
+shapes, dtypes, block sizes and grids (partial edge blocks included), on the
+CPU backends that take any block shape (Mosaic needs TPU tiling: the
+feature suite, test_features.py, runs it on TPU-legal shapes)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+import pytest
+from hypothesis import given, strategies as st
 
 import dsl as pl
+from tests.pallas.testing import array, assert_close, hypothesis_settings
 
-SETTINGS = settings(max_examples=12, deadline=None)
+SETTINGS = hypothesis_settings(12, derandomize=False)
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8]
 
-
-def _tol(dtype):
-  return {jnp.bfloat16: 2e-2, jnp.float16: 2e-3}.get(dtype, 1e-5)
-
-
-def _array(key, shape, dtype):
-  if jnp.issubdtype(dtype, jnp.integer):
-    return jax.random.randint(key, shape, -50, 50).astype(dtype)
-  return jax.random.normal(key, shape).astype(dtype)
+on_any_block_shape = pytest.mark.parametrize(
+    "backend", ("interpret", "triton_interpret"))
 
 
-def _close(a, b, dtype):
-  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                             rtol=_tol(dtype), atol=_tol(dtype))
-
-
+@on_any_block_shape
 @SETTINGS
 @given(m=st.integers(1, 70), n=st.integers(1, 70), bm=st.integers(1, 32),
        bn=st.integers(1, 32), dtype=st.sampled_from(DTYPES),
        seed=st.integers(0, 2**16))
-def test_blocked_elementwise_2d(m, n, bm, bn, dtype, seed):
+def test_blocked_elementwise_2d(m, n, bm, bn, dtype, seed, backend):
   bm, bn = min(bm, m), min(bn, n)
-  x = _array(jax.random.key(seed), (m, n), dtype)
-  y = _array(jax.random.key(seed + 1), (m, n), dtype)
+  x = array(seed, (m, n), dtype)
+  y = array(seed + 1, (m, n), dtype)
 
   def kernel(x_ref, y_ref, o_ref):
     a, b = x_ref[...], y_ref[...]
@@ -43,18 +36,20 @@ def test_blocked_elementwise_2d(m, n, bm, bn, dtype, seed):
       kernel, jax.ShapeDtypeStruct((m, n), dtype),
       grid=(pl.cdiv(m, bm), pl.cdiv(n, bn)),
       in_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j))] * 2,
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)))(x, y)
-  _close(out, jnp.where(x > y, x * 2, y - x), dtype)
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      backend=backend)(x, y)
+  assert_close(out, jnp.where(x > y, x * 2, y - x), dtype)
 
 
+@on_any_block_shape
 @SETTINGS
 @given(m=st.sampled_from([16, 24, 40]), k=st.sampled_from([16, 24, 48]),
        n=st.sampled_from([16, 24]), b=st.sampled_from([8, 16]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
        seed=st.integers(0, 2**16))
-def test_blocked_matmul(m, k, n, b, dtype, seed):
-  x = _array(jax.random.key(seed), (m, k), dtype)
-  y = _array(jax.random.key(seed + 1), (k, n), dtype)
+def test_blocked_matmul(m, k, n, b, dtype, seed, backend):
+  x = array(seed, (m, k), dtype)
+  y = array(seed + 1, (k, n), dtype)
 
   def kernel(x_ref, y_ref, o_ref, acc_ref):
     @pl.when(pl.program_id(2) == 0)
@@ -72,18 +67,19 @@ def test_blocked_matmul(m, k, n, b, dtype, seed):
       in_specs=[pl.BlockSpec((b, b), lambda i, j, kk: (i, kk)),
                 pl.BlockSpec((b, b), lambda i, j, kk: (kk, j))],
       out_specs=pl.BlockSpec((b, b), lambda i, j, kk: (i, j)),
-      scratch_shapes=[pl.tpu.VMEM((b, b), jnp.float32)])(x, y)
+      scratch_shapes=[pl.tpu.VMEM((b, b), jnp.float32)], backend=backend)(x, y)
   want = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(dtype)
-  _close(out, want, dtype if dtype != jnp.float32 else jnp.bfloat16)
+  assert_close(out, want, dtype if dtype != jnp.float32 else jnp.bfloat16)
 
 
+@on_any_block_shape
 @SETTINGS
 @given(rows=st.integers(1, 20), cols=st.integers(1, 64), br=st.integers(1, 8),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int32]),
        seed=st.integers(0, 2**16))
-def test_row_reductions(rows, cols, br, dtype, seed):
+def test_row_reductions(rows, cols, br, dtype, seed, backend):
   br = min(br, rows)
-  x = _array(jax.random.key(seed), (rows, cols), dtype)
+  x = array(seed, (rows, cols), dtype)
 
   def kernel(x_ref, s_ref, m_ref, a_ref):
     v = x_ref[...]
@@ -97,19 +93,21 @@ def test_row_reductions(rows, cols, br, dtype, seed):
                jax.ShapeDtypeStruct((rows,), jnp.int32)),
       grid=(pl.cdiv(rows, br),),
       in_specs=[pl.BlockSpec((br, cols), lambda i: (i, 0))],
-      out_specs=[pl.BlockSpec((br,), lambda i: (i,))] * 3)(x)
-  _close(s, jnp.sum(x.astype(jnp.float32), axis=1), jnp.bfloat16)
-  _close(mx, jnp.max(x, axis=1), dtype)
+      out_specs=[pl.BlockSpec((br,), lambda i: (i,))] * 3,
+      backend=backend)(x)
+  assert_close(s, jnp.sum(x.astype(jnp.float32), axis=1), jnp.bfloat16)
+  assert_close(mx, jnp.max(x, axis=1), dtype)
   np.testing.assert_array_equal(am, jnp.argmin(x, axis=1))
 
 
+@on_any_block_shape
 @SETTINGS
 @given(n=st.integers(1, 200), block=st.sampled_from([8, 16, 32, 64]),
        src=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.int32, jnp.bool_]),
        dst=st.sampled_from([jnp.float32, jnp.float16, jnp.int32, jnp.int8]),
        seed=st.integers(0, 2**16))
-def test_casts_with_masked_tail(n, block, src, dst, seed):
-  x = (_array(jax.random.key(seed), (n,), jnp.float32) * 3).astype(src)
+def test_casts_with_masked_tail(n, block, src, dst, seed, backend):
+  x = (array(seed, (n,), jnp.float32) * 3).astype(src)
 
   def kernel(x_ref, o_ref):
     i = pl.program_id(0)
@@ -121,5 +119,5 @@ def test_casts_with_masked_tail(n, block, src, dst, seed):
   out = pl.pallas_call(
       kernel, jax.ShapeDtypeStruct((n,), dst), grid=(pl.cdiv(n, block),),
       in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
-      out_specs=pl.BlockSpec((block,), lambda i: (i,)))(x)
+      out_specs=pl.BlockSpec((block,), lambda i: (i,)), backend=backend)(x)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(x.astype(dst)))

@@ -1,0 +1,219 @@
+"""Helpers shared by the tests in tests/pallas: the backends a test runs on,
+input arrays, one `assert_close` with per-dtype tolerances, running a kernel
+on a backend, and recording the kernels a backend lowered."""
+import contextlib
+import inspect
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+
+import dsl as pl
+from dsl import backends
+
+# ------------------------------------------------------------------ backends
+
+# The backends that run on a CPU; every feature test runs on each.
+CPU_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
+# The CPU backends besides the default "interpret".
+OTHER_CPU_BACKENDS = tuple(b for b in CPU_BACKENDS if b != "interpret")
+
+# The Triton backend that `call` uses; the GPU tests switch it to "triton".
+TRITON_BACKEND = ["triton_interpret"]
+# The GPU architectures the Triton tests compile for ahead of time.
+TRITON_ARCHS = ("sm_80", "sm_90")
+
+
+def hypothesis_settings(max_examples, derandomize=True):
+  """Hypothesis settings for kernel tests: no deadline (every new shape
+  compiles a new program), reproducible examples unless told otherwise."""
+  return settings(max_examples=max_examples, deadline=None,
+                  derandomize=derandomize,
+                  suppress_health_check=[HealthCheck.too_slow,
+                                         HealthCheck.data_too_large])
+
+
+# The kernel library's tests (test_kernels_*.py): dtypes and example budgets
+# (every new shape compiles a new XLA program; a gradient check compiles a
+# forward and a backward one).
+kernel_dtypes = st.sampled_from((jnp.float32, jnp.bfloat16))
+KERNEL_SETTINGS = hypothesis_settings(10)
+KERNEL_GRAD_SETTINGS = hypothesis_settings(5)
+
+
+# ------------------------------------------------------------------ inputs
+
+def rng(seed) -> np.random.Generator:
+  return np.random.default_rng(abs(hash(seed)) % (1 << 32))
+
+
+def array(seed, shape, dtype, lo=-50, hi=50, scale=1.0, shift=0.0):
+  """Random input from numpy (no per-shape XLA compile, unlike jax.random):
+  integers in [lo, hi), booleans, or normal floats * scale + shift."""
+  r = rng(seed)
+  if dtype == jnp.bool_:
+    return jnp.asarray(r.integers(0, 2, shape).astype(bool))
+  if jnp.issubdtype(dtype, jnp.integer):
+    return jnp.asarray(r.integers(lo, hi, shape)).astype(dtype)
+  x = r.standard_normal(shape, np.float32) * scale + shift
+  return jnp.asarray(x).astype(dtype)
+
+
+# ------------------------------------------------------------------ comparing
+
+# Tolerance by dtype of the computation; every other dtype uses DEFAULT_TOL.
+TOLERANCES = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-3}
+DEFAULT_TOL = 1e-5
+
+
+def tolerance(dtype, overrides=None) -> float:
+  """The tolerance for `dtype`: `overrides` ({dtype: tol}) first, then the
+  TOLERANCES table, then DEFAULT_TOL."""
+  dtype = jnp.dtype(dtype)
+  for table in (overrides or {}, TOLERANCES):
+    for k, t in table.items():
+      if jnp.dtype(k) == dtype:
+        return t
+  return DEFAULT_TOL
+
+
+def assert_close(got, want, dtype=jnp.float32, tol=None):
+  """`got` equals `want` (of the same shape) within t, with t the
+  tolerance of `dtype` (the dtype the kernel computes in), or `tol`: a
+  number, or {dtype: tolerance} overriding the table for some dtypes.
+
+  Every element is within t * (1 + |want|) (numpy's allclose with
+  rtol = atol = t: NaN and inf where `want` has them) and within
+  t * max(1, max |want|), the max over the finite elements."""
+  t = tol if isinstance(tol, (int, float)) else tolerance(dtype, tol)
+  got = np.asarray(jnp.asarray(got, jnp.float32))
+  want = np.asarray(jnp.asarray(want, jnp.float32))
+  assert got.shape == want.shape, (got.shape, want.shape)
+  np.testing.assert_allclose(got, want, rtol=t, atol=t)
+  finite = np.isfinite(want)
+  if finite.any():
+    scale = max(1.0, float(np.max(np.abs(want[finite]))))
+    err = float(np.max(np.abs(got[finite] - want[finite])))
+    assert err <= t * scale, f"max error {err} > {t} * {scale}"
+
+
+def assert_tree_close(got, want, dtype=jnp.float32, tol=None):
+  got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got_l) == len(want_l)
+  for g, w in zip(got_l, want_l):
+    assert_close(g, w, dtype, tol)
+
+
+# ------------------------------------------------------------------ running
+
+def call(kernel, out_shape, *args, backend=None, **kw):
+  """pallas_call on `backend` (default: the current Triton backend), under
+  jit."""
+  backend = backend or TRITON_BACKEND[0]
+  return jax.jit(lambda *a: pl.pallas_call(kernel, out_shape, backend=backend,
+                                           **kw)(*a))(*args)
+
+
+def jitted(fn, **kw):
+  """`fn` with keyword arguments bound, under jit (one compile, not one per
+  eager op)."""
+  return jax.jit(lambda *a: fn(*a, **kw))
+
+
+def vjp_with(fn, args, cotangent):
+  """The cotangents of `fn`'s differentiable args for output cotangent."""
+  _, pullback = jax.vjp(fn, *args)
+  return pullback(cotangent)
+
+
+def automatic_vjp_or_xfail(fn, args, cotangent):
+  """jax.vjp through a raw pallas_call (dsl's automatic reverse mode)."""
+  try:
+    return jax.jit(lambda *a: vjp_with(fn, a, cotangent))(*args)
+  except NotImplementedError as e:
+    pytest.xfail(f"automatic vjp not landed: {e}")
+
+
+def run_or_skip(fn, *args):
+  """Runs `fn` on a backend that may not support the kernel yet."""
+  try:
+    return jax.block_until_ready(fn(*args))
+  except (pl.BackendError, NotImplementedError, ImportError) as e:
+    pytest.skip(f"backend cannot run this kernel: {str(e).splitlines()[0]}")
+  except pl.KernelError as e:
+    pytest.skip(f"backend rejects this kernel: {str(e).splitlines()[0]}")
+
+
+# ------------------------------------------------------------------ recording
+
+@contextlib.contextmanager
+def default_backend(name="triton_interpret", platform="cpu", run_on=None):
+  """Makes `name` the backend of every pallas_call with backend=None on
+  `platform`, and records the kernels lowered for it (those that name it
+  too). With `run_on`, those kernels run on backend `run_on` instead: this
+  collects the kernels a slow backend gets without running them there."""
+  lowered = []
+  old_default = backends.DEFAULT_FOR_PLATFORM[platform]
+  rule = backends.lowering_rule(name, "<test>", None)
+  run = backends.lowering_rule(run_on or name, "<test>", None)
+
+  def counting(ctx, *args, spec):
+    lowered.append(spec)
+    return run(ctx, *args, spec=spec)
+
+  backends.DEFAULT_FOR_PLATFORM[platform] = name
+  backends.register_backend(name, counting)
+  jax.clear_caches()
+  try:
+    yield lowered
+  finally:
+    backends.DEFAULT_FOR_PLATFORM[platform] = old_default
+    backends.register_backend(name, rule)
+    jax.clear_caches()
+
+
+# ------------------------------------------------------------------ test cases
+
+def parametrize_cases(fn):
+  """The keyword arguments of every pytest.mark.parametrize case of `fn`."""
+  axes = []
+  for mark in getattr(fn, "pytestmark", []):
+    if mark.name != "parametrize":
+      continue
+    names = [n.strip() for n in mark.args[0].split(",")]
+    values = [v if len(names) > 1 else (v,) for v in mark.args[1]]
+    axes.append([dict(zip(names, v)) for v in values])
+  for combo in itertools.product(*axes):
+    kw = {}
+    for part in combo:
+      kw.update(part)
+    yield kw
+
+
+def case_id(name, kw) -> str:
+  if not kw:
+    return name
+  return name + "[" + "-".join(getattr(v, "__name__", str(v))
+                               for v in kw.values()) + "]"
+
+
+def test_cases(module, skip=(), backend=None):
+  """(name, kwargs) pytest params for the test functions of `module`; with
+  `backend`, only the cases run on `backend`, once per other argument."""
+  for name, fn in inspect.getmembers(module, inspect.isfunction):
+    if not name.startswith("test_") or name in skip or \
+        getattr(fn, "__test__", True) is False:
+      continue
+    if "capfd" in inspect.signature(fn).parameters:
+      continue
+    for kw in parametrize_cases(fn):
+      if backend is not None:
+        if kw.pop("backend", backend) != backend:
+          continue
+      yield pytest.param(name, kw, id=case_id(name, kw))
+
+
+test_cases.__test__ = False   # a helper, not a test
