@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 import kernels
 import lowering_triton.kernel as tk
-from benchmarks.gpu_attention import _time
+from benchmarks.timing import time_queued
 from kernels import flash
 
 TILES = ((64, 32), (64, 64), (128, 32), (128, 64), (64, 128), (128, 128))
@@ -25,7 +25,7 @@ def rows():
   x = jax.random.normal(jax.random.key(0), (16384, 8192), jnp.bfloat16)
   w = jnp.ones(8192, jnp.bfloat16)
   nbytes = 2 * x.size * 2
-  copy = _time(jax.jit(lambda a: -a), x)
+  copy = time_queued(jax.jit(lambda a: -a), x)
   print(f"copy {nbytes / copy / 1e9:.0f} GB/s")
   for nw in (4, 8, 16):
     tk.DEFAULT_NUM_WARPS = nw
@@ -38,7 +38,7 @@ def rows():
         "softmax row": lambda x: kernels.softmax(x, backend="triton", block_rows=1, block_cols=8192),
     }
     for name, fn in cases.items():
-      _report(f"nw={nw:2d} {name:18s}", lambda: _time(jax.jit(fn), x),
+      _report(f"nw={nw:2d} {name:18s}", lambda: time_queued(jax.jit(fn), x),
               lambda t: f"{nbytes / t / 1e9:.0f} GB/s {copy / t:.2f} of copy")
 
 
@@ -70,7 +70,7 @@ def attention(mode, seq):
           flash.TRITON_CONFIGS["dq"] = (big, small, nw, st)
         jax.clear_caches()
         _report(f"flash {mode} seq={seq} tiles={tiles} nw={nw} st={st}",
-                lambda: _time(jax.jit(f), q, k, v),
+                lambda: time_queued(jax.jit(f), q, k, v),
                 lambda t: f"{flops / t / 1e12:.0f} TFLOP/s")
   finally:
     flash.TRITON_CONFIGS.update(saved)
