@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import kernels
 import lowering_triton.kernel as tk
 from benchmarks.timing import time_queued
-from kernels import flash
+from kernels.flash_attention import TRITON_CONFIGS
 
 TILES = ((64, 32), (64, 64), (128, 32), (128, 64), (64, 128), (128, 128))
 # (backward: the larger of the two is the block each kernel keeps)
@@ -53,7 +53,7 @@ def attention(mode, seq):
   q, k, v = _qkv(seq)
   b, s, h, d = q.shape
   flops = 4 * b * h * s * s * d * (1.0 if mode == "fwd" else 3.5)
-  saved = dict(flash.TRITON_CONFIGS)
+  saved = dict(TRITON_CONFIGS)
   f = lambda q, k, v: kernels.flash_attention(q, k, v, backend="triton")
   if mode == "bwd":
     f = jax.grad(lambda q, k, v: jnp.sum(
@@ -63,17 +63,17 @@ def attention(mode, seq):
     for tiles in TILES:
       for nw, st in LAUNCH:
         if mode == "fwd":
-          flash.TRITON_CONFIGS["fwd"] = (*tiles, nw, st)
+          TRITON_CONFIGS["fwd"] = (*tiles, nw, st)
         else:     # dK/dV keeps the larger block of kv rows, dQ of q rows
           small, big = sorted(tiles)
-          flash.TRITON_CONFIGS["dkdv"] = (small, big, nw, st)
-          flash.TRITON_CONFIGS["dq"] = (big, small, nw, st)
+          TRITON_CONFIGS["dkdv"] = (small, big, nw, st)
+          TRITON_CONFIGS["dq"] = (big, small, nw, st)
         jax.clear_caches()
         _report(f"flash {mode} seq={seq} tiles={tiles} nw={nw} st={st}",
                 lambda: time_queued(jax.jit(f), q, k, v),
                 lambda t: f"{flops / t / 1e12:.0f} TFLOP/s")
   finally:
-    flash.TRITON_CONFIGS.update(saved)
+    TRITON_CONFIGS.update(saved)
 
 
 def _report(label, timed, extra):

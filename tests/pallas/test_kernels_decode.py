@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, strategies as st
 
 import kernels
-from kernels import decode, paged
+from kernels.decode_attention import reference as decode_reference
+from kernels.paged_attention import reference as paged_reference
 from tests.pallas.kernels_testing import (DTYPES, OTHER_CPU_BACKENDS, SETTINGS,
                                           assert_close, jitted, normal, rng,
                                           run_or_skip)
@@ -33,7 +34,7 @@ def test_decode_matches_reference(b, s_max, heads, d, dtype, block_k):
   lens = _lengths(ks[3], b, s_max)
   f = jax.jit(lambda *a: kernels.decode_attention(*a, backend="interpret",
                                                   block_k=block_k))
-  assert_close(f(q, kc, vc, lens), jitted(decode.reference)(q, kc, vc, lens),
+  assert_close(f(q, kc, vc, lens), jitted(decode_reference)(q, kc, vc, lens),
                dtype,
                f32=2e-5, bf16=3e-2)
 
@@ -62,7 +63,7 @@ def test_paged_matches_reference(b, page_size, pages_per_seq, heads, dtype,
   f = jax.jit(lambda *a: kernels.paged_attention(
       *a, backend="interpret", pages_per_compute_block=pages_per_block))
   assert_close(f(q, kp, vp, lens, table),
-               jitted(paged.reference)(q, kp, vp, lens, table), dtype, f32=2e-5,
+               jitted(paged_reference)(q, kp, vp, lens, table), dtype, f32=2e-5,
                bf16=3e-2)
 
 
@@ -76,7 +77,7 @@ def test_paged_ignores_table_entries_past_the_length():
   table = jnp.array([[3, 7, -1, 99], [0, 1, 2, 12345]], jnp.int32)
   got = kernels.paged_attention(q, kp, vp, lens, table)
   clean = jnp.where(table >= num_pages, 0, jnp.maximum(table, 0))
-  assert_close(got, paged.reference(q, kp, vp, lens, clean), f32=2e-5)
+  assert_close(got, paged_reference(q, kp, vp, lens, clean), f32=2e-5)
 
 
 def test_decode_matches_flash_attention_last_row():
@@ -102,13 +103,13 @@ def test_other_cpu_backends(backend):
   lens = jnp.array([256, 100], jnp.int32)
   got = run_or_skip(lambda *a: kernels.decode_attention(*a, backend=backend),
                     q, kc, vc, lens)
-  assert_close(got, decode.reference(q, kc, vc, lens), f32=2e-5)
+  assert_close(got, decode_reference(q, kc, vc, lens), f32=2e-5)
   kp = kc[:, :, 0].reshape(1, 2 * 16, 16, 128)
   vp = vc[:, :, 0].reshape(1, 2 * 16, 16, 128)
   table = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
   got = run_or_skip(lambda *a: kernels.paged_attention(*a, backend=backend),
                     q, kp, vp, lens, table)
-  assert_close(got, paged.reference(q, kp, vp, lens, table), f32=2e-5)
+  assert_close(got, paged_reference(q, kp, vp, lens, table), f32=2e-5)
 
 
 def test_vmap_over_scalar_prefetch_lengths():
@@ -116,5 +117,5 @@ def test_vmap_over_scalar_prefetch_lengths():
   lens = jnp.array([[3], [12]], jnp.int32)
   got = jax.vmap(lambda q, n: kernels.decode_attention(q[:, 0], q, q, n))(
       q, lens)
-  want = jax.vmap(lambda q, n: decode.reference(q[:, 0], q, q, n))(q, lens)
+  want = jax.vmap(lambda q, n: decode_reference(q[:, 0], q, q, n))(q, lens)
   assert_close(got, want, f32=2e-5)

@@ -5,7 +5,10 @@ import pytest
 from hypothesis import given, strategies as st
 
 import kernels
-from kernels import layernorm, rmsnorm
+from kernels.layer_norm import forward as layer_norm_forward
+from kernels.layer_norm import reference as layer_norm_reference
+from kernels.rms_norm import forward as rms_norm_forward
+from kernels.rms_norm import reference as rms_norm_reference
 from tests.pallas.kernels_testing import (DTYPES, GRAD_SETTINGS,
                                           OTHER_CPU_BACKENDS, SETTINGS,
                                           assert_close, assert_tree_close,
@@ -31,7 +34,7 @@ def test_layer_norm_forward(lead, d, dtype, block_rows):
   x, w, b, _ = _inputs(lead, d, dtype, d)
   f = jax.jit(lambda x, w, b: kernels.layer_norm(
       x, w, b, backend="interpret", block_rows=block_rows))
-  assert_close(f(x, w, b), jitted(layernorm.reference)(x, w, b), dtype,
+  assert_close(f(x, w, b), jitted(layer_norm_reference)(x, w, b), dtype,
                f32=2e-5)
 
 
@@ -42,7 +45,7 @@ def test_rms_norm_forward(lead, d, dtype, block_rows):
   x, w, _, _ = _inputs(lead, d, dtype, d)
   f = jax.jit(lambda x, w: kernels.rms_norm(x, w, backend="interpret",
                                             block_rows=block_rows))
-  assert_close(f(x, w), jitted(rmsnorm.reference)(x, w), dtype, f32=2e-5)
+  assert_close(f(x, w), jitted(rms_norm_reference)(x, w), dtype, f32=2e-5)
 
 
 @GRAD_SETTINGS
@@ -53,7 +56,7 @@ def test_layer_norm_gradients(rows, d, block_rows, dtype):
   got = jax.jit(lambda *a: vjp_with(
       lambda x, w, b: kernels.layer_norm(x, w, b, block_rows=block_rows),
       a, ct))(x, w, b)
-  want = jax.jit(lambda *a: vjp_with(layernorm.reference, a, ct))(x, w, b)
+  want = jax.jit(lambda *a: vjp_with(layer_norm_reference, a, ct))(x, w, b)
   assert_tree_close(got, want, dtype, f32=1e-4, bf16=5e-2)
 
 
@@ -65,18 +68,18 @@ def test_rms_norm_gradients(rows, d, block_rows, dtype):
   got = jax.jit(lambda *a: vjp_with(
       lambda x, w: kernels.rms_norm(x, w, block_rows=block_rows),
       a, ct))(x, w)
-  want = jax.jit(lambda *a: vjp_with(rmsnorm.reference, a, ct))(x, w)
+  want = jax.jit(lambda *a: vjp_with(rms_norm_reference, a, ct))(x, w)
   assert_tree_close(got, want, dtype, f32=1e-4, bf16=5e-2)
 
 
 def test_leading_dims_and_none_weights():
   x, w, b, ct = _inputs((2, 3), 24, jnp.float32)
   assert_close(kernels.layer_norm(x, None, None),
-               layernorm.reference(x, None, None))
-  assert_close(kernels.rms_norm(x, None), rmsnorm.reference(x, None))
+               layer_norm_reference(x, None, None))
+  assert_close(kernels.rms_norm(x, None), rms_norm_reference(x, None))
   g = jax.grad(lambda x: jnp.sum(kernels.layer_norm(x, None, None) * ct))(x)
   assert_close(g, jax.grad(
-      lambda x: jnp.sum(layernorm.reference(x, None, None) * ct))(x), f32=1e-4)
+      lambda x: jnp.sum(layer_norm_reference(x, None, None) * ct))(x), f32=1e-4)
 
 
 @pytest.mark.parametrize("block_rows", [None, 8])
@@ -84,7 +87,7 @@ def test_layer_norm_hand_written_backward_matches_automatic(block_rows):
   x, w, b, ct = _inputs((21,), 40, jnp.float32, 3)
 
   def raw(x, w, b):
-    return layernorm.forward(x, w, b, eps=1e-5, block_rows=block_rows)[0]
+    return layer_norm_forward(x, w, b, eps=1e-5, block_rows=block_rows)[0]
 
   auto = automatic_vjp_or_xfail(raw, (x, w, b), ct)
   hand = vjp_with(lambda x, w, b: kernels.layer_norm(
@@ -97,7 +100,7 @@ def test_rms_norm_hand_written_backward_matches_automatic(block_rows):
   x, w, _, ct = _inputs((21,), 40, jnp.float32, 4)
 
   def raw(x, w):
-    return rmsnorm.forward(x, w, eps=1e-6, block_rows=block_rows)[0]
+    return rms_norm_forward(x, w, eps=1e-6, block_rows=block_rows)[0]
 
   auto = automatic_vjp_or_xfail(raw, (x, w), ct)
   hand = vjp_with(lambda x, w: kernels.rms_norm(x, w, block_rows=block_rows),
@@ -110,9 +113,9 @@ def test_other_cpu_backends(backend):
   x, w, b, _ = _inputs((16,), 256, jnp.float32, 5)
   got = run_or_skip(lambda x, w, b: kernels.layer_norm(
       x, w, b, backend=backend), x, w, b)
-  assert_close(got, layernorm.reference(x, w, b), f32=2e-5)
+  assert_close(got, layer_norm_reference(x, w, b), f32=2e-5)
   got = run_or_skip(lambda x, w: kernels.rms_norm(x, w, backend=backend), x, w)
-  assert_close(got, rmsnorm.reference(x, w), f32=2e-5)
+  assert_close(got, rms_norm_reference(x, w), f32=2e-5)
 
 
 @pytest.mark.parametrize("backend", OTHER_CPU_BACKENDS)
@@ -120,20 +123,20 @@ def test_other_cpu_backends_backward(backend):
   x, w, b, ct = _inputs((24,), 128, jnp.float32, 6)
   got = run_or_skip(lambda *a: vjp_with(lambda x, w, b: kernels.layer_norm(
       x, w, b, backend=backend), a, ct), x, w, b)
-  assert_tree_close(got, vjp_with(layernorm.reference, (x, w, b), ct),
+  assert_tree_close(got, vjp_with(layer_norm_reference, (x, w, b), ct),
                     f32=1e-4)
   got = run_or_skip(lambda *a: vjp_with(lambda x, w: kernels.rms_norm(
       x, w, backend=backend), a, ct), x, w)
-  assert_tree_close(got, vjp_with(rmsnorm.reference, (x, w), ct), f32=1e-4)
+  assert_tree_close(got, vjp_with(rms_norm_reference, (x, w), ct), f32=1e-4)
 
 
 def test_vmap_of_forward_and_gradient():
   x, w, b, _ = _inputs((3, 10), 16, jnp.float32, 7)
   grad = lambda f: jax.vmap(jax.grad(lambda x: jnp.sum(f(x) ** 3)))
   ln = lambda x: kernels.layer_norm(x, w, b)
-  ln_ref = lambda x: layernorm.reference(x, w, b)
+  ln_ref = lambda x: layer_norm_reference(x, w, b)
   assert_close(jax.vmap(ln)(x), ln_ref(x), f32=2e-5)
   assert_close(grad(ln)(x), grad(ln_ref)(x), f32=1e-4)
   rms = lambda x: kernels.rms_norm(x, w)
-  assert_close(grad(rms)(x), grad(lambda x: rmsnorm.reference(x, w))(x),
+  assert_close(grad(rms)(x), grad(lambda x: rms_norm_reference(x, w))(x),
                f32=1e-4)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import kernels
-from kernels import online_softmax
+from kernels.softmax import reference as softmax_reference, softmax_2d
 from tests.pallas.kernels_testing import (DTYPES, GRAD_SETTINGS,
                                           OTHER_CPU_BACKENDS, SETTINGS,
                                           assert_close, automatic_vjp_or_xfail,
@@ -25,7 +25,7 @@ def test_forward_matches_reference(shape, data, dtype, block_cols, block_rows):
   f = jax.jit(lambda x: kernels.softmax(x, axis, backend="interpret",
                                         block_rows=block_rows,
                                         block_cols=block_cols))
-  assert_close(f(x), jitted(online_softmax.reference, axis=axis)(x), dtype,
+  assert_close(f(x), jitted(softmax_reference, axis=axis)(x), dtype,
                bf16=1e-2)
 
 
@@ -37,7 +37,7 @@ def test_gradient_matches_reference(rows, cols, block_cols):
   ct = normal(7, (rows, cols), jnp.float32)
   got = jax.jit(lambda x: vjp_with(
       lambda x: kernels.softmax(x, block_cols=block_cols), (x,), ct))(x)
-  want = jax.jit(lambda x: vjp_with(online_softmax.reference, (x,), ct))(x)
+  want = jax.jit(lambda x: vjp_with(softmax_reference, (x,), ct))(x)
   assert_close(got[0], want[0], f32=1e-5)
 
 
@@ -54,7 +54,7 @@ def test_bf16_gradient():
   x = normal(1, (16, 50), jnp.bfloat16, 2.0)
   ct = normal(2, (16, 50), jnp.bfloat16)
   got = vjp_with(lambda x: kernels.softmax(x, block_cols=16), (x,), ct)
-  want = vjp_with(online_softmax.reference, (x,), ct)
+  want = vjp_with(softmax_reference, (x,), ct)
   assert_close(got[0], want[0], jnp.bfloat16, bf16=3e-2)
 
 
@@ -63,7 +63,7 @@ def test_hand_written_backward_matches_automatic(block_cols):
   x = normal(3, (12, 40), jnp.float32, 2.0)
   ct = normal(4, (12, 40), jnp.float32)
   auto = automatic_vjp_or_xfail(
-      lambda x: online_softmax.softmax_2d(x, block_cols=block_cols), (x,), ct)
+      lambda x: softmax_2d(x, block_cols=block_cols), (x,), ct)
   hand = vjp_with(lambda x: kernels.softmax(x, block_cols=block_cols), (x,),
                   ct)
   assert_close(hand[0], auto[0])
