@@ -22,17 +22,9 @@ sizes (`kernels.blocking.tuned`).
 """
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
-import json
-import os
-import tempfile
-from typing import Any
-
-from dsl.autotune_cache import (ENV_VAR, FORMAT, cache_path,  # noqa: F401
-                                device_key, entry_key, load, lookup, size_key,
-                                store)
-from dsl.autotune_cache import _default_backend  # noqa: F401
+# The cache's API, used through this module by the CLI and its tests.
+from dsl.autotune_cache import (cache_path, device_key, lookup,  # noqa: F401
+                                size_key, store)
 
 
 def search(bench, size, dtype, backend: str, platform: str, *,

@@ -222,10 +222,9 @@ def _check_output_path(path, flag):
     raise UsageError(f"{flag} {path}: directory {parent} does not exist")
 
 
-def run(args) -> int:
-  if args.list:
-    print(list_text())
-    return 0
+def check_args(args) -> None:
+  """Fills the defaults that depend on other flags and rejects bad flags,
+  before anything slow is imported or run."""
   if args.repeats is None:
     args.repeats = 10 if args.quick else 5
   if args.repeats < 1:
@@ -243,25 +242,21 @@ def run(args) -> int:
     except ImportError:
       raise UsageError("--plot needs matplotlib (pip install matplotlib)")
 
+
+def measure_cases(args, cases):
+  """Runs the cases (each autotuned first with --autotune) and, when asked
+  for, the device peak, under one progress bar. Returns the rows and the
+  peak (None when not measured)."""
   import jax.numpy as jnp
 
   from benchmarks import peak as peak_mod
-  from benchmarks import platform_info, plot, report, runner
+  from benchmarks import platform_info, runner
   from benchmarks.progress import Progress
 
-  quick = args.quick
-  kernels, skipped = select_kernels(args)
-  backends = select_backends(args, quick)
-  cases = build_cases(args, kernels, backends, quick)
-  if not cases:
-    raise UsageError("nothing to run")
-
-  started = time.time()
-  want_peak = args.peak == "on" or (
-      args.peak == "auto" and platform_info.platform() != "cpu")
+  plat = platform_info.platform()
+  want_peak = args.peak == "on" or (args.peak == "auto" and plat != "cpu")
   units = runner.plan_units(cases) + (2 if want_peak else 0)
   if args.autotune:
-    plat = platform_info.platform()
     units += sum(len(c.bench.search_space(c.size, c.backend, plat))
                  for c in cases if c.bench.tunable)
   progress = Progress(units, mode=args.progress)
@@ -274,7 +269,7 @@ def run(args) -> int:
   try:
     if want_peak:
       progress.status("measuring the device peak")
-      options.peak = peak_mod.measure_peak(platform_info.platform())
+      options.peak = peak_mod.measure_peak(plat)
       progress.advance(2)
     r = runner.Runner(options, progress)
     for case in cases:
@@ -284,22 +279,32 @@ def run(args) -> int:
     r.finish()
   finally:
     progress.close()
+  return rows, options.peak
 
-  d = platform_info.describe()
+
+def run_meta(args, peak, started: float) -> dict:
+  """What the report, the JSON and the plot say about the run itself."""
+  from benchmarks import platform_info
   meta = {
       "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
       "command": "python -m benchmarks " + " ".join(
           shlex.quote(a) for a in args.argv),
-      "device": d, "dtype": args.dtype, "warmup": args.warmup,
-      "repeats": args.repeats, "quick": quick, "stat": args.stat,
-      "wall_s": round(time.time() - started, 1),
-      "peak": options.peak.as_dict() if options.peak else None,
+      "device": platform_info.describe(), "dtype": args.dtype,
+      "warmup": args.warmup, "repeats": args.repeats, "quick": args.quick,
+      "stat": args.stat, "wall_s": round(time.time() - started, 1),
+      "peak": peak.as_dict() if peak else None,
       "autotune_cache": None, "malloc_tuned": malloc_tuned(),
   }
   if args.autotune:
     from benchmarks import autotune
     meta["autotune_cache"] = autotune.cache_path()
-  goals = runner.goals(rows)
+  return meta
+
+
+def report_notes(args, meta, rows, skipped) -> list[str]:
+  """The lines under the table: what did not run, the configs autotuning
+  chose, the wall time and the command."""
+  from benchmarks import report
   notes = []
   if skipped:
     notes.append("not run (unavailable, see --list): "
@@ -311,14 +316,37 @@ def run(args) -> int:
       notes.append(f"  {c.label}: {report.fmt_config(c.config)} "
                    f"({c.config_source})")
   notes.append(f"wall time {meta['wall_s']} s; command: {meta['command']}")
-  print(report.render(meta, rows, goals, notes))
+  return notes
+
+
+def write_results(args, meta, rows, skipped) -> None:
+  """Prints the report; writes the --json, --csv and --plot files."""
+  from benchmarks import plot, report, runner
+  goals = runner.goals(rows)
+  print(report.render(meta, rows, goals,
+                      report_notes(args, meta, rows, skipped)))
   if args.json:
     report.write_json(args.json, meta, rows, goals)
   if args.csv:
     report.write_csv(args.csv, rows)
   if args.plot:
-    plot.plot(rows, args.plot, title=f"dsl vs peers, {d['device_kind']}, "
-              f"{meta['date']}")
+    plot.plot(rows, args.plot, title=f"dsl vs peers, "
+              f"{meta['device']['device_kind']}, {meta['date']}")
+
+
+def run(args) -> int:
+  if args.list:
+    print(list_text())
+    return 0
+  check_args(args)
+  kernels, skipped = select_kernels(args)
+  backends = select_backends(args, args.quick)
+  cases = build_cases(args, kernels, backends, args.quick)
+  if not cases:
+    raise UsageError("nothing to run")
+  started = time.time()
+  rows, peak = measure_cases(args, cases)
+  write_results(args, run_meta(args, peak, started), rows, skipped)
   bad = [row for row in rows if not row.dsl.ok or row.check == "MISMATCH"]
   return 1 if bad else 0
 

@@ -17,25 +17,18 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.gpu_triton import time_ms
-
-
-def _time(fn, *args):
-  """Seconds per call, with calls queued back to back so that the host's
-  dispatch and synchronization latency is not counted (`gpu_triton.time_ms`,
-  the same for every kernel and peer)."""
-  return time_ms(fn, *args) / 1e3
+from benchmarks.timing import time_queued
 
 
 def copy_bandwidth(nbytes=1 << 30):
   x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  t = _time(jax.jit(lambda a: a + 0), x)   # reads and writes nbytes each
+  t = time_queued(jax.jit(lambda a: a + 0), x)   # reads and writes nbytes each
   return 2 * nbytes / t
 
 
 def _try(name, fn, *args):
   try:
-    return _time(fn, *args), None
+    return time_queued(fn, *args), None
   except Exception as e:  # a peer that cannot run here is reported as such
     return None, f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
@@ -87,7 +80,7 @@ def rowwise_rows(bw, shape=(8192, 8192)):
   }
   # The copy of an array of the same size is the fair peak for a row kernel
   # (a 1 GiB copy runs faster than any 128 MiB kernel can).
-  same_size_copy = 2 * x.size * x.dtype.itemsize / _time(jax.jit(lambda a: -a), x)
+  same_size_copy = 2 * x.size * x.dtype.itemsize / time_queued(jax.jit(lambda a: -a), x)
   rows = []
   for name, fn in cases.items():
     t, err = _try(name, jax.jit(fn), x)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 import kernels
 import lowering_triton.kernel as tk
-from benchmarks.gpu_attention import _time
-from kernels import flash
+from benchmarks.timing import time_queued
+from kernels.flash_attention import TRITON_CONFIGS
 
 TILES = ((64, 32), (64, 64), (128, 32), (128, 64), (64, 128), (128, 128))
 # (backward: the larger of the two is the block each kernel keeps)
@@ -25,7 +25,7 @@ def rows():
   x = jax.random.normal(jax.random.key(0), (16384, 8192), jnp.bfloat16)
   w = jnp.ones(8192, jnp.bfloat16)
   nbytes = 2 * x.size * 2
-  copy = _time(jax.jit(lambda a: -a), x)
+  copy = time_queued(jax.jit(lambda a: -a), x)
   print(f"copy {nbytes / copy / 1e9:.0f} GB/s")
   for nw in (4, 8, 16):
     tk.DEFAULT_NUM_WARPS = nw
@@ -38,7 +38,7 @@ def rows():
         "softmax row": lambda x: kernels.softmax(x, backend="triton", block_rows=1, block_cols=8192),
     }
     for name, fn in cases.items():
-      _report(f"nw={nw:2d} {name:18s}", lambda: _time(jax.jit(fn), x),
+      _report(f"nw={nw:2d} {name:18s}", lambda: time_queued(jax.jit(fn), x),
               lambda t: f"{nbytes / t / 1e9:.0f} GB/s {copy / t:.2f} of copy")
 
 
@@ -53,7 +53,7 @@ def attention(mode, seq):
   q, k, v = _qkv(seq)
   b, s, h, d = q.shape
   flops = 4 * b * h * s * s * d * (1.0 if mode == "fwd" else 3.5)
-  saved = dict(flash.TRITON_CONFIGS)
+  saved = dict(TRITON_CONFIGS)
   f = lambda q, k, v: kernels.flash_attention(q, k, v, backend="triton")
   if mode == "bwd":
     f = jax.grad(lambda q, k, v: jnp.sum(
@@ -63,17 +63,17 @@ def attention(mode, seq):
     for tiles in TILES:
       for nw, st in LAUNCH:
         if mode == "fwd":
-          flash.TRITON_CONFIGS["fwd"] = (*tiles, nw, st)
+          TRITON_CONFIGS["fwd"] = (*tiles, nw, st)
         else:     # dK/dV keeps the larger block of kv rows, dQ of q rows
           small, big = sorted(tiles)
-          flash.TRITON_CONFIGS["dkdv"] = (small, big, nw, st)
-          flash.TRITON_CONFIGS["dq"] = (big, small, nw, st)
+          TRITON_CONFIGS["dkdv"] = (small, big, nw, st)
+          TRITON_CONFIGS["dq"] = (big, small, nw, st)
         jax.clear_caches()
         _report(f"flash {mode} seq={seq} tiles={tiles} nw={nw} st={st}",
-                lambda: _time(jax.jit(f), q, k, v),
+                lambda: time_queued(jax.jit(f), q, k, v),
                 lambda t: f"{flops / t / 1e12:.0f} TFLOP/s")
   finally:
-    flash.TRITON_CONFIGS.update(saved)
+    TRITON_CONFIGS.update(saved)
 
 
 def _report(label, timed, extra):

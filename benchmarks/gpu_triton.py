@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 import warnings
 
 if __package__ in (None, ""):     # run as a script: make the repo importable
@@ -32,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from benchmarks.timing import time_queued
 
 # ------------------------------------------------------------------ kernels
 
@@ -124,27 +124,6 @@ def _layer_norm_reference(x, w, b, eps=1e-5):
   return ((xf - mean) * lax.rsqrt(var + eps) * w + b).astype(x.dtype)
 
 
-# ------------------------------------------------------------------ timing
-
-def time_ms(fn, *args, min_time=0.2, reps=5) -> float:
-  """Median milliseconds per call. Calls are queued back to back (JAX
-  dispatches asynchronously), so launch overhead hides behind the kernels."""
-  jax.block_until_ready(fn(*args))            # compile and warm up
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  one = max(time.perf_counter() - t0, 1e-6)
-  n = max(3, min(1000, int(min_time / one)))
-  samples = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(n):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    samples.append((time.perf_counter() - t0) / n * 1e3)
-  return statistics.median(samples)
-
-
 def _max_error(got, want) -> float:
   return float(jnp.max(jnp.abs(got.astype(jnp.float32) -
                                want.astype(jnp.float32))))
@@ -181,7 +160,7 @@ def bench_matmul(size: int, peers, rows: list) -> None:
   flops = 2.0 * size ** 3
   want = jnp.dot(x, y, preferred_element_type=jnp.float32)
   ref = jax.jit(lambda x, y: jnp.dot(x, y))
-  t_ref = time_ms(ref, x, y)
+  t_ref = time_queued(ref, x, y) * 1e3
   rows.append(dict(bench=f"matmul bf16 {size}^3", impl="jnp.dot (cuBLAS)",
                    config="", ms=t_ref, value=flops / t_ref / 1e9,
                    unit="TFLOP/s", err=_max_error(ref(x, y), want)))
@@ -193,7 +172,7 @@ def bench_matmul(size: int, peers, rows: list) -> None:
       label = "b{bm}x{bn}x{bk} w{num_warps} s{num_stages}".format(**cfg)
       try:
         f = jax.jit(make_matmul(pl, **cfg))
-        t = time_ms(f, x, y)
+        t = time_queued(f, x, y) * 1e3
         err = _max_error(f(x, y), want)
       except Exception as e:   # noqa: BLE001 - a failed peer is a table row
         rows.append(dict(bench=f"matmul bf16 {size}^3", impl=name,
@@ -217,7 +196,7 @@ def bench_matmul(size: int, peers, rows: list) -> None:
 def copy_bandwidth(shape) -> tuple[float, float]:
   x = jnp.ones(shape, jnp.bfloat16)
   f = jax.jit(lambda x: -x)
-  t = time_ms(f, x)
+  t = time_queued(f, x) * 1e3
   nbytes = 2 * x.size * x.dtype.itemsize
   return t, nbytes / t / 1e6
 
@@ -241,7 +220,7 @@ def bench_rows(rows_n: int, cols: int, peers, rows: list) -> None:
   for bench, make, args, want in cases:
     ref = jax.jit({"softmax": lambda x: jax.nn.softmax(x, -1),
                    "layer norm": _layer_norm_reference}[bench])
-    t = time_ms(ref, *args)
+    t = time_queued(ref, *args) * 1e3
     rows.append(dict(bench=f"{bench} bf16 {rows_n}x{cols}", impl="XLA (jnp)",
                      config="", ms=t, value=nbytes / t / 1e6, unit="GB/s",
                      err=_max_error(ref(*args), want),
@@ -250,7 +229,7 @@ def bench_rows(rows_n: int, cols: int, peers, rows: list) -> None:
      for nw in (4, 8, 16):     # the same launch configs for every peer
       try:
         f = jax.jit(make(pl, nw))
-        t = time_ms(f, *args)
+        t = time_queued(f, *args) * 1e3
         err = _max_error(f(*args), want)
         gbs = nbytes / t / 1e6
         rows.append(dict(bench=f"{bench} bf16 {rows_n}x{cols}", impl=name,

@@ -38,10 +38,6 @@ class Progress:
     while not self._stop.wait(refresh):
       self._render()
 
-  def add_total(self, n: int):
-    with self._lock:
-      self.total += n
-
   def status(self, text: str):
     with self._lock:
       self.text = text

@@ -1,5 +1,19 @@
-"""Timing one function: ahead-of-time compile, warm-up, repeats, statistics,
-and XLA's memory analysis of the compiled program."""
+"""Timing functions: ahead-of-time compile, warm-up, repeats, statistics,
+and XLA's memory analysis of the compiled program.
+
+Two ways to take a sample of `number` calls, one per caller:
+
+* waited (the benchmark CLI, `measure`): each call is waited for, so samples
+  are latencies with one output alive at a time, the same for every
+  implementation;
+* queued (the GPU scripts, `time_queued`; `benchmarks.kernel_timing`): the
+  calls are queued back to back and waited for once (JAX dispatches
+  asynchronously), so the host's dispatch and synchronization latency hides
+  behind the device's work.
+
+Several functions timed together (`run_interleaved`) take their samples in
+alternating rounds, so that ratios between them stay fair on a noisy machine.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -98,19 +112,22 @@ class _Prepared:
   stats: Stats
   number: int = 1
   done: bool = False      # timed by its first call alone
+  queued: bool = False    # a sample's calls queued back to back
 
 
 def prepare(fn: Callable, args: tuple, *, slow_s: float = 1.0,
-            min_sample_s: float = 0.005, max_number: int = 100,
-            keep_output: bool = True, trust_first: bool = False
-            ) -> _Prepared:
+            min_sample_s: float = 0.005, min_number: int = 1,
+            max_number: int = 100, keep_output: bool = True,
+            trust_first: bool = False, queued: bool = False) -> _Prepared:
   """Compiles `fn` ahead of time and makes the first (warm-up) call.
 
   A call slower than `slow_s` is the only measurement (one run, no repeats):
   with `trust_first` the first call already (Pallas's interpret mode on a big
   grid, ~10 s); otherwise a second call, since a first call also pays one-off
   costs (page-faulting fresh output memory: ~1 s for 256 MiB). Otherwise each
-  later sample averages enough calls to last `min_sample_s`.
+  later sample averages enough calls to last `min_sample_s`, between
+  `min_number` and `max_number` of them, waited for one by one or, with
+  `queued`, queued back to back.
   """
   t0 = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
@@ -128,19 +145,22 @@ def prepare(fn: Callable, args: tuple, *, slow_s: float = 1.0,
     stats.samples = [first]
   if first >= slow_s:
     return _Prepared(None, stats, 1, True)
-  number = 1
-  if first < min_sample_s:
-    number = min(max_number, max(1, math.ceil(min_sample_s / max(first, 1e-7))))
+  number = min(max_number,
+               max(min_number, math.ceil(min_sample_s / max(first, 1e-7))))
   stats.number = number
-  return _Prepared(compiled, stats, number)
+  return _Prepared(compiled, stats, number, queued=queued)
 
 
 def _sample(p: _Prepared, args) -> float:
-  # Each call is waited for: samples are latencies, the same for every
-  # implementation, with one output alive at a time.
   t0 = time.perf_counter()
-  for _ in range(p.number):
-    _block(p.compiled(*args))
+  if p.queued:
+    out = None
+    for _ in range(p.number):
+      out = p.compiled(*args)
+    _block(out)
+  else:
+    for _ in range(p.number):
+      _block(p.compiled(*args))
   return (time.perf_counter() - t0) / p.number
 
 
@@ -177,3 +197,13 @@ def measure(fn: Callable, args: tuple, *, warmup: int = 1, repeats: int = 5,
               max_number=max_number, keep_output=keep_output,
               trust_first=trust_first)
   return run_interleaved({"f": p}, args, warmup=warmup, repeats=repeats)["f"]
+
+
+def time_queued(fn: Callable, *args, min_sample_s: float = 0.2,
+                repeats: int = 5) -> float:
+  """Median seconds per call of `fn`, each sample 3 to 1000 calls queued
+  back to back for about `min_sample_s` (the GPU scripts' timer: the same
+  for every kernel and peer)."""
+  p = prepare(fn, args, slow_s=math.inf, min_sample_s=min_sample_s,
+              min_number=3, max_number=1000, keep_output=False, queued=True)
+  return run_interleaved({"f": p}, args, repeats=repeats)["f"].median

@@ -8,30 +8,28 @@ sense through hand-written backward kernels attached with `jax.custom_vjp`.
     import kernels
     y = kernels.flash_attention(q, k, v, causal=True)
 """
-from kernels import (collectives, decode, flash, fused_matmul, layernorm,
-                     online_softmax, paged, rmsnorm)
-from kernels.collectives import all_gather, reduce_scatter
-from kernels.decode import decode_attention
-from kernels.flash import flash_attention
-from kernels.fused_matmul import matmul
-from kernels.layernorm import layer_norm
-from kernels.online_softmax import softmax
-from kernels.paged import paged_attention
-from kernels.rmsnorm import rms_norm
+import importlib
 
-# kernel name -> its module (kernel function, `reference`, forward/backward).
-MODULES = {
-    "softmax": online_softmax,
-    "layer_norm": layernorm,
-    "rms_norm": rmsnorm,
-    "matmul": fused_matmul,
-    "flash_attention": flash,
-    "decode_attention": decode,
-    "paged_attention": paged,
-}
+from kernels.collectives import all_gather, reduce_scatter
+from kernels.decode_attention import decode_attention
+from kernels.flash_attention import flash_attention
+from kernels.layer_norm import layer_norm
+from kernels.matmul import matmul
+from kernels.paged_attention import paged_attention
+from kernels.rms_norm import rms_norm
+from kernels.softmax import softmax
+
+# The kernels with a plain-jnp reference. Each lives in the module of its own
+# name with its `reference` and forward/backward pieces: `kernels.softmax` is
+# the kernel function, `from kernels.softmax import reference` reaches the
+# rest (or `importlib.import_module("kernels.softmax")`).
+KERNELS = ("softmax", "layer_norm", "rms_norm", "matmul", "flash_attention",
+           "decode_attention", "paged_attention")
 
 # kernel name -> its plain-jnp reference, with the same signature.
-REFERENCES = {name: module.reference for name, module in MODULES.items()}
+REFERENCES = {name: importlib.import_module(f"kernels.{name}").reference
+              for name in KERNELS}
 
-__all__ = ["all_gather", "reduce_scatter", "softmax", "layer_norm", "rms_norm", "matmul", "flash_attention",
-           "decode_attention", "paged_attention", "MODULES", "REFERENCES"]
+__all__ = ["all_gather", "reduce_scatter", "softmax", "layer_norm", "rms_norm",
+           "matmul", "flash_attention", "decode_attention", "paged_attention",
+           "KERNELS", "REFERENCES"]

@@ -33,11 +33,6 @@ def _import(name):
 def _resolve_function(pkg, name):
   """`kernels.softmax` may be the function or a module holding it."""
   obj = getattr(pkg, name, None)
-  modules = getattr(pkg, "MODULES", None)
-  if isinstance(modules, dict) and isinstance(modules.get(name),
-                                              types.ModuleType):
-    return obj if callable(obj) else getattr(modules[name], name, None), \
-        modules[name]
   if obj is None:
     obj, _ = _import(f"kernels.{name}")
   if isinstance(obj, types.ModuleType):

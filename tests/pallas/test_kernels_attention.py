@@ -1,4 +1,5 @@
 """kernels.flash_attention: values, gradients (GQA, causal, segments, masks)."""
+import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,12 +7,13 @@ import pytest
 from hypothesis import given, strategies as st
 
 import kernels
-from kernels import flash
 from tests.pallas.testing import (KERNEL_GRAD_SETTINGS, KERNEL_SETTINGS,
                                   OTHER_CPU_BACKENDS, array, assert_close,
                                   assert_tree_close, automatic_vjp_or_xfail,
                                   jitted, kernel_dtypes, rng, run_or_skip,
                                   vjp_with)
+
+flash_mod = importlib.import_module("kernels.flash_attention")
 
 HEADS = [(1, 1), (2, 2), (4, 2), (3, 1)]        # (q heads, kv heads)
 BLOCKS = [(None, None), (8, 8), (16, 8)]
@@ -61,7 +63,7 @@ def test_forward_matches_reference(c, dtype):
   bq, bk = c["blocks"]
   f = jax.jit(lambda q, k, v: kernels.flash_attention(
       q, k, v, backend="interpret", block_q=bq, block_k=bk, **kw))
-  assert_close(f(q, k, v), jitted(flash.reference, **kw)(q, k, v), dtype,
+  assert_close(f(q, k, v), jitted(flash_mod.reference, **kw)(q, k, v), dtype,
                tol={jnp.float32: 2e-5, jnp.bfloat16: 3e-2})
 
 
@@ -76,7 +78,7 @@ def test_gradients_match_reference(c):
                                                block_k=bk, **kw)
   got = jax.jit(lambda *a: vjp_with(fn, a, do))(q, k, v)
   want = jax.jit(lambda *a: vjp_with(
-      lambda q, k, v: flash.reference(q, k, v, **kw), a, do))(q, k, v)
+      lambda q, k, v: flash_mod.reference(q, k, v, **kw), a, do))(q, k, v)
   assert_tree_close(got, want, tol=1e-4)
 
 
@@ -84,7 +86,7 @@ def test_bf16_gradients_gqa_causal_partial_blocks():
   q, k, v, do = _inputs(2, 37, 37, 4, 2, 16, jnp.bfloat16, 1)
   got = vjp_with(lambda q, k, v: kernels.flash_attention(
       q, k, v, causal=True, block_q=16, block_k=8), (q, k, v), do)
-  want = vjp_with(lambda q, k, v: flash.reference(q, k, v, causal=True),
+  want = vjp_with(lambda q, k, v: flash_mod.reference(q, k, v, causal=True),
                   (q, k, v), do)
   assert_tree_close(got, want, jnp.bfloat16, tol=5e-2)
 
@@ -95,7 +97,7 @@ def test_mqa_single_segment_array_and_sm_scale():
   seg = jnp.concatenate([seg, seg[:, ::-1]], axis=0)
   got = kernels.flash_attention(q, k, v, segment_ids=seg, sm_scale=0.3,
                                 block_q=8, block_k=16)
-  want = flash.reference(q, k, v, segment_ids=seg, sm_scale=0.3)
+  want = flash_mod.reference(q, k, v, segment_ids=seg, sm_scale=0.3)
   assert_close(got, want, tol=2e-5)
 
 
@@ -103,7 +105,7 @@ def test_hand_written_backward_matches_automatic():
   q, k, v, do = _inputs(1, 20, 20, 4, 2, 8, jnp.float32, 3)
   kv_seg = jnp.array([[0] * 12 + [1] * 8], jnp.int32)
   kw = dict(causal=True, sm_scale=0.35, block_q=8, block_k=8)
-  raw = lambda q, k, v: flash.forward(q, k, v, kv_seg, kv_seg, **kw)[0]
+  raw = lambda q, k, v: flash_mod.forward(q, k, v, kv_seg, kv_seg, **kw)[0]
   auto = automatic_vjp_or_xfail(raw, (q, k, v), do)
   hand = vjp_with(lambda q, k, v: kernels.flash_attention(
       q, k, v, segment_ids=kv_seg, **kw), (q, k, v), do)
@@ -116,7 +118,7 @@ def test_rows_that_see_no_key_are_zero():
   kv_seg = jnp.zeros((1, 8), jnp.int32)
   got = kernels.flash_attention(q, k, v, segment_ids=(q_seg, kv_seg))
   assert_close(got[:, 4:], jnp.zeros_like(got[:, 4:]))
-  assert_close(got, flash.reference(q, k, v, segment_ids=(q_seg, kv_seg)))
+  assert_close(got, flash_mod.reference(q, k, v, segment_ids=(q_seg, kv_seg)))
 
 
 @pytest.mark.parametrize("backend", OTHER_CPU_BACKENDS)
@@ -124,7 +126,7 @@ def test_other_cpu_backends(backend):
   q, k, v, _ = _inputs(1, 128, 128, 2, 1, 128, jnp.float32, 5)
   got = run_or_skip(lambda q, k, v: kernels.flash_attention(
       q, k, v, causal=True, backend=backend), q, k, v)
-  assert_close(got, flash.reference(q, k, v, causal=True), tol=2e-5)
+  assert_close(got, flash_mod.reference(q, k, v, causal=True), tol=2e-5)
 
 
 @pytest.mark.parametrize("backend", OTHER_CPU_BACKENDS)
@@ -133,7 +135,7 @@ def test_other_cpu_backends_partial_blocks_and_backward(backend):
   fn = lambda q, k, v: kernels.flash_attention(q, k, v, causal=True,
                                                backend=backend)
   got = run_or_skip(lambda *a: vjp_with(fn, a, do), q, k, v)
-  want = vjp_with(lambda q, k, v: flash.reference(q, k, v, causal=True),
+  want = vjp_with(lambda q, k, v: flash_mod.reference(q, k, v, causal=True),
                   (q, k, v), do)
   assert_tree_close(got, want, tol=1e-4)
 
@@ -141,7 +143,7 @@ def test_other_cpu_backends_partial_blocks_and_backward(backend):
 def test_vmap_of_forward_and_gradient():
   q = array(7, (2, 1, 12, 2, 8), jnp.float32)
   fn = lambda q: kernels.flash_attention(q, q, q, causal=True)
-  ref = lambda q: flash.reference(q, q, q, causal=True)
+  ref = lambda q: flash_mod.reference(q, q, q, causal=True)
   assert_close(jax.vmap(fn)(q), jax.vmap(ref)(q), tol=2e-5)
   grad = lambda f: jax.vmap(jax.grad(lambda q: jnp.sum(f(q) ** 2)))
   assert_close(grad(fn)(q), grad(ref)(q), tol=1e-4)

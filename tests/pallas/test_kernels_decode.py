@@ -1,4 +1,5 @@
 """kernels.decode_attention and kernels.paged_attention against jnp."""
+import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,10 +7,12 @@ import pytest
 from hypothesis import given, strategies as st
 
 import kernels
-from kernels import decode, paged
 from tests.pallas.testing import (KERNEL_SETTINGS, OTHER_CPU_BACKENDS, array,
                                   assert_close, jitted, kernel_dtypes, rng,
                                   run_or_skip)
+
+decode_mod = importlib.import_module("kernels.decode_attention")
+paged_mod = importlib.import_module("kernels.paged_attention")
 
 HEADS = [(1, 1), (4, 2), (4, 1), (6, 3)]
 
@@ -33,7 +36,7 @@ def test_decode_matches_reference(b, s_max, heads, d, dtype, block_k):
   lens = _lengths(ks[3], b, s_max)
   f = jax.jit(lambda *a: kernels.decode_attention(*a, backend="interpret",
                                                   block_k=block_k))
-  assert_close(f(q, kc, vc, lens), jitted(decode.reference)(q, kc, vc, lens),
+  assert_close(f(q, kc, vc, lens), jitted(decode_mod.reference)(q, kc, vc, lens),
                dtype, tol={jnp.float32: 2e-5, jnp.bfloat16: 3e-2})
 
 
@@ -61,7 +64,7 @@ def test_paged_matches_reference(b, page_size, pages_per_seq, heads, dtype,
   f = jax.jit(lambda *a: kernels.paged_attention(
       *a, backend="interpret", pages_per_compute_block=pages_per_block))
   assert_close(f(q, kp, vp, lens, table),
-               jitted(paged.reference)(q, kp, vp, lens, table), dtype,
+               jitted(paged_mod.reference)(q, kp, vp, lens, table), dtype,
                tol={jnp.float32: 2e-5, jnp.bfloat16: 3e-2})
 
 
@@ -75,7 +78,7 @@ def test_paged_ignores_table_entries_past_the_length():
   table = jnp.array([[3, 7, -1, 99], [0, 1, 2, 12345]], jnp.int32)
   got = kernels.paged_attention(q, kp, vp, lens, table)
   clean = jnp.where(table >= num_pages, 0, jnp.maximum(table, 0))
-  assert_close(got, paged.reference(q, kp, vp, lens, clean), tol=2e-5)
+  assert_close(got, paged_mod.reference(q, kp, vp, lens, clean), tol=2e-5)
 
 
 def test_decode_matches_flash_attention_last_row():
@@ -101,13 +104,13 @@ def test_other_cpu_backends(backend):
   lens = jnp.array([256, 100], jnp.int32)
   got = run_or_skip(lambda *a: kernels.decode_attention(*a, backend=backend),
                     q, kc, vc, lens)
-  assert_close(got, decode.reference(q, kc, vc, lens), tol=2e-5)
+  assert_close(got, decode_mod.reference(q, kc, vc, lens), tol=2e-5)
   kp = kc[:, :, 0].reshape(1, 2 * 16, 16, 128)
   vp = vc[:, :, 0].reshape(1, 2 * 16, 16, 128)
   table = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
   got = run_or_skip(lambda *a: kernels.paged_attention(*a, backend=backend),
                     q, kp, vp, lens, table)
-  assert_close(got, paged.reference(q, kp, vp, lens, table), tol=2e-5)
+  assert_close(got, paged_mod.reference(q, kp, vp, lens, table), tol=2e-5)
 
 
 def test_vmap_over_scalar_prefetch_lengths():
@@ -115,5 +118,5 @@ def test_vmap_over_scalar_prefetch_lengths():
   lens = jnp.array([[3], [12]], jnp.int32)
   got = jax.vmap(lambda q, n: kernels.decode_attention(q[:, 0], q, q, n))(
       q, lens)
-  want = jax.vmap(lambda q, n: decode.reference(q[:, 0], q, q, n))(q, lens)
+  want = jax.vmap(lambda q, n: decode_mod.reference(q[:, 0], q, q, n))(q, lens)
   assert_close(got, want, tol=2e-5)

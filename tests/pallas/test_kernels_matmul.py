@@ -1,15 +1,17 @@
 """kernels.matmul (fused bias + activation): values, gradients, backends."""
+import importlib
 import jax
 import jax.numpy as jnp
 import pytest
 from hypothesis import given, strategies as st
 
 import kernels
-from kernels import fused_matmul
 from tests.pallas.testing import (KERNEL_GRAD_SETTINGS, KERNEL_SETTINGS,
                                   OTHER_CPU_BACKENDS, array, assert_close,
                                   assert_tree_close, automatic_vjp_or_xfail,
                                   kernel_dtypes, run_or_skip, vjp_with)
+
+matmul_mod = importlib.import_module("kernels.matmul")
 
 ACTS = [None, "relu", "gelu", "silu", "tanh"]
 BLOCKS = [None, (8, 8, 8), (16, 8, 16)]
@@ -33,7 +35,7 @@ def test_forward_matches_reference(m, k, n, dtype, bias, activation, blocks):
   f = jax.jit(lambda x, y, b: kernels.matmul(
       x, y, bias=b, activation=activation, backend="interpret",
       block_sizes=blocks))
-  want = jax.jit(lambda x, y, b: fused_matmul.reference(
+  want = jax.jit(lambda x, y, b: matmul_mod.reference(
       x, y, bias=b, activation=activation))(x, y, b)
   assert_close(f(x, y, b), want, dtype, tol={jnp.float32: 2e-5})
 
@@ -48,7 +50,7 @@ def test_gradients_match_reference(m, k, n, bias, activation, blocks):
   got = jax.jit(lambda *a: vjp_with(
       lambda x, y, b: kernels.matmul(x, y, bias=b, activation=activation,
                                      block_sizes=blocks), a, ct))(*args)
-  want = jax.jit(lambda *a: vjp_with(lambda x, y, b: fused_matmul.reference(
+  want = jax.jit(lambda *a: vjp_with(lambda x, y, b: matmul_mod.reference(
       x, y, bias=b, activation=activation), a, ct))(*args)
   assert_tree_close(got, want, tol=1e-4)
 
@@ -59,7 +61,7 @@ def test_bf16_gradients_and_leading_dims():
   ct = array(9, (2, 12, 12), jnp.bfloat16)
   got = vjp_with(lambda x, y, b: kernels.matmul(
       x, y, bias=b, activation="gelu", block_sizes=(8, 8, 8)), (x, y, b), ct)
-  want = vjp_with(lambda x, y, b: fused_matmul.reference(
+  want = vjp_with(lambda x, y, b: matmul_mod.reference(
       x, y, bias=b, activation="gelu"), (x, y, b), ct)
   assert_tree_close(got, want, jnp.bfloat16, tol=5e-2)
 
@@ -73,7 +75,7 @@ def test_callable_activation_and_partial_k_block():
 
 def test_hand_written_backward_matches_automatic():
   x, y, b, ct = _inputs(20, 24, 16, jnp.float32, True, 3)
-  raw = lambda x, y, b: fused_matmul.matmul_2d(
+  raw = lambda x, y, b: matmul_mod.matmul_2d(
       x, y, b, activation="gelu", blocks=(8, 8, 8))
   auto = automatic_vjp_or_xfail(raw, (x, y, b), ct)
   hand = vjp_with(lambda x, y, b: kernels.matmul(
@@ -85,12 +87,12 @@ def test_hand_written_backward_matches_automatic():
                                      "mosaic", "mosaic_interpret"])
 def test_block_sizes_per_backend_fit_the_array(backend):
   for m, n, k in [(1, 1, 1), (5, 300, 7), (1000, 1000, 1000), (4096, 96, 8192)]:
-    bm, bn, bk = fused_matmul.block_sizes(m, n, k, backend)
+    bm, bn, bk = matmul_mod.block_sizes(m, n, k, backend)
     assert 1 <= bm <= m and 1 <= bn <= n and 1 <= bk <= k
     if backend.startswith("triton"):
       assert all(b & (b - 1) == 0 for b in (bm, bn, bk))
   # the CPU interpreter prefers whole, exactly dividing blocks
-  assert fused_matmul.block_sizes(512, 384, 1000, "interpret") == (512, 384,
+  assert matmul_mod.block_sizes(512, 384, 1000, "interpret") == (512, 384,
                                                                      1000)
 
 
@@ -99,13 +101,13 @@ def test_other_cpu_backends(backend):
   x, y, b, _ = _inputs(32, 128, 128, jnp.float32, True, 4)
   got = run_or_skip(lambda x, y, b: kernels.matmul(
       x, y, bias=b, activation="relu", backend=backend), x, y, b)
-  assert_close(got, fused_matmul.reference(x, y, bias=b, activation="relu"),
+  assert_close(got, matmul_mod.reference(x, y, bias=b, activation="relu"),
                tol=2e-5)
   # partial blocks in every dim, and the backward products
   x, y, b, ct = _inputs(40, 136, 72, jnp.float32, True, 5)
   fn = lambda x, y, b: kernels.matmul(x, y, bias=b, activation="gelu",
                                       backend=backend)
   got = run_or_skip(lambda *a: vjp_with(fn, a, ct), x, y, b)
-  want = vjp_with(lambda x, y, b: fused_matmul.reference(
+  want = vjp_with(lambda x, y, b: matmul_mod.reference(
       x, y, bias=b, activation="gelu"), (x, y, b), ct)
   assert_tree_close(got, want, tol=1e-4)

@@ -1,13 +1,14 @@
 """Side-by-side CPU timings of each kernel against its jnp reference.
 
-    python -m kernels.timing                 # float32, forward and backward
-    python -m kernels.timing --dtype bfloat16 --only flash_attention
+    python -m benchmarks.kernel_timing       # float32, forward and backward
+    python -m benchmarks.kernel_timing --dtype bfloat16 --only flash_attention
 
 Each case jits the kernel and its reference (and, for differentiable kernels,
 `jax.grad` of `sum(out * cotangent)` through both: the "grad" columns time
 forward plus backward), then times them in
-interleaved rounds and reports the ratio kernel / reference of the medians
-(below 1 = the kernel is faster). The forward figures for the common kernels
+interleaved rounds of calls queued back to back (`benchmarks.timing`) and
+reports the ratio kernel / reference of the medians (below 1 = the kernel is
+faster). The forward figures for the common kernels
 also come out of the benchmark CLI (`python -m benchmarks --kernels
 kernels.softmax,...`); this script adds the backward passes and the decode
 kernels.
@@ -16,16 +17,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from kernels import decode, flash, fused_matmul, layernorm, online_softmax
-from kernels import paged, rmsnorm
+from benchmarks.timing import prepare, run_interleaved
+
+REF = kernels.REFERENCES
 
 
 def _normal(rng, shape, dtype, scale=1.0):
@@ -41,41 +42,40 @@ def _cases(dtype):
 
   x = n((4096, 1024))
   out.append(("softmax", "4096x1024", kernels.softmax,
-              online_softmax.reference, (x,), (0,)))
+              REF["softmax"], (x,), (0,)))
   x = n((1000, 3000))
   out.append(("softmax", "1000x3000", kernels.softmax,
-              online_softmax.reference, (x,), (0,)))
+              REF["softmax"], (x,), (0,)))
   x, w, b = n((4096, 1024)), n((1024,)), n((1024,))
   out.append(("layer_norm", "4096x1024", kernels.layer_norm,
-              layernorm.reference, (x, w, b), (0, 1, 2)))
-  out.append(("rms_norm", "4096x1024", kernels.rms_norm, rmsnorm.reference,
+              REF["layer_norm"], (x, w, b), (0, 1, 2)))
+  out.append(("rms_norm", "4096x1024", kernels.rms_norm, REF["rms_norm"],
               (x, w), (0, 1)))
   x, y = n((1024, 1024)), n((1024, 1024), scale=1 / 32)
   out.append(("matmul", "1024x1024x1024", kernels.matmul,
-              fused_matmul.reference, (x, y), (0, 1)))
+              REF["matmul"], (x, y), (0, 1)))
   x, y, b = n((2048, 512)), n((512, 2048), scale=1 / 22), n((2048,))
   mm = lambda x, y, b: kernels.matmul(x, y, bias=b, activation="gelu")
-  mm_ref = lambda x, y, b: fused_matmul.reference(x, y, bias=b,
-                                                  activation="gelu")
+  mm_ref = lambda x, y, b: REF["matmul"](x, y, bias=b, activation="gelu")
   out.append(("matmul+bias+gelu", "2048x512x2048", mm, mm_ref, (x, y, b),
                (0, 1, 2)))
   for causal in (False, True):
     q, k, v = n((2, 1024, 8, 64)), n((2, 1024, 8, 64)), n((2, 1024, 8, 64))
     fa = functools.partial(kernels.flash_attention, causal=causal)
-    ref = functools.partial(flash.reference, causal=causal)
+    ref = functools.partial(REF["flash_attention"], causal=causal)
     out.append((f"flash_attention{' causal' if causal else ''}",
                 "2x1024x8x64", fa, ref, (q, k, v), (0, 1, 2)))
   q, k, v = n((4, 512, 8, 64)), n((4, 512, 2, 64)), n((4, 512, 2, 64))
   fa = functools.partial(kernels.flash_attention, causal=True)
-  ref = functools.partial(flash.reference, causal=True)
+  ref = functools.partial(REF["flash_attention"], causal=True)
   out.append(("flash_attention gqa causal", "4x512x8(kv 2)x64", fa, ref,
               (q, k, v), (0, 1, 2)))
   b_, s, h, hkv, d = 8, 2048, 16, 4, 64
   q, kc, vc = n((b_, h, d)), n((b_, s, hkv, d)), n((b_, s, hkv, d))
   lens = jnp.asarray(r.integers(1, s + 1, (b_,)), jnp.int32)
   out.append(("decode_attention", "8x16(kv 4)x64, cache 2048",
-              kernels.decode_attention, decode.reference, (q, kc, vc, lens),
-              ()))
+              kernels.decode_attention, REF["decode_attention"],
+              (q, kc, vc, lens), ()))
   page = 64
   pps = s // page
   kp = kc.transpose(2, 0, 1, 3).reshape(hkv, b_ * pps, page, d)
@@ -85,24 +85,19 @@ def _cases(dtype):
   kp, vp = kp[:, perm], vp[:, perm]
   table = jnp.asarray(inv.reshape(b_, pps), jnp.int32)
   out.append(("paged_attention", "8x16(kv 4)x64, 32 pages of 64",
-              kernels.paged_attention, paged.reference,
+              kernels.paged_attention, REF["paged_attention"],
               (q, kp, vp, lens, table), ()))
   return out
 
 
 def _time(fns, args, rounds: int, inner: int):
-  """Median seconds per call of each fn, timed in interleaved rounds."""
-  for f in fns:
-    jax.block_until_ready(f(*args))
-  samples = [[] for _ in fns]
-  for _ in range(rounds):
-    for i, f in enumerate(fns):
-      t0 = time.perf_counter()
-      for _ in range(inner):
-        out = f(*args)
-      jax.block_until_ready(out)
-      samples[i].append((time.perf_counter() - t0) / inner)
-  return [statistics.median(s) for s in samples]
+  """Median seconds per call of each fn, timed in interleaved rounds of
+  `inner` calls queued back to back."""
+  prepared = {i: prepare(f, args, slow_s=math.inf, min_number=inner,
+                         max_number=inner, keep_output=False, queued=True)
+              for i, f in enumerate(fns)}
+  stats = run_interleaved(prepared, args, repeats=rounds)
+  return [stats[i].median for i in range(len(fns))]
 
 
 def _grad_fn(fn, argnums, args):

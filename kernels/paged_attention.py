@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import dsl as pl
 from dsl import tpu as pltpu
 from kernels import blocking
-from kernels.decode import attend_tile, finish, init_scratch, last_block
-from kernels.decode import reference as _decode_reference
+from kernels.decode_attention import (attend_tile, finish, init_scratch,
+                                      last_block)
+from kernels.decode_attention import reference as _decode_reference
 
 
 def reference(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None):

@@ -2,7 +2,7 @@
 
     y = x / sqrt(mean(x**2) + eps) * weight
 
-Same layout as `kernels.layernorm`: blocks of whole rows on a parallel grid;
+Same layout as `kernels.layer_norm`: blocks of whole rows on a parallel grid;
 the forward kernel keeps each row's 1/rms (float32) for the backward kernel,
 which writes `dx` and one partial `dweight` row per block.
 """
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 import dsl as pl
 from kernels import blocking
-from kernels.layernorm import row_block
+from kernels.layer_norm import row_block
 
 
 def reference(x, weight, eps: float = 1e-6):
