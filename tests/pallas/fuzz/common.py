@@ -190,6 +190,13 @@ def predicate(ctx, env, pred):
   return ctx.xp.sum(x.astype(np.int32), dtype=np.int32) > 0
 
 
+def loop_leaves(grid, loops=(), extra=()) -> set[str]:
+  """Leaf names of the program ids of `loops` and of size-1 grid dims (which
+  a backend may not launch as programs), and of `extra` loop indices."""
+  return {f"pid{a}" for a in range(len(grid)) if a in loops or grid[a] == 1
+          } | set(extra)
+
+
 def tolerance(exprs, out_dtype: str) -> float:
   """Relative tolerance of an output computed by `exprs`."""
   ops = [d for e in exprs if isinstance(e, Expr) for d in e.inexact_ops()

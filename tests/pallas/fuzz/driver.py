@@ -32,6 +32,13 @@ def _emit(obj) -> None:
   sys.stdout.flush()
 
 
+def _started(cid: str, backend: str) -> None:
+  _emit(dict(event="start", case=cid, backend=backend))
+  # a test of the driver makes one run die the way a segfault would
+  if os.environ.get("DSL_FUZZ_ABORT") == f"{cid}:{backend}":
+    os.abort()
+
+
 def worker_main() -> None:
   """The worker's loop: cases from the job on stdin, events on stdout."""
   from tests.pallas.fuzz.families import generate_case
@@ -47,8 +54,7 @@ def worker_main() -> None:
       ).to_json()))
       continue
     res = run_case(case, job["backends"], job["skip_known"],
-                   on_start=lambda b: _emit(dict(event="start", case=cid,
-                                                 backend=b)),
+                   on_start=lambda b: _started(cid, b),
                    crashed=crashed.get(cid))
     _emit(dict(event="result", result=res.to_json()))
 

@@ -49,10 +49,15 @@ class Expr:
     for a in self.args:
       yield from a.walk()
 
-  def tags(self) -> set[str]:
-    """Feature tags: one per operation, with the dtype it works on."""
+  def tags(self, loop_leaves=()) -> set[str]:
+    """Feature tags: one per operation, with the dtype it works on;
+    `cast_of_loop_index` when a cast takes one of `loop_leaves` (the program
+    ids of grid dims that run as loops or have size 1, a loop's index)."""
     out = set()
     for e in self.walk():
+      if e.op == "cast" and e.args[0].op == "leaf" and \
+          e.args[0].attr in loop_leaves:
+        out.add("cast_of_loop_index")
       if e.op in ("leaf", "const", "bcast"):
         continue
       src = e.args[0].dtype if e.args else e.dtype
@@ -63,6 +68,10 @@ class Expr:
         out.add(f"cast:{src}->{e.dtype}")
       if e.op == "dot":
         out.add(f"dot:{e.attr[2]}->{e.dtype}")
+      if e.op == "roll" and e.attr[0] % e.shape[e.attr[1]] == 0:
+        out.add("roll_by_0_or_size")
+      if e.shape == () and e.op in UNARY:
+        out.add(f"scalar_op:{e.op}")
     return out
 
   @property

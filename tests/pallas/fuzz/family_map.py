@@ -14,9 +14,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tests.pallas.fuzz.common import (Draw, bias_shape, input_dims,
-                                      is_partial, load_inputs, needs_mask,
-                                      output_dims, predicate, small_block,
-                                      tolerance, tpu_block)
+                                      is_partial, load_inputs, loop_leaves,
+                                      needs_mask, output_dims, predicate,
+                                      small_block, tolerance, tpu_block)
 from tests.pallas.fuzz.expr import ExprGen
 from tests.pallas.fuzz.spec import (DTYPES, Case, Operand, fill_value,
                                     is_float, is_int, valid_mask)
@@ -159,8 +159,11 @@ def generate(d: Draw, seed: int, index: int, tpu: bool) -> Case:
     features.add("alias")
   if pf:
     features.add("prefetch")
+  loops = loop_leaves(grid, extra=("t",))
   for e in all_exprs:
-    features |= e.tags()
+    features |= e.tags(loops)
+  if mode == "fori":   # inside the loop every program id is a loop's scalar
+    features |= extra["step"].tags(loop_leaves(grid, range(len(grid)), "t"))
   body = dict(exprs=exprs, mode=mode, masks=tuple(sorted(masks.items())),
               rows=rows, tol=tols, none_squeeze=d.chance(0.5),
               no_specs=whole and d.chance(0.5), **extra)

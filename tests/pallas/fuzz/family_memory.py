@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from tests.pallas.fuzz.common import (Draw, extent, load_inputs, sublane,
-                                      tolerance)
+from tests.pallas.fuzz.common import (Draw, extent, load_inputs,
+                                      loop_leaves, sublane, tolerance)
 from tests.pallas.fuzz.expr import ExprGen, iota
 from tests.pallas.fuzz.family_accumulate import _rounding, _tags
 from tests.pallas.fuzz.spec import (DTYPES, FLOATS, INTS, Case, Dim, Operand,
@@ -59,6 +59,8 @@ def generate_tail(d: Draw, seed: int, index: int, tpu: bool) -> Case:
     out = Operand(shape, d.pick(DTYPES))
     tags |= {"masked_store"} if masked else set()
   expr = gen.full(out.dtype)
+  if op and expr.op == "bcast":
+    tags.add("atomic_broadcast_value")
   n_points = 1
   for g in grid:
     n_points *= g
@@ -68,7 +70,7 @@ def generate_tail(d: Draw, seed: int, index: int, tpu: bool) -> Case:
               tol=(tolerance([expr] + rounding, out.dtype),))
   if masked and not divisible:
     tags.add("window_past_end")
-  tags |= expr.tags()
+  tags |= expr.tags(loop_leaves(grid))
   return Case(seed, index, "tail", grid, tuple(ins), (out,),
               tuple(body.items()), None, None, aliases,
               frozenset(_tags(tags, ins, (out,), grid, False)))
@@ -124,7 +126,8 @@ def generate_dma(d: Draw, seed: int, index: int, tpu: bool) -> Case:
               tol=(tolerance([expr], out_dtype),))
   semantics = ("arbitrary",) if double else d.pick(
       [None, ("parallel",), ("arbitrary",)])
-  tags = {"dma", "dma_double" if double else "dma_single"} | expr.tags()
+  tags = {"dma", "dma_double" if double else "dma_single"} | expr.tags(
+      loop_leaves((n,)))
   return Case(seed, index, "dma", (n,), tuple(ins), (out,),
               tuple(body.items()), None, semantics, (),
               frozenset(_tags(tags, ins, (out,), (n,), True)))

@@ -70,8 +70,12 @@ def run_backend(case: Case, backend: str) -> list[np.ndarray]:
 
 
 def _first_line(exc: BaseException) -> str:
-  text = str(exc).strip().splitlines()
-  return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+  """The exception's first line, and its last when it wraps a traceback."""
+  text = [l.strip() for l in str(exc).strip().splitlines() if l.strip()]
+  head = f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+  if len(text) > 1:
+    head += f" ... {text[-1][:300]}"
+  return head
 
 
 def classify_error(case: Case, exc: BaseException, backend: str) -> Outcome:
