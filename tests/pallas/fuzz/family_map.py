@@ -84,12 +84,59 @@ def _features(grid, ins, outs, pf, tpu, whole) -> set[str]:
   return tags
 
 
-def generate(d: Draw, seed: int, index: int, tpu: bool) -> Case:
-  grid = tuple(d.int(1, 3) for _ in range(d.pick([0, 1, 1, 2, 2, 3])))
-  whole = not grid and d.chance(0.5)
-  pf = bool(grid) and not whole and d.chance(0.2)
-  prefetch = tuple(int(v) for v in d.rng.permutation(grid[0])) if pf else None
-  kshape, ins, outs, aliases = _operands(d, grid, tpu and not whole, pf, whole)
+def _mode_params(d: Draw, mode, gen, leaves, kshape, exprs, ins, outs,
+                 grid):
+  """(mode, its expressions and parameters) for the store `mode`."""
+  out = outs[0].dtype
+  if mode == "fori":
+    exact = exprs[0].exact
+    for _ in range(2):
+      loop = ExprGen(d.rng, {**leaves, "v": (kshape, out, exact),
+                             "t": ((), "int32")}, kshape,
+                     gen.allow - {"dot"}, 2)
+      step = loop.full(out)
+      if step.exact or not exact:
+        break
+      exact = False     # the carried value is rounded after one trip
+    return mode, dict(trips=d.int(1, 3), step=step)
+  if mode in ("cond", "when"):
+    ints = [k for k, op in enumerate(ins) if (is_int(op.dtype) or op.dtype ==
+                                               "bool") and op.dims is not None]
+    if grid and (not ints or d.chance(0.7)):
+      a, m = d.int(0, len(grid) - 1), d.int(2, 3)
+      pred = ("pid", a, m, d.int(0, m - 1))
+    elif ints:
+      pred = ("data", f"x{d.pick(ints)}")
+    else:
+      return "plain", dict(other=gen.full(out))
+    return mode, dict(pred=pred, other=gen.full(out))
+  if mode == "masked_store":
+    return mode, dict(mask=gen.full("bool", exact=True), other=gen.full(out))
+  if mode == "readback":
+    back = ExprGen(d.rng, {**leaves, "o": (kshape, out, exprs[0].exact)},
+                   kshape, {"cast", "iota"}, 2)
+    return mode, dict(again=back.full(out))
+  return mode, {}
+
+
+def _input_masks(d: Draw, ins, outs, grid, prefetch, exprs, extra, rows):
+  """How each input's padding is masked: always before cross-element
+  operations, where it reaches a defined output, for a data predicate or a
+  row read; otherwise now and then."""
+  cross = any(e.cross for e in exprs)
+  pred = extra.get("pred", ("",))
+  masks = {}
+  for k, op in enumerate(ins):
+    if op.dims is None or not is_partial(op, grid, prefetch):
+      continue
+    if cross or pred == ("data", f"x{k}") or d.chance(0.2) \
+        or needs_mask(op, outs, grid, prefetch) or any(r[0] == k for r in rows):
+      masks[k] = d.pick(["where", "where", "masked_load"])
+  return masks
+
+
+def _leaves(d: Draw, ins, grid, pf):
+  """Expression leaves, and maybe a static row read `x_ref[r]`."""
   leaves = {f"x{k}": (op.kshape, op.dtype) for k, op in enumerate(ins)}
   leaves.update({f"pid{a}": ((), "int32") for a in range(len(grid))})
   if pf:
@@ -101,72 +148,40 @@ def generate(d: Draw, seed: int, index: int, tpu: bool) -> Case:
     k = d.pick(cand)
     rows = ((k, d.int(-ins[k].kshape[0], ins[k].kshape[0] - 1)),)
     leaves[f"r{k}"] = (ins[k].kshape[1:], ins[k].dtype)
-  allow = {"cast", "iota"}
-  for op_family, p in (("reduce", 0.3), ("dot", 0.15), ("roll", 0.1)):
-    if d.chance(p):
-      allow.add(op_family)
+  return leaves, rows
+
+
+def generate(d: Draw, seed: int, index: int, tpu: bool) -> Case:
+  grid = tuple(d.int(1, 3) for _ in range(d.pick([0, 1, 1, 2, 2, 3])))
+  whole = not grid and d.chance(0.5)
+  pf = bool(grid) and not whole and d.chance(0.2)
+  prefetch = tuple(int(v) for v in d.rng.permutation(grid[0])) if pf else None
+  kshape, ins, outs, aliases = _operands(d, grid, tpu and not whole, pf, whole)
+  leaves, rows = _leaves(d, ins, grid, pf)
+  allow = {"cast", "iota"} | {f for f, p in (("reduce", 0.3), ("dot", 0.15),
+                                             ("roll", 0.1)) if d.chance(p)}
   gen = ExprGen(d.rng, leaves, kshape, allow, max_depth=d.int(1, 3))
   mode = d.pick(MODES)
   exprs = tuple(gen.full(op.dtype) for op in outs)
-  extra = {}
-  if mode == "fori":
-    exact = exprs[0].exact
-    for _ in range(2):
-      loop = ExprGen(d.rng, {**leaves, "v": (kshape, outs[0].dtype, exact),
-                             "t": ((), "int32")}, kshape, allow - {"dot"}, 2)
-      step = loop.full(outs[0].dtype)
-      if step.exact or not exact:
-        break
-      exact = False     # the carried value is rounded after one trip
-    extra = dict(trips=d.int(1, 3), step=step)
-  elif mode in ("cond", "when"):
-    ints = [k for k, op in enumerate(ins) if (is_int(op.dtype) or op.dtype ==
-                                               "bool") and op.dims is not None]
-    if grid and (not ints or d.chance(0.7)):
-      a = d.int(0, len(grid) - 1)
-      m = d.int(2, 3)
-      extra = dict(pred=("pid", a, m, d.int(0, m - 1)))
-    elif ints:
-      extra = dict(pred=("data", f"x{d.pick(ints)}"))
-    else:
-      mode = "plain"
-    extra["other"] = gen.full(outs[0].dtype)
-  elif mode == "masked_store":
-    extra = dict(mask=gen.full("bool", exact=True),
-                 other=gen.full(outs[0].dtype))
-  elif mode == "readback":
-    back = ExprGen(d.rng, {**leaves, "o": (kshape, outs[0].dtype,
-                                           exprs[0].exact)}, kshape,
-                   {"cast", "iota"}, 2)
-    extra = dict(again=back.full(outs[0].dtype))
-  cross = any(e.cross for e in list(exprs) + [v for v in extra.values()
-                                              if hasattr(v, "cross")])
-  masks = {}
-  data = extra.get("pred", ("",))[0] == "data"
-  for k, op in enumerate(ins):
-    if op.dims is None or not is_partial(op, grid, prefetch):
-      continue
-    if cross or (data and extra["pred"][1] == f"x{k}") or d.chance(0.2) \
-        or needs_mask(op, outs, grid, prefetch) or any(r[0] == k for r in rows):
-      masks[k] = d.pick(["where", "where", "masked_load"])
+  mode, extra = _mode_params(d, mode, gen, leaves, kshape, exprs, ins, outs,
+                             grid)
   all_exprs = list(exprs) + [v for v in extra.values() if hasattr(v, "cross")]
-  tols = tuple(tolerance(all_exprs, op.dtype) for op in outs)
+  masks = _input_masks(d, ins, outs, grid, prefetch, all_exprs, extra, rows)
   features = _features(grid, ins, outs, prefetch, tpu and not whole, whole)
   features |= {f"mode:{mode}"} | {f"mask:{m}" for m in masks.values()}
   if rows:
     features.add("row_index:" + ("negative" if rows[0][1] < 0 else "positive"))
-  if aliases:
-    features.add("alias")
-  if pf:
-    features.add("prefetch")
-  loops = loop_leaves(grid, extra=("t",))
+  features |= {"alias"} if aliases else set()
+  features |= {"prefetch"} if pf else set()
   for e in all_exprs:
-    features |= e.tags(loops)
+    features |= e.tags(loop_leaves(grid, extra=("t",)))
   if mode == "fori":   # inside the loop every program id is a loop's scalar
     features |= extra["step"].tags(loop_leaves(grid, range(len(grid)), "t"))
   body = dict(exprs=exprs, mode=mode, masks=tuple(sorted(masks.items())),
-              rows=rows, tol=tols, none_squeeze=d.chance(0.5),
-              no_specs=whole and d.chance(0.5), **extra)
+              rows=rows, tol=tuple(tolerance(all_exprs, op.dtype)
+                                   for op in outs),
+              none_squeeze=d.chance(0.5), no_specs=whole and d.chance(0.5),
+              **extra)
   return Case(seed, index, "map", grid, tuple(ins), tuple(outs),
               tuple(body.items()), prefetch, None, aliases,
               frozenset(features))
