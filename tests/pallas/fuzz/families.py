@@ -1,0 +1,45 @@
+"""The table of kernel families: name -> how to draw a case and its body.
+
+A family's `generate(draw, seed, index, tpu)` returns a `Case` (with
+`tpu=True` its blocks follow the TPU tiling rule); its `body(case, ctx)`
+is the kernel body, run on refs by `render.KernelCtx` and on numpy by
+`reference.RefCtx`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tests.pallas.fuzz import family_accumulate as acc
+from tests.pallas.fuzz import family_map
+from tests.pallas.fuzz import family_memory as mem
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  generate: Callable
+  body: Callable
+  weight: float          # how often it is drawn
+  tpu_share: float       # how often its cases follow the TPU tiling rule
+
+
+FAMILIES: dict[str, Family] = {
+    "map": Family(family_map.generate, family_map.body, 5, 0.3),
+    "reduce": Family(acc.generate_reduce, acc.body_reduce, 2, 0.3),
+    "matmul": Family(acc.generate_matmul, acc.body_matmul, 1, 0.3),
+    "carry": Family(acc.generate_carry, acc.body_carry, 1, 0.4),
+    "tail": Family(mem.generate_tail, mem.body_tail, 1.5, 0.0),
+    "dma": Family(mem.generate_dma, mem.body_dma, 0.7, 1.0),
+}
+
+
+def generate_case(seed: int, index: int):
+  """The case `index` of the run seeded `seed` (the same on every machine)."""
+  from tests.pallas.fuzz.common import Draw
+  d = Draw(seed, index)
+  names = sorted(FAMILIES)
+  weights = [FAMILIES[n].weight for n in names]
+  total = sum(weights)
+  name = names[int(d.rng.choice(len(names), p=[w / total for w in weights]))]
+  fam = FAMILIES[name]
+  return fam.generate(d, seed, index, d.chance(fam.tpu_share))
