@@ -13,7 +13,8 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
 from dsl import backends, checks, config
-from dsl.errors import KernelError, KernelTypeError, function_location, user_frame
+from dsl.errors import (KernelError, KernelTypeError, function_location,
+                        kernel_error_of, lowering_kernel, user_frame)
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.tracing import trace_kernel
 
@@ -50,8 +51,34 @@ def _block_str(bm) -> str:
 
 pallas_call_p = Primitive("pallas_call")
 pallas_call_p.multiple_results = True
-pallas_call_p.def_impl(functools.partial(dispatch.apply_primitive,
-                                         pallas_call_p))
+
+
+@pallas_call_p.def_impl
+def _pallas_call_impl(*args, spec: KernelSpec):
+  # A kernel that fails on a host backend raises its KernelError from a host
+  # callback; XLA hands it back as a JaxRuntimeError, re-raised here as itself.
+  try:
+    outs = dispatch.apply_primitive(pallas_call_p, *args, spec=spec)
+    if backends.runs_on_host(spec.backend):
+      jax.block_until_ready(outs)
+    return outs
+  except jax.errors.JaxRuntimeError as e:
+    err = kernel_error_of(e)
+    if err is None or err is e:
+      raise
+    _drop_failed_runtime_tokens()
+    raise err.with_traceback(None) from None
+
+
+def _drop_failed_runtime_tokens():
+  """Forgets the failed run's tokens, which JAX would otherwise raise again
+  at the next `jax.effects_barrier()` and at exit."""
+  tokens = getattr(dispatch.runtime_tokens, "output_runtime_tokens", {})
+  for device, token in list(tokens.items()):
+    try:
+      token.block_until_ready()
+    except jax.errors.JaxRuntimeError:
+      tokens.pop(device, None)
 
 
 @pallas_call_p.def_abstract_eval
@@ -80,7 +107,8 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
                         "Mosaic-dialect lowering cannot run on GPUs yet; unset "
                         "it to use Triton", spec.where)
   rule = backends.lowering_rule(name, spec.name, spec.where)
-  return rule(ctx, *args, spec=spec)
+  with lowering_kernel(spec.name):
+    return rule(ctx, *args, spec=spec)
 
 
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
@@ -89,15 +117,37 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
                          platform=_platform)
 
 
+def _manual_axes(ctx) -> tuple[tuple[str, int], ...]:
+  """((axis, size), ...) of the shard_map axes the kernel runs under."""
+  from jax._src import sharding_impls
+  ac = ctx.module_context.axis_context
+  if not isinstance(ac, sharding_impls.SPMDAxisContext) or not ac.manual_axes:
+    return ()
+  return tuple((n, int(ac.mesh.shape[n])) for n in ac.mesh.axis_names
+               if n in ac.manual_axes)
+
+
 def _interpret_lowering(ctx, *args, spec):
   from dsl import interpret
+  from dsl.transforms import runtime_checks
   from jax._src import config as jax_config
-  # Run-time checks (jax_pallas_enable_runtime_assert) raise from the host.
+  fn = functools.partial(interpret.run, spec=spec)
+  if runtime_checks.needs_checks(spec.jaxpr.jaxpr):
+    # Run-time checks and waits become values; a failure raises from the host.
+    axes = _manual_axes(ctx)
+
+    def fn(*xs):
+      device = None
+      if axes:
+        with core.extend_axis_env_nd(list(axes)):
+          device = jnp.int32(0)
+          for name, size in axes:
+            device = device * size + jax.lax.axis_index(name)
+      return runtime_checks.run_checked(spec, interpret.run, xs, device)
   # Inside shard_map the operands vary over manual axes; the interpreter's
   # own zeros and iotas do not, and the kernel is per-device anyway.
-  with jax_config.xla_runtime_errors(True), jax_config._check_vma(False):
-    return mlir.lower_fun(functools.partial(interpret.run, spec=spec),
-                          multiple_results=True)(ctx, *args)
+  with jax_config._check_vma(False):
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
 backends.register_backend("interpret", _interpret_lowering)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import threading
 
 import jax
@@ -20,8 +21,10 @@ from jax import lax
 from jax._src import core, sharding_impls
 from jax._src.interpreters import mlir
 
-from dsl import backends
-from dsl.errors import BackendError
+from dsl import backends, checks
+from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
+                        KernelError, KernelRaceError, KernelRuntimeError,
+                        host_failure)
 from lowering_mosaic import interpreter as interp
 from lowering_mosaic import promela
 from lowering_mosaic.inspection import dump_module, mesh_axes_of
@@ -116,18 +119,38 @@ def _digest(arrays) -> str:
   return h.hexdigest()
 
 
-def _run(key, text, per_device, out_shapes, options):
+# What the simulator found -> the error the user gets.
+_ERROR_KINDS = {"check": KernelCheckError, "deadlock": KernelDeadlockError,
+                "race": KernelRaceError, "unsupported": BackendError}
+_PREFIX = re.compile(r"^kernel '[^']*'(?: on (device \d+))?: ", re.S)
+
+
+def kernel_error(e: interp.KernelSimulationError, kernel: str) -> KernelError:
+  """The KernelError (first line: kernel, message, user line) for a failure
+  of the simulated kernel."""
+  text = str(e)
+  m = _PREFIX.match(text)
+  message, device = (text[m.end():], m.group(1)) if m else (text, None)
+  where = e.lines[0] if e.lines else None
+  if e.kind == "check":
+    message, at = checks.split_check_text(message)
+    where = at or where
+  cls = _ERROR_KINDS.get(e.kind, KernelRuntimeError)
+  return cls(kernel, message, where, operand=device)
+
+
+def _run(key, text, per_device, out_shapes, options, kernel):
   prog = cached_program(key, text)
   try:
     outs, world = simulate(prog, per_device, out_shapes, options)
   except interp.KernelSimulationError as e:
     interp._LAST_FAILURE.append(e)
-    raise
+    raise host_failure(kernel_error(e, kernel)) from e
   interp._REPORTS.extend(world.reports)
   return outs
 
 
-def _shared_run(key, text, gathered, n, out_shapes, options):
+def _shared_run(key, text, gathered, n, out_shapes, options, kernel):
   launch_key = (key, _digest(gathered), options)
   with _SHARED_LOCK:
     entry = _SHARED.get(launch_key)
@@ -137,7 +160,7 @@ def _shared_run(key, text, gathered, n, out_shapes, options):
   if owner:
     try:
       per_device = [[g[d] for g in gathered] for d in range(n)]
-      entry.result = _run(key, text, per_device, out_shapes, options)
+      entry.result = _run(key, text, per_device, out_shapes, options, kernel)
     except BaseException as e:    # every device's callback reports it
       entry.error = e
     finally:
@@ -168,7 +191,7 @@ def interpret_lowering(ctx, *args, spec):
   if n == 1:
     def host(*arrays):
       outs = _run(key, text, [[np.asarray(a) for a in arrays]], out_shapes,
-                  options)
+                  options, spec.name)
       return [np.asarray(o, a.dtype) for o, a in zip(outs[0], out_avals)]
 
     def fn(*xs):
@@ -181,7 +204,8 @@ def interpret_lowering(ctx, *args, spec):
 
     def host(*gathered):
       gathered = [np.asarray(g) for g in gathered]
-      outs = _shared_run(key, text, gathered, n, out_shapes, options)
+      outs = _shared_run(key, text, gathered, n, out_shapes, options,
+                         spec.name)
       return [np.stack([np.asarray(outs[d][k], a.dtype) for d in range(n)])
               for k, a in enumerate(out_avals)]
 

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 from jax._src.interpreters import mlir
 
-from jax._src import checkify as jax_checkify
 from jax._src import config as jax_config
-from dsl.errors import BackendError
+from dsl import checks
+from dsl.errors import BackendError, KernelCheckError, host_failure
 from lowering_triton import dtypes, loader
 from lowering_triton.kernel import GeneratedKernel, generate
 
@@ -217,15 +217,17 @@ def run(gk: GeneratedKernel, arrays) -> list[np.ndarray]:
           for z in range(gz):
             ti.interpreter_builder.set_grid_idx(x, y, z)
             fn(**kwargs)
-    except AssertionError as e:
-      raise jax_checkify.JaxRuntimeError(str(e)) from None
+    except AssertionError as e:     # a failed tl.device_assert: a check
+      message, where = checks.split_check_text(str(e))
+      raise host_failure(KernelCheckError(gk.name, message,
+                                          where or gk.where)) from None
     except Exception as e:
       lineno = _generated_lineno(gk, e)
       where = user_line(gk.source, lineno) if lineno else None
-      raise BackendError(
+      raise host_failure(BackendError(
           gk.name, f"Triton's interpreter failed running the generated kernel "
           f"(generated line {lineno}): {type(e).__name__}: {e}",
-          where or gk.where) from e
+          where or gk.where)) from e
     finally:
       if gk.has_side_effects:
         sys.stdout.flush()      # tl.device_print output, in program order
