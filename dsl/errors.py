@@ -4,7 +4,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import logging
 import os
 import sys
 import threading
@@ -182,60 +181,47 @@ class BackendError(KernelError, NotImplementedError):
 
 # ------------------------------------------------------------ host failures
 #
-# A KernelError raised inside a host callback (the host backends, run-time
-# checks) reaches the caller of a jitted function as the JaxRuntimeError
-# that XLA makes of it, its text ending in `KernelCheckError: kernel ...`.
-# Each such error is recorded here, so that the eager pallas_call re-raises
-# the error itself and `kernel_error_of` finds it behind a JaxRuntimeError.
+# A kernel failure found by a host backend (dsl/host_failures.py) is parked
+# here under an id; a host callback raises it, and XLA hands it to the caller
+# of a jitted function as a JaxRuntimeError whose text ends in
+# `KernelCheckError: kernel ...`. The eager pallas_call re-raises the error
+# itself, and `kernel_error_of` finds it behind a JaxRuntimeError.
 
-_PENDING: collections.OrderedDict[str, KernelError] = collections.OrderedDict()
-_PENDING_LOCK = threading.Lock()
-_MAX_PENDING = 64
-
-
-def _text_in_runtime_error(err: KernelError) -> str:
-  return f"{type(err).__name__}: {err}"
+_PARKED: collections.OrderedDict[int, KernelError] = collections.OrderedDict()
+_PARKED_LOCK = threading.Lock()
+_MAX_PARKED = 64
+_next_id = iter(range(1, 2**31 - 1))
 
 
-def host_failure(err: KernelError) -> KernelError:
-  """Records `err`, about to be raised by a host callback; returns it."""
-  key = _text_in_runtime_error(err)
-  with _PENDING_LOCK:
-    _PENDING[key] = err
-    _PENDING.move_to_end(key)
-    while len(_PENDING) > _MAX_PENDING:
-      _PENDING.popitem(last=False)
-  return err
+def park(err: KernelError) -> int:
+  """Keeps `err` for `parked`; returns its id (never 0)."""
+  with _PARKED_LOCK:
+    key = next(_next_id)
+    _PARKED[key] = err
+    while len(_PARKED) > _MAX_PARKED:
+      _PARKED.popitem(last=False)
+  return key
+
+
+def parked(key: int) -> KernelError | None:
+  with _PARKED_LOCK:
+    return _PARKED.get(int(key))
 
 
 def kernel_error_of(exc: BaseException) -> KernelError | None:
   """The KernelError behind `exc`: `exc` itself, or the error a kernel's host
-  callback raised when `exc` is the JaxRuntimeError that XLA made of it
+  backend reported when `exc` is the JaxRuntimeError that XLA made of it
   (what `jax.jit` raises). None when `exc` has nothing to do with a kernel."""
   if isinstance(exc, KernelError):
     return exc
   if not isinstance(exc, jax.errors.JaxRuntimeError):
     return None
   text = str(exc)
-  with _PENDING_LOCK:
-    for key in reversed(_PENDING):
-      if key in text:
-        return _PENDING[key]
+  with _PARKED_LOCK:
+    for err in reversed(_PARKED.values()):
+      if f"{type(err).__name__}: {err}" in text:
+        return err
   return None
-
-
-class _HostFailureFilter(logging.Filter):
-  """Drops JAX's "callback failed" log records (with their full traceback)
-  for kernel errors: the error itself reaches the caller."""
-
-  def filter(self, record):
-    exc = record.exc_info[1] if record.exc_info else None
-    return not isinstance(exc, KernelError)
-
-
-_HOST_FILTER = _HostFailureFilter()
-for _name in ("jax._src.callback", "jax._src.debugging"):
-  logging.getLogger(_name).addFilter(_HOST_FILTER)
 
 
 def source_excerpt(where: str | None, context: int = 3) -> str | None:
@@ -301,6 +287,6 @@ def in_kernel_source_file(filename: str) -> bool:
 
 __all__ = ["KernelError", "KernelTypeError", "BackendError",
            "KernelRuntimeError", "KernelCheckError", "KernelDeadlockError",
-           "KernelRaceError", "host_failure", "kernel_error_of", "user_frame",
+           "KernelRaceError", "kernel_error_of", "park", "parked", "user_frame",
            "frame_of_traceback", "source_info_frame", "function_location"]
 del sys

@@ -12,7 +12,7 @@ from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
-from dsl import backends, checks, config
+from dsl import backends, checks, config, host_failures
 from dsl.errors import (KernelError, KernelTypeError, function_location,
                         kernel_error_of, lowering_kernel, user_frame)
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
@@ -66,19 +66,8 @@ def _pallas_call_impl(*args, spec: KernelSpec):
     err = kernel_error_of(e)
     if err is None or err is e:
       raise
-    _drop_failed_runtime_tokens()
+    host_failures.forget_failed_runs()
     raise err.with_traceback(None) from None
-
-
-def _drop_failed_runtime_tokens():
-  """Forgets the failed run's tokens, which JAX would otherwise raise again
-  at the next `jax.effects_barrier()` and at exit."""
-  tokens = getattr(dispatch.runtime_tokens, "output_runtime_tokens", {})
-  for device, token in list(tokens.items()):
-    try:
-      token.block_until_ready()
-    except jax.errors.JaxRuntimeError:
-      tokens.pop(device, None)
 
 
 @pallas_call_p.def_abstract_eval
@@ -88,6 +77,13 @@ def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
   varying = [a for a in avals if getattr(getattr(a, "mat", None), "varying",
                                          None)]
   if not varying:
+    mesh = _explicit_mesh(avals)
+    if mesh is not None:
+      # Under jit over a mesh with Explicit axes: the kernel is not
+      # partitioned, it runs on whole arrays (see _lower); outputs are
+      # replicated over the mesh.
+      rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      return [core.ShapedArray(a.shape, a.dtype, sharding=rep) for a in outs]
     return [core.ShapedArray(a.shape, a.dtype) for a in outs]
   like = max(varying, key=lambda a: len(a.mat.varying))
   mesh = like.sharding.mesh
@@ -97,7 +93,52 @@ def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
           for a in outs]
 
 
+def _explicit_mesh(avals):
+  """The mesh of operands that live on a mesh with Explicit axes, or None."""
+  for a in avals:
+    mesh = getattr(getattr(a, "sharding", None), "mesh", None)
+    if mesh is not None and getattr(mesh, "explicit_axes", ()):
+      return mesh
+  return None
+
+
+def _sharded_explicitly(aval) -> bool:
+  sharding = getattr(aval, "sharding", None)
+  explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()))
+  for p in getattr(sharding, "spec", ()) if explicit else ():
+    if set(p if isinstance(p, tuple) else (p,)) & explicit:
+      return True
+  return False
+
+
+def sharded_like(x, aval):
+  """`x`, resharded to `aval`'s sharding where that names Explicit axes."""
+  if aval is None or not _sharded_explicitly(aval):
+    return x
+  if getattr(core.typeof(x), "sharding", None) == aval.sharding:
+    return x
+  return jax.sharding.reshard(x, aval.sharding)
+
+
+def _lower_on_whole_arrays(ctx, *args, spec: KernelSpec):
+  """Lowers the kernel on replicated operands: under jit over a mesh with
+  Explicit axes, a kernel is not partitioned and sees whole arrays."""
+  def replicated(x):
+    aval = core.typeof(x)
+    if not _sharded_explicitly(aval):
+      return x
+    return jax.sharding.reshard(
+        x, aval.sharding.update(spec=jax.sharding.PartitionSpec()))
+
+  def whole(*xs):
+    xs = [replicated(x) for x in xs]
+    return pallas_call_p.bind(*xs, spec=spec)
+  return mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
+
+
 def _lower(ctx, *args, spec: KernelSpec, platform: str):
+  if any(_sharded_explicitly(a) for a in ctx.avals_in):
+    return _lower_on_whole_arrays(ctx, *args, spec=spec)
   from dsl import config
   name = spec.backend
   if name is None:
@@ -117,16 +158,6 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
                          platform=_platform)
 
 
-def _manual_axes(ctx) -> tuple[tuple[str, int], ...]:
-  """((axis, size), ...) of the shard_map axes the kernel runs under."""
-  from jax._src import sharding_impls
-  ac = ctx.module_context.axis_context
-  if not isinstance(ac, sharding_impls.SPMDAxisContext) or not ac.manual_axes:
-    return ()
-  return tuple((n, int(ac.mesh.shape[n])) for n in ac.mesh.axis_names
-               if n in ac.manual_axes)
-
-
 def _interpret_lowering(ctx, *args, spec):
   from dsl import interpret
   from dsl.transforms import runtime_checks
@@ -134,16 +165,10 @@ def _interpret_lowering(ctx, *args, spec):
   fn = functools.partial(interpret.run, spec=spec)
   if runtime_checks.needs_checks(spec.jaxpr.jaxpr):
     # Run-time checks and waits become values; a failure raises from the host.
-    axes = _manual_axes(ctx)
+    axis_context = ctx.module_context.axis_context
 
     def fn(*xs):
-      device = None
-      if axes:
-        with core.extend_axis_env_nd(list(axes)):
-          device = jnp.int32(0)
-          for name, size in axes:
-            device = device * size + jax.lax.axis_index(name)
-      return runtime_checks.run_checked(spec, interpret.run, xs, device)
+      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context)
   # Inside shard_map the operands vary over manual axes; the interpreter's
   # own zeros and iotas do not, and the kernel is per-device anyway.
   with jax_config._check_vma(False):

@@ -24,7 +24,8 @@ from jax._src.interpreters import mlir
 
 from jax._src import config as jax_config
 from dsl import checks
-from dsl.errors import BackendError, KernelCheckError, host_failure
+from dsl import host_failures
+from dsl.errors import BackendError, KernelCheckError
 from lowering_triton import dtypes, loader
 from lowering_triton.kernel import GeneratedKernel, generate
 
@@ -219,15 +220,14 @@ def run(gk: GeneratedKernel, arrays) -> list[np.ndarray]:
             fn(**kwargs)
     except AssertionError as e:     # a failed tl.device_assert: a check
       message, where = checks.split_check_text(str(e))
-      raise host_failure(KernelCheckError(gk.name, message,
-                                          where or gk.where)) from None
+      raise KernelCheckError(gk.name, message, where or gk.where) from None
     except Exception as e:
       lineno = _generated_lineno(gk, e)
       where = user_line(gk.source, lineno) if lineno else None
-      raise host_failure(BackendError(
+      raise BackendError(
           gk.name, f"Triton's interpreter failed running the generated kernel "
           f"(generated line {lineno}): {type(e).__name__}: {e}",
-          where or gk.where)) from e
+          where or gk.where) from e
     finally:
       if gk.has_side_effects:
         sys.stdout.flush()      # tl.device_print output, in program order
@@ -239,12 +239,13 @@ def _lowering(ctx, *args, spec):
   result_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
                    for a in spec.grid_mapping.out_avals]
 
-  def host(*arrays):
-    return run(gk, arrays)
+  axis_context = ctx.module_context.axis_context
 
   def call(*xs):
-    return jax.pure_callback(host, result_shapes, *xs,
-                             vmap_method="sequential")
+    outs, failed = host_failures.call_host(
+        lambda *arrays: run(gk, arrays), result_shapes, *xs, kernel=spec.name)
+    host_failures.raise_parked(axis_context, failed)
+    return outs
 
   # Inside shard_map the operands vary over manual axes and the callback's
   # results are per device, as the interpret backend's are.

@@ -32,11 +32,11 @@ from jax._src import linear_util as lu
 from jax._src import api_util
 from jax._src.interpreters import partial_eval as pe
 
-from dsl import checks, primitives
+from dsl import checks, host_failures, primitives
 from dsl import tpu_primitives as tp
 from dsl.blockspec import BlockSpec
 from dsl.errors import (KernelCheckError, KernelDeadlockError,
-                        KernelRuntimeError, host_failure, traceback_frame)
+                        KernelRuntimeError, park, traceback_frame)
 from dsl.pallas_call import KernelSpec
 from dsl.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
@@ -353,34 +353,47 @@ def kernel_failure(kernel: str, point, exc, device=None) -> KernelRuntimeError:
   if point:
     detail.append(f"  at grid point {point}")
   if device is not None:
-    detail.append(f"  on device {device} (the interpret backend runs the "
-                  "devices in lockstep: what another device signals later in "
-                  "its program does not count)")
+    detail.append(f"  on device {device}" + (
+        " (the interpret backend runs the devices in lockstep: what another "
+        "device signals later in its program does not count)"
+        if cls is KernelDeadlockError else ""))
   return cls(kernel, message, where, detail="\n".join(detail) or None)
 
 
-def _raise_first_failure(kernel, err_tree, *leaves, device=None):
+def _park_first_failure(kernel, err_tree, *leaves, device=None):
   found = _first_failure(err_tree, leaves)
-  if found is not None:
-    point, exc = found
-    dev = None if device is None else int(np.asarray(device))
-    raise host_failure(kernel_failure(kernel, point, exc, dev))
+  if found is None:
+    return np.int32(0)
+  point, exc = found
+  dev = None if device is None else int(np.asarray(device))
+  return np.int32(park(kernel_failure(kernel, point, exc, dev)))
 
 
-def run_checked(spec: KernelSpec, run, args, device=None):
-  """Runs `spec` through `run(*args, spec=...)` with its checks; raises the
-  first failure at run time. `device`: this device's id inside shard_map."""
+def _device_id(axes):
+  """This device's id (row-major over the shard_map axes `axes`)."""
+  with core.extend_axis_env_nd(list(axes)):
+    device = jnp.int32(0)
+    for name, size in axes:
+      device = device * size + jax.lax.axis_index(name)
+  return device
+
+
+def run_checked(spec: KernelSpec, run, args, axis_context):
+  """Runs `spec` through `run(*args, spec=...)` with its checks, and raises
+  the first failure (dsl/host_failures.py)."""
   new, err_tree = checked_spec(spec)
   outs = run(*args, spec=new)
   n_out = spec.grid_mapping.num_outputs
-  extra = () if device is None else (device,)
-  report = functools.partial(_raise_first_failure, spec.name, err_tree)
-  if device is not None:
-    report = functools.partial(_report_on_device, report)
-  jax.debug.callback(report, *outs[n_out:], *extra)
+  axes = host_failures.manual_axes(axis_context)
+  extra = (_device_id(axes),) if axes else ()
+
+  def find(*leaves):
+    if axes:
+      *leaves, device = leaves
+      return _park_first_failure(spec.name, err_tree, *leaves, device=device)
+    return _park_first_failure(spec.name, err_tree, *leaves)
+
+  failed = jax.pure_callback(find, jax.ShapeDtypeStruct((), jnp.int32),
+                             *outs[n_out:], *extra, vmap_method="sequential")
+  host_failures.raise_parked(axis_context, failed)
   return outs[:n_out]
-
-
-def _report_on_device(report, *leaves_and_device):
-  *leaves, device = leaves_and_device
-  report(*leaves, device=device)
