@@ -210,12 +210,11 @@ def parked(key: int) -> KernelError | None:
 
 def kernel_error_of(exc: BaseException) -> KernelError | None:
   """The KernelError behind `exc`: `exc` itself, or the error a kernel's host
-  backend reported when `exc` is the JaxRuntimeError that XLA made of it
-  (what `jax.jit` raises). None when `exc` has nothing to do with a kernel."""
+  backend reported when `exc` is what XLA made of it (`jax.jit` raises a
+  JaxRuntimeError, or a ValueError from its C++ fast path, whose text ends
+  with the error's). None when `exc` has nothing to do with a kernel."""
   if isinstance(exc, KernelError):
     return exc
-  if not isinstance(exc, jax.errors.JaxRuntimeError):
-    return None
   text = str(exc)
   with _PARKED_LOCK:
     for err in reversed(_PARKED.values()):

@@ -56,9 +56,12 @@ def call_host(fn, result_shapes, *args, kernel: str):
 
 
 def _raise_if_failed(failed):
-  err = parked(int(np.asarray(failed))) if failed else None
+  """Raises the parked error of the first nonzero id in `failed`."""
+  ids = np.asarray(failed).reshape(-1)
+  found = ids[ids != 0]
+  err = parked(int(found[0])) if len(found) else None
   if err is not None:
-    raise err
+    raise err.with_traceback(None)
 
 
 def manual_axes(axis_context) -> tuple[tuple[str, int], ...]:
@@ -83,9 +86,9 @@ def raise_parked(axis_context, failed):
   """Raises the KernelError parked under `failed` (traced int32; 0: none) on
   every device; `axis_context`: the lowering context's axis context."""
   axes = manual_axes(axis_context)
-  if axes:
+  if axes:       # every device raises the failure of the first failing one
     with core.extend_axis_env_nd(list(axes)):
-      failed = lax.pmax(failed, tuple(n for n, _ in axes))
+      failed = lax.all_gather(failed, tuple(n for n, _ in axes))
     jax.debug.callback(_raise_if_failed, failed)
     return
   mesh = _jit_mesh(axis_context)
@@ -110,7 +113,7 @@ def forget_failed_runs():
   for device, token in list(tokens.items()):
     try:
       token.block_until_ready()
-    except jax.errors.JaxRuntimeError as e:
+    except Exception as e:  # noqa: BLE001 - JaxRuntimeError or ValueError
       if kernel_error_of(e) is not None:
         tokens.pop(device, None)
 

@@ -62,7 +62,7 @@ def _pallas_call_impl(*args, spec: KernelSpec):
     if backends.runs_on_host(spec.backend):
       jax.block_until_ready(outs)
     return outs
-  except jax.errors.JaxRuntimeError as e:
+  except Exception as e:  # noqa: BLE001 - JaxRuntimeError or ValueError
     err = kernel_error_of(e)
     if err is None or err is e:
       raise
@@ -163,7 +163,8 @@ def _interpret_lowering(ctx, *args, spec):
   from dsl.transforms import runtime_checks
   from jax._src import config as jax_config
   fn = functools.partial(interpret.run, spec=spec)
-  if runtime_checks.needs_checks(spec.jaxpr.jaxpr):
+  if (runtime_checks.needs_checks(spec.jaxpr.jaxpr)
+      and not runtime_checks.is_checked(spec)):
     # Run-time checks and waits become values; a failure raises from the host.
     axis_context = ctx.module_context.axis_context
 

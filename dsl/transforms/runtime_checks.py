@@ -45,14 +45,8 @@ _USER_CHECKS = frozenset({jax_checkify.FailedCheckError})
 
 
 class NeverFinishingWait(jax_checkify.FailedCheckError):
-  """A DMA or semaphore wait that nothing before it can satisfy."""
-
-  def get_effect_type(self):
-    vals = tree_util.tree_leaves((self.args, self.kwargs))
-    return jax_checkify.ErrorEffect(
-        NeverFinishingWait, tuple(jax.ShapeDtypeStruct(jnp.shape(x),
-                                                       jnp.result_type(x))
-                                  for x in vals))
+  """A DMA or semaphore wait that nothing before it can satisfy (a user
+  check for checkify: `checkify.user_checks` enables it)."""
 
 
 # ------------------------------------------------------------ what to check
@@ -62,14 +56,22 @@ def _waits_on_a_semaphore(eqn) -> bool:
           and tp.unpack(eqn.invars, eqn.params["layout"])["sem"] is not None)
 
 
-def needs_checks(jaxpr: core.Jaxpr) -> bool:
-  """Whether a kernel has run-time checks or semaphore waits."""
+def is_checked(spec: KernelSpec) -> bool:
+  """Whether `spec` is a kernel derived by `checked_spec`."""
+  return bool(spec.meta) and spec.meta[0] == "checked"
+
+
+def needs_checks(jaxpr: core.Jaxpr, include_debug: bool = False) -> bool:
+  """Whether a kernel has run-time checks (debug-only ones too, with
+  `include_debug`) or semaphore waits."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive is checks.check_p and not eqn.params["debug"]:
+    if eqn.primitive is checks.check_p and (include_debug
+                                            or not eqn.params["debug"]):
       return True
     if _waits_on_a_semaphore(eqn):
       return True
-    if any(needs_checks(j) for j in checks.sub_jaxprs(eqn.params)):
+    if any(needs_checks(j, include_debug)
+           for j in checks.sub_jaxprs(eqn.params)):
       return True
   return False
 
@@ -221,7 +223,7 @@ def _run_scoped_rule(ctx, error, enabled_errors, *args, jaxpr, num_consts):
     out_trees.append(tree)
     return [*leaves, *outs]
 
-  avals = [core.get_aval(v) for v in err_vals] + [v.aval for v in jaxpr.invars]
+  avals = [core.typeof(v) for v in err_vals] + [v.aval for v in jaxpr.invars]
   dbg = api_util.debug_info("run_scoped", body, tuple(range(len(avals))), {})
   new, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(body,
                                                           debug_info=dbg),
@@ -241,13 +243,13 @@ jax_checkify.error_checks[primitives.run_scoped_p] = _run_scoped_rule
 
 # ------------------------------------------------------------ the kernel
 
-def _error_structure(jaxpr: core.ClosedJaxpr):
+def _error_structure(jaxpr: core.ClosedJaxpr, enabled_errors):
   """(treedef, leaf avals) of the error a checkified kernel produces."""
   box = []
 
   def f(*args):
     err, _ = jax_checkify.checkify_jaxpr(jax_checkify.CheckifyContext(),
-                                         jaxpr, _USER_CHECKS,
+                                         jaxpr, enabled_errors,
                                          jax_checkify.init_error, *args)
     leaves, tree = tree_util.tree_flatten(err)
     box.append(tree)
@@ -267,24 +269,26 @@ def _error_block_spec(aval, n_grid: int) -> BlockSpec:
 
 
 @functools.lru_cache(maxsize=256)
-def checked_spec(spec: KernelSpec, keep_debug: bool = False):
+def checked_spec(spec: KernelSpec, keep_debug: bool = False,
+                 enabled_errors=_USER_CHECKS):
   """The kernel that also writes the error state of its checks, one block per
   grid point: `(spec', error treedef)`; the error outputs follow the
-  kernel's own outputs."""
+  kernel's own outputs. `keep_debug`: debug-only checks count too (for
+  `checkify.checkify`); `enabled_errors`: the checkify error kinds."""
   gm = spec.grid_mapping
   n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   names = dict(zip(spec.jaxpr.jaxpr.invars, _operand_names(spec)))
   jaxpr = core.ClosedJaxpr(_prepare(spec.jaxpr.jaxpr, names, keep_debug),
                            spec.jaxpr.consts)
-  err_tree, err_avals = _error_structure(jaxpr)
+  err_tree, err_avals = _error_structure(jaxpr, enabled_errors)
   n_err = len(err_avals)
 
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
     pf, ins, outs, errs, scr = split(refs, n_pf, n_in, n_out, n_err, n_scr)
     err, _ = jax_checkify.checkify_jaxpr(
-        jax_checkify.CheckifyContext(), jaxpr, _USER_CHECKS,
+        jax_checkify.CheckifyContext(), jaxpr, enabled_errors,
         jax_checkify.init_error, *ids, *pf, *ins, *outs, *scr)
     for ref, leaf in zip(errs, tree_util.tree_leaves(err)):
       ref[...] = jnp.asarray(leaf, ref.dtype)
@@ -301,7 +305,7 @@ def checked_spec(spec: KernelSpec, keep_debug: bool = False):
       out_specs=([spec_of(bm) for bm in gm.out_mappings]
                  + [_error_block_spec(a, n_grid) for a in err_avals]),
       scratch=list(gm.scratch_avals), aliases=dict(spec.input_output_aliases),
-      suffix="checked")
+      suffix="checked", meta=("checked", spec))
   new = new.replace(name=spec.name, grid_mapping=dataclasses.replace(
       new.grid_mapping, num_hidden_axes=gm.num_hidden_axes))
   return new, err_tree
