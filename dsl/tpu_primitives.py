@@ -13,7 +13,9 @@ Interpret-backend meaning (the discharge rules):
 
 - a DMA completes at once: `dst[...] = src[...]`, its semaphores go up by
   the number of bytes; a DMA wait takes them back down.
-- `semaphore_signal` adds, `semaphore_wait` subtracts (nothing blocks).
+- `semaphore_signal` adds, `semaphore_wait` subtracts (nothing blocks); a
+  wait, of either kind, whose semaphore is short of its count can never
+  finish: dsl/transforms/runtime_checks.py makes it a KernelDeadlockError.
 - remote DMAs and remote signals (`device_id=...`) inside `shard_map` are
   collectives: every device's source and target device id are all-gathered
   and each device keeps what was sent to it. So every device must execute
