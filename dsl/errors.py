@@ -194,7 +194,11 @@ _next_id = iter(range(1, 2**31 - 1))
 
 
 def park(err: KernelError) -> int:
-  """Keeps `err` for `parked`; returns its id (never 0)."""
+  """Keeps `err` for `parked`; returns its id (never 0). The tracebacks of
+  `err` and of its cause go: their frames hold the failed run's buffers."""
+  for e in (err, err.__cause__, err.__context__):
+    if e is not None:
+      e.__traceback__ = None
   with _PARKED_LOCK:
     key = next(_next_id)
     _PARKED[key] = err

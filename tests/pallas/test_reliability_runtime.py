@@ -233,6 +233,27 @@ def test_check_under_when_counts_only_where_the_branch_is_taken(
       assert "at grid point (0,)" in str(err)
 
 
+def test_checkify_counts_a_check_only_where_it_runs():
+  from jax.experimental import checkify
+
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      checkify.check(x_ref[0, 0] == 0, "block 0 starts at 0, got {}",
+                     x_ref[0, 0])
+    o_ref[...] = x_ref[...]
+  x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+  f = pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     grid=(2,), in_specs=[pl.BlockSpec((8, 128),
+                                                       lambda i: (i, 0))],
+                     out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)))
+  err, out = jax.jit(checkify.checkify(f))(x)
+  assert err.get() is None
+  np.testing.assert_array_equal(out, x)
+  err, _ = jax.jit(checkify.checkify(f))(x + 5)
+  assert err.get().startswith("block 0 starts at 0, got 5.0")
+
+
 def test_failed_check_inside_a_loop_and_run_scoped(runtime_asserts):
   def kernel(x_ref, o_ref):
     def row(r, carry):
