@@ -29,7 +29,18 @@ DEFAULT_FOR_PLATFORM = {
     "tpu": "mosaic",
 }
 
+# backends that run kernels on the host (through host callbacks).
+HOST_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
+
 _RULES: dict[str, Callable] = {}
+
+
+def runs_on_host(name: str | None) -> bool:
+  """Whether backend `name` (None: automatic) runs on the host here."""
+  if name is None:
+    import jax
+    name = DEFAULT_FOR_PLATFORM.get(jax.default_backend(), "interpret")
+  return name in HOST_BACKENDS
 
 
 def register_backend(name: str, lowering: Callable) -> None:

@@ -8,11 +8,39 @@ which returns the error as a value.
 """
 from __future__ import annotations
 
+import re
+
+from jax import tree_util
 from jax._src import checkify as jax_checkify
 from jax._src import core
 from jax.experimental import checkify
 
 check_p = jax_checkify.check_p
+
+_CHECK_AT = re.compile(r"^(.*) \(check at (\S+:\d+)\)$", re.S)
+
+
+def check_message(error, code=None) -> str:
+  """The message of a check's error value, as written (its format string);
+  `code` picks one check of several."""
+  metadata = getattr(error, "_metadata", None) or {}
+  treedefs = [metadata[code]] if code in metadata else list(metadata.values())
+  messages = []
+  for md in treedefs:
+    exc = tree_util.tree_unflatten(md, [None] * md.num_leaves)
+    messages.append(getattr(exc, "fmt_string", None) or type(exc).__name__)
+  return "; ".join(messages) or "check failed"
+
+
+def check_text(message: str, where: str | None) -> str:
+  """How a compiled check carries its message and user line (the text of a
+  `tl.device_assert` or `cf.assert`); `split_check_text` reads it back."""
+  return f"{message} (check at {where})" if where else message
+
+
+def split_check_text(text: str) -> tuple[str, str | None]:
+  m = _CHECK_AT.match(text.strip())
+  return (m.group(1), m.group(2)) if m else (text.strip(), None)
 
 
 def debug_check(condition, message: str = "debug_check failed", *fmt_args,

@@ -1,8 +1,12 @@
 """Errors raised for bad kernels, and the user's source line they point at."""
 from __future__ import annotations
 
+import collections
+import contextlib
+import contextvars
 import os
 import sys
+import threading
 import traceback
 
 import jax
@@ -39,10 +43,17 @@ def frame_of_traceback(tb) -> str | None:
 
 def source_info_frame(source_info) -> str | None:
   """'file:line' of a jaxpr equation's user frame."""
-  from jax._src import source_info_util
-  if source_info is None or source_info.traceback is None:
+  if source_info is None:
     return None
-  for frame in source_info_util.user_frames(source_info.traceback):
+  return traceback_frame(source_info.traceback)
+
+
+def traceback_frame(tb) -> str | None:
+  """'file:line' of the innermost user frame of a JAX traceback."""
+  from jax._src import source_info_util
+  if tb is None:
+    return None
+  for frame in source_info_util.user_frames(tb):
     if not _is_internal(frame.file_name):
       return f"{frame.file_name}:{frame.start_line}"
   return None
@@ -55,6 +66,29 @@ def function_location(fn) -> str:
   return f"{code.co_filename}:{code.co_firstlineno}"
 
 
+_LOWERING_KERNEL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "dsl_lowering_kernel", default=None)
+
+
+@contextlib.contextmanager
+def lowering_kernel(name: str):
+  """Names the kernel a backend is lowering, for errors raised meanwhile."""
+  token = _LOWERING_KERNEL.set(name)
+  try:
+    yield
+  finally:
+    _LOWERING_KERNEL.reset(token)
+
+
+def current_kernel() -> str:
+  """The name of the kernel being traced or lowered ('<kernel>' if none)."""
+  from dsl import tracing
+  env = tracing._GRID_ENV.get()
+  if env is not None:
+    return env.kernel
+  return _LOWERING_KERNEL.get() or "<kernel>"
+
+
 def verbose_errors() -> bool:
   """JAX's own jax_pallas_verbose_errors option."""
   from dsl import config
@@ -64,13 +98,17 @@ def verbose_errors() -> bool:
 class KernelError(ValueError):
   """A kernel or its specs are wrong; the message names kernel, operand, line.
 
+  `kernel=None` names the kernel being traced or lowered.
+
   With `jax_pallas_verbose_errors` on, the message also carries `detail`
   (the kernel's source or jaxpr with the failing line marked); off, it is
   one line ending in the user's file:line.
   """
 
-  def __init__(self, kernel: str, message: str, where: str | None = None,
-               operand: str | None = None, detail: str | None = None):
+  def __init__(self, kernel: str | None, message: str,
+               where: str | None = None, operand: str | None = None,
+               detail: str | None = None):
+    kernel = current_kernel() if kernel is None else kernel
     self.kernel = kernel
     self.operand = operand
     self.where = where
@@ -89,12 +127,104 @@ class KernelError(ValueError):
     super().__init__(text)
 
 
+class KernelRuntimeError(KernelError, jax.errors.JaxRuntimeError):
+  """A kernel failed while it ran: a failed run-time check, a deadlock, a
+  race or an out-of-bounds access found by a host backend.
+
+  The first line of the message is always `kernel 'name': message (at
+  file:line)`; `detail` (values, grid point, device) follows on the next
+  lines. It is a `jax.errors.JaxRuntimeError`, which is what JAX raises
+  when the same failure happens inside `jax.jit` (see `kernel_error_of`).
+  """
+
+  def __init__(self, kernel: str | None, message: str,
+               where: str | None = None, operand: str | None = None,
+               detail: str | None = None):
+    kernel = current_kernel() if kernel is None else kernel
+    self.kernel = kernel
+    self.operand = operand
+    self.where = where
+    self.short = message
+    self.detail = detail
+    head = f"kernel '{kernel}'" + (f", {operand}" if operand else "")
+    text = f"{head}: {message}" + (f" (at {where})" if where else "")
+    self.text = text + (f"\n{detail}" if detail else "")
+    jax.errors.JaxRuntimeError.__init__(self, self.text)
+
+  def __str__(self):
+    return self.text
+
+  def __reduce__(self):
+    return (type(self), (self.kernel, self.short, self.where, self.operand,
+                         self.detail))
+
+
+class KernelCheckError(KernelRuntimeError):
+  """A run-time check (`pl.debug_check`, `checkify.check`) failed."""
+
+
+class KernelDeadlockError(KernelRuntimeError):
+  """A DMA or semaphore wait can never finish."""
+
+
+class KernelRaceError(KernelRuntimeError):
+  """A buffer was touched while a DMA into or out of it was in flight."""
+
+
 class KernelTypeError(KernelError, TypeError):
   """A KernelError about types (dtype mismatches, non-integer indices)."""
 
 
 class BackendError(KernelError, NotImplementedError):
   """A backend cannot run the kernel (missing, unsupported primitive)."""
+
+
+# ------------------------------------------------------------ host failures
+#
+# A kernel failure found by a host backend (dsl/host_failures.py) is parked
+# here under an id; a host callback raises it, and XLA hands it to the caller
+# of a jitted function as a JaxRuntimeError whose text ends in
+# `KernelCheckError: kernel ...`. The eager pallas_call re-raises the error
+# itself, and `kernel_error_of` finds it behind a JaxRuntimeError.
+
+_PARKED: collections.OrderedDict[int, KernelError] = collections.OrderedDict()
+_PARKED_LOCK = threading.Lock()
+_MAX_PARKED = 64
+_next_id = iter(range(1, 2**31 - 1))
+
+
+def park(err: KernelError) -> int:
+  """Keeps `err` for `parked`; returns its id (never 0). The tracebacks of
+  `err` and of its cause go: their frames hold the failed run's buffers."""
+  for e in (err, err.__cause__, err.__context__):
+    if e is not None:
+      e.__traceback__ = None
+  with _PARKED_LOCK:
+    key = next(_next_id)
+    _PARKED[key] = err
+    while len(_PARKED) > _MAX_PARKED:
+      _PARKED.popitem(last=False)
+  return key
+
+
+def parked(key: int) -> KernelError | None:
+  with _PARKED_LOCK:
+    return _PARKED.get(int(key))
+
+
+def kernel_error_of(exc: BaseException) -> KernelError | None:
+  """The KernelError behind `exc`: `exc` itself, or the error a kernel's host
+  backend reported when `exc` is what XLA made of it (`jax.jit` raises a
+  JaxRuntimeError, or a ValueError from its C++ fast path, whose text ends
+  with the error's). None when `exc` has nothing to do with a kernel."""
+  if isinstance(exc, KernelError):
+    return exc
+  text = str(exc)
+  with _PARKED_LOCK:
+    for err in reversed(_PARKED.values()):
+      if f"{type(err).__name__}: {err}" in text:
+        return err
+  return None
 
 
 def source_excerpt(where: str | None, context: int = 3) -> str | None:
@@ -158,6 +288,8 @@ def in_kernel_source_file(filename: str) -> bool:
   return not _is_internal(filename)
 
 
-__all__ = ["KernelError", "KernelTypeError", "BackendError", "user_frame",
+__all__ = ["KernelError", "KernelTypeError", "BackendError",
+           "KernelRuntimeError", "KernelCheckError", "KernelDeadlockError",
+           "KernelRaceError", "kernel_error_of", "park", "parked", "user_frame",
            "frame_of_traceback", "source_info_frame", "function_location"]
 del sys

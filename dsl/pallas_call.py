@@ -12,9 +12,10 @@ from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
-from dsl import backends, checks, config
+from dsl import backends, checks, config, host_failures
+from dsl.errors import (KernelError, KernelTypeError, function_location,
+                        kernel_error_of, lowering_kernel, user_frame)
 from dsl.normalize import normalize
-from dsl.errors import KernelError, KernelTypeError, function_location, user_frame
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.tracing import trace_kernel
 
@@ -51,8 +52,23 @@ def _block_str(bm) -> str:
 
 pallas_call_p = Primitive("pallas_call")
 pallas_call_p.multiple_results = True
-pallas_call_p.def_impl(functools.partial(dispatch.apply_primitive,
-                                         pallas_call_p))
+
+
+@pallas_call_p.def_impl
+def _pallas_call_impl(*args, spec: KernelSpec):
+  # A kernel that fails on a host backend raises its KernelError from a host
+  # callback; XLA hands it back as a JaxRuntimeError, re-raised here as itself.
+  try:
+    outs = dispatch.apply_primitive(pallas_call_p, *args, spec=spec)
+    if backends.runs_on_host(spec.backend):
+      jax.block_until_ready(outs)
+    return outs
+  except Exception as e:  # noqa: BLE001 - JaxRuntimeError or ValueError
+    err = kernel_error_of(e)
+    if err is None or err is e:
+      raise
+    host_failures.forget_failed_runs()
+    raise err.with_traceback(None) from None
 
 
 @pallas_call_p.def_abstract_eval
@@ -62,6 +78,13 @@ def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
   varying = [a for a in avals if getattr(getattr(a, "mat", None), "varying",
                                          None)]
   if not varying:
+    mesh = _explicit_mesh(avals)
+    if mesh is not None:
+      # Under jit over a mesh with Explicit axes: the kernel is not
+      # partitioned, it runs on whole arrays (see _lower); outputs are
+      # replicated over the mesh.
+      rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      return [core.ShapedArray(a.shape, a.dtype, sharding=rep) for a in outs]
     return [core.ShapedArray(a.shape, a.dtype) for a in outs]
   like = max(varying, key=lambda a: len(a.mat.varying))
   mesh = like.sharding.mesh
@@ -71,7 +94,52 @@ def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
           for a in outs]
 
 
+def _explicit_mesh(avals):
+  """The mesh of operands that live on a mesh with Explicit axes, or None."""
+  for a in avals:
+    mesh = getattr(getattr(a, "sharding", None), "mesh", None)
+    if mesh is not None and getattr(mesh, "explicit_axes", ()):
+      return mesh
+  return None
+
+
+def _sharded_explicitly(aval) -> bool:
+  sharding = getattr(aval, "sharding", None)
+  explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()))
+  for p in getattr(sharding, "spec", ()) if explicit else ():
+    if set(p if isinstance(p, tuple) else (p,)) & explicit:
+      return True
+  return False
+
+
+def sharded_like(x, aval):
+  """`x`, resharded to `aval`'s sharding where that names Explicit axes."""
+  if aval is None or not _sharded_explicitly(aval):
+    return x
+  if getattr(core.typeof(x), "sharding", None) == aval.sharding:
+    return x
+  return jax.sharding.reshard(x, aval.sharding)
+
+
+def _lower_on_whole_arrays(ctx, *args, spec: KernelSpec):
+  """Lowers the kernel on replicated operands: under jit over a mesh with
+  Explicit axes, a kernel is not partitioned and sees whole arrays."""
+  def replicated(x):
+    aval = core.typeof(x)
+    if not _sharded_explicitly(aval):
+      return x
+    return jax.sharding.reshard(
+        x, aval.sharding.update(spec=jax.sharding.PartitionSpec()))
+
+  def whole(*xs):
+    xs = [replicated(x) for x in xs]
+    return pallas_call_p.bind(*xs, spec=spec)
+  return mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
+
+
 def _lower(ctx, *args, spec: KernelSpec, platform: str):
+  if any(_sharded_explicitly(a) for a in ctx.avals_in):
+    return _lower_on_whole_arrays(ctx, *args, spec=spec)
   from dsl import config
   name = spec.backend
   if name is None:
@@ -83,7 +151,8 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
   rule = backends.lowering_rule(name, spec.name, spec.where)
   if name != "interpret":   # the interpret backend runs every JAX primitive
     spec = normalize(spec)
-  return rule(ctx, *args, spec=spec)
+  with lowering_kernel(spec.name):
+    return rule(ctx, *args, spec=spec)
 
 
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
@@ -94,13 +163,20 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
 
 def _interpret_lowering(ctx, *args, spec):
   from dsl import interpret
+  from dsl.transforms import runtime_checks
   from jax._src import config as jax_config
-  # Run-time checks (jax_pallas_enable_runtime_assert) raise from the host.
+  fn = functools.partial(interpret.run, spec=spec)
+  if (runtime_checks.needs_checks(spec.jaxpr.jaxpr)
+      and not runtime_checks.is_checked(spec)):
+    # Run-time checks and waits become values; a failure raises from the host.
+    axis_context = ctx.module_context.axis_context
+
+    def fn(*xs):
+      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context)
   # Inside shard_map the operands vary over manual axes; the interpreter's
   # own zeros and iotas do not, and the kernel is per-device anyway.
-  with jax_config.xla_runtime_errors(True), jax_config._check_vma(False):
-    return mlir.lower_fun(functools.partial(interpret.run, spec=spec),
-                          multiple_results=True)(ctx, *args)
+  with jax_config._check_vma(False):
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
 backends.register_backend("interpret", _interpret_lowering)

@@ -190,7 +190,7 @@ def run_scoped(f: Callable[..., Any], *types, **kw_types):
     elif isinstance(t, state_types.AbstractRef):
       avals.append(t)
     else:
-      raise KernelError("<run_scoped>", f"expected scratch types such as "
+      raise KernelError(None, f"expected scratch types such as "
                         f"tpu.VMEM(shape, dtype), got {t!r}", user_frame())
   out_tree_box = []
 

@@ -65,12 +65,12 @@ def _load_discharge(ctx, x, *args, tree, has_mask, has_other, out_aval, **_):
 def _check_mask(name, mask, shape):
   mask = jnp.asarray(mask)
   if mask.dtype != jnp.bool_:
-    raise KernelTypeError("<kernel>", f"{name} mask must be bool, got "
+    raise KernelTypeError(None, f"{name} mask must be bool, got "
                           f"{mask.dtype}", user_frame())
   try:
     return jnp.broadcast_to(mask, shape)
   except ValueError:
-    raise KernelError("<kernel>", f"{name} mask of shape {mask.shape} does not "
+    raise KernelError(None, f"{name} mask of shape {mask.shape} does not "
                       f"broadcast to the indexed shape {shape}", user_frame())
 
 
@@ -116,13 +116,13 @@ def _store_discharge(ctx, x, *args, tree, has_mask, **_):
 def _check_value(name, val, shape, dtype):
   val = jnp.asarray(val)
   if val.dtype != dtype:
-    raise KernelTypeError("<kernel>", f"{name} value has dtype {val.dtype} but "
+    raise KernelTypeError(None, f"{name} value has dtype {val.dtype} but "
                           f"the ref has dtype {dtype}", user_frame())
   if val.shape != shape:
     try:
       val = jnp.broadcast_to(val, shape)
     except ValueError:
-      raise KernelError("<kernel>", f"{name} value of shape {val.shape} does "
+      raise KernelError(None, f"{name} value of shape {val.shape} does "
                         f"not match the indexed shape {shape}", user_frame())
   return val
 

@@ -13,7 +13,9 @@ Interpret-backend meaning (the discharge rules):
 
 - a DMA completes at once: `dst[...] = src[...]`, its semaphores go up by
   the number of bytes; a DMA wait takes them back down.
-- `semaphore_signal` adds, `semaphore_wait` subtracts (nothing blocks).
+- `semaphore_signal` adds, `semaphore_wait` subtracts (nothing blocks); a
+  wait, of either kind, whose semaphore is short of its count can never
+  finish: dsl/transforms/runtime_checks.py makes it a KernelDeadlockError.
 - remote DMAs and remote signals (`device_id=...`) inside `shard_map` are
   collectives: every device's source and target device id are all-gathered
   and each device keeps what was sent to it. So every device must execute
@@ -158,7 +160,7 @@ def _ref_parts(what: str, ref):
     return ref.ref, tuple(ref.transforms)
   aval = core.typeof(ref)
   if not isinstance(aval, state_types.AbstractRef):
-    raise KernelTypeError("<kernel>", f"{what} must be a ref, got "
+    raise KernelTypeError(None, f"{what} must be a ref, got "
                           f"{getattr(aval, 'str_short', lambda: aval)()}",
                           user_frame())
   return ref, ()
@@ -182,13 +184,13 @@ def _sem_parts(what: str, sem):
   aval = core.typeof(ref)
   if not is_semaphore_aval(aval):
     raise KernelTypeError(
-        "<kernel>", f"{what} must be a semaphore (scratch_shapes entry "
+        None, f"{what} must be a semaphore (scratch_shapes entry "
         f"tpu.SemaphoreType.DMA / REGULAR, or get_barrier_semaphore()), got a "
         f"{aval.inner_aval.str_short()} ref in {aval.memory_space}",
         user_frame())
   shape = _view_shape(ref, transforms)
   if shape != ():
-    raise KernelError("<kernel>", f"{what} must select one semaphore, but it "
+    raise KernelError(None, f"{what} must select one semaphore, but it "
                       f"selects an array of shape {shape}; index it, e.g. "
                       "sem.at[slot]", user_frame())
   return ref, transforms
@@ -214,14 +216,14 @@ def _normalize_device_id(device_id, device_id_type):
     device_id_type = DeviceIdType(device_id_type)
   if isinstance(device_id, dict):
     if device_id_type is not DeviceIdType.MESH:
-      raise KernelError("<kernel>", "a dict device_id names mesh axes and "
+      raise KernelError(None, "a dict device_id names mesh axes and "
                         "needs device_id_type=DeviceIdType.MESH", user_frame())
     axes = tuple(device_id.keys())
     vals = tuple(jnp.asarray(device_id[a], jnp.int32) for a in axes)
     return vals, axes
   if isinstance(device_id, (tuple, list)):
     if device_id_type is DeviceIdType.LOGICAL and len(device_id) != 1:
-      raise KernelError("<kernel>", "a LOGICAL device_id is one integer, got "
+      raise KernelError(None, "a LOGICAL device_id is one integer, got "
                         f"{len(device_id)} values", user_frame())
     return tuple(jnp.asarray(v, jnp.int32) for v in device_id), None
   return (jnp.asarray(device_id, jnp.int32),), None
@@ -255,7 +257,7 @@ def logical_device_id(device_id, device_id_type, device_id_axes, mesh_axes):
       # one coordinate for a multi-axis mesh: the last (minor) axis.
       coords = [lax.axis_index(n) for n in names[:-1]] + vals
     elif len(vals) != len(names):
-      raise KernelError("<kernel>", f"device_id has {len(vals)} coordinates "
+      raise KernelError(None, f"device_id has {len(vals)} coordinates "
                         f"but the mesh has axes {names}", user_frame())
     else:
       coords = vals
@@ -263,7 +265,7 @@ def logical_device_id(device_id, device_id_type, device_id_axes, mesh_axes):
     given = dict(zip(device_id_axes, vals))
     for a in given:
       if a not in names:
-        raise KernelError("<kernel>", f"device_id names axis {a!r}, which is "
+        raise KernelError(None, f"device_id names axis {a!r}, which is "
                           f"not a mesh axis ({names})", user_frame())
     coords = [given[n] if n in given else lax.axis_index(n) for n in names]
   lin = jnp.int32(0)
@@ -282,7 +284,7 @@ def _my_logical_id(mesh_axes):
 def _mesh_names(mesh_axes, kernel_op):
   if not mesh_axes:
     raise KernelError(
-        "<kernel>", f"{kernel_op} with a device_id needs several devices: "
+        None, f"{kernel_op} with a device_id needs several devices: "
         "run the kernel inside jax.shard_map (or jit over a mesh) so that "
         "device ids mean something", None)
   names = tuple(n for n, _ in mesh_axes)
@@ -481,7 +483,7 @@ def _check_copy(src, src_t, dst, dst_t, what):
   s_shape, d_shape = _view_shape(src, src_t), _view_shape(dst, dst_t)
   s_dt, d_dt = _view_dtype(src), _view_dtype(dst)
   if s_shape != d_shape or s_dt != d_dt:
-    raise KernelError("<kernel>", f"{what}: source {s_dt}{list(s_shape)} and "
+    raise KernelError(None, f"{what}: source {s_dt}{list(s_shape)} and "
                       f"destination {d_dt}{list(d_shape)} must have the same "
                       "shape and dtype", user_frame())
 
@@ -502,7 +504,7 @@ class AsyncCopyDescriptor:
         "the receive semaphore" if device_id is not None else "the DMA "
         "semaphore", dst_sem)
     if self.dst_sem is None:
-      raise KernelTypeError("<kernel>", "a DMA cannot signal the barrier "
+      raise KernelTypeError(None, "a DMA cannot signal the barrier "
                             "semaphore; use a SemaphoreType.DMA scratch",
                             user_frame())
     if src_sem is not None:
@@ -556,7 +558,7 @@ class AsyncCopyDescriptor:
   def wait_send(self):
     """Waits until the source has been read (on the sending device)."""
     if self.src_sem is None:
-      raise KernelError("<kernel>", "wait_send needs a send semaphore; use "
+      raise KernelError(None, "wait_send needs a send semaphore; use "
                         "make_async_remote_copy(src, dst, send_sem, recv_sem, "
                         "device_id=...)", user_frame())
     self._wait(self.src_sem, self.src_sem_t, "send")
@@ -591,7 +593,7 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
                      device_id_type=DeviceIdType.MESH, core_index=None):
   """Adds `inc` to `sem`, on this device or on device `device_id`."""
   if core_index is not None:
-    raise KernelError("<kernel>", "semaphore_signal(core_index=...) is not "
+    raise KernelError(None, "semaphore_signal(core_index=...) is not "
                       "supported: one TensorCore per device", user_frame())
   ref, t = _sem_parts("semaphore_signal's semaphore", sem)
   if isinstance(device_id_type, str):
@@ -746,11 +748,11 @@ def bitcast(x, ty):
   src, dst = _bits(x.dtype), _bits(ty)
   if src != dst:
     if x.ndim < 2:
-      raise KernelError("<kernel>", f"bitcast between {x.dtype} and {ty} "
+      raise KernelError(None, f"bitcast between {x.dtype} and {ty} "
                         "needs at least 2 dims (the second-minor one scales)",
                         user_frame())
     if src < dst and x.shape[-2] % (dst // src):
-      raise KernelError("<kernel>", f"bitcast {x.dtype}{list(x.shape)} to "
+      raise KernelError(None, f"bitcast {x.dtype}{list(x.shape)} to "
                         f"{ty}: dim -2 ({x.shape[-2]}) must be a multiple of "
                         f"{dst // src}", user_frame())
   return bitcast_p.bind(x, ty=ty)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import threading
 
 import jax
@@ -20,8 +21,9 @@ from jax import lax
 from jax._src import core, sharding_impls
 from jax._src.interpreters import mlir
 
-from dsl import backends
-from dsl.errors import BackendError
+from dsl import backends, checks, host_failures
+from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
+                        KernelError, KernelRaceError, KernelRuntimeError)
 from lowering_mosaic import interpreter as interp
 from lowering_mosaic import promela
 from lowering_mosaic.inspection import dump_module, mesh_axes_of
@@ -34,14 +36,19 @@ def _num_devices(mesh_axes) -> int:
   return math.prod(s for _, s in mesh_axes) if mesh_axes else 1
 
 
-def mesh_axes_from_context(ctx, spec) -> tuple:
-  """((axis, size), ...) of the shard_map mesh the kernel runs in, or ()."""
+def mesh_axes_from_context(ctx, spec, on_host: bool = False) -> tuple:
+  """((axis, size), ...) of the shard_map mesh the kernel runs in, or ().
+
+  Under a sharded `jax.jit` (no shard_map) a kernel is not partitioned: the
+  host simulation runs it once on whole arrays (`on_host`); a TPU cannot.
+  """
   ac = ctx.module_context.axis_context
   if isinstance(ac, sharding_impls.SPMDAxisContext):
     manual = set(ac.manual_axes)
     return tuple((n, s) for n, s in mesh_axes_of(ac.mesh)
                  if not manual or n in manual)
-  if isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices > 1:
+  if (isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices > 1
+      and not on_host):
     raise BackendError(spec.name, "a Mosaic kernel cannot be partitioned "
                        "automatically over several devices; call it inside "
                        "jax.shard_map", spec.where)
@@ -116,18 +123,38 @@ def _digest(arrays) -> str:
   return h.hexdigest()
 
 
-def _run(key, text, per_device, out_shapes, options):
+# What the simulator found -> the error the user gets.
+_ERROR_KINDS = {"check": KernelCheckError, "deadlock": KernelDeadlockError,
+                "race": KernelRaceError, "unsupported": BackendError}
+_PREFIX = re.compile(r"^kernel '[^']*'(?: on (device \d+))?: ", re.S)
+
+
+def kernel_error(e: interp.KernelSimulationError, kernel: str) -> KernelError:
+  """The KernelError (first line: kernel, message, user line) for a failure
+  of the simulated kernel."""
+  text = str(e)
+  m = _PREFIX.match(text)
+  message, device = (text[m.end():], m.group(1)) if m else (text, None)
+  where = e.lines[0] if e.lines else None
+  if e.kind == "check":
+    message, at = checks.split_check_text(message)
+    where = at or where
+  cls = _ERROR_KINDS.get(e.kind, KernelRuntimeError)
+  return cls(kernel, message, where, operand=device)
+
+
+def _run(key, text, per_device, out_shapes, options, kernel):
   prog = cached_program(key, text)
   try:
     outs, world = simulate(prog, per_device, out_shapes, options)
   except interp.KernelSimulationError as e:
     interp._LAST_FAILURE.append(e)
-    raise
+    raise kernel_error(e, kernel) from e
   interp._REPORTS.extend(world.reports)
   return outs
 
 
-def _shared_run(key, text, gathered, n, out_shapes, options):
+def _shared_run(key, text, gathered, n, out_shapes, options, kernel):
   launch_key = (key, _digest(gathered), options)
   with _SHARED_LOCK:
     entry = _SHARED.get(launch_key)
@@ -137,7 +164,7 @@ def _shared_run(key, text, gathered, n, out_shapes, options):
   if owner:
     try:
       per_device = [[g[d] for g in gathered] for d in range(n)]
-      entry.result = _run(key, text, per_device, out_shapes, options)
+      entry.result = _run(key, text, per_device, out_shapes, options, kernel)
     except BaseException as e:    # every device's callback reports it
       entry.error = e
     finally:
@@ -154,7 +181,7 @@ def _shared_run(key, text, gathered, n, out_shapes, options):
 
 
 def interpret_lowering(ctx, *args, spec):
-  mesh_axes = mesh_axes_from_context(ctx, spec)
+  mesh_axes = mesh_axes_from_context(ctx, spec, on_host=True)
   module, _ = build_module_and_context(spec, mesh_axes)
   dump_module(spec, module)
   promela.maybe_dump(module, spec.name, num_devices=_num_devices(mesh_axes))
@@ -164,24 +191,28 @@ def interpret_lowering(ctx, *args, spec):
   out_avals = spec.grid_mapping.out_avals
   out_shapes = [tuple(a.shape) for a in out_avals]
   n = math.prod(s for _, s in mesh_axes) if mesh_axes else 1
+  axis_context = ctx.module_context.axis_context
 
   if n == 1:
     def host(*arrays):
       outs = _run(key, text, [[np.asarray(a) for a in arrays]], out_shapes,
-                  options)
+                  options, spec.name)
       return [np.asarray(o, a.dtype) for o, a in zip(outs[0], out_avals)]
 
     def fn(*xs):
-      return jax.pure_callback(
+      outs, failed = host_failures.call_host(
           host, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals],
-          *xs, vmap_method="sequential")
+          *xs, kernel=spec.name)
+      host_failures.raise_parked(axis_context, failed)
+      return outs
   else:
     names = tuple(nm for nm, _ in mesh_axes)
     axis = names if len(names) > 1 else names[0]
 
     def host(*gathered):
       gathered = [np.asarray(g) for g in gathered]
-      outs = _shared_run(key, text, gathered, n, out_shapes, options)
+      outs = _shared_run(key, text, gathered, n, out_shapes, options,
+                         spec.name)
       return [np.stack([np.asarray(outs[d][k], a.dtype) for d in range(n)])
               for k, a in enumerate(out_avals)]
 
@@ -189,11 +220,13 @@ def interpret_lowering(ctx, *args, spec):
       with core.extend_axis_env_nd(list(mesh_axes)):
         gathered = [lax.all_gather(x, axis, tiled=False).reshape(
             (n,) + tuple(x.shape)) for x in xs]
-        outs = jax.pure_callback(
+        outs, failed = host_failures.call_host(
             host, [jax.ShapeDtypeStruct((n,) + tuple(a.shape), a.dtype)
-                   for a in out_avals], *gathered, vmap_method="sequential")
+                   for a in out_avals], *gathered, kernel=spec.name)
         me = lax.axis_index(axis)
-        return [o[me] for o in outs]
+        outs = [o[me] for o in outs]
+      host_failures.raise_parked(axis_context, failed)
+      return outs
 
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 

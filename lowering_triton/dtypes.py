@@ -34,7 +34,7 @@ LOW_PRECISION_FLOATS = frozenset({
     "float8_e5m2fnuz"})
 
 
-def _entry(dtype, kernel: str = "<kernel>"):
+def _entry(dtype, kernel: str | None = None):
   name = np.dtype(dtype).name
   if name not in _TABLE:
     raise BackendError(kernel, f"dtype {name} has no Triton equivalent")

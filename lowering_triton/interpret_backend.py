@@ -22,9 +22,10 @@ import jax
 import numpy as np
 from jax._src.interpreters import mlir
 
-from jax._src import checkify as jax_checkify
 from jax._src import config as jax_config
-from dsl.errors import BackendError
+from dsl import checks
+from dsl import host_failures
+from dsl.errors import BackendError, KernelCheckError
 from lowering_triton import dtypes, loader
 from lowering_triton.kernel import GeneratedKernel, generate
 
@@ -217,8 +218,9 @@ def run(gk: GeneratedKernel, arrays) -> list[np.ndarray]:
           for z in range(gz):
             ti.interpreter_builder.set_grid_idx(x, y, z)
             fn(**kwargs)
-    except AssertionError as e:
-      raise jax_checkify.JaxRuntimeError(str(e)) from None
+    except AssertionError as e:     # a failed tl.device_assert: a check
+      message, where = checks.split_check_text(str(e))
+      raise KernelCheckError(gk.name, message, where or gk.where) from None
     except Exception as e:
       lineno = _generated_lineno(gk, e)
       where = user_line(gk.source, lineno) if lineno else None
@@ -237,12 +239,13 @@ def _lowering(ctx, *args, spec):
   result_shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
                    for a in spec.grid_mapping.out_avals]
 
-  def host(*arrays):
-    return run(gk, arrays)
+  axis_context = ctx.module_context.axis_context
 
   def call(*xs):
-    return jax.pure_callback(host, result_shapes, *xs,
-                             vmap_method="sequential")
+    outs, failed = host_failures.call_host(
+        lambda *arrays: run(gk, arrays), result_shapes, *xs, kernel=spec.name)
+    host_failures.raise_parked(axis_context, failed)
+    return outs
 
   # Inside shard_map the operands vary over manual axes and the callback's
   # results are per device, as the interpret backend's are.

@@ -23,7 +23,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from dsl.errors import KernelError
 from dsl.interpret.plan import make_plan
-from dsl.pallas_call import KernelSpec, pallas_call_p
+from dsl.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.tracing import program_id
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    is_float, point_function, sds, split)
@@ -269,8 +269,10 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   for i, o in base.input_output_aliases:
     if i - n_pf in pos and o in final_by_out:
       ct_ins[pos[i - n_pf]] = ct_ins[pos[i - n_pf]] + final_by_out[o]
-  it = iter(ct_ins)
-  tangent_cts = [next(it) for _ in range(n_ct_in)]
+  # A cotangent has its tangent's type (sharding included, under jit over a
+  # mesh with Explicit axes, where the kernel's outputs are replicated).
+  tangent_cts = [sharded_like(c, getattr(t, "aval", None))
+                 for c, t in zip(ct_ins, args[n_pf + n_in:])]
   return [None] * (n_pf + n_in) + tangent_cts
 
 

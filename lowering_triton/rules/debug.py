@@ -13,6 +13,7 @@ import re
 from jax import tree_util
 from jax._src import checkify as jax_checkify
 
+from dsl import checks
 from dsl import primitives as dsl_primitives
 from dsl.errors import source_info_frame
 from lowering_triton import dtypes
@@ -57,15 +58,6 @@ def _debug_print(ctx, *args, fmt, **params):
   return []
 
 
-def _message(error, code) -> str:
-  metadata = getattr(error, "_metadata", {}) or {}
-  exc = metadata.get(code)
-  if exc is None and len(metadata) == 1:
-    exc = next(iter(metadata.values()))
-  text = getattr(exc, "fmt_string", None) or (str(exc) if exc else "")
-  return text or "check failed"
-
-
 @register(jax_checkify.check_p)
 def _check(ctx, *args, err_tree, debug, **params):
   if debug:
@@ -79,7 +71,7 @@ def _check(ctx, *args, err_tree, debug, **params):
     code = error._code.get(effect) if isinstance(error._code, dict) else None
     code = int(code.literal) if getattr(code, "literal", None) is not None \
         else None
-    text = f"{_message(error, code)} (check at {where})"
+    text = checks.check_text(checks.check_message(error, code), where)
     ok = (f"~{failed.expr}" if failed.expr.isidentifier()
           else f"~({failed.expr})")
     if failed.literal is not None:

@@ -13,6 +13,7 @@ import lowering_mosaic
 from lowering_mosaic import (KernelDeadlockError, KernelRaceError,
                              KernelSimulationError, interpreter_options)
 from lowering_mosaic import interpreter
+from dsl.errors import KernelRuntimeError, kernel_error_of
 
 BACKENDS = ["mosaic_interpret", "interpret"]
 ANY = pl.BlockSpec(memory_space=pl.ANY)
@@ -25,7 +26,11 @@ def _run_failing(f, *args):
     jax.block_until_ready(f(*args))
   err = interpreter.last_failure()
   assert err is not None, e.value
-  assert type(err).__name__ in str(e.value) and str(err) in str(e.value)
+  # The user gets a KernelRuntimeError (inside jax.jit: the JaxRuntimeError
+  # XLA makes of it) whose message is the simulator's.
+  reported = kernel_error_of(e.value)
+  assert isinstance(reported, KernelRuntimeError), e.value
+  assert reported.short in str(err) and str(reported) in str(e.value)
   return err
 
 

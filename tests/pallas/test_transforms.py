@@ -311,7 +311,7 @@ def test_checkify_returns_error_as_value():
   err, _ = checkify.checkify(checked)(jnp.arange(16.) - 1)
   assert "x must be positive" in err.get()
   err, _ = jax.jit(checkify.checkify(checked))(jnp.arange(16.) + 200)
-  assert "x too big: 208.0" in err.get()
+  assert "x too big: 200.0" in err.get()     # the first grid point's failure
   err, out = checkify.checkify(checked)(jnp.arange(16.) + 1)
   assert err.get() is None
   assert_close(out, jnp.sqrt(jnp.arange(16.) + 1))
