@@ -56,6 +56,15 @@ def as_sym(x) -> Sym:
   raise TypeError(f"unsupported index {x!r}")
 
 
+def index_sym(idx, size: int) -> Sym:
+  """An integer index into an axis of `size` elements as a Sym; a static
+  negative index counts from the end, as in numpy."""
+  sym = as_sym(idx)
+  if isinstance(sym, int) and sym < 0:
+    return sym + int(size)
+  return sym
+
+
 @dataclasses.dataclass(frozen=True)
 class Axis:
   """A visible axis of a ref: array coordinate `start + step * k`, k < size."""
@@ -127,7 +136,8 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
                        ax.step * int(idx.stride), int(idx.size)))
     elif isinstance(idx, (int, np.integer)) or (
         isinstance(idx, TVal) and idx.shape == ()):
-      fixed.append((ax.dim, sym_add(ax.start, sym_mul(as_sym(idx), ax.step))))
+      fixed.append((ax.dim, sym_add(ax.start,
+                                    sym_mul(index_sym(idx, ax.size), ax.step))))
     else:
       raise UnsupportedIndex("indexing a ref with an array of indices is not "
                              "supported by the Triton backend; use scalar "

@@ -42,4 +42,4 @@ def supported_primitives() -> list[str]:
 
 # Importing the modules fills the table.
 from lowering_triton.rules import (control_flow, debug, dot, elementwise,  # noqa: E402,F401
-                                   reductions, shapes, state)
+                                   integer, reductions, shapes, state)

@@ -19,7 +19,7 @@ from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
                                   apply_indexer, as_sym, bcast, emit_address,
-                                  has_padding_or_bounds)
+                                  has_padding_or_bounds, index_sym)
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
 from lowering_triton.values import TVal, full_expr, padded
@@ -112,7 +112,7 @@ def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
         pos = f"{pos} + {paren(s)}"
       x = take(ctx, x, axis, clamp(pos, 0, n - 1), size, hint)
     elif isinstance(idx, TVal) and idx.shape == () or isinstance(idx, int):
-      s = as_sym(idx)
+      s = index_sym(idx, n)
       x = take(ctx, x, axis, clamp(f"tl.full((1,), {s}, tl.int32)", 0, n - 1),
                1, hint)
       drop.append(axis)
@@ -167,7 +167,7 @@ def _spread(ctx, vref: ValueRef, indexer, v: TVal, fill_mask: bool):
         cond = f"({rel} >= 0) & ({rel} < {size * st}) & (({rel}) % {st} == 0)"
       x = take(ctx, x, axis, src, n, "spread")
     else:
-      s = as_sym(idx)
+      s = index_sym(idx, n)
       new_shape = list(x.shape)
       new_shape[axis] = n
       x = ctx.bind(f"tl.broadcast_to({x.expr}, {padded(new_shape)})",
