@@ -93,6 +93,9 @@ def _interpreter_scope(debug: bool = False):
                    _binary(ieee_minimum))
     scope.set_attr(ti.ReduceOps, "apply_impl",
                    _fast_reduce(ti.ReduceOps.apply_impl))
+    # Integer sums wrap around in their type, as on the GPU (numpy's sum
+    # widens to int64, and the interpreter then failed to narrow it back).
+    scope.set_attr(ti.ReduceOps, "sum", _wrapping_sum)
     yield
   finally:
     scope.restore()
@@ -200,6 +203,12 @@ def _reduce_extreme(values, axis: int, keepdims: bool, kind: str):
       neg = np.any(zero & sign, axis=axis, keepdims=True)
     out = np.where(out == 0, np.where(neg, -0.0, 0.0).astype(out.dtype), out)
   return out if keepdims else np.squeeze(out, axis=axis)
+
+
+def _wrapping_sum(self, input):
+  data = input.handle.data
+  out = np.sum(data, axis=self.axis, keepdims=self.keep_dims, dtype=data.dtype)
+  return self.to_tensor(out, input.dtype)
 
 
 def _fast_reduce(generic):

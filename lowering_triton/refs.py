@@ -5,7 +5,8 @@ plus, per array dim, either a fixed coordinate or a visible axis
 (`start + step * k` for `k < size`). BlockSpecs produce one per operand and
 grid step; `NDIndexer`s (`x_ref[pl.ds(i, 8), 0]`) narrow it without emitting
 code; loads and stores turn it into pointer arithmetic with strides and a
-mask for padded lanes and partial edge blocks.
+mask for padded lanes, partial edge blocks and blocks whose index, read from
+data, lies outside the array (so no access leaves the operand's buffer).
 
 A `ValueRef` is a ref kept in registers: a variable holding the whole
 (padded) tensor, reassigned on every write. Scratch buffers and
@@ -87,6 +88,8 @@ class MemRef:
   check_lower: tuple[bool, ...]  # per array dim: mask coordinates < 0
   wide: bool = False             # offsets need int64
   origin: str = ""               # "in_specs[0]" etc., for messages
+  valid: tuple[str, ...] = ()    # scalar conditions for the whole window
+  # (a block index read from data lies inside the array)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -195,6 +198,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None):
       if ref.check_lower[d]:
         masks.append(f"{paren(c)} >= 0")
   ptr = ref.ptr if not terms else f"{ref.ptr} + " + " + ".join(terms)
+  masks.extend(ref.valid)
   if extra_mask is not None:
     masks.append(extra_mask)
   if not masks:
@@ -206,7 +210,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None):
 
 
 def has_padding_or_bounds(ref: MemRef) -> bool:
-  if any(pow2(a.size) != a.size for a in ref.axes):
+  if ref.valid or any(pow2(a.size) != a.size for a in ref.axes):
     return True
   dims = [a.dim for a in ref.axes] + [d for d, _ in ref.fixed]
   return any(ref.check_upper[d] or ref.check_lower[d] for d in dims)

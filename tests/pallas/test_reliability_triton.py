@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax._src import config as jax_config
 from jax.experimental import pallas as jpl
 
 import dsl as pl
@@ -313,3 +314,162 @@ def test_guarded_formulations_compile_for_gpus():
   gk = lowering_triton.generate(spec)
   for arch in (80, 90):
     assert ".entry" in compile_kernel(gk, arch).asm["ptx"]
+
+
+# ------------------------------------------------------------------ padding
+
+def _edge_specs(module):
+  """Blocks of 4 over an array of 5: the second block is partial."""
+  return dict(grid=(2,), in_specs=[module.BlockSpec((4,), lambda i: (i,))],
+              out_specs=module.BlockSpec((4,), lambda i: (i,)))
+
+
+@pytest.mark.parametrize("dtype,poison", [
+    (jnp.float32, np.nan), (jnp.bfloat16, np.nan),
+    (jnp.int32, np.iinfo(np.int32).min), (jnp.int8, np.iinfo(np.int8).min)])
+def test_reads_past_the_array_see_poison(dtype, poison):
+  """The lanes of an edge block past the array read NaN / the integer
+  minimum (memory that holds garbage on a GPU), as in Pallas's interpret
+  mode, not zeros that would hide a reduction over padding."""
+  x = jnp.arange(1, 6).astype(dtype)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.broadcast_to(jnp.max(x_ref[...]), (4,))
+
+  f = pl.pallas_call(kernel, S((5,), dtype), backend=BACKEND,
+                     **_edge_specs(pl))
+  got = np.asarray(f(x).astype(jnp.float32))
+  np.testing.assert_array_equal(got[:4], 4.0)
+  want = 5.0 if not np.isnan(poison) else np.nan
+  np.testing.assert_array_equal(got[4], want)
+  if np.isnan(poison):
+    p = jpl.pallas_call(kernel, S((5,), dtype), interpret=True,
+                        **_edge_specs(jpl))(x)
+    np.testing.assert_array_equal(np.asarray(p.astype(jnp.float32)), got)
+
+
+def test_integer_sum_over_poison_wraps_instead_of_crashing():
+  x = jnp.arange(1, 6, dtype=jnp.int32)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.broadcast_to(jnp.sum(x_ref[...]), (4,))
+
+  f = pl.pallas_call(kernel, S((5,), jnp.int32), backend=BACKEND,
+                     **_edge_specs(pl))
+  got = np.asarray(f(x))
+  np.testing.assert_array_equal(got[:4], 10)
+  # 5 + 3 * INT_MIN, wrapped to 32 bits.
+  assert got[4] == np.int32(5 + 3 * -2 ** 31 + 2 ** 32)
+
+
+def test_padding_written_then_read_back_is_poison():
+  """Writes to the part of an edge block past the array are dropped, so
+  reading them back sees poison: the in-bounds lane of the edge block is
+  NaN, never a silently wrong number (zeros read back gave 1)."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.ones((4,), jnp.float32)
+    o_ref[0] = jnp.sum(o_ref[...])
+
+  x = jnp.ones((5,), jnp.float32)
+  f = pl.pallas_call(kernel, S((5,), jnp.float32), backend=BACKEND,
+                     **_edge_specs(pl))
+  np.testing.assert_array_equal(f(x), [4.0, 1.0, 1.0, 1.0, np.nan])
+
+
+def test_masked_load_other_fills_only_lanes_the_mask_drops():
+  """`other` fills the lanes the user's mask drops; lanes the mask keeps
+  but the array lacks read poison."""
+  from dsl import triton as plt
+
+  def kernel(x_ref, o_ref):
+    keep = jnp.arange(4) < 2
+    o_ref[...] = plt.load(x_ref.at[pl.ds(0, 4)], mask=keep, other=-1.0)
+
+  x = jnp.arange(1.0, 6.0)
+  f = pl.pallas_call(kernel, S((8,), jnp.float32), backend=BACKEND,
+                     grid=(2,), in_specs=[pl.BlockSpec((4,), lambda i: (i,))],
+                     out_specs=pl.BlockSpec((4,), lambda i: (i,)))
+  got = np.asarray(f(x))
+  np.testing.assert_array_equal(got, [1, 2, -1, -1, 5, np.nan, -1, -1])
+
+
+@pytest.mark.parametrize("poison_buffers", [False, True])
+def test_scratch_and_run_scoped_start_as_poison_when_asked(poison_buffers):
+  from dsl import tpu as pltpu
+
+  def kernel(x_ref, o_ref, f_ref, i_ref):
+    o_ref[0] = f_ref[1] + x_ref[0]
+    o_ref[1] = i_ref[2].astype(jnp.float32)
+
+    def body(s_ref):
+      o_ref[2] = s_ref[3]
+    pl.run_scoped(body, pltpu.VMEM((4,), jnp.float32))
+
+  x = jnp.ones((3,), jnp.float32)
+  f = pl.pallas_call(kernel, S((3,), jnp.float32), backend=BACKEND,
+                     scratch_shapes=[pltpu.VMEM((4,), jnp.float32),
+                                     pltpu.VMEM((4,), jnp.int32)])
+  with jax_config.jax_pallas_poison_buffers(poison_buffers):
+    got = np.asarray(jax.jit(f)(x))
+  want = [np.nan, -2.0 ** 31, np.nan] if poison_buffers else [1.0, 0.0, 0.0]
+  np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------------------ blocks
+
+_OUT_OF_RANGE_BLOCKS = r'''
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+import dsl as pl
+from dsl import tpu as pltpu
+from jax._src import config as jax_config
+
+def kernel(idx_ref, x_ref, o_ref):
+  o_ref[...] = x_ref[...] + 1
+
+# Block indices read from data: rows 5, -3 and 10**6 of a 4-row array.
+idx = jnp.array([0, 5, -3, 1000000, 2], jnp.int32)
+x = jnp.arange(32.0).reshape(4, 8)
+spec = lambda: pl.BlockSpec((1, 8), lambda i, idx_ref: (idx_ref[i], 0))
+grid_spec = pltpu.PrefetchScalarGridSpec(
+    num_scalar_prefetch=1, grid=(5,), in_specs=[spec()], out_specs=spec())
+f = lambda: pl.pallas_call(kernel, jax.ShapeDtypeStruct((4, 8), jnp.float32),
+                           grid_spec=grid_spec, backend="triton_interpret")
+result = {"out": np.asarray(jax.jit(f())(idx, x)).tolist()}
+with jax_config.config._value_holders["jax_pallas_enable_runtime_assert"](True):
+  try:
+    jax.jit(f())(idx, x).block_until_ready()
+    result["error"] = None
+  except Exception as e:
+    result["error"] = str(e)
+print("RESULT " + json.dumps(result))
+'''
+
+
+def test_block_indices_read_from_data_never_leave_the_buffer():
+  """Out-of-range block indices from scalar prefetch read poison and drop
+  their writes (before, the generated code read and wrote outside the
+  buffers: heap corruption, exit 139); with runtime asserts on they fail
+  a check naming the operand. Run in a subprocess so that a regression
+  cannot take pytest down."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _OUT_OF_RANGE_BLOCKS],
+                        cwd=root, env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  line = next(ln for ln in proc.stdout.splitlines()
+              if ln.startswith("RESULT "))
+  result = json.loads(line[len("RESULT "):])
+  x = np.arange(32.0).reshape(4, 8)
+  want = np.zeros((4, 8))
+  want[0], want[2] = x[0] + 1, x[2] + 1      # rows 1 and 3: never written
+  np.testing.assert_array_equal(result["out"], want)
+  assert "in_specs[0]" in result["error"]
+  assert "block index outside the array" in result["error"]
+  assert "not element offsets" in result["error"]
