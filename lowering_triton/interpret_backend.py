@@ -82,6 +82,21 @@ def _interpreter_scope(debug: bool = False):
     for name in ("create_si_to_fp", "create_ui_to_fp", "create_fp_to_si",
                  "create_fp_to_ui", "create_fp_ext", "create_fp_trunc"):
       scope.set_attr(ti.InterpreterBuilder, name, _cast_impl)
+    # maxnumf/minnumf (tl.maximum without propagate_nan) return the number
+    # when one operand is NaN on the GPU; maximumf/minimumf (with it) follow
+    # IEEE 754-2019: NaN wins and -0.0 < +0.0. The interpreter's numpy
+    # versions did neither.
+    scope.set_attr(ti.InterpreterBuilder, "create_maxnumf", _binary(np.fmax))
+    scope.set_attr(ti.InterpreterBuilder, "create_minnumf", _binary(np.fmin))
+    scope.set_attr(ti.InterpreterBuilder, "create_maximumf",
+                   _binary(ieee_maximum))
+    scope.set_attr(ti.InterpreterBuilder, "create_minimumf",
+                   _binary(ieee_minimum))
+    scope.set_attr(ti.ReduceOps, "apply_impl",
+                   _fast_reduce(ti.ReduceOps.apply_impl))
+    # Integer sums wrap around in their type, as on the GPU (numpy's sum
+    # widens to int64, and the interpreter then failed to narrow it back).
+    scope.set_attr(ti.ReduceOps, "sum", _wrapping_sum)
     yield
   finally:
     scope.restore()
@@ -145,8 +160,84 @@ def _create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
       if _ml_dtype(a.dtype.scalar) is not None else a.data
   b_data = _decode(b.data, b.dtype.scalar).astype(np.float32) \
       if _ml_dtype(b.dtype.scalar) is not None else b.data
-  out = np.matmul(a_data, b_data).astype(d.data.dtype) + d.data
+  # Products and sums in the accumulator's type, as the GPU's MMA does
+  # (int8 x int8 accumulates in int32, f16 x f16 in float32).
+  out = np.matmul(a_data, b_data, dtype=d.data.dtype) + d.data
   return ti.TensorHandle(out, d.dtype.scalar)
+
+
+def _binary(np_fn):
+  def create(self, lhs, rhs):
+    return self.binary_op(lhs, rhs, np_fn)
+  return create
+
+
+def _signed_zero(out, a, b, pick_negative: bool):
+  """`out` with equal operands (+0.0 vs -0.0) resolved by their sign bits."""
+  a, b = np.broadcast_arrays(np.asarray(a), np.asarray(b))
+  if a.dtype.kind != "f":
+    return out
+  sign = (np.signbit(a) | np.signbit(b)) if pick_negative else (
+      np.signbit(a) & np.signbit(b))
+  return np.where(a == b, np.where(sign, -np.abs(a), np.abs(a)), out)
+
+
+def ieee_maximum(a, b):
+  """IEEE 754-2019 maximum: NaN propagates, -0.0 < +0.0."""
+  return _signed_zero(np.maximum(a, b), a, b, pick_negative=False)
+
+
+def ieee_minimum(a, b):
+  """IEEE 754-2019 minimum: NaN propagates, -0.0 < +0.0."""
+  return _signed_zero(np.minimum(a, b), a, b, pick_negative=True)
+
+
+def _reduce_extreme(values, axis: int, keepdims: bool, kind: str):
+  """np.max/np.min (NaN propagates) with IEEE's order of signed zeros."""
+  out = getattr(np, kind)(values, axis=axis, keepdims=True)
+  if values.dtype.kind == "f":
+    zero = (values == 0)
+    sign = np.signbit(values)
+    if kind == "max":   # -0.0 only if every zero is -0.0
+      neg = ~np.any(zero & ~sign, axis=axis, keepdims=True)
+    else:               # -0.0 if any zero is -0.0
+      neg = np.any(zero & sign, axis=axis, keepdims=True)
+    out = np.where(out == 0, np.where(neg, -0.0, 0.0).astype(out.dtype), out)
+  return out if keepdims else np.squeeze(out, axis=axis)
+
+
+def _wrapping_sum(self, input):
+  data = input.handle.data
+  out = np.sum(data, axis=self.axis, keepdims=self.keep_dims, dtype=data.dtype)
+  return self.to_tensor(out, input.dtype)
+
+
+def _fast_reduce(generic):
+  """`ReduceOps.apply_impl` that runs the NaN-propagating combine helpers
+  of the generated source (rules.reductions.NAN_REDUCTIONS) with numpy: the
+  interpreter would call them once per element. np.max/np.min propagate
+  NaN and np.argmax/np.argmin pick the first NaN, else the first extreme,
+  which is what those helpers compute."""
+  from lowering_triton.rules.reductions import NAN_REDUCTIONS
+
+  def apply_impl(self, inputs):
+    kind = NAN_REDUCTIONS.get(getattr(getattr(self.combine_fn, "fn", None),
+                                      "__name__", None))
+    if kind is None or self.axis is None:
+      return generic(self, inputs)
+    values = inputs[0].handle.data
+    if kind in ("max", "min"):
+      out = _reduce_extreme(values, self.axis, self.keep_dims, kind)
+      return [self.to_tensor(out, inputs[0].dtype)]
+    pos = np.expand_dims(getattr(np, kind)(values, axis=self.axis), self.axis)
+    outs = []
+    for t in inputs:
+      picked = np.take_along_axis(t.handle.data, pos, axis=self.axis)
+      if not self.keep_dims:
+        picked = np.squeeze(picked, axis=self.axis)
+      outs.append(self.to_tensor(picked, t.dtype))
+    return outs
+  return apply_impl
 
 
 def _pointer(array: np.ndarray, dtype):

@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 import numpy as np
+from jax._src import core
 
 from dsl import config
 from dsl.blockspec import Element, squeezed
@@ -118,33 +119,77 @@ def _describe_block(bm, name: str) -> str:
   return text
 
 
+def _reads_data(bm, n_grid: int) -> bool:
+  """Whether the index map of `bm` reads scalar-prefetch refs."""
+  jaxpr = bm.index_map_jaxpr.jaxpr
+  refs = set(jaxpr.invars[n_grid:])
+  return any(v in refs for e in jaxpr.eqns for v in e.invars
+             if not isinstance(v, core.Literal))
+
+
+def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
+  """Per array dim: the block's first element (a Sym), and for the dims
+  whose block index is read from data, the condition that it lies inside
+  the array (None for the others)."""
+  a = bm.array_aval
+  rank = len(a.shape)
+  if bm.whole_array:
+    return [0] * rank, [None] * rank
+  outs = lowering.lower_closed(bm.index_map_jaxpr,
+                               list(grid_ids) + list(prefetch_refs))
+  from_data = _reads_data(bm, len(grid_ids))
+  starts, inside = [], []
+  for d, (dim, idx, n) in enumerate(zip(bm.block_shape, outs[:rank], a.shape)):
+    size = 1 if dim is squeezed else (
+        dim.block_size if isinstance(dim, Element) else int(dim))
+    lo = dim.padding[0] if isinstance(dim, Element) else 0
+    if idx.literal is not None:
+      starts.append(int(idx.literal) * (1 if isinstance(dim, Element) else size)
+                    - lo)
+      inside.append(None)
+      continue
+    expr = idx.expr if idx.dtype == np.int32 else f"{paren(idx.expr)}.to(tl.int32)"
+    word = "" if rank == 1 else str(d)
+    if from_data and not isinstance(dim, Element):
+      expr = lowering.bind_raw(expr, f"{base}_block{word}")
+      inside.append(f"({expr} >= 0) & ({expr} < {-(-int(n) // size)})")
+    else:
+      inside.append(None)
+    if not isinstance(dim, Element) and size != 1:
+      expr = f"{expr} * {size}"
+    if lo:
+      expr = f"{expr} - {lo}"
+    starts.append(lowering.bind_raw(expr, f"{base}_start{word}"))
+  return starts, inside
+
+
+def _check_blocks_inside(lowering: Lowering, bm, inside) -> None:
+  """With jax_pallas_enable_runtime_assert on, a block index read from data
+  that lies outside the array fails a run-time check."""
+  conds = [c for c in inside if c is not None]
+  if not conds or not config.enable_runtime_assert():
+    return
+  dims = [d for d, c in enumerate(inside) if c is not None]
+  shape = tuple(int(n) for n in bm.array_aval.shape)
+  blocks = tuple(-(-n // s) for n, s in zip(shape, bm.block_sizes))
+  message = (f"{bm.origin}: the index map returned a block index outside the "
+             f"array {shape} on dim {', '.join(map(str, dims))} (valid block "
+             f"indices: below {tuple(blocks[d] for d in dims)}); index maps "
+             "return block indices, not element offsets")
+  cond = " & ".join(f"({c})" for c in conds)
+  lowering.buf.line(f"tl.device_assert({cond}, {message!r})")
+  lowering.uses_asserts = True
+  lowering.has_side_effects = True
+
+
 def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
                prefetch_refs) -> MemRef:
   a = bm.array_aval
   shape = tuple(int(n) for n in a.shape)
-  rank = len(shape)
   wide = a.size * np.dtype(a.dtype).itemsize >= 2 ** 31
-  if bm.whole_array:
-    starts = [0] * rank
-  else:
-    outs = lowering.lower_closed(bm.index_map_jaxpr,
-                                 list(grid_ids) + list(prefetch_refs))
-    starts = []
-    for d, (dim, idx) in enumerate(zip(bm.block_shape, outs[:rank])):
-      size = 1 if dim is squeezed else (
-          dim.block_size if isinstance(dim, Element) else int(dim))
-      lo = dim.padding[0] if isinstance(dim, Element) else 0
-      if idx.literal is not None:
-        starts.append(int(idx.literal) * (1 if isinstance(dim, Element) else size)
-                      - lo)
-        continue
-      expr = idx.expr if idx.dtype == np.int32 else f"{paren(idx.expr)}.to(tl.int32)"
-      if not isinstance(dim, Element) and size != 1:
-        expr = f"{expr} * {size}"
-      if lo:
-        expr = f"{expr} - {lo}"
-      word = "start" if rank == 1 else f"start{d}"
-      starts.append(lowering.bind_raw(expr, f"{base}_{word}"))
+  starts, inside = _block_starts(lowering, bm, base, grid_ids, prefetch_refs)
+  _check_blocks_inside(lowering, bm, inside)
+  from_data = not bm.whole_array and _reads_data(bm, len(grid_ids))
   fixed, axes, upper, lower = [], [], [], []
   for d, (dim, n) in enumerate(zip(bm.block_shape, shape)):
     if bm.whole_array:
@@ -155,15 +200,20 @@ def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
     size = 1 if dim is squeezed else (
         dim.block_size if isinstance(dim, Element) else int(dim))
     is_elem = isinstance(dim, Element)
-    upper.append(is_elem or n % size != 0)
-    lower.append(is_elem and dim.padding[0] > 0)
+    dynamic = from_data and not isinstance(starts[d], int)
+    # Element offsets read from data may point anywhere: mask by coordinate.
+    upper.append(is_elem or n % size != 0 or (dynamic and dim is squeezed))
+    lower.append((is_elem and (dim.padding[0] > 0 or dynamic)) or
+                 (dynamic and dim is squeezed))
     if dim is squeezed:
       fixed.append((d, starts[d]))
     else:
       axes.append(Axis(d, starts[d], 1, size))
+  valid = tuple(c for c, dim in zip(inside, bm.block_shape)
+                if c is not None and dim is not squeezed)
   return MemRef(base, ptr, np.dtype(a.dtype), shape, row_major_strides(shape),
                 tuple(fixed), tuple(axes), tuple(upper), tuple(lower), wide,
-                bm.origin)
+                bm.origin, valid)
 
 
 def _prefetch_ref(aval, base: str, ptr: str) -> MemRef:
@@ -296,7 +346,7 @@ def _unique(stems: list[str]) -> list[str]:
 
 def _scratch(lowering: Lowering, aval, stem: str, k: int):
   from lowering_triton.refs import ValueRef
-  from lowering_triton.values import full_expr
+  from lowering_triton.rules.state import fresh_buffer
   inner = getattr(aval, "inner_aval", aval)
   space = str(getattr(aval, "memory_space", "") or "")
   if space.startswith("semaphore"):
@@ -306,7 +356,7 @@ def _scratch(lowering: Lowering, aval, stem: str, k: int):
   dtype = np.dtype(inner.dtype)
   lowering.buf.comment(f"scratch_shapes[{k}] {stem}: {dtype.name}{list(shape)}"
                        ", held in registers for the whole program")
-  name = lowering.bind_raw(full_expr(shape, 0, dtype), stem, pure=False)
+  name = lowering.bind_raw(fresh_buffer(shape, dtype), stem, pure=False)
   return ValueRef(name, shape, dtype, f"scratch_shapes[{k}]")
 
 
@@ -426,16 +476,19 @@ def _module_source(spec, gm, plan: GridPlan, fn_name: str, params, stems,
 
 
 @functools.lru_cache(maxsize=512)
-def _generate_cached(spec, runtime_asserts: bool, matmul_precision: str
-                     ) -> GeneratedKernel:
-  del runtime_asserts, matmul_precision   # cache key parts: they change code
+def _generate_cached(spec, runtime_asserts: bool, matmul_precision: str,
+                     poison_buffers: bool) -> GeneratedKernel:
+  # Cache key parts: they change the code.
+  del runtime_asserts, matmul_precision, poison_buffers
   return _generate(spec)
 
 
 def generate(spec) -> GeneratedKernel:
   """The Triton source and launch metadata of `spec` (cached per spec)."""
   from lowering_triton.rules.dot import default_matmul_precision
-  key = (config.enable_runtime_assert(), default_matmul_precision())
+  from lowering_triton.rules.state import poison_buffers
+  key = (config.enable_runtime_assert(), default_matmul_precision(),
+         poison_buffers())
   fresh = _generate_cached.cache_info().misses
   gk = _generate_cached(spec, *key)
   if spec.debug and _generate_cached.cache_info().misses > fresh:

@@ -5,7 +5,8 @@ plus, per array dim, either a fixed coordinate or a visible axis
 (`start + step * k` for `k < size`). BlockSpecs produce one per operand and
 grid step; `NDIndexer`s (`x_ref[pl.ds(i, 8), 0]`) narrow it without emitting
 code; loads and stores turn it into pointer arithmetic with strides and a
-mask for padded lanes and partial edge blocks.
+mask for padded lanes, partial edge blocks and blocks whose index, read from
+data, lies outside the array (so no access leaves the operand's buffer).
 
 A `ValueRef` is a ref kept in registers: a variable holding the whole
 (padded) tensor, reassigned on every write. Scratch buffers and
@@ -56,6 +57,15 @@ def as_sym(x) -> Sym:
   raise TypeError(f"unsupported index {x!r}")
 
 
+def index_sym(idx, size: int) -> Sym:
+  """An integer index into an axis of `size` elements as a Sym; a static
+  negative index counts from the end, as in numpy."""
+  sym = as_sym(idx)
+  if isinstance(sym, int) and sym < 0:
+    return sym + int(size)
+  return sym
+
+
 @dataclasses.dataclass(frozen=True)
 class Axis:
   """A visible axis of a ref: array coordinate `start + step * k`, k < size."""
@@ -78,6 +88,8 @@ class MemRef:
   check_lower: tuple[bool, ...]  # per array dim: mask coordinates < 0
   wide: bool = False             # offsets need int64
   origin: str = ""               # "in_specs[0]" etc., for messages
+  valid: tuple[str, ...] = ()    # scalar conditions for the whole window
+  # (a block index read from data lies inside the array)
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -127,7 +139,8 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
                        ax.step * int(idx.stride), int(idx.size)))
     elif isinstance(idx, (int, np.integer)) or (
         isinstance(idx, TVal) and idx.shape == ()):
-      fixed.append((ax.dim, sym_add(ax.start, sym_mul(as_sym(idx), ax.step))))
+      fixed.append((ax.dim, sym_add(ax.start,
+                                    sym_mul(index_sym(idx, ax.size), ax.step))))
     else:
       raise UnsupportedIndex("indexing a ref with an array of indices is not "
                              "supported by the Triton backend; use scalar "
@@ -185,6 +198,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None):
       if ref.check_lower[d]:
         masks.append(f"{paren(c)} >= 0")
   ptr = ref.ptr if not terms else f"{ref.ptr} + " + " + ".join(terms)
+  masks.extend(ref.valid)
   if extra_mask is not None:
     masks.append(extra_mask)
   if not masks:
@@ -196,7 +210,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None):
 
 
 def has_padding_or_bounds(ref: MemRef) -> bool:
-  if any(pow2(a.size) != a.size for a in ref.axes):
+  if ref.valid or any(pow2(a.size) != a.size for a in ref.axes):
     return True
   dims = [a.dim for a in ref.axes] + [d for d, _ in ref.fixed]
   return any(ref.check_upper[d] or ref.check_lower[d] for d in dims)

@@ -15,4 +15,4 @@ register = TABLE.register
 
 # Importing the modules fills the table.
 from lowering_triton.rules import (control_flow, debug, dot, elementwise,  # noqa: E402,F401
-                                   reductions, shapes, state)
+                                   integer, reductions, shapes, state)

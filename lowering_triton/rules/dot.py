@@ -2,9 +2,12 @@
 
 Operands are permuted to `(batch?, M, K) x (batch?, K, N)`. Padded K lanes
 are zeroed in both operands. Triton's `tl.dot` needs M, N and K of at least
-16: smaller dims are grown by interleaving zero copies (`x[:, :, None]`
-broadcast and masked, then reshaped), and the result is folded back with a
-sum over the copies, which only adds zeros. Dtypes without tensor-core dots
+16 (K of at least 32 for 8-bit operands): smaller dims are grown by
+interleaving zero copies (`x[:, :, None]` broadcast and masked, then
+reshaped), and the result is folded back with a sum over the copies, which
+only adds zeros. Products are summed in the accumulator type (`out_dtype`:
+int32 for int8 operands, float32 for floats), as on the GPU's tensor cores,
+and rounded to the result type once. Dtypes without tensor-core dots
 (int32, float64, ...) use an exact broadcast-multiply-sum.
 """
 from __future__ import annotations
@@ -147,12 +150,14 @@ def _tc_dot(ctx, a3: TVal, b3: TVal, m: int, n: int, k: int, acc, precision):
   pm, pn, pk = pow2(m), pow2(n), pow2(k)
   lhs, rhs = a3.expr, b3.expr
   note = []
-  if pk < MIN_DOT:
-    note.append(f"K {k}->{MIN_DOT}")
-    lhs, _ = _grow(ctx, a3, a3.ndim - 1, MIN_DOT // pk, "lhs_k")
-    rhs, _ = _grow(ctx, b3, b3.ndim - 2, MIN_DOT // pk, "rhs_k")
-    a3 = TVal(lhs, a3.shape[:-1] + (MIN_DOT,), a3.dtype)
-    b3 = TVal(rhs, b3.shape[:-2] + (MIN_DOT,) + b3.shape[-1:], b3.dtype)
+  # 8-bit operands (int8, fp8) need K >= 32.
+  min_k = 2 * MIN_DOT if np.dtype(a3.dtype).itemsize == 1 else MIN_DOT
+  if pk < min_k:
+    note.append(f"K {k}->{min_k}")
+    lhs, _ = _grow(ctx, a3, a3.ndim - 1, min_k // pk, "lhs_k")
+    rhs, _ = _grow(ctx, b3, b3.ndim - 2, min_k // pk, "rhs_k")
+    a3 = TVal(lhs, a3.shape[:-1] + (min_k,), a3.dtype)
+    b3 = TVal(rhs, b3.shape[:-2] + (min_k,) + b3.shape[-1:], b3.dtype)
   fm = MIN_DOT // pm if pm < MIN_DOT else 1
   fn = MIN_DOT // pn if pn < MIN_DOT else 1
   if fm > 1:
@@ -162,8 +167,9 @@ def _tc_dot(ctx, a3: TVal, b3: TVal, m: int, n: int, k: int, acc, precision):
     note.append(f"N {n}->{MIN_DOT}")
     rhs, _ = _grow(ctx, b3, b3.ndim - 1, fn, "rhs_n")
   if note:
-    ctx.emit(f"# tl.dot needs M, N, K >= {MIN_DOT}: padded {', '.join(note)} "
-             "with zeros")
+    dims = (f"M, N, K >= {MIN_DOT}" if min_k == MIN_DOT else
+            f"M, N >= {MIN_DOT}, K >= {min_k}")
+    ctx.emit(f"# tl.dot needs {dims}: padded {', '.join(note)} with zeros")
   kwargs = [f"out_dtype={dtypes.tl_type(acc)}"]
   prec = _input_precision(precision, a3.dtype)
   if prec is not None:

@@ -20,7 +20,7 @@ from lowering_triton.rules import register
 from lowering_triton.values import TVal, full_expr, literal_value
 
 
-def _fold(ctx, args, params):
+def fold(ctx, args, params):
   """Evaluates an equation whose operands are all constants."""
   if not args or not all(isinstance(a, TVal) and a.literal is not None
                          for a in args):
@@ -34,7 +34,7 @@ def _fold(ctx, args, params):
   return literal_value(out, ctx.out_aval.dtype)
 
 
-def _result(ctx, expr: str, computed_in, hint: str):
+def result(ctx, expr: str, computed_in, hint: str):
   aval = ctx.out_aval
   return ctx.finish(expr, aval.shape, aval.dtype, computed_in,
                     hint=ctx.hint(hint))
@@ -45,14 +45,14 @@ def _result(ctx, expr: str, computed_in, hint: str):
 def _unary(prim, template: str, hint: str, *, floats_only=False):
   @register(prim)
   def rule(ctx, x, **params):
-    folded = _fold(ctx, [x], params)
+    folded = fold(ctx, [x], params)
     if folded is not None:
       return folded
     if floats_only and not dtypes.is_float(x.dtype):
       raise ctx.error(f"'{ctx.primitive}' of {x.dtype} is not supported by the "
                       "Triton backend")
     cd = dtypes.compute_dtype(x.dtype)
-    return _result(ctx, template.format(x=ctx.compute(x)), cd, hint)
+    return result(ctx, template.format(x=ctx.compute(x)), cd, hint)
   return rule
 
 
@@ -88,7 +88,7 @@ def _named_input(ctx, x: TVal, hint="x"):
 
 @register(lax.tanh_p)
 def _tanh(ctx, x, **params):
-  folded = _fold(ctx, [x], params)
+  folded = fold(ctx, [x], params)
   if folded is not None:
     return folded
   xf = _named_input(ctx, x)
@@ -100,24 +100,24 @@ def _tanh(ctx, x, **params):
   small = (f"{xf} * (1.0 + {x2} * (-0.3333333333333333 + {x2} * "
            f"(0.13333333333333333 + {x2} * -0.05396825396825397)))")
   expr = (f"tl.where({a} < 0.125, {small}, tl.where({xf} < 0, -{big}, {big}))")
-  return _result(ctx, expr, np.float32, "tanh")
+  return result(ctx, expr, np.float32, "tanh")
 
 
 @register(lax.log1p_p)
 def _log1p(ctx, x, **params):
-  folded = _fold(ctx, [x], params)
+  folded = fold(ctx, [x], params)
   if folded is not None:
     return folded
   xf = _named_input(ctx, x)
   u = ctx.bind_raw(f"1.0 + {xf}", "log1p_u")
   expr = (f"tl.where({u} == 1.0, {xf}, tl.where({u} == float('inf'), {u}, "
           f"tl.log({u}) * ({xf} / ({u} - 1.0))))")
-  return _result(ctx, expr, np.float32, "log1p")
+  return result(ctx, expr, np.float32, "log1p")
 
 
 @register(lax.expm1_p)
 def _expm1(ctx, x, **params):
-  folded = _fold(ctx, [x], params)
+  folded = fold(ctx, [x], params)
   if folded is not None:
     return folded
   xf = _named_input(ctx, x)
@@ -125,20 +125,20 @@ def _expm1(ctx, x, **params):
   expr = (f"tl.where({u} == 1.0, {xf}, tl.where({u} - 1.0 == -1.0, -1.0, "
           f"tl.where({u} == float('inf'), {u}, "
           f"({u} - 1.0) * ({xf} / tl.log({u})))))")
-  return _result(ctx, expr, np.float32, "expm1")
+  return result(ctx, expr, np.float32, "expm1")
 
 
 @register(lax.sinh_p)
 def _sinh(ctx, x, **params):
   xf = _named_input(ctx, x)
-  return _result(ctx, f"0.5 * (tl.exp({xf}) - tl.exp(-{xf}))", np.float32,
+  return result(ctx, f"0.5 * (tl.exp({xf}) - tl.exp(-{xf}))", np.float32,
                  "sinh")
 
 
 @register(lax.cosh_p)
 def _cosh(ctx, x, **params):
   xf = _named_input(ctx, x)
-  return _result(ctx, f"0.5 * (tl.exp({xf}) + tl.exp(-{xf}))", np.float32,
+  return result(ctx, f"0.5 * (tl.exp({xf}) + tl.exp(-{xf}))", np.float32,
                  "cosh")
 
 
@@ -147,12 +147,12 @@ def _cbrt(ctx, x, **params):
   xf = _named_input(ctx, x)
   expr = (f"tl.where({xf} < 0, -tl.exp2(tl.log2(-{xf}) / 3.0), "
           f"tl.exp2(tl.log2({xf}) / 3.0))")
-  return _result(ctx, expr, np.float32, "cbrt")
+  return result(ctx, expr, np.float32, "cbrt")
 
 
 @register(lax.sign_p)
 def _sign(ctx, x, **params):
-  folded = _fold(ctx, [x], params)
+  folded = fold(ctx, [x], params)
   if folded is not None:
     return folded
   xf = _named_input(ctx, x)
@@ -165,7 +165,7 @@ def _sign(ctx, x, **params):
   else:
     one, minus, zero = (literal_value(v, cd).expr for v in (1, -1, 0))
     expr = f"tl.where({xf} > 0, {one}, tl.where({xf} < 0, {minus}, {zero}))"
-  return _result(ctx, expr, cd, "sign")
+  return result(ctx, expr, cd, "sign")
 
 
 @register(lax.round_p)
@@ -177,33 +177,25 @@ def _round(ctx, x, rounding_method=0, **params):
     r = ctx.bind_raw(f"tl.floor({xf} + 0.5)", "round_up")
     expr = (f"tl.where(({r} - {xf} == 0.5) & ({r} - 2.0 * tl.floor({r} * 0.5)"
             f" != 0.0), {r} - 1.0, {r})")
-  return _result(ctx, expr, np.float32, "round")
+  return result(ctx, expr, np.float32, "round")
 
 
 @register(lax.is_finite_p)
 def _is_finite(ctx, x, **params):
-  return _result(ctx, f"tl.abs({ctx.compute(x)}) < float('inf')", np.bool_,
+  return result(ctx, f"tl.abs({ctx.compute(x)}) < float('inf')", np.bool_,
                  "is_finite")
-
-
-@register(lax.not_p)
-def _not(ctx, x, **params):
-  folded = _fold(ctx, [x], params)
-  if folded is not None:
-    return folded
-  return _result(ctx, f"~{paren(ctx.compute(x))}", x.dtype, "not_")
 
 
 @register(lax.integer_pow_p)
 def _integer_pow(ctx, x, y, **params):
-  folded = _fold(ctx, [x], dict(y=y, **params))
+  folded = fold(ctx, [x], dict(y=y, **params))
   if folded is not None:
     return folded
   cd = dtypes.compute_dtype(x.dtype)
   base = _named_input(ctx, x)
   n = abs(int(y))
   if n == 0:
-    return _result(ctx, full_expr(x.shape, 1, cd), cd, "pow")
+    return result(ctx, full_expr(x.shape, 1, cd), cd, "pow")
   # Exponentiation by squaring, with named partial products.
   acc, sq = None, base
   while True:
@@ -214,12 +206,12 @@ def _integer_pow(ctx, x, y, **params):
       break
     sq = ctx.bind_raw(f"{sq} * {sq}", "pow_sq")
   expr = acc if y > 0 else f"1.0 / {paren(acc)}"
-  return _result(ctx, expr, cd, "pow")
+  return result(ctx, expr, cd, "pow")
 
 
 @register(lax.pow_p)
 def _pow(ctx, x, y, **params):
-  folded = _fold(ctx, [x, y], params)
+  folded = fold(ctx, [x, y], params)
   if folded is not None:
     return folded
   if not dtypes.is_float(x.dtype):
@@ -237,12 +229,12 @@ def _pow(ctx, x, y, **params):
       "pow_y_odd")
   expr = (f"tl.where({yf} == 0.0, 1.0, tl.where({xf} < 0, tl.where({y_int}, "
           f"tl.where({y_odd}, -{r}, {r}), float('nan')), {r}))")
-  return _result(ctx, expr, np.float32, "pow")
+  return result(ctx, expr, np.float32, "pow")
 
 
 # ------------------------------------------------------------- binary
 
-def _identity(op: str, a: TVal, b: TVal):
+def identity(op: str, a: TVal, b: TVal):
   """Algebraic identities with a constant operand, on integers and bools:
   `x + 0`, `x * 1`, `x % 1`, `p & True`, `p != False`, ... Index maps and
   jnp's integer helpers produce many of them."""
@@ -282,10 +274,10 @@ def _binary(prim, op: str, hint: str, *, kind="any"):
   """`op` is a Python operator (`+`) or a function template (`{a}`, `{b}`)."""
   @register(prim)
   def rule(ctx, a, b, **params):
-    folded = _fold(ctx, [a, b], params)
+    folded = fold(ctx, [a, b], params)
     if folded is not None:
       return folded
-    same = _identity(op, a, b)
+    same = identity(op, a, b)
     if same is not None:
       return same
     cd = dtypes.compute_dtype(a.dtype)
@@ -296,19 +288,16 @@ def _binary(prim, op: str, hint: str, *, kind="any"):
       expr = f"{paren(ae)} {op} {paren(be)}"
     out_dtype = ctx.out_aval.dtype
     computed = np.bool_ if out_dtype == np.bool_ else cd
-    return _result(ctx, expr, computed, hint)
+    return result(ctx, expr, computed, hint)
   return rule
 
 
 _binary(lax.add_p, "+", "add")
 _binary(lax.sub_p, "-", "sub")
 _binary(lax.mul_p, "*", "mul")
-_binary(lax.rem_p, "%", "rem")
 _binary(lax.and_p, "&", "and_")
 _binary(lax.or_p, "|", "or_")
 _binary(lax.xor_p, "^", "xor")
-_binary(lax.shift_left_p, "<<", "shl")
-_binary(lax.shift_right_arithmetic_p, ">>", "shr")
 _binary(lax.eq_p, "==", "eq")
 _binary(lax.ne_p, "!=", "ne")
 _binary(lax.lt_p, "<", "lt")
@@ -317,23 +306,10 @@ _binary(lax.gt_p, ">", "gt")
 _binary(lax.ge_p, ">=", "ge")
 
 
-@register(lax.div_p)
-def _div(ctx, a, b, **params):
-  folded = _fold(ctx, [a, b], params)
-  if folded is not None:
-    return folded
-  cd = dtypes.compute_dtype(a.dtype)
-  if dtypes.is_int(cd) and b.literal == 1:
-    return a
-  op = "/" if dtypes.is_float(cd) else "//"   # Triton's // truncates, as lax.div
-  expr = f"{paren(ctx.compute(a))} {op} {paren(ctx.compute(b))}"
-  return _result(ctx, expr, cd, "div")
-
-
 def _minmax(prim, fn: str, bool_op: str):
   @register(prim)
   def rule(ctx, a, b, **params):
-    folded = _fold(ctx, [a, b], params)
+    folded = fold(ctx, [a, b], params)
     if folded is not None:
       return folded
     cd = dtypes.compute_dtype(a.dtype)
@@ -344,28 +320,12 @@ def _minmax(prim, fn: str, bool_op: str):
       expr = f"tl.{fn}({ae}, {be}, propagate_nan=tl.PropagateNan.ALL)"
     else:
       expr = f"tl.{fn}({ae}, {be})"
-    return _result(ctx, expr, cd, fn)
+    return result(ctx, expr, cd, fn)
   return rule
 
 
 _minmax(lax.max_p, "maximum", "|")
 _minmax(lax.min_p, "minimum", "&")
-
-
-@register(lax.shift_right_logical_p)
-def _shift_right_logical(ctx, a, b, **params):
-  folded = _fold(ctx, [a, b], params)
-  if folded is not None:
-    return folded
-  if dtypes.is_unsigned(a.dtype):
-    return _result(ctx, f"{paren(ctx.compute(a))} >> {paren(ctx.compute(b))}",
-                   a.dtype, "shr")
-  bits = np.dtype(a.dtype).itemsize * 8
-  ut = f"tl.uint{bits}"
-  expr = (f"({paren(a.expr)}.to({ut}, bitcast=True) >> "
-          f"{paren(ctx.value(b) if b.literal is None else b.expr)}.to({ut}, "
-          f"bitcast=True)).to({dtypes.tl_type(a.dtype)}, bitcast=True)")
-  return _result(ctx, expr, a.dtype, "shr")
 
 
 @register(lax.select_n_p)
@@ -388,13 +348,14 @@ def _select_n(ctx, pred, *cases, **params):
 
 @register(lax.clamp_p)
 def _clamp(ctx, lo, x, hi, **params):
-  folded = _fold(ctx, [lo, x, hi], params)
+  folded = fold(ctx, [lo, x, hi], params)
   if folded is not None:
     return folded
   cd = dtypes.compute_dtype(x.dtype)
-  expr = (f"tl.minimum(tl.maximum({ctx.compute(x)}, {ctx.compute(lo)}), "
-          f"{ctx.compute(hi)})")
-  return _result(ctx, expr, cd, "clamp")
+  nan = ", propagate_nan=tl.PropagateNan.ALL" if dtypes.is_float(cd) else ""
+  expr = (f"tl.minimum(tl.maximum({ctx.compute(x)}, {ctx.compute(lo)}{nan}), "
+          f"{ctx.compute(hi)}{nan})")
+  return result(ctx, expr, cd, "clamp")
 
 
 # ------------------------------------------------------------- casts
@@ -408,6 +369,9 @@ def _convert(ctx, x, new_dtype, **params):
     return x
   if new_dtype == np.bool_:
     expr = f"{paren(ctx.compute(x))} != 0"
+  elif dtypes.is_float(x.dtype) and dtypes.is_int(new_dtype):
+    from lowering_triton.rules.integer import float_to_int
+    expr = float_to_int(ctx, x, new_dtype)
   else:
     expr = f"{paren(x.expr)}.to({dtypes.tl_type(new_dtype)})"
   if x.dtype == np.bool_:
@@ -439,7 +403,7 @@ def _reduce_precision(ctx, x, exponent_bits, mantissa_bits, **params):
                     f"{mantissa_bits} mantissa bits is not supported")
   expr = (f"{paren(ctx.compute(x))}.to(tl.{target}).to("
           f"{dtypes.tl_type(dtypes.compute_dtype(x.dtype))})")
-  return _result(ctx, expr, dtypes.compute_dtype(x.dtype), "reduce_precision")
+  return result(ctx, expr, dtypes.compute_dtype(x.dtype), "reduce_precision")
 
 
 @register(lax.optimization_barrier_p)
@@ -456,5 +420,5 @@ def _stop_gradient(ctx, x, **params):
 def _add_any(ctx, a, b, **params):
   """The sum of two cotangents (from JAX's transposition)."""
   cd = dtypes.compute_dtype(a.dtype)
-  return _result(ctx, f"{paren(ctx.compute(a))} + {paren(ctx.compute(b))}",
+  return result(ctx, f"{paren(ctx.compute(a))} + {paren(ctx.compute(b))}",
                  cd, "add")

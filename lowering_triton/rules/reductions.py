@@ -10,7 +10,7 @@ from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.refs import bcast
 from lowering_triton.rules import register
-from lowering_triton.values import TVal, pow2, py_literal
+from lowering_triton.values import TVal, padded, pow2, py_literal
 
 
 def lane_mask(shape, axes) -> str | None:
@@ -67,16 +67,54 @@ def _sum(ctx, x, axes, **params):
   return _reduce(ctx, x, axes, "tl.sum({x}, axis={axis})", lambda d: 0, "sum")
 
 
+# Float max/min propagate NaN, as jax.numpy does: `tl.max` keeps the number
+# (the GPU's max.f32 drops NaN operands), so floats reduce with combine
+# functions on `tl.maximum(..., propagate_nan=ALL)`.
+_MAX_NAN_COMBINE = '''@triton.jit
+def _max_nan_combine(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)'''
+
+_MIN_NAN_COMBINE = '''@triton.jit
+def _min_nan_combine(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)'''
+
+# (value, index) pairs: the first NaN wins, then the larger (smaller) value,
+# then the lower index, as jnp.argmax (argmin).
+_ARG_NAN_COMBINE = '''@triton.jit
+def {name}(value1, index1, value2, index2):
+    nan1 = value1 != value1
+    nan2 = value2 != value2
+    tie = (value1 == value2) | (nan1 & nan2)
+    first = (value1 {op} value2) | (nan1 & (value2 == value2)) | (tie & (index1 < index2))
+    return tl.where(first, value1, value2), tl.where(first, index1, index2)'''
+
+# Combine helper name -> the numpy reduction it computes: Triton's
+# interpreter runs combine functions element by element, so the interpreter
+# backend runs these with numpy instead (see interpret_backend).
+NAN_REDUCTIONS = {"_max_nan_combine": "max", "_min_nan_combine": "min",
+                  "_argmax_nan_combine": "argmax",
+                  "_argmin_nan_combine": "argmin"}
+
+
+def _nan_reduce(ctx, source: str, name: str) -> str:
+  fn = ctx.lowering.need_helper(name, source)
+  return "tl.reduce({x}, {axis}, " + fn + ")"
+
+
 @register(lax.reduce_max_p)
 def _max(ctx, x, axes, **params):
-  return _reduce(ctx, x, axes, "tl.max({x}, axis={axis})", dtypes.min_value,
-                 "max")
+  fn = "tl.max({x}, axis={axis})"
+  if dtypes.is_float(x.dtype):
+    fn = _nan_reduce(ctx, _MAX_NAN_COMBINE, "_max_nan_combine")
+  return _reduce(ctx, x, axes, fn, dtypes.min_value, "max")
 
 
 @register(lax.reduce_min_p)
 def _min(ctx, x, axes, **params):
-  return _reduce(ctx, x, axes, "tl.min({x}, axis={axis})", dtypes.max_value,
-                 "min")
+  fn = "tl.min({x}, axis={axis})"
+  if dtypes.is_float(x.dtype):
+    fn = _nan_reduce(ctx, _MIN_NAN_COMBINE, "_min_nan_combine")
+  return _reduce(ctx, x, axes, fn, dtypes.max_value, "min")
 
 
 @register(lax.reduce_or_p)
@@ -95,11 +133,11 @@ def _mul_combine(a, b):
 
 _MAX_COMBINE = '''@triton.jit
 def _max_combine(a, b):
-    return tl.maximum(a, b)'''
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)'''
 
 _MIN_COMBINE = '''@triton.jit
 def _min_combine(a, b):
-    return tl.minimum(a, b)'''
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)'''
 
 
 @register(lax.reduce_prod_p)
@@ -109,24 +147,34 @@ def _prod(ctx, x, axes, **params):
                  lambda d: 1, "prod")
 
 
-def _arg(ctx, x, axes, index_dtype, fn: str, identity, hint: str):
+def _arg(ctx, x, axes, fn: str, op: str, identity, hint: str):
   (axis,) = axes
   out = ctx.out_aval
   cd = _reduce_dtype(x.dtype)
   expr = fill_padding(ctx, _input(ctx, x, cd), x.shape, [axis],
                       py_literal(identity(cd), cd))
-  expr = f"tl.{fn}({expr}, axis={axis}, tie_break_left=True)"
+  if not dtypes.is_float(cd):
+    expr = f"tl.{fn}({expr}, axis={axis}, tie_break_left=True)"
+    return ctx.finish(expr, out.shape, out.dtype, np.int32, hint=ctx.hint(hint))
+  name = f"_{fn}_nan_combine"
+  helper = ctx.lowering.need_helper(
+      name, _ARG_NAN_COMBINE.format(name=name, op=op))
+  values = ctx.bind_raw(expr, f"{hint}_values")
+  shape = padded(x.shape)
+  index = ctx.bind_raw(f"tl.broadcast_to(tl.arange(0, {shape[axis]})"
+                       f"{bcast(axis, len(shape))}, {shape})", f"{hint}_index")
+  expr = f"tl.reduce(({values}, {index}), {axis}, {helper})[1]"
   return ctx.finish(expr, out.shape, out.dtype, np.int32, hint=ctx.hint(hint))
 
 
 @register(lax.argmax_p)
 def _argmax(ctx, x, axes, index_dtype, **params):
-  return _arg(ctx, x, axes, index_dtype, "argmax", dtypes.min_value, "argmax")
+  return _arg(ctx, x, axes, "argmax", ">", dtypes.min_value, "argmax")
 
 
 @register(lax.argmin_p)
 def _argmin(ctx, x, axes, index_dtype, **params):
-  return _arg(ctx, x, axes, index_dtype, "argmin", dtypes.max_value, "argmin")
+  return _arg(ctx, x, axes, "argmin", "<", dtypes.max_value, "argmin")
 
 
 def _cumulative(prim, template: str, identity, hint: str):

@@ -19,10 +19,10 @@ from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
                                   apply_indexer, as_sym, bcast, emit_address,
-                                  has_padding_or_bounds)
+                                  has_padding_or_bounds, index_sym)
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
-from lowering_triton.values import TVal, full_expr, padded
+from lowering_triton.values import TVal, full_expr, padded, py_literal
 
 
 def _transforms(ctx, tree, flat):
@@ -41,19 +41,20 @@ def _view(ctx, ref: MemRef, transforms) -> MemRef:
   return ref
 
 
-def _zero(dtype) -> str:
-  if dtypes.is_float(dtype):
-    return "0.0"
-  return "0"
+def poison(dtype) -> str:
+  """The value masked-off lanes of a load read (see dtypes.poison_value)."""
+  return py_literal(dtypes.poison_value(dtype), dtype)
 
 
 def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
           other: str | None = None, extra: str = "") -> TVal:
+  """A load of `view`: lanes outside the array (or masked off) read `other`,
+  poison when it is None (what the memory there holds is unspecified)."""
   ctx.lowering.before_read(view.ptr)
   args = [ptr]
   if mask is not None:
     args.append(f"mask={mask}")
-    args.append(f"other={other if other is not None else _zero(view.dtype)}")
+    args.append(f"other={other if other is not None else poison(view.dtype)}")
   if extra:
     args.append(extra)
   return ctx.bind(f"tl.load({', '.join(args)})", view.shape, view.dtype, hint,
@@ -112,7 +113,7 @@ def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
         pos = f"{pos} + {paren(s)}"
       x = take(ctx, x, axis, clamp(pos, 0, n - 1), size, hint)
     elif isinstance(idx, TVal) and idx.shape == () or isinstance(idx, int):
-      s = as_sym(idx)
+      s = index_sym(idx, n)
       x = take(ctx, x, axis, clamp(f"tl.full((1,), {s}, tl.int32)", 0, n - 1),
                1, hint)
       drop.append(axis)
@@ -167,7 +168,7 @@ def _spread(ctx, vref: ValueRef, indexer, v: TVal, fill_mask: bool):
         cond = f"({rel} >= 0) & ({rel} < {size * st}) & (({rel}) % {st} == 0)"
       x = take(ctx, x, axis, src, n, "spread")
     else:
-      s = as_sym(idx)
+      s = index_sym(idx, n)
       new_shape = list(x.shape)
       new_shape[axis] = n
       x = ctx.bind(f"tl.broadcast_to({x.expr}, {padded(new_shape)})",
@@ -281,17 +282,20 @@ def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
   other = extra.pop(0) if has_other else None
   if isinstance(ref, ValueRef):
     val = value_read(ctx, ref, transforms, ctx.hint("load"))
-    if mask is None:
+    if mask is None or other is None:   # masked-off lanes read the buffer
       return val
-    fill = other.expr if other is not None else full_expr(val.shape, 0,
-                                                          val.dtype)
-    return ctx.bind(f"tl.where({mask.expr}, {val.expr}, {fill})", val.shape,
-                    val.dtype, ctx.hint("load"))
+    return ctx.bind(f"tl.where({mask.expr}, {val.expr}, {other.expr})",
+                    val.shape, val.dtype, ctx.hint("load"))
   view = _view(ctx, ref, transforms)
   ptr, m = emit_address(ctx, view, extra_mask=mask.expr if mask is not None
                         else None)
-  return _load(ctx, view, ptr, m, ctx.hint(view.base),
-               other=other.expr if other is not None else None,
+  fill = None
+  if other is not None and mask is not None:
+    fill = other.expr
+    if m != mask.expr:
+      # Lanes the mask keeps but the array does not have read poison.
+      fill = f"tl.where({mask.expr}, {poison(view.dtype)}, {other.expr})"
+  return _load(ctx, view, ptr, m, ctx.hint(view.base), other=fill,
                extra=_hints(cache_modifier, eviction_policy, volatile))
 
 
@@ -390,8 +394,21 @@ def new_value_ref(ctx, aval, hint: str, origin: str = "") -> ValueRef:
   if str(getattr(aval, "memory_space", "")).startswith("semaphore"):
     raise ctx.error("semaphores are not supported by the Triton backend")
   name = ctx.fresh(hint)
-  ctx.emit(f"{name} = {full_expr(shape, 0, dtype)}")
+  ctx.emit(f"{name} = {fresh_buffer(shape, dtype)}")
   return ValueRef(name, shape, dtype, origin)
+
+
+def poison_buffers() -> bool:
+  """JAX's jax_pallas_poison_buffers: scratch buffers and run_scoped
+  allocations start as poison instead of zeros."""
+  import jax
+  return bool(jax.config.jax_pallas_poison_buffers)
+
+
+def fresh_buffer(shape, dtype) -> str:
+  """The initial value of a scratch buffer or run_scoped allocation."""
+  fill = dtypes.poison_value(dtype) if poison_buffers() else 0
+  return full_expr(shape, fill, dtype)
 
 
 @register(dsl_primitives.run_scoped_p)
