@@ -1,4 +1,4 @@
-"""GPU figures for the kernel library (issue 8), side by side in one run.
+"""GPU figures for the kernel library, side by side in one run.
 
 Flash attention forward and forward+backward (bf16, batch 4, 16 heads,
 head_dim 128, seq 2048 and 8192) against jax.experimental.pallas's GPU

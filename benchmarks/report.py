@@ -157,8 +157,7 @@ def render(meta: dict, rows, goals: list[dict], extra_notes=()) -> str:
     lines.append(text)
   if goals:
     lines.append("")
-    lines.append("Interpret-speed goals (core issue, point 5), from the rows "
-                 "above:")
+    lines.append("Interpret-speed goals, from the rows above:")
     for g in goals:
       lines.append(
           f"  {g['case']}: dsl {fmt_time(g['dsl_s'])} = "

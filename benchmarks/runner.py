@@ -314,7 +314,7 @@ def _grade(value, goal):
 
 
 def goals(rows) -> list[dict]:
-  """The interpret-speed goals of the core issue, where their rows ran."""
+  """The interpret-speed goals, where their rows ran."""
   out = []
   cases = [
       ("add 4M f32, grid 4096 (block 1024)", "add", (1 << 22,),

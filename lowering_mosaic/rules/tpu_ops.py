@@ -1,6 +1,6 @@
 """TPU primitives -> the Mosaic `tpu` dialect: DMAs, semaphores, devices.
 
-The DMA and semaphore structure of a module (what issue 6's Promela export
+The DMA and semaphore structure of a module (what the Promela export
 reads) is:
 
   %src_view = tpu.memref_slice %src[%i, %j]      (+ tpu.memref_squeeze)

@@ -18,8 +18,7 @@ from jax.test_util import check_grads
 
 import dsl as pl
 from dsl.normalize import DECOMPOSITIONS, normalize_closed
-
-BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
+from tests.pallas.testing import CPU_BACKENDS
 
 
 def _matmul_kernel(x_ref, y_ref, o_ref):
@@ -78,7 +77,7 @@ def _data(*shapes):
   return [jnp.asarray(rng.uniform(0.05, 0.95, s), jnp.float32) for s in shapes]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_matmul_accumulator_grads(backend):
   x, y = _data((16, 256), (256, 128))
   f = functools.partial(matmul, backend=backend)
@@ -90,7 +89,7 @@ def test_matmul_accumulator_grads(backend):
   np.testing.assert_allclose(gy, wy, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_transformation_primitives_grads(backend):
   (x,) = _data((16, 128))
   f = functools.partial(elementwise, backend=backend)
