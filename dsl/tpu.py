@@ -2,7 +2,8 @@
 
 Memory spaces, scratch shapes, scalar prefetch, compiler parameters, DMAs,
 semaphores, device ids and the cheap vector helpers (`roll`, `repeat`,
-`bitcast`). The primitives live in `dsl.tpu_primitives`; `lowering_mosaic`
+`bitcast`). The primitives live in `dsl.tpu_primitives` and
+`dsl.tpu_vector`; `lowering_mosaic`
 lowers them to the Mosaic `tpu` dialect and the `"interpret"` backend
 discharges them (see that module's docstring for their meaning there).
 """
@@ -14,13 +15,14 @@ from typing import Any
 
 from dsl.gridspec import PrefetchScalarGridSpec
 from dsl.memory import ANY, MemoryRef, MemorySpace
-from dsl.tpu_primitives import (AsyncCopyDescriptor, BarrierSemaphore,
-                                DeviceIdType, SemaphoreShape, SemaphoreSpace,
-                                SemaphoreType, async_copy, bitcast, device_id,
-                                get_barrier_semaphore, make_async_copy,
-                                make_async_remote_copy, repeat, roll,
+from dsl.semaphores import (BarrierSemaphore, DeviceIdType, SemaphoreShape,
+                            SemaphoreSpace, SemaphoreType,
+                            get_barrier_semaphore)
+from dsl.tpu_primitives import (AsyncCopyDescriptor, async_copy, device_id,
+                                make_async_copy, make_async_remote_copy,
                                 semaphore_read, semaphore_signal,
                                 semaphore_wait)
+from dsl.tpu_vector import bitcast, repeat, roll
 
 VMEM = MemorySpace.VMEM
 SMEM = MemorySpace.SMEM

@@ -1,4 +1,7 @@
-"""TPU kernel primitives: DMAs, semaphores, device ids and vector helpers.
+"""TPU kernel primitives: DMAs, semaphores and device ids.
+
+(The TPU vector helpers `roll`, `repeat` and `bitcast` are in
+`dsl.tpu_vector`.)
 
 Each is a JAX primitive with an abstract eval and a state-discharge rule, so
 the plain `"interpret"` backend runs it; `lowering_mosaic` gives it its TPU
@@ -26,7 +29,6 @@ Interpret-backend meaning (the discharge rules):
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 from typing import Any
 
@@ -34,87 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax, tree_util
 from jax._src import core, debugging
-from jax._src.interpreters import batching, mlir
+from jax._src.interpreters import mlir
 from jax._src.state import discharge as state_discharge
 from jax._src.state import types as state_types
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
-
-
-# ------------------------------------------------------------ semaphores
-
-@dataclasses.dataclass(frozen=True)
-class SemaphoreSpace:
-  """The memory space of a semaphore ref; `kind` is dma, regular or barrier."""
-  kind: str
-
-  def __str__(self):
-    return f"semaphore<{self.kind}>"
-
-
-def is_semaphore_aval(aval) -> bool:
-  return isinstance(getattr(aval, "memory_space", None), SemaphoreSpace)
-
-
-@dataclasses.dataclass(frozen=True)
-class SemaphoreShape:
-  """An array of semaphores as a scratch shape: `SemaphoreType.DMA((2,))`."""
-  type: "SemaphoreType"
-  shape: tuple[int, ...] = ()
-
-  @property
-  def dtype(self):
-    return jnp.dtype(jnp.int32)
-
-  def get_ref_aval(self) -> state_types.AbstractRef:
-    return state_types.AbstractRef(
-        core.ShapedArray(tuple(self.shape), jnp.int32),
-        memory_space=SemaphoreSpace(self.type.value))
-
-
-class SemaphoreType(enum.Enum):
-  """Semaphore kinds; a member is itself a scalar scratch shape, and called
-  with a shape it makes an array of semaphores."""
-  REGULAR = "regular"
-  DMA = "dma"
-  BARRIER = "barrier"
-
-  def __call__(self, shape=()):
-    if isinstance(shape, int):
-      shape = (shape,)
-    return SemaphoreShape(self, tuple(int(d) for d in shape))
-
-  def get_ref_aval(self) -> state_types.AbstractRef:
-    return SemaphoreShape(self, ()).get_ref_aval()
-
-
-class DeviceIdType(enum.Enum):
-  """How `device_id` names a device: mesh coordinates or a logical id."""
-  MESH = "mesh"
-  LOGICAL = "logical"
-
-
-class BarrierSemaphore:
-  """The kernel's barrier semaphore (`get_barrier_semaphore()`)."""
-
-  shape = ()
-  dtype = jnp.dtype(jnp.int32)
-
-  def __repr__(self):
-    return "BarrierSemaphore()"
-
-
-BARRIER_SEMAPHORE = BarrierSemaphore()
-
-
-def get_barrier_semaphore():
-  """The barrier semaphore shared by the devices running this kernel.
-
-  Devices signal each other's barrier semaphore with
-  `semaphore_signal(sem, 1, device_id=peer)` and wait on their own.
-  """
-  return BARRIER_SEMAPHORE
+from dsl.semaphores import BarrierSemaphore, DeviceIdType, is_semaphore_aval
 
 
 # ------------------------------------------------------------ packing args
@@ -630,140 +558,9 @@ def device_id():
   return _my_logical_id(axes)
 
 
-# ------------------------------------------------------------ vector helpers
-
-def _value_primitive(name, impl, abstract_eval):
-  prim = Primitive(name)
-  prim.def_impl(impl)
-  prim.def_abstract_eval(abstract_eval)
-  mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
-  return prim
-
-
-def _roll_impl(x, shift, *, axis, stride, stride_axis):
-  if stride is None:
-    return jnp.roll(x, shift, axis)
-  n = x.shape[stride_axis]
-  rows = [jnp.roll(lax.index_in_dim(x, k, stride_axis, keepdims=True),
-                   shift + k * stride, axis) for k in range(n)]
-  return jnp.concatenate(rows, axis=stride_axis)
-
-
-roll_p = _value_primitive(
-    "tpu_roll", _roll_impl,
-    lambda x, shift, **p: core.ShapedArray(x.shape, x.dtype))
-
-
-def _roll_batch(args, dims, *, axis, stride, stride_axis):
-  x, shift = args
-  xd, sd = dims
-  if sd is not None:
-    raise NotImplementedError("tpu.roll with a batched shift")
-  x = batching.moveaxis(x, xd, 0)
-  return roll_p.bind(x, shift, axis=axis + 1, stride=stride,
-                     stride_axis=None if stride_axis is None
-                     else stride_axis + 1), 0
-
-
-batching.primitive_batchers[roll_p] = _roll_batch
-
-
-def roll(x, shift, axis: int, *, stride: int | None = None,
-         stride_axis: int | None = None):
-  """Rotates `x` by `shift` along `axis`, like `jnp.roll` (TPU's rotate).
-
-  With `stride`, row k along `stride_axis` rotates by `shift + k * stride`.
-  """
-  x = jnp.asarray(x)
-  axis = axis % x.ndim
-  if stride_axis is not None:
-    stride_axis %= x.ndim
-  if isinstance(shift, (int, np.integer)) and shift < 0:
-    shift = int(shift) % x.shape[axis]
-  return roll_p.bind(x, jnp.asarray(shift, jnp.int32), axis=axis,
-                     stride=stride, stride_axis=stride_axis)
-
-
-def _repeat_impl(x, *, repeats, axis):
-  reps = [1] * x.ndim
-  reps[axis] = repeats
-  return jnp.tile(x, reps)
-
-
-def _repeat_aval(x, *, repeats, axis):
-  shape = list(x.shape)
-  shape[axis] *= repeats
-  return core.ShapedArray(tuple(shape), x.dtype)
-
-
-repeat_p = _value_primitive("tpu_repeat", _repeat_impl, _repeat_aval)
-batching.primitive_batchers[repeat_p] = lambda args, dims, *, repeats, axis: (
-    repeat_p.bind(batching.moveaxis(args[0], dims[0], 0), repeats=repeats,
-                  axis=axis + 1), 0)
-
-
-def repeat(x, repeats: int, axis: int):
-  """Concatenates `repeats` copies of `x` along `axis` (TPU's repeat)."""
-  x = jnp.asarray(x)
-  return repeat_p.bind(x, repeats=int(repeats), axis=axis % x.ndim)
-
-
-def _bits(dtype) -> int:
-  return jnp.dtype(dtype).itemsize * 8
-
-
-def _bitcast_impl(x, *, ty):
-  src, dst = _bits(x.dtype), _bits(ty)
-  if src == dst:
-    return lax.bitcast_convert_type(x, ty)
-  if src > dst:   # e.g. i32[M, N] -> bf16[2M, N]: the halves stack along -2
-    r = src // dst
-    y = lax.bitcast_convert_type(x, ty)                    # [..., M, N, r]
-    y = jnp.moveaxis(y, -1, -2)                             # [..., M, r, N]
-    return y.reshape(x.shape[:-2] + (x.shape[-2] * r, x.shape[-1]))
-  r = dst // src  # e.g. bf16[2M, N] -> i32[M, N]
-  y = x.reshape(x.shape[:-2] + (x.shape[-2] // r, r, x.shape[-1]))
-  y = jnp.moveaxis(y, -2, -1)                               # [..., M, N, r]
-  return lax.bitcast_convert_type(y, ty)
-
-
-def _bitcast_aval(x, *, ty):
-  src, dst = _bits(x.dtype), _bits(ty)
-  shape = list(x.shape)
-  shape[-2] = shape[-2] * src // dst
-  return core.ShapedArray(tuple(shape), jnp.dtype(ty))
-
-
-bitcast_p = _value_primitive("tpu_bitcast", _bitcast_impl, _bitcast_aval)
-batching.primitive_batchers[bitcast_p] = lambda args, dims, *, ty: (
-    bitcast_p.bind(batching.moveaxis(args[0], dims[0], 0), ty=ty), 0)
-
-
-def bitcast(x, ty):
-  """Reinterprets the bits of `x` as dtype `ty`. Between widths, the
-  second-minor dim scales by the width ratio (i32[8, 128] -> bf16[16, 128]),
-  as TPU registers pack narrow types along sublanes."""
-  x = jnp.asarray(x)
-  ty = jnp.dtype(ty)
-  src, dst = _bits(x.dtype), _bits(ty)
-  if src != dst:
-    if x.ndim < 2:
-      raise KernelError(None, f"bitcast between {x.dtype} and {ty} "
-                        "needs at least 2 dims (the second-minor one scales)",
-                        user_frame())
-    if src < dst and x.shape[-2] % (dst // src):
-      raise KernelError(None, f"bitcast {x.dtype}{list(x.shape)} to "
-                        f"{ty}: dim -2 ({x.shape[-2]}) must be a multiple of "
-                        f"{dst // src}", user_frame())
-  return bitcast_p.bind(x, ty=ty)
-
-
 __all__ = [
-    "AsyncCopyDescriptor", "BarrierSemaphore", "DeviceIdType",
-    "SemaphoreShape", "SemaphoreSpace", "SemaphoreType", "async_copy",
-    "bitcast", "bitcast_p", "device_id", "dma_start_p", "dma_wait_p",
-    "get_barrier_semaphore", "is_semaphore_aval", "make_async_copy",
-    "make_async_remote_copy", "repeat", "repeat_p", "roll", "roll_p",
+    "AsyncCopyDescriptor", "async_copy", "device_id", "dma_start_p",
+    "dma_wait_p", "make_async_copy", "make_async_remote_copy",
     "semaphore_read", "semaphore_read_p", "semaphore_signal",
     "semaphore_signal_p", "semaphore_wait", "semaphore_wait_p",
 ]

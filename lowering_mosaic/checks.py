@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from dsl.blockspec import squeezed
 from dsl.errors import KernelError
-from dsl.tpu_primitives import SemaphoreSpace
+from dsl.semaphores import SemaphoreSpace
 from lowering_mosaic import dialect
 
 DEFAULT_VMEM_LIMIT_BYTES = 16 * 1024 * 1024

@@ -15,7 +15,7 @@ from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 
 from dsl.memory import MemorySpace
-from dsl.tpu_primitives import SemaphoreSpace
+from dsl.semaphores import SemaphoreSpace
 
 # Memory-space attribute names of the tpu dialect.
 VMEM, SMEM, ANY, HBM, SEMAPHORE_MEM = "vmem", "smem", "any", "hbm", "semaphore_mem"

@@ -19,7 +19,7 @@ from jax._src.lib.mlir.dialects import arith, memref, scf
 
 from dsl import primitives as dsl_primitives
 from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
-from dsl.tpu_primitives import SemaphoreSpace
+from dsl.semaphores import SemaphoreSpace
 from lowering_mosaic import dialect, emit
 from lowering_mosaic.lowering import RefVal, constant, i32_const
 from lowering_mosaic.rules import register

@@ -35,7 +35,9 @@ from jax._src.lib.mlir.dialects import arith
 
 from dsl import primitives as dsl_primitives
 from dsl import tpu_primitives as tp
-from dsl.tpu_primitives import DeviceIdType, unpack
+from dsl import tpu_vector
+from dsl.semaphores import DeviceIdType
+from dsl.tpu_primitives import unpack
 from lowering_mosaic import dialect, emit
 from lowering_mosaic.lowering import RefVal, i32_const, to_i32
 from lowering_mosaic.rules import register
@@ -214,7 +216,7 @@ def _sem_read(ctx, *flat, layout, kind):
 
 # ------------------------------------------------------------ vector helpers
 
-@register(tp.roll_p)
+@register(tpu_vector.roll_p)
 def _roll(ctx, x, shift, *, axis, stride, stride_axis):
   kw = {}
   if stride is not None:
@@ -222,14 +224,14 @@ def _roll(ctx, x, shift, *, axis, stride, stride_axis):
   return tpu.DynamicRotateOp(x, to_i32(shift), axis, **kw).result
 
 
-@register(tp.repeat_p)
+@register(tpu_vector.repeat_p)
 def _repeat(ctx, x, *, repeats, axis):
   out = ctx.avals_out[0]
   return tpu.RepeatOp(emit.vtype(out.shape, out.dtype), x, axis,
                       repeats).result
 
 
-@register(tp.bitcast_p)
+@register(tpu_vector.bitcast_p)
 def _bitcast(ctx, x, *, ty):
   out = ctx.avals_out[0]
   return tpu.BitcastOp(emit.vtype(out.shape, out.dtype), x).result
