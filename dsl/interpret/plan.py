@@ -52,8 +52,12 @@ def _uses_prefetch(jaxpr: core.ClosedJaxpr, grid_rank: int) -> bool:
              if isinstance(v, core.Var))
 
 
+@functools.lru_cache(maxsize=512)
 def evaluate_index_map(bm: BlockMapping, grid: tuple[int, ...]):
-  """Block indices of every grid point: int array (*grid, rank), or None."""
+  """Block indices of every grid point: int array (*grid, rank), or None.
+
+  The result is cached per mapping and read-only.
+  """
   n_points = math.prod(grid)
   if n_points > MAX_ANALYSED_POINTS or _uses_prefetch(bm.index_map_jaxpr,
                                                       len(grid)):
@@ -74,7 +78,54 @@ def evaluate_index_map(bm: BlockMapping, grid: tuple[int, ...]):
     else:
       outs = jax.vmap(one_point)(*coords)
     outs = [np.broadcast_to(np.asarray(o), (n_points,)) for o in outs]
-  return np.stack(outs, axis=-1).reshape(*grid, rank).astype(np.int64)
+  idx = np.stack(outs, axis=-1).reshape(*grid, rank).astype(np.int64)
+  idx.flags.writeable = False
+  return idx
+
+
+def _dim_limits(bm: BlockMapping):
+  """Per array dim: (block size, one past the largest legal start index)."""
+  limits = []
+  for d, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes):
+    if isinstance(d, Element):
+      lo, hi = d.padding
+      limits.append((1, n + lo + hi))      # an element offset
+    else:
+      limits.append((b, n))
+  return limits
+
+
+def check_block_indices(kernel: str, gm: GridMapping, where: str) -> None:
+  """Raises KernelError when a static index map puts a block outside its array.
+
+  A block may hang over the array's end (a partial edge block of a `cdiv`
+  grid) but must start inside it.
+  """
+  from dsl.errors import KernelError
+  grid = tuple(int(g) for g in gm.grid)
+  for bm in gm.block_mappings:
+    if bm.whole_array or not bm.block_shape:
+      continue
+    idx = evaluate_index_map(bm, grid)
+    if idx is None or idx.size == 0:
+      continue
+    for j, (unit, end) in enumerate(_dim_limits(bm)):
+      if bm.array_aval.shape[j] == 0:
+        continue
+      col = idx[..., j]
+      bad = np.argwhere((col < 0) | (col * unit >= end))
+      if bad.size == 0:
+        continue
+      point = tuple(int(c) for c in bad[0])
+      block = tuple(int(v) for v in idx[point])
+      what = "element offset" if unit == 1 and isinstance(
+          bm.block_shape[j], Element) else "block index"
+      raise KernelError(
+          kernel, f"at grid point {point} the index map returns {block}: "
+          f"{what} {block[j]} of dim {j} lies outside the array "
+          f"(shape {tuple(bm.array_aval.shape)}, block "
+          f"{tuple(bm.block_sizes)}); index maps return block indices, "
+          "not element offsets", where, operand=bm.origin)
 
 
 def _varies_along(idx: np.ndarray, d: int) -> bool:
