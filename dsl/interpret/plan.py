@@ -176,25 +176,99 @@ def _view_sources(bm: BlockMapping, idx, grid):
   return tuple(sources)
 
 
+def declared_semantics(compiler_params, grid_rank: int,
+                       num_hidden_axes: int = 0) -> tuple[str, ...] | None:
+  """`dimension_semantics` per grid dim, lower case, or None when not given.
+
+  Grid axes added by vmap lead the grid and are parallel.
+  """
+  sem = getattr(compiler_params, "dimension_semantics", None)
+  if sem is None:
+    return None
+  sem = [str(getattr(s, "value", s)).lower() for s in sem]
+  if num_hidden_axes and len(sem) == grid_rank - num_hidden_axes:
+    sem = ["parallel"] * num_hidden_axes + sem
+  return tuple(sem) if len(sem) == grid_rank else None
+
+
+_PURE_WRITES = ("swap",)
+
+
+def _full_write(eqn, ref, used: set) -> bool:
+  """A store of a whole ref whose old value is not used."""
+  if eqn.primitive.name not in _PURE_WRITES or eqn.invars[0] is not ref:
+    return False
+  val = eqn.invars[1].aval
+  return (tuple(val.shape) == tuple(ref.aval.inner_aval.shape)
+          and not any(o in used for o in eqn.outvars
+                      if isinstance(o, core.Var)))
+
+
+def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
+  """True when a scratch ref may be read at a grid step before it is written.
+
+  Conservative: only a top-level store of the whole ref counts as a write;
+  any other use of the ref (a load, an accumulate, a partial store, a use
+  inside `pl.when`, a loop, a DMA) before it counts as a read.
+  """
+  if jaxpr is None or not num_scratch:
+    return False
+  j = jaxpr.jaxpr
+  pending = set(j.invars[len(j.invars) - num_scratch:])
+  used = {v for e in j.eqns for v in e.invars if isinstance(v, core.Var)}
+  used |= {v for v in j.outvars if isinstance(v, core.Var)}
+  for eqn in j.eqns:
+    for ref in [v for v in eqn.invars
+                if isinstance(v, core.Var) and v in pending]:
+      pending.discard(ref)
+      if not _full_write(eqn, ref, used):
+        return True
+    if not pending:
+      return False
+  return False
+
+
+def forced_sequential(gm: GridMapping, compiler_params=None,
+                      jaxpr: core.ClosedJaxpr | None = None) -> tuple[int, ...]:
+  """Grid dims that must run in order whatever the index maps say.
+
+  An `arbitrary` dim always does. A kernel that reads scratch before writing
+  it carries state from step to step, so every dim not declared `parallel`
+  does too.
+  """
+  rank = len(gm.grid)
+  sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
+  forced = {d for d in range(rank) if sem and sem[d] == "arbitrary"}
+  if carried_scratch(jaxpr, len(gm.scratch_avals)):
+    hidden = range(gm.num_hidden_axes)
+    forced |= {d for d in range(rank) if d not in hidden
+               and not (sem and sem[d] in ("parallel", "core_parallel"))}
+  return tuple(sorted(forced))
+
+
 @functools.lru_cache(maxsize=256)
-def _plan_cached(gm: GridMapping) -> Plan:
-  return make_plan_uncached(gm)
+def _plan_cached(gm: GridMapping, forced: tuple[int, ...]) -> Plan:
+  return make_plan_uncached(gm, forced)
 
 
-def make_plan(gm: GridMapping) -> Plan:
-  return _plan_cached(gm)
+def make_plan(gm: GridMapping, compiler_params=None,
+              jaxpr: core.ClosedJaxpr | None = None) -> Plan:
+  """The plan of a kernel's grid; `compiler_params` and the kernel's `jaxpr`
+  tell which dims carry state across steps."""
+  return _plan_cached(gm, forced_sequential(gm, compiler_params, jaxpr))
 
 
-def make_plan_uncached(gm: GridMapping) -> Plan:
+def make_plan_uncached(gm: GridMapping,
+                       forced: tuple[int, ...] = ()) -> Plan:
   grid = gm.grid
   idxs = [evaluate_index_map(bm, grid) for bm in gm.block_mappings]
   out_idxs = idxs[gm.num_inputs:]
   parallel: tuple[int, ...] = ()
   if all(i is not None for i in out_idxs):
-    cand = tuple(d for d in range(len(grid))
-                 if all(_varies_along(i, d) for i in out_idxs))
+    cand = tuple(d for d in range(len(grid)) if d not in forced
+                 and all(_varies_along(i, d) for i in out_idxs))
     if not out_idxs:
-      cand = tuple(range(len(grid)))
+      cand = tuple(d for d in range(len(grid)) if d not in forced)
     # The largest subset of the candidates whose points own their blocks.
     for subset in _subsets_largest_first(cand):
       if all(_owned_by_one_point(i, subset) for i in out_idxs):

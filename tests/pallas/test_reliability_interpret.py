@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as jpl
+from jax.experimental.pallas import tpu as jpltpu
 
 import dsl as pl
+from dsl import tpu as pltpu
 from dsl.errors import KernelError
 
 HOST_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
@@ -65,3 +67,83 @@ def test_element_dims_are_checked_against_array_and_padding():
               in_block=(pl.Element(8), 128))
   with pytest.raises(KernelError, match=r"grid point \(3,\).*element offset 32"):
     bad(x)
+
+
+# ------------------------------------------- state carried across grid steps
+
+# Kernels are built for a module (dsl or jax.experimental.pallas).
+
+def running_sum_kernel(m):
+  def kernel(x_ref, o_ref, acc_ref):
+    @m.when(m.program_id(0) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+  return kernel
+
+
+def no_init_running_sum_kernel(m):
+  # Reads the scratch before writing it at every step but the first.
+  def kernel(x_ref, o_ref, acc_ref):
+    first = m.program_id(0) == 0
+    acc_ref[...] = jnp.where(first, 0., acc_ref[...]) + x_ref[...]
+    o_ref[...] = acc_ref[...]
+  return kernel
+
+
+def scratch_written_first_kernel(m):
+  def kernel(x_ref, o_ref, tmp_ref):
+    tmp_ref[...] = x_ref[...] * 2.
+    o_ref[...] = tmp_ref[...] + 1.
+  return kernel
+
+
+def _running_sum(module, kernel, semantics, **kw):
+  tpu = pltpu if module is pl else jpltpu
+  params = (tpu.CompilerParams(dimension_semantics=semantics)
+            if semantics else None)
+  spec = module.BlockSpec((8, 128), lambda i: (i, 0))
+  return module.pallas_call(
+      kernel(module), jax.ShapeDtypeStruct((32, 128), jnp.float32), grid=(4,),
+      in_specs=[spec], out_specs=spec,
+      scratch_shapes=[tpu.VMEM((8, 128), jnp.float32)],
+      compiler_params=params, **kw)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("kernel,semantics", [
+    (running_sum_kernel, ("arbitrary",)),
+    (running_sum_kernel, None),
+    (no_init_running_sum_kernel, None),
+])
+def test_scratch_carries_across_steps_whose_output_block_changes(
+    backend, kernel, semantics):
+  x = jax.random.normal(jax.random.key(0), (32, 128), jnp.float32)
+  want = jnp.cumsum(x.reshape(4, 8, 128), axis=0).reshape(32, 128)
+  got = jax.jit(_running_sum(pl, kernel, semantics, backend=backend))(x)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  oracle = jax.jit(_running_sum(jpl, kernel, semantics, interpret=True))(x)
+  np.testing.assert_allclose(got, oracle, rtol=1e-6, atol=1e-6)
+
+
+def test_scratch_written_first_at_each_step_keeps_the_grid_parallel():
+  from dsl.interpret.plan import make_plan
+  from dsl.pallas_call import build_spec
+  x = jnp.ones((32, 128), jnp.float32)
+  call = _running_sum(pl, scratch_written_first_kernel, None,
+                      backend="interpret")
+  np.testing.assert_array_equal(jax.jit(call)(x), 3 * x)
+  plans = {}
+  for name, kernel in [("fresh", scratch_written_first_kernel),
+                       ("carried", no_init_running_sum_kernel)]:
+    spec, _ = build_spec(
+        kernel(pl), (x,), jax.ShapeDtypeStruct((32, 128), jnp.float32),
+        name=name, grid=(4,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)])
+    plans[name] = make_plan(spec.grid_mapping, None, spec.jaxpr)
+  assert plans["fresh"].parallel == (0,)
+  assert plans["carried"].sequential == (0,)
