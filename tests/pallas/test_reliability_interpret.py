@@ -147,3 +147,38 @@ def test_scratch_written_first_at_each_step_keeps_the_grid_parallel():
     plans[name] = make_plan(spec.grid_mapping, None, spec.jaxpr)
   assert plans["fresh"].parallel == (0,)
   assert plans["carried"].sequential == (0,)
+
+
+# -------------------------------------- masked accesses past the array end
+
+@pytest.mark.parametrize("backend", ("interpret", "triton_interpret"))
+def test_masked_load_and_store_through_a_slice_past_the_end(backend):
+  from dsl import triton as plt
+  n, bs = 1000, 256
+
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    offs = i * bs + jnp.arange(bs)
+    x = plt.load(x_ref.at[pl.ds(i * bs, bs)], mask=offs < n, other=0.)
+    plt.store(o_ref.at[pl.ds(i * bs, bs)], x * 2. + 1., mask=offs < n)
+
+  x = jnp.arange(n, dtype=jnp.float32)
+  call = pl.pallas_call(kernel, jax.ShapeDtypeStruct((n,), jnp.float32),
+                        grid=(pl.cdiv(n, bs),), backend=backend)
+  np.testing.assert_array_equal(jax.jit(call)(x), x * 2. + 1.)
+
+
+def test_masked_atomic_add_through_a_slice_past_the_end():
+  from dsl import triton as plt
+  n, bs = 100, 64
+
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    offs = i * bs + jnp.arange(bs)
+    x = plt.load(x_ref.at[pl.ds(i * bs, bs)], mask=offs < n, other=0.)
+    plt.atomic_add(o_ref, pl.ds(i * bs, bs), x, mask=offs < n)
+
+  x = jnp.arange(n, dtype=jnp.float32)
+  call = pl.pallas_call(kernel, jax.ShapeDtypeStruct((n,), jnp.float32),
+                        grid=(pl.cdiv(n, bs),), backend="interpret")
+  np.testing.assert_array_equal(jax.jit(call)(x), x)
