@@ -228,24 +228,6 @@ def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
   return False
 
 
-def forced_sequential(gm: GridMapping, compiler_params=None,
-                      jaxpr: core.ClosedJaxpr | None = None) -> tuple[int, ...]:
-  """Grid dims that must run in order whatever the index maps say.
-
-  An `arbitrary` dim always does. A kernel that reads scratch before writing
-  it carries state from step to step, so every dim not declared `parallel`
-  does too.
-  """
-  rank = len(gm.grid)
-  sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
-  forced = {d for d in range(rank) if sem and sem[d] == "arbitrary"}
-  if carried_scratch(jaxpr, len(gm.scratch_avals)):
-    hidden = range(gm.num_hidden_axes)
-    forced |= {d for d in range(rank) if d not in hidden
-               and not (sem and sem[d] in ("parallel", "core_parallel"))}
-  return tuple(sorted(forced))
-
-
 @functools.lru_cache(maxsize=256)
 def _plan_cached(gm: GridMapping, forced: tuple[int, ...]) -> Plan:
   return make_plan_uncached(gm, forced)
@@ -253,9 +235,28 @@ def _plan_cached(gm: GridMapping, forced: tuple[int, ...]) -> Plan:
 
 def make_plan(gm: GridMapping, compiler_params=None,
               jaxpr: core.ClosedJaxpr | None = None) -> Plan:
-  """The plan of a kernel's grid; `compiler_params` and the kernel's `jaxpr`
-  tell which dims carry state across steps."""
-  return _plan_cached(gm, forced_sequential(gm, compiler_params, jaxpr))
+  """The plan of a kernel's grid.
+
+  `compiler_params` and the kernel's `jaxpr` tell which dims carry state
+  across steps. An `arbitrary` dim always runs in order. A kernel that reads
+  scratch before writing it carries state from step to step: when the index
+  maps leave a dim sequential (a reduction axis), the scratch is taken to
+  carry along it (the accumulator pattern, reset under `pl.when` when the
+  axis starts over) and the other dims stay parallel; when they leave none,
+  every dim not declared `parallel` runs in order.
+  """
+  rank = len(gm.grid)
+  sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
+  forced = tuple(d for d in range(rank) if sem and sem[d] == "arbitrary")
+  plan = _plan_cached(gm, forced)
+  if (any(gm.grid[d] > 1 for d in plan.sequential)
+      or not carried_scratch(jaxpr, len(gm.scratch_avals))):
+    return plan
+  declared_parallel = {d for d in range(rank)
+                       if sem and sem[d] in ("parallel", "core_parallel")}
+  carried = tuple(d for d in range(gm.num_hidden_axes, rank)
+                  if d not in declared_parallel)
+  return _plan_cached(gm, tuple(sorted(set(forced) | set(carried))))
 
 
 def make_plan_uncached(gm: GridMapping,

@@ -182,3 +182,27 @@ def test_masked_atomic_add_through_a_slice_past_the_end():
   call = pl.pallas_call(kernel, jax.ShapeDtypeStruct((n,), jnp.float32),
                         grid=(pl.cdiv(n, bs),), backend="interpret")
   np.testing.assert_array_equal(jax.jit(call)(x), x)
+
+
+def test_scratch_accumulator_over_a_reduction_axis_keeps_the_rows_parallel():
+  from dsl.interpret.plan import make_plan
+  from dsl.pallas_call import build_spec
+
+  def kernel(x_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+
+  x = jax.random.normal(jax.random.key(1), (16, 384), jnp.float32)
+  kw = dict(grid=(2, 3), in_specs=[pl.BlockSpec((8, 128), lambda i, k: (i, k))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, k: (i, 0)),
+            scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)])
+  out = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+  spec, _ = build_spec(kernel, (x,), out, name="rows", **kw)
+  plan = make_plan(spec.grid_mapping, None, spec.jaxpr)
+  assert plan.parallel == (0,) and plan.sequential == (1,)
+  got = jax.jit(pl.pallas_call(kernel, out, backend="interpret", **kw))(x)
+  want = x.reshape(16, 3, 128).sum(axis=1)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
