@@ -118,14 +118,16 @@ def check_block_indices(kernel: str, gm: GridMapping, where: str) -> None:
         continue
       point = tuple(int(c) for c in bad[0])
       block = tuple(int(v) for v in idx[point])
-      what = "element offset" if unit == 1 and isinstance(
-          bm.block_shape[j], Element) else "block index"
+      element = isinstance(bm.block_shape[j], Element)
+      what = "element offset" if element else "block index"
+      hint = ("an Element dim takes an element offset into the padded array"
+              if element else "index maps return block indices, not element "
+              "offsets")
       raise KernelError(
           kernel, f"at grid point {point} the index map returns {block}: "
           f"{what} {block[j]} of dim {j} lies outside the array "
           f"(shape {tuple(bm.array_aval.shape)}, block "
-          f"{tuple(bm.block_sizes)}); index maps return block indices, "
-          "not element offsets", where, operand=bm.origin)
+          f"{tuple(bm.block_sizes)}); {hint}", where, operand=bm.origin)
 
 
 def _varies_along(idx: np.ndarray, d: int) -> bool:
