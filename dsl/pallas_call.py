@@ -17,6 +17,7 @@ from dsl.errors import (KernelError, KernelTypeError, function_location,
                         kernel_error_of, lowering_kernel, user_frame)
 from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
+from dsl.interpret.plan import check_block_indices
 from dsl.tracing import trace_kernel
 
 
@@ -299,6 +300,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         scratch_shapes=scratch_shapes, num_scalar_prefetch=n_pf_leaves,
         prefetch_avals=avals[:n_pf_leaves], in_avals=avals[n_pf_leaves:],
         in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
+    check_block_indices(name, gm, where)
     jaxpr = trace_kernel(kernel, name, gm, where)
     jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert())
     aliases = _check_aliases(name, input_output_aliases, avals, out_avals,

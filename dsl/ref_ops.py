@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax, tree_util
 from jax._src import core
 from jax._src.state import discharge as state_discharge
+from jax._src.state import indexing
 from jax._src.state import types as state_types
 from jax._src.state.primitives import get_ref_and_transforms
 from jax.extend.core import Primitive
@@ -29,6 +30,43 @@ def _indexed_aval(ref_or_view, idx):
   ref, transforms = get_ref_and_transforms(ref_or_view, idx, "load")
   view = state_types.TransformedRef(ref, transforms) if transforms else ref
   return ref, transforms, tuple(view.shape), view.dtype
+
+
+# ------------------------------------------------- masked slices past the end
+
+def _pad_for_slices(x, transforms):
+  """Pads `x` at the end of each dim by the extent of the slice taken from it.
+
+  A dynamic slice that runs past the end of an array is moved back inside it
+  (`lax.dynamic_slice` clamps its start); a masked access must instead see the
+  elements at the positions it names, the mask deciding which count. With the
+  padding the slice never moves. Returns the padded array and the transforms
+  re-targeted at it.
+  """
+  if not transforms or not isinstance(transforms[0], indexing.NDIndexer):
+    return x, transforms
+  first = transforms[0]
+  pads = [(0, (idx.size - 1) * idx.stride + 1)
+          if isinstance(idx, indexing.Slice) and isinstance(idx.size, int)
+          else (0, 0) for idx in first.indices]
+  if all(p == (0, 0) for p in pads):
+    return x, transforms
+  x = jnp.pad(x, pads)
+  first = indexing.NDIndexer(first.indices, tuple(x.shape),
+                             first.int_indexer_shape)
+  return x, (first, *transforms[1:])
+
+
+def _unpad(x_new, shape):
+  return x_new[tuple(slice(0, n) for n in shape)]
+
+
+def _masked_swap(x, transforms, new_of_old):
+  """Writes `new_of_old(old)` through `transforms`; returns (x_new, old)."""
+  xp, tp = _pad_for_slices(x, transforms)
+  old = state_discharge.transform_array(xp, tp)
+  _, x_new = state_discharge.transform_swap_array(xp, tp, new_of_old(old))
+  return _unpad(x_new, x.shape), old
 
 
 # ------------------------------------------------------------------- load
@@ -51,6 +89,8 @@ def _split_args(args, tree, n_extra):
 @state_discharge.register_discharge_rule(masked_load_p)
 def _load_discharge(ctx, x, *args, tree, has_mask, has_other, out_aval, **_):
   transforms, extra = _split_args(args, tree, has_mask + has_other)
+  if has_mask:
+    x, transforms = _pad_for_slices(x, transforms)
   y = state_discharge.transform_array(x, transforms)
   extra = list(extra)
   mask = extra.pop(0) if has_mask else None
@@ -106,10 +146,11 @@ def _store_abstract_eval(ref_aval, *args, tree, has_mask, **_):
 def _store_discharge(ctx, x, *args, tree, has_mask, **_):
   transforms, extra = _split_args(args, tree, 1 + has_mask)
   val = extra[0]
-  if has_mask:
-    old = state_discharge.transform_array(x, transforms)
-    val = jnp.where(extra[1], val, old)
-  _, x_new = state_discharge.transform_swap_array(x, transforms, val)
+  if not has_mask:
+    _, x_new = state_discharge.transform_swap_array(x, transforms, val)
+    return (x_new,) + (None,) * len(args), []
+  x_new, _ = _masked_swap(x, transforms,
+                          lambda old: jnp.where(extra[1], val, old))
   return (x_new,) + (None,) * len(args), []
 
 
@@ -179,11 +220,16 @@ def _atomic_abstract_eval(ref_aval, *args, tree, has_mask, op, out_aval):
 def _atomic_discharge(ctx, x, *args, tree, has_mask, op, out_aval):
   transforms, extra = _split_args(args, tree, 1 + has_mask)
   val = extra[0]
-  old = state_discharge.transform_array(x, transforms)
-  new = _ATOMIC_COMBINE[op](old, val).astype(old.dtype)
+
+  def new_of_old(old):
+    new = _ATOMIC_COMBINE[op](old, val).astype(old.dtype)
+    return jnp.where(extra[1], new, old) if has_mask else new
   if has_mask:
-    new = jnp.where(extra[1], new, old)
-  _, x_new = state_discharge.transform_swap_array(x, transforms, new)
+    x_new, old = _masked_swap(x, transforms, new_of_old)
+  else:
+    old = state_discharge.transform_array(x, transforms)
+    _, x_new = state_discharge.transform_swap_array(x, transforms,
+                                                    new_of_old(old))
   return (x_new,) + (None,) * len(args), old
 
 

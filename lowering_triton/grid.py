@@ -45,9 +45,10 @@ class GridPlan:
     return self.axes.index(dim)
 
 
-def plan_grid(grid_mapping) -> GridPlan:
+def plan_grid(spec) -> GridPlan:
+  grid_mapping = spec.grid_mapping
   grid = tuple(int(g) for g in grid_mapping.grid)
-  plan = make_plan(grid_mapping)
+  plan = make_plan(grid_mapping, spec.compiler_params, spec.jaxpr)
   parallel = tuple(d for d in plan.parallel if grid[d] > 1)
   sequential = tuple(d for d in range(len(grid))
                      if d not in parallel and grid[d] > 1)

@@ -248,7 +248,7 @@ def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
 def _generate(spec) -> GeneratedKernel:
   gm = spec.grid_mapping
   try:
-    plan = plan_grid(gm)
+    plan = plan_grid(spec)
   except ValueError as e:
     raise BackendError(spec.name, str(e), spec.where) from e
   names = Names()

@@ -204,7 +204,7 @@ def _nested_vmap(fn, plan: Plan, arg_dims: list[tuple[int, ...]]):
 def run(*args, spec):
   """Evaluates the pallas_call described by `spec` on `args`."""
   gm = spec.grid_mapping
-  plan = make_plan(gm)
+  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
   grid_rank = len(gm.grid)
   n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
   prefetch, inputs = list(args[:n_pf]), list(args[n_pf:])

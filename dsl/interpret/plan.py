@@ -52,8 +52,12 @@ def _uses_prefetch(jaxpr: core.ClosedJaxpr, grid_rank: int) -> bool:
              if isinstance(v, core.Var))
 
 
+@functools.lru_cache(maxsize=512)
 def evaluate_index_map(bm: BlockMapping, grid: tuple[int, ...]):
-  """Block indices of every grid point: int array (*grid, rank), or None."""
+  """Block indices of every grid point: int array (*grid, rank), or None.
+
+  The result is cached per mapping and read-only.
+  """
   n_points = math.prod(grid)
   if n_points > MAX_ANALYSED_POINTS or _uses_prefetch(bm.index_map_jaxpr,
                                                       len(grid)):
@@ -74,7 +78,56 @@ def evaluate_index_map(bm: BlockMapping, grid: tuple[int, ...]):
     else:
       outs = jax.vmap(one_point)(*coords)
     outs = [np.broadcast_to(np.asarray(o), (n_points,)) for o in outs]
-  return np.stack(outs, axis=-1).reshape(*grid, rank).astype(np.int64)
+  idx = np.stack(outs, axis=-1).reshape(*grid, rank).astype(np.int64)
+  idx.flags.writeable = False
+  return idx
+
+
+def _dim_limits(bm: BlockMapping):
+  """Per array dim: (block size, one past the largest legal start index)."""
+  limits = []
+  for d, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes):
+    if isinstance(d, Element):
+      lo, hi = d.padding
+      limits.append((1, n + lo + hi))      # an element offset
+    else:
+      limits.append((b, n))
+  return limits
+
+
+def check_block_indices(kernel: str, gm: GridMapping, where: str) -> None:
+  """Raises KernelError when a static index map puts a block outside its array.
+
+  A block may hang over the array's end (a partial edge block of a `cdiv`
+  grid) but must start inside it.
+  """
+  from dsl.errors import KernelError
+  grid = tuple(int(g) for g in gm.grid)
+  for bm in gm.block_mappings:
+    if bm.whole_array or not bm.block_shape:
+      continue
+    idx = evaluate_index_map(bm, grid)
+    if idx is None or idx.size == 0:
+      continue
+    for j, (unit, end) in enumerate(_dim_limits(bm)):
+      if bm.array_aval.shape[j] == 0:
+        continue
+      col = idx[..., j]
+      bad = np.argwhere((col < 0) | (col * unit >= end))
+      if bad.size == 0:
+        continue
+      point = tuple(int(c) for c in bad[0])
+      block = tuple(int(v) for v in idx[point])
+      element = isinstance(bm.block_shape[j], Element)
+      what = "element offset" if element else "block index"
+      hint = ("an Element dim takes an element offset into the padded array"
+              if element else "index maps return block indices, not element "
+              "offsets")
+      raise KernelError(
+          kernel, f"at grid point {point} the index map returns {block}: "
+          f"{what} {block[j]} of dim {j} lies outside the array "
+          f"(shape {tuple(bm.array_aval.shape)}, block "
+          f"{tuple(bm.block_sizes)}); {hint}", where, operand=bm.origin)
 
 
 def _varies_along(idx: np.ndarray, d: int) -> bool:
@@ -125,25 +178,100 @@ def _view_sources(bm: BlockMapping, idx, grid):
   return tuple(sources)
 
 
+def declared_semantics(compiler_params, grid_rank: int,
+                       num_hidden_axes: int = 0) -> tuple[str, ...] | None:
+  """`dimension_semantics` per grid dim, lower case, or None when not given.
+
+  Grid axes added by vmap lead the grid and are parallel.
+  """
+  sem = getattr(compiler_params, "dimension_semantics", None)
+  if sem is None:
+    return None
+  sem = [str(getattr(s, "value", s)).lower() for s in sem]
+  if num_hidden_axes and len(sem) == grid_rank - num_hidden_axes:
+    sem = ["parallel"] * num_hidden_axes + sem
+  return tuple(sem) if len(sem) == grid_rank else None
+
+
+_PURE_WRITES = ("swap",)
+
+
+def _full_write(eqn, ref, used: set) -> bool:
+  """A store of a whole ref whose old value is not used."""
+  if eqn.primitive.name not in _PURE_WRITES or eqn.invars[0] is not ref:
+    return False
+  val = eqn.invars[1].aval
+  return (tuple(val.shape) == tuple(ref.aval.inner_aval.shape)
+          and not any(o in used for o in eqn.outvars
+                      if isinstance(o, core.Var)))
+
+
+def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
+  """True when a scratch ref may be read at a grid step before it is written.
+
+  Conservative: only a top-level store of the whole ref counts as a write;
+  any other use of the ref (a load, an accumulate, a partial store, a use
+  inside `pl.when`, a loop, a DMA) before it counts as a read.
+  """
+  if jaxpr is None or not num_scratch:
+    return False
+  j = jaxpr.jaxpr
+  pending = set(j.invars[len(j.invars) - num_scratch:])
+  used = {v for e in j.eqns for v in e.invars if isinstance(v, core.Var)}
+  used |= {v for v in j.outvars if isinstance(v, core.Var)}
+  for eqn in j.eqns:
+    for ref in [v for v in eqn.invars
+                if isinstance(v, core.Var) and v in pending]:
+      pending.discard(ref)
+      if not _full_write(eqn, ref, used):
+        return True
+    if not pending:
+      return False
+  return False
+
+
 @functools.lru_cache(maxsize=256)
-def _plan_cached(gm: GridMapping) -> Plan:
-  return make_plan_uncached(gm)
+def _plan_cached(gm: GridMapping, forced: tuple[int, ...]) -> Plan:
+  return make_plan_uncached(gm, forced)
 
 
-def make_plan(gm: GridMapping) -> Plan:
-  return _plan_cached(gm)
+def make_plan(gm: GridMapping, compiler_params=None,
+              jaxpr: core.ClosedJaxpr | None = None) -> Plan:
+  """The plan of a kernel's grid.
+
+  `compiler_params` and the kernel's `jaxpr` tell which dims carry state
+  across steps. An `arbitrary` dim always runs in order. A kernel that reads
+  scratch before writing it carries state from step to step: when the index
+  maps leave a dim sequential (a reduction axis), the scratch is taken to
+  carry along it (the accumulator pattern, reset under `pl.when` when the
+  axis starts over) and the other dims stay parallel; when they leave none,
+  every dim not declared `parallel` runs in order.
+  """
+  rank = len(gm.grid)
+  sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
+  forced = tuple(d for d in range(rank) if sem and sem[d] == "arbitrary")
+  plan = _plan_cached(gm, forced)
+  if (any(gm.grid[d] > 1 for d in plan.sequential)
+      or not carried_scratch(jaxpr, len(gm.scratch_avals))):
+    return plan
+  declared_parallel = {d for d in range(rank)
+                       if sem and sem[d] in ("parallel", "core_parallel")}
+  carried = tuple(d for d in range(gm.num_hidden_axes, rank)
+                  if d not in declared_parallel)
+  return _plan_cached(gm, tuple(sorted(set(forced) | set(carried))))
 
 
-def make_plan_uncached(gm: GridMapping) -> Plan:
+def make_plan_uncached(gm: GridMapping,
+                       forced: tuple[int, ...] = ()) -> Plan:
   grid = gm.grid
   idxs = [evaluate_index_map(bm, grid) for bm in gm.block_mappings]
   out_idxs = idxs[gm.num_inputs:]
   parallel: tuple[int, ...] = ()
   if all(i is not None for i in out_idxs):
-    cand = tuple(d for d in range(len(grid))
-                 if all(_varies_along(i, d) for i in out_idxs))
+    cand = tuple(d for d in range(len(grid)) if d not in forced
+                 and all(_varies_along(i, d) for i in out_idxs))
     if not out_idxs:
-      cand = tuple(range(len(grid)))
+      cand = tuple(d for d in range(len(grid)) if d not in forced)
     # The largest subset of the candidates whose points own their blocks.
     for subset in _subsets_largest_first(cand):
       if all(_owned_by_one_point(i, subset) for i in out_idxs):

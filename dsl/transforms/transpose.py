@@ -156,7 +156,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   grid, n_grid = gm.grid, len(gm.grid)
   n_pf, n_in, n_out, n_scr = (gm.num_scalar_prefetch, gm.num_inputs,
                               gm.num_outputs, len(gm.scratch_avals))
-  sequential = set(make_plan(gm).sequential)
+  sequential = set(make_plan(gm, spec.compiler_params, spec.jaxpr).sequential)
   F = point_function(spec)
 
   def rev(ids):

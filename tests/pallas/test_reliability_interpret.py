@@ -1,0 +1,208 @@
+"""Cases where the host backends disagreed with each other or with Pallas:
+blocks placed outside their array by static index maps, state carried
+across grid steps in scratch, and masked accesses through a `pl.ds` that runs
+past the array end. Each kernel is compared with a plain jax.numpy reference
+and, where Pallas runs it, with jax.experimental.pallas in interpret mode."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as jpl
+from jax.experimental.pallas import tpu as jpltpu
+
+import dsl as pl
+from dsl import tpu as pltpu
+from dsl.errors import KernelError
+
+HOST_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
+
+
+# ------------------------------------------------- blocks outside the array
+
+def copy_kernel(x_ref, o_ref):
+  o_ref[...] = x_ref[...]
+
+
+def _copy(backend, in_map, out_map=lambda i: (i, 0), grid=(4,),
+          shape=(32, 128), block=(8, 128), in_block=None):
+  return pl.pallas_call(
+      copy_kernel, jax.ShapeDtypeStruct(shape, jnp.float32), grid=grid,
+      in_specs=[pl.BlockSpec(in_block or block, in_map)],
+      out_specs=pl.BlockSpec(block, out_map), backend=backend)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_element_offsets_as_block_indices_are_a_trace_time_error(backend):
+  x = jnp.ones((32, 128), jnp.float32)
+  call = _copy(backend, lambda i: (i * 8, 0))
+  with pytest.raises(KernelError) as e:
+    jax.jit(call).trace(x)
+  msg = str(e.value)
+  assert "in_specs[0]" in msg
+  assert "grid point (1,)" in msg and "(8, 0)" in msg
+  assert "index maps return block indices, not element offsets" in msg
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_negative_block_index_is_a_trace_time_error(backend):
+  x = jnp.ones((32, 128), jnp.float32)
+  call = _copy(backend, lambda i: (i, 0), out_map=lambda i: (i - 1, 0))
+  with pytest.raises(KernelError, match=r"out_specs\[0\].*grid point \(0,\)"):
+    call(x)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_partial_edge_blocks_stay_legal(backend):
+  x = jnp.arange(20 * 128, dtype=jnp.float32).reshape(20, 128)
+  call = _copy(backend, lambda i: (i, 0), grid=(3,), shape=(20, 128))
+  np.testing.assert_array_equal(jax.jit(call)(x), x)
+
+
+def test_element_dims_are_checked_against_array_and_padding():
+  x = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+  ok = _copy("interpret", lambda i: (i * 8, 0),
+             in_block=(pl.Element(8), 128))
+  np.testing.assert_array_equal(jax.jit(ok)(x), x)
+  bad = _copy("interpret", lambda i: (i * 8 + 8, 0),
+              in_block=(pl.Element(8), 128))
+  with pytest.raises(KernelError, match=r"grid point \(3,\).*element offset 32"):
+    bad(x)
+
+
+# ------------------------------------------- state carried across grid steps
+
+# Kernels are built for a module (dsl or jax.experimental.pallas).
+
+def running_sum_kernel(m):
+  def kernel(x_ref, o_ref, acc_ref):
+    @m.when(m.program_id(0) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+  return kernel
+
+
+def no_init_running_sum_kernel(m):
+  # Reads the scratch before writing it at every step but the first.
+  def kernel(x_ref, o_ref, acc_ref):
+    first = m.program_id(0) == 0
+    acc_ref[...] = jnp.where(first, 0., acc_ref[...]) + x_ref[...]
+    o_ref[...] = acc_ref[...]
+  return kernel
+
+
+def scratch_written_first_kernel(m):
+  def kernel(x_ref, o_ref, tmp_ref):
+    tmp_ref[...] = x_ref[...] * 2.
+    o_ref[...] = tmp_ref[...] + 1.
+  return kernel
+
+
+def _running_sum(module, kernel, semantics, **kw):
+  tpu = pltpu if module is pl else jpltpu
+  params = (tpu.CompilerParams(dimension_semantics=semantics)
+            if semantics else None)
+  spec = module.BlockSpec((8, 128), lambda i: (i, 0))
+  return module.pallas_call(
+      kernel(module), jax.ShapeDtypeStruct((32, 128), jnp.float32), grid=(4,),
+      in_specs=[spec], out_specs=spec,
+      scratch_shapes=[tpu.VMEM((8, 128), jnp.float32)],
+      compiler_params=params, **kw)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+@pytest.mark.parametrize("kernel,semantics", [
+    (running_sum_kernel, ("arbitrary",)),
+    (running_sum_kernel, None),
+    (no_init_running_sum_kernel, None),
+])
+def test_scratch_carries_across_steps_whose_output_block_changes(
+    backend, kernel, semantics):
+  x = jax.random.normal(jax.random.key(0), (32, 128), jnp.float32)
+  want = jnp.cumsum(x.reshape(4, 8, 128), axis=0).reshape(32, 128)
+  got = jax.jit(_running_sum(pl, kernel, semantics, backend=backend))(x)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  oracle = jax.jit(_running_sum(jpl, kernel, semantics, interpret=True))(x)
+  np.testing.assert_allclose(got, oracle, rtol=1e-6, atol=1e-6)
+
+
+def test_scratch_written_first_at_each_step_keeps_the_grid_parallel():
+  from dsl.interpret.plan import make_plan
+  from dsl.pallas_call import build_spec
+  x = jnp.ones((32, 128), jnp.float32)
+  call = _running_sum(pl, scratch_written_first_kernel, None,
+                      backend="interpret")
+  np.testing.assert_array_equal(jax.jit(call)(x), 3 * x)
+  plans = {}
+  for name, kernel in [("fresh", scratch_written_first_kernel),
+                       ("carried", no_init_running_sum_kernel)]:
+    spec, _ = build_spec(
+        kernel(pl), (x,), jax.ShapeDtypeStruct((32, 128), jnp.float32),
+        name=name, grid=(4,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)])
+    plans[name] = make_plan(spec.grid_mapping, None, spec.jaxpr)
+  assert plans["fresh"].parallel == (0,)
+  assert plans["carried"].sequential == (0,)
+
+
+# -------------------------------------- masked accesses past the array end
+
+@pytest.mark.parametrize("backend", ("interpret", "triton_interpret"))
+def test_masked_load_and_store_through_a_slice_past_the_end(backend):
+  from dsl import triton as plt
+  n, bs = 1000, 256
+
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    offs = i * bs + jnp.arange(bs)
+    x = plt.load(x_ref.at[pl.ds(i * bs, bs)], mask=offs < n, other=0.)
+    plt.store(o_ref.at[pl.ds(i * bs, bs)], x * 2. + 1., mask=offs < n)
+
+  x = jnp.arange(n, dtype=jnp.float32)
+  call = pl.pallas_call(kernel, jax.ShapeDtypeStruct((n,), jnp.float32),
+                        grid=(pl.cdiv(n, bs),), backend=backend)
+  np.testing.assert_array_equal(jax.jit(call)(x), x * 2. + 1.)
+
+
+def test_masked_atomic_add_through_a_slice_past_the_end():
+  from dsl import triton as plt
+  n, bs = 100, 64
+
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    offs = i * bs + jnp.arange(bs)
+    x = plt.load(x_ref.at[pl.ds(i * bs, bs)], mask=offs < n, other=0.)
+    plt.atomic_add(o_ref, pl.ds(i * bs, bs), x, mask=offs < n)
+
+  x = jnp.arange(n, dtype=jnp.float32)
+  call = pl.pallas_call(kernel, jax.ShapeDtypeStruct((n,), jnp.float32),
+                        grid=(pl.cdiv(n, bs),), backend="interpret")
+  np.testing.assert_array_equal(jax.jit(call)(x), x)
+
+
+def test_scratch_accumulator_over_a_reduction_axis_keeps_the_rows_parallel():
+  from dsl.interpret.plan import make_plan
+  from dsl.pallas_call import build_spec
+
+  def kernel(x_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+
+  x = jax.random.normal(jax.random.key(1), (16, 384), jnp.float32)
+  kw = dict(grid=(2, 3), in_specs=[pl.BlockSpec((8, 128), lambda i, k: (i, k))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, k: (i, 0)),
+            scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)])
+  out = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+  spec, _ = build_spec(kernel, (x,), out, name="rows", **kw)
+  plan = make_plan(spec.grid_mapping, None, spec.jaxpr)
+  assert plan.parallel == (0,) and plan.sequential == (1,)
+  got = jax.jit(pl.pallas_call(kernel, out, backend="interpret", **kw))(x)
+  want = x.reshape(16, 3, 128).sum(axis=1)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
