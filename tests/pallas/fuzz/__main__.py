@@ -71,7 +71,11 @@ def main(argv=None) -> int:
   if args.case and args.minimize:
     from tests.pallas.fuzz.families import generate_case
     from tests.pallas.fuzz.minimize import minimize
-    small = minimize(generate_case(*_parse_case(args.case)), args.minimize)
+    try:
+      small = minimize(generate_case(*_parse_case(args.case)), args.minimize)
+    except ValueError as exc:
+      print(exc)
+      return 1
     print(small.describe())
     return 0
   if args.case:

@@ -191,10 +191,15 @@ def predicate(ctx, env, pred):
 
 
 def loop_leaves(grid, loops=(), extra=()) -> set[str]:
-  """Leaf names of the program ids of `loops` and of size-1 grid dims (which
-  a backend may not launch as programs), and of `extra` loop indices."""
-  return {f"pid{a}" for a in range(len(grid)) if a in loops or grid[a] == 1
-          } | set(extra)
+  """Leaf names of the program ids of the grid dims `loops` (and of size 1
+  when also in `loops`) and of `extra` loop indices."""
+  return {f"pid{a}" for a in range(len(grid)) if a in loops} | set(extra)
+
+
+def unit_leaves(grid) -> set[str]:
+  """Leaf names of the program ids of size-1 grid dims (which a backend may
+  fold to constants)."""
+  return {f"pid{a}" for a in range(len(grid)) if grid[a] == 1}
 
 
 def tolerance(exprs, out_dtype: str) -> float:

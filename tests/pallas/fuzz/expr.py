@@ -49,15 +49,18 @@ class Expr:
     for a in self.args:
       yield from a.walk()
 
-  def tags(self, loop_leaves=()) -> set[str]:
+  def tags(self, loop_leaves=(), unit_leaves=()) -> set[str]:
     """Feature tags: one per operation, with the dtype it works on;
-    `cast_of_loop_index` when a cast takes one of `loop_leaves` (the program
-    ids of grid dims that run as loops or have size 1, a loop's index)."""
+    `cast_of_loop_index` when a cast takes one of `loop_leaves` (program ids
+    of grid dims that run as loops, a loop's index), `cast_of_unit_index`
+    when it takes one of `unit_leaves` (program ids of size-1 grid dims)."""
     out = set()
     for e in self.walk():
-      if e.op == "cast" and e.args[0].op == "leaf" and \
-          e.args[0].attr in loop_leaves:
-        out.add("cast_of_loop_index")
+      if e.op == "cast" and e.args[0].op == "leaf":
+        if e.args[0].attr in loop_leaves:
+          out.add("cast_of_loop_index")
+        if e.args[0].attr in unit_leaves:
+          out.add("cast_of_unit_index")
       if e.op in ("leaf", "const", "bcast"):
         continue
       src = e.args[0].dtype if e.args else e.dtype

@@ -18,7 +18,7 @@ import numpy as np
 from tests.pallas.fuzz.common import (Draw, extent, input_dims, is_partial,
                                       load_inputs, loop_leaves, output_dims,
                                       small_block, sublane, tolerance,
-                                      tpu_block)
+                                      tpu_block, unit_leaves)
 from tests.pallas.fuzz.expr import ExprGen, dt, safe_cast
 from tests.pallas.fuzz.spec import (FLOATS, INTS, Case, Dim, Operand,
                                     is_float)
@@ -153,9 +153,9 @@ def generate_reduce(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   tags = {"revisit", f"acc:{storage}", f"acc_kind:{kind}"}
   tags |= {"zero_init"} if body["zero_init"] else set()
   tags |= {"reduce_in_kernel", f"op:reduce_{kind}:{acc}"} if inner else set()
-  loops = loop_leaves(grid, red_axes)
-  tags |= expr.tags(loops) | (epilogue.tags(loops) if epilogue is not None
-                              else set())
+  loops, units = loop_leaves(grid, red_axes), unit_leaves(grid)
+  tags |= expr.tags(loops, units) | (epilogue.tags(loops, units)
+                                     if epilogue is not None else set())
   tags |= {f"partial_in"} if body["masks"] else set()
   return Case(seed, index, "reduce", grid, tuple(ins), tuple(outs),
               tuple(body.items()), None, semantics, (),
@@ -222,8 +222,8 @@ def generate_matmul(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   tags = {"revisit", "dot", f"dot:{dt}->{pref}", f"acc:{storage}",
           "trans_b" if trans else "dot_nn"}
   tags |= {"zero_init"} if body["zero_init"] else set()
-  tags |= epilogue.tags(loop_leaves(grid, (2,))) if epilogue is not None \
-      else set()
+  tags |= epilogue.tags(loop_leaves(grid, (2,)), unit_leaves(grid)) \
+      if epilogue is not None else set()
   tags |= {"partial_in"} if masks else set()
   semantics = ("parallel", "parallel", "arbitrary") if d.chance(0.5) else None
   return Case(seed, index, "matmul", grid, (x, y), (out,),
@@ -282,7 +282,8 @@ def generate_carry(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   body = dict(expr=expr, axis=ia, masks=masks,
               scratch=(("vmem", (1, bn), acc),))
   body["tol"] = (tolerance([expr] + [_rounding(acc)] * gi, out_dtype),)
-  tags = {"carry", "scratch_carried"} | expr.tags(loop_leaves(grid, (ia,)))
+  tags = {"carry", "scratch_carried"} | expr.tags(loop_leaves(grid, (ia,)),
+                                                  unit_leaves(grid))
   tags |= {"partial_in"} if masks else set()
   return Case(seed, index, "carry", grid, (x,), (out,), tuple(body.items()),
               None, sem, (), frozenset(_tags(tags, (x,), (out,), grid, tpu)))

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from tests.pallas.fuzz.common import (Draw, bias_shape, input_dims,
                                       is_partial, load_inputs, loop_leaves,
                                       needs_mask, output_dims, predicate,
-                                      small_block, tolerance, tpu_block)
+                                      small_block, tolerance, tpu_block,
+                                      unit_leaves)
 from tests.pallas.fuzz.expr import ExprGen
 from tests.pallas.fuzz.spec import (DTYPES, Case, Operand, fill_value,
                                     is_float, is_int, valid_mask)
@@ -171,10 +172,12 @@ def generate(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   features |= {f"mode:{mode}"} | {f"mask:{m}" for m in masks.values()}
   if rows:
     features.add("row_index:" + ("negative" if rows[0][1] < 0 else "positive"))
+  if mode == "masked_store" and extra["mask"].op == "bcast":
+    features.add("masked_store_scalar_mask")
   features |= {"alias"} if aliases else set()
   features |= {"prefetch"} if pf else set()
   for e in all_exprs:
-    features |= e.tags(loop_leaves(grid, extra=("t",)))
+    features |= e.tags(loop_leaves(grid, extra=("t",)), unit_leaves(grid))
   if mode == "fori":   # inside the loop every program id is a loop's scalar
     features |= extra["step"].tags(loop_leaves(grid, range(len(grid)), "t"))
   body = dict(exprs=exprs, mode=mode, masks=tuple(sorted(masks.items())),

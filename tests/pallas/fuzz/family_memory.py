@@ -15,7 +15,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from tests.pallas.fuzz.common import (Draw, extent, load_inputs,
-                                      loop_leaves, sublane, tolerance)
+                                      loop_leaves, sublane, tolerance,
+                                      unit_leaves)
 from tests.pallas.fuzz.expr import ExprGen, iota
 from tests.pallas.fuzz.family_accumulate import _rounding, _tags
 from tests.pallas.fuzz.spec import (DTYPES, FLOATS, INTS, Case, Dim, Operand,
@@ -70,7 +71,7 @@ def generate_tail(d: Draw, seed: int, index: int, tpu: bool) -> Case:
               tol=(tolerance([expr] + rounding, out.dtype),))
   if masked and not divisible:
     tags.add("window_past_end")
-  tags |= expr.tags(loop_leaves(grid))
+  tags |= expr.tags(loop_leaves(grid), unit_leaves(grid))
   return Case(seed, index, "tail", grid, tuple(ins), (out,),
               tuple(body.items()), None, None, aliases,
               frozenset(_tags(tags, ins, (out,), grid, False)))
@@ -127,7 +128,7 @@ def generate_dma(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   semantics = ("arbitrary",) if double else d.pick(
       [None, ("parallel",), ("arbitrary",)])
   tags = {"dma", "dma_double" if double else "dma_single"} | expr.tags(
-      loop_leaves((n,)))
+      loop_leaves((n,)), unit_leaves((n,)))
   return Case(seed, index, "dma", (n,), tuple(ins), (out,),
               tuple(body.items()), None, semantics, (),
               frozenset(_tags(tags, ins, (out,), (n,), True)))

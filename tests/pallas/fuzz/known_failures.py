@@ -34,13 +34,13 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("op:invert:uint8", "triton_interpret"):
         "~x on uint8 raises OverflowError in Triton's interpreter",
     ("cast_of_loop_index", "triton_interpret"):
-        "program ids of loop-run or size-1 grid dims are Python ints in the "
-        "generated code: .to() and bit ops on them fail",
+        "program ids of grid dims run as loops (and fori indices) are Python "
+        "ints in the generated code: .to() on them fails",
     ("atomic_broadcast_value", "triton_interpret"):
         "an atomic whose value is a broadcast scalar updates lane 0 only",
-    ("scalar_op:floor", "triton_interpret"):
-        "jnp.floor of a scalar gives a numpy value that a later & with a "
-        "tensor mask rejects (TypeError: ufunc 'bitwise_and')",
+    ("masked_store_scalar_mask", "triton_interpret"):
+        "a store mask broadcast from a scalar computed through float ops "
+        "(floor of a program id) fails: TypeError: ufunc 'bitwise_and'",
     ("roll_by_0_or_size", "mosaic_interpret"):
         "jnp.roll by 0 or by the axis length: raw MLIRError (zero-size slice)",
 }

@@ -141,7 +141,7 @@ def run_case(case: Case, backends=BACKENDS, skip_known: bool = True,
   except Exception as exc:
     result.error = "reference: " + _first_line(exc)
     return result
-  result.outcomes["reference"] = Outcome("agree", "",
+  result.outcomes["reference"] = Outcome("ran", "",
                                          time.perf_counter() - t0)
   for backend in (ORACLE,) + tuple(backends):
     if crashed and backend in crashed:

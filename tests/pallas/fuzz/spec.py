@@ -111,9 +111,16 @@ class Case:
             + (f" aliases={self.aliases}" if self.aliases else "")]
     rows += [f"  in{k}: {op}" for k, op in enumerate(self.inputs)]
     rows += [f"  out{k}: {op}" for k, op in enumerate(self.outputs)]
-    rows += [f"  {k}: {v}" for k, v in self.body]
+    rows += [f"  {k}: {_show(v)}" for k, v in self.body]
     rows.append(f"  features: {', '.join(sorted(self.features))}")
     return "\n".join(rows)
+
+
+def _show(value) -> str:
+  if isinstance(value, tuple) and value and all(hasattr(v, "walk")
+                                                for v in value):
+    return "(" + ", ".join(str(v) for v in value) + ")"
+  return str(value)
 
 
 # ---- index maps, shared by the kernel's BlockSpecs, the kernel body (to mask
