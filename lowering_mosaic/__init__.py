@@ -1,7 +1,7 @@
 """lowering_mosaic: kernels as Mosaic-dialect MLIR for TPUs.
 
 - `build_module(spec)`: KernelSpec -> verified MLIR module (lowering.py, rules/)
-- `check_tpu_rules(spec)`: TPU tiling / VMEM / SMEM rules (checks.py)
+- `check_tpu_rules(spec)`: TPU tiling / VMEM / SMEM rules (tpu_rules.py)
 - `to_mlir(f, *args)`: the module text of the pallas_calls in `f`
 - backend "mosaic": the module in a `tpu_custom_call` (TPU lowering)
 - backend "mosaic_interpret": the module run on CPU by our MLIR interpreter,
@@ -11,7 +11,7 @@
 Importing the package registers both backends with dsl. See docs/mosaic.md.
 """
 from lowering_mosaic import rules as _rules  # noqa: F401 (fills the table)
-from lowering_mosaic.checks import check_tpu_rules
+from lowering_mosaic.tpu_rules import check_tpu_rules
 from lowering_mosaic.inspection import dump_module, to_mlir, to_modules
 from lowering_mosaic.lowering import build_module, module_text
 from lowering_mosaic import backend as _backend  # noqa: F401

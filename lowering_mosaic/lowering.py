@@ -315,7 +315,7 @@ def build_module(spec, mesh_axes=()) -> ir.Module:
 def build_module_and_context(spec, mesh_axes=()):
   """(module, LoweringContext): the context says whether the kernel uses
   the barrier semaphore or remote operations."""
-  from lowering_mosaic.checks import check_tpu_rules
+  from lowering_mosaic.tpu_rules import check_tpu_rules
   check_tpu_rules(spec)
   ctx = dialect.make_context()
   lctx = LoweringContext(spec.name, spec.where,
