@@ -11,7 +11,9 @@ from dsl import refs as _refs  # installs the static index checks
 from dsl.backends import BACKENDS
 from dsl.blockspec import (BlockMapping, BlockSpec, Blocked, Element, Squeezed,
                            squeezed)
-from dsl.errors import BackendError, KernelError, KernelTypeError
+from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
+                        KernelError, KernelRuntimeError, KernelTypeError,
+                        kernel_error_of)
 from dsl.gridspec import GridMapping, GridSpec, PrefetchScalarGridSpec
 from dsl.kernel import kernel
 from dsl.memory import ANY, MemoryRef, MemorySpace
@@ -28,8 +30,9 @@ from dsl import transforms as _transforms  # registers jvp/vmap/vjp rules
 
 __all__ = [
     "ANY", "BACKENDS", "BackendError", "BlockMapping", "BlockSpec", "Blocked",
-    "Element", "GridMapping", "GridSpec", "KernelError", "KernelSpec",
-    "KernelTypeError", "MemoryRef", "MemorySpace", "PrefetchScalarGridSpec",
+    "Element", "GridMapping", "GridSpec", "KernelCheckError",
+    "KernelDeadlockError", "KernelError", "KernelRuntimeError", "KernelSpec",
+    "KernelTypeError", "kernel_error_of", "MemoryRef", "MemorySpace", "PrefetchScalarGridSpec",
     "Slice", "Squeezed", "TransformedRef", "cdiv", "debug_check",
     "debug_print", "ds", "dslice", "kernel", "load", "loop", "max_contiguous",
     "multiple_of", "num_programs", "pallas_call", "pallas_call_p",

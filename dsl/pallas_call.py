@@ -57,8 +57,9 @@ pallas_call_p.multiple_results = True
 
 @pallas_call_p.def_impl
 def _pallas_call_impl(*args, spec: KernelSpec):
-  # A kernel that fails on a host backend raises its KernelError from a host
-  # callback; XLA hands it back as a JaxRuntimeError, re-raised here as itself.
+  # A kernel that fails on a host backend raises its KernelError in a host
+  # callback; XLA hands back an error of its own (a JaxRuntimeError, or a
+  # ValueError from jit's fast path): the KernelError is re-raised instead.
   try:
     outs = dispatch.apply_primitive(pallas_call_p, *args, spec=spec)
     if backends.runs_on_host(spec.backend):
