@@ -81,9 +81,7 @@ def convert(x: ir.Value, shape, src, dst) -> ir.Value:
     return arith.TruncFOp(t, arith.ExtFOp(vtype(shape, jnp.float32),
                                           x).result).result
   if is_float(src):        # float -> int
-    if is_unsigned(dst):
-      return arith.FPToUIOp(t, x).result
-    return arith.FPToSIOp(t, x).result
+    return float_to_int(x, shape, src, dst)
   if is_float(dst):        # int -> float
     if is_unsigned(src) or is_bool(src):
       return arith.UIToFPOp(t, x).result
@@ -96,6 +94,30 @@ def convert(x: ir.Value, shape, src, dst) -> ir.Value:
   if bits(dst) < bits(src):
     return arith.TruncIOp(t, x).result
   return x                 # same width, signedness only
+
+
+def float_to_int(x: ir.Value, shape, src, dst) -> ir.Value:
+  """A float -> integer cast defined everywhere, as jax.numpy's on the CPU:
+  truncation toward zero inside the range, saturation outside it, NaN -> 0.
+  (`arith.fptosi`/`fptoui` give poison for NaN and out-of-range values.)"""
+  if bits(src) < 32:
+    src, x = jnp.dtype(jnp.float32), arith.ExtFOp(vtype(shape, jnp.float32),
+                                                  x).result
+  info = np.iinfo(np_dtype(dst))
+  lo = constant(float(info.min), shape, src)          # -2**(b-1) or 0
+  hi = constant(float(info.max) + 1.0, shape, src)    # 2**(b-1) or 2**b
+  too_low = arith.CmpFOp(arith.CmpFPredicate.OLT, x, lo).result
+  too_high = arith.CmpFOp(arith.CmpFPredicate.OGE, x, hi).result
+  # NaN is neither too low nor too high, and is out of the range: it casts
+  # the 0 that replaces every value out of the range.
+  in_range = arith.AndIOp(
+      arith.CmpFOp(arith.CmpFPredicate.OGE, x, lo).result,
+      arith.CmpFOp(arith.CmpFPredicate.OLT, x, hi).result).result
+  safe = select(in_range, x, zeros(shape, src))
+  cast = arith.FPToUIOp if is_unsigned(dst) else arith.FPToSIOp
+  r = cast(vtype(shape, dst), safe).result
+  r = select(too_high, constant(int(info.max), shape, dst), r)
+  return select(too_low, constant(int(info.min), shape, dst), r)
 
 
 def select(pred, on_true, on_false) -> ir.Value:

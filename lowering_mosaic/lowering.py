@@ -33,6 +33,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax._src import core
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, func
@@ -47,6 +48,24 @@ MOSAIC_VERSION = 14
 # The rule table, keyed by primitive; the modules of `lowering_mosaic.rules`
 # fill it when the package is imported.
 TABLE = RuleTable("the Mosaic (TPU) lowering")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSize:
+  """A value of a zero-size array. MLIR vectors cannot have a zero dim, so
+  it has no MLIR value; only the primitives of ZERO_SIZE_PRIMITIVES (the
+  slices and concatenation that `jnp.roll` by 0 or by the axis length
+  makes) take or make one, and any other primitive on one is an error."""
+  aval: Any
+
+
+ZERO_SIZE_PRIMITIVES = frozenset({lax.slice_p, lax.split_p,
+                                  lax.concatenate_p})
+
+
+def has_zero_size(aval) -> bool:
+  return (hasattr(aval, "shape") and not hasattr(aval, "inner_aval")
+          and 0 in tuple(aval.shape))
 
 
 @dataclasses.dataclass
@@ -229,6 +248,11 @@ class _Walk(LoweringHost):
   @contextlib.contextmanager
   def lowering_eqn(self, eqn):
     with _location(eqn, self.lctx, self.outer_line):
+      if eqn.primitive not in ZERO_SIZE_PRIMITIVES and any(
+          has_zero_size(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+        raise self.lctx.error("zero-size arrays are not supported by the "
+                              "Mosaic lowering (TPU vectors need positive "
+                              "sizes)", eqn.primitive.name)
       yield
 
 
@@ -363,6 +387,8 @@ def _build(spec, lctx) -> ir.Module:
         entries["dsl.element_dims"] = ir.DenseI64ArrayAttr.get(elem)
         entries["dsl.element_padding_low"] = ir.DenseI64ArrayAttr.get(
             [bm.block_shape[d].padding[0] for d in elem])
+        entries["dsl.element_padding_high"] = ir.DenseI64ArrayAttr.get(
+            [bm.block_shape[d].padding[1] for d in elem])
       sq = [d for d, b in enumerate(bm.block_shape) if b is squeezed]
       if sq:
         entries["dsl.squeezed_dims"] = ir.DenseI64ArrayAttr.get(sq)

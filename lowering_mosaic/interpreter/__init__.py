@@ -36,15 +36,27 @@ _options_id = jax_config.int_state(
     include_in_jit_key=True)
 
 
-def current_options() -> InterpreterOptions:
+def _set_options() -> InterpreterOptions:
   return _OPTIONS[int(_options_id.value)]
+
+
+def current_options() -> InterpreterOptions:
+  """The options set with `interpreter_options`, with `poison_buffers` and
+  `runtime_checks` from JAX's jax_pallas_poison_buffers and
+  jax_pallas_enable_runtime_assert as they are now (a kernel reads them
+  when it is lowered, as Pallas does)."""
+  from dsl import config
+  return dataclasses.replace(
+      _set_options(),
+      poison_buffers=bool(jax_config.jax_pallas_poison_buffers.value),
+      runtime_checks=config.enable_runtime_assert())
 
 
 @contextlib.contextmanager
 def interpreter_options(**changes):
   """Sets InterpreterOptions fields (seed=..., on_race="warn", ...) for the
   kernels lowered (and run) inside the block."""
-  opts = dataclasses.replace(current_options(), **changes)
+  opts = dataclasses.replace(_set_options(), **changes)
   with _LOCK:
     oid = _IDS.get(opts)
     if oid is None:

@@ -13,6 +13,9 @@ size, and the buffer dims it shows (the others are squeezed away). Its
 from __future__ import annotations
 
 import numpy as np
+from jax._src.lib.mlir import ir
+
+from lowering_mosaic import dialect
 
 
 class Buffer:
@@ -128,3 +131,28 @@ def describe_box(buf: Buffer, box) -> str:
   starts, sizes = box
   parts = [f"{s}:{s + n}" for s, n in zip(starts, sizes)]
   return f"{buf.name}[{', '.join(parts)}]"
+
+
+def poison_value(dtype):
+  """What memory nothing wrote holds, as the interpreter shows it: NaN for
+  floats, the dtype's minimum for integers, True for bools. Reads of block
+  padding past an array see it (hardware reads garbage there), and so do
+  fresh scratch and run_scoped buffers with `jax_pallas_poison_buffers` on,
+  so a kernel that uses such memory gives a visibly wrong answer."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return True
+  if np.issubdtype(dtype, np.integer):
+    return np.iinfo(dtype).min
+  return np.nan
+
+
+def fresh_array(t, poison: bool = False) -> np.ndarray:
+  """A new buffer of memref type `t`: zeros (semaphores always), or poison."""
+  mt = ir.MemRefType(t)
+  if dialect.semaphore_kind_of(t):
+    return np.zeros(tuple(mt.shape), np.int64)
+  dtype = dialect.numpy_dtype(mt.element_type)
+  if poison:
+    return np.full(tuple(mt.shape), poison_value(dtype), dtype)
+  return np.zeros(tuple(mt.shape), dtype)

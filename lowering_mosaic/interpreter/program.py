@@ -15,7 +15,7 @@ from jax._src.lib.mlir import ir
 
 from dsl.jaxpr_walk import RuleTable
 from lowering_mosaic import dialect
-from lowering_mosaic.interpreter.memory import Buffer, MemRef
+from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
                                                    KernelSimulationError, Wait)
 from lowering_mosaic.interpreter.value_ops import (VALUE_OPS, i64_array_attr,
@@ -285,10 +285,9 @@ def _new_buffer(frame, op_key, name, t, space, sem_kind=None):
   dev = frame.world.devices[frame.device]
   n = dev.alloc_counts.get(op_key, 0)
   dev.alloc_counts[op_key] = n + 1
-  shape = tuple(t.shape)
-  dtype = np.int64 if sem_kind else dialect.numpy_dtype(t.element_type)
-  buf = Buffer(f"{name}#{n}", (op_key, n), np.zeros(shape, dtype), space,
-               frame.device, sem_kind)
+  array = fresh_array(t, frame.world.options.poison_buffers)
+  buf = Buffer(f"{name}#{n}", (op_key, n), array, space, frame.device,
+               sem_kind)
   dev.add(buf)
   return MemRef(buf)
 

@@ -6,9 +6,14 @@ blocked operand's `@transform_k` to get its block index; when the index
 changed since the previous step, an input block is copied from the operand's
 HBM array into its VMEM buffer and an output block is written back and the
 new one read in (so revisiting an output block over consecutive steps
-accumulates, and aliased outputs keep unwritten blocks). Partial edge
-blocks are zero-filled on the way in and clipped on the way out. Scratch
-buffers persist over the whole grid; everything starts at zero.
+accumulates, and aliased outputs keep unwritten blocks). The part of a
+block past its array (partial edge blocks, `Element` padding, a block index
+read from data that leaves the array) reads poison on the way in (NaN, the
+integer minimum: hardware reads garbage there) and is dropped on the way
+out, so no access leaves a buffer; with runtime checks on, a block index
+outside the array is an error naming the operand. Scratch buffers persist
+over the whole grid; they start at zero, or as poison with
+`poison_buffers`. Outputs not aliased start at zero.
 """
 from __future__ import annotations
 
@@ -16,14 +21,17 @@ import dataclasses
 import threading
 
 import numpy as np
+from jax._src import core
 from jax._src.lib.mlir import ir
 
 from lowering_mosaic import dialect
-from lowering_mosaic.interpreter.memory import Buffer, MemRef
+from lowering_mosaic.interpreter.memory import (Buffer, MemRef, fresh_array,
+                                                poison_value)
 from lowering_mosaic.interpreter.program import (CFunc, Frame, compile_module,
                                                  run_block, run_to_end)
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
-                                                   InterpreterOptions, World)
+                                                   InterpreterOptions,
+                                                   KernelSimulationError, World)
 
 
 @dataclasses.dataclass
@@ -32,6 +40,7 @@ class Window:
   bounds: tuple = ()
   element_dims: tuple = ()
   padding_low: tuple = ()
+  padding_high: tuple = ()
 
 
 @dataclasses.dataclass
@@ -71,10 +80,11 @@ def program_from_module(module: ir.Module) -> KernelProgram:
       windows.append(Window(None))
       continue
     elem = _i64s(d["dsl.element_dims"]) if "dsl.element_dims" in d else ()
-    pad = (_i64s(d["dsl.element_padding_low"])
-           if "dsl.element_padding_low" in d else ())
+    pad_lo, pad_hi = (_i64s(d[f"dsl.element_padding_{side}"])
+                      if f"dsl.element_padding_{side}" in d else ()
+                      for side in ("low", "high"))
     windows.append(Window(ir.FlatSymbolRefAttr(d["transform_indices"]).value,
-                          _i64s(d["window_bounds"]), elem, pad))
+                          _i64s(d["window_bounds"]), elem, pad_lo, pad_hi))
   n_ops = len(windows)
   n_in = (ir.IntegerAttr(a["dsl.num_inputs"]).value
           if "dsl.num_inputs" in a else n_ops - 1)
@@ -95,13 +105,6 @@ def program_from_module(module: ir.Module) -> KernelProgram:
 
 def _space(t) -> str:
   return dialect.memref_space(t)
-
-
-def _zeros_for(t) -> np.ndarray:
-  mt = ir.MemRefType(t)
-  if dialect.semaphore_kind_of(t):
-    return np.zeros(tuple(mt.shape), np.int64)
-  return np.zeros(tuple(mt.shape), dialect.numpy_dtype(mt.element_type))
 
 
 def _name(prog, k, default):
@@ -157,7 +160,7 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
       operands.append(Operand(k, is_out, win, hbm[k], None))
       args.append(MemRef(hbm[k]))
     else:
-      blk = device.add(Buffer(f"{name} block", ("block", k), _zeros_for(t),
+      blk = device.add(Buffer(f"{name} block", ("block", k), fresh_array(t),
                               _space(t), dev))
       operands.append(Operand(k, is_out, win, hbm[k], blk))
       args.append(MemRef(blk))
@@ -165,7 +168,8 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
     t = prog.arg_types[n_pf + len(prog.windows) + i]
     kind = dialect.semaphore_kind_of(t)
     buf = device.add(Buffer(f"scratch_shapes[{i}]", ("scratch", i),
-                            _zeros_for(t), _space(t), dev, kind))
+                            fresh_array(t, world.options.poison_buffers),
+                            _space(t), dev, kind))
     args.append(MemRef(buf))
   device.add(Buffer("barrier semaphore", "barrier", np.zeros((), np.int64),
                     "semaphore_mem", dev, "regular"))
@@ -205,7 +209,7 @@ def _clip(starts, sizes, shape):
 def _copy_in(world, op: Operand, idx, line):
   starts, sizes = _window_box(op, idx)
   hbm = op.hbm.array
-  full = np.zeros(sizes, hbm.dtype)
+  full = np.full(sizes, poison_value(hbm.dtype), hbm.dtype)
   clipped = _clip(starts, sizes, hbm.shape)
   if clipped is not None:
     src, dst = clipped
@@ -230,6 +234,42 @@ def _copy_out(world, op: Operand, idx, line):
   op.hbm.array[src] = blk.array.reshape(sizes)[dst]
 
 
+def _first_line(f: CFunc) -> str | None:
+  return next((op.line for op in f.block.ops if op.line), None)
+
+
+def _outside(op: Operand, idx) -> tuple | None:
+  """(dim, what it takes) of the first dim where the block at `idx` holds
+  no element of its array (of the padded array for `Element` dims)."""
+  win, shape = op.window, op.hbm.array.shape
+  for d, (i, b, n) in enumerate(zip(idx, win.bounds, shape)):
+    if d in win.element_dims:
+      e = win.element_dims.index(d)
+      padded = n + win.padding_low[e] + win.padding_high[e]
+      if i < 0 or i >= padded:
+        return d, f"element offsets in [0, {padded})"
+    elif i < 0 or i * b >= n:
+      return d, f"blocks of {b} take block indices in [0, {-(-n // b)})"
+  return None
+
+
+def _check_block_index(world, prog, op: Operand, idx, point):
+  """With runtime checks on, a block index outside the array is an error."""
+  bad = _outside(op, idx) if world.options.runtime_checks else None
+  if bad is None:
+    return
+  d, valid = bad
+  name = _name(prog, prog.num_prefetch + op.index, f"operand {op.index}")
+  line = _first_line(prog.funcs[op.window.transform])
+  array = core.ShapedArray(op.hbm.array.shape, op.hbm.array.dtype)
+  raise KernelSimulationError(
+      "bounds", f"kernel '{prog.name}': {name}: block index "
+      f"{tuple(int(i) for i in idx)} at grid point {tuple(point)} is outside "
+      f"the array {array.str_short()} (along dim {d}, {valid}); index maps "
+      "return block indices, not element offsets"
+      + (f" (index map at {line})" if line else ""), (line,) if line else ())
+
+
 def device_program(world: World, prog: KernelProgram, dev: int, args,
                    operands):
   """The whole grid on one device (a generator for the scheduler)."""
@@ -248,6 +288,7 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
           run_block(tframe, f.block, ids + prefetch)))
       if idx == op.current:
         continue
+      _check_block_index(world, prog, op, idx, point)
       if op.is_output and op.current is not None:
         _copy_out(world, op, op.current, line)
       _copy_in(world, op, idx, line)

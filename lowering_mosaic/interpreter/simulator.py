@@ -70,12 +70,20 @@ class InterpreterOptions:
     and every DMA waited for, as Mosaic requires.
   max_steps: scheduling rounds before the simulation gives up (a spin
     loop on `semaphore_read` that never ends, for instance).
+  poison_buffers: scratch and run_scoped buffers start as poison (NaN,
+    the integer minimum) instead of zeros; JAX's jax_pallas_poison_buffers.
+  runtime_checks: a block index outside its array is an error (without
+    it, such a block reads poison and its writes are dropped);
+    jax_pallas_enable_runtime_assert.
+  The last two follow JAX's options when a kernel is lowered.
   """
   seed: int = 0
   dma_completion_prob: float = 0.3
   on_race: str = "raise"
   check_semaphores_at_end: bool = True
   max_steps: int = 5_000_000
+  poison_buffers: bool = False
+  runtime_checks: bool = False
 
 
 @dataclasses.dataclass

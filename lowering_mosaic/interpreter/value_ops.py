@@ -15,6 +15,7 @@ from jax._src.lib.mlir import ir
 
 from dsl.jaxpr_walk import RuleTable
 from lowering_mosaic import dialect
+from lowering_mosaic.interpreter.memory import poison_value
 
 VALUE_OPS = RuleTable("the Mosaic interpreter")
 value_op = VALUE_OPS.register
@@ -124,21 +125,58 @@ def _as_unsigned(fn):
   return make
 
 
+class UndefinedOperation(ValueError):
+  """An operation whose result `arith` leaves undefined (immediate UB)."""
+
+
 def _int_div(a, b):
-  a, b = np.asarray(a), np.asarray(b)
-  q = np.trunc(np.true_divide(a, np.where(b == 0, 1, b)))
+  a, b = _check_division(a, b, "division")
+  q = np.trunc(np.true_divide(a, b))
   return q.astype(a.dtype)
 
 
 def _int_rem(a, b):
+  a, b = _check_division(a, b, "remainder")
+  return np.fmod(a, b)
+
+
+def _check_division(a, b, what, signed=True):
+  """The lowering guards divisors; an unguarded 0 (or INT_MIN / -1) means
+  the module computes something a TPU does not define."""
   a, b = np.asarray(a), np.asarray(b)
-  return np.fmod(a, np.where(b == 0, 1, b))
+  if np.any(b == 0):
+    raise UndefinedOperation(f"integer {what} by zero is undefined")
+  if signed and np.any((b == -1) & (a == np.iinfo(a.dtype).min)):
+    raise UndefinedOperation(f"integer {what} of the minimum by -1 "
+                             "overflows (undefined)")
+  return a, b
+
+
+def _unsigned_div(fn, what):
+  def run(a, b):
+    _check_division(a, b, what, signed=False)
+    return fn(a, b)
+  return run
+
+
+def _maximumf(a, b):
+  """arith.maximumf (IEEE 754-2019 maximum): NaN propagates, -0 < +0."""
+  a, b = np.asarray(a), np.asarray(b)
+  tie = a == b
+  return np.where(tie, np.where(np.signbit(a), b, a), np.maximum(a, b))
+
+
+def _minimumf(a, b):
+  """arith.minimumf (IEEE 754-2019 minimum): NaN propagates, -0 < +0."""
+  a, b = np.asarray(a), np.asarray(b)
+  tie = a == b
+  return np.where(tie, np.where(np.signbit(a), a, b), np.minimum(a, b))
 
 
 for _n, _f in [("arith.addf", np.add), ("arith.subf", np.subtract),
                ("arith.mulf", np.multiply), ("arith.divf", np.true_divide),
-               ("arith.remf", np.fmod), ("arith.maximumf", np.maximum),
-               ("arith.minimumf", np.minimum), ("arith.addi", np.add),
+               ("arith.remf", np.fmod), ("arith.maximumf", _maximumf),
+               ("arith.minimumf", _minimumf), ("arith.addi", np.add),
                ("arith.subi", np.subtract), ("arith.muli", np.multiply),
                ("arith.divsi", _int_div), ("arith.remsi", _int_rem),
                ("arith.maxsi", np.maximum), ("arith.minsi", np.minimum),
@@ -147,15 +185,19 @@ for _n, _f in [("arith.addf", np.add), ("arith.subf", np.subtract),
                ("math.atan2", np.arctan2)]:
   value_op(_n)(_binary(_f))
 
-for _n, _f in [("arith.divui", np.floor_divide), ("arith.remui", np.mod),
+for _n, _f in [("arith.divui", _unsigned_div(np.floor_divide, "division")),
+               ("arith.remui", _unsigned_div(np.mod, "remainder")),
                ("arith.maxui", np.maximum), ("arith.minui", np.minimum)]:
   value_op(_n)(_as_unsigned(_f))
 
 
 def _shift(kind):
+  """Shifts; an amount out of [0, width) gives poison in `arith` (the
+  lowering guards every amount), shown as the dtype's poison value."""
   def make(op):
     dtype = np.dtype(result_dtype(op))
     bits = dtype.itemsize * 8
+    u = _unsigned(dtype)
 
     def run(a, b):
       a = np.asarray(a).astype(dtype)
@@ -163,17 +205,12 @@ def _shift(kind):
       big = (b < 0) | (b >= bits)
       b = np.where(big, 0, b)
       if kind == "shl":
-        r = np.left_shift(a.view(_unsigned(dtype)), b.astype(
-            _unsigned(dtype))).view(dtype)
-        r = np.where(big, 0, r)
+        r = np.left_shift(a.view(u), b.astype(u)).view(dtype)
       elif kind == "shrs":
         r = np.right_shift(a, b.astype(dtype))
-        r = np.where(big, np.where(a < 0, -1, 0), r)
       else:
-        r = np.right_shift(a.view(_unsigned(dtype)), b.astype(
-            _unsigned(dtype))).view(dtype)
-        r = np.where(big, 0, r)
-      return _as(r, dtype)
+        r = np.right_shift(a.view(u), b.astype(u)).view(dtype)
+      return _as(np.where(big, poison_value(dtype), r), dtype)
     return run
   return make
 
@@ -248,19 +285,17 @@ def _cast(kind):
     if kind == "ext_u":
       return lambda a: _as(np.asarray(a).astype(src).view(_unsigned(
           np.dtype(src))) if src != np.bool_ else np.asarray(a), dtype)
-    if kind == "fp_to_si":
+    if kind in ("fp_to_si", "fp_to_ui"):
+      # NaN and values out of the range give poison in `arith` (the
+      # lowering guards every cast), shown as the dtype's poison value.
+      info = np.iinfo(_unsigned(dtype) if kind == "fp_to_ui" else dtype)
+
       def run(a):
-        a = np.asarray(a, np.float64)
-        info = np.iinfo(dtype) if dtype != np.bool_ else None
-        a = np.where(np.isnan(a), 0, a)
-        if info is not None:
-          a = np.clip(np.trunc(a), info.min, info.max)
-        return _as(a, dtype)
+        a = np.trunc(np.asarray(a, np.float64))
+        bad = ~((a >= info.min) & (a <= info.max))      # NaN included
+        r = np.where(bad, 0, a).astype(info.dtype).view(dtype)
+        return _as(np.where(bad, poison_value(dtype), r), dtype)
       return run
-    if kind == "fp_to_ui":
-      u = _unsigned(dtype)
-      return lambda a: _as(np.clip(np.trunc(np.nan_to_num(np.asarray(
-          a, np.float64))), 0, np.iinfo(u).max).astype(u).view(dtype), dtype)
     if kind == "ui_to_fp":
       return lambda a: _as(np.asarray(a).astype(src).view(_unsigned(
           np.dtype(src))) if src != np.bool_ else np.asarray(a), dtype)
@@ -362,13 +397,25 @@ def _reducer(kind):
           "and": np.bitwise_and.reduce, "or": np.bitwise_or.reduce}.get(kind)
 
 
+def _signed_zero_fix(red, src, dims, kind):
+  """np.max/np.min pick either zero of a -0/+0 tie; maximumf wants +0 and
+  minimumf -0 when the reduced lanes hold both."""
+  if kind == "maximumf":      # +0 if any lane holds +0
+    has_pos = np.any((src == 0) & ~np.signbit(src), axis=dims)
+    zero = np.where(has_pos, 0.0, -0.0)
+  else:                       # -0 if any lane holds -0
+    has_neg = np.any((src == 0) & np.signbit(src), axis=dims)
+    zero = np.where(has_neg, -0.0, 0.0)
+  return np.where(red == 0, zero.astype(src.dtype), red)
+
+
 @value_op("vector.multi_reduction")
 def _multi_reduction(op):
   kind = _KIND.search(str(op.attributes["kind"])).group(1)
   dims = tuple(i64_array_attr(op, "reduction_dims"))
   dtype = result_dtype(op)
-  combine = {"add": np.add, "mul": np.multiply, "maximumf": np.maximum,
-             "minimumf": np.minimum, "maxsi": np.maximum, "minsi": np.minimum,
+  combine = {"add": np.add, "mul": np.multiply, "maximumf": _maximumf,
+             "minimumf": _minimumf, "maxsi": np.maximum, "minsi": np.minimum,
              "maxui": np.maximum, "minui": np.minimum,
              "and": np.bitwise_and, "or": np.bitwise_or}[kind]
   acc_float = np.dtype(dtype).kind == "f"
@@ -378,16 +425,19 @@ def _multi_reduction(op):
     if kind in ("maxui", "minui"):
       u = _unsigned(src.dtype)
       red = (np.max if kind == "maxui" else np.min)(src.view(u), axis=dims)
-      red = np.asarray(red).view(src.dtype)
-    elif kind in ("and", "or"):
+      acc = np.asarray(acc).astype(dtype).view(u)
+      return _as(np.asarray(combine(red, acc)).astype(u).view(dtype), dtype)
+    if kind in ("and", "or"):
       red = combine.reduce(src, axis=dims)
     elif kind in ("add", "mul") and acc_float:
       red = (np.sum if kind == "add" else np.prod)(
           src.astype(np.float32), axis=dims)
+    elif kind in ("add", "mul"):
+      red = (np.sum if kind == "add" else np.prod)(src, axis=dims)
     else:
-      red = {"add": np.sum, "mul": np.prod}.get(kind, None)
-      red = red(src, axis=dims) if red else (
-          np.max if "max" in kind else np.min)(src, axis=dims)
+      red = (np.max if "max" in kind else np.min)(src, axis=dims)
+      if kind in ("maximumf", "minimumf"):
+        red = _signed_zero_fix(red, src, dims, kind)
     return _as(combine(np.asarray(red).astype(dtype), acc), dtype)
   return run
 

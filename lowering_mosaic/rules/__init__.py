@@ -15,5 +15,5 @@ from lowering_mosaic.lowering import TABLE
 
 register = TABLE.register
 
-from lowering_mosaic.rules import (control, elementwise, memory,  # noqa: E402,F401
-                                   reductions, shapes, tpu_ops)
+from lowering_mosaic.rules import (control, elementwise, integer,  # noqa: E402,F401
+                                   memory, reductions, shapes, tpu_ops)

@@ -1,4 +1,6 @@
-"""Elementwise lax primitives -> `arith` / `math` ops (scalars or vectors)."""
+"""Elementwise lax primitives -> `arith` / `math` ops (scalars or vectors).
+
+Integer division, remainder and shifts are in `integer.py`."""
 from __future__ import annotations
 
 from jax import lax
@@ -41,8 +43,6 @@ register(lax.add_p, ad_util.add_jaxvals_p)(_by_type(arith.AddFOp, arith.AddIOp,
                                        bool_op=arith.OrIOp))
 register(lax.sub_p)(_by_type(arith.SubFOp, arith.SubIOp))
 register(lax.mul_p)(_by_type(arith.MulFOp, arith.MulIOp, bool_op=arith.AndIOp))
-register(lax.div_p)(_by_type(arith.DivFOp, arith.DivSIOp, arith.DivUIOp))
-register(lax.rem_p)(_by_type(arith.RemFOp, arith.RemSIOp, arith.RemUIOp))
 register(lax.max_p)(_by_type(arith.MaximumFOp, arith.MaxSIOp, arith.MaxUIOp,
                              bool_op=arith.OrIOp))
 register(lax.min_p)(_by_type(arith.MinimumFOp, arith.MinSIOp, arith.MinUIOp,
@@ -50,9 +50,6 @@ register(lax.min_p)(_by_type(arith.MinimumFOp, arith.MinSIOp, arith.MinUIOp,
 register(lax.and_p)(_by_type(None, arith.AndIOp))
 register(lax.or_p)(_by_type(None, arith.OrIOp))
 register(lax.xor_p)(_by_type(None, arith.XOrIOp))
-register(lax.shift_left_p)(_by_type(None, arith.ShLIOp))
-register(lax.shift_right_arithmetic_p)(_by_type(None, arith.ShRSIOp))
-register(lax.shift_right_logical_p)(_by_type(None, arith.ShRUIOp))
 register(lax.atan2_p)(_by_type(math.Atan2Op, None))
 register(lax.pow_p)(_by_type(math.PowFOp, None))
 

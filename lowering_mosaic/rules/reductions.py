@@ -1,4 +1,9 @@
-"""Reductions -> `vector.multi_reduction`; argmax/argmin as max + index min."""
+"""Reductions -> `vector.multi_reduction`; argmax/argmin as max + index min.
+
+Float max/min reductions propagate NaN (`maximumf`/`minimumf`), and
+argmax/argmin return the first NaN's index in a row that holds one, as
+jax.numpy does.
+"""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -78,7 +83,12 @@ def _arg_reduce(op):
     best = emit.reshape(best, red_shape, kept, aval.dtype)
     best = vector.BroadcastOp(emit.vtype(shape, aval.dtype), best).result
     if emit.is_float(aval.dtype):
-      hit = arith.CmpFOp(arith.CmpFPredicate.OEQ, x, best).result
+      # `best` is NaN when the row holds one (maximumf/minimumf propagate
+      # it); NaN equals nothing, so NaN lanes are hits of their own and the
+      # first NaN wins, as in jax.numpy. A row without NaN has no such lane.
+      hit = arith.OrIOp(
+          arith.CmpFOp(arith.CmpFPredicate.OEQ, x, best).result,
+          arith.CmpFOp(arith.CmpFPredicate.UNO, x, x).result).result
     else:
       hit = arith.CmpIOp(arith.CmpIPredicate.eq, x, best).result
     iota = tpu.IotaOp(emit.vtype(shape, jnp.int32), [axis]).result

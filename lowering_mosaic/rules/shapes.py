@@ -8,6 +8,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import vector
 
 from lowering_mosaic import emit
+from lowering_mosaic.lowering import ZeroSize, has_zero_size
 from lowering_mosaic.rules import register
 
 
@@ -63,9 +64,21 @@ def _iota(ctx, *dyn, dtype, shape, dimension, sharding=None):
 
 @register(lax.concatenate_p)
 def _concatenate(ctx, *xs, dimension):
+  xs = [x for x, a in zip(xs, ctx.avals_in) if not has_zero_size(a)]
+  if not xs:
+    return ZeroSize(ctx.avals_out[0])
   if len(xs) == 1:
     return xs[0]
-  return tpu.ConcatenateOp(list(xs), dimension).result
+  return tpu.ConcatenateOp(xs, dimension).result
+
+
+def _extract(x, out, offsets, sizes):
+  """`vector.extract_strided_slice` (unit strides), or a ZeroSize value."""
+  if has_zero_size(out):
+    return ZeroSize(out)
+  return vector.ExtractStridedSliceOp(
+      emit.vtype(out.shape, out.dtype), x, list(offsets), list(sizes),
+      [1] * len(sizes)).result
 
 
 @register(lax.slice_p)
@@ -76,9 +89,7 @@ def _slice(ctx, x, *, start_indices, limit_indices, strides):
     raise ctx.error("with strides is not supported by the Mosaic lowering")
   if out.shape == aval.shape:
     return x
-  return vector.ExtractStridedSliceOp(
-      emit.vtype(out.shape, out.dtype), x, list(start_indices),
-      [l - s for s, l in zip(start_indices, limit_indices)], strides).result
+  return _extract(x, out, start_indices, out.shape)
 
 
 @register(lax.split_p)
@@ -88,9 +99,7 @@ def _split(ctx, x, *, sizes, axis):
   for size, out in zip(sizes, ctx.avals_out):
     offsets = [0] * len(aval.shape)
     offsets[axis] = start
-    outs.append(vector.ExtractStridedSliceOp(
-        emit.vtype(out.shape, out.dtype), x, offsets, list(out.shape),
-        [1] * len(aval.shape)).result)
+    outs.append(_extract(x, out, offsets, out.shape))
     start += size
   return outs
 

@@ -216,12 +216,33 @@ def _sem_read(ctx, *flat, layout, kind):
 
 # ------------------------------------------------------------ vector helpers
 
+def _rotate_amount(ctx, shift, n: int):
+  """The rotate amount in [0, n): `shift` mod n (a static int when the shift
+  is a constant, else an i32 value)."""
+  atom = ctx.eqn.invars[1]
+  if isinstance(atom, core.Literal):
+    return int(atom.val) % n
+  shift = to_i32(shift)
+  size = i32_const(n)
+  r = arith.RemSIOp(shift, size).result           # in (-n, n)
+  return arith.RemSIOp(arith.AddIOp(r, size).result, size).result
+
+
 @register(tpu_vector.roll_p)
 def _roll(ctx, x, shift, *, axis, stride, stride_axis):
+  """`tpu.dynamic_rotate` by the shift taken mod the axis length (negative
+  shifts and shifts of n or more are the same rotation); a static shift of
+  0 mod n without a stride is the identity."""
+  n = ctx.avals_in[0].shape[axis]
+  amount = _rotate_amount(ctx, shift, n)
   kw = {}
   if stride is not None:
     kw = dict(stride=stride, stride_dimension=stride_axis)
-  return tpu.DynamicRotateOp(x, to_i32(shift), axis, **kw).result
+  elif isinstance(amount, int) and amount == 0:
+    return x
+  if isinstance(amount, int):
+    amount = i32_const(amount)
+  return tpu.DynamicRotateOp(x, amount, axis, **kw).result
 
 
 @register(tpu_vector.repeat_p)
