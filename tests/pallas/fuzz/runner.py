@@ -82,10 +82,10 @@ def classify_error(case: Case, exc: BaseException, backend: str) -> Outcome:
   import dsl
   if isinstance(exc, dsl.KernelError) and case.name in str(exc):
     return Outcome("refused", _first_line(exc))
-  if backend == ORACLE and isinstance(exc, NotImplementedError):
-    return Outcome("refused", _first_line(exc))   # a Pallas limitation
   tb = traceback.extract_tb(exc.__traceback__)
   where = f" [{tb[-1].filename.split('/')[-1]}:{tb[-1].lineno}]" if tb else ""
+  if backend == ORACLE and isinstance(exc, NotImplementedError):
+    return Outcome("refused", _first_line(exc) + where)  # a Pallas limitation
   return Outcome("crash", _first_line(exc) + where)
 
 
