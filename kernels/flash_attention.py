@@ -155,6 +155,15 @@ def _tile_mask(qi, kj, *, bq, bk, sq, sk, causal, qs_ref, ks_ref,
   return mask
 
 
+def _zero_rows(x, block, size: int, n: int):
+  """`x` (rows of block `block` of `size` rows) with the rows past `n`, which
+  hold poison, set to zero; `x` itself when blocks divide `n`."""
+  if n % size == 0:
+    return x
+  ids = block * size + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.where(ids < n, x, jnp.zeros_like(x))
+
+
 def _tile_needed(qi, kj, *, bq, bk, causal):
   """False for tiles entirely above the causal diagonal."""
   if not causal:
@@ -195,7 +204,7 @@ def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     q_sc[...] = q_ref[...]      # the q block stays on chip across kv steps
 
   def tile():
-    q, k, v = q_sc[...], k_ref[...], v_ref[...]
+    q, k, v = q_sc[...], k_ref[...], _zero_rows(v_ref[...], kj, bk, sk)
     s = _dot_nt(q, k) * (sm_scale * LOG2E)     # scores in base 2
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref)
@@ -306,13 +315,15 @@ def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
     dv_sc[...] = jnp.zeros_like(dv_sc)
 
   def tile():
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    q, k, v = _zero_rows(q_ref[...], qi, bq, sq), k_ref[...], v_ref[...]
+    do = _zero_rows(do_ref[...], qi, bq, sq)
+    delta = _zero_rows(delta_ref[...], qi, bq, sq)
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref, mask_q=True,
                       kv_major=True)
     p_t = _probs(k, q, lse_ref[...], mask, sm_scale, kv_major=True)
     dv_sc[...] += _dot(p_t.astype(do.dtype), do)
-    ds_t = p_t * (_dot_nt(v, do) - delta_ref[...][None, :])
+    ds_t = p_t * (_dot_nt(v, do) - delta[None, :])
     dk_sc[...] += _dot(ds_t.astype(q.dtype), q) * sm_scale
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
@@ -334,7 +345,9 @@ def _dq_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     dq_sc[...] = jnp.zeros_like(dq_sc)
 
   def tile():
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    q, do = q_ref[...], do_ref[...]
+    k = _zero_rows(k_ref[...], kj, bk, sk)
+    v = _zero_rows(v_ref[...], kj, bk, sk)
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref)
     p = _probs(q, k, lse_ref[...], mask, sm_scale)

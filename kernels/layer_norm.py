@@ -71,10 +71,12 @@ def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref,
                 db_ref, *, rows, br):
   x = x_ref[...].astype(jnp.float32)
   dy = dy_ref[...].astype(jnp.float32)
-  if rows % br:
-    dy = jnp.where(_valid_rows(br, rows), dy, 0.0)
   rstd = rstd_ref[...][:, None]
   xhat = (x - mean_ref[...][:, None]) * rstd
+  if rows % br:   # rows past the array hold poison: keep them out of the sums
+    valid = _valid_rows(br, rows)
+    dy = jnp.where(valid, dy, 0.0)
+    xhat = jnp.where(valid, xhat, 0.0)
   wdy = w_ref[...].astype(jnp.float32) * dy
   c1 = jnp.mean(xhat * wdy, axis=1, keepdims=True)
   c2 = jnp.mean(wdy, axis=1, keepdims=True)

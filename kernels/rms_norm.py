@@ -37,12 +37,13 @@ def _fwd_kernel(x_ref, w_ref, y_ref, rstd_ref, *, eps):
 def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, rows, br):
   x = x_ref[...].astype(jnp.float32)
   dy = dy_ref[...].astype(jnp.float32)
-  if rows % br:
+  rstd = rstd_ref[...][:, None]
+  xhat = x * rstd
+  if rows % br:   # rows past the array hold poison: keep them out of the sums
     ids = (pl.program_id(0) * br
            + jax.lax.broadcasted_iota(jnp.int32, (br, 1), 0))
     dy = jnp.where(ids < rows, dy, 0.0)
-  rstd = rstd_ref[...][:, None]
-  xhat = x * rstd
+    xhat = jnp.where(ids < rows, xhat, 0.0)
   wdy = w_ref[...].astype(jnp.float32) * dy
   c = jnp.mean(xhat * wdy, axis=1, keepdims=True)
   dx_ref[...] = ((wdy - xhat * c) * rstd).astype(dx_ref.dtype)
