@@ -52,6 +52,19 @@ def test_bitcast_between_widths_round_trips():
   np.testing.assert_array_equal(got[1], x)
 
 
+def test_element_padding_reads_poison():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+  x = jnp.arange(8 * 896, dtype=jnp.float32).reshape(8, 896)
+  padded = [pl.BlockSpec((8, pl.Element(128, (5, 0))), lambda i: (0, i * 128))]
+  got = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((8, 512), jnp.float32), grid=(4,),
+      in_specs=padded, out_specs=pl.BlockSpec((8, 128), lambda i: (0, i)),
+      backend=MI)(x)
+  np.testing.assert_array_equal(got[:, 5:], x[:, :507])
+  assert np.isnan(got[:, :5]).all()
+
+
 def test_out_of_bounds_access_is_reported_with_its_line():
   def kernel(x_ref, o_ref):
     i = pl.program_id(0)
