@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 from jax import tree_util
@@ -38,6 +38,16 @@ class PrefetchScalarGridSpec(GridSpec):
     object.__setattr__(self, "scratch_shapes", scratch_shapes)
 
 
+class KernelArgs(NamedTuple):
+  """A kernel's operands by role, in the order every backend passes them:
+  grid indices (when present), scalar prefetch, inputs, outputs, scratch."""
+  ids: tuple
+  prefetch: tuple
+  inputs: tuple
+  outputs: tuple
+  scratch: tuple
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GridMapping:
   """The resolved grid: one BlockMapping per input then per output."""
@@ -66,11 +76,31 @@ class GridMapping:
   def out_avals(self) -> tuple[core.ShapedArray, ...]:
     return tuple(bm.array_aval for bm in self.out_mappings)
 
+  @property
+  def num_refs(self) -> int:
+    """How many refs the kernel takes (grid indices not counted)."""
+    return (self.num_scalar_prefetch + self.num_inputs + self.num_outputs
+            + len(self.scratch_avals))
+
+  def split(self, seq: Sequence[Any]) -> KernelArgs:
+    """`seq` laid out as the kernel's operands, by role. `seq` holds one
+    entry per ref, optionally preceded by one per grid dimension (the
+    layout of the kernel jaxpr's invars)."""
+    n_ids = len(seq) - self.num_refs
+    if n_ids not in (0, len(self.grid)):
+      raise ValueError(f"{len(seq)} operands for a kernel with a "
+                       f"{len(self.grid)}-D grid and {self.num_refs} refs")
+    sizes = (n_ids, self.num_scalar_prefetch, self.num_inputs,
+             self.num_outputs, len(self.scratch_avals))
+    parts, start = [], 0
+    for n in sizes:
+      parts.append(tuple(seq[start:start + n]))
+      start += n
+    return KernelArgs(*parts)
+
   def unflatten_kernel_refs(self, refs: Sequence[Any]) -> list[Any]:
     """The kernel's positional arguments, in the pytree shape of the specs."""
-    np_, ni, no = self.num_scalar_prefetch, self.num_inputs, self.num_outputs
-    prefetch, ins = list(refs[:np_]), refs[np_:np_ + ni]
-    outs, scratch = refs[np_ + ni:np_ + ni + no], refs[np_ + ni + no:]
+    _, prefetch, ins, outs, scratch = self.split(refs)
     args = list(prefetch)
     args += list(tree_util.tree_unflatten(self.in_tree, ins))
     out = tree_util.tree_unflatten(self.out_tree, outs)

@@ -84,8 +84,7 @@ def _param_names(fn, n):
 def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
                  ) -> core.ClosedJaxpr:
   """Traces `kernel_fn` over the block refs of `gm`; checks its arity."""
-  n_refs = (gm.num_scalar_prefetch + gm.num_inputs + gm.num_outputs
-            + len(gm.scratch_avals))
+  n_refs = gm.num_refs
   arity = _positional_arity(kernel_fn)
   n_args = len(gm.unflatten_kernel_refs([object()] * n_refs))
   if arity is not None and arity != n_args:

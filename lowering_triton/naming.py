@@ -63,19 +63,18 @@ def _path_suffix(path) -> str:
 def operand_names(spec) -> list[str]:
   """A readable stem per kernel ref: prefetch, inputs, outputs, scratch."""
   gm = spec.grid_mapping
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
-  n_sc = len(gm.scratch_avals)
-  fallback = ([f"prefetch{i}" for i in range(n_pf)] +
-              [f"in{i}" for i in range(n_in)] +
-              [f"out{i}" for i in range(n_out)] +
-              [f"scratch{i}" for i in range(n_sc)])
+  _, pf, ins, outs, scr = gm.split(range(gm.num_refs))
+  fallback = ([f"prefetch{i}" for i in range(len(pf))] +
+              [f"in{i}" for i in range(len(ins))] +
+              [f"out{i}" for i in range(len(outs))] +
+              [f"scratch{i}" for i in range(len(scr))])
   params = _source_params(spec.kernel_src)
   if not params:
     params = _source_params(_jaxpr_location(spec))
   if not params:
     return fallback
   try:
-    args = gm.unflatten_kernel_refs(list(range(n_pf + n_in + n_out + n_sc)))
+    args = gm.unflatten_kernel_refs(list(range(gm.num_refs)))
   except Exception:
     return fallback
   if len(params) < len(args):

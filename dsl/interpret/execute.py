@@ -201,43 +201,41 @@ def _nested_vmap(fn, plan: Plan, arg_dims: list[tuple[int, ...]]):
   return fn
 
 
-def run(*args, spec):
-  """Evaluates the pallas_call described by `spec` on `args`."""
+def _initial_states(args, spec, plan: Plan):
+  """The prefetch values and the carried states of inputs, outputs and
+  scratch: views for view operands, padded arrays otherwise."""
   gm = spec.grid_mapping
-  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
-  grid_rank = len(gm.grid)
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
-  prefetch, inputs = list(args[:n_pf]), list(args[n_pf:])
-  in_plans, out_plans = plan.operands[:n_in], plan.operands[n_in:]
-  dj = discharged_kernel(spec.jaxpr, grid_rank)
-  n_scratch = len(gm.scratch_avals)
-  par_shape = tuple(gm.grid[d] for d in plan.parallel)
-
-  # Operand states: views for view operands, padded arrays otherwise.
+  n_in = gm.num_inputs
+  prefetch, inputs = list(args[:gm.num_scalar_prefetch]), args[gm.num_scalar_prefetch:]
   in_states = []
-  for x, op in zip(inputs, in_plans):
+  for x, op in zip(inputs, plan.operands[:n_in]):
     x = pad(jnp.asarray(x), op.mapping)
     in_states.append(to_view(x, op.mapping) if op.mode == "view" else x)
   aliases = dict(spec.input_output_aliases)
   out_states = []
-  for k, op in enumerate(out_plans):
+  for k, op in enumerate(plan.operands[n_in:]):
     bm = op.mapping
     src = next((i for i, o in aliases.items() if o == k), None)
     init = (jnp.asarray(args[src]).astype(bm.array_aval.dtype) if src is not None
             else jnp.zeros(bm.array_aval.shape, bm.array_aval.dtype))
     init = pad(init, bm)
     out_states.append(to_view(init, bm) if op.mode == "view" else init)
+  par_shape = tuple(gm.grid[d] for d in plan.parallel)
   scratch = [jnp.zeros(par_shape + tuple(a.inner_aval.shape), a.inner_aval.dtype)
              for a in gm.scratch_avals]
+  return prefetch, in_states, out_states, scratch
+
+
+def _point_fn(spec, plan: Plan):
+  """The kernel at one grid point, vmapped over the parallel dims: takes
+  (*ids, *prefetch, *inputs, *outputs, *scratch) and returns the new output
+  blocks, the new scratch and the offsets of the gathered output blocks."""
+  gm = spec.grid_mapping
+  dj = discharged_kernel(spec.jaxpr, len(gm.grid))
+  in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
 
   def point(*flat):
-    # flat = (*ids, *prefetch, *in_args, *out_args, *scratch)
-    ids = flat[:grid_rank]
-    rest = flat[grid_rank:]
-    pf = rest[:n_pf]
-    in_args = rest[n_pf:n_pf + n_in]
-    out_args = rest[n_pf + n_in:n_pf + n_in + n_out]
-    sc = rest[n_pf + n_in + n_out:]
+    ids, pf, in_args, out_args, sc = gm.split(flat)
     in_blocks = [a if op.mode == "view" else
                  read_gather_block(a, op.mapping,
                                    block_offsets(op.mapping, ids, pf))
@@ -250,21 +248,27 @@ def run(*args, spec):
         offs = block_offsets(op.mapping, ids, pf)
         out_offs.append(jnp.stack(offs) if offs else jnp.zeros((0,), jnp.int32))
         out_blocks.append(read_gather_block(a, op.mapping, offs))
-    finals = _eval(dj, *ids, *pf, *in_blocks, *out_blocks, *sc)
-    new_outs = finals[n_pf + n_in:n_pf + n_in + n_out]
-    new_scratch = finals[n_pf + n_in + n_out:]
-    return list(new_outs), list(new_scratch), out_offs
+    finals = gm.split(_eval(dj, *ids, *pf, *in_blocks, *out_blocks, *sc))
+    return list(finals.outputs), list(finals.scratch), out_offs
 
-  arg_dims = ([(d,) if d in plan.parallel else () for d in range(grid_rank)]
-              + [()] * n_pf
-              + [op.par_dims if op.mode == "view" else () for op in in_plans]
-              + [op.par_dims if op.mode == "view" else () for op in out_plans]
-              + [plan.parallel] * n_scratch)
-  vpoint = _nested_vmap(point, plan, arg_dims)
+  dims = lambda ops: [op.par_dims if op.mode == "view" else () for op in ops]
+  arg_dims = ([(d,) if d in plan.parallel else () for d in range(len(gm.grid))]
+              + [()] * gm.num_scalar_prefetch + dims(in_plans)
+              + dims(out_plans) + [plan.parallel] * len(gm.scratch_avals))
+  return _nested_vmap(point, plan, arg_dims)
+
+
+def _step_fn(spec, plan: Plan, prefetch, in_states):
+  """One step of the sequential grid dims: (coords, outputs, scratch) ->
+  (outputs, scratch) with every parallel point of the step applied."""
+  gm = spec.grid_mapping
+  in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
+  vpoint = _point_fn(spec, plan)
 
   def step(seq_coords, out_states, scratch):
     ids = [jnp.arange(gm.grid[d], dtype=jnp.int32) if d in plan.parallel
-           else jnp.asarray(seq_coords[d], jnp.int32) for d in range(grid_rank)]
+           else jnp.asarray(seq_coords[d], jnp.int32)
+           for d in range(len(gm.grid))]
     in_args = [read_view_block(s, op, plan, seq_coords) if op.mode == "view"
                else s for s, op in zip(in_states, in_plans)]
     out_args = [read_view_block(s, op, plan, seq_coords) if op.mode == "view"
@@ -283,8 +287,13 @@ def run(*args, spec):
                                       op.mapping, len(plan.parallel)))
     return updated, list(new_scratch)
 
-  seq = plan.sequential
-  seq_sizes = [gm.grid[d] for d in seq]
+  return step
+
+
+def _run_sequential(step, grid, seq, out_states, scratch):
+  """Runs `step` once per point of the sequential dims `seq`, in row-major
+  order, carrying the output and scratch states."""
+  seq_sizes = [grid[d] for d in seq]
   n_steps = math.prod(seq_sizes)
 
   def coords_of(s):
@@ -295,15 +304,24 @@ def run(*args, spec):
     return coords
 
   if n_steps == 1:
-    out_states, scratch = step({d: 0 for d in seq}, out_states, scratch)
-  else:
-    def body(s, carry):
-      outs, sc = carry
-      return tuple(step(coords_of(s), list(outs), list(sc)))
-    out_states, scratch = lax.fori_loop(0, n_steps, body,
-                                        (out_states, scratch))
+    return step({d: 0 for d in seq}, out_states, scratch)
+
+  def body(s, carry):
+    outs, sc = carry
+    return tuple(step(coords_of(s), list(outs), list(sc)))
+  return lax.fori_loop(0, n_steps, body, (out_states, scratch))
+
+
+def run(*args, spec):
+  """Evaluates the pallas_call described by `spec` on `args`."""
+  gm = spec.grid_mapping
+  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
+  prefetch, in_states, out_states, scratch = _initial_states(args, spec, plan)
+  step = _step_fn(spec, plan, prefetch, in_states)
+  out_states, _ = _run_sequential(step, gm.grid, plan.sequential, out_states,
+                                  scratch)
   results = []
-  for s, op in zip(out_states, out_plans):
+  for s, op in zip(out_states, plan.operands[gm.num_inputs:]):
     full = from_view(s, op.mapping) if op.mode == "view" else s
     results.append(unpad(full, op.mapping))
   return results
