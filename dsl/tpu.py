@@ -59,6 +59,8 @@ class CompilerParams:
   collective_id: the barrier semaphore's collective id (kernels that use
     `get_barrier_semaphore`); 0 when not given.
   has_side_effects: the kernel writes outside its outputs (keep it alive).
+  shape_invariant_numerics: results do not depend on the shapes the TPU
+    compiler picks (JAX's default, True).
   """
   dimension_semantics: tuple[Any, ...] | None = None
   vmem_limit_bytes: int | None = None
@@ -68,6 +70,7 @@ class CompilerParams:
   internal_scratch_in_bytes: int | None = None
   disable_bounds_checks: bool = False
   flags: Any = None
+  shape_invariant_numerics: bool = True
 
   def __post_init__(self):
     if self.dimension_semantics is not None:

@@ -28,8 +28,8 @@ from lowering_mosaic import interpreter as interp
 from lowering_mosaic import promela
 from lowering_mosaic.inspection import dump_module, mesh_axes_of
 from lowering_mosaic.interpreter.run import cached_program, simulate
-from lowering_mosaic.lowering import (build_module_and_context, module_text,
-                                      strip_annotations)
+from lowering_mosaic.lowering import (build_module_and_context, entry_name,
+                                      module_text, strip_annotations)
 
 
 def _num_devices(mesh_axes) -> int:
@@ -85,8 +85,9 @@ def mosaic_lowering(ctx, *args, spec):
   allow_fusion = (list(params.allow_input_fusion)
                   if params.allow_input_fusion is not None else None)
   return tpu_custom_call.lower_module_to_custom_call(
-      ctx, *args, module=strip_annotations(module), out_type=out_avals, kernel_name=spec.name,
-      cost_estimate=None, vmem_limit_bytes=params.vmem_limit_bytes,
+      ctx, *args, module=strip_annotations(module), out_type=out_avals,
+      kernel_name=entry_name(spec), cost_estimate=cost_estimate_of(spec),
+      vmem_limit_bytes=params.vmem_limit_bytes,
       flags=dict(params.flags) if params.flags else None,
       allow_input_fusion=allow_fusion,
       input_output_aliases=tuple(spec.input_output_aliases),
@@ -95,7 +96,38 @@ def mosaic_lowering(ctx, *args, spec):
       has_side_effects=bool(params.has_side_effects),
       serialization_format=1, output_memory_spaces=None,
       disable_bounds_checks=bool(params.disable_bounds_checks),
-      input_memory_spaces=None)
+      input_memory_spaces=None, metadata=kernel_metadata(lctx),
+      shape_invariant_numerics=bool(params.shape_invariant_numerics))
+
+
+_COST_FIELDS = ("flops", "transcendentals", "bytes_accessed",
+                "remote_bytes_transferred")
+
+
+def cost_estimate_of(spec):
+  """`pallas_call(cost_estimate=...)` as the custom call's cost estimate (a
+  CostEstimate, or any object or dict with its fields), or None."""
+  c = spec.cost_estimate
+  if c is None:
+    return None
+  get = c.get if isinstance(c, dict) else (lambda k, d: getattr(c, k, d))
+  est = {}
+  for k in _COST_FIELDS:
+    v = get(k, 0 if k == "remote_bytes_transferred" else None)
+    if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+      raise KernelError(spec.name, f"cost_estimate.{k} must be an int, got "
+                        f"{v!r}", spec.where, operand="cost_estimate")
+    est[k] = int(v)
+  return est
+
+
+def kernel_metadata(lctx) -> dict:
+  """The call's `kernel_metadata`: the mesh axes the kernel names, as
+  Pallas records them."""
+  import json
+  if lctx.named_axes:
+    return {"mesh_axes": json.dumps(sorted(lctx.named_axes))}
+  return {}
 
 
 # ------------------------------------------------------------ interpret

@@ -1,10 +1,10 @@
 """KernelSpec -> Mosaic MLIR module.
 
-The module holds the kernel as `func.func @main` and one `@transform_<k>`
-function per blocked operand (its index map), with the attributes Mosaic
-reads:
+The module holds the kernel as `func.func @<kernel name>` and one
+`@transform_<k>` function per blocked operand (its index map), with the
+attributes Mosaic reads:
 
-  func.func @main(%grid_0: i32, ..., %prefetch: memref<..., smem>, ...,
+  func.func @kernel(%grid_0: i32, ..., %prefetch: memref<..., smem>, ...,
                   %operand blocks: memref<block, vmem | smem>
                                    (or the whole array in #tpu.memory_space<any>),
                   %scratch: memref<..., vmem> | memref<N x !tpu.dma_semaphore, semaphore_mem>)
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -75,10 +76,21 @@ class RefVal:
   aval: Any                 # AbstractRef
   space: str                # dialect.VMEM / SMEM / ANY / SEMAPHORE_MEM
   name: str = ""            # "x_ref (in_specs[0])"-style, for messages
+  # memref dims the kernel does not see (a BlockSpec's squeezed dims): the
+  # memref keeps them as 1s, and every access indexes them with 0
+  hidden: tuple = ()
 
   @property
   def shape(self):
+    """The shape the kernel sees."""
     return tuple(self.aval.inner_aval.shape)
+
+  @property
+  def memref_shape(self):
+    shape = list(self.shape)
+    for d in self.hidden:
+      shape.insert(d, 1)
+    return tuple(shape)
 
   @property
   def dtype(self):
@@ -98,6 +110,7 @@ class LoweringContext:
   mesh_axes: tuple = ()         # ((name, size), ...) when inside shard_map
   uses_barrier: bool = False
   uses_remote: bool = False
+  named_axes: set = dataclasses.field(default_factory=set)  # axis_index'd
   current_line: str | None = None
 
   def error(self, message: str, primitive: str | None = None,
@@ -297,8 +310,10 @@ def _block_space(bm) -> str:
 
 
 def operand_memref_type(bm) -> ir.MemRefType:
+  """The kernel's memref of an operand: the block (squeezed dims kept as
+  1s, as Pallas), or the whole array for pl.ANY."""
   space = _block_space(bm)
-  shape = bm.array_aval.shape if space == dialect.ANY else bm.kernel_shape
+  shape = bm.array_aval.shape if space == dialect.ANY else bm.block_sizes
   return dialect.memref_type(shape, bm.array_aval.dtype, space)
 
 
@@ -358,9 +373,72 @@ def build_module_and_context(spec, mesh_axes=()):
   return module, lctx
 
 
+def entry_name(spec) -> str:
+  """The kernel function's name: the kernel's, as a symbol (as Pallas)."""
+  return re.sub(r"[^A-Za-z0-9_.$-]", "_", spec.name) or "kernel"
+
+
+def has_trivial_window(bm) -> bool:
+  """The block is the whole array at block index 0 at every grid point."""
+  outs = bm.index_map_jaxpr.jaxpr.outvars
+  return (tuple(bm.block_sizes) == tuple(bm.array_aval.shape)
+          and all(isinstance(v, core.Literal) and v.val == 0 for v in outs))
+
+
+def _window_param(lctx, spec, k, bm, prefetch_types) -> ir.Attribute:
+  """The entry of `window_params` for operand k (lowers its index map)."""
+  if _block_space(bm) == dialect.ANY:
+    return ir.DictAttr.get({})
+  tname = _lower_transform(lctx, spec, k, bm, prefetch_types)
+  entries = {
+      "transform_indices": ir.FlatSymbolRefAttr.get(tname),
+      "window_bounds": ir.DenseI64ArrayAttr.get(list(bm.block_sizes)),
+  }
+  elem = [d for d, b in enumerate(bm.block_shape) if isinstance(b, Element)]
+  if elem:
+    pads = [b.padding if isinstance(b, Element) else (0, 0)
+            for b in bm.block_shape]
+    lo, hi = [p[0] for p in pads], [p[1] for p in pads]
+    entries["window_kind"] = ir.Attribute.parse(
+        f"#tpu.element_window<{lo},{hi}>")
+    entries["dsl.element_dims"] = ir.DenseI64ArrayAttr.get(elem)
+    entries["dsl.element_padding_low"] = ir.DenseI64ArrayAttr.get(
+        [pads[d][0] for d in elem])
+    entries["dsl.element_padding_high"] = ir.DenseI64ArrayAttr.get(
+        [pads[d][1] for d in elem])
+  sq = squeezed_dims(bm)
+  if sq:
+    entries["dsl.squeezed_dims"] = ir.DenseI64ArrayAttr.get(sq)
+  if _block_space(bm) == dialect.VMEM and has_trivial_window(bm):
+    # one buffer: the block never changes, so nothing to prefetch
+    entries["pipeline_mode"] = ir.Attribute.parse(
+        "#tpu.pipeline_mode<synchronous>")
+  return ir.DictAttr.get(entries)
+
+
+def squeezed_dims(bm) -> list[int]:
+  return [d for d, b in enumerate(bm.block_shape) if b is squeezed]
+
+
+def _operand_refs(spec, args) -> list[RefVal]:
+  gm = spec.grid_mapping
+  names = _param_names(spec)[len(gm.grid):]
+  avals = ([*gm.prefetch_avals] + [bm.ref_aval for bm in gm.block_mappings]
+           + [*gm.scratch_avals])
+  spaces = ([dialect.SMEM] * gm.num_scalar_prefetch
+            + [_block_space(bm) for bm in gm.block_mappings]
+            + [dialect.space_name(a.memory_space, dialect.VMEM)
+               for a in gm.scratch_avals])
+  hidden = ([()] * gm.num_scalar_prefetch
+            + [() if _block_space(bm) == dialect.ANY
+               else tuple(squeezed_dims(bm)) for bm in gm.block_mappings]
+            + [()] * len(gm.scratch_avals))
+  return [RefVal(a, aval, space, nm, hid) for a, aval, space, nm, hid
+          in zip(args, avals, spaces, names, hidden)]
+
+
 def _build(spec, lctx) -> ir.Module:
   gm = spec.grid_mapping
-  mesh_axes = lctx.mesh_axes
   module = ir.Module.create()
   n_grid = len(gm.grid)
   prefetch_types = [dialect.ref_memref_type(a, dialect.SMEM)
@@ -368,80 +446,59 @@ def _build(spec, lctx) -> ir.Module:
   operand_types = [operand_memref_type(bm) for bm in gm.block_mappings]
   scratch_types = [dialect.ref_memref_type(a, dialect.VMEM)
                    for a in gm.scratch_avals]
-  window_params = []
   with ir.InsertionPoint(module.body):
-    main = func.FuncOp("main", ir.FunctionType.get(
+    main = func.FuncOp(entry_name(spec), ir.FunctionType.get(
         [dialect.i32()] * n_grid + prefetch_types + operand_types
         + scratch_types, []))
-    for k, bm in enumerate(gm.block_mappings):
-      if _block_space(bm) == dialect.ANY:
-        window_params.append(ir.DictAttr.get({}))
-        continue
-      tname = _lower_transform(lctx, spec, k, bm, prefetch_types)
-      entries = {
-          "transform_indices": ir.FlatSymbolRefAttr.get(tname),
-          "window_bounds": ir.DenseI64ArrayAttr.get(list(bm.block_sizes)),
-      }
-      elem = [d for d, b in enumerate(bm.block_shape) if isinstance(b, Element)]
-      if elem:
-        entries["dsl.element_dims"] = ir.DenseI64ArrayAttr.get(elem)
-        entries["dsl.element_padding_low"] = ir.DenseI64ArrayAttr.get(
-            [bm.block_shape[d].padding[0] for d in elem])
-        entries["dsl.element_padding_high"] = ir.DenseI64ArrayAttr.get(
-            [bm.block_shape[d].padding[1] for d in elem])
-      sq = [d for d, b in enumerate(bm.block_shape) if b is squeezed]
-      if sq:
-        entries["dsl.squeezed_dims"] = ir.DenseI64ArrayAttr.get(sq)
-      window_params.append(ir.DictAttr.get(entries))
+    # A grid-free kernel has no windows: every operand is whole (as Pallas).
+    window_params = [_window_param(lctx, spec, k, bm, prefetch_types)
+                     for k, bm in enumerate(gm.block_mappings)] if n_grid else []
     block = main.add_entry_block()
     with ir.InsertionPoint(block):
       args = list(block.arguments)
-      ids = args[:n_grid]
-      refs = []
-      names = _param_names(spec)[n_grid:]
-      avals = ([*gm.prefetch_avals] + [bm.ref_aval for bm in gm.block_mappings]
-               + [*gm.scratch_avals])
-      spaces = ([dialect.SMEM] * gm.num_scalar_prefetch
-                + [_block_space(bm) for bm in gm.block_mappings]
-                + [dialect.space_name(a.memory_space, dialect.VMEM)
-                   for a in gm.scratch_avals])
-      for a, aval, space, nm in zip(args[n_grid:], avals, spaces, names):
-        refs.append(RefVal(a, aval, space, nm))
+      refs = _operand_refs(spec, args[n_grid:])
       jaxpr = spec.jaxpr
-      lower_jaxpr(lctx, jaxpr.jaxpr, jaxpr.consts, ids + refs)
+      lower_jaxpr(lctx, jaxpr.jaxpr, jaxpr.consts, args[:n_grid] + refs)
       func.ReturnOp([])
-    main.attributes["dimension_semantics"] = ir.ArrayAttr.get([
-        ir.Attribute.parse(f"#tpu.dimension_semantics<{s}>")
-        for s in _dimension_semantics(spec, n_grid)])
-    main.attributes["iteration_bounds"] = ir.DenseI64ArrayAttr.get(
-        list(gm.grid))
-    main.attributes["scalar_prefetch"] = ir.IntegerAttr.get(
-        ir.IntegerType.get_signless(64), gm.num_scalar_prefetch)
-    main.attributes["scratch_operands"] = ir.IntegerAttr.get(
-        ir.IntegerType.get_signless(64), len(gm.scratch_avals))
-    main.attributes["tpu.core_type"] = ir.Attribute.parse("#tpu.core_type<tc>")
-    main.attributes["window_params"] = ir.ArrayAttr.get(window_params)
-    # Our own annotations (discardable `dsl.` attributes): which operands are
-    # inputs and outputs, and where the kernel comes from.
-    main.attributes["dsl.kernel_name"] = ir.StringAttr.get(spec.name)
-    main.attributes["dsl.kernel_src"] = ir.StringAttr.get(spec.kernel_src)
-    main.attributes["dsl.num_inputs"] = ir.IntegerAttr.get(
-        ir.IntegerType.get_signless(64), gm.num_inputs)
-    main.attributes["dsl.num_outputs"] = ir.IntegerAttr.get(
-        ir.IntegerType.get_signless(64), gm.num_outputs)
-    main.attributes["dsl.operand_names"] = ir.ArrayAttr.get(
-        [ir.StringAttr.get(n) for n in _param_names(spec)])
-    if mesh_axes:
-      main.attributes["dsl.mesh_axes"] = ir.ArrayAttr.get(
-          [ir.StringAttr.get(str(n)) for n, _ in mesh_axes])
-      main.attributes["dsl.mesh_shape"] = ir.DenseI64ArrayAttr.get(
-          [s for _, s in mesh_axes])
-    if spec.input_output_aliases:
-      main.attributes["dsl.input_output_aliases"] = ir.DenseI64ArrayAttr.get(
-          [x for pair in spec.input_output_aliases for x in pair])
+  _entry_attributes(main, spec, lctx, window_params)
   module.operation.attributes["stable_mosaic.version"] = ir.IntegerAttr.get(
       ir.IntegerType.get_signless(64), MOSAIC_VERSION)
   return module
+
+
+def _i64(v: int) -> ir.Attribute:
+  return ir.IntegerAttr.get(ir.IntegerType.get_signless(64), v)
+
+
+def _entry_attributes(main, spec, lctx, window_params):
+  gm = spec.grid_mapping
+  n_grid = len(gm.grid)
+  main.attributes["dimension_semantics"] = ir.ArrayAttr.get([
+      ir.Attribute.parse(f"#tpu.dimension_semantics<{s}>")
+      for s in _dimension_semantics(spec, n_grid)])
+  if n_grid:
+    main.attributes["iteration_bounds"] = ir.DenseI64ArrayAttr.get(
+        list(gm.grid))
+    main.attributes["window_params"] = ir.ArrayAttr.get(window_params)
+  main.attributes["scalar_prefetch"] = _i64(gm.num_scalar_prefetch)
+  main.attributes["scratch_operands"] = _i64(len(gm.scratch_avals))
+  main.attributes["tpu.core_type"] = ir.Attribute.parse("#tpu.core_type<tc>")
+  # Our own annotations (discardable `dsl.` attributes): which operands are
+  # inputs and outputs, and where the kernel comes from.
+  main.attributes["dsl.kernel_name"] = ir.StringAttr.get(spec.name)
+  main.attributes["dsl.kernel_src"] = ir.StringAttr.get(spec.kernel_src)
+  main.attributes["dsl.num_inputs"] = _i64(gm.num_inputs)
+  main.attributes["dsl.num_outputs"] = _i64(gm.num_outputs)
+  main.attributes["dsl.operand_names"] = ir.ArrayAttr.get(
+      [ir.StringAttr.get(n) for n in _param_names(spec)])
+  if lctx.mesh_axes:
+    main.attributes["dsl.mesh_axes"] = ir.ArrayAttr.get(
+        [ir.StringAttr.get(str(n)) for n, _ in lctx.mesh_axes])
+    main.attributes["dsl.mesh_shape"] = ir.DenseI64ArrayAttr.get(
+        [s for _, s in lctx.mesh_axes])
+  if spec.input_output_aliases:
+    main.attributes["dsl.input_output_aliases"] = ir.DenseI64ArrayAttr.get(
+        [x for pair in spec.input_output_aliases for x in pair])
 
 
 def module_text(module: ir.Module, debug_info: bool = False) -> str:
@@ -466,7 +523,8 @@ def strip_annotations(module: ir.Module) -> ir.Module:
         for w in ir.ArrayAttr(op.attributes["window_params"]):
           d = ir.DictAttr(w)
           keep = {}
-          for k in ("transform_indices", "window_bounds", "pipeline_mode"):
+          for k in ("transform_indices", "window_bounds", "window_kind",
+                    "pipeline_mode"):
             if k in d:
               keep[k] = d[k]
           cleaned.append(ir.DictAttr.get(keep))

@@ -56,25 +56,49 @@ class KernelProgram:
   arg_types: list               # memref types after the grid ids
   operand_names: list
   aliases: list                 # [(operand index, output index)]
+  entry: str = "main"
 
   @property
   def main(self) -> CFunc:
-    return self.funcs["main"]
+    return self.funcs[self.entry]
 
 
 def _i64s(attr):
   return tuple(int(x) for x in ir.DenseI64ArrayAttr(attr))
 
 
+def entry_of(funcs: dict) -> str:
+  """The kernel function: the one with `dimension_semantics` (the others
+  are index maps), else `main`."""
+  for name, f in funcs.items():
+    if "dimension_semantics" in f.attrs:
+      return name
+  return "main" if "main" in funcs else next(iter(funcs))
+
+
+# The transform of a grid-free kernel's blocks: the whole array, always.
+TRIVIAL = ""
+
+
+def _grid_free_windows(arg_types) -> list:
+  return [Window(None) if _space(t) == dialect.ANY
+          else Window(TRIVIAL, tuple(ir.MemRefType(t).shape))
+          for t in arg_types]
+
+
 def program_from_module(module: ir.Module) -> KernelProgram:
   funcs = compile_module(module)
-  main = funcs["main"]
+  entry = entry_of(funcs)
+  main = funcs[entry]
   a = main.attrs
   grid = _i64s(a["iteration_bounds"]) if "iteration_bounds" in a else ()
   n_pf = ir.IntegerAttr(a["scalar_prefetch"]).value
   n_sc = ir.IntegerAttr(a["scratch_operands"]).value
   windows = []
-  for w in ir.ArrayAttr(a["window_params"]):
+  if "window_params" not in a:
+    windows = _grid_free_windows(
+        main.arg_types[len(grid) + n_pf:len(main.arg_types) - n_sc])
+  for w in (ir.ArrayAttr(a["window_params"]) if "window_params" in a else ()):
     d = ir.DictAttr(w)
     if "transform_indices" not in d:
       windows.append(Window(None))
@@ -98,7 +122,7 @@ def program_from_module(module: ir.Module) -> KernelProgram:
           if "dsl.kernel_name" in a else "kernel")
   return KernelProgram(name, funcs, grid, n_pf, n_in, n_ops - n_in, n_sc,
                        windows, main.arg_types[len(grid):], names[len(grid):],
-                       aliases)
+                       aliases, entry)
 
 
 # ------------------------------------------------------------ buffers
@@ -260,7 +284,8 @@ def _check_block_index(world, prog, op: Operand, idx, point):
     return
   d, valid = bad
   name = _name(prog, prog.num_prefetch + op.index, f"operand {op.index}")
-  line = _first_line(prog.funcs[op.window.transform])
+  f = prog.funcs.get(op.window.transform)
+  line = _first_line(f) if f is not None else None
   array = core.ShapedArray(op.hbm.array.shape, op.hbm.array.dtype)
   raise KernelSimulationError(
       "bounds", f"kernel '{prog.name}': {name}: block index "
@@ -282,10 +307,13 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
     for op in operands:
       if op.block is None:
         continue
-      f = prog.funcs[op.window.transform]
-      tframe = Frame(world, dev, prog.name)
-      idx = tuple(int(x) for x in run_to_end(
-          run_block(tframe, f.block, ids + prefetch)))
+      if op.window.transform == TRIVIAL:
+        idx = (0,) * len(op.window.bounds)
+      else:
+        f = prog.funcs[op.window.transform]
+        tframe = Frame(world, dev, prog.name)
+        idx = tuple(int(x) for x in run_to_end(
+            run_block(tframe, f.block, ids + prefetch)))
       if idx == op.current:
         continue
       _check_block_index(world, prog, op, idx, point)

@@ -1,6 +1,6 @@
 """Mosaic MLIR module -> `KernelModel` (see model.py).
 
-The walk follows `func.func @main` op by op, in the style of the lowering's
+The walk follows the kernel function op by op, in the style of the lowering's
 rule table `OPS` (a `RuleTable` keyed by op name; mosaic_ir.py),
 with the rules of integer ops (ops_int.py), views (views.py), loads and
 stores (ops_memory.py), DMAs and semaphores (ops_sync.py) and control flow
@@ -136,6 +136,9 @@ class Extractor:
     funcs = [op for op in self.module.body.operations
              if op.operation.name == "func.func"]
     for f in funcs:
+      if "dimension_semantics" in f.attributes:
+        return f
+    for f in funcs:
       if ir.StringAttr(f.attributes["sym_name"]).value == "main":
         return f
     for f in funcs:
@@ -143,7 +146,7 @@ class Extractor:
         return f
     if funcs:
       return funcs[0]
-    raise ModelError("the module has no kernel function (func.func @main)")
+    raise ModelError("the module has no kernel function")
 
   def _kernel(self, main) -> M.KernelModel:
     attrs = main.attributes

@@ -2,7 +2,7 @@
 
 - `cond` -> `scf.if` (a chain of them for more than two branches)
 - `scan` without xs/ys (what `fori_loop` and `pl.loop` make) -> `scf.for`
-  over i32
+  over i32, a fori_loop's counter as the induction variable
 - `while` -> `scf.while`
 - `pjit`/`closed_call`/`custom_jvp_call`/`custom_vjp_call` -> inlined
 - `run_scoped` -> `tpu.region` holding `memref.alloca` (VMEM/SMEM) and
@@ -47,28 +47,31 @@ def _lower_branch(ctx, branch, args):
 
 @register(lax.cond_p)
 def _cond(ctx, index, *args, branches, **params):
+  """`scf.if (index != 0)` with branch 0 in the else region (the form
+  Pallas emits: `pl.when` becomes an `scf.if` without an else once the
+  empty branch is canonicalized away); more branches nest in the then
+  region with index - 1."""
   out_types = _result_types(ctx, ctx.avals_out)
-  idx_aval = ctx.avals_in[0]
+  idx_dtype = ctx.avals_in[0].dtype
 
-  def build(k):
-    """Branch k unless k is the last one; returns the results."""
-    if k == len(branches) - 1:
-      return _lower_branch(ctx, branches[k], args)
-    if emit.is_bool(idx_aval.dtype):
-      pred = arith.XOrIOp(index, constant(True, (), jnp.bool_)).result
+  def build(idx, branches):
+    if len(branches) == 1:
+      return _lower_branch(ctx, branches[0], args)
+    if emit.is_bool(idx_dtype):
+      pred = idx
     else:
-      pred = arith.CmpIOp(arith.CmpIPredicate.eq, index,
-                          constant(k, (), idx_aval.dtype)).result
+      pred = arith.CmpIOp(arith.CmpIPredicate.ne, idx,
+                          constant(0, (), idx_dtype)).result
     op = scf.IfOp(pred, out_types, has_else=True)
     with ir.InsertionPoint(op.then_block):
-      scf.YieldOp(_lower_branch(ctx, branches[k], args))
+      rest = idx if len(branches) == 2 else arith.SubIOp(
+          idx, constant(1, (), idx_dtype)).result
+      scf.YieldOp(build(rest, branches[1:]))
     with ir.InsertionPoint(op.else_block):
-      scf.YieldOp(build(k + 1))
+      scf.YieldOp(_lower_branch(ctx, branches[0], args))
     return list(op.results)
 
-  if len(branches) == 1:
-    return _lower_branch(ctx, branches[0], args)
-  return build(0)
+  return build(index, list(branches))
 
 
 def _scan_parts(args, params):
@@ -80,21 +83,50 @@ def _scan_parts(args, params):
   return list(args[:nc]), list(args[nc:nc + ncar]), list(args[nc + ncar:])
 
 
+def _counts_first_carry(body, n_consts) -> bool:
+  """The scan body is a fori_loop's: its first carry is the loop index
+  (the body returns it plus one)."""
+  if len(body.invars) <= n_consts:
+    return False
+  i, out = body.invars[n_consts], body.outvars[0]
+  for eqn in body.eqns:
+    if out in eqn.outvars:
+      if eqn.primitive is not lax.add_p:
+        return False
+      a, b = eqn.invars
+      if b is i:
+        a, b = b, a
+      return (a is i and isinstance(b, core.Literal) and b.val == 1
+              and i.aval.shape == () and i.aval.dtype == jnp.int32)
+  return False
+
+
 @register(lax.scan_p)
 def _scan(ctx, *args, jaxpr, length, reverse, **params):
+  """`scf.for` over i32. A fori_loop's counter becomes the induction
+  variable (from its start to start + length), as in Pallas."""
   consts, carry, xs = _scan_parts(args, params)
   body, body_consts = _closed(jaxpr)
   n_carry = len(carry)
   if xs or len(body.outvars) != n_carry:
     raise ctx.error("scan over arrays (xs/ys) is not supported by the Mosaic "
                     "lowering; use lax.fori_loop / pl.loop over refs")
-  lb, ub, step = i32_const(0), i32_const(int(length)), i32_const(1)
-  loop = scf.ForOp(lb, ub, step, carry)
+  del reverse   # the body keeps its own counter in the carry
+  step = i32_const(1)
+  if _counts_first_carry(body, len(consts)):
+    lb = carry[0]
+    ub = arith.AddIOp(lb, i32_const(int(length))).result
+    loop = scf.ForOp(lb, ub, step, carry[1:])
+    with ir.InsertionPoint(loop.body):
+      outs = ctx.lower_sub(body, body_consts, consts + [loop.induction_variable]
+                           + list(loop.inner_iter_args))
+      scf.YieldOp(outs[1:])
+    return [ub] + list(loop.results)
+  loop = scf.ForOp(i32_const(0), i32_const(int(length)), step, carry)
   with ir.InsertionPoint(loop.body):
     outs = ctx.lower_sub(body, body_consts,
                          consts + list(loop.inner_iter_args))
     scf.YieldOp(outs)
-  del reverse   # the body keeps its own counter in the carry
   return list(loop.results)
 
 

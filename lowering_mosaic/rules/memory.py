@@ -1,8 +1,8 @@
 """Ref reads and writes: `get`/`swap`/`addupdate` and masked loads/stores.
 
 VMEM refs are read and written a vector at a time (`vector.load`,
-`vector.store`, `tpu.strided_load/store` for strided slices,
-`tpu.vector_store` with a mask); SMEM refs a scalar at a time
+`tpu.vector_store` (with a mask for masked stores), `tpu.strided_load/store`
+for strided slices); SMEM refs a scalar at a time
 (`memref.load`, `memref.store`). Refs in `pl.ANY` (HBM) are only reachable by
 DMA, and semaphores only through the semaphore primitives.
 """
@@ -45,7 +45,7 @@ class View:
   @property
   def is_whole(self) -> bool:
     return (all(isinstance(s, int) and s == 0 for s in self.starts)
-            and tuple(self.sizes) == self.ref.shape
+            and tuple(self.sizes) == self.ref.memref_shape
             and not any(self.squeezed) and all(s == 1 for s in self.strides))
 
 
@@ -74,8 +74,9 @@ def _static(x):
 
 def view_of(ctx, ref: RefVal, transforms) -> View:
   """Composes a ref's NDIndexer transforms into one window."""
-  rank = len(ref.shape)
-  v = View(ref, [0] * rank, list(ref.shape), [1] * rank, [False] * rank)
+  rank = len(ref.memref_shape)
+  v = View(ref, [0] * rank, list(ref.memref_shape), [1] * rank,
+           [d in ref.hidden for d in range(rank)])
   for t in transforms or ():
     if not isinstance(t, indexing.NDIndexer):
       raise ctx.error(f"ref transform {type(t).__name__} is not supported by "
@@ -117,7 +118,7 @@ def load(ctx, view: View) -> ir.Value:
   ref = view.ref
   _check_reachable(ctx, ref, "read")
   dtype = ref.dtype
-  if ref.space == dialect.SMEM or not ref.shape:
+  if ref.space == dialect.SMEM or not ref.memref_shape:
     if math.prod(view.sizes) != 1:
       raise ctx.error(f"{ref.name or 'an SMEM ref'} is in SMEM, which is read "
                       "one scalar at a time; index it with integers")
@@ -136,7 +137,7 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
   ref = view.ref
   _check_reachable(ctx, ref, "written")
   dtype = ref.dtype
-  if ref.space == dialect.SMEM or not ref.shape:
+  if ref.space == dialect.SMEM or not ref.memref_shape:
     if math.prod(view.sizes) != 1:
       raise ctx.error(f"{ref.name or 'an SMEM ref'} is in SMEM, which is "
                       "written one scalar at a time; index it with integers")
@@ -158,7 +159,7 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
   if any(s != 1 for s in view.strides):
     tpu.StridedStoreOp(val, ref.value, _indices(view), view.strides)
   else:
-    vector.StoreOp(val, ref.value, _indices(view))
+    tpu.VectorStoreOp(val, ref.value, _indices(view), [])
 
 
 def _transforms(tree, flat):

@@ -137,6 +137,7 @@ def _axis_index(ctx, *, axis_name):
     raise ctx.error("lax.axis_index needs the kernel to run inside shard_map "
                     "(the mesh gives the device coordinates)")
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  ctx.lctx.named_axes.update(str(n) for n in names)
   sizes = dict(mesh_axes)
   lin = None
   for n in names:

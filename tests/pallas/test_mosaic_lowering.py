@@ -58,7 +58,7 @@ def matmul(x, y, backend="mosaic"):
 def test_module_records_windows_bounds_and_semantics():
   x = jnp.ones((256, 256), jnp.bfloat16)
   text = lowering_mosaic.to_mlir(matmul, x, x)
-  assert "func.func @main(%arg0: i32, %arg1: i32, %arg2: i32" in text
+  assert "func.func @matmul_kernel(%arg0: i32, %arg1: i32, %arg2: i32" in text
   assert "iteration_bounds = array<i64: 2, 2, 2>" in text
   assert ("dimension_semantics = [#tpu.dimension_semantics<parallel>, "
           "#tpu.dimension_semantics<parallel>, "
@@ -88,7 +88,7 @@ def test_to_mlir_finds_every_kernel_in_f():
   def f(x):
     return blocked_add(blocked_add(x, x), x) * 2
   text = lowering_mosaic.to_mlir(f, x)
-  assert text.count("func.func @main") == 2
+  assert text.count("func.func @add_kernel") == 2
 
 
 def test_dump_mlir_to_directory(tmp_path):

@@ -1,0 +1,133 @@
+"""Compare our "mosaic" backend with JAX's own Pallas TPU lowering.
+
+Both lower on a CPU: `jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))`
+gives StableHLO with one `stablehlo.custom_call @tpu_custom_call` per kernel,
+whose `backend_config` (JSON) holds the Mosaic module as base64 MLIR bytecode.
+`decode` turns that back into a module with jaxlib's `mosaic-serde` pass (the
+inverse of what `lower_module_to_custom_call` applied) and normalizes it with
+upstream `canonicalize` and `cse`; `normalize_text` then removes only the
+differences docs/mosaic.md lists as harmless:
+
+- SSA value names (the printer numbers values in order, so equal structure
+  prints equal names) and locations (printed without debug info);
+- the order of the functions after the entry function (sorted by name);
+- symbol visibility (`private` on the index-map functions).
+
+`Lowered` keeps, per custom call, the decoded module text, the call's JSON
+config without the body, and the call's own attributes.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import difflib
+import json
+import re
+
+import jax
+from jax._src.lib import tpu as tpu_lib
+from jax._src.lib.mlir import ir, passmanager
+from jax.interpreters import mlir as jax_mlir
+
+NORMALIZE = "builtin.module(mosaic-serde{serialize=false},canonicalize,cse)"
+
+# Custom call attributes compared as text (the operands' layouts follow from
+# the shapes; backend_config is decoded separately).
+CALL_ATTRS = ("kernel_name", "has_side_effect", "output_operand_aliases",
+              "mhlo.frontend_attributes", "operand_layouts", "result_layouts")
+
+
+@dataclasses.dataclass
+class Call:
+  module: str                 # normalized module text
+  config: dict                # backend_config without the body
+  attrs: dict                 # CALL_ATTRS present on the custom call
+
+
+def _context() -> ir.Context:
+  ctx = jax_mlir.make_ir_context()
+  tpu_lib.register_dialect(ctx)
+  ctx.allow_unregistered_dialects = True     # the serialized stable_mosaic.*
+  return ctx
+
+
+def decode(body_b64: str) -> str:
+  """The module in a backend_config body, deserialized and canonicalized,
+  as normalized text."""
+  ctx = _context()
+  with ctx, ir.Location.unknown():
+    module = ir.Module.parse(base64.b64decode(body_b64))
+    passmanager.PassManager.parse(NORMALIZE).run(module.operation)
+    assert module.operation.verify()
+    return normalize_text(module.operation.get_asm())
+
+
+_FUNC = re.compile(r"^  func\.func ", re.M)
+
+
+def normalize_text(text: str) -> str:
+  """Removes symbol visibility and sorts the functions after the entry."""
+  text = text.replace("func.func private @", "func.func @")
+  head, *funcs = _FUNC.split(text)
+  funcs = ["  func.func " + f.rstrip("\n}").rstrip() + "\n" for f in funcs]
+  if not funcs:
+    return text
+  tail = text[text.rstrip().rfind("\n"):]
+  entry = next((f for f in funcs if "window_params" in f.splitlines()[0]
+                or "iteration_bounds" in f.splitlines()[0]), funcs[0])
+  rest = sorted((f for f in funcs if f is not entry),
+                key=lambda f: f.split("(")[0])
+  return head + "".join([entry] + rest) + tail.strip() + "\n"
+
+
+def _custom_calls(lowered) -> list:
+  found = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          inner = inner.operation
+          if (inner.name == "stablehlo.custom_call"
+              and ir.StringAttr(inner.attributes["call_target_name"]).value
+              == "tpu_custom_call"):
+            found.append(inner)
+          walk(inner)
+
+  module = lowered.compiler_ir("stablehlo")
+  walk(module.operation)
+  calls = []
+  for op in found:
+    config = json.loads(ir.StringAttr(op.attributes["backend_config"]).value)
+    body = config["custom_call_config"].pop("body")
+    attrs = {a: str(op.attributes[a]) for a in CALL_ATTRS
+             if a in op.attributes}
+    calls.append(Call(decode(body), config, attrs))
+  return calls
+
+
+def lower_tpu(f, *args) -> list[Call]:
+  """The tpu_custom_calls of `f(*args)` lowered for a TPU."""
+  lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
+  return _custom_calls(lowered)
+
+
+def diff(ours: str, theirs: str) -> str:
+  return "\n".join(difflib.unified_diff(
+      theirs.splitlines(), ours.splitlines(), "pallas", "dsl", lineterm="",
+      n=2))
+
+
+def compare(ours: list[Call], theirs: list[Call]) -> list[str]:
+  """Every difference between the two lowerings, as readable text."""
+  problems = []
+  if len(ours) != len(theirs):
+    return [f"{len(ours)} custom calls, Pallas has {len(theirs)}"]
+  for k, (a, b) in enumerate(zip(ours, theirs)):
+    if a.module != b.module:
+      problems.append(f"call {k}: module differs:\n{diff(a.module, b.module)}")
+    if a.config != b.config:
+      problems.append(f"call {k}: backend_config {a.config} != {b.config}")
+    if a.attrs != b.attrs:
+      problems.append(f"call {k}: attributes {a.attrs} != {b.attrs}")
+  return problems
