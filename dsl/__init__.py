@@ -17,7 +17,7 @@ from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
 from dsl.gridspec import GridMapping, GridSpec, PrefetchScalarGridSpec
 from dsl.kernel import kernel
 from dsl.memory import ANY, MemoryRef, MemorySpace
-from dsl.pallas_call import KernelSpec, pallas_call, pallas_call_p
+from dsl.pallas_call import CostEstimate, KernelSpec, pallas_call, pallas_call_p
 from dsl.primitives import (cdiv, debug_print, loop, max_contiguous,
                             multiple_of, run_scoped, when)
 from dsl.checks import debug_check
@@ -35,6 +35,6 @@ __all__ = [
     "KernelTypeError", "kernel_error_of", "MemoryRef", "MemorySpace", "PrefetchScalarGridSpec",
     "Slice", "Squeezed", "TransformedRef", "cdiv", "debug_check",
     "debug_print", "ds", "dslice", "kernel", "load", "loop", "max_contiguous",
-    "multiple_of", "num_programs", "pallas_call", "pallas_call_p",
+    "multiple_of", "num_programs", "pallas_call", "CostEstimate", "pallas_call_p",
     "program_id", "run_scoped", "squeezed", "store", "tpu", "triton", "when",
 ]

@@ -21,6 +21,23 @@ from dsl.interpret.plan import check_block_indices
 from dsl.tracing import trace_kernel
 
 
+@dataclasses.dataclass(frozen=True)
+class CostEstimate:
+  """What a kernel costs, for the compiler's scheduling (passed through to
+  the TPU custom call): floating-point operations, transcendental
+  operations, bytes read and written, and bytes sent to other devices."""
+  flops: int
+  transcendentals: int
+  bytes_accessed: int
+  remote_bytes_transferred: int = 0
+
+  def __post_init__(self):
+    for k, v in dataclasses.asdict(self).items():
+      if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"CostEstimate.{k} must be an int, got "
+                         f"{type(v).__name__} {v!r}")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class KernelSpec:
   """Everything a backend needs to run one kernel."""

@@ -464,7 +464,7 @@ class AsyncCopyDescriptor:
     return self
 
   def _wait(self, sem, sem_t, side):
-    device_id = self.device_id if side == "send" else ()
+    device_id = self.device_id if side != "local" else ()
     flat, layout = _pack(sem=sem, sem_t=sem_t, src=self.src, src_t=self.src_t,
                          dst=self.dst, dst_t=self.dst_t, device_id=device_id)
     dma_wait_p.bind(*flat, layout=layout, side=side, **self._common())

@@ -361,6 +361,9 @@ def _sem_desc(world, device, sem: MemRef):
 def _wait_dma2(op, c):
   v = op.opview
   args = [v.semaphore, v.src, v.dst]
+  # a send's wait names the copy's ends swapped (Pallas's form, with a
+  # core_id): its local source window is the `dst` operand
+  swapped = v.core_id is not None
 
   def fn(frame, sem, src, dst):
     world, dev = frame.world, frame.device
@@ -371,7 +374,7 @@ def _wait_dma2(op, c):
                   for d in world.pending) and not any(
                       d.dst_sem == (dev, sem.buf.key, tuple(sem.base))
                       for d in world.pending)
-    view = src if is_send else dst
+    view = (dst if swapped else src) if is_send else dst
 
     def ready():
       return world.sem_value(dev, sem) >= amount

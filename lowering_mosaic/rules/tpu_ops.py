@@ -11,6 +11,8 @@ reads) is:
                   [device_id(%dev)]            remote copies name the device
   tpu.wait_dma2 semaphore(%sem) src(%src_view) dst(%dst_view) [device_id(%dev)]
                                                waits for the copy's bytes
+  tpu.wait_dma2 semaphore(%send_sem) src(%dst_view) dst(%src_view)
+                device_id(%c0) core_id(%c0)    the send side of a remote copy
   tpu.sem_signal %sem, %amount [device_id %dev]
   tpu.sem_wait %sem, %value
   %v = tpu.sem_read %sem
@@ -21,8 +23,9 @@ reads) is:
 A DMA semaphore counts bytes: a DMA adds the size of its copy when it lands
 (and, for remote copies, to the send semaphore when the source has been
 read); `wait_dma2` waits for and takes back the size of its `dst` (equal to
-its `src`). A wait on the send semaphore carries the `device_id` of the
-copy, a wait on the receive semaphore does not.
+its `src`). As in Pallas, the wait on the receive semaphore of a remote
+copy carries the copy's `device_id`; the wait on the send semaphore names
+the copy's ends swapped and carries device and core id 0.
 """
 from __future__ import annotations
 
@@ -152,17 +155,19 @@ def _axis_index(ctx, *, axis_name):
 @register(tp.dma_start_p)
 def _dma_start(ctx, *flat, layout, device_id_type, device_id_axes, mesh_axes,
                priority):
+  # Pallas's order: the device id, then the views from the last operand to
+  # the first (pure ops; the same order keeps the modules comparable)
   a = unpack(flat, layout)
-  src = memref_view(ctx, a["src"], a["src_t"])
-  dst = memref_view(ctx, a["dst"], a["dst_t"])
-  dst_sem = _semaphore(ctx, a["dst_sem"], a["dst_sem_t"])
-  src_sem = (_semaphore(ctx, a["src_sem"], a["src_sem_t"])
-             if a["src_sem"] is not None else None)
   dev = None
   if a["device_id"]:
     ctx.lctx.uses_remote = True
     dev = device_id_value(ctx, a["device_id"], device_id_type,
                           device_id_axes, mesh_axes)
+  src_sem = (_semaphore(ctx, a["src_sem"], a["src_sem_t"])
+             if a["src_sem"] is not None else None)
+  dst_sem = _semaphore(ctx, a["dst_sem"], a["dst_sem_t"])
+  dst = memref_view(ctx, a["dst"], a["dst_t"])
+  src = memref_view(ctx, a["src"], a["src_t"])
   tpu.EnqueueDMAOp(src, dst, source_semaphore=src_sem,
                    target_semaphore=dst_sem, device_id=dev,
                    priority=priority or None)
@@ -172,15 +177,21 @@ def _dma_start(ctx, *flat, layout, device_id_type, device_id_axes, mesh_axes,
 @register(tp.dma_wait_p)
 def _dma_wait(ctx, *flat, layout, side, device_id_type, device_id_axes,
               mesh_axes):
+  """`tpu.wait_dma2` in Pallas's form: a receive waits with the copy's
+  device id; a send waits with src and dst swapped and device and core id
+  0 (the sender's own side); a local copy without either."""
   a = unpack(flat, layout)
-  sem = _semaphore(ctx, a["sem"], a["sem_t"])
-  src = memref_view(ctx, a["src"], a["src_t"])
-  dst = memref_view(ctx, a["dst"], a["dst_t"])
-  dev = None
-  if a["device_id"]:
+  first, second = ("dst", "src") if side == "send" else ("src", "dst")
+  dev = core_id = None
+  if side == "send":
+    dev = core_id = i32_const(0)
+  elif a["device_id"]:
     dev = device_id_value(ctx, a["device_id"], device_id_type,
                           device_id_axes, mesh_axes)
-  tpu.WaitDMA2Op(sem, src, dst, device_id=dev)
+  sem = _semaphore(ctx, a["sem"], a["sem_t"])
+  dst = memref_view(ctx, a[second], a[second + "_t"])
+  src = memref_view(ctx, a[first], a[first + "_t"])
+  tpu.WaitDMA2Op(sem, src, dst, device_id=dev, core_id=core_id)
   return []
 
 

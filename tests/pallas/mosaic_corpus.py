@@ -28,6 +28,12 @@ def sds(shape, dtype=jnp.float32):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def api(pl, pltpu, name):
+  """`pl.<name>` (where JAX 0.11 has the semaphore functions and
+  DeviceIdType), else `pltpu.<name>`."""
+  return getattr(pl, name, None) or getattr(pltpu, name)
+
+
 # ------------------------------------------------------------ grids
 
 @case
@@ -229,3 +235,328 @@ def iota_roll_casts(pl, pltpu):
   f = pl.pallas_call(misc_kernel, (sds((8, 128), jnp.bfloat16),
                                    sds((8, 128), jnp.int8)))
   return f, (f32(8, 128),)
+
+
+# ------------------------------------------------------------ DMAs and semaphores
+
+@case
+def dma_slices_with_grid(pl, pltpu):
+  def chunk_kernel(x_hbm, o_ref, buf, sems):
+    i = pl.program_id(0)
+    copies = [pltpu.make_async_copy(x_hbm.at[pl.ds(i * 16 + 8 * k, 8)],
+                                    buf.at[k], sems.at[k]) for k in range(2)]
+    for c in copies:
+      c.start()
+    for c in copies:
+      c.wait()
+    o_ref[...] = buf[0] + buf[1]
+  f = pl.pallas_call(
+      chunk_kernel, sds((32, 128)), grid=(2,),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((2, 8, 128), jnp.float32),
+                      pltpu.SemaphoreType.DMA((2,))])
+  return f, (f32(32, 128),)
+
+
+@case
+def dma_to_any_output(pl, pltpu):
+  def writeback_kernel(x_ref, o_hbm, sem):
+    c = pltpu.make_async_copy(x_ref, o_hbm.at[pl.ds(8, 8)], sem)
+    c.start()
+    c.wait()
+  f = pl.pallas_call(
+      writeback_kernel, sds((16, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pl.ANY),
+      scratch_shapes=[pltpu.SemaphoreType.DMA])
+  return f, (f32(8, 128),)
+
+
+@case
+def regular_semaphores(pl, pltpu):
+  def sem_kernel(x_ref, o_ref, sem):
+    api(pl, pltpu, 'semaphore_signal')(sem, 2)
+    api(pl, pltpu, 'semaphore_wait')(sem, 2)
+    o_ref[...] = x_ref[...] + api(pl, pltpu, 'semaphore_read')(sem).astype(jnp.float32)
+  f = pl.pallas_call(sem_kernel, sds((8, 128)),
+                     scratch_shapes=[pltpu.SemaphoreType.REGULAR])
+  return f, (f32(8, 128),)
+
+
+N_DEV = 4
+
+
+def _mesh():
+  from jax.sharding import Mesh
+  return Mesh(np.array(jax.devices()[:N_DEV]), ("x",))
+
+
+def _shard(pl, call):
+  from jax.sharding import PartitionSpec as P
+  return jax.shard_map(call, mesh=_mesh(), in_specs=P("x"), out_specs=P("x"),
+                       check_vma=False)
+
+
+@case
+def remote_ring_copy(pl, pltpu):
+  def ring_kernel(x_ref, o_ref, send_sem, recv_sem):
+    me = lax.axis_index("x")
+    right = lax.rem(me + 1, N_DEV)
+    c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,
+                                     device_id=(right,),
+                                     device_id_type=api(pl, pltpu, 'DeviceIdType').MESH)
+    c.start()
+    c.wait()
+  call = pl.pallas_call(
+      ring_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+@case
+def remote_wait_send_recv(pl, pltpu):
+  def split_wait_kernel(x_ref, o_ref, send_sem, recv_sem):
+    me = lax.axis_index("x")
+    left = lax.rem(me + N_DEV - 1, N_DEV)
+    c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,
+                                     device_id=(left,),
+                                     device_id_type=api(pl, pltpu, 'DeviceIdType').MESH)
+    c.start()
+    c.wait_send()
+    c.wait_recv()
+  call = pl.pallas_call(
+      split_wait_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+@case
+def barrier_and_remote_signal(pl, pltpu):
+  def barrier_kernel(x_ref, o_ref):
+    me = lax.axis_index("x")
+    barrier = pltpu.get_barrier_semaphore()
+    api(pl, pltpu, 'semaphore_signal')(barrier, 1, device_id=(lax.rem(me + 1, N_DEV),),
+                           device_id_type=api(pl, pltpu, 'DeviceIdType').MESH)
+    api(pl, pltpu, 'semaphore_wait')(barrier, 1)
+    o_ref[...] = x_ref[...] + me.astype(jnp.float32)
+  call = pl.pallas_call(
+      barrier_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      compiler_params=pltpu.CompilerParams(collective_id=0))
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+@case
+def logical_device_id(pl, pltpu):
+  def logical_kernel(x_ref, o_ref, send_sem, recv_sem):
+    c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,
+                                     device_id=0,
+                                     device_id_type=api(pl, pltpu, 'DeviceIdType').LOGICAL)
+    c.start()
+    c.wait()
+  call = pl.pallas_call(
+      logical_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+# ------------------------------------------------------------ more blocks
+
+@case
+def squeezed_3d_grid(pl, pltpu):
+  def mid_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  spec = pl.BlockSpec((None, 8, 128), lambda i, j, k: (i, j, k))
+  f = pl.pallas_call(mid_kernel, sds((3, 16, 256)), grid=(3, 2, 2),
+                     in_specs=[spec], out_specs=spec,
+                     compiler_params=pltpu.CompilerParams(
+                         dimension_semantics=("parallel", "arbitrary",
+                                              "parallel")))
+  return f, (f32(3, 16, 256),)
+
+
+@case
+def element_with_padding(pl, pltpu):
+  def pad_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[pl.ds(0, 8), :] + x_ref[pl.ds(8, 8), :]
+  f = pl.pallas_call(
+      pad_kernel, sds((32, 128)), grid=(4,),
+      in_specs=[pl.BlockSpec((pl.Element(16, (0, 8)), pl.Element(128)),
+                             lambda i: (i * 8, 0))],
+      out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)))
+  return f, (f32(32, 128),)
+
+
+@case
+def squeezed_and_element(pl, pltpu):
+  def page_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+  f = pl.pallas_call(
+      page_kernel, sds((2, 16, 128)), grid=(2, 2),
+      in_specs=[pl.BlockSpec((None, pl.Element(8), pl.Element(128)),
+                             lambda b, i: (b, i * 8, 0))],
+      out_specs=pl.BlockSpec((None, 8, 128), lambda b, i: (b, i, 0)))
+  return f, (f32(2, 16, 128),)
+
+
+@case
+def smem_output_and_scratch(pl, pltpu):
+  def count_kernel(x_ref, o_ref, acc_ref):
+    acc_ref[0] = 0
+    for k in range(4):
+      acc_ref[0] = acc_ref[0] + x_ref[k]
+    o_ref[0] = acc_ref[0] * 2
+  f = pl.pallas_call(
+      count_kernel, sds((1,), jnp.int32),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.SMEM),
+      scratch_shapes=[pltpu.SMEM((1,), jnp.int32)])
+  return f, (jnp.arange(4, dtype=jnp.int32),)
+
+
+@case
+def prefetch_in_body_and_alias(pl, pltpu):
+  def scatter_kernel(idx_ref, x_ref, y_ref, o_ref):
+    del y_ref
+    o_ref[...] = x_ref[...] * idx_ref[pl.program_id(0)].astype(jnp.float32)
+  f = pl.pallas_call(
+      scatter_kernel, sds((32, 128)),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(2,),
+          in_specs=[pl.BlockSpec((8, 128), lambda i, idx: (i, 0)),
+                    pl.BlockSpec(memory_space=pl.ANY)],
+          out_specs=pl.BlockSpec((8, 128), lambda i, idx: (idx[i], 0))),
+      input_output_aliases={2: 0})
+  return f, (jnp.array([1, 3], jnp.int32), f32(16, 128), f32(32, 128))
+
+
+@case
+def multiple_outputs_2d(pl, pltpu):
+  def split_kernel(x_ref, lo_ref, hi_ref):
+    x = x_ref[...]
+    lo_ref[...] = jnp.minimum(x, 0.0)
+    hi_ref[...] = jnp.maximum(x, 0.0)
+  spec = pl.BlockSpec((16, 128), lambda i, j: (i, j))
+  f = pl.pallas_call(split_kernel, (sds((32, 256)), sds((32, 256))),
+                     grid=(2, 2), in_specs=[spec], out_specs=[spec, spec],
+                     compiler_params=pltpu.CompilerParams(
+                         dimension_semantics=("parallel", "parallel")))
+  return f, (f32(32, 256),)
+
+
+@case
+def cost_estimate_passed(pl, pltpu):
+  def exp_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.exp(x_ref[...])
+  cost = pl.CostEstimate(flops=1024, transcendentals=1024,
+                         bytes_accessed=8192)
+  f = pl.pallas_call(exp_kernel, sds((8, 128)), cost_estimate=cost)
+  return f, (f32(8, 128),)
+
+
+# ------------------------------------------------------------ values
+
+@case
+def bf16_int8_math(pl, pltpu):
+  def lowp_kernel(a_ref, b_ref, o_ref, q_ref):
+    a = a_ref[...]
+    o_ref[...] = jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
+    q_ref[...] = jnp.clip(a.astype(jnp.float32) * 4.0, -128, 127).astype(
+        jnp.int8)
+  f = pl.pallas_call(lowp_kernel, (sds((128, 128)),
+                                   sds((128, 128), jnp.int8)))
+  a = jnp.ones((128, 128), jnp.bfloat16)
+  return f, (a, a)
+
+
+@case
+def int_arith_and_compare(pl, pltpu):
+  def int_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    y = jnp.where(x > 3, x * 2 - 1, x >> 1) & 0xFF
+    o_ref[...] = y + lax.broadcasted_iota(jnp.int32, (8, 128), 0)
+  f = pl.pallas_call(int_kernel, sds((8, 128), jnp.int32))
+  return f, (jnp.ones((8, 128), jnp.int32),)
+
+
+@case
+def transcendental_and_reduce_min(pl, pltpu):
+  def softmax_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    m = jnp.max(x, axis=-1, keepdims=True)
+    e = jnp.exp(x - m)
+    o_ref[...] = e / jnp.sum(e, axis=-1, keepdims=True) + jnp.min(
+        x, axis=-1, keepdims=True)
+  f = pl.pallas_call(softmax_kernel, sds((8, 128)))
+  return f, (f32(8, 128),)
+
+
+@case
+def pl_loop_over_ref(pl, pltpu):
+  def acc_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def body(i, c):
+      o_ref[...] += x_ref[pl.ds(i * 8, 8), :]
+      return c
+    lax.fori_loop(0, 4, body, 0)
+  f = pl.pallas_call(acc_kernel, sds((8, 128)))
+  return f, (f32(32, 128),)
+
+
+@case
+def dynamic_while(pl, pltpu):
+  def count_kernel(n_ref, x_ref, o_ref):
+    def cond(c):
+      return c[0] < n_ref[0]
+
+    def body(c):
+      return c[0] + 1, c[1] + x_ref[...]
+    _, acc = lax.while_loop(cond, body, (jnp.int32(0),
+                                         jnp.zeros((8, 128), jnp.float32)))
+    o_ref[...] = acc
+  f = pl.pallas_call(count_kernel, sds((8, 128)),
+                     in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                               pl.BlockSpec(memory_space=pltpu.VMEM)])
+  return f, (jnp.array([3], jnp.int32), f32(8, 128))
+
+
+@case
+def dynamic_fori_bounds(pl, pltpu):
+  def span_kernel(n_ref, x_ref, o_ref):
+    def body(i, acc):
+      return acc + x_ref[...] * i.astype(jnp.float32)
+    o_ref[...] = lax.fori_loop(1, n_ref[0], body,
+                               jnp.zeros((8, 128), jnp.float32))
+  f = pl.pallas_call(span_kernel, sds((8, 128)),
+                     in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                               pl.BlockSpec(memory_space=pltpu.VMEM)])
+  return f, (jnp.array([3], jnp.int32), f32(8, 128))
+
+
+@case
+def switch_three_branches(pl, pltpu):
+  def switch_kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    o_ref[...] = lax.switch(i, [lambda x: x + 1.0, lambda x: x * 2.0,
+                                lambda x: x - 3.0], x_ref[...])
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  f = pl.pallas_call(switch_kernel, sds((24, 128)), grid=(3,),
+                     in_specs=[spec], out_specs=spec)
+  return f, (f32(24, 128),)
+
+
+@case
+def transpose_and_broadcast(pl, pltpu):
+  def t_kernel(x_ref, r_ref, o_ref):
+    o_ref[...] = x_ref[...].T + r_ref[...]
+  f = pl.pallas_call(t_kernel, sds((128, 128)))
+  return f, (f32(128, 128), f32(1, 128))

@@ -11,7 +11,10 @@ differences docs/mosaic.md lists as harmless:
 - SSA value names (the printer numbers values in order, so equal structure
   prints equal names) and locations (printed without debug info);
 - the order of the functions after the entry function (sorted by name);
-- symbol visibility (`private` on the index-map functions).
+- symbol visibility (`private` on the index-map functions);
+- the order of the constants that `canonicalize` hoists to the top of a
+  function (in first-use order): they are sorted and renamed after their
+  value and type.
 
 `Lowered` keeps, per custom call, the decoded module text, the call's JSON
 config without the body, and the call's own attributes.
@@ -63,13 +66,33 @@ def decode(body_b64: str) -> str:
 
 
 _FUNC = re.compile(r"^  func\.func ", re.M)
+_CONST = re.compile(r"^    (%[\w]+) = (arith\.constant .*)$")
+
+
+def _sort_constants(func_text: str) -> str:
+  """Sorts the hoisted constants of one function and names them K0, K1, ...
+  in that order."""
+  lines = func_text.split("\n")
+  consts = [(k, m) for k, line in enumerate(lines)
+            if (m := _CONST.match(line))]
+  if not consts:
+    return func_text
+  ordered = sorted(consts, key=lambda km: km[1].group(2))
+  names = {m.group(1): f"%K{i}" for i, (_, m) in enumerate(ordered)}
+  slots = [k for k, _ in consts]
+  for slot, (_, m) in zip(slots, ordered):
+    lines[slot] = f"    {m.group(1)} = {m.group(2)}"
+  pattern = re.compile("|".join(re.escape(n) + r"(?![\w])"
+                                for n in sorted(names, key=len, reverse=True)))
+  return pattern.sub(lambda m: names[m.group(0)], "\n".join(lines))
 
 
 def normalize_text(text: str) -> str:
   """Removes symbol visibility and sorts the functions after the entry."""
   text = text.replace("func.func private @", "func.func @")
   head, *funcs = _FUNC.split(text)
-  funcs = ["  func.func " + f.rstrip("\n}").rstrip() + "\n" for f in funcs]
+  funcs = [_sort_constants("  func.func " + f.rstrip("\n}").rstrip() + "\n")
+           for f in funcs]
   if not funcs:
     return text
   tail = text[text.rstrip().rfind("\n"):]
