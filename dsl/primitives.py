@@ -20,10 +20,11 @@ from dsl.errors import KernelError, user_frame
 
 
 def cdiv(a, b):
-  """Ceiling division, for Python ints and JAX arrays."""
+  """Ceiling division of a >= 0 by b > 0, for Python ints and JAX arrays
+  (for arrays one truncating `lax.div`, as in Pallas)."""
   if isinstance(a, (int, np.integer)) and isinstance(b, (int, np.integer)):
     return -(-int(a) // int(b))
-  return (a + b - 1) // b
+  return lax.div(a + (b - 1), b)
 
 
 # ---------------------------------------------------------------- hints

@@ -3,7 +3,7 @@
 - `cond` -> `scf.if` (a chain of them for more than two branches)
 - `scan` without xs/ys (what `fori_loop` and `pl.loop` make) -> `scf.for`
   over i32, a fori_loop's counter as the induction variable
-- `while` -> `scf.while`
+- `while` -> `scf.while` (`scf.for` for a fori_loop with dynamic bounds)
 - `pjit`/`closed_call`/`custom_jvp_call`/`custom_vjp_call` -> inlined
 - `run_scoped` -> `tpu.region` holding `memref.alloca` (VMEM/SMEM) and
   `tpu.sem_alloc` (semaphores) for the scoped refs
@@ -130,11 +130,39 @@ def _scan(ctx, *args, jaxpr, length, reverse, **params):
   return list(loop.results)
 
 
+def _is_fori_while(cond_jaxpr, cond_nconsts, body, body_nconsts) -> bool:
+  """The while loop is a fori_loop with dynamic bounds: carry (i, upper,
+  ...), the condition `i < upper`, the body adds 1 to i, keeps upper."""
+  cond = _closed(cond_jaxpr)[0]
+  if cond_nconsts or len(cond.invars) < 2 or len(cond.eqns) != 1:
+    return False
+  i, upper = cond.invars[:2]
+  eqn = cond.eqns[0]
+  if (eqn.primitive is not lax.lt_p or list(eqn.invars) != [i, upper]
+      or eqn.outvars != cond.outvars):
+    return False
+  if any(v.aval.shape != () or v.aval.dtype != jnp.int32 for v in (i, upper)):
+    return False
+  return (body.outvars[1] is body.invars[body_nconsts + 1]
+          and _counts_first_carry(body, body_nconsts))
+
+
 @register(lax.while_p)
 def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+  """`scf.while`; a fori_loop with dynamic bounds becomes `scf.for` from
+  its start to its end (as in Pallas)."""
   cconsts = list(args[:cond_nconsts])
   bconsts = list(args[cond_nconsts:cond_nconsts + body_nconsts])
   init = list(args[cond_nconsts + body_nconsts:])
+  body, body_consts = _closed(body_jaxpr)
+  if _is_fori_while(cond_jaxpr, cond_nconsts, body, body_nconsts):
+    lb, ub = init[:2]
+    loop = scf.ForOp(lb, ub, i32_const(1), init[2:])
+    with ir.InsertionPoint(loop.body):
+      outs = ctx.lower_sub(body, body_consts, bconsts + [
+          loop.induction_variable, ub] + list(loop.inner_iter_args))
+      scf.YieldOp(outs[2:])
+    return [arith.MaxSIOp(lb, ub).result, ub] + list(loop.results)
   types = [v.type for v in init]
   op = scf.WhileOp(types, init)
   before = op.before.blocks.append(*types)

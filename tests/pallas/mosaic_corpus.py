@@ -466,15 +466,24 @@ def cost_estimate_passed(pl, pltpu):
 
 @case
 def bf16_int8_math(pl, pltpu):
-  def lowp_kernel(a_ref, b_ref, o_ref, q_ref):
+  def lowp_kernel(a_ref, b_ref, c_ref, o_ref, q_ref, h_ref):
     a = a_ref[...]
     o_ref[...] = jnp.dot(a, b_ref[...], preferred_element_type=jnp.float32)
-    q_ref[...] = jnp.clip(a.astype(jnp.float32) * 4.0, -128, 127).astype(
-        jnp.int8)
+    q_ref[...] = (c_ref[...] * 4).astype(jnp.int8)
+    h_ref[...] = (a * 2).astype(jnp.float32) + c_ref[...].astype(jnp.float32)
   f = pl.pallas_call(lowp_kernel, (sds((128, 128)),
-                                   sds((128, 128), jnp.int8)))
+                                   sds((128, 128), jnp.int8),
+                                   sds((128, 128))))
   a = jnp.ones((128, 128), jnp.bfloat16)
-  return f, (a, a)
+  return f, (a, a, jnp.ones((128, 128), jnp.int32))
+
+
+@case
+def float_to_int_cast(pl, pltpu):
+  def quantize_kernel(x_ref, q_ref):
+    q_ref[...] = jnp.clip(x_ref[...] * 4.0, -128, 127).astype(jnp.int8)
+  f = pl.pallas_call(quantize_kernel, sds((32, 128), jnp.int8))
+  return f, (f32(32, 128),)
 
 
 @case
@@ -560,3 +569,51 @@ def transpose_and_broadcast(pl, pltpu):
     o_ref[...] = x_ref[...].T + r_ref[...]
   f = pl.pallas_call(t_kernel, sds((128, 128)))
   return f, (f32(128, 128), f32(1, 128))
+
+
+# ------------------------------------------------------------ kernels/
+
+def _library(modname, fn_name, make_args, **kw):
+  """A kernel of kernels/, lowered for a TPU (backend="mosaic" picks the
+  TPU blocks); Pallas runs the module's twin (tests/pallas/mosaic_twins.py)."""
+  def build(pl, pltpu):
+    import importlib
+    from tests.pallas.mosaic_twins import twin
+    mod = (importlib.import_module(modname) if pl.__name__.startswith("dsl")
+           else twin(modname))
+    fn = getattr(mod, fn_name)
+    return functools.partial(fn, backend="mosaic", **kw), make_args()
+  return build
+
+
+def _qkv(b=1, s=256, h=2, d=128):
+  return tuple(jnp.ones((b, s, h, d), jnp.float32) for _ in range(3))
+
+
+CASES["lib_softmax"] = _library("kernels.softmax", "softmax_2d",
+                                lambda: (f32(64, 256),))
+CASES["lib_softmax_bwd"] = _library("kernels.softmax", "softmax_bwd_2d",
+                                    lambda: (f32(64, 256), f32(64, 256)))
+CASES["lib_layer_norm"] = _library(
+    "kernels.layer_norm", "layer_norm",
+    lambda: (f32(64, 256), f32(256), f32(256)))
+CASES["lib_rms_norm"] = _library("kernels.rms_norm", "rms_norm",
+                                 lambda: (f32(64, 256), f32(256)))
+CASES["lib_matmul"] = _library("kernels.matmul", "matmul",
+                               lambda: (f32(256, 512), f32(512, 256)))
+CASES["lib_matmul_bias_gelu"] = _library(
+    "kernels.matmul", "matmul", lambda: (f32(256, 256), f32(256, 256)),
+    bias=f32(256), activation="gelu")
+CASES["lib_flash_attention"] = _library("kernels.flash_attention",
+                                        "flash_attention", _qkv)
+CASES["lib_flash_attention_causal"] = _library(
+    "kernels.flash_attention", "flash_attention", _qkv, causal=True)
+CASES["lib_decode_attention"] = _library(
+    "kernels.decode_attention", "decode_attention",
+    lambda: (f32(2, 2, 128), f32(2, 512, 2, 128), f32(2, 512, 2, 128),
+             jnp.array([100, 512], jnp.int32)))
+CASES["lib_paged_attention"] = _library(
+    "kernels.paged_attention", "paged_attention",
+    lambda: (f32(2, 2, 128), f32(2, 16, 64, 128), f32(2, 16, 64, 128),
+             jnp.array([100, 256], jnp.int32),
+             jnp.arange(8, dtype=jnp.int32).reshape(2, 4)))

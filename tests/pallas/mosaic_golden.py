@@ -22,6 +22,7 @@ config without the body, and the call's own attributes.
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import difflib
 import json
@@ -66,7 +67,7 @@ def decode(body_b64: str) -> str:
 
 
 _FUNC = re.compile(r"^  func\.func ", re.M)
-_CONST = re.compile(r"^    (%[\w]+) = (arith\.constant .*)$")
+_CONST = re.compile(r"^    (%[\w$.-]+) = (arith\.constant .*)$")
 
 
 def _sort_constants(func_text: str) -> str:
@@ -82,7 +83,7 @@ def _sort_constants(func_text: str) -> str:
   slots = [k for k, _ in consts]
   for slot, (_, m) in zip(slots, ordered):
     lines[slot] = f"    {m.group(1)} = {m.group(2)}"
-  pattern = re.compile("|".join(re.escape(n) + r"(?![\w])"
+  pattern = re.compile("|".join(re.escape(n) + r"(?![\w$.-])"
                                 for n in sorted(names, key=len, reverse=True)))
   return pattern.sub(lambda m: names[m.group(0)], "\n".join(lines))
 
@@ -129,10 +130,39 @@ def _custom_calls(lowered) -> list:
   return calls
 
 
+# Pallas asks the device for the TPU generation's tiling (1-D blocks); on a
+# CPU it must be named by an abstract mesh.
+TPU_KIND = "TPU v5 lite"
+
+
+def _target_tpu():
+  from jax._src import mesh as mesh_lib
+  device = mesh_lib.AbstractDevice(device_kind=TPU_KIND, num_cores=1,
+                                   platform="tpu")
+  mesh = mesh_lib.AbstractMesh((1,), ("_tpu",), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
 def lower_tpu(f, *args) -> list[Call]:
   """The tpu_custom_calls of `f(*args)` lowered for a TPU."""
-  lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
+  try:
+    lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
+  except ValueError as e:
+    if "Unsupported TPU device kind" not in str(e):
+      raise
+    with _target_tpu():
+      lowered = jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
   return _custom_calls(lowered)
+
+
+_OP = re.compile(r"^\s*(?:%[^=]+= )?\"?([a-z_]+\.[a-z_0-9.]+)", re.M)
+
+
+def op_difference(ours: str, theirs: str):
+  """(ops only ours has, ops only theirs has) as Counters of op names."""
+  a = collections.Counter(_OP.findall(ours))
+  b = collections.Counter(_OP.findall(theirs))
+  return a - b, b - a
 
 
 def diff(ours: str, theirs: str) -> str:
