@@ -284,11 +284,11 @@ def _dimension_semantics(spec, grid_rank) -> list[str]:
   from dsl.errors import KernelError
   params = spec.compiler_params
   sem = getattr(params, "dimension_semantics", None)
-  if sem is None:
-    return ["arbitrary"] * grid_rank
-  sem = [str(getattr(s, "value", s)).lower() for s in sem]
   # grid axes added by vmap lead the grid (num_hidden_axes); they are parallel.
   hidden = spec.grid_mapping.num_hidden_axes
+  if sem is None:
+    return ["parallel"] * hidden + ["arbitrary"] * (grid_rank - hidden)
+  sem = [str(getattr(s, "value", s)).lower() for s in sem]
   if hidden and len(sem) == grid_rank - hidden:
     sem = ["parallel"] * hidden + sem
   if len(sem) != grid_rank:

@@ -53,10 +53,12 @@ def scratch_of(gm: GridMapping):
 def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
                  out_specs, scratch, aliases=(), suffix: str,
                  meta: tuple = ()) -> KernelSpec:
-  """Builds the KernelSpec of a kernel derived from `spec` by a transform."""
+  """Builds the KernelSpec of a kernel derived from `spec` by a transform,
+  named `<kernel>_<suffix>` (the kernel's own name for an empty suffix)."""
   gm = spec.grid_mapping
   new_spec, _ = build_spec(
-      body, tuple(args), list(out_shapes), name=f"{spec.name}_{suffix}",
+      body, tuple(args), list(out_shapes),
+      name=f"{spec.name}_{suffix}" if suffix else spec.name,
       grid=grid, in_specs=list(in_specs), out_specs=list(out_specs),
       scratch_shapes=list(scratch), num_scalar_prefetch=gm.num_scalar_prefetch,
       input_output_aliases=dict(aliases), backend=spec.backend,

@@ -71,7 +71,7 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
   new = derived_spec(spec, body, arg_shapes, out_shapes,
                      grid=(size,) + tuple(gm.grid), in_specs=in_specs,
                      out_specs=out_specs, scratch=list(gm.scratch_avals),
-                     aliases=dict(spec.input_output_aliases), suffix="vmap")
+                     aliases=dict(spec.input_output_aliases), suffix="")
   new = new.replace(grid_mapping=dataclasses.replace(
       new.grid_mapping, num_hidden_axes=gm.num_hidden_axes + 1))
   outs = pallas_call_p.bind(*args, spec=new)

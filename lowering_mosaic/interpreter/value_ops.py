@@ -341,7 +341,8 @@ for _n, _f in [("math.exp", np.exp), ("math.exp2", np.exp2),
                ("math.floor", np.floor), ("math.ceil", np.ceil),
                ("math.absf", np.abs), ("math.absi", np.abs),
                ("math.roundeven", np.rint),
-               ("math.round", lambda x: np.trunc(x + np.copysign(0.5, x)))]:
+               ("math.round", lambda x: np.trunc(x + np.copysign(0.5, x))),
+               ("tpu.logistic", lambda x: 1.0 / (1.0 + np.exp(-x)))]:
   value_op(_n)(_unary(_f))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from jax import lax
 from jax._src import ad_util
 from jax._src.lax import lax as lax_internal
+from jax._src.lib import tpu
 from jax._src.lib.mlir.dialects import arith, math
 
 from lowering_mosaic import emit
@@ -111,10 +112,9 @@ def _is_finite(ctx, x, **_):
 
 @register(lax.logistic_p)
 def _logistic(ctx, x, **_):
-  aval = ctx.avals_in[0]
-  one = constant(1.0, aval.shape, aval.dtype)
-  e = math.ExpOp(arith.NegFOp(x).result).result
-  return arith.DivFOp(one, arith.AddFOp(one, e).result).result
+  # Mosaic's own op (Pallas emits it too; 1 / (1 + exp(-x)) is its
+  # forward-compatible spelling)
+  return tpu.LogisticOp(x).result
 
 
 @register(lax.sign_p)

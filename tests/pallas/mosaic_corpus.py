@@ -617,3 +617,140 @@ CASES["lib_paged_attention"] = _library(
     lambda: (f32(2, 2, 128), f32(2, 16, 64, 128), f32(2, 16, 64, 128),
              jnp.array([100, 256], jnp.int32),
              jnp.arange(8, dtype=jnp.int32).reshape(2, 4)))
+
+
+# ------------------------------------------------------------ more values
+
+@case
+def run_scoped_buffers(pl, pltpu):
+  def scoped_kernel(x_hbm, o_ref):
+    def body(buf, sem):
+      c = pltpu.make_async_copy(x_hbm, buf, sem)
+      c.start()
+      c.wait()
+      o_ref[...] = buf[...] + 1.0
+    pl.run_scoped(body, pltpu.VMEM((8, 128), jnp.float32),
+                  pltpu.SemaphoreType.DMA)
+  f = pl.pallas_call(
+      scoped_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM))
+  return f, (f32(8, 128),)
+
+
+@case
+def strided_and_sliced_refs(pl, pltpu):
+  def stride_kernel(x_ref, o_ref):
+    even = x_ref[pl.ds(0, 8, stride=2), :]
+    o_ref[pl.ds(0, 8), :] = even
+    o_ref[pl.ds(8, 8), :] = x_ref[pl.ds(8, 8), :] * 2.0
+  f = pl.pallas_call(stride_kernel, sds((16, 128)))
+  return f, (f32(16, 128),)
+
+
+@case
+def integer_division_and_select(pl, pltpu):
+  def div_kernel(x_ref, y_ref, o_ref):
+    x, y = x_ref[...], y_ref[...]
+    o_ref[...] = lax.div(x, y) + lax.rem(x, y) + jnp.where(x > y, x, y)
+  f = pl.pallas_call(div_kernel, sds((8, 128), jnp.int32))
+  x = jnp.full((8, 128), 7, jnp.int32)
+  return f, (x, x - 4)
+
+
+@case
+def reshape_broadcast_concat(pl, pltpu):
+  def shape_kernel(x_ref, v_ref, o_ref):
+    x = x_ref[...]
+    v = v_ref[...]                                   # (1, 128)
+    y = jnp.concatenate([x[:8], x[8:] * 2.0], axis=0)
+    o_ref[...] = y + jnp.broadcast_to(v, (16, 128))
+  f = pl.pallas_call(shape_kernel, sds((16, 128)))
+  return f, (f32(16, 128), f32(1, 128))
+
+
+@case
+def argmax_and_compare(pl, pltpu):
+  def argmax_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.broadcast_to(
+        jnp.argmax(x_ref[...], axis=1, keepdims=True).astype(jnp.int32),
+        (8, 128))
+  f = pl.pallas_call(argmax_kernel, sds((8, 128), jnp.int32))
+  return f, (f32(8, 128),)
+
+
+@case
+def program_id_arithmetic_in_index_map(pl, pltpu):
+  def shift_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + pl.program_id(1).astype(jnp.float32)
+  f = pl.pallas_call(
+      shift_kernel, sds((32, 256)), grid=(2, 2),
+      in_specs=[pl.BlockSpec((16, 128), lambda i, j: ((i + 1) % 2, 1 - j))],
+      out_specs=pl.BlockSpec((16, 128), lambda i, j: (i, j)),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary")))
+  return f, (f32(32, 256),)
+
+
+@case
+def vmapped_kernel(pl, pltpu):
+  def add_one_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  f = pl.pallas_call(add_one_kernel, sds((16, 128)), grid=(2,),
+                     in_specs=[spec], out_specs=spec)
+  return jax.vmap(f), (f32(3, 16, 128),)
+
+
+@case
+def scalar_prefetch_2d_table(pl, pltpu):
+  def table_kernel(tbl_ref, x_ref, o_ref):
+    i, j = pl.program_id(0), pl.program_id(1)
+    o_ref[...] = x_ref[...] * tbl_ref[i, j].astype(jnp.float32)
+  f = pl.pallas_call(
+      table_kernel, sds((16, 256)),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(2, 2),
+          in_specs=[pl.BlockSpec((8, 128),
+                                 lambda i, j, t: (t[i, j] % 2, j))],
+          out_specs=pl.BlockSpec((8, 128), lambda i, j, t: (i, j))))
+  return f, (jnp.array([[1, 0], [0, 1]], jnp.int32), f32(16, 256))
+
+
+@case
+def scratch_carried_over_grid(pl, pltpu):
+  def running_kernel(x_ref, o_ref, acc_ref, n_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+      n_ref[0] = 0
+    acc_ref[...] += x_ref[...]
+    n_ref[0] = n_ref[0] + 1
+    o_ref[...] = acc_ref[...] / n_ref[0].astype(jnp.float32)
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  f = pl.pallas_call(
+      running_kernel, sds((32, 128)), grid=(4,), in_specs=[spec],
+      out_specs=spec,
+      scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32),
+                      pltpu.SMEM((1,), jnp.int32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("arbitrary",)))
+  return f, (f32(32, 128),)
+
+
+@case
+def bitcast_values(pl, pltpu):
+  def bits_kernel(x_ref, b_ref):
+    b_ref[...] = pltpu.bitcast(x_ref[...], jnp.int32)
+  f = pl.pallas_call(bits_kernel, sds((8, 128), jnp.int32))
+  return f, (f32(8, 128),)
+
+
+@case
+def math_functions(pl, pltpu):
+  def math_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    o_ref[...] = (jnp.tanh(x) + jnp.log(x + 2.0) + jax.nn.sigmoid(x)
+                  + lax.rsqrt(x + 1.0) + jnp.abs(x) + jnp.sqrt(x * x))
+  f = pl.pallas_call(math_kernel, sds((8, 128)))
+  return f, (f32(8, 128),)
