@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import core
+from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, func
 
@@ -240,6 +241,27 @@ class _Walk(LoweringHost):
   def __init__(self, lctx: LoweringContext):
     self.lctx = lctx
     self.outer_line = lctx.current_line
+    self.scopes: list[str] = []     # the named scopes now open
+
+  def enter_scopes(self, eqn):
+    """`tpu.trace_start` / `trace_stop` where the equations' named scopes
+    (`jax.named_scope`, einsum) begin and end, as Pallas marks them for
+    the profiler."""
+    names = [s.name for s in eqn.source_info.name_stack.stack]
+    keep = 0
+    while (keep < min(len(names), len(self.scopes))
+           and names[keep] == self.scopes[keep]):
+      keep += 1
+    self.close_scopes(len(self.scopes) - keep)
+    for name in names[keep:]:
+      tpu.TraceStartOp(name, 10)
+    self.scopes = names
+
+  def close_scopes(self, n=None):
+    n = len(self.scopes) if n is None else n
+    for _ in range(n):
+      tpu.TraceStopOp()
+    self.scopes = self.scopes[:len(self.scopes) - n]
 
   def literal(self, atom):
     return constant(atom.val, atom.aval.shape, atom.aval.dtype)
@@ -266,14 +288,18 @@ class _Walk(LoweringHost):
         raise self.lctx.error("zero-size arrays are not supported by the "
                               "Mosaic lowering (TPU vectors need positive "
                               "sizes)", eqn.primitive.name)
+      self.enter_scopes(eqn)
       yield
 
 
 def lower_jaxpr(lctx: LoweringContext, jaxpr: core.Jaxpr, consts, args):
   """Lowers `jaxpr` at the current insertion point; returns its outputs."""
   outer_line = lctx.current_line
+  walk = _Walk(lctx)
   try:
-    return walk_jaxpr(_Walk(lctx), jaxpr, consts, args)
+    outs = walk_jaxpr(walk, jaxpr, consts, args)
+    walk.close_scopes()
+    return outs
   finally:
     lctx.current_line = outer_line
 

@@ -47,9 +47,17 @@ def _identity(op: str, dtype):
 
 
 def multi_reduction(x, in_shape, axes, op, dtype) -> ir.Value:
+  """`vector.multi_reduction` over `axes`. Mosaic does not reduce to a
+  scalar: a full reduction reduces a leading 1 dim's vector<1> and extracts
+  (the form Pallas emits)."""
   axes = sorted(int(a) for a in axes)
   if not axes:
     return x
+  if len(axes) == len(in_shape):
+    lead = (1,) + tuple(in_shape)
+    x = emit.reshape(x, in_shape, lead, dtype)
+    r = multi_reduction(x, lead, [a + 1 for a in axes], op, dtype)
+    return emit.reshape(r, (1,), (), dtype)
   out_shape = tuple(d for i, d in enumerate(in_shape) if i not in axes)
   acc = constant(_identity(op, dtype), out_shape, dtype)
   return vector.MultiDimReductionOp(

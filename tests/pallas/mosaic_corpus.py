@@ -754,3 +754,103 @@ def math_functions(pl, pltpu):
                   + lax.rsqrt(x + 1.0) + jnp.abs(x) + jnp.sqrt(x * x))
   f = pl.pallas_call(math_kernel, sds((8, 128)))
   return f, (f32(8, 128),)
+
+
+@case
+def cond_with_results_and_nested_loops(pl, pltpu):
+  def nested_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    y = lax.cond(pl.program_id(0) % 2 == 0, lambda v: v * 2.0,
+                 lambda v: v - 1.0, x)
+
+    def outer(i, acc):
+      def inner(j, a):
+        return a + (i * j).astype(jnp.float32)
+      return lax.fori_loop(0, 3, inner, acc)
+    o_ref[...] = lax.fori_loop(0, 2, outer, y)
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  f = pl.pallas_call(nested_kernel, sds((16, 128)), grid=(2,),
+                     in_specs=[spec], out_specs=spec)
+  return f, (f32(16, 128),)
+
+
+@case
+def masked_store(pl, pltpu):
+  def mask_kernel(x_ref, o_ref):
+    rows = lax.broadcasted_iota(jnp.int32, (8, 128), 0)
+    o_ref[...] = jnp.zeros_like(o_ref)
+    if hasattr(pltpu, "store"):        # JAX 0.11: pltpu.store(ref, val, mask=)
+      pltpu.store(o_ref, x_ref[...], mask=rows < 5)
+    else:
+      pl.store(o_ref, (slice(None), slice(None)), x_ref[...], mask=rows < 5)
+  f = pl.pallas_call(mask_kernel, sds((8, 128)))
+  return f, (f32(8, 128),)
+
+
+@case
+def jnp_roll_and_dynamic_roll(pl, pltpu):
+  def roll_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    o_ref[...] = jnp.roll(x, 5, axis=1) + pltpu.roll(x, 1, 0)
+  f = pl.pallas_call(roll_kernel, sds((8, 128)))
+  return f, (f32(8, 128),)
+
+
+@case
+def batched_dot_3d(pl, pltpu):
+  def bmm_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = jnp.einsum("bij,bjk->bik", x_ref[...], y_ref[...],
+                            preferred_element_type=jnp.float32)
+  f = pl.pallas_call(bmm_kernel, sds((2, 128, 128)))
+  return f, (f32(2, 128, 128), f32(2, 128, 128))
+
+
+@case
+def dot_bf16_transposed_rhs(pl, pltpu):
+  def nt_kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = lax.dot_general(
+        x_ref[...], y_ref[...], (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32).astype(o_ref.dtype)
+  f = pl.pallas_call(nt_kernel, sds((128, 256), jnp.bfloat16))
+  return f, (jnp.ones((128, 128), jnp.bfloat16),
+             jnp.ones((256, 128), jnp.bfloat16))
+
+
+@case
+def alias_into_any_output(pl, pltpu):
+  def update_kernel(x_ref, big_hbm, o_hbm, sem):
+    del big_hbm
+    c = pltpu.make_async_copy(x_ref, o_hbm.at[pl.ds(8, 8)], sem)
+    c.start()
+    c.wait()
+  f = pl.pallas_call(
+      update_kernel, sds((32, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM),
+                pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec(memory_space=pl.ANY),
+      scratch_shapes=[pltpu.SemaphoreType.DMA],
+      input_output_aliases={1: 0})
+  return f, (f32(8, 128), f32(32, 128))
+
+
+@case
+def reduce_all_axes_to_smem(pl, pltpu):
+  def total_kernel(x_ref, o_ref):
+    o_ref[0, 0] = jnp.sum(x_ref[...])
+  f = pl.pallas_call(
+      total_kernel, sds((1, 1)),
+      out_specs=pl.BlockSpec(memory_space=pltpu.SMEM))
+  return f, (f32(8, 128),)
+
+
+@case
+def named_scopes(pl, pltpu):
+  def scoped_names_kernel(x_ref, o_ref):
+    with jax.named_scope("prologue"):
+      x = x_ref[...] * 2.0
+    with jax.named_scope("body"):
+      with jax.named_scope("inner"):
+        y = jnp.exp(x)
+      o_ref[...] = y + 1.0
+  f = pl.pallas_call(scoped_names_kernel, sds((8, 128)))
+  return f, (f32(8, 128),)
