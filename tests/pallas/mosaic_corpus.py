@@ -854,3 +854,22 @@ def named_scopes(pl, pltpu):
       o_ref[...] = y + 1.0
   f = pl.pallas_call(scoped_names_kernel, sds((8, 128)))
   return f, (f32(8, 128),)
+
+
+def _collective(fn_name):
+  def build(pl, pltpu):
+    import importlib
+    from jax.sharding import PartitionSpec as P
+    from tests.pallas.mosaic_twins import twin
+    mod = (importlib.import_module("kernels.collectives")
+           if pl.__name__.startswith("dsl") else twin("kernels.collectives"))
+    fn = functools.partial(getattr(mod, fn_name), axis_name="x",
+                           backend="mosaic")
+    f = jax.shard_map(fn, mesh=_mesh(), in_specs=P("x"), out_specs=P("x"),
+                      check_vma=False)
+    return f, (f32(N_DEV * 32, 128),)
+  return build
+
+
+CASES["lib_all_gather"] = _collective("all_gather")
+CASES["lib_reduce_scatter"] = _collective("reduce_scatter")
