@@ -386,7 +386,8 @@ def squeezed_3d_grid(pl, pltpu):
 @case
 def element_with_padding(pl, pltpu):
   def pad_kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[pl.ds(0, 8), :] + x_ref[pl.ds(8, 8), :]
+    # rows 8.. of the last window are padding (undefined): not read
+    o_ref[...] = x_ref[pl.ds(0, 8), :] * 2.0
   f = pl.pallas_call(
       pad_kernel, sds((32, 128)), grid=(4,),
       in_specs=[pl.BlockSpec((pl.Element(16, (0, 8)), pl.Element(128)),
@@ -873,3 +874,30 @@ def _collective(fn_name):
 
 CASES["lib_all_gather"] = _collective("all_gather")
 CASES["lib_reduce_scatter"] = _collective("reduce_scatter")
+
+
+def _library_grad(modname, fn_name, make_args, argnums=0, **kw):
+  """The backward kernels of a kernels/ function: the gradient of the sum
+  of its output."""
+  fwd = _library(modname, fn_name, make_args, **kw)
+
+  def build(pl, pltpu):
+    f, args = fwd(pl, pltpu)
+    return jax.grad(lambda *a: jnp.sum(f(*a)), argnums=argnums), args
+  return build
+
+
+CASES["lib_softmax_grad"] = _library_grad(
+    "kernels.softmax", "softmax", lambda: (f32(64, 256),))
+CASES["lib_layer_norm_grad"] = _library_grad(
+    "kernels.layer_norm", "layer_norm",
+    lambda: (f32(64, 256), f32(256), f32(256)), argnums=(0, 1, 2))
+CASES["lib_rms_norm_grad"] = _library_grad(
+    "kernels.rms_norm", "rms_norm", lambda: (f32(64, 256), f32(256)),
+    argnums=(0, 1))
+CASES["lib_matmul_grad"] = _library_grad(
+    "kernels.matmul", "matmul", lambda: (f32(256, 256), f32(256, 256)),
+    argnums=(0, 1), activation="gelu")
+CASES["lib_matmul_2d_trans"] = _library(
+    "kernels.matmul", "matmul_2d", lambda: (f32(256, 128), f32(256, 128)),
+    trans_a=True, trans_b=False)

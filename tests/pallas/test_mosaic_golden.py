@@ -7,11 +7,14 @@ mosaic_golden.py for what is normalized), and so are the calls' configs and
 attributes.
 """
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
 
 import dsl
+from dsl import backends
 from dsl import tpu as dtpu
 from tests.pallas import mosaic_golden as golden
 from tests.pallas.mosaic_corpus import CASES
@@ -51,6 +54,11 @@ DOCUMENTED = {
 # sem_barrier is replaced by one at the top of its function.
 BARRIER_PLACEMENT = {"barrier_and_remote_signal", "lib_all_gather",
                      "lib_reduce_scatter"}
+
+# Kernels that run inside shard_map (tests/pallas/test_mosaic_multidevice.py
+# runs such kernels).
+SHARD_MAPPED = {"remote_ring_copy", "remote_wait_send_recv",
+                "barrier_and_remote_signal", "logical_device_id"}
 
 # Kernels Pallas's TPU lowering rejects (docs/mosaic.md): case -> what its
 # error says. Their blocks (batch, seq, heads, head_dim) squeeze the heads
@@ -99,3 +107,30 @@ def test_rejected_by_pallas_but_lowered_by_us(name):
   f, args = CASES[name](dsl, dtpu)
   (call, *_) = golden.lower_tpu(f, *args)
   assert "memref<1x" in call.module      # the squeezed dims kept as 1s
+
+
+# The corpus kernels that run here under both host backends (kernels/ and
+# shard_map ones have their own tests): the module, run by the Mosaic
+# interpreter, computes what the plain interpreter computes.
+RUNNABLE = sorted(n for n in set(CASES) - set(REJECTED_BY_PALLAS)
+                  if not n.startswith("lib_") and n not in SHARD_MAPPED)
+
+
+def _random_like(args, seed=0):
+  rng = np.random.default_rng(seed)
+  return tuple(
+      jnp.asarray(rng.standard_normal(a.shape), a.dtype)
+      if jnp.issubdtype(a.dtype, jnp.floating) else a for a in args)
+
+
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_mosaic_interpreter_runs_the_corpus(name, monkeypatch):
+  results = {}
+  for backend in ("interpret", "mosaic_interpret"):
+    monkeypatch.setitem(backends.DEFAULT_FOR_PLATFORM, "cpu", backend)
+    f, args = CASES[name](dsl, dtpu)
+    results[backend] = jax.jit(f)(*_random_like(args))
+  for a, b in zip(jax.tree.leaves(results["interpret"]),
+                  jax.tree.leaves(results["mosaic_interpret"])):
+    np.testing.assert_allclose(np.asarray(a, np.float32),
+                               np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
