@@ -401,7 +401,7 @@ def build_module_and_context(spec, mesh_axes=()):
 
 def entry_name(spec) -> str:
   """The kernel function's name: the kernel's, as a symbol (as Pallas)."""
-  return re.sub(r"[^A-Za-z0-9_.$-]", "_", spec.name) or "kernel"
+  return re.sub(r"[^\w.-]", "_", spec.name) or "kernel"
 
 
 def has_trivial_window(bm) -> bool:

@@ -2,8 +2,9 @@
 
 1. Tiling: the last two dims of every VMEM block are divisible by the tile of
    its dtype, (8, 128) for 32-bit, (16, 128) for 16-bit, (32, 128) for 8-bit
-   types, or equal the array's dims. (A squeezed second-minor dim is fine;
-   rank-1 blocks need only the 128 rule.)
+   types, or equal the array's dims. (A squeezed second-minor dim is
+   allowed, though Pallas's lowering rejects it (docs/mosaic.md); rank-1
+   blocks need only the 128 rule.)
 2. VMEM budget: double-buffered VMEM blocks plus VMEM scratch (each padded
    to whole tiles) fit in `vmem_limit_bytes` (default 16 MiB).
 3. Scalars in SMEM: a 0-d operand or scratch cannot live in VMEM.
