@@ -17,8 +17,9 @@ attributes Mosaic reads:
                 dsl.* = the kernel's name, source and operand roles}
 
   func.func @transform_k(%grid_0: i32, ..., %prefetch...) -> (i32, ...)
-    returns the block index of operand k per array dim (element offsets for
-    `Element` dims, listed in its window's `dsl.element_dims`).
+    returns the block index of operand k per array dim; for a block with
+    `Element` dims, the element offset of every dim (`window_kind =
+    #tpu.element_window<...>`, dims listed in `dsl.element_dims`).
 
 The kernel jaxpr is lowered equation by equation by the shared
 `dsl.jaxpr_walk.walk_jaxpr` through `TABLE`, a table keyed by primitive that
@@ -367,8 +368,15 @@ def _lower_transform(lctx, spec, k, bm, prefetch_types) -> str:
           for i, (a, aval) in enumerate(zip(block.arguments[n_grid:],
                                             gm.prefetch_avals))]
     jaxpr = bm.index_map_jaxpr
-    outs = lower_jaxpr(lctx, jaxpr.jaxpr, jaxpr.consts, args + pf)
-    func.ReturnOp([to_i32(o) for o in outs])
+    outs = [to_i32(o) for o in
+            lower_jaxpr(lctx, jaxpr.jaxpr, jaxpr.consts, args + pf)]
+    if bm.has_element_dims:
+      # an element window reads every index as an element offset: a
+      # blocked dim's block index becomes index * block size
+      outs = [o if isinstance(b, Element) or b is squeezed or size == 1
+              else arith.MulIOp(o, i32_const(size)).result
+              for o, b, size in zip(outs, bm.block_shape, bm.block_sizes)]
+    func.ReturnOp(outs)
   return name
 
 
@@ -420,8 +428,9 @@ def _window_param(lctx, spec, k, bm, prefetch_types) -> ir.Attribute:
       "transform_indices": ir.FlatSymbolRefAttr.get(tname),
       "window_bounds": ir.DenseI64ArrayAttr.get(list(bm.block_sizes)),
   }
-  elem = [d for d, b in enumerate(bm.block_shape) if isinstance(b, Element)]
-  if elem:
+  if bm.has_element_dims:
+    # every dim's index is an element offset (see _lower_transform)
+    elem = list(range(len(bm.block_shape)))
     pads = [b.padding if isinstance(b, Element) else (0, 0)
             for b in bm.block_shape]
     lo, hi = [p[0] for p in pads], [p[1] for p in pads]

@@ -901,3 +901,14 @@ CASES["lib_matmul_grad"] = _library_grad(
 CASES["lib_matmul_2d_trans"] = _library(
     "kernels.matmul", "matmul_2d", lambda: (f32(256, 128), f32(256, 128)),
     trans_a=True, trans_b=False)
+
+
+@case
+def element_mixed_with_blocked(pl, pltpu):
+  def mixed_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+  f = pl.pallas_call(
+      mixed_kernel, sds((32, 256)), grid=(4, 2),
+      in_specs=[pl.BlockSpec((pl.Element(8), 128), lambda i, j: (i * 8, j))],
+      out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)))
+  return f, (f32(32, 256),)

@@ -60,15 +60,23 @@ BARRIER_PLACEMENT = {"barrier_and_remote_signal", "lib_all_gather",
 SHARD_MAPPED = {"remote_ring_copy", "remote_wait_send_recv",
                 "barrier_and_remote_signal", "logical_device_id"}
 
-# Kernels Pallas's TPU lowering rejects (docs/mosaic.md): case -> what its
-# error says. Their blocks (batch, seq, heads, head_dim) squeeze the heads
-# dim, the second-minor one, which our tiling rule allows and Pallas's does
-# not.
-_SECOND_MINOR = "last two dimensions of your block shape are divisible"
+# Kernels Pallas's TPU lowering rejects (docs/mosaic.md): case -> (its
+# exception, what it says, what our module shows instead).
+# - Blocks (batch, seq, heads, head_dim) squeezing the heads dim, the
+#   second-minor one: our tiling rule allows it, Pallas's does not (not
+#   harmless: listed in docs/mosaic.md with the fix).
+# - An Element dim beside a blocked one: Pallas requires all or none; ours
+#   makes every index of the window an element offset (the blocked dim's
+#   index times its block size), a window a TPU reads as Pallas's.
+_SECOND_MINOR = (ValueError, "last two dimensions of your block shape are "
+                 "divisible", "memref<1x")
 REJECTED_BY_PALLAS = {
     "lib_flash_attention": _SECOND_MINOR,
     "lib_flash_attention_causal": _SECOND_MINOR,
     "lib_decode_attention": _SECOND_MINOR,
+    "element_mixed_with_blocked": (
+        NotImplementedError, "All block dimensions must be Elements",
+        "window_kind = #tpu.element_window<[0, 0], [0, 0]>"),
 }
 
 
@@ -101,18 +109,29 @@ def test_matches_pallas(name):
 
 @pytest.mark.parametrize("name", sorted(REJECTED_BY_PALLAS))
 def test_rejected_by_pallas_but_lowered_by_us(name):
+  exc, says, ours_shows = REJECTED_BY_PALLAS[name]
   f, args = CASES[name](jpl, jpltpu)
-  with pytest.raises(ValueError, match=REJECTED_BY_PALLAS[name]):
+  with pytest.raises(exc, match=says):
     golden.lower_tpu(f, *args)
   f, args = CASES[name](dsl, dtpu)
   (call, *_) = golden.lower_tpu(f, *args)
-  assert "memref<1x" in call.module      # the squeezed dims kept as 1s
+  assert ours_shows in call.module
+
+
+def test_mixed_element_window_takes_element_offsets():
+  f, args = CASES["element_mixed_with_blocked"](dsl, dtpu)
+  (call,) = golden.lower_tpu(f, *args)
+  # transform_0 returns (i * 8, j * 128): element offsets in both dims
+  transform = call.module.split("func.func @transform_0")[1].split(
+      "func.func")[0]
+  assert "arith.muli %arg1, %K" in transform and "arith.constant 128" in (
+      transform)
 
 
 # The corpus kernels that run here under both host backends (kernels/ and
 # shard_map ones have their own tests): the module, run by the Mosaic
 # interpreter, computes what the plain interpreter computes.
-RUNNABLE = sorted(n for n in set(CASES) - set(REJECTED_BY_PALLAS)
+RUNNABLE = sorted(n for n in CASES
                   if not n.startswith("lib_") and n not in SHARD_MAPPED)
 
 
