@@ -86,13 +86,11 @@ def point_function(spec: KernelSpec):
   """
   gm = spec.grid_mapping
   dj = discharged_kernel(spec.jaxpr, len(gm.grid))
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
 
   def F(ids, pf, ins, outs, scratch):
-    finals = core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins, *outs,
-                             *scratch)
-    return (list(finals[n_pf + n_in:n_pf + n_in + n_out]),
-            list(finals[n_pf + n_in + n_out:]))
+    finals = gm.split(core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins,
+                                      *outs, *scratch))
+    return list(finals.outputs), list(finals.scratch)
   return F
 
 

@@ -35,7 +35,6 @@ from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
 
 def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
   gm = spec.grid_mapping
-  n_pf = gm.num_scalar_prefetch
   in_nz = input_tangent_mask(spec, nonzeros)
   out_nz, _ = tangent_pattern(spec, in_nz)
   primal_out = pallas_call_p.bind(*primals, spec=spec)
@@ -45,8 +44,8 @@ def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
   lin = jvp_spec(spec, in_nz, meta=("linear", spec, tuple(in_nz)))
 
   def linearized(residuals, _, *tangents):
-    tins = [ad.instantiate_zeros(t) for t, nz in zip(tangents[n_pf:], in_nz)
-            if nz]
+    tins = [ad.instantiate_zeros(t) for t, nz in
+            zip(gm.split_operands(tangents).inputs, in_nz) if nz]
     outs = pallas_call_p.bind(*residuals, *tins, spec=lin)
     return split_outputs(spec, outs, out_nz)[1]
 
@@ -122,11 +121,11 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
                  + [a.inner_aval for a in gm.scratch_avals])
 
   def body(*refs):
+    # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
     ids = [program_id(d) for d in range(n_grid)]
-    base = refs[:n_pf + n_in + n_out]
-    rec = refs[n_pf + n_in + n_out:n_pf + n_in + n_out + len(state_avals)]
-    scr = refs[n_pf + n_in + n_out + len(state_avals):]
-    for r, s in zip(rec, list(base[n_pf + n_in:]) + list(scr)):
+    base, rec, scr = split(refs, n_pf + n_in + n_out, len(state_avals), n_scr)
+    ops = gm.split(base + scr)
+    for r, s in zip(rec, ops.outputs + ops.scratch):
       r[...] = s[...]
     eval_ref_jaxpr(spec.jaxpr, *ids, *base, *scr)
 
@@ -240,8 +239,9 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
                       "derive", spec.where)
   _, base, in_nz = spec.meta
   gm = base.grid_mapping
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
-  primals = args[:n_pf + n_in]
+  n_out = gm.num_outputs
+  n_primals = gm.num_scalar_prefetch + gm.num_inputs
+  primals, tangent_args = args[:n_primals], args[n_primals:]
   if any(ad.is_undefined_primal(p) for p in primals):
     raise KernelError(base.name, "reverse mode needs the kernel's primal "
                       "inputs as residuals", base.where)
@@ -267,13 +267,14 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   final_by_out = dict(zip([o for o, f in enumerate(out_f) if f], ct_out_final))
   pos = {k: j for j, k in enumerate(k for k, nz in enumerate(in_nz) if nz)}
   for i, o in base.input_output_aliases:
-    if i - n_pf in pos and o in final_by_out:
-      ct_ins[pos[i - n_pf]] = ct_ins[pos[i - n_pf]] + final_by_out[o]
+    k = i - gm.num_scalar_prefetch     # the aliased input's position
+    if k in pos and o in final_by_out:
+      ct_ins[pos[k]] = ct_ins[pos[k]] + final_by_out[o]
   # A cotangent has its tangent's type (sharding included, under jit over a
   # mesh with Explicit axes, where the kernel's outputs are replicated).
   tangent_cts = [sharded_like(c, getattr(t, "aval", None))
-                 for c, t in zip(ct_ins, args[n_pf + n_in:])]
-  return [None] * (n_pf + n_in) + tangent_cts
+                 for c, t in zip(ct_ins, tangent_args)]
+  return [None] * n_primals + tangent_cts
 
 
 ad.primitive_linearizations[pallas_call_p] = pallas_call_linearize
