@@ -17,7 +17,7 @@ from dsl.errors import (KernelError, KernelTypeError, function_location,
                         kernel_error_of, lowering_kernel, user_frame)
 from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
-from dsl.interpret.plan import check_block_indices
+from dsl.interpret.plan import check_block_indices, check_semantics
 from dsl.tracing import trace_kernel
 
 
@@ -259,6 +259,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         input_output_aliases=input_output_aliases, backend=backend,
         debug=debug, compiler_params=compiler_params,
         cost_estimate=cost_estimate, where=where)
+    check_semantics(spec.name, compiler_params, len(spec.grid_mapping.grid),
+                    where)
     outs = pallas_call_p.bind(*flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 

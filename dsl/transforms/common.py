@@ -5,17 +5,11 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax._src import core
 
 from dsl.blockspec import BlockMapping, BlockSpec, squeezed
-from dsl.gridspec import GridMapping
 from dsl.interpret.execute import discharged_kernel
 from dsl.pallas_call import KernelSpec, build_spec, pallas_call_p
-
-
-def is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def block_spec_of(bm: BlockMapping, n_grid: int,
@@ -44,10 +38,6 @@ def block_spec_of(bm: BlockMapping, n_grid: int,
 
 def sds(aval, batch: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(batch + tuple(aval.shape), aval.dtype)
-
-
-def scratch_of(gm: GridMapping):
-  return list(gm.scratch_avals)
 
 
 def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,

@@ -6,27 +6,27 @@ blocks with the same BlockSpecs as their primals.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import ad
 
 from dsl.pallas_call import KernelSpec, pallas_call_p
 from dsl.tracing import program_id
+from dsl.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   is_float, sds, split)
+                                   sds, split)
 
 
 def tangent_pattern(spec: KernelSpec, in_nz):
   """Which outputs and scratch buffers carry tangents."""
   gm = spec.grid_mapping
-  out_nz = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
-  scr_nz = [is_float(a.inner_aval.dtype) for a in gm.scratch_avals]
+  out_nz = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
+  scr_nz = [has_tangent(a.inner_aval.dtype) for a in gm.scratch_avals]
   return out_nz, scr_nz
 
 
 def input_tangent_mask(spec: KernelSpec, nonzeros):
   gm = spec.grid_mapping
-  return [bool(nz) and is_float(bm.array_aval.dtype)
+  return [bool(nz) and has_tangent(bm.array_aval.dtype)
           for nz, bm in zip(gm.split_operands(nonzeros).inputs,
                             gm.in_mappings)]
 

@@ -25,8 +25,9 @@ from dsl.errors import KernelError
 from dsl.interpret.plan import make_plan
 from dsl.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.tracing import program_id
+from dsl.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   is_float, point_function, sds, split)
+                                   point_function, sds, split)
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
 
@@ -71,13 +72,13 @@ def needs_entry_state(spec: KernelSpec) -> bool:
   """Does the tangent map at a point depend on its entry output/scratch state?"""
   gm = spec.grid_mapping
   F = point_function(spec)
-  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
+  n_grid = len(gm.grid)
   ids = [jax.ShapeDtypeStruct((), jnp.int32)] * n_grid
   pf = [sds(a.inner_aval) for a in gm.prefetch_avals]
   ins = [sds(bm.ref_aval.inner_aval) for bm in gm.in_mappings]
   outs = [sds(bm.ref_aval.inner_aval) for bm in gm.out_mappings]
   scr = [sds(a.inner_aval) for a in gm.scratch_avals]
-  fl = lambda xs: [x for x in xs if is_float(x.dtype)]
+  fl = lambda xs: [x for x in xs if has_tangent(x.dtype)]
   if not fl(outs) and not fl(scr):
     return False
 
@@ -102,14 +103,14 @@ def needs_entry_state(spec: KernelSpec) -> bool:
 
 def _fill_floats(values, floats):
   it = iter(floats)
-  return [next(it) if is_float(v.dtype) else v for v in values]
+  return [next(it) if has_tangent(v.dtype) else v for v in values]
 
 
 def _float_call(F, ids, pf, ins, outs, scr, fi, fo, fs):
   o, s = F(ids, pf, _fill_floats(ins, fi), _fill_floats(outs, fo),
            _fill_floats(scr, fs))
-  return ([x for x in o if is_float(x.dtype)],
-          [x for x in s if is_float(x.dtype)])
+  return ([x for x in o if has_tangent(x.dtype)],
+          [x for x in s if has_tangent(x.dtype)])
 
 
 def _recording_spec(spec: KernelSpec) -> KernelSpec:
@@ -153,8 +154,7 @@ def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
 def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
-  n_pf, n_in, n_out, n_scr = (gm.num_scalar_prefetch, gm.num_inputs,
-                              gm.num_outputs, len(gm.scratch_avals))
+  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
   sequential = set(make_plan(gm, spec.compiler_params, spec.jaxpr).sequential)
   F = point_function(spec)
 
@@ -162,9 +162,9 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
     return [grid[d] - 1 - i if d in sequential else i
             for d, i in enumerate(ids)]
 
-  out_f = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
-  scr_f = [is_float(a.inner_aval.dtype) for a in gm.scratch_avals]
-  in_f = [is_float(bm.array_aval.dtype) for bm in gm.in_mappings]
+  out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
+  scr_f = [has_tangent(a.inner_aval.dtype) for a in gm.scratch_avals]
+  in_f = [has_tangent(bm.array_aval.dtype) for bm in gm.in_mappings]
   state_avals = ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
                  + [a.inner_aval for a in gm.scratch_avals])
   n_rec = len(state_avals) if recorded else 0
@@ -190,7 +190,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
                   for x, nz, f in zip(ins, in_nz, in_f) if f]
       def f(fi, fo, fs):
         return _float_call(F, ids, pf, ins, outs_e, scr_e, fi, fo, fs)
-      fl = lambda xs: [x for x in xs if is_float(x.dtype)]
+      fl = lambda xs: [x for x in xs if has_tangent(x.dtype)]
       _, tangents = jax.jvp(f, (fl(ins), fl(outs_e), fl(scr_e)),
                             (t_in_all, t_out, t_scr))
       return tangents
@@ -245,7 +245,7 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   if any(ad.is_undefined_primal(p) for p in primals):
     raise KernelError(base.name, "reverse mode needs the kernel's primal "
                       "inputs as residuals", base.where)
-  out_f = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
+  out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
   t_cts = iter(cts[n_out:])
   ct_outs = []
   for bm, f in zip(gm.out_mappings, out_f):
