@@ -249,6 +249,9 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
 
   def wrapped(*args):
     where = user_frame()
+    params = compiler_params
+    if params is None:
+      params = _autotuned_launch_params(backend)
     flat_args, _ = tree_util.tree_flatten(args)
     flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
                  for a in flat_args]
@@ -257,7 +260,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         out_specs=out_specs, scratch_shapes=scratch_shapes,
         num_scalar_prefetch=num_scalar_prefetch,
         input_output_aliases=input_output_aliases, backend=backend,
-        debug=debug, compiler_params=compiler_params,
+        debug=debug, compiler_params=params,
         cost_estimate=cost_estimate, where=where)
     check_semantics(spec.name, compiler_params, len(spec.grid_mapping.grid),
                     where)
@@ -265,6 +268,21 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     return tree_util.tree_unflatten(out_tree, outs)
 
   return wrapped
+
+
+def _autotuned_launch_params(backend):
+  """Triton's num_warps/num_stages from an enclosing `dsl.autotune` config
+  that the tuned function does not take itself, or None."""
+  from dsl import autotuning
+  launch = autotuning.launch_params()
+  if not launch:
+    return None
+  if backend is None:
+    backend = backends.DEFAULT_FOR_PLATFORM.get(jax.default_backend())
+  if backend not in ("triton", "triton_interpret"):
+    return None
+  from dsl import triton
+  return triton.CompilerParams(**launch)
 
 
 def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
