@@ -297,7 +297,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         input_output_aliases=input_output_aliases, backend=backend,
         debug=debug, compiler_params=params,
         cost_estimate=cost_estimate, where=where)
-    check_semantics(spec.name, compiler_params, len(spec.grid_mapping.grid),
+    check_semantics(spec.name, params, len(spec.grid_mapping.grid),
                     where)
     outs = pallas_call_p.bind(*flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
