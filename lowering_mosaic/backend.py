@@ -43,6 +43,8 @@ def mesh_axes_from_context(ctx, spec, on_host: bool = False) -> tuple:
   host simulation runs it once on whole arrays (`on_host`); a TPU cannot.
   """
   ac = ctx.module_context.axis_context
+  if spec.local:     # partitioned under a sharded jit: one device, its shards
+    return ()
   if isinstance(ac, sharding_impls.SPMDAxisContext):
     manual = set(ac.manual_axes)
     return tuple((n, s) for n, s in mesh_axes_of(ac.mesh)
