@@ -29,7 +29,7 @@ import math
 import threading
 
 import jax
-from jax._src import core
+from jax._src import core, sharding_impls
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
 from jax.experimental.custom_partitioning import (
@@ -92,10 +92,10 @@ def _grid_reasons(spec, plan) -> dict[int, str]:
   jaxpr = spec.jaxpr.jaxpr
   used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var)}
   for j, v in enumerate(jaxpr.invars[:rank]):
-    if v in used:
+    if v in used and j in plan.parallel:
       why[j] = f"the kernel reads program_id({j - hidden})"
   for j in range(rank):
-    if j not in plan.parallel and j not in why:
+    if j not in plan.parallel:
       why[j] = (f"the kernel revisits output blocks along grid dim "
                 f"{j - hidden} (it reduces or accumulates over it, or is told "
                 "it is 'arbitrary')")
@@ -135,16 +135,14 @@ def layout_of(spec) -> Layout:
   idxs = [evaluate_index_map(bm, grid) for bm in bms]
   follows = [[None] * len(grid) for _ in bms]
   for j in range(len(grid)):
-    if grid[j] == 1 or j in why:
-      continue
+    if grid[j] == 1:
+      why.setdefault(j, "the grid has one index along it")
     for t, (bm, idx) in enumerate(zip(bms, idxs)):
       d, depends = _follows(bm, idx, j)
-      is_out = t >= gm.num_inputs
-      if d is None and (depends or is_out):
-        why[j] = (f"{bm.origin} does not take one whole block per index of "
-                  f"grid dim {j - gm.num_hidden_axes}")
-        break
       follows[t][j] = d
+      if d is None and (depends or t >= gm.num_inputs):
+        why.setdefault(j, f"{bm.origin} does not take one whole block per "
+                       f"index of grid dim {j - gm.num_hidden_axes}")
   for i, o in spec.input_output_aliases:
     i -= gm.num_scalar_prefetch
     if 0 <= i < gm.num_inputs:
@@ -289,10 +287,27 @@ def _log_gathered(spec, layout, arg_shapes, chosen):
                   f"(sharded over {axes}): {reason}")
 
 
+def _decoded(shape, mesh):
+  """`shape` (a ShapeDtypeStruct) with its sharding over the mesh's axes, or
+  none when it is not one (Shardy may split a factor over part of an axis,
+  which is not whole blocks per device)."""
+  sh = getattr(shape, "sharding", None)
+  if sh is not None and not isinstance(sh, NamedSharding):
+    try:
+      spec = sharding_impls.parse_flatten_op_sharding(
+          sh._to_xla_hlo_sharding(len(shape.shape)), mesh)[0]
+      sh = NamedSharding(mesh, PartitionSpec(
+          *spec, *(None,) * (len(shape.shape) - len(spec))))
+    except Exception:  # noqa: BLE001 - not expressible over the mesh axes
+      sh = None
+  return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sh)
+
+
 def _partition(spec, mesh, arg_shapes, result_shape):
   from dsl.pallas_call import pallas_call_p
   layout = layout_of(spec)
-  results = list(result_shape)
+  arg_shapes = [_decoded(a, mesh) for a in arg_shapes]
+  results = [_decoded(r, mesh) for r in result_shape]
   shardings = ([getattr(a, "sharding", None) for a in arg_shapes]
                + [getattr(r, "sharding", None) for r in results])
   # Results first: Shardy has chosen their sharding from every operand.
@@ -357,7 +372,7 @@ def _partitioned_call(spec, slots):
     return _partition(spec, mesh, arg_shapes, result_shape)
 
   fn = custom_partitioning(run_whole)
-  fn.def_partition(partition=partition,
+  fn.def_partition(partition=partition, decode_shardings=False,
                    sharding_rule=sharding_rule(layout_of(spec)))
   return fn
 
