@@ -29,11 +29,12 @@ import math
 import threading
 
 import jax
+import numpy as np
 from jax._src import core, sharding_impls
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
 from jax.experimental.custom_partitioning import (
-    CompoundFactor, SdyShardingRule, custom_partitioning)
+    ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dsl import config
@@ -110,7 +111,6 @@ def _follows(bm, idx, j) -> tuple[int | None, bool]:
   varies = idx.shape[j] > 1 and bool((idx != idx.take([0], axis=j)).any())
   if not varies:
     return None, False
-  import numpy as np
   coord = np.indices(idx.shape[:-1])[j]
   hits = [d for d in range(idx.shape[-1])
           if np.array_equal(idx[..., d], coord)]
@@ -196,7 +196,6 @@ def sharding_rule(layout: Layout) -> SdyShardingRule:
     if j not in whole:
       sizes[f"g{j}"] = layout.grid[j]
   n = layout.num_operands
-  from jax._src.custom_partitioning_sharding_rule import ArrayMapping
   return SdyShardingRule(tuple(ArrayMapping(*m) for m in mappings[:n]),
                          tuple(ArrayMapping(*m) for m in mappings[n:]),
                          **sizes)
