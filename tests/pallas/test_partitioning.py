@@ -223,6 +223,10 @@ def test_inside_shard_map_not_partitioned_again(backend):
   g = jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P("x")),
                     out_specs=P("x"))
   xs, ys = _put(x, mesh, P("x")), _put(y, mesh, P("x"))
+  # Under plain jit the kernel lowers through custom_partitioning...
+  whole = _rows(backend)
+  assert "CustomSPMDPartitioning" in jax.jit(whole).lower(xs, ys).as_text()
+  # ... inside shard_map it is per device already.
   text = jax.jit(g).lower(xs, ys).as_text()
   assert "CustomSPMDPartitioning" not in text
   out = jax.jit(g)(xs, ys)
@@ -288,3 +292,43 @@ def test_gathers_are_quiet_without_verbose_errors(caplog):
     out = jax.jit(_matmul("interpret"))(xs, ys)
   assert not [r for r in caplog.records if r.name == "dsl.partitioning"]
   assert_close(out, x @ y, tol=1e-3)
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+def test_prefetch_alias_and_gridless_kernels(axis_type):
+  mesh = _mesh(axis_type)
+  x = jnp.arange(64 * 128, dtype=jnp.float32).reshape(64, 128)
+  xs = _put(x, mesh, P("x"))
+
+  def add_prefetched(idx_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] + idx_ref[0].astype(jnp.float32)
+
+  row = pl.BlockSpec((8, 128), lambda i, s: (i, 0))
+  f = pl.pallas_call(add_prefetched, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     grid_spec=pl.PrefetchScalarGridSpec(
+                         num_scalar_prefetch=1, grid=(8,), in_specs=[row],
+                         out_specs=row), backend="interpret")
+  idx = _put(jnp.array([3], jnp.int32), mesh, P())
+  assert _gathers(f, idx, xs) == []
+  out = jax.jit(f)(idx, xs)
+  assert _spec(out) == ("x", None)
+  assert_close(out, x + 3)
+
+  def triple(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 3
+
+  row = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  g = pl.pallas_call(triple, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(8,),
+                     in_specs=[row], out_specs=row, input_output_aliases={0: 0},
+                     backend="triton_interpret")
+  out = jax.jit(g)(xs)
+  assert _spec(out) == ("x", None)
+  assert_close(out, x * 3)
+
+  # No grid: the kernel reads whole arrays, so they are gathered.
+  h = pl.pallas_call(triple, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     backend="mosaic_interpret")
+  assert _gathers(h, xs) != []
+  out = jax.jit(h)(xs)
+  assert _spec(out) == (None, None)
+  assert_close(out, x * 3)
