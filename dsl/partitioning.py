@@ -7,9 +7,12 @@ along it and every operand that follows it does so one block per index:
   index, and that array dim is a whole number of blocks, one per index;
 - every input either has such a dim or does not depend on the grid dim at all
   (then every device reads it whole);
-- the kernel does not read `program_id` of the dim, does not revisit output
-  blocks along it (a reduction or an accumulation), does not carry scratch
-  along it, is not told it is `arbitrary`, and talks to no other device.
+- the kernel does not revisit output blocks along it (a reduction or an
+  accumulation), does not carry scratch along it, is not told it is
+  `arbitrary`, and talks to no other device.
+
+A kernel that reads `program_id` of a partitioned dim gets its device's grid
+offsets as one more scalar-prefetch operand: its program ids stay global.
 
 Under `jax.jit` over several devices a pallas_call lowers through
 `jax.experimental.custom_partitioning` with a Shardy sharding rule in which
@@ -90,11 +93,6 @@ def _grid_reasons(spec, plan) -> dict[int, str]:
   if _talks_to_devices(spec.jaxpr.jaxpr):
     return {j: "the kernel talks to other devices (call it inside "
             "jax.shard_map)" for j in range(rank)}
-  jaxpr = spec.jaxpr.jaxpr
-  used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var)}
-  for j, v in enumerate(jaxpr.invars[:rank]):
-    if v in used and j in plan.parallel:
-      why[j] = f"the kernel reads program_id({j - hidden})"
   for j in range(rank):
     if j not in plan.parallel:
       why[j] = (f"the kernel revisits output blocks along grid dim "
@@ -273,7 +271,68 @@ def local_spec(spec, splits: tuple[tuple[int, int], ...]):
     bms.append(dataclasses.replace(
         bm, array_aval=bm.array_aval.update(shape=tuple(shape))))
   new_gm = dataclasses.replace(gm, grid=grid, block_mappings=tuple(bms))
-  return spec.replace(grid_mapping=new_gm, local=True)
+  local = spec.replace(grid_mapping=new_gm, local=True)
+  if reads_program_ids(spec) & set(split):
+    local = _with_grid_offsets(local)
+  return local
+
+
+def reads_program_ids(spec) -> set[int]:
+  """The grid dims whose program_id the kernel body reads."""
+  jaxpr = spec.jaxpr.jaxpr
+  used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var)}
+  used |= {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+  rank = len(spec.grid_mapping.grid)
+  return {j for j, v in enumerate(jaxpr.invars[:rank]) if v in used}
+
+
+def _with_grid_offsets(local):
+  """`local` with one more scalar-prefetch operand first, int32[rank]: the
+  offset of this device's grid indices; the body sees global program ids
+  (index maps, being per shard, do not)."""
+  from dsl.blockspec import BlockSpec, squeezed
+  from dsl.pallas_call import build_spec
+  from dsl.tracing import program_id
+  gm = local.grid_mapping
+  n, n_pf = len(gm.grid), gm.num_scalar_prefetch
+
+  def body(*refs):
+    offsets, rest = refs[0], refs[1:]
+    ids = [program_id(d) + offsets[d] for d in range(n)]
+    core.eval_jaxpr(local.jaxpr.jaxpr, local.jaxpr.consts, *ids, *rest)
+
+  def spec_of(bm):
+    def index_map(*args):       # the offsets are not an index map's argument
+      return tuple(core.jaxpr_as_fun(bm.index_map_jaxpr)(*args[:n],
+                                                         *args[n + 1:]))
+    shape = tuple(None if d is squeezed else d for d in bm.block_shape)
+    return BlockSpec(shape, index_map, memory_space=bm.memory_space)
+
+  sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+  args = ([jax.ShapeDtypeStruct((n,), np.int32)]
+          + [sds(a.inner_aval) for a in gm.prefetch_avals]
+          + [sds(bm.array_aval) for bm in gm.in_mappings])
+  new, _ = build_spec(
+      body, tuple(args), [sds(a) for a in gm.out_avals], name=local.name,
+      grid=gm.grid, in_specs=[spec_of(bm) for bm in gm.in_mappings],
+      out_specs=[spec_of(bm) for bm in gm.out_mappings],
+      scratch_shapes=list(gm.scratch_avals), num_scalar_prefetch=n_pf + 1,
+      input_output_aliases={i + 1: o for i, o in local.input_output_aliases},
+      backend=local.backend, compiler_params=local.compiler_params,
+      where=local.where)
+  new_gm = dataclasses.replace(new.grid_mapping,
+                               num_hidden_axes=gm.num_hidden_axes)
+  return new.replace(grid_mapping=new_gm, kernel_src=local.kernel_src,
+                     local=True, meta=("grid_offsets",))
+
+
+def _grid_offsets(local_grid, chosen):
+  """int32[rank]: where this device's part of the grid starts."""
+  import jax.numpy as jnp
+  from jax import lax
+  offs = [lax.axis_index(chosen[j]) * g if j in chosen else 0
+          for j, g in enumerate(local_grid)]
+  return jnp.asarray(offs, jnp.int32)
 
 
 def _log_gathered(spec, layout, arg_shapes, chosen):
@@ -321,8 +380,11 @@ def _partition(spec, mesh, arg_shapes, result_shape):
       (j, math.prod(mesh.shape[a] for a in axes))
       for j, axes in chosen.items()))
   local = local_spec(spec, splits)
+  offsets = local.meta == ("grid_offsets",)
 
   def lower_fn(*xs):
+    if offsets:
+      xs = (_grid_offsets(local.grid_mapping.grid, chosen), *xs)
     return pallas_call_p.bind(*xs, spec=local)
 
   arg_sh = tuple(NamedSharding(mesh, _pspec(ds, chosen))

@@ -184,24 +184,29 @@ def test_reduced_dim_is_gathered_and_logged(axis_type, caplog, verbose):
   assert_close(out, x @ y, tol=1e-3)
 
 
-def test_program_id_dim_is_gathered(caplog, verbose):
-  """A kernel that reads program_id of a dim sees global indices: the dim is
-  not partitioned."""
+@pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=["auto", "explicit"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_program_id_is_global_on_each_device(backend, axis_type):
+  """A kernel that reads program_id of a partitioned dim sees the global
+  index: each device's grid starts where its shard does."""
   def kernel(x_ref, o_ref):
-    o_ref[...] = x_ref[...] + pl.program_id(0).astype(jnp.float32)
+    i, j = pl.program_id(0), pl.program_id(1)
+    o_ref[...] = (x_ref[...] + (i * 10 + j).astype(jnp.float32)
+                  + pl.num_programs(0) * 1000.0)
 
-  f = pl.pallas_call(kernel, jax.ShapeDtypeStruct((64, 128), jnp.float32),
-                     grid=(8,), in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
-                     out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
-                     backend="interpret")
-  mesh = _mesh(AxisType.Explicit)
-  x = jnp.zeros((64, 128), jnp.float32)
-  xs = _put(x, mesh, P("x"))
-  with caplog.at_level(logging.WARNING, logger="dsl.partitioning"):
-    assert _gathers(f, xs) != []
-  assert any("program_id(0)" in r.getMessage() for r in caplog.records)
+  spec = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+  f = pl.pallas_call(kernel, jax.ShapeDtypeStruct((64, 256), jnp.float32),
+                     grid=(8, 2), in_specs=[spec], out_specs=spec,
+                     backend=backend)
+  mesh = _mesh(axis_type, (4, 2), ("x", "y"))
+  x = jnp.zeros((64, 256), jnp.float32)
+  xs = _put(x, mesh, P("x", "y"))
+  assert _gathers(f, xs) == []
   out = jax.jit(f)(xs)
-  assert_close(out, jnp.repeat(jnp.arange(8.0), 8)[:, None] + x)
+  assert _spec(out) == ("x", "y")
+  ids = (jnp.repeat(jnp.arange(8.0), 8)[:, None] * 10
+         + jnp.repeat(jnp.arange(2.0), 128)[None, :])
+  assert_close(out, ids + 8000)
 
 
 def test_shards_smaller_than_a_block_are_gathered(caplog, verbose):
