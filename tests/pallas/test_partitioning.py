@@ -337,3 +337,24 @@ def test_prefetch_alias_and_gridless_kernels(axis_type):
   out = jax.jit(h)(xs)
   assert _spec(out) == (None, None)
   assert_close(out, x * 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_and_vmap_of_a_kernel_reading_program_id(backend):
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.sin(x_ref[...]) * (pl.program_id(0) + 1).astype(
+        jnp.float32)
+
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  f = pl.pallas_call(kernel, jax.ShapeDtypeStruct((64, 128), jnp.float32),
+                     grid=(8,), in_specs=[spec], out_specs=spec,
+                     backend=backend)
+  mesh = _mesh(AxisType.Explicit)
+  x = jax.random.normal(jax.random.key(0), (64, 128))
+  xs = _put(x, mesh, P("x"))
+  scale = jnp.repeat(jnp.arange(1.0, 9.0), 8)[:, None]
+  g = jax.jit(jax.grad(lambda a: jnp.sum(f(a))))(xs)
+  assert_close(g, jnp.cos(x) * scale, tol=1e-5)
+  assert _spec(g) == ("x", None)
+  v = jax.jit(jax.vmap(f))(jnp.stack([xs, 2 * xs]))
+  assert_close(v[1], jnp.sin(2 * x) * scale, tol=1e-5)
