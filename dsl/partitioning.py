@@ -440,7 +440,11 @@ def _partitioned_call(spec, slots):
 
 def lower_partitioned(ctx, *args, spec):
   """Lowers `spec` under jit over several devices (not inside shard_map)."""
-  fn = _partitioned_call(spec, _CallbackSlots(ctx.module_context))
+  from dsl import backends
+  # Only the host backends put host callbacks in a kernel's lowering.
+  slots = (_CallbackSlots(ctx.module_context)
+           if backends.runs_on_host(spec.backend) else None)
+  fn = _partitioned_call(spec, slots)
   return mlir.lower_fun(lambda *xs: fn(*xs), multiple_results=True)(
       ctx, *args)
 
