@@ -4,6 +4,7 @@
     python -m benchmarks --quick                      # the README's main command
     python -m benchmarks --kernels add,matmul --sizes 1M,4M --backends interpret
     python -m benchmarks --kernels matmul --sizes 512 --autotune --json out.json
+    python -m benchmarks --sharding                   # 8 host devices
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--quick", action="store_true",
                  help="the quick suite (under two minutes on a 2-core CPU), "
                  "including the interpret-speed cases beside Pallas")
+  p.add_argument("--sharding", action="store_true",
+                 help="a kernel partitioned by a sharded jax.jit beside the "
+                 "same kernel in shard_map and the replicated run, on 8 host "
+                 "devices (--kernels softmax,layer_norm, --sizes, --backends "
+                 "apply)")
   p.add_argument("--kernels", help="comma-separated kernel names (see --list)")
   p.add_argument("--kernel", metavar="MODULE:FUNCTION",
                  help="benchmark your own kernel function instead of the "
@@ -393,6 +399,9 @@ def run(args) -> int:
   if args.list:
     print(list_text())
     return 0
+  if args.sharding:
+    from benchmarks import sharding
+    return sharding.run(args)
   check_args(args)
   if args.kernel is not None:
     skipped, cases = [], user_cases(args)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import tree_util
-from jax._src import core, dispatch
+from jax._src import core, dispatch, sharding_impls
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
@@ -37,6 +37,9 @@ class KernelSpec:
   cost_estimate: Any = None
   # How this kernel was derived by a transformation, e.g. ("linear", spec, nz).
   meta: tuple = ()
+  # Runs on each device's shards on its own (partitioned under a sharded
+  # jit, see dsl.partitioning): it is not partitioned again.
+  local: bool = False
 
   def __repr__(self):
     gm = self.grid_mapping
@@ -54,6 +57,9 @@ def _block_str(bm) -> str:
 
 pallas_call_p = Primitive("pallas_call")
 pallas_call_p.multiple_results = True
+# Under a sharded jit it lowers through custom_partitioning, which needs the
+# devices while lowering.
+dispatch.prim_requires_devices_during_lowering.add(pallas_call_p)
 
 
 @pallas_call_p.def_impl
@@ -78,16 +84,22 @@ def _pallas_call_impl(*args, spec: KernelSpec):
 def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
   # Inside shard_map, outputs vary over the manual axes the inputs vary over.
   outs = spec.grid_mapping.out_avals
+  if spec.local:   # one device's part of a partitioned kernel: plain arrays
+    from jax._src import mesh as mesh_lib
+    with mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh):
+      return [core.ShapedArray(a.shape, a.dtype) for a in outs]
   varying = [a for a in avals if getattr(getattr(a, "mat", None), "varying",
                                          None)]
   if not varying:
     mesh = _explicit_mesh(avals)
     if mesh is not None:
-      # Under jit over a mesh with Explicit axes: the kernel is not
-      # partitioned, it runs on whole arrays (see _lower); outputs are
-      # replicated over the mesh.
-      rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-      return [core.ShapedArray(a.shape, a.dtype, sharding=rep) for a in outs]
+      # Under jit over a mesh with Explicit axes: outputs are split as the
+      # inputs imply along the grid dims the kernel partitions over
+      # (dsl.partitioning), replicated elsewhere.
+      from dsl import partitioning
+      shardings = partitioning.explicit_out_shardings(spec, avals, mesh)
+      return [core.ShapedArray(a.shape, a.dtype, sharding=sh)
+              for a, sh in zip(outs, shardings)]
     return [core.ShapedArray(a.shape, a.dtype) for a in outs]
   like = max(varying, key=lambda a: len(a.mat.varying))
   mesh = like.sharding.mesh
@@ -124,25 +136,14 @@ def sharded_like(x, aval):
   return jax.sharding.reshard(x, aval.sharding)
 
 
-def _lower_on_whole_arrays(ctx, *args, spec: KernelSpec):
-  """Lowers the kernel on replicated operands: under jit over a mesh with
-  Explicit axes, a kernel is not partitioned and sees whole arrays."""
-  def replicated(x):
-    aval = core.typeof(x)
-    if not _sharded_explicitly(aval):
-      return x
-    return jax.sharding.reshard(
-        x, aval.sharding.update(spec=jax.sharding.PartitionSpec()))
-
-  def whole(*xs):
-    xs = [replicated(x) for x in xs]
-    return pallas_call_p.bind(*xs, spec=spec)
-  return mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
-
-
 def _lower(ctx, *args, spec: KernelSpec, platform: str):
-  if any(_sharded_explicitly(a) for a in ctx.avals_in):
-    return _lower_on_whole_arrays(ctx, *args, spec=spec)
+  ac = ctx.module_context.axis_context
+  if (not spec.local and isinstance(ac, sharding_impls.ShardingContext)
+      and ac.num_devices > 1):
+    # jit over several devices: the kernel partitions itself. Inside
+    # shard_map (an SPMDAxisContext) it is per device already.
+    from dsl import partitioning
+    return partitioning.lower_partitioned(ctx, *args, spec=spec)
   from dsl import config
   name = spec.backend
   if name is None:
@@ -155,6 +156,9 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
   if name != "interpret":   # the interpret backend runs every JAX primitive
     spec = normalize(spec)
   with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
+    if spec.local:
+      from dsl import partitioning
+      return partitioning.lower_local(rule, ctx, *args, spec=spec)
     return rule(ctx, *args, spec=spec)
 
 
