@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import api_util, core

@@ -6,7 +6,6 @@ absl flag after `jax.config.parse_flags_with_absl()`.
 """
 from __future__ import annotations
 
-import jax
 from jax._src import config as jax_config
 
 
