@@ -3,6 +3,7 @@
 Integer division, remainder and shifts are in `integer.py`."""
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 from jax._src import ad_util
 from jax._src.lax import lax as lax_internal
@@ -119,18 +120,31 @@ def _logistic(ctx, x, **_):
 
 @register(lax.sign_p)
 def _sign(ctx, x, **_):
+  """Pallas's form: integers `(x > 0) - (x < 0)` (unsigned `x != 0`);
+  floats the bits of 1.0 with x's sign bit where |x| > 0, else x (keeps
+  NaN and -0)."""
   aval = ctx.avals_in[0]
-  zero = emit.zeros(aval.shape, aval.dtype)
-  one = constant(1, aval.shape, aval.dtype)
-  minus = constant(-1, aval.shape, aval.dtype)
-  if emit.is_float(aval.dtype):
-    pos = arith.CmpFOp(arith.CmpFPredicate.OGT, x, zero).result
-    neg = arith.CmpFOp(arith.CmpFPredicate.OLT, x, zero).result
-  else:
-    pos = arith.CmpIOp(arith.CmpIPredicate.sgt, x, zero).result
-    neg = arith.CmpIOp(arith.CmpIPredicate.slt, x, zero).result
-  return emit.select(pos, one, emit.select(neg, minus, x if emit.is_float(
-      aval.dtype) else zero))
+  shape, dtype = aval.shape, aval.dtype
+  zero = emit.zeros(shape, dtype)
+  if not emit.is_float(dtype):
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+      ne = arith.CmpIOp(arith.CmpIPredicate.ne, x, zero).result
+      return emit.convert(ne, shape, jnp.bool_, dtype)
+    pos = emit.convert(arith.CmpIOp(arith.CmpIPredicate.sgt, x, zero).result,
+                       shape, jnp.bool_, dtype)
+    neg = emit.convert(arith.CmpIOp(arith.CmpIPredicate.slt, x, zero).result,
+                       shape, jnp.bool_, dtype)
+    return arith.SubIOp(pos, neg).result
+  bits = {2: (jnp.uint16, 0x8000, 0x3C00 if dtype == jnp.float16 else 0x3F80),
+          4: (jnp.uint32, 0x80000000, 0x3F800000)}[jnp.dtype(dtype).itemsize]
+  utype, sign_mask, one_bits = bits
+  ix = _bitcast(x, shape, utype)
+  sign_bit = arith.AndIOp(ix, constant(sign_mask, shape, utype)).result
+  val = _bitcast(arith.OrIOp(constant(one_bits, shape, utype),
+                             sign_bit).result, shape, dtype)
+  nonzero = arith.CmpFOp(arith.CmpFPredicate.OGT, math.AbsFOp(x).result,
+                         zero).result
+  return emit.select(nonzero, val, x)
 
 
 @register(lax.square_p)
@@ -209,6 +223,10 @@ def _select_n(ctx, which, *cases, **_):
     return cases[0]
   if emit.is_bool(waval.dtype):
     return emit.select(which, cases[1], cases[0])
+  if len(cases) == 2:     # `which != 0` (as Pallas; folds a bool's extui)
+    ne = arith.CmpIOp(arith.CmpIPredicate.ne, which,
+                      constant(0, out.shape, waval.dtype)).result
+    return emit.select(ne, cases[1], cases[0])
   # integer selector: a chain of compares, last case by default
   result = cases[-1]
   for k in range(len(cases) - 2, -1, -1):
@@ -230,7 +248,15 @@ def _bitcast_convert(ctx, x, *, new_dtype):
   if emit.bits(aval.dtype) != emit.bits(new_dtype):
     raise ctx.error("between types of different widths is not supported; "
                     "use dsl.tpu.bitcast")
-  return arith.BitcastOp(emit.vtype(out.shape, new_dtype), x).result
+  return _bitcast(x, out.shape, new_dtype)
+
+
+def _bitcast(x, shape, dtype):
+  """Same-width bitcast: `tpu.bitcast` of vectors, `arith.bitcast` of
+  scalars (as Pallas)."""
+  if shape:
+    return tpu.BitcastOp(emit.vtype(shape, dtype), x).result
+  return arith.BitcastOp(emit.vtype(shape, dtype), x).result
 
 
 @register(lax_internal.copy_p, lax_internal.optimization_barrier_p)

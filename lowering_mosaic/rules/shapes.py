@@ -58,7 +58,11 @@ def _iota(ctx, *dyn, dtype, shape, dimension, sharding=None):
   shape = tuple(shape)
   if shape == ():
     return emit.zeros((), dtype)
-  v = tpu.IotaOp(emit.vtype(shape, jnp.int32), [dimension]).result
+  if len(shape) == 1:     # Mosaic's iota is 2-D at least (as Pallas)
+    v = tpu.IotaOp(emit.vtype((1,) + shape, jnp.int32), [1]).result
+    v = emit.reshape(v, (1,) + shape, shape, jnp.int32)
+  else:
+    v = tpu.IotaOp(emit.vtype(shape, jnp.int32), [dimension]).result
   return emit.convert(v, shape, jnp.int32, dtype)
 
 

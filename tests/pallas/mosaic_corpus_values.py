@@ -462,3 +462,64 @@ def element_mixed_with_blocked(pl, pltpu):
       in_specs=[pl.BlockSpec((pl.Element(8), 128), lambda i, j: (i * 8, j))],
       out_specs=pl.BlockSpec((8, 128), lambda i, j: (i, j)))
   return f, (f32(32, 256),)
+
+
+@case
+def dot_int8_and_bf16_tn(pl, pltpu):
+  def lowp_dot_kernel(a_ref, b_ref, x_ref, y_ref, i_ref, f_ref):
+    i_ref[...] = lax.dot_general(a_ref[...], b_ref[...],
+                                 (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.int32)
+    f_ref[...] = lax.dot_general(x_ref[...], y_ref[...],
+                                 (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+  f = pl.pallas_call(lowp_dot_kernel, (sds((128, 128), jnp.int32),
+                                       sds((128, 128))))
+  a = jnp.ones((128, 128), jnp.int8)
+  x = jnp.ones((128, 128), jnp.bfloat16)
+  return f, (a, a, x, x)
+
+
+@case
+def logic_clamp_and_select(pl, pltpu):
+  def logic_kernel(x_ref, y_ref, o_ref, b_ref):
+    x, y = x_ref[...], y_ref[...]
+    m = (x > 0) & ~(y > 1) | (x == y)
+    o_ref[...] = lax.select_n(m.astype(jnp.int32), jnp.clip(x, -1.0, 1.0),
+                              jnp.maximum(x, y)) + lax.erf(x) + jnp.exp2(y)
+    b_ref[...] = jnp.where(m, 1, 0).astype(jnp.int32) * jnp.minimum(
+        x.astype(jnp.int32), 3)
+  f = pl.pallas_call(logic_kernel, (sds((8, 128)), sds((8, 128), jnp.int32)))
+  return f, (f32(8, 128), f32(8, 128))
+
+
+@case
+def one_d_blocks(pl, pltpu):
+  def vec_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0 + lax.iota(jnp.int32, 1024).astype(
+        jnp.float32)
+  spec = pl.BlockSpec((1024,), lambda i: (i,))
+  f = pl.pallas_call(vec_kernel, sds((4096,)), grid=(4,), in_specs=[spec],
+                     out_specs=spec)
+  return f, (f32(4096),)
+
+
+@case
+def scalar_math_in_smem(pl, pltpu):
+  def scalar_kernel(s_ref, o_ref):
+    a, b = s_ref[0], s_ref[1]
+    o_ref[0] = jnp.where(a > b, a * b, a - b) + jnp.maximum(a, 2)
+    o_ref[1] = lax.rem(a, 3) + (b // 2)
+  f = pl.pallas_call(
+      scalar_kernel, sds((2,), jnp.int32),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.SMEM))
+  return f, (jnp.array([7, 4], jnp.int32),)
+
+
+@case
+def float_sign(pl, pltpu):
+  def sign_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.sign(x_ref[...]) + jnp.sign(x_ref[...] * 0.0)
+  f = pl.pallas_call(sign_kernel, sds((8, 128)))
+  return f, (f32(8, 128),)

@@ -38,6 +38,8 @@ DOCUMENTED = {
     # float -> integer casts are defined for NaN and out-of-range values
     "float_to_int_cast": {"arith.cmpf", "arith.andi", "arith.select",
                           "arith.constant"},
+    "logic_clamp_and_select": {"arith.cmpf", "arith.andi", "arith.select",
+                               "arith.constant"},
     # integer division and remainder are defined for 0 and INT_MIN / -1
     "integer_division_and_select": {"arith.cmpi", "arith.ori", "arith.select",
                                     "arith.subi", "arith.constant"},
