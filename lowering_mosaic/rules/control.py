@@ -101,8 +101,39 @@ def _counts_first_carry(body, n_consts) -> bool:
   return False
 
 
+def _static_start(ctx, n_consts):
+  """The fori_loop's start when it is a literal, else None."""
+  atom = ctx.eqn.invars[n_consts] if ctx.eqn is not None else None
+  return int(atom.val) if isinstance(atom, core.Literal) else None
+
+
+def _fori(ctx, body, body_consts, consts, carry, length, unroll):
+  """A fori_loop as in Pallas: fully unrolled (the body once per index, the
+  index a constant) when `unroll` covers a loop with a literal start, else
+  `scf.for` over the index (`tpu.late_unroll` asks Mosaic to unroll by
+  `unroll`)."""
+  start = _static_start(ctx, len(consts))
+  if start is not None and unroll >= length > 0:
+    state = carry[1:]
+    for i in range(start, start + length):
+      state = ctx.lower_sub(body, body_consts,
+                            consts + [i32_const(i)] + list(state))[1:]
+    return [i32_const(start + length)] + list(state)
+  lb = carry[0]
+  ub = arith.AddIOp(lb, i32_const(int(length))).result
+  loop = scf.ForOp(lb, ub, i32_const(1), carry[1:])
+  if unroll > 1:
+    loop.attributes["tpu.late_unroll"] = ir.IntegerAttr.get(
+        ir.IntegerType.get_signless(32), int(unroll))
+  with ir.InsertionPoint(loop.body):
+    outs = ctx.lower_sub(body, body_consts, consts + [loop.induction_variable]
+                         + list(loop.inner_iter_args))
+    scf.YieldOp(outs[1:])
+  return [ub] + list(loop.results)
+
+
 @register(lax.scan_p)
-def _scan(ctx, *args, jaxpr, length, reverse, **params):
+def _scan(ctx, *args, jaxpr, length, reverse, unroll=1, **params):
   """`scf.for` over i32. A fori_loop's counter becomes the induction
   variable (from its start to start + length), as in Pallas."""
   consts, carry, xs = _scan_parts(args, params)
@@ -112,17 +143,10 @@ def _scan(ctx, *args, jaxpr, length, reverse, **params):
     raise ctx.error("scan over arrays (xs/ys) is not supported by the Mosaic "
                     "lowering; use lax.fori_loop / pl.loop over refs")
   del reverse   # the body keeps its own counter in the carry
-  step = i32_const(1)
+  unroll = int(length) if unroll is True else int(unroll or 1)
   if _counts_first_carry(body, len(consts)):
-    lb = carry[0]
-    ub = arith.AddIOp(lb, i32_const(int(length))).result
-    loop = scf.ForOp(lb, ub, step, carry[1:])
-    with ir.InsertionPoint(loop.body):
-      outs = ctx.lower_sub(body, body_consts, consts + [loop.induction_variable]
-                           + list(loop.inner_iter_args))
-      scf.YieldOp(outs[1:])
-    return [ub] + list(loop.results)
-  loop = scf.ForOp(i32_const(0), i32_const(int(length)), step, carry)
+    return _fori(ctx, body, body_consts, consts, carry, int(length), unroll)
+  loop = scf.ForOp(i32_const(0), i32_const(int(length)), i32_const(1), carry)
   with ir.InsertionPoint(loop.body):
     outs = ctx.lower_sub(body, body_consts,
                          consts + list(loop.inner_iter_args))

@@ -523,3 +523,72 @@ def float_sign(pl, pltpu):
     o_ref[...] = jnp.sign(x_ref[...]) + jnp.sign(x_ref[...] * 0.0)
   f = pl.pallas_call(sign_kernel, sds((8, 128)))
   return f, (f32(8, 128),)
+
+
+@case
+def bf16_elementwise_and_reduce(pl, pltpu):
+  def bf16_kernel(x_ref, o_ref, m_ref):
+    x = x_ref[...]
+    o_ref[...] = jnp.exp(x) + x * x
+    m_ref[...] = jnp.broadcast_to(jnp.max(x, axis=1, keepdims=True), (16, 128))
+  f = pl.pallas_call(bf16_kernel, (sds((16, 128), jnp.bfloat16),
+                                   sds((16, 128), jnp.bfloat16)))
+  return f, (jnp.ones((16, 128), jnp.bfloat16),)
+
+
+@case
+def dynamic_ref_slices(pl, pltpu):
+  def window_kernel(s_ref, x_ref, o_ref):
+    start = pl.multiple_of(s_ref[0] * 8, 8)
+    o_ref[...] = x_ref[pl.ds(start, 8), :] + pltpu.roll(
+        x_ref[pl.ds(0, 8), :], s_ref[1], 1)
+  f = pl.pallas_call(
+      window_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                pl.BlockSpec(memory_space=pltpu.VMEM)])
+  return f, (jnp.array([2, 5], jnp.int32), f32(32, 128))
+
+
+@case
+def unrolled_loop_and_int_reduce(pl, pltpu):
+  def unroll_kernel(x_ref, o_ref):
+    def body(i, acc):
+      return jnp.maximum(acc, x_ref[pl.ds(i * 8, 8), :])
+    acc = lax.fori_loop(0, 4, body, jnp.full((8, 128), -1, jnp.int32),
+                        unroll=True)
+    o_ref[...] = acc + jnp.max(acc, axis=0, keepdims=True)
+  f = pl.pallas_call(unroll_kernel, sds((8, 128), jnp.int32))
+  return f, (jnp.ones((32, 128), jnp.int32),)
+
+
+@case
+def smem_accumulate_over_grid(pl, pltpu):
+  def count_kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[0] = 0.0
+    o_ref[0] += jnp.sum(x_ref[...])
+  f = pl.pallas_call(
+      count_kernel, sds((1,)), grid=(4,),
+      in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec(memory_space=pltpu.SMEM))
+  return f, (f32(32, 128),)
+
+
+@case
+def transpose_3d_and_swap(pl, pltpu):
+  def swap_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.swapaxes(x_ref[...], 1, 2)
+  f = pl.pallas_call(swap_kernel, sds((2, 128, 128)))
+  return f, (f32(2, 128, 128),)
+
+
+@case
+def partially_unrolled_loop(pl, pltpu):
+  def half_unroll_kernel(x_ref, o_ref):
+    def body(i, acc):
+      return acc + x_ref[pl.ds(i * 8, 8), :]
+    o_ref[...] = lax.fori_loop(0, 4, body, jnp.zeros((8, 128), jnp.float32),
+                               unroll=2)
+  f = pl.pallas_call(half_unroll_kernel, sds((8, 128)))
+  return f, (f32(32, 128),)

@@ -40,6 +40,8 @@ DOCUMENTED = {
                           "arith.constant"},
     "logic_clamp_and_select": {"arith.cmpf", "arith.andi", "arith.select",
                                "arith.constant"},
+    # a dynamic roll shift is taken mod the axis length
+    "dynamic_ref_slices": {"arith.remsi", "arith.addi", "arith.constant"},
     # integer division and remainder are defined for 0 and INT_MIN / -1
     "integer_division_and_select": {"arith.cmpi", "arith.ori", "arith.select",
                                     "arith.subi", "arith.constant"},
