@@ -228,3 +228,13 @@ def test_kernels_library_is_picked_up_when_present(capsys, tmp_path):
   (row,) = json.loads(j.read_text())["rows"]
   assert row["check"] == "ok" and row["source"] == "kernels"
   assert row["peers"]["pallas"]["note"].startswith("n/a")
+
+
+def test_grad_vs_hand_compares_gradients_and_prints_a_row(capsys):
+  from benchmarks import grad_vs_hand
+  assert grad_vs_hand.main(["--small", "--repeats", "1", "--kernels",
+                            "softmax,layer_norm"]) == 0
+  out = capsys.readouterr().out
+  assert "softmax 16x128" in out and "layer_norm 16x128" in out
+  with pytest.raises(SystemExit):
+    grad_vs_hand.main(["--kernels", "nope"])
