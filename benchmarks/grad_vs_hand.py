@@ -11,7 +11,7 @@ whose backward pass the DSL derives (linear, transposed and, where needed,
 recording kernels). Both use the same block sizes and the same cotangent;
 the gradients are checked to agree before timing. Samples are taken in
 alternating rounds (`benchmarks.timing.run_interleaved`), so the ratio is
-fair on a shared machine.
+fair on a shared machine; `--stat min` is steadier on a loaded one.
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ SMALL = {"softmax": dict(rows=16, cols=128, block_rows=8),
          "flash_attention": dict(seq=32, heads=1, head_dim=32, block=16)}
 
 
-def measure(name: str, backend: str, repeats: int, small: bool = False
-            ) -> dict:
+def measure(name: str, backend: str, repeats: int, small: bool = False,
+            stat: str = "median") -> dict:
   label, hand, auto, args, ct = CASES[name](
       backend, **(SMALL[name] if small else {}))
   argnums = tuple(range(len(args)))
@@ -100,8 +100,8 @@ def measure(name: str, backend: str, repeats: int, small: bool = False
                             prepared["auto"].stats.output):
     np.testing.assert_allclose(g_auto, g_hand, rtol=2e-3, atol=2e-3)
   stats = timing.run_interleaved(prepared, args, repeats=repeats)
-  return {"case": label, "hand_s": stats["hand"].median,
-          "auto_s": stats["auto"].median,
+  return {"case": label, "hand_s": stats["hand"].value(stat),
+          "auto_s": stats["auto"].value(stat),
           "spread": max(stats["hand"].spread, stats["auto"].spread)}
 
 
@@ -112,6 +112,8 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--kernels", default=",".join(CASES),
                  help=f"comma-separated, of {', '.join(CASES)}")
+  p.add_argument("--stat", choices=("median", "min"), default="median",
+                 help="min is steadier on a loaded machine")
   p.add_argument("--small", action="store_true", help="tiny sizes (a smoke "
                  "test; the figures mean little)")
   args = p.parse_args(argv)
@@ -119,11 +121,11 @@ def main(argv=None) -> int:
   unknown = [n for n in names if n not in CASES]
   if unknown:
     p.error(f"unknown kernels {unknown}; choose from {', '.join(CASES)}")
-  print(f"jax.grad, backend={args.backend}, median of {args.repeats} "
+  print(f"jax.grad, backend={args.backend}, {args.stat} of {args.repeats} "
         f"samples, {jax.devices()[0].platform}")
   print(f"{'case':44} {'hand (ms)':>10} {'auto (ms)':>10} {'auto/hand':>9}")
   for name in names:
-    r = measure(name, args.backend, args.repeats, args.small)
+    r = measure(name, args.backend, args.repeats, args.small, args.stat)
     print(f"{r['case']:44} {r['hand_s'] * 1e3:10.2f} {r['auto_s'] * 1e3:10.2f}"
           f" {r['auto_s'] / r['hand_s']:9.2f}  (spread {r['spread']:.0%})",
           flush=True)
