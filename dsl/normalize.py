@@ -24,7 +24,9 @@ second-minor dims, which is what these windows use; doing it here keeps one
 lowering path (`run_scoped` -> `tpu.region` + `memref.alloca`, ref loads and
 stores) instead of a second one inside the Mosaic rules. Starts are clamped
 as `dynamic_slice` clamps them, and a dim the window covers whole gets the
-static start 0, so no dynamic lane offset is ever emitted.
+static start 0: the row slices of a transposed row loop thus have static lane
+offsets (a window narrower than the last dim at a traced start would need a
+dynamic lane offset, which a TPU does not have).
 """
 from __future__ import annotations
 
