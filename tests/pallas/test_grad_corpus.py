@@ -45,6 +45,7 @@ def _leaves(x):
 
 def _check(f, want, args, tol=1e-4):
   """Values, finite-difference grads, and jvp/vjp against the reference."""
+  f = jax.jit(f)      # one compile per transformation, not per primitive
   for got, ref in zip(_leaves(f(*args)), _leaves(want(*args))):
     np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
   check_grads(f, args, order=1, modes=("fwd", "rev"), **TOL)
