@@ -312,3 +312,24 @@ def test_check_grads_masked_load_store(backend):
     keep = jnp.arange(128) < n
     return jnp.where(keep, jnp.exp(x) * x, init)
   _check(f, want, (x, init))
+
+
+# ------------------------------------------------------------ vmap
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", ["scratch_accumulator", "fori_loop_rows",
+                                  "scalar_prefetch", "layer_norm"])
+def test_vmap_and_grad_of_vmap(case, backend):
+  """A batch of two: the batched kernel (a new leading grid dim, or one call
+  per element with scalar prefetch) and its gradient, per element."""
+  f, want, args = CASES[case](backend)
+  batch = [jnp.stack([a, a[::-1] * 0.5]) for a in args]
+  got = jax.vmap(f)(*batch)
+  for b in range(2):
+    for g, w in zip(_leaves(got), _leaves(want(*[x[b] for x in batch]))):
+      np.testing.assert_allclose(g[b], w, rtol=1e-4, atol=1e-4)
+  loss = lambda fn: (lambda *xs: sum(jnp.sum(o ** 2) for o in
+                                     _leaves(jax.vmap(fn)(*xs))))
+  for g, w in zip(jax.grad(loss(f), tuple(range(len(batch))))(*batch),
+                  jax.grad(loss(want), tuple(range(len(batch))))(*batch)):
+    np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)
