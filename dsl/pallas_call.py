@@ -154,7 +154,7 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
                         "it to use Triton", spec.where)
   rule = backends.lowering_rule(name, spec.name, spec.where)
   if name != "interpret":   # the interpret backend runs every JAX primitive
-    spec = normalize(spec)
+    spec = normalize(spec, values_in_memory=name.startswith("mosaic"))
   with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
     if spec.local:
       from dsl import partitioning
