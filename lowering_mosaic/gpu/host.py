@@ -1,0 +1,160 @@
+"""The walker's host for the Mosaic GPU lowering, and value helpers.
+
+A lowered value is an MLIR value: a scalar (`i32`, `f32`, ...), a vector
+(`vector<128x64xf32>`, one per warpgroup; the library's layout inference
+decides how its elements are spread over the 128 threads), or a shared-memory
+`memref` (a ref: an operand's block, a scratch buffer).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import numpy as np
+from jax._src import core
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+from dsl import dtypes
+from dsl.errors import BackendError, source_info_frame
+from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
+
+TABLE = RuleTable("the Mosaic GPU backend")
+
+TRITON_HINT = "; use backend='triton' for this kernel"
+
+
+def ir_type(dtype) -> ir.Type:
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return ir.IntegerType.get_signless(1)
+  return mgpu_utils.dtype_to_ir_type(dtype)
+
+
+def is_vector(v) -> bool:
+  return isinstance(v.type, ir.VectorType)
+
+
+def is_ref(v) -> bool:
+  return isinstance(v.type, ir.MemRefType)
+
+
+def shape_of(v) -> tuple[int, ...]:
+  if is_vector(v):
+    return tuple(ir.VectorType(v.type).shape)
+  return ()
+
+
+def elem_type(v) -> ir.Type:
+  return ir.VectorType(v.type).element_type if is_vector(v) else v.type
+
+
+def typed(shape, dtype) -> ir.Type:
+  t = dtype if isinstance(dtype, ir.Type) else ir_type(dtype)
+  return ir.VectorType.get(list(shape), t) if shape else t
+
+
+def scalar_constant(value, dtype) -> ir.Value:
+  dtype = np.dtype(dtype)
+  t = ir_type(dtype)
+  if dtypes.is_float(dtype):
+    return arith.constant(t, ir.FloatAttr.get(t, float(value)))
+  if dtype == np.bool_:
+    return arith.constant(t, ir.IntegerAttr.get(t, int(bool(value))))
+  v = int(value)
+  if dtypes.is_unsigned(dtype) and v >= 1 << (dtype.itemsize * 8 - 1):
+    v -= 1 << (dtype.itemsize * 8)
+  return arith.constant(t, ir.IntegerAttr.get(t, v))
+
+
+def constant(value, shape, dtype) -> ir.Value:
+  """A scalar or a splat vector; a vector of distinct values cannot be
+  distributed over a warpgroup by the library."""
+  arr = np.asarray(value)
+  if arr.size and not np.all(arr == arr.reshape(-1)[0]):
+    raise ValueError("array constants with distinct elements are not "
+                     "supported (only splats); compute them with iota")
+  s = scalar_constant(arr.reshape(-1)[0] if arr.size else 0, dtype)
+  return broadcast_to(s, tuple(shape))
+
+
+def broadcast_to(v, shape: tuple[int, ...]) -> ir.Value:
+  """A scalar `v` splatted to `shape` (vectors are returned unchanged)."""
+  if not shape or is_vector(v):
+    return v
+  return vector.broadcast(ir.VectorType.get(list(shape), v.type), v)
+
+
+def i32(v: int) -> ir.Value:
+  return scalar_constant(v, np.int32)
+
+
+def index_cast_i32(v) -> ir.Value:
+  t = ir.IntegerType.get_signless(32)
+  if isinstance(v.type, ir.IndexType):
+    return arith.index_cast(t, v)
+  if ir.IntegerType(v.type).width != 32:
+    return arith.trunci(t, v) if ir.IntegerType(v.type).width > 32 else \
+        arith.extsi(t, v)
+  return v
+
+
+def to_index(v) -> ir.Value:
+  if isinstance(v.type, ir.IndexType):
+    return v
+  return arith.index_cast(ir.IndexType.get(), v)
+
+
+@dataclasses.dataclass
+class RuleContext:
+  host: "GpuHost"
+  eqn: Any
+  avals_in: list
+  avals_out: list
+  used_out: list
+
+  def error(self, message: str) -> BackendError:
+    return self.host.error(message, self.eqn)
+
+  def lower(self, jaxpr: core.Jaxpr, consts, args) -> list:
+    return walk_jaxpr(self.host, jaxpr, consts, args)
+
+
+class GpuHost(LoweringHost):
+  """Lowers one kernel's jaxprs at the current insertion point."""
+  rules = TABLE
+
+  def __init__(self, kernel: str, where: str | None, smem=None):
+    self.kernel = kernel
+    self.where = where
+    self.smem = smem        # the kernel's shared-memory planner (kernel.py)
+
+  def literal(self, atom):
+    return constant(atom.val, atom.aval.shape, atom.aval.dtype)
+
+  def constvar(self, var, value):
+    if isinstance(value, ir.Value):
+      return value
+    return constant(np.asarray(value), var.aval.shape, var.aval.dtype)
+
+  def rule_context(self, eqn, used, position):
+    return RuleContext(self, eqn, [v.aval for v in eqn.invars],
+                       [v.aval for v in eqn.outvars],
+                       [v in used for v in eqn.outvars])
+
+  def error(self, message, eqn=None):
+    line = source_info_frame(eqn.source_info) if eqn is not None else None
+    return BackendError(self.kernel, message, line or self.where)
+
+  @contextlib.contextmanager
+  def lowering_eqn(self, eqn):
+    line = source_info_frame(eqn.source_info)
+    if line and ":" in line:
+      path, _, num = line.rpartition(":")
+      loc = ir.Location.file(path, int(num) if num.isdigit() else 0, 0)
+      with ir.Location.name(eqn.primitive.name, childLoc=loc):
+        yield
+    else:
+      yield

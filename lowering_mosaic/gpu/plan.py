@@ -1,0 +1,137 @@
+"""What a kernel needs from the GPU before any code is emitted: the CUDA
+grid, which operands stay in shared memory across sequential steps, the
+shared-memory budget and the TMA alignment rules. Every failure here is a
+BackendError at lowering time naming the operand."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from dsl.blockspec import BlockMapping, Element, squeezed
+from dsl.errors import BackendError
+from dsl.interpret.plan import evaluate_index_map, make_plan
+from lowering_mosaic.gpu.host import TRITON_HINT
+
+WARPGROUP = 128                 # threads per CTA: one warpgroup
+SMEM_LIMIT = 227 * 1024         # bytes of shared memory per CTA (sm_90)
+MBARRIER_BYTES = 8
+TMA_MAX_RANK = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+  """One input or output block: where it lives and when it moves."""
+  mapping: BlockMapping
+  is_output: bool
+  kernel_shape: tuple[int, ...]     # the shared-memory buffer's shape
+  slice_lengths: tuple[int, ...]    # TMA box per array dim (-1 = squeezed)
+  moves: bool                       # its block changes along sequential dims
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.kernel_shape) * self.mapping.array_aval.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+  grid: tuple[int, ...]
+  parallel: tuple[int, ...]         # grid dims flattened into the CUDA grid
+  sequential: tuple[int, ...]       # grid dims looped over inside one CTA
+  blocks: tuple[Block, ...]         # inputs then outputs
+  scratch: tuple[tuple[tuple[int, ...], np.dtype], ...]
+  smem_bytes: int
+
+  @property
+  def cuda_grid(self) -> int:
+    return math.prod(self.grid[d] for d in self.parallel)
+
+  @property
+  def steps(self) -> int:
+    return math.prod(self.grid[d] for d in self.sequential)
+
+
+def _err(spec, message, operand=None):
+  return BackendError(spec.name, message + TRITON_HINT, spec.where,
+                      operand=operand)
+
+
+def _check_tma(spec, bm: BlockMapping, lengths):
+  aval = bm.array_aval
+  itemsize = aval.dtype.itemsize
+  if len(aval.shape) > TMA_MAX_RANK:
+    raise _err(spec, f"TMA copies arrays of rank at most {TMA_MAX_RANK}, "
+               f"this one has rank {len(aval.shape)}", bm.origin)
+  if not aval.shape:
+    raise _err(spec, "0-d operands cannot be copied by TMA", bm.origin)
+  stride = itemsize
+  for n in reversed(aval.shape[1:]):
+    stride *= n
+    if stride % 16:
+      raise _err(spec, f"TMA needs every array stride but the last to be a "
+                 f"multiple of 16 bytes; array {aval.str_short()} has a "
+                 f"stride of {stride} bytes (unaligned TMA box)", bm.origin)
+  last = lengths[-1]
+  if last == -1 or (last * itemsize) % 16:
+    width = itemsize if last == -1 else last * itemsize
+    raise _err(spec, f"the block's last dimension spans {width} bytes; TMA "
+               "boxes must span a multiple of 16 bytes along the last "
+               "dimension (unaligned TMA box)", bm.origin)
+
+
+def _block(spec, bm, is_output, idx, sequential) -> Block:
+  if bm.whole_array and bm.memory_space is not None:
+    raise _err(spec, "operands left in global memory (memory_space=ANY) "
+               "are not supported by the Mosaic GPU lowering yet", bm.origin)
+  if any(isinstance(d, Element) for d in bm.block_shape):
+    raise _err(spec, "Element block dims (element offsets) are not "
+               "supported by the Mosaic GPU lowering", bm.origin)
+  lengths = tuple(-1 if d is squeezed else int(n)
+                  for d, n in zip(bm.block_shape, bm.block_sizes))
+  _check_tma(spec, bm, lengths)
+  if idx is None:
+    moves = bool(sequential)
+  else:
+    moves = any(idx.shape[d] > 1 and np.any(np.diff(idx, axis=d) != 0)
+                for d in sequential)
+  return Block(bm, is_output, tuple(bm.kernel_shape), lengths, moves)
+
+
+def make_gpu_plan(spec) -> GpuPlan:
+  gm = spec.grid_mapping
+  if gm.num_scalar_prefetch:
+    raise _err(spec, "scalar prefetch is not supported by the Mosaic GPU "
+               "lowering yet")
+  if spec.input_output_aliases:
+    raise _err(spec, "input_output_aliases are not supported by the Mosaic "
+               "GPU lowering yet", "input_output_aliases")
+  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
+  grid = tuple(int(g) for g in gm.grid)
+  blocks = []
+  for k, bm in enumerate(gm.block_mappings):
+    idx = evaluate_index_map(bm, grid)
+    blocks.append(_block(spec, bm, k >= gm.num_inputs, idx, plan.sequential))
+  scratch = []
+  for i, ref in enumerate(gm.scratch_avals):
+    inner = getattr(ref, "inner_aval", ref)
+    dtype = getattr(inner, "dtype", None)
+    try:
+      dtype = np.dtype(dtype)
+    except TypeError:
+      raise _err(spec, f"scratch of type {inner} (semaphores) is not "
+                 "supported by the Mosaic GPU lowering",
+                 f"scratch_shapes[{i}]") from None
+    scratch.append((tuple(inner.shape), dtype))
+  smem = sum(b.nbytes for b in blocks)
+  smem += sum(math.prod(s) * d.itemsize for s, d in scratch)
+  smem += MBARRIER_BYTES
+  if smem > SMEM_LIMIT:
+    parts = ", ".join(f"{b.mapping.origin} {b.nbytes}" for b in blocks)
+    raise _err(spec, f"the kernel needs {smem} bytes of shared memory "
+               f"(blocks: {parts}; plus scratch and barriers), more than the "
+               f"{SMEM_LIMIT} bytes a CTA can have; use smaller blocks")
+  if math.prod(grid[d] for d in plan.parallel) >= 2 ** 31:
+    raise _err(spec, "the parallel grid has more than 2**31 - 1 points")
+  return GpuPlan(grid, tuple(plan.parallel), tuple(plan.sequential),
+                 tuple(blocks), tuple(scratch), smem)

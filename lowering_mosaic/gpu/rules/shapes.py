@@ -1,0 +1,119 @@
+"""Broadcasts, reshapes, iota and reductions."""
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
+from jax._src.lib import mosaic_gpu_dialect as mgpu
+
+from dsl import dtypes
+from lowering_mosaic.gpu.host import (TABLE, broadcast_to, constant,
+                                      is_vector, scalar_constant, shape_of,
+                                      typed)
+
+
+def _reshape(x, shape, dtype):
+  if shape_of(x) == tuple(shape):
+    return x
+  if not is_vector(x):
+    return broadcast_to(x, tuple(shape))
+  if not shape:
+    return vector.extract(x, [], [0] * len(shape_of(x)))
+  return vector.shape_cast(typed(shape, dtype), x)
+
+
+@TABLE.register(lax.broadcast_in_dim_p)
+def _broadcast_in_dim(ctx, x, *_dyn, shape, broadcast_dimensions, **_):
+  aval = ctx.avals_in[0]
+  shape = tuple(shape)
+  if not is_vector(x):
+    return broadcast_to(x, shape)
+  # Drop the operand's unit dims that are broadcast (keepdims results).
+  keep = [i for i, d in enumerate(aval.shape)
+          if not (d == 1 and shape[broadcast_dimensions[i]] != 1)]
+  dims = [broadcast_dimensions[i] for i in keep]
+  kept_shape = [aval.shape[i] for i in keep]
+  if len(keep) != len(aval.shape):
+    x = _reshape(x, kept_shape, aval.dtype)
+  if not kept_shape:
+    return broadcast_to(x, shape)
+  if tuple(kept_shape) == shape:
+    return x
+  return mgpu.broadcast_in_dim(typed(shape, aval.dtype), x, dims)
+
+
+@TABLE.register(lax.reshape_p)
+def _reshape_rule(ctx, x, *_dyn, new_sizes, **_):
+  return _reshape(x, tuple(new_sizes), ctx.avals_out[0].dtype)
+
+
+@TABLE.register(lax.squeeze_p)
+def _squeeze(ctx, x, *, dimensions):
+  return _reshape(x, tuple(ctx.avals_out[0].shape), ctx.avals_out[0].dtype)
+
+
+@TABLE.register(getattr(lax, "expand_dims_p", None))
+def _expand_dims(ctx, x, **_):
+  return _reshape(x, tuple(ctx.avals_out[0].shape), ctx.avals_out[0].dtype)
+
+
+@TABLE.register(lax.iota_p)
+def _iota(ctx, *_dyn, dtype, shape, dimension, **_):
+  out = typed(shape, np.int32)
+  if len(shape) == 0:
+    return scalar_constant(0, dtype)
+  v = mgpu.broadcasted_iota(out, dimension)
+  if np.dtype(dtype) != np.int32:
+    from lowering_mosaic.gpu.rules.elementwise import convert
+    v = convert(v, np.int32, dtype, tuple(shape))
+  return v
+
+
+_KINDS = {
+    lax.reduce_sum_p: {"f": "ADD", "i": "ADD"},
+    lax.reduce_max_p: {"f": "MAXIMUMF", "i": "MAXSI", "u": "MAXUI"},
+    lax.reduce_min_p: {"f": "MINIMUMF", "i": "MINSI", "u": "MINUI"},
+    lax.reduce_and_p: {"i": "AND", "u": "AND"},
+    lax.reduce_or_p: {"i": "OR", "u": "OR"},
+}
+
+
+def _identity(prim, dtype):
+  dtype = np.dtype(dtype)
+  if prim is lax.reduce_sum_p or prim is lax.reduce_or_p:
+    return 0
+  if prim is lax.reduce_and_p:
+    return 1 if dtypes.is_bool(dtype) else -1
+  big = prim is lax.reduce_min_p
+  if dtypes.is_float(dtype):
+    return np.inf if big else -np.inf
+  info = np.iinfo(dtype) if not dtypes.is_bool(dtype) else None
+  if info is None:
+    return 1 if big else 0
+  return info.max if big else info.min
+
+
+def _reduce_rule(prim):
+  def rule(ctx, x, *, axes, **_):
+    aval = ctx.avals_in[0]
+    kind_of = "f" if dtypes.is_float(aval.dtype) else (
+        "u" if dtypes.is_unsigned(aval.dtype) or dtypes.is_bool(aval.dtype)
+        else "i")
+    kind = _KINDS[prim].get(kind_of) or _KINDS[prim].get("i")
+    if kind is None:
+      raise ctx.error(f"'{prim.name}' is not supported on {aval.dtype}")
+    kind = getattr(vector.CombiningKind, kind)
+    out_shape = tuple(ctx.avals_out[0].shape)
+    if not is_vector(x):
+      return x
+    if not out_shape:
+      return vector.reduction(typed((), aval.dtype), kind, x)
+    acc = constant(_identity(prim, aval.dtype), out_shape, aval.dtype)
+    return vector.multi_reduction(kind, x, acc, list(axes))
+  return rule
+
+
+for _p in _KINDS:
+  TABLE.register(_p)(_reduce_rule(_p))
+
