@@ -8,6 +8,7 @@ decides how its elements are spread over the 128 threads), or a shared-memory
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 from typing import Any
 
@@ -85,6 +86,60 @@ def broadcast_to(v, shape: tuple[int, ...]) -> ir.Value:
   if not shape or is_vector(v):
     return v
   return vector.broadcast(ir.VectorType.get(list(shape), v.type), v)
+
+
+def reshape(x, shape, dtype) -> ir.Value:
+  """`x` with its elements laid out as `shape` (same element count)."""
+  shape = tuple(shape)
+  if shape_of(x) == shape:
+    return x
+  if not is_vector(x):
+    return broadcast_to(x, shape)
+  if not shape:
+    return vector.extract(x, [], [0] * len(shape_of(x)))
+  # Look through an earlier reshape (the unit dims of keepdims results
+  # come and go): the library has no register layout for (n, 1) vectors.
+  op = getattr(getattr(x, "owner", None), "opview", None)
+  if op is not None and op.operation.name == "vector.shape_cast":
+    src = op.operands[0]
+    if shape_of(src) == shape:
+      return src
+  return vector.shape_cast(typed(shape, dtype), x)
+
+
+def broadcast_in_dim(x, shape, dims, dtype) -> ir.Value:
+  """`x` broadcast to `shape`, its dim i becoming dim `dims[i]`; unit dims
+  that grow are dropped first (the library broadcasts along new dims)."""
+  from jax._src.lib import mosaic_gpu_dialect as mgpu
+  shape = tuple(shape)
+  if not is_vector(x):
+    return broadcast_to(x, shape)
+  in_shape = shape_of(x)
+  if math.prod(in_shape) == math.prod(shape):   # only unit dims are added
+    return reshape(x, shape, dtype)
+  keep = [i for i, d in enumerate(in_shape)
+          if not (d == 1 and shape[dims[i]] != 1)]
+  kept = [in_shape[i] for i in keep]
+  if len(keep) != len(in_shape):
+    x = reshape(x, kept, dtype)
+  if not kept:
+    return broadcast_to(x, shape)
+  if tuple(kept) == shape:
+    return x
+  return mgpu.broadcast_in_dim(typed(shape, dtype), x,
+                               [dims[i] for i in keep])
+
+
+def to_shape(x, shape, dtype) -> ir.Value:
+  """`x` broadcast numpy-style (size-1 and leading dims) to `shape`."""
+  shape = tuple(shape)
+  if not is_vector(x):
+    return broadcast_to(x, shape)
+  in_shape = shape_of(x)
+  if in_shape == shape:
+    return x
+  offset = len(shape) - len(in_shape)
+  return broadcast_in_dim(x, shape, list(range(offset, len(shape))), dtype)
 
 
 def i32(v: int) -> ir.Value:

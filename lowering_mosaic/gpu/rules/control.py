@@ -37,7 +37,7 @@ def _cond(ctx, index, *args, branches, **_):
     pred = arith.cmpi(arith.CmpIPredicate.ne, index_cast_i32(index), i32(0))
 
   result_types = [typed(a.shape, a.dtype) for a in out_avals]
-  if_op = scf.IfOp(pred, result_types, hasElse=True)
+  if_op = scf.IfOp(pred, result_types, has_else=True)
   with ir.InsertionPoint(if_op.then_block):
     _branch(ctx, branches[1], args)
   with ir.InsertionPoint(if_op.else_block):

@@ -11,12 +11,13 @@ from jax._src.lib.mlir.dialects import arith, math as mlir_math
 
 from dsl import dtypes, primitives
 from lowering_mosaic.gpu.host import (TABLE, broadcast_to, constant,
-                                      shape_of, typed)
+                                      shape_of, to_shape, typed)
 
 
 def _same_shape(ctx, args):
   shape = tuple(ctx.avals_out[0].shape)
-  return [broadcast_to(a, shape) for a in args]
+  return [to_shape(a, shape, aval.dtype)
+          for a, aval in zip(args, ctx.avals_in[-len(args):])]
 
 
 def _kind(dtype) -> str:
@@ -159,12 +160,13 @@ def _select_n(ctx, which, *cases, **_):
   if len(cases) != 2:
     raise ctx.error("select_n with more than two cases is not supported")
   shape = tuple(ctx.avals_out[0].shape)
-  which = broadcast_to(which, shape)
+  which = to_shape(which, shape, ctx.avals_in[0].dtype)
   if not dtypes.is_bool(ctx.avals_in[0].dtype):
     aval = ctx.avals_in[0]
     which = arith.cmpi(arith.CmpIPredicate.ne, which,
                        constant(0, shape, aval.dtype))
-  false_case, true_case = (broadcast_to(c, shape) for c in cases)
+  false_case, true_case = (to_shape(c, shape, ctx.avals_out[0].dtype)
+                           for c in cases)
   return arith.select(which, true_case, false_case)
 
 

@@ -6,56 +6,34 @@ from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
 from jax._src.lib import mosaic_gpu_dialect as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import layouts
 
 from dsl import dtypes
-from lowering_mosaic.gpu.host import (TABLE, broadcast_to, constant,
-                                      is_vector, scalar_constant, shape_of,
+from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_in_dim, constant,
+                                      is_vector, reshape, scalar_constant,
                                       typed)
-
-
-def _reshape(x, shape, dtype):
-  if shape_of(x) == tuple(shape):
-    return x
-  if not is_vector(x):
-    return broadcast_to(x, tuple(shape))
-  if not shape:
-    return vector.extract(x, [], [0] * len(shape_of(x)))
-  return vector.shape_cast(typed(shape, dtype), x)
 
 
 @TABLE.register(lax.broadcast_in_dim_p)
 def _broadcast_in_dim(ctx, x, *_dyn, shape, broadcast_dimensions, **_):
-  aval = ctx.avals_in[0]
-  shape = tuple(shape)
-  if not is_vector(x):
-    return broadcast_to(x, shape)
-  # Drop the operand's unit dims that are broadcast (keepdims results).
-  keep = [i for i, d in enumerate(aval.shape)
-          if not (d == 1 and shape[broadcast_dimensions[i]] != 1)]
-  dims = [broadcast_dimensions[i] for i in keep]
-  kept_shape = [aval.shape[i] for i in keep]
-  if len(keep) != len(aval.shape):
-    x = _reshape(x, kept_shape, aval.dtype)
-  if not kept_shape:
-    return broadcast_to(x, shape)
-  if tuple(kept_shape) == shape:
-    return x
-  return mgpu.broadcast_in_dim(typed(shape, aval.dtype), x, dims)
+  return broadcast_in_dim(x, shape, list(broadcast_dimensions),
+                          ctx.avals_in[0].dtype)
 
 
 @TABLE.register(lax.reshape_p)
 def _reshape_rule(ctx, x, *_dyn, new_sizes, **_):
-  return _reshape(x, tuple(new_sizes), ctx.avals_out[0].dtype)
+  return reshape(x, tuple(new_sizes), ctx.avals_out[0].dtype)
 
 
 @TABLE.register(lax.squeeze_p)
 def _squeeze(ctx, x, *, dimensions):
-  return _reshape(x, tuple(ctx.avals_out[0].shape), ctx.avals_out[0].dtype)
+  return reshape(x, tuple(ctx.avals_out[0].shape), ctx.avals_out[0].dtype)
 
 
 @TABLE.register(getattr(lax, "expand_dims_p", None))
 def _expand_dims(ctx, x, **_):
-  return _reshape(x, tuple(ctx.avals_out[0].shape), ctx.avals_out[0].dtype)
+  return reshape(x, tuple(ctx.avals_out[0].shape), ctx.avals_out[0].dtype)
 
 
 @TABLE.register(lax.iota_p)
@@ -110,6 +88,17 @@ def _reduce_rule(prim):
     if not out_shape:
       return vector.reduction(typed((), aval.dtype), kind, x)
     acc = constant(_identity(prim, aval.dtype), out_shape, aval.dtype)
+    if len(aval.shape) == 2 and len(axes) == 1:
+      # Row (col) reductions of a warpgroup tile: pin the tile to the wgmma
+      # register layout, where the library reduces across lanes.
+      if axes[0] != 1:
+        raise ctx.error("reductions over the leading axis of a 2-D tile are "
+                        "not supported by Mosaic GPU's register layouts; "
+                        "reduce over the last axis (transpose the block with "
+                        "its BlockSpec)" + TRITON_HINT)
+      acc_layout = fa.WGMMA_ROW_LAYOUT
+      x = mgpu.layout_cast(x, layouts.to_layout_attr(fa.WGMMA_LAYOUT))
+      acc = mgpu.layout_cast(acc, layouts.to_layout_attr(acc_layout))
     return vector.multi_reduction(kind, x, acc, list(axes))
   return rule
 
