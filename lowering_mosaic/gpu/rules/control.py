@@ -1,6 +1,7 @@
-"""Inlined calls, `cond` (`pl.when`, `lax.cond`) and loops (`fori_loop`)
-as `scf.if` / `scf.for`; loop carries may be vectors (the library infers
-one layout for a carry across iterations)."""
+"""Inlined calls, `cond` (`pl.when`, `lax.cond`, `lax.switch`) and loops
+(`fori_loop`, `while_loop`) as `scf.index_switch` / `scf.for` / `scf.while`;
+loop carries may be vectors (the library infers one layout for a carry
+across iterations)."""
 from __future__ import annotations
 
 from jax import lax
@@ -8,8 +9,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, scf
 
 from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
-from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, i32, index_cast_i32,
-                                      typed)
+from dsl.normalize import scan_layout
+from lowering_mosaic.gpu.host import TABLE, TRITON_HINT, index_cast_i32, typed
 
 
 @TABLE.register(*CALL_PRIMITIVES)
@@ -28,29 +29,27 @@ def _branch(ctx, closed, args):
 
 @TABLE.register(lax.cond_p)
 def _cond(ctx, index, *args, branches, **_):
-  out_avals = ctx.avals_out
-  if len(branches) != 2:
-    raise ctx.error("lax.switch with more than two branches is not supported "
-                    "by the Mosaic GPU lowering" + TRITON_HINT)
-  pred = index
-  if ir.IntegerType(index.type).width != 1:
-    pred = arith.cmpi(arith.CmpIPredicate.ne, index_cast_i32(index), i32(0))
-
-  result_types = [typed(a.shape, a.dtype) for a in out_avals]
-  if_op = scf.IfOp(pred, result_types, has_else=True)
-  with ir.InsertionPoint(if_op.then_block):
-    _branch(ctx, branches[1], args)
-  with ir.InsertionPoint(if_op.else_block):
-    _branch(ctx, branches[0], args)
-  return list(if_op.results)
+  """`scf.index_switch` (the region op the library infers layouts
+  through): case k runs branch k, the default runs the last branch."""
+  if ir.IntegerType(index.type).width == 1:
+    index = arith.extui(ir.IntegerType.get_signless(32), index)
+  index = arith.index_cast(ir.IndexType.get(), index_cast_i32(index))
+  result_types = [typed(a.shape, a.dtype) for a in ctx.avals_out]
+  n = len(branches)
+  op = scf.IndexSwitchOp(result_types, index, list(range(n - 1)))
+  for block, branch in zip(list(op.case_blocks) + [op.default_block],
+                           branches):
+    with ir.InsertionPoint(block):
+      _branch(ctx, branch, args)
+  return list(op.results)
 
 
 @TABLE.register(lax.scan_p)
-def _scan(ctx, *args, jaxpr, length, num_consts, num_carry, reverse, **_):
+def _scan(ctx, *args, jaxpr, length, reverse, **params):
   """`fori_loop` with static bounds: a scan whose first carry is the
   counter and that has no stacked inputs or outputs."""
-  n_xs = len(args) - num_consts - num_carry
-  if n_xs or len(jaxpr.jaxpr.outvars) != num_carry:
+  num_consts, num_carry, n_xs, n_ys = scan_layout(params)
+  if n_xs or n_ys:
     raise ctx.error("lax.scan over arrays is not supported by the Mosaic GPU "
                     "lowering; use fori_loop" + TRITON_HINT)
   consts, carry = list(args[:num_consts]), list(args[num_consts:])

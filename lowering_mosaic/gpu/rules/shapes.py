@@ -8,6 +8,7 @@ from jax._src.lib.mlir.dialects import arith, vector
 from jax._src.lib import mosaic_gpu_dialect as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl import dtypes
 from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_in_dim, constant,
@@ -34,6 +35,19 @@ def _squeeze(ctx, x, *, dimensions):
 @TABLE.register(getattr(lax, "expand_dims_p", None))
 def _expand_dims(ctx, x, **_):
   return reshape(x, tuple(ctx.avals_out[0].shape), ctx.avals_out[0].dtype)
+
+
+@TABLE.register(lax.transpose_p)
+def _transpose(ctx, x, *, permutation):
+  """Only a 2-D tile read straight from shared memory transposes: it is
+  re-read through a transposed view of the buffer (which a dot then takes
+  as a transposed wgmma operand)."""
+  from lowering_mosaic.gpu.rules.dot import smem_source
+  src = smem_source(x)
+  if tuple(permutation) != (1, 0) or src is None:
+    raise ctx.error("only 2-D tiles read straight from a ref can be "
+                    "transposed by the Mosaic GPU lowering" + TRITON_HINT)
+  return mgpu.vector_load(mgpu_utils.memref_transpose(src, (1, 0)))
 
 
 @TABLE.register(lax.iota_p)

@@ -1,0 +1,321 @@
+"""The Mosaic GPU lowering, checked on a CPU: modules are built, verified
+and layout-inferred by jaxlib's library when lowering for "cuda"; the
+structure (TMA, mbarriers, wgmma, the sequential loop) is asserted on the
+dialect-level and on the lowered module. Numerics need a GPU and are not
+checked here."""
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.mosaic.gpu import dialect as mgpu_dialect  # noqa: F401
+
+import dsl as pl
+from dsl.errors import BackendError
+from lowering_mosaic.gpu import to_gpu_modules
+from lowering_mosaic.gpu.plan import SMEM_LIMIT
+
+
+def _lower_cuda(f, *args) -> str:
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _module(f, *args):
+  (m,) = to_gpu_modules(f, *args)
+  return m
+
+
+def _ops(text: str) -> list[str]:
+  return re.findall(r'"?((?:mosaic_gpu|nvvm|scf|vector|memref)\.[\w.]+)', text)
+
+
+# ------------------------------------------------------------------ kernels
+
+def _add_kernel(x_ref, y_ref, o_ref):
+  o_ref[...] = jnp.exp(x_ref[...]) + y_ref[...] * 2.0
+
+
+def add(x, y, block=(128, 64), backend="mosaic_gpu"):
+  spec = pl.BlockSpec(block, lambda i: (i, 0))
+  return pl.pallas_call(_add_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        grid=(x.shape[0] // block[0],), in_specs=[spec, spec],
+                        out_specs=spec, backend=backend)(x, y)
+
+
+def _matmul_kernel(x_ref, y_ref, o_ref):
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    o_ref[...] = jnp.zeros_like(o_ref)
+  o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
+                        preferred_element_type=jnp.float32)
+
+
+def matmul(x, y, bm=128, bn=128, bk=64):
+  m, k = x.shape
+  n = y.shape[1]
+  return pl.pallas_call(
+      _matmul_kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
+      grid=(m // bm, n // bn, k // bk),
+      in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+      backend="mosaic_gpu")(x, y)
+
+
+def _softmax_kernel(x_ref, o_ref):
+  x = x_ref[...].astype(jnp.float32)
+  e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+  col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  e = jnp.where(col < 100, e, 0.0)
+  o_ref[...] = (e / jnp.sum(e, axis=-1, keepdims=True)).astype(o_ref.dtype)
+
+
+def softmax(x, rows=64):
+  spec = pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0))
+  return pl.pallas_call(_softmax_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        grid=(x.shape[0] // rows,), in_specs=[spec],
+                        out_specs=spec, backend="mosaic_gpu")(x)
+
+
+def _attention_kernel(q_ref, k_ref, v_ref, o_ref):
+  s = jnp.dot(q_ref[...], k_ref[...].T, preferred_element_type=jnp.float32)
+  p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+  o = jnp.dot(p.astype(jnp.bfloat16), v_ref[...],
+              preferred_element_type=jnp.float32)
+  o_ref[...] = (o / jnp.sum(p, axis=-1, keepdims=True)).astype(o_ref.dtype)
+
+
+def attention(q, k, v, bq=64):
+  n, d = q.shape
+  qs = pl.BlockSpec((bq, d), lambda i: (i, 0))
+  kv = pl.BlockSpec(k.shape, lambda i: (0, 0))
+  return pl.pallas_call(_attention_kernel, jax.ShapeDtypeStruct(q.shape,
+                                                                q.dtype),
+                        grid=(n // bq,), in_specs=[qs, kv, kv], out_specs=qs,
+                        backend="mosaic_gpu")(q, k, v)
+
+
+F32 = jnp.ones((512, 64), jnp.float32)
+BF = lambda *s: jnp.ones(s, jnp.bfloat16)
+
+
+# ------------------------------------------------------------------ routing
+
+def test_custom_call_is_mosaic_gpu_not_triton():
+  text = _lower_cuda(add, F32, F32)
+  assert "stablehlo.custom_call @mosaic_gpu_v2" in text
+  assert "triton_kernel_call" not in text
+
+
+def test_option_routes_automatic_backend_on_cuda_only():
+  f = lambda x, y: add(x, y, backend=None)
+  with pl.config.use_mosaic_gpu_option(True):
+    assert "mosaic_gpu_v2" in _lower_cuda(f, F32, F32)
+    # On CPU the automatic backend stays the interpreter.
+    cpu = jax.jit(f).trace(F32, F32).lower(lowering_platforms=("cpu",))
+    assert "mosaic_gpu_v2" not in cpu.as_text()
+
+
+def test_backend_name_is_known():
+  assert "mosaic_gpu" in pl.BACKENDS
+
+
+def test_mosaic_gpu_backend_refuses_non_cuda_platforms():
+  with pytest.raises(BackendError, match="NVIDIA GPUs"):
+    jax.jit(add).trace(F32, F32).lower(lowering_platforms=("cpu",))
+
+
+# ------------------------------------------------------------------ structure
+
+def test_elementwise_tile_is_tma_in_math_tma_out():
+  m = _module(add, F32, F32)
+  ops = _ops(m.dialect_text)
+  assert ops.count("mosaic_gpu.async_load") == 2
+  assert ops.count("mosaic_gpu.async_store") == 1
+  assert "mosaic_gpu.arrive_expect_tx" in ops and "mosaic_gpu.wgmma" not in ops
+  assert m.plan.parallel == (0,) and m.plan.cuda_grid == 4
+  assert m.plan.steps == 1
+  lowered = m.module.operation.get_asm()
+  assert "cp.async.bulk.tensor.shared.cluster.global" in lowered   # TMA in
+  assert re.search(r"cp\.async\.bulk(\.tensor)?\.global\.shared", lowered)
+  assert "mbarrier.try_wait.parity" in lowered
+  # 128 threads (one warpgroup) per CTA; 4 CTAs.
+  assert re.search(r"blocks in \(%\w+, %\w+, %\w+\) = \(%\w+, %\w+, %\w+\)",
+                   lowered) or "gpu.launch" in lowered
+
+
+def test_expect_tx_counts_both_blocks():
+  m = _module(add, F32, F32)
+  # 2 blocks of 128x64 f32.
+  assert re.search(r"arrive_expect_tx.*%c65536_i32", m.dialect_text)
+
+
+def test_matmul_is_wgmma_over_a_sequential_tma_loop():
+  m = _module(matmul, BF(256, 256), BF(256, 256))
+  assert m.plan.parallel == (0, 1) and m.plan.sequential == (2,)
+  assert m.plan.cuda_grid == 4 and m.plan.steps == 4
+  ops = _ops(m.dialect_text)
+  assert "mosaic_gpu.wgmma" in ops and "scf.for" in ops
+  assert ops.count("mosaic_gpu.async_load") == 2
+  assert "nvvm.wgmma.wait.group.sync.aligned" in ops
+  lowered = m.module.operation.get_asm()
+  assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in lowered
+  assert "mosaic_gpu.swizzle" in lowered      # inferred smem swizzle for wgmma
+
+
+def test_revisited_output_block_stays_on_chip_until_the_loop_ends():
+  m = _module(matmul, BF(256, 256), BF(256, 256))
+  (out,) = [b for b in m.plan.blocks if b.is_output]
+  assert not out.moves
+  text = m.dialect_text
+  loop_end = text.index("scf.for")
+  # The loop's body closes before the only store.
+  assert text.count("mosaic_gpu.async_store") == 1
+  assert text.index("mosaic_gpu.async_store") > loop_end
+
+
+def test_output_that_moves_along_sequential_dim_is_stored_every_step():
+  def k(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  spec = pl.BlockSpec((64, 64), lambda i, j: (i, j))
+  f = lambda x: pl.pallas_call(
+      k, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2, 4),
+      in_specs=[spec], out_specs=spec, backend="mosaic_gpu",
+      compiler_params=pl.tpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary")))(x)
+  m = _module(f, jnp.ones((128, 256), jnp.float32))
+  assert m.plan.sequential == (1,) and m.plan.steps == 4
+  (out,) = [b for b in m.plan.blocks if b.is_output]
+  assert out.moves
+
+
+def test_softmax_row_reductions_broadcasts_iota_where_casts():
+  m = _module(softmax, BF(256, 128))
+  ops = _ops(m.dialect_text)
+  for op in ("vector.multi_reduction", "mosaic_gpu.broadcast_in_dim",
+             "mosaic_gpu.broadcasted_iota", "mosaic_gpu.layout_cast"):
+    assert op in ops, op
+  assert "arith.select" in m.dialect_text and "arith.extf" in m.dialect_text
+
+
+def test_attention_tile_two_wgmmas_with_transposed_keys():
+  q = BF(256, 128)
+  kv = BF(128, 128)
+  m = _module(attention, q, kv, kv)
+  assert _ops(m.dialect_text).count("mosaic_gpu.wgmma") == 2
+  assert "memref.transpose" in m.dialect_text
+  assert "vector.multi_reduction" in _ops(m.dialect_text)
+  assert "mosaic_gpu_v2" in _lower_cuda(attention, q, kv, kv)
+
+
+def test_control_flow_fori_loop_and_cond():
+  def k(x_ref, o_ref):
+    def body(i, acc):
+      return acc + x_ref[...]
+    acc = jax.lax.fori_loop(0, 3, body, jnp.zeros((64, 128), jnp.float32))
+    o_ref[...] = jax.lax.cond(pl.program_id(0) == 0, lambda a: a * 2.0,
+                              lambda a: a, acc)
+  spec = pl.BlockSpec((64, 128), lambda i: (i, 0))
+  f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               grid=(2,), in_specs=[spec], out_specs=spec,
+                               backend="mosaic_gpu")(x)
+  m = _module(f, jnp.ones((128, 128), jnp.float32))
+  ops = _ops(m.dialect_text)
+  assert "scf.for" in ops and "scf.index_switch" in m.dialect_text
+  assert "mosaic_gpu_v2" in _lower_cuda(f, jnp.ones((128, 128), jnp.float32))
+
+
+def test_scratch_lives_in_shared_memory():
+  def k(x_ref, o_ref, s_ref):
+    s_ref[...] = x_ref[...] + 1.0
+    o_ref[...] = s_ref[...] * 2.0
+  f = lambda x: pl.pallas_call(
+      k, jax.ShapeDtypeStruct(x.shape, x.dtype),
+      scratch_shapes=[pl.tpu.VMEM((64, 128), jnp.float32)],
+      backend="mosaic_gpu")(x)
+  m = _module(f, jnp.ones((64, 128), jnp.float32))
+  assert m.plan.scratch == (((64, 128), np.dtype(np.float32)),)
+  assert m.plan.smem_bytes >= 3 * 64 * 128 * 4
+
+
+def test_export_for_cuda_serializes():
+  exp = jax.export.export(jax.jit(add), platforms=("cuda",))(F32, F32)
+  assert exp.platforms == ("cuda",)
+  assert "mosaic_gpu_v2" in exp.mlir_module()
+  assert len(exp.mlir_module_serialized) > 0
+
+
+def test_dump_writes_the_dialect_and_the_lowered_module(tmp_path):
+  x = jnp.ones((256, 64), jnp.float32)   # a shape not lowered before
+  with pl.config.dump_mlir_to_option(str(tmp_path)):
+    _lower_cuda(add, x, x)
+  names = sorted(os.listdir(tmp_path))
+  assert len(names) == 2
+  first = (tmp_path / [n for n in names if "lowered" not in n][0]).read_text()
+  assert "mosaic_gpu.async_load" in first and "_add_kernel" in first
+  assert "CUDA grid 2" in first
+  lowered = (tmp_path / [n for n in names if "lowered" in n][0]).read_text()
+  assert "cp.async.bulk.tensor" in lowered
+
+
+# ------------------------------------------------------------------ limits
+
+def test_shared_memory_limit_is_a_clear_error():
+  x = jnp.ones((256, 256), jnp.float32)            # 256 KiB per block
+  with pytest.raises(BackendError, match=r"bytes of shared memory.*"
+                     + str(SMEM_LIMIT)):
+    _lower_cuda(lambda a, b: add(a, b, block=(256, 256)), x, x)
+
+
+def test_unaligned_tma_box_is_a_clear_error():
+  x = jnp.ones((64, 64), jnp.float32)
+  with pytest.raises(BackendError, match="16 bytes.*unaligned TMA box.*triton"):
+    _lower_cuda(lambda a, b: add(a, b, block=(64, 2)), x, x)
+
+
+def test_unaligned_array_stride_is_a_clear_error():
+  x = jnp.ones((64, 6), jnp.float32)               # 24-byte rows
+  with pytest.raises(BackendError, match="stride of 24 bytes"):
+    _lower_cuda(lambda a, b: add(a, b, block=(64, 6)), x, x)
+
+
+def test_dot_shape_wgmma_cannot_take_is_a_clear_error():
+  x = BF(32, 64)
+  with pytest.raises(BackendError, match="M=32 is not a multiple of 64"):
+    _lower_cuda(lambda a, b: matmul(a, b, bm=32, bn=64, bk=64), x, BF(64, 64))
+
+
+def test_f32_dot_is_a_clear_error():
+  x = jnp.ones((128, 64), jnp.float32)
+  with pytest.raises(BackendError, match="wgmma takes"):
+    _lower_cuda(lambda a, b: matmul(a, b, bm=128, bn=64, bk=64), x,
+                jnp.ones((64, 64), jnp.float32))
+
+
+@pytest.mark.parametrize("what", ["atomic", "masked_load", "column_sum"])
+def test_what_cannot_be_expressed_suggests_triton(what):
+  def k(x_ref, o_ref):
+    if what == "atomic":
+      pl.atomic_add(o_ref, (0, 0), 1.0)
+    elif what == "masked_load":
+      mask = jax.lax.broadcasted_iota(jnp.int32, (64, 128), 1) < 5
+      o_ref[...] = pl.load(x_ref, (slice(None), slice(None)), mask=mask)
+    else:
+      o_ref[...] = jnp.broadcast_to(jnp.sum(x_ref[...], axis=0,
+                                            keepdims=True), (64, 128))
+  f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               backend="mosaic_gpu")(x)
+  with pytest.raises(BackendError, match=r"triton") as e:
+    _lower_cuda(f, jnp.ones((64, 128), jnp.float32))
+  assert "test_mosaic_gpu.py" in str(e.value)       # the user's line
+
+
+def test_unsupported_primitive_names_it():
+  def k(x_ref, o_ref):
+    o_ref[...] = jnp.cumsum(x_ref[...], axis=1)
+  f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               backend="mosaic_gpu")(x)
+  with pytest.raises(BackendError, match="cumsum"):
+    _lower_cuda(f, jnp.ones((64, 128), jnp.float32))
