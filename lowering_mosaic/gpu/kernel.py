@@ -1,17 +1,21 @@
 """A KernelSpec as a Mosaic GPU module (warpgroup semantics).
 
 One CTA of one warpgroup (128 threads) runs one point of the parallel grid
-dims (flattened into the CUDA grid's x axis). It loops over the sequential
-dims; at each step it
+dims (flattened into the CUDA grid's x axis) and loops over the sequential
+dims:
 
-  1. evaluates the index maps (scalar code) and copies every input block
-     that changed GMEM -> SMEM with TMA, all on one mbarrier
-     (`arrive_expect_tx` with the step's bytes, then `wait`);
-  2. runs the kernel body on the SMEM blocks (vector code; layout inference
-     spreads each vector over the warpgroup's registers);
-  3. copies output blocks SMEM -> GMEM with TMA: after every step for blocks
-     that move along the sequential dims, once after the loop for blocks
-     revisited along them (those stay on chip, the accumulator pattern).
+  - input blocks that stay put along the sequential dims are copied GMEM ->
+    SMEM with TMA once, before the loop (`arrive_expect_tx` with their
+    bytes on an mbarrier, then `wait`);
+  - input blocks that move are double-buffered: step s runs on slot s % 2
+    while TMA fills the other slot with step s + 1's blocks (one mbarrier
+    per slot; block indices come from the index maps, lowered as scalar
+    code);
+  - the kernel body runs on the SMEM blocks (vector code; layout inference
+    spreads each vector over the warpgroup's registers);
+  - output blocks go SMEM -> GMEM with TMA: after every step for blocks that
+    move along the sequential dims, once after the loop for blocks revisited
+    along them (those stay on chip: the accumulator pattern).
 
 The module is the library's: `core._lower_as_gpu_kernel` builds the launch,
 `core.lower_mgpu_module` runs layout inference and lowers the dialect.
@@ -72,17 +76,26 @@ class _Emitter:
       offs.append(arith.muli(i, i32(int(n))) if n != 1 else i)
     return offs
 
-  def load(self, blocks, gmem, smem, barrier, ids):
-    if not blocks:
-      return
-    barrier.arrive_expect_tx(sum(b.nbytes for b in blocks))
+  def issue(self, blocks, gmem, dests, barrier, ids, predicate=None):
+    """Starts the TMA copies of `blocks` into `dests` on `barrier`; with a
+    `predicate` (i1) they happen only where it holds (the barrier still
+    completes a phase, with no bytes, where it does not)."""
+    nbytes = sum(b.nbytes for b in blocks)
+    tx = i32(nbytes)
+    if predicate is not None:
+      tx = arith.select(predicate, tx, i32(0))
+    barrier.arrive_expect_tx(tx)
     for b in blocks:
-      mgpu.async_load(source=gmem[b], destination=smem[b],
+      mgpu.async_load(source=gmem[b], destination=dests[b],
                       barrier=barrier.as_barrier_memref(),
                       indices=self.block_offsets(b, ids),
                       slice_lengths=list(b.slice_lengths),
-                      collective=ir.ArrayAttr.get([]))
-    barrier.wait()
+                      collective=ir.ArrayAttr.get([]), predicate=predicate)
+
+  def load(self, blocks, gmem, smem, barrier, ids):
+    if blocks:
+      self.issue(blocks, gmem, smem, barrier, ids)
+      barrier.wait()
 
   def store(self, blocks, gmem, smem, ids):
     if not blocks:
@@ -103,17 +116,15 @@ class _Emitter:
     *gmem_refs, smem_tree = args
     plan = self.plan
     n_blocks = len(plan.blocks)
-    smem_bufs = smem_tree[:n_blocks]
-    scratch = smem_tree[n_blocks:-1]
-    barrier = smem_tree[-1]
+    smem = dict(zip(plan.blocks, smem_tree[:n_blocks]))
+    scratch = list(smem_tree[n_blocks:-1])
+    barriers = smem_tree[-1]
     gmem = dict(zip(plan.blocks, gmem_refs))
-    smem = dict(zip(plan.blocks, smem_bufs))
     ins = [b for b in plan.blocks if not b.is_output]
     outs = [b for b in plan.blocks if b.is_output]
     grid = plan.grid
     flat = index_cast_i32(gpu.block_id(gpu.Dimension.x))
     par = _decode(flat, [grid[d] for d in plan.parallel])
-    refs = list(smem_bufs) + list(scratch)
 
     def ids_at(seq_coords):
       ids = [None] * len(grid)
@@ -123,23 +134,68 @@ class _Emitter:
         ids[d] = v
       return ids
 
-    if plan.steps <= 1 and not plan.sequential:
-      ids = ids_at([])
-      self.load(ins, gmem, smem, barrier, ids)
-      self.body(ids, refs)
-      self.store(outs, gmem, smem, ids)
-      return
-    seq_sizes = [grid[d] for d in plan.sequential]
+    def refs(views):
+      return [views.get(b, smem[b]) for b in plan.blocks] + scratch
+
+    if not any(b.slots > 1 for b in ins):
+      self._unpipelined(ins, outs, gmem, smem, barriers[0], ids_at, refs)
+    else:
+      self._pipelined(ins, outs, gmem, smem, barriers, ids_at, refs)
+
+  def _unpipelined(self, ins, outs, gmem, smem, barrier, ids_at, refs):
+    """No block moves along the sequential dims: load once, run every
+    step on the same blocks, store once."""
+    plan = self.plan
+    seq_sizes = [plan.grid[d] for d in plan.sequential]
+    first = ids_at([i32(0)] * len(seq_sizes))
+    self.load(ins, gmem, smem, barrier, first)
+    if plan.steps > 1:
+      loop = scf.ForOp(*(arith.constant(ir.IndexType.get(), v)
+                         for v in (0, plan.steps, 1)))
+      with ir.InsertionPoint(loop.body):
+        step = index_cast_i32(loop.induction_variable)
+        self.body(ids_at(_decode(step, seq_sizes)), refs({}))
+        scf.yield_([])
+      last = ids_at([i32(n - 1) for n in seq_sizes])
+    else:
+      self.body(first, refs({}))
+      last = first
+    self.store(outs, gmem, smem, last)
+
+  def _pipelined(self, ins, outs, gmem, smem, barriers, ids_at, refs):
+    """Inputs that move along the sequential dims rotate through
+    PIPELINE_DEPTH slots: step s computes on slot s % 2 while TMA fills
+    the other slot with step s + 1's blocks (barrier per slot)."""
+    plan = self.plan
+    steps = plan.steps
+    seq_sizes = [plan.grid[d] for d in plan.sequential]
+    fixed = [b for b in ins if b.slots == 1]
+    piped = [b for b in ins if b.slots > 1]
+    first = ids_at([i32(0)] * len(seq_sizes))
+    self.load(fixed, gmem, smem, barriers[2], first)
     idx = ir.IndexType.get()
-    loop = scf.ForOp(*(arith.constant(idx, v) for v in (0, plan.steps, 1)))
+
+    def views(slot):
+      return {b: mgpu_utils.memref_slice(smem[b], slot) for b in piped}
+
+    self.issue(piped, gmem, views(arith.constant(idx, 0)), barriers[0], first)
+    loop = scf.ForOp(*(arith.constant(idx, v) for v in (0, steps, 1)))
     with ir.InsertionPoint(loop.body):
-      step = index_cast_i32(loop.induction_variable)
-      ids = ids_at(_decode(step, seq_sizes))
-      self.load(ins, gmem, smem, barrier, ids)
-      self.body(ids, refs)
-      mgpu_utils.warpgroup_barrier()   # the blocks may be refilled next step
+      s = index_cast_i32(loop.induction_variable)
+      slot = arith.remui(s, i32(2))
+      other = arith.subi(i32(1), slot)
+      nxt = arith.addi(s, i32(1))
+      more = arith.cmpi(arith.CmpIPredicate.ult, nxt, i32(steps))
+      nxt = arith.minui(nxt, i32(steps - 1))
+      self.issue(piped, gmem, views(arith.index_cast(idx, other)),
+                 barriers[other], ids_at(_decode(nxt, seq_sizes)), more)
+      barriers[slot].wait()
+      ids = ids_at(_decode(s, seq_sizes))
+      self.body(ids, refs(views(arith.index_cast(idx, slot))))
+      mgpu_utils.warpgroup_barrier()   # the slot is refilled next step
       self.store([b for b in outs if b.moves], gmem, smem, ids)
       scf.yield_([])
+    barriers[steps % 2].wait()         # the last, empty, prefetch
     last = ids_at([i32(n - 1) for n in seq_sizes])
     self.store([b for b in outs if not b.moves], gmem, smem, last)
 
@@ -150,9 +206,9 @@ def _shapes(plan: GpuPlan):
               for b in plan.blocks if not b.is_output)
   outs = tuple(sds(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
                for b in plan.blocks if b.is_output)
-  smem = [sds(b.kernel_shape, b.mapping.array_aval.dtype) for b in plan.blocks]
+  smem = [sds(b.buffer_shape, b.mapping.array_aval.dtype) for b in plan.blocks]
   smem += [sds(s, d) for s, d in plan.scratch]
-  smem.append(mgpu_core.TMABarrier(1))
+  smem.append(mgpu_core.TMABarrier(3))   # two pipeline slots, fixed blocks
   return ins, outs, smem
 
 

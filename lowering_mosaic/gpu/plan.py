@@ -17,6 +17,7 @@ from lowering_mosaic.gpu.host import TRITON_HINT
 WARPGROUP = 128                 # threads per CTA: one warpgroup
 SMEM_LIMIT = 227 * 1024         # bytes of shared memory per CTA (sm_90)
 MBARRIER_BYTES = 8
+PIPELINE_DEPTH = 2              # slots of an input that moves along the loop
 TMA_MAX_RANK = 5
 
 
@@ -28,10 +29,16 @@ class Block:
   kernel_shape: tuple[int, ...]     # the shared-memory buffer's shape
   slice_lengths: tuple[int, ...]    # TMA box per array dim (-1 = squeezed)
   moves: bool                       # its block changes along sequential dims
+  slots: int = 1                    # buffers in shared memory (pipeline depth)
 
   @property
   def nbytes(self) -> int:
+    """Bytes of one block (what one TMA copy moves)."""
     return math.prod(self.kernel_shape) * self.mapping.array_aval.dtype.itemsize
+
+  @property
+  def buffer_shape(self) -> tuple[int, ...]:
+    return ((self.slots,) if self.slots > 1 else ()) + self.kernel_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,11 +130,15 @@ def make_gpu_plan(spec) -> GpuPlan:
                  "supported by the Mosaic GPU lowering",
                  f"scratch_shapes[{i}]") from None
     scratch.append((tuple(inner.shape), dtype))
-  smem = sum(b.nbytes for b in blocks)
+  if any(grid[d] > 1 for d in plan.sequential):
+    blocks = [dataclasses.replace(b, slots=PIPELINE_DEPTH)
+              if b.moves and not b.is_output else b for b in blocks]
+  smem = sum(b.nbytes * b.slots for b in blocks)
   smem += sum(math.prod(s) * d.itemsize for s, d in scratch)
-  smem += MBARRIER_BYTES
+  smem += 3 * MBARRIER_BYTES
   if smem > SMEM_LIMIT:
-    parts = ", ".join(f"{b.mapping.origin} {b.nbytes}" for b in blocks)
+    parts = ", ".join(f"{b.mapping.origin} {b.slots} x {b.nbytes}"
+                      for b in blocks)
     raise _err(spec, f"the kernel needs {smem} bytes of shared memory "
                f"(blocks: {parts}; plus scratch and barriers), more than the "
                f"{SMEM_LIMIT} bytes a CTA can have; use smaller blocks")

@@ -158,11 +158,47 @@ def test_matmul_is_wgmma_over_a_sequential_tma_loop():
   assert m.plan.cuda_grid == 4 and m.plan.steps == 4
   ops = _ops(m.dialect_text)
   assert "mosaic_gpu.wgmma" in ops and "scf.for" in ops
-  assert ops.count("mosaic_gpu.async_load") == 2
   assert "nvvm.wgmma.wait.group.sync.aligned" in ops
   lowered = m.module.operation.get_asm()
   assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in lowered
   assert "mosaic_gpu.swizzle" in lowered      # inferred smem swizzle for wgmma
+
+
+def test_sequential_inputs_are_double_buffered():
+  m = _module(matmul, BF(256, 256), BF(256, 256))
+  ins = [b for b in m.plan.blocks if not b.is_output]
+  assert all(b.moves and b.slots == 2 for b in ins)
+  assert ins[0].buffer_shape == (2, 128, 64)
+  text = m.dialect_text
+  loop = text.index("scf.for")
+  loads = [mt.start() for mt in re.finditer(r"mosaic_gpu\.async_load", text)]
+  # Step 0's blocks before the loop; step s + 1's inside it, predicated, into
+  # the other slot (a subview of the two-slot buffer).
+  assert len(loads) == 4 and sum(p < loop for p in loads) == 2
+  inner = text[loop:]
+  assert "memref.subview" in inner and "arith.select" in inner
+  # In the loop the copies carry a predicate (i1): none after the last step.
+  assert len(re.findall(r"async_load.*, i1\) -> \(\)", inner)) == 2
+  assert inner.count("nvvm.mbarrier.try_wait.parity") >= 1
+  assert m.plan.smem_bytes >= 2 * (2 * 128 * 64 * 2) + 128 * 128 * 4
+
+
+def test_blocks_that_stay_put_are_loaded_once():
+  def k(x_ref, w_ref, o_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += x_ref[...] * w_ref[...]
+  f = lambda x, w: pl.pallas_call(
+      k, jax.ShapeDtypeStruct((128, 64), jnp.float32), grid=(2, 4),
+      in_specs=[pl.BlockSpec((64, 64), lambda i, j: (i, j)),
+                pl.BlockSpec((64, 64), lambda i, j: (i, 0))],
+      out_specs=pl.BlockSpec((64, 64), lambda i, j: (i, 0)),
+      backend="mosaic_gpu")(x, w)
+  m = _module(f, jnp.ones((128, 256), jnp.float32),
+              jnp.ones((128, 64), jnp.float32))
+  x_blk, w_blk, _ = m.plan.blocks
+  assert x_blk.slots == 2 and w_blk.slots == 1 and not w_blk.moves
 
 
 def test_revisited_output_block_stays_on_chip_until_the_loop_ends():
