@@ -54,7 +54,7 @@ def mosaic_gpu_lowering(ctx, *args, spec):
   dump_gpu_module(spec, built)
   return mgpu_core._mosaic_gpu_lowering_rule(
       ctx, *args, module=built.module, out_types=built.out_shapes,
-      inout_types=())
+      inout_types=(), input_output_aliases=tuple(spec.input_output_aliases))
 
 
 backends.register_backend("mosaic_gpu", mosaic_gpu_lowering)

@@ -62,6 +62,7 @@ def _decode(flat: ir.Value, sizes: list[int]) -> list[ir.Value]:
 class _Emitter:
   def __init__(self, spec, plan: GpuPlan, host: GpuHost):
     self.spec, self.plan, self.host = spec, plan, host
+    self.prefetch = []     # the scalar-prefetch operands, read in GMEM
 
   def block_offsets(self, block, ids) -> list[ir.Value]:
     """Element offsets (i32) of `block` at grid point `ids`."""
@@ -69,7 +70,7 @@ class _Emitter:
     closed = bm.index_map_jaxpr
     n_pf = len(closed.jaxpr.invars) - len(ids)
     idx = walk_jaxpr(self.host, closed.jaxpr, closed.consts,
-                     list(ids) + [None] * n_pf)
+                     list(ids) + list(self.prefetch)[:n_pf])
     offs = []
     for i, n in zip(idx, bm.block_sizes):
       i = index_cast_i32(i)
@@ -115,6 +116,8 @@ class _Emitter:
   def __call__(self, launch_ctx, *args):
     *gmem_refs, smem_tree = args
     plan = self.plan
+    n_pf = len(plan.prefetch)
+    self.prefetch, gmem_refs = list(gmem_refs[:n_pf]), gmem_refs[n_pf:]
     n_blocks = len(plan.blocks)
     smem = dict(zip(plan.blocks, smem_tree[:n_blocks]))
     scratch = list(smem_tree[n_blocks:-1])
@@ -135,7 +138,8 @@ class _Emitter:
       return ids
 
     def refs(views):
-      return [views.get(b, smem[b]) for b in plan.blocks] + scratch
+      return (self.prefetch + [views.get(b, smem[b]) for b in plan.blocks]
+              + scratch)
 
     if not any(b.slots > 1 for b in ins):
       self._unpipelined(ins, outs, gmem, smem, barriers[0], ids_at, refs)
@@ -202,8 +206,9 @@ class _Emitter:
 
 def _shapes(plan: GpuPlan):
   sds = jax.ShapeDtypeStruct
-  ins = tuple(sds(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
-              for b in plan.blocks if not b.is_output)
+  ins = tuple(sds(a.shape, a.dtype) for a in plan.prefetch)
+  ins += tuple(sds(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
+               for b in plan.blocks if not b.is_output)
   outs = tuple(sds(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
                for b in plan.blocks if b.is_output)
   smem = [sds(b.buffer_shape, b.mapping.array_aval.dtype) for b in plan.blocks]

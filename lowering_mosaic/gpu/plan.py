@@ -49,6 +49,7 @@ class GpuPlan:
   blocks: tuple[Block, ...]         # inputs then outputs
   scratch: tuple[tuple[tuple[int, ...], np.dtype], ...]
   smem_bytes: int
+  prefetch: tuple = ()              # avals of the scalar-prefetch operands
 
   @property
   def cuda_grid(self) -> int:
@@ -107,12 +108,6 @@ def _block(spec, bm, is_output, idx, sequential) -> Block:
 
 def make_gpu_plan(spec) -> GpuPlan:
   gm = spec.grid_mapping
-  if gm.num_scalar_prefetch:
-    raise _err(spec, "scalar prefetch is not supported by the Mosaic GPU "
-               "lowering yet")
-  if spec.input_output_aliases:
-    raise _err(spec, "input_output_aliases are not supported by the Mosaic "
-               "GPU lowering yet", "input_output_aliases")
   plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
   grid = tuple(int(g) for g in gm.grid)
   blocks = []
@@ -144,5 +139,6 @@ def make_gpu_plan(spec) -> GpuPlan:
                f"{SMEM_LIMIT} bytes a CTA can have; use smaller blocks")
   if math.prod(grid[d] for d in plan.parallel) >= 2 ** 31:
     raise _err(spec, "the parallel grid has more than 2**31 - 1 points")
+  prefetch = tuple(getattr(r, "inner_aval", r) for r in gm.prefetch_avals)
   return GpuPlan(grid, tuple(plan.parallel), tuple(plan.sequential),
-                 tuple(blocks), tuple(scratch), smem)
+                 tuple(blocks), tuple(scratch), smem, prefetch)

@@ -355,3 +355,37 @@ def test_unsupported_primitive_names_it():
                                backend="mosaic_gpu")(x)
   with pytest.raises(BackendError, match="cumsum"):
     _lower_cuda(f, jnp.ones((64, 128), jnp.float32))
+
+
+# ------------------------------------------------------------------ operands
+
+def test_scalar_prefetch_drives_the_index_maps():
+  def k(idx_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] * idx_ref[0].astype(jnp.float32)
+  gs = pl.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1, grid=(4,),
+      in_specs=[pl.BlockSpec((64, 64), lambda i, idx: (idx[i], 0))],
+      out_specs=pl.BlockSpec((64, 64), lambda i, idx: (i, 0)))
+  f = lambda idx, x: pl.pallas_call(
+      k, jax.ShapeDtypeStruct(x.shape, x.dtype), grid_spec=gs,
+      backend="mosaic_gpu")(idx, x)
+  idx = jnp.array([3, 2, 1, 0], jnp.int32)
+  x = jnp.ones((256, 64), jnp.float32)
+  m = _module(f, idx, x)
+  assert m.plan.prefetch[0].shape == (4,)
+  # The index map reads the prefetch array in global memory.
+  assert re.search(r"memref\.load %\w+\[.*\] : memref<(1x)?i32, strided",
+                   m.dialect_text) or "memref<4xi32>" in m.dialect_text
+  assert "mosaic_gpu_v2" in _lower_cuda(f, idx, x)
+
+
+def test_input_output_aliases_reach_the_custom_call():
+  def k(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1.0
+  spec = pl.BlockSpec((64, 64), lambda i: (i, 0))
+  f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                               grid=(2,), in_specs=[spec], out_specs=spec,
+                               input_output_aliases={0: 0},
+                               backend="mosaic_gpu")(x)
+  text = _lower_cuda(f, jnp.ones((128, 64), jnp.float32))
+  assert "mosaic_gpu_v2" in text and "output_operand_aliases" in text
