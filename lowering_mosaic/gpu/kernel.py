@@ -23,6 +23,9 @@ The module is the library's: `core._lower_as_gpu_kernel` builds the launch,
 from __future__ import annotations
 
 import dataclasses
+import math
+
+import numpy as np
 
 from jax._src.lib import mosaic_gpu_dialect as mgpu
 from jax._src.lib.mlir import ir
@@ -36,7 +39,8 @@ from dsl.errors import BackendError
 from dsl.jaxpr_walk import walk_jaxpr
 from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, i32,
                                       index_cast_i32)
-from lowering_mosaic.gpu.plan import WARPGROUP, GpuPlan, make_gpu_plan
+from lowering_mosaic.gpu.plan import (MBARRIER_BYTES, SMEM_ALIGN, WARPGROUP,
+                                      GpuPlan, make_gpu_plan)
 
 
 @dataclasses.dataclass
@@ -59,9 +63,27 @@ def _decode(flat: ir.Value, sizes: list[int]) -> list[ir.Value]:
   return coords[::-1]
 
 
+def _copies(block, buf, offsets):
+  """(SMEM view, GMEM offsets, box) of each TMA copy of `block`."""
+  copies = block.copies()
+  if len(copies) == 1:
+    return [(buf, offsets, list(block.slice_lengths))]
+  d = block.first_dim
+  out = []
+  for start, n in copies:
+    offs = list(offsets)
+    offs[d] = arith.addi(offs[d], i32(start))
+    lengths = list(block.slice_lengths)
+    lengths[d] = n
+    out.append((mgpu_utils.memref_slice(buf, slice(start, start + n)), offs,
+                lengths))
+  return out
+
+
 class _Emitter:
-  def __init__(self, spec, plan: GpuPlan, host: GpuHost):
+  def __init__(self, spec, plan: GpuPlan, host: GpuHost, where):
     self.spec, self.plan, self.host = spec, plan, host
+    self.where = where     # positions of the buffers in the SMEM tree
     self.prefetch = []     # the scalar-prefetch operands, read in GMEM
 
   def block_offsets(self, block, ids) -> list[ir.Value]:
@@ -87,11 +109,12 @@ class _Emitter:
       tx = arith.select(predicate, tx, i32(0))
     barrier.arrive_expect_tx(tx)
     for b in blocks:
-      mgpu.async_load(source=gmem[b], destination=dests[b],
-                      barrier=barrier.as_barrier_memref(),
-                      indices=self.block_offsets(b, ids),
-                      slice_lengths=list(b.slice_lengths),
-                      collective=ir.ArrayAttr.get([]), predicate=predicate)
+      offsets = self.block_offsets(b, ids)
+      for dest, offs, lengths in _copies(b, dests[b], offsets):
+        mgpu.async_load(source=gmem[b], destination=dest,
+                        barrier=barrier.as_barrier_memref(), indices=offs,
+                        slice_lengths=lengths,
+                        collective=ir.ArrayAttr.get([]), predicate=predicate)
 
   def load(self, blocks, gmem, smem, barrier, ids):
     if blocks:
@@ -103,9 +126,10 @@ class _Emitter:
       return
     mgpu_utils.commit_shared()
     for b in blocks:
-      mgpu.async_store(source=smem[b], destination=gmem[b],
-                       indices=self.block_offsets(b, ids),
-                       slice_lengths=list(b.slice_lengths))
+      for src, offs, lengths in _copies(b, smem[b],
+                                        self.block_offsets(b, ids)):
+        mgpu.async_store(source=src, destination=gmem[b], indices=offs,
+                         slice_lengths=lengths)
     nvvm.cp_async_bulk_wait_group(0)
     mgpu_utils.warpgroup_barrier()
 
@@ -119,8 +143,9 @@ class _Emitter:
     n_pf = len(plan.prefetch)
     self.prefetch, gmem_refs = list(gmem_refs[:n_pf]), gmem_refs[n_pf:]
     n_blocks = len(plan.blocks)
-    smem = dict(zip(plan.blocks, smem_tree[:n_blocks]))
-    scratch = list(smem_tree[n_blocks:-1])
+    buffers = [smem_tree[i] for i in self.where]
+    smem = dict(zip(plan.blocks, buffers[:n_blocks]))
+    scratch = buffers[n_blocks:]
     barriers = smem_tree[-1]
     gmem = dict(zip(plan.blocks, gmem_refs))
     ins = [b for b in plan.blocks if not b.is_output]
@@ -204,6 +229,24 @@ class _Emitter:
     self.store([b for b in outs if not b.moves], gmem, smem, last)
 
 
+def _aligned(buffers):
+  """`buffers` with uint8 padding so each starts on SMEM_ALIGN bytes (the
+  library packs the tree back to back); returns (tree, real positions)."""
+  tree, where, offset = [], [], 0
+  for sd in buffers:
+    if offset % SMEM_ALIGN:
+      pad = SMEM_ALIGN - offset % SMEM_ALIGN
+      tree.append(jax.ShapeDtypeStruct((pad,), np.uint8))
+      offset += pad
+    where.append(len(tree))
+    tree.append(sd)
+    offset += math.prod(sd.shape) * np.dtype(sd.dtype).itemsize
+  if offset % MBARRIER_BYTES:
+    tree.append(jax.ShapeDtypeStruct((MBARRIER_BYTES - offset % MBARRIER_BYTES,),
+                                     np.uint8))
+  return tree, where
+
+
 def _shapes(plan: GpuPlan):
   sds = jax.ShapeDtypeStruct
   ins = tuple(sds(a.shape, a.dtype) for a in plan.prefetch)
@@ -213,8 +256,9 @@ def _shapes(plan: GpuPlan):
                for b in plan.blocks if b.is_output)
   smem = [sds(b.buffer_shape, b.mapping.array_aval.dtype) for b in plan.blocks]
   smem += [sds(s, d) for s, d in plan.scratch]
-  smem.append(mgpu_core.TMABarrier(3))   # two pipeline slots, fixed blocks
-  return ins, outs, smem
+  tree, where = _aligned(smem)
+  tree.append(mgpu_core.TMABarrier(3))   # two pipeline slots, fixed blocks
+  return ins, outs, tree, where
 
 
 def build_gpu_module(spec) -> GpuModule:
@@ -222,11 +266,11 @@ def build_gpu_module(spec) -> GpuModule:
   by `jax.interpreters.mlir.make_ir_context()` (as lowering rules do)."""
   plan = make_gpu_plan(spec)
   host = GpuHost(spec.name, spec.where)
-  ins, outs, smem = _shapes(plan)
+  ins, outs, smem, where = _shapes(plan)
   semantics = mgpu_lib.LoweringSemantics.Warpgroup
   try:
     module, out_shapes, _, launch_ctx = mgpu_core._lower_as_gpu_kernel(
-        _Emitter(spec, plan, host), (max(plan.cuda_grid, 1), 1, 1), (1, 1, 1),
+        _Emitter(spec, plan, host, where), (max(plan.cuda_grid, 1), 1, 1), (1, 1, 1),
         (WARPGROUP, 1, 1), ins, outs, (), smem, semantics,
         module_name=f"{spec.name}_mosaic_gpu", kernel_name=spec.name)
   except BackendError:

@@ -19,6 +19,8 @@ SMEM_LIMIT = 227 * 1024         # bytes of shared memory per CTA (sm_90)
 MBARRIER_BYTES = 8
 PIPELINE_DEPTH = 2              # slots of an input that moves along the loop
 TMA_MAX_RANK = 5
+TMA_MAX_BOX = 256               # elements per dim of one TMA copy
+SMEM_ALIGN = 1024               # buffer alignment (128-byte swizzle atoms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +32,20 @@ class Block:
   slice_lengths: tuple[int, ...]    # TMA box per array dim (-1 = squeezed)
   moves: bool                       # its block changes along sequential dims
   slots: int = 1                    # buffers in shared memory (pipeline depth)
+
+  def copies(self) -> list[tuple[int, int]]:
+    """(start, length) along the buffer's first dim of each TMA copy: a
+    block longer than a TMA box there moves in several copies, each a
+    contiguous run of rows of the buffer."""
+    n = self.kernel_shape[0] if self.kernel_shape else 1
+    if n <= TMA_MAX_BOX or len(self.kernel_shape) < 2:
+      return [(0, n)]
+    return [(a, min(TMA_MAX_BOX, n - a)) for a in range(0, n, TMA_MAX_BOX)]
+
+  @property
+  def first_dim(self) -> int:
+    """The array dim of the buffer's first dim."""
+    return next(i for i, n in enumerate(self.slice_lengths) if n != -1)
 
   @property
   def nbytes(self) -> int:
@@ -80,6 +96,15 @@ def _check_tma(spec, bm: BlockMapping, lengths):
       raise _err(spec, f"TMA needs every array stride but the last to be a "
                  f"multiple of 16 bytes; array {aval.str_short()} has a "
                  f"stride of {stride} bytes (unaligned TMA box)", bm.origin)
+  kept = [n for n in lengths if n != -1]
+  too_long = [n for n in kept[1:] if n > TMA_MAX_BOX]
+  if too_long or (len(kept) == 1 and kept[0] > TMA_MAX_BOX):
+    raise _err(spec, f"a TMA copy spans at most {TMA_MAX_BOX} elements per "
+               f"dimension, and only the first dim of a block of rank >= 2 is "
+               f"split into several copies; the block "
+               f"{tuple(bm.block_sizes)} is too long elsewhere (make that dim "
+               f"at most {TMA_MAX_BOX} and cover the rest with the grid)",
+               bm.origin)
   last = lengths[-1]
   if last == -1 or (last * itemsize) % 16:
     width = itemsize if last == -1 else last * itemsize
@@ -128,8 +153,9 @@ def make_gpu_plan(spec) -> GpuPlan:
   if any(grid[d] > 1 for d in plan.sequential):
     blocks = [dataclasses.replace(b, slots=PIPELINE_DEPTH)
               if b.moves and not b.is_output else b for b in blocks]
-  smem = sum(b.nbytes * b.slots for b in blocks)
-  smem += sum(math.prod(s) * d.itemsize for s, d in scratch)
+  sizes = [b.nbytes * b.slots for b in blocks]
+  sizes += [math.prod(s) * d.itemsize for s, d in scratch]
+  smem = sum(-(-n // SMEM_ALIGN) * SMEM_ALIGN for n in sizes)
   smem += 3 * MBARRIER_BYTES
   if smem > SMEM_LIMIT:
     parts = ", ".join(f"{b.mapping.origin} {b.slots} x {b.nbytes}"

@@ -389,3 +389,66 @@ def test_input_output_aliases_reach_the_custom_call():
                                backend="mosaic_gpu")(x)
   text = _lower_cuda(f, jnp.ones((128, 64), jnp.float32))
   assert "mosaic_gpu_v2" in text and "output_operand_aliases" in text
+
+
+# ------------------------------------------------------------------ more
+
+def _build(body, *args, out=None, **kw):
+  f = lambda *xs: pl.pallas_call(
+      body, jax.ShapeDtypeStruct(out or xs[0].shape, xs[0].dtype),
+      backend="mosaic_gpu", **kw)(*xs)
+  return _module(f, *args)
+
+
+def test_blocks_longer_than_a_tma_box_move_in_several_copies():
+  def k(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+  m = _build(k, BF(512, 64))
+  assert m.plan.blocks[0].copies() == [(0, 256), (256, 256)]
+  assert m.dialect_text.count("mosaic_gpu.async_load") == 2
+  assert m.dialect_text.count("mosaic_gpu.async_store") == 2
+  assert "slice_lengths = array<i64: 256, 64>" in m.dialect_text
+
+
+def test_buffers_start_on_swizzle_aligned_offsets():
+  def k(x_ref, o_ref, s_ref):
+    s_ref[...] = x_ref[...]
+    o_ref[...] = s_ref[...] + 1
+  m = _build(k, jnp.ones((32, 36), jnp.float32),      # 4608-byte buffers
+             scratch_shapes=[pl.tpu.VMEM((32, 36), jnp.float32)])
+  starts = [int(o) for o in re.findall(
+      r"slice_smem\"\(\) <\{offset = (\d+) : i32\}> : \(\) -> memref<32x36xf32",
+      m.dialect_text)]
+  assert starts == [0, 5120, 10240], starts          # padded to 1024 bytes
+
+
+def test_integer_math_clamp_switch_while():
+  def k(x_ref, o_ref):
+    x = x_ref[...]
+    y = ((x << 2) ^ (x >> 1)) + jnp.clip(x, 0, 7) % 3
+    def cond(s):
+      return s[0] < 3
+    def body(s):
+      return s[0] + 1, s[1] + y
+    _, y = jax.lax.while_loop(cond, body, (0, y))
+    o_ref[...] = jax.lax.switch(pl.program_id(0) % 3,
+                                [lambda a: a, lambda a: a * 2,
+                                 lambda a: a + 3], y)
+  spec = pl.BlockSpec((64, 128), lambda i: (i, 0))
+  m = _build(k, jnp.ones((192, 128), jnp.int32), grid=(3,), in_specs=[spec],
+             out_specs=spec)
+  text = m.dialect_text
+  for op in ("arith.shli", "arith.shrsi", "arith.xori", "arith.maxsi",
+             "arith.minsi", "arith.remsi", "scf.while", "scf.index_switch"):
+    assert op in text, op
+  assert "case 1" in text
+
+
+@pytest.mark.parametrize("axes", [(0,), (0, 1)])
+def test_reductions_other_than_rows_are_clear_errors(axes):
+  def k(x_ref, o_ref):
+    o_ref[...] = jnp.broadcast_to(jnp.sum(x_ref[...], axis=axes,
+                                          keepdims=True), (64, 128))
+  with pytest.raises(BackendError, match="only reductions of a 2-D tile over "
+                     "its last axis"):
+    _build(k, jnp.ones((64, 128), jnp.float32))

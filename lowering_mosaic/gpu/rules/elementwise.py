@@ -155,6 +155,14 @@ for _p in _CMP_F:
   TABLE.register(_p)(_compare_rule(_p))
 
 
+@TABLE.register(lax.clamp_p)
+def _clamp(ctx, lo, x, hi, **_):
+  kind = _kind(ctx.avals_in[1].dtype)
+  mx, mn = _BINARY[lax.max_p][kind], _BINARY[lax.min_p][kind]
+  lo, x, hi = _same_shape(ctx, (lo, x, hi))
+  return mn(mx(x, lo), hi)
+
+
 @TABLE.register(lax.select_n_p)
 def _select_n(ctx, which, *cases, **_):
   if len(cases) != 2:

@@ -86,34 +86,41 @@ def _identity(prim, dtype):
   return info.max if big else info.min
 
 
+def _combining_kind(ctx, prim, dtype):
+  kind_of = "f" if dtypes.is_float(dtype) else (
+      "u" if dtypes.is_unsigned(dtype) or dtypes.is_bool(dtype) else "i")
+  kind = _KINDS[prim].get(kind_of) or _KINDS[prim].get("i")
+  if kind is None:
+    raise ctx.error(f"'{prim.name}' is not supported on {dtype}")
+  return getattr(vector.CombiningKind, kind)
+
+
+def _reduce_rows(ctx, prim, x, shape, dtype):
+  """A 2-D tile reduced over its last axis, in the wgmma row layout (the
+  library reduces across the lanes that hold a row)."""
+  kind = _combining_kind(ctx, prim, dtype)
+  acc = constant(_identity(prim, dtype), shape[:1], dtype)
+  x = mgpu.layout_cast(x, layouts.to_layout_attr(fa.WGMMA_LAYOUT))
+  acc = mgpu.layout_cast(acc, layouts.to_layout_attr(fa.WGMMA_ROW_LAYOUT))
+  return vector.multi_reduction(kind, x, acc, [1])
+
+
 def _reduce_rule(prim):
   def rule(ctx, x, *, axes, **_):
     aval = ctx.avals_in[0]
-    kind_of = "f" if dtypes.is_float(aval.dtype) else (
-        "u" if dtypes.is_unsigned(aval.dtype) or dtypes.is_bool(aval.dtype)
-        else "i")
-    kind = _KINDS[prim].get(kind_of) or _KINDS[prim].get("i")
-    if kind is None:
-      raise ctx.error(f"'{prim.name}' is not supported on {aval.dtype}")
-    kind = getattr(vector.CombiningKind, kind)
+    shape, dtype = tuple(aval.shape), aval.dtype
     out_shape = tuple(ctx.avals_out[0].shape)
+    axes = tuple(sorted(axes))
     if not is_vector(x):
       return x
-    if not out_shape:
-      return vector.reduction(typed((), aval.dtype), kind, x)
-    acc = constant(_identity(prim, aval.dtype), out_shape, aval.dtype)
-    if len(aval.shape) == 2 and len(axes) == 1:
-      # Row (col) reductions of a warpgroup tile: pin the tile to the wgmma
-      # register layout, where the library reduces across lanes.
-      if axes[0] != 1:
-        raise ctx.error("reductions over the leading axis of a 2-D tile are "
-                        "not supported by Mosaic GPU's register layouts; "
-                        "reduce over the last axis (transpose the block with "
-                        "its BlockSpec)" + TRITON_HINT)
-      acc_layout = fa.WGMMA_ROW_LAYOUT
-      x = mgpu.layout_cast(x, layouts.to_layout_attr(fa.WGMMA_LAYOUT))
-      acc = mgpu.layout_cast(acc, layouts.to_layout_attr(acc_layout))
-    return vector.multi_reduction(kind, x, acc, list(axes))
+    if len(shape) != 2 or axes != (1,):
+      raise ctx.error(f"only reductions of a 2-D tile over its last axis are "
+                      f"supported by Mosaic GPU's register layouts (this one "
+                      f"reduces a {len(shape)}-D value over axes {axes}); "
+                      "reduce rows, then combine the row results in a later "
+                      "step, or transpose the block with its BlockSpec"
+                      + TRITON_HINT)
+    return _reduce_rows(ctx, prim, x, shape, dtype)
   return rule
 
 
