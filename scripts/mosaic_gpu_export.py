@@ -90,8 +90,52 @@ def attention_tile(q, k, v):
                         out_specs=qs, backend="mosaic_gpu")(q, k, v)
 
 
-def _ref_attention(q, k, v):
-  s = q.astype(jnp.float32) @ k.astype(jnp.float32).T
+def _flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
+  """Flash attention forward for one query block: online softmax over the
+  KV blocks of the sequential grid dim; row statistics in scratch."""
+  kv = pl.program_id(1)
+
+  @pl.when(kv == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  s = jnp.dot(q_ref[...], k_ref[...].T,
+              preferred_element_type=jnp.float32) * 0.125
+  m_prev = m_ref[...]
+  m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+  p = jnp.exp(s - m_new[:, None])
+  alpha = jnp.exp(m_prev - m_new)
+  l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1)
+  acc_ref[...] = acc_ref[...] * alpha[:, None] + jnp.dot(
+      p.astype(jnp.bfloat16), v_ref[...], preferred_element_type=jnp.float32)
+  m_ref[...] = m_new
+
+  @pl.when(kv == pl.num_programs(1) - 1)
+  def _():
+    o_ref[...] = (acc_ref[...] / l_ref[...][:, None]).astype(o_ref.dtype)
+
+
+def flash_attention(q, k, v, bq=64, bk=64):
+  n, d = q.shape
+  return pl.pallas_call(
+      _flash_kernel, jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(n // bq, k.shape[0] // bk),
+      in_specs=[pl.BlockSpec((bq, d), lambda i, j: (i, 0)),
+                pl.BlockSpec((bk, d), lambda i, j: (j, 0)),
+                pl.BlockSpec((bk, d), lambda i, j: (j, 0))],
+      out_specs=pl.BlockSpec((bq, d), lambda i, j: (i, 0)),
+      scratch_shapes=[pl.tpu.VMEM((bq,), jnp.float32),
+                      pl.tpu.VMEM((bq,), jnp.float32),
+                      pl.tpu.VMEM((bq, d), jnp.float32)],
+      compiler_params=pl.tpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary")),
+      backend="mosaic_gpu")(q, k, v)
+
+
+def _ref_attention(q, k, v, scale=1.0):
+  s = q.astype(jnp.float32) @ k.astype(jnp.float32).T * scale
   return (jax.nn.softmax(s, axis=-1) @ v.astype(jnp.float32)).astype(q.dtype)
 
 
@@ -119,6 +163,12 @@ CASES = {
                             lambda: _inputs(3, ((256, 128), jnp.bfloat16),
                                             ((128, 128), jnp.bfloat16),
                                             ((128, 128), jnp.bfloat16)), 5e-2),
+    "flash_attention_bf16": (
+        flash_attention,
+        lambda q, k, v: _ref_attention(q, k, v, 0.125),
+        lambda: _inputs(4, ((256, 128), jnp.bfloat16),
+                        ((512, 128), jnp.bfloat16),
+                        ((512, 128), jnp.bfloat16)), 5e-2),
 }
 
 

@@ -242,8 +242,8 @@ def _aligned(buffers):
     tree.append(sd)
     offset += math.prod(sd.shape) * np.dtype(sd.dtype).itemsize
   if offset % MBARRIER_BYTES:
-    tree.append(jax.ShapeDtypeStruct((MBARRIER_BYTES - offset % MBARRIER_BYTES,),
-                                     np.uint8))
+    pad = MBARRIER_BYTES - offset % MBARRIER_BYTES
+    tree.append(jax.ShapeDtypeStruct((pad,), np.uint8))
   return tree, where
 
 
@@ -270,8 +270,8 @@ def build_gpu_module(spec) -> GpuModule:
   semantics = mgpu_lib.LoweringSemantics.Warpgroup
   try:
     module, out_shapes, _, launch_ctx = mgpu_core._lower_as_gpu_kernel(
-        _Emitter(spec, plan, host, where), (max(plan.cuda_grid, 1), 1, 1), (1, 1, 1),
-        (WARPGROUP, 1, 1), ins, outs, (), smem, semantics,
+        _Emitter(spec, plan, host, where), (max(plan.cuda_grid, 1), 1, 1),
+        (1, 1, 1), (WARPGROUP, 1, 1), ins, outs, (), smem, semantics,
         module_name=f"{spec.name}_mosaic_gpu", kernel_name=spec.name)
   except BackendError:
     raise

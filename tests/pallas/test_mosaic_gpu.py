@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.mosaic.gpu import dialect as mgpu_dialect  # noqa: F401
 
 import dsl as pl
 from dsl.errors import BackendError
@@ -95,6 +94,50 @@ def attention(q, k, v, bq=64):
                                                                 q.dtype),
                         grid=(n // bq,), in_specs=[qs, kv, kv], out_specs=qs,
                         backend="mosaic_gpu")(q, k, v)
+
+
+def _flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
+  """Flash attention forward for one query block: online softmax over the
+  KV blocks of the sequential grid dim; row statistics in scratch."""
+  kv = pl.program_id(1)
+
+  @pl.when(kv == 0)
+  def _():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  s = jnp.dot(q_ref[...], k_ref[...].T,
+              preferred_element_type=jnp.float32) * 0.125
+  m_prev = m_ref[...]
+  m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
+  p = jnp.exp(s - m_new[:, None])
+  alpha = jnp.exp(m_prev - m_new)
+  l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1)
+  acc_ref[...] = acc_ref[...] * alpha[:, None] + jnp.dot(
+      p.astype(jnp.bfloat16), v_ref[...], preferred_element_type=jnp.float32)
+  m_ref[...] = m_new
+
+  @pl.when(kv == pl.num_programs(1) - 1)
+  def _():
+    o_ref[...] = (acc_ref[...] / l_ref[...][:, None]).astype(o_ref.dtype)
+
+
+def flash(q, k, v, bq=64, bk=64):
+  n, d = q.shape
+  return pl.pallas_call(
+      _flash_kernel, jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(n // bq, k.shape[0] // bk),
+      in_specs=[pl.BlockSpec((bq, d), lambda i, j: (i, 0)),
+                pl.BlockSpec((bk, d), lambda i, j: (j, 0)),
+                pl.BlockSpec((bk, d), lambda i, j: (j, 0))],
+      out_specs=pl.BlockSpec((bq, d), lambda i, j: (i, 0)),
+      scratch_shapes=[pl.tpu.VMEM((bq,), jnp.float32),
+                      pl.tpu.VMEM((bq,), jnp.float32),
+                      pl.tpu.VMEM((bq, d), jnp.float32)],
+      compiler_params=pl.tpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary")),
+      backend="mosaic_gpu")(q, k, v)
 
 
 F32 = jnp.ones((512, 64), jnp.float32)
@@ -244,6 +287,24 @@ def test_attention_tile_two_wgmmas_with_transposed_keys():
   assert "memref.transpose" in m.dialect_text
   assert "vector.multi_reduction" in _ops(m.dialect_text)
   assert "mosaic_gpu_v2" in _lower_cuda(attention, q, kv, kv)
+
+
+def test_flash_attention_online_softmax_over_a_pipelined_kv_loop():
+  q, k = BF(256, 128), BF(512, 128)
+  m = _module(flash, q, k, k)
+  assert m.plan.parallel == (0,) and m.plan.sequential == (1,)
+  assert m.plan.steps == 8 and m.plan.cuda_grid == 4
+  q_blk, k_blk, v_blk, o_blk = m.plan.blocks
+  assert (q_blk.slots, k_blk.slots, v_blk.slots) == (1, 2, 2)
+  assert not o_blk.moves                             # written once, at the end
+  ops = _ops(m.dialect_text)
+  assert ops.count("mosaic_gpu.wgmma") == 2
+  assert ops.count("vector.multi_reduction") == 2    # row max, row sum
+  assert ops.count("mosaic_gpu.async_store") == 1
+  lowered = m.module.operation.get_asm()
+  assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in lowered
+  assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in lowered
+  assert "mosaic_gpu_v2" in _lower_cuda(flash, q, k, k)
 
 
 def test_control_flow_fori_loop_and_cond():

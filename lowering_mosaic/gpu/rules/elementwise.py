@@ -10,8 +10,7 @@ from jax import lax
 from jax._src.lib.mlir.dialects import arith, math as mlir_math
 
 from dsl import dtypes, primitives
-from lowering_mosaic.gpu.host import (TABLE, broadcast_to, constant,
-                                      shape_of, to_shape, typed)
+from lowering_mosaic.gpu.host import TABLE, constant, shape_of, to_shape, typed
 
 
 def _same_shape(ctx, args):

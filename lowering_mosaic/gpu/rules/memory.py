@@ -14,6 +14,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import memref
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl import dtypes, ref_ops
@@ -71,7 +73,12 @@ def store(ref: ir.Value, val: ir.Value) -> None:
   if not shape:
     memref.store(val, ref, [])
     return
-  mgpu.vector_store(broadcast_to(val, shape), ref)
+  val = broadcast_to(val, shape)
+  if len(shape) == 1 and shape[0] % 128 and shape[0] % 64 == 0:
+    # A row vector of a 64-row tile (softmax statistics): the wgmma row
+    # layout, as the row reductions that produce such values use.
+    val = mgpu.layout_cast(val, layouts.to_layout_attr(fa.WGMMA_ROW_LAYOUT))
+  mgpu.vector_store(val, ref)
 
 
 def _unflatten(tree, idx):

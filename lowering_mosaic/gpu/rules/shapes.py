@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, vector
+from jax._src.lib.mlir.dialects import vector
 from jax._src.lib import mosaic_gpu_dialect as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl import dtypes
-from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_in_dim, constant,
-                                      is_vector, reshape, scalar_constant,
-                                      typed)
+from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_in_dim,
+                                      constant, is_vector, reshape,
+                                      scalar_constant, typed)
 
 
 @TABLE.register(lax.broadcast_in_dim_p)
@@ -109,7 +108,6 @@ def _reduce_rule(prim):
   def rule(ctx, x, *, axes, **_):
     aval = ctx.avals_in[0]
     shape, dtype = tuple(aval.shape), aval.dtype
-    out_shape = tuple(ctx.avals_out[0].shape)
     axes = tuple(sorted(axes))
     if not is_vector(x):
       return x
