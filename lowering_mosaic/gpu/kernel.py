@@ -172,8 +172,9 @@ class _Emitter:
       self._pipelined(ins, outs, gmem, smem, barriers, ids_at, refs)
 
   def _unpipelined(self, ins, outs, gmem, smem, barrier, ids_at, refs):
-    """No block moves along the sequential dims: load once, run every
-    step on the same blocks, store once."""
+    """No input block moves along the sequential dims: load once, run
+    every step on the same blocks; outputs that move are stored every step,
+    the others once."""
     plan = self.plan
     seq_sizes = [plan.grid[d] for d in plan.sequential]
     first = ids_at([i32(0)] * len(seq_sizes))
@@ -183,9 +184,12 @@ class _Emitter:
                          for v in (0, plan.steps, 1)))
       with ir.InsertionPoint(loop.body):
         step = index_cast_i32(loop.induction_variable)
-        self.body(ids_at(_decode(step, seq_sizes)), refs({}))
+        ids = ids_at(_decode(step, seq_sizes))
+        self.body(ids, refs({}))
+        self.store([b for b in outs if b.moves], gmem, smem, ids)
         scf.yield_([])
       last = ids_at([i32(n - 1) for n in seq_sizes])
+      outs = [b for b in outs if not b.moves]
     else:
       self.body(first, refs({}))
       last = first

@@ -30,6 +30,12 @@ def _ops(text: str) -> list[str]:
   return re.findall(r'"?((?:mosaic_gpu|nvvm|scf|vector|memref)\.[\w.]+)', text)
 
 
+def _indent(text: str, op: str) -> int:
+  """The indentation of the first line holding `op` (nesting depth)."""
+  line = next(l for l in text.splitlines() if op in l)
+  return len(line) - len(line.lstrip())
+
+
 # ------------------------------------------------------------------ kernels
 
 def _add_kernel(x_ref, y_ref, o_ref):
@@ -244,15 +250,36 @@ def test_blocks_that_stay_put_are_loaded_once():
   assert x_blk.slots == 2 and w_blk.slots == 1 and not w_blk.moves
 
 
+def test_output_moves_while_inputs_stay_put():
+  def k(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * (pl.program_id(0) + 1).astype(jnp.float32)
+  f = lambda x: pl.pallas_call(
+      k, jax.ShapeDtypeStruct((256, 64), jnp.float32), grid=(4,),
+      in_specs=[pl.BlockSpec((64, 64), lambda i: (0, 0))],
+      out_specs=pl.BlockSpec((64, 64), lambda i: (i, 0)), backend="mosaic_gpu",
+      compiler_params=pl.tpu.CompilerParams(
+          dimension_semantics=("arbitrary",)))(x)
+  m = _module(f, jnp.ones((64, 64), jnp.float32))
+  assert m.plan.sequential == (0,)
+  text = m.dialect_text
+  # One load before the loop, one store inside it, none after.
+  loop = text.index("scf.for")
+  assert text.count("mosaic_gpu.async_load") == 1
+  assert text.index("mosaic_gpu.async_load") < loop
+  assert text.count("mosaic_gpu.async_store") == 1
+  assert text.index("mosaic_gpu.async_store") > loop
+  assert _indent(text, "scf.for") + 2 == _indent(text, "mosaic_gpu.async_store")
+
+
 def test_revisited_output_block_stays_on_chip_until_the_loop_ends():
   m = _module(matmul, BF(256, 256), BF(256, 256))
   (out,) = [b for b in m.plan.blocks if b.is_output]
   assert not out.moves
   text = m.dialect_text
-  loop_end = text.index("scf.for")
-  # The loop's body closes before the only store.
+  # The only store comes after the loop, outside it.
   assert text.count("mosaic_gpu.async_store") == 1
-  assert text.index("mosaic_gpu.async_store") > loop_end
+  assert text.index("mosaic_gpu.async_store") > text.index("scf.for")
+  assert _indent(text, "mosaic_gpu.async_store") == _indent(text, "scf.for")
 
 
 def test_output_that_moves_along_sequential_dim_is_stored_every_step():
@@ -268,6 +295,9 @@ def test_output_that_moves_along_sequential_dim_is_stored_every_step():
   assert m.plan.sequential == (1,) and m.plan.steps == 4
   (out,) = [b for b in m.plan.blocks if b.is_output]
   assert out.moves
+  text = m.dialect_text
+  assert text.count("mosaic_gpu.async_store") == 1
+  assert _indent(text, "mosaic_gpu.async_store") == _indent(text, "scf.for") + 2
 
 
 def test_softmax_row_reductions_broadcasts_iota_where_casts():
