@@ -187,12 +187,18 @@ class GpuHost(LoweringHost):
     self.smem = smem        # the kernel's shared-memory planner (kernel.py)
 
   def literal(self, atom):
-    return constant(atom.val, atom.aval.shape, atom.aval.dtype)
+    return self._constant(atom.val, atom.aval)
 
   def constvar(self, var, value):
     if isinstance(value, ir.Value):
       return value
-    return constant(np.asarray(value), var.aval.shape, var.aval.dtype)
+    return self._constant(np.asarray(value), var.aval)
+
+  def _constant(self, value, aval):
+    try:
+      return constant(value, aval.shape, aval.dtype)
+    except ValueError as e:
+      raise self.error(f"{e}{TRITON_HINT}") from e
 
   def rule_context(self, eqn, used, position):
     return RuleContext(self, eqn, [v.aval for v in eqn.invars],
@@ -202,6 +208,12 @@ class GpuHost(LoweringHost):
   def error(self, message, eqn=None):
     line = source_info_frame(eqn.source_info) if eqn is not None else None
     return BackendError(self.kernel, message, line or self.where)
+
+  def unsupported(self, eqn):
+    return self.error(
+        f"primitive '{eqn.primitive.name}' is not supported by "
+        f"{self.rules.owner} (it has no lowering rule there)" + TRITON_HINT
+        + " (or backend='interpret' off the GPU)", eqn)
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn):

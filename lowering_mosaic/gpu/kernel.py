@@ -142,14 +142,14 @@ class _Emitter:
     plan = self.plan
     n_pf = len(plan.prefetch)
     self.prefetch, gmem_refs = list(gmem_refs[:n_pf]), gmem_refs[n_pf:]
-    n_blocks = len(plan.blocks)
+    on_chip = [b for b in plan.blocks if not b.in_gmem]
     buffers = [smem_tree[i] for i in self.where]
-    smem = dict(zip(plan.blocks, buffers[:n_blocks]))
-    scratch = buffers[n_blocks:]
+    smem = dict(zip(on_chip, buffers[:len(on_chip)]))
+    scratch = buffers[len(on_chip):]
     barriers = smem_tree[-1]
     gmem = dict(zip(plan.blocks, gmem_refs))
-    ins = [b for b in plan.blocks if not b.is_output]
-    outs = [b for b in plan.blocks if b.is_output]
+    ins = [b for b in on_chip if not b.is_output]
+    outs = [b for b in on_chip if b.is_output]
     grid = plan.grid
     flat = index_cast_i32(gpu.block_id(gpu.Dimension.x))
     par = _decode(flat, [grid[d] for d in plan.parallel])
@@ -163,7 +163,8 @@ class _Emitter:
       return ids
 
     def refs(views):
-      return (self.prefetch + [views.get(b, smem[b]) for b in plan.blocks]
+      return (self.prefetch
+              + [views.get(b, smem.get(b, gmem[b])) for b in plan.blocks]
               + scratch)
 
     if not any(b.slots > 1 for b in ins):
@@ -258,7 +259,8 @@ def _shapes(plan: GpuPlan):
                for b in plan.blocks if not b.is_output)
   outs = tuple(sds(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
                for b in plan.blocks if b.is_output)
-  smem = [sds(b.buffer_shape, b.mapping.array_aval.dtype) for b in plan.blocks]
+  smem = [sds(b.buffer_shape, b.mapping.array_aval.dtype) for b in plan.blocks
+          if not b.in_gmem]
   smem += [sds(s, d) for s, d in plan.scratch]
   tree, where = _aligned(smem)
   tree.append(mgpu_core.TMABarrier(3))   # two pipeline slots, fixed blocks

@@ -32,6 +32,7 @@ class Block:
   slice_lengths: tuple[int, ...]    # TMA box per array dim (-1 = squeezed)
   moves: bool                       # its block changes along sequential dims
   slots: int = 1                    # buffers in shared memory (pipeline depth)
+  in_gmem: bool = False             # the kernel reads/writes it in place
 
   def copies(self) -> list[tuple[int, int]]:
     """(start, length) along the buffer's first dim of each TMA copy: a
@@ -113,10 +114,22 @@ def _check_tma(spec, bm: BlockMapping, lengths):
                "dimension (unaligned TMA box)", bm.origin)
 
 
+def _tma_can_copy(spec, bm) -> bool:
+  lengths = tuple(int(n) for n in bm.block_sizes)
+  try:
+    _check_tma(spec, bm, lengths)
+  except BackendError:
+    return False
+  return True
+
+
 def _block(spec, bm, is_output, idx, sequential) -> Block:
-  if bm.whole_array and bm.memory_space is not None:
-    raise _err(spec, "operands left in global memory (memory_space=ANY) "
-               "are not supported by the Mosaic GPU lowering yet", bm.origin)
+  if bm.whole_array and (bm.memory_space is not None
+                         or not _tma_can_copy(spec, bm)):
+    # pl.ANY / SMEM-space arrays, and whole arrays TMA cannot copy (0-d,
+    # unaligned): the kernel's ref is the array in global memory.
+    return Block(bm, is_output, tuple(bm.array_aval.shape),
+                 tuple(bm.array_aval.shape), False, in_gmem=True)
   if any(isinstance(d, Element) for d in bm.block_shape):
     raise _err(spec, "Element block dims (element offsets) are not "
                "supported by the Mosaic GPU lowering", bm.origin)
@@ -152,8 +165,9 @@ def make_gpu_plan(spec) -> GpuPlan:
     scratch.append((tuple(inner.shape), dtype))
   if any(grid[d] > 1 for d in plan.sequential):
     blocks = [dataclasses.replace(b, slots=PIPELINE_DEPTH)
-              if b.moves and not b.is_output else b for b in blocks]
-  sizes = [b.nbytes * b.slots for b in blocks]
+              if b.moves and not b.is_output and not b.in_gmem else b
+              for b in blocks]
+  sizes = [b.nbytes * b.slots for b in blocks if not b.in_gmem]
   sizes += [math.prod(s) * d.itemsize for s, d in scratch]
   smem = sum(-(-n // SMEM_ALIGN) * SMEM_ALIGN for n in sizes)
   smem += 3 * MBARRIER_BYTES

@@ -543,3 +543,17 @@ def test_reductions_other_than_rows_are_clear_errors(axes):
   with pytest.raises(BackendError, match="only reductions of a 2-D tile over "
                      "its last axis"):
     _build(k, jnp.ones((64, 128), jnp.float32))
+
+
+def test_scalars_and_any_space_arrays_are_used_in_global_memory():
+  def k(x_ref, o_ref):
+    o_ref[0] = x_ref[0] * 3 + 1
+    o_ref[1] = jnp.sign(x_ref[1])
+  smem = pl.BlockSpec(memory_space=pl.tpu.SMEM)
+  f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct((2,), jnp.int32),
+                               in_specs=[smem], out_specs=smem,
+                               backend="mosaic_gpu")(x)
+  m = _module(f, jnp.array([5, -9], jnp.int32))
+  assert all(b.in_gmem for b in m.plan.blocks)
+  assert "mosaic_gpu.async_load" not in m.dialect_text
+  assert "memref.store" in m.dialect_text and "memref<2xi32>" in m.dialect_text

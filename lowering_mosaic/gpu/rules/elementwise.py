@@ -105,6 +105,24 @@ def _not(ctx, x, **_):
   return arith.xori(x, ones)
 
 
+@TABLE.register(lax.sign_p)
+def _sign(ctx, x, **_):
+  aval = ctx.avals_in[0]
+  shape, dtype = tuple(aval.shape), aval.dtype
+  zero, one, minus = (constant(v, shape, dtype) for v in (0, 1, -1))
+  if dtypes.is_float(dtype):
+    pos = arith.cmpf(arith.CmpFPredicate.OGT, x, zero)
+    neg = arith.cmpf(arith.CmpFPredicate.OLT, x, zero)
+    # x itself where it is zero or NaN (sign(-0.) is -0., sign(nan) is nan)
+    return arith.select(pos, one, arith.select(neg, minus, x))
+  if _kind(dtype) == "u":
+    return arith.select(arith.cmpi(arith.CmpIPredicate.ne, x, zero), one,
+                        zero)
+  pos = arith.cmpi(arith.CmpIPredicate.sgt, x, zero)
+  neg = arith.cmpi(arith.CmpIPredicate.slt, x, zero)
+  return arith.select(pos, one, arith.select(neg, minus, zero))
+
+
 @TABLE.register(lax.logistic_p)
 def _logistic(ctx, x, **_):
   aval = ctx.avals_in[0]
