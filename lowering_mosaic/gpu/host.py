@@ -181,10 +181,10 @@ class GpuHost(LoweringHost):
   """Lowers one kernel's jaxprs at the current insertion point."""
   rules = TABLE
 
-  def __init__(self, kernel: str, where: str | None, smem=None):
+  def __init__(self, kernel: str, where: str | None):
     self.kernel = kernel
     self.where = where
-    self.smem = smem        # the kernel's shared-memory planner (kernel.py)
+    self.scoped = {}        # id(run_scoped equation) -> its SMEM buffers
 
   def literal(self, atom):
     return self._constant(atom.val, atom.aval)

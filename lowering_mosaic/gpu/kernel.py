@@ -145,7 +145,10 @@ class _Emitter:
     on_chip = [b for b in plan.blocks if not b.in_gmem]
     buffers = [smem_tree[i] for i in self.where]
     smem = dict(zip(on_chip, buffers[:len(on_chip)]))
-    scratch = buffers[len(on_chip):]
+    scratch = buffers[len(on_chip):len(on_chip) + len(plan.scratch)]
+    rest = buffers[len(on_chip) + len(plan.scratch):]
+    for key, bufs in plan.scoped:
+      self.host.scoped[key], rest = rest[:len(bufs)], rest[len(bufs):]
     barriers = smem_tree[-1]
     gmem = dict(zip(plan.blocks, gmem_refs))
     ins = [b for b in on_chip if not b.is_output]
@@ -262,6 +265,7 @@ def _shapes(plan: GpuPlan):
   smem = [sds(b.buffer_shape, b.mapping.array_aval.dtype) for b in plan.blocks
           if not b.in_gmem]
   smem += [sds(s, d) for s, d in plan.scratch]
+  smem += [sds(s, d) for _, bufs in plan.scoped for s, d in bufs]
   tree, where = _aligned(smem)
   tree.append(mgpu_core.TMABarrier(3))   # two pipeline slots, fixed blocks
   return ins, outs, tree, where

@@ -67,6 +67,8 @@ class GpuPlan:
   scratch: tuple[tuple[tuple[int, ...], np.dtype], ...]
   smem_bytes: int
   prefetch: tuple = ()              # avals of the scalar-prefetch operands
+  # run_scoped buffers: (id of the equation, ((shape, dtype), ...)) each
+  scoped: tuple = ()
 
   @property
   def cuda_grid(self) -> int:
@@ -114,6 +116,32 @@ def _check_tma(spec, bm: BlockMapping, lengths):
                "dimension (unaligned TMA box)", bm.origin)
 
 
+def _scratch_of(spec, aval, what):
+  inner = getattr(aval, "inner_aval", aval)
+  try:
+    dtype = np.dtype(getattr(inner, "dtype", None))
+  except TypeError:
+    raise _err(spec, f"scratch of type {inner} (semaphores) is not "
+               "supported by the Mosaic GPU lowering", what) from None
+  return tuple(inner.shape), dtype
+
+
+def scoped_allocations(spec, jaxpr) -> list:
+  """(id(eqn), buffers) of every run_scoped equation in `jaxpr`, nested
+  ones included: each gets its own shared-memory buffers."""
+  from dsl.checks import sub_jaxprs
+  from dsl.primitives import run_scoped_p
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is run_scoped_p:
+      body, n = eqn.params["jaxpr"], eqn.params["num_consts"]
+      out.append((id(eqn), tuple(_scratch_of(spec, v.aval, "run_scoped")
+                                 for v in body.invars[n:])))
+    for sub in sub_jaxprs(eqn.params):
+      out += scoped_allocations(spec, sub)
+  return out
+
+
 def _tma_can_copy(spec, bm) -> bool:
   lengths = tuple(int(n) for n in bm.block_sizes)
   try:
@@ -152,23 +180,16 @@ def make_gpu_plan(spec) -> GpuPlan:
   for k, bm in enumerate(gm.block_mappings):
     idx = evaluate_index_map(bm, grid)
     blocks.append(_block(spec, bm, k >= gm.num_inputs, idx, plan.sequential))
-  scratch = []
-  for i, ref in enumerate(gm.scratch_avals):
-    inner = getattr(ref, "inner_aval", ref)
-    dtype = getattr(inner, "dtype", None)
-    try:
-      dtype = np.dtype(dtype)
-    except TypeError:
-      raise _err(spec, f"scratch of type {inner} (semaphores) is not "
-                 "supported by the Mosaic GPU lowering",
-                 f"scratch_shapes[{i}]") from None
-    scratch.append((tuple(inner.shape), dtype))
+  scratch = [_scratch_of(spec, ref, f"scratch_shapes[{i}]")
+             for i, ref in enumerate(gm.scratch_avals)]
+  scoped = tuple(scoped_allocations(spec, spec.jaxpr.jaxpr))
   if any(grid[d] > 1 for d in plan.sequential):
     blocks = [dataclasses.replace(b, slots=PIPELINE_DEPTH)
               if b.moves and not b.is_output and not b.in_gmem else b
               for b in blocks]
   sizes = [b.nbytes * b.slots for b in blocks if not b.in_gmem]
   sizes += [math.prod(s) * d.itemsize for s, d in scratch]
+  sizes += [math.prod(s) * d.itemsize for _, bufs in scoped for s, d in bufs]
   smem = sum(-(-n // SMEM_ALIGN) * SMEM_ALIGN for n in sizes)
   smem += 3 * MBARRIER_BYTES
   if smem > SMEM_LIMIT:
@@ -181,4 +202,4 @@ def make_gpu_plan(spec) -> GpuPlan:
     raise _err(spec, "the parallel grid has more than 2**31 - 1 points")
   prefetch = tuple(getattr(r, "inner_aval", r) for r in gm.prefetch_avals)
   return GpuPlan(grid, tuple(plan.parallel), tuple(plan.sequential),
-                 tuple(blocks), tuple(scratch), smem, prefetch)
+                 tuple(blocks), tuple(scratch), smem, prefetch, scoped)

@@ -557,3 +557,17 @@ def test_scalars_and_any_space_arrays_are_used_in_global_memory():
   assert all(b.in_gmem for b in m.plan.blocks)
   assert "mosaic_gpu.async_load" not in m.dialect_text
   assert "memref.store" in m.dialect_text and "memref<2xi32>" in m.dialect_text
+
+
+def test_run_scoped_buffers_are_planned_in_shared_memory():
+  def k(x_ref, o_ref):
+    def scope(tmp_ref):
+      tmp_ref[...] = x_ref[...] * 2.0
+      o_ref[...] = tmp_ref[...] + 1.0
+    pl.run_scoped(scope, pl.tpu.VMEM((64, 128), jnp.float32))
+  m = _build(k, jnp.ones((64, 128), jnp.float32))
+  ((_, bufs),) = m.plan.scoped
+  assert bufs == (((64, 128), np.dtype(np.float32)),)
+  assert m.plan.smem_bytes >= 3 * 64 * 128 * 4
+  assert m.dialect_text.count("memref<64x128xf32, #gpu.address_space"
+                              "<workgroup>>") >= 3

@@ -10,6 +10,7 @@ from jax._src.lib.mlir.dialects import arith, scf
 
 from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
 from dsl.normalize import scan_layout
+from dsl.primitives import run_scoped_p
 from lowering_mosaic.gpu.host import TABLE, TRITON_HINT, index_cast_i32, typed
 
 
@@ -80,3 +81,13 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
                      bconsts + list(after.arguments))
     scf.yield_(outs)
   return list(op.results)
+
+
+@TABLE.register(run_scoped_p)
+def _run_scoped(ctx, *consts, jaxpr, num_consts, **_):
+  """The scope's refs are shared-memory buffers the plan set aside for this
+  equation (each run_scoped gets its own; nothing is reused)."""
+  bufs = ctx.host.scoped.get(id(ctx.eqn))
+  if bufs is None:
+    raise ctx.error("internal error: no buffers planned for this run_scoped")
+  return ctx.lower(jaxpr, (), list(consts) + list(bufs))
