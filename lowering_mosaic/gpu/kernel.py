@@ -286,16 +286,16 @@ def build_gpu_module(spec) -> GpuModule:
   except BackendError:
     raise
   except Exception as e:
-    raise BackendError(spec.name, f"the Mosaic GPU library rejected the "
-                       f"kernel while it was built: {type(e).__name__}: {e}"
-                       + TRITON_HINT, spec.where) from e
+    raise BackendError(spec.name, "the Mosaic GPU library rejected the "
+                       "kernel while it was built" + TRITON_HINT + ": "
+                       f"{type(e).__name__}: {e}", spec.where) from e
   text = str(module)
   try:
     mgpu_core.lower_mgpu_module(module, launch_ctx, semantics)
   except Exception as e:
     raise BackendError(spec.name, "the Mosaic GPU library could not infer "
-                       f"layouts for or lower the kernel: {type(e).__name__}: "
-                       f"{e}" + TRITON_HINT, spec.where) from e
+                       "layouts for or lower the kernel" + TRITON_HINT + ": "
+                       f"{type(e).__name__}: {e}", spec.where) from e
   return GpuModule(module, text, plan, tuple(out_shapes))
 
 

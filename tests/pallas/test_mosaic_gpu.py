@@ -571,3 +571,88 @@ def test_run_scoped_buffers_are_planned_in_shared_memory():
   assert m.plan.smem_bytes >= 3 * 64 * 128 * 4
   assert m.dialect_text.count("memref<64x128xf32, #gpu.address_space"
                               "<workgroup>>") >= 3
+
+
+# ------------------------------------------------------------------ corpus
+#
+# Every kernel of the feature suite either builds (module verified, layouts
+# inferred) or is refused with a BackendError that names the reason and
+# suggests Triton; never another exception. Built, not run: the numerics of
+# the ones that build are test_mosaic_gpu_device.py's, on a GPU.
+
+from tests.pallas import test_features as features  # noqa: E402
+from tests.pallas.testing import parametrize_cases  # noqa: E402
+
+# The feature kernels that lower on this backend today (a regression guard).
+FEATURES_THAT_BUILD = {
+    "test_add_partial_edge_blocks", "test_aliased_output_keeps_unwritten_blocks",
+    "test_fori_loop_ds_and_at_views", "test_grad_and_vmap",
+    "test_input_output_aliases", "test_integer_ops",
+    "test_kernel_decorator_in_jit_and_make_jaxpr",
+    "test_loop_cond_while_and_casts",
+    "test_multiple_of_and_max_contiguous_are_identity",
+    "test_pytree_operands_and_out_shape", "test_reversed_index_map",
+    "test_run_scoped_scratch", "test_scalar_prefetch_index_map",
+    "test_scalars_in_smem", "test_scratch_accumulator_persists_over_sequential_"
+    "steps", "test_squeezed_dims_and_2d_grid", "test_zero_d_refs_and_int_dtypes",
+}
+
+
+class _Built(Exception):
+  pass
+
+
+def _first_cases():
+  for name in sorted(dir(features)):
+    fn = getattr(features, name)
+    if not name.startswith("test_") or not callable(fn):
+      continue
+    params = __import__("inspect").signature(fn).parameters
+    if "backend" not in params or "capfd" in params:
+      continue
+    for kw in parametrize_cases(fn):
+      if kw.pop("backend", "interpret") in ("interpret", "mosaic_interpret"):
+        yield name, kw
+        break
+
+
+def _outcome(exc):
+  while exc is not None and not isinstance(exc, (_Built, BackendError)):
+    exc = exc.__cause__ or exc.__context__
+  return exc
+
+
+@pytest.fixture
+def build_only():
+  """backend "mosaic_gpu" builds the module, then stops (a CPU cannot run
+  it); lowering for CPU is allowed for that purpose."""
+  from dsl import backends
+  from lowering_mosaic.gpu.kernel import build_gpu_module
+  real = backends.lowering_rule("mosaic_gpu", "<test>", None)
+
+  def rule(ctx, *args, spec):
+    build_gpu_module(spec)
+    raise _Built(spec.name)
+  backends.register_backend("mosaic_gpu", rule)
+  jax.clear_caches()
+  yield
+  backends.register_backend("mosaic_gpu", real)
+  jax.clear_caches()
+
+
+@pytest.mark.parametrize("name,kwargs", list(_first_cases()))
+def test_feature_kernels_build_or_are_refused_clearly(name, kwargs,
+                                                      build_only):
+  try:
+    getattr(features, name)(backend="mosaic_gpu", **kwargs)
+  except Exception as e:  # noqa: BLE001 (classified below)
+    got = _outcome(e)
+    if got is None:
+      raise
+  else:
+    pytest.fail("the kernel ran on the CPU")
+  if name in FEATURES_THAT_BUILD:
+    assert isinstance(got, _Built), str(got)
+  else:
+    assert isinstance(got, BackendError), got
+    assert "triton" in str(got) and "kernel '" in str(got)

@@ -43,9 +43,11 @@ def _transpose(ctx, x, *, permutation):
   as a transposed wgmma operand)."""
   from lowering_mosaic.gpu.rules.dot import smem_source
   src = smem_source(x)
-  if tuple(permutation) != (1, 0) or src is None:
-    raise ctx.error("only 2-D tiles read straight from a ref can be "
-                    "transposed by the Mosaic GPU lowering" + TRITON_HINT)
+  if (tuple(permutation) != (1, 0) or src is None
+      or dtypes.bits(ctx.avals_in[0].dtype) > 16):
+    raise ctx.error("only 2-D tiles of 16-bit or 8-bit values read straight "
+                    "from a ref (dot operands) can be transposed by the "
+                    "Mosaic GPU lowering" + TRITON_HINT)
   return mgpu.vector_load(mgpu_utils.memref_transpose(src, (1, 0)))
 
 
