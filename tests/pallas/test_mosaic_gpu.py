@@ -15,6 +15,8 @@ import dsl as pl
 from dsl.errors import BackendError
 from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu.plan import SMEM_LIMIT
+from tests.pallas.mosaic_gpu_kernels import (add, attention_tile as attention,
+                                             flash_attention as flash, matmul)
 
 
 def _lower_cuda(f, *args) -> str:
@@ -38,38 +40,7 @@ def _indent(text: str, op: str) -> int:
 
 # ------------------------------------------------------------------ kernels
 
-def _add_kernel(x_ref, y_ref, o_ref):
-  o_ref[...] = jnp.exp(x_ref[...]) + y_ref[...] * 2.0
-
-
-def add(x, y, block=(128, 64), backend="mosaic_gpu"):
-  spec = pl.BlockSpec(block, lambda i: (i, 0))
-  return pl.pallas_call(_add_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        grid=(x.shape[0] // block[0],), in_specs=[spec, spec],
-                        out_specs=spec, backend=backend)(x, y)
-
-
-def _matmul_kernel(x_ref, y_ref, o_ref):
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    o_ref[...] = jnp.zeros_like(o_ref)
-  o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                        preferred_element_type=jnp.float32)
-
-
-def matmul(x, y, bm=128, bn=128, bk=64):
-  m, k = x.shape
-  n = y.shape[1]
-  return pl.pallas_call(
-      _matmul_kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
-      grid=(m // bm, n // bn, k // bk),
-      in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-      backend="mosaic_gpu")(x, y)
-
-
-def _softmax_kernel(x_ref, o_ref):
+def _masked_softmax_kernel(x_ref, o_ref):
   x = x_ref[...].astype(jnp.float32)
   e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
   col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
@@ -77,73 +48,11 @@ def _softmax_kernel(x_ref, o_ref):
   o_ref[...] = (e / jnp.sum(e, axis=-1, keepdims=True)).astype(o_ref.dtype)
 
 
-def softmax(x, rows=64):
+def masked_softmax(x, rows=64):
   spec = pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0))
-  return pl.pallas_call(_softmax_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+  return pl.pallas_call(_masked_softmax_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
                         grid=(x.shape[0] // rows,), in_specs=[spec],
                         out_specs=spec, backend="mosaic_gpu")(x)
-
-
-def _attention_kernel(q_ref, k_ref, v_ref, o_ref):
-  s = jnp.dot(q_ref[...], k_ref[...].T, preferred_element_type=jnp.float32)
-  p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
-  o = jnp.dot(p.astype(jnp.bfloat16), v_ref[...],
-              preferred_element_type=jnp.float32)
-  o_ref[...] = (o / jnp.sum(p, axis=-1, keepdims=True)).astype(o_ref.dtype)
-
-
-def attention(q, k, v, bq=64):
-  n, d = q.shape
-  qs = pl.BlockSpec((bq, d), lambda i: (i, 0))
-  kv = pl.BlockSpec(k.shape, lambda i: (0, 0))
-  return pl.pallas_call(_attention_kernel, jax.ShapeDtypeStruct(q.shape,
-                                                                q.dtype),
-                        grid=(n // bq,), in_specs=[qs, kv, kv], out_specs=qs,
-                        backend="mosaic_gpu")(q, k, v)
-
-
-def _flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
-  """Flash attention forward for one query block: online softmax over the
-  KV blocks of the sequential grid dim; row statistics in scratch."""
-  kv = pl.program_id(1)
-
-  @pl.when(kv == 0)
-  def _():
-    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
-
-  s = jnp.dot(q_ref[...], k_ref[...].T,
-              preferred_element_type=jnp.float32) * 0.125
-  m_prev = m_ref[...]
-  m_new = jnp.maximum(m_prev, jnp.max(s, axis=-1))
-  p = jnp.exp(s - m_new[:, None])
-  alpha = jnp.exp(m_prev - m_new)
-  l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=-1)
-  acc_ref[...] = acc_ref[...] * alpha[:, None] + jnp.dot(
-      p.astype(jnp.bfloat16), v_ref[...], preferred_element_type=jnp.float32)
-  m_ref[...] = m_new
-
-  @pl.when(kv == pl.num_programs(1) - 1)
-  def _():
-    o_ref[...] = (acc_ref[...] / l_ref[...][:, None]).astype(o_ref.dtype)
-
-
-def flash(q, k, v, bq=64, bk=64):
-  n, d = q.shape
-  return pl.pallas_call(
-      _flash_kernel, jax.ShapeDtypeStruct(q.shape, q.dtype),
-      grid=(n // bq, k.shape[0] // bk),
-      in_specs=[pl.BlockSpec((bq, d), lambda i, j: (i, 0)),
-                pl.BlockSpec((bk, d), lambda i, j: (j, 0)),
-                pl.BlockSpec((bk, d), lambda i, j: (j, 0))],
-      out_specs=pl.BlockSpec((bq, d), lambda i, j: (i, 0)),
-      scratch_shapes=[pl.tpu.VMEM((bq,), jnp.float32),
-                      pl.tpu.VMEM((bq,), jnp.float32),
-                      pl.tpu.VMEM((bq, d), jnp.float32)],
-      compiler_params=pl.tpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary")),
-      backend="mosaic_gpu")(q, k, v)
 
 
 F32 = jnp.ones((512, 64), jnp.float32)
@@ -301,7 +210,7 @@ def test_output_that_moves_along_sequential_dim_is_stored_every_step():
 
 
 def test_softmax_row_reductions_broadcasts_iota_where_casts():
-  m = _module(softmax, BF(256, 128))
+  m = _module(masked_softmax, BF(256, 128))
   ops = _ops(m.dialect_text)
   for op in ("vector.multi_reduction", "mosaic_gpu.broadcast_in_dim",
              "mosaic_gpu.broadcasted_iota", "mosaic_gpu.layout_cast"):

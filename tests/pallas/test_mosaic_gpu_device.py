@@ -1,18 +1,17 @@
 """Backend "mosaic_gpu" on an NVIDIA Hopper GPU: numerics of the feature
-kernels that build (test_mosaic_gpu.FEATURES_THAT_BUILD) and of the export
-script's kernels (matmul, softmax, attention) against jnp.
+kernels that build (test_mosaic_gpu.FEATURES_THAT_BUILD) and of the sample
+kernels (tests/pallas/mosaic_gpu_kernels.py: matmul, softmax, attention)
+against jnp.
 
 Run on a GPU machine with `pytest -m gpu tests/pallas/test_mosaic_gpu_device.py`.
 Until that has run, the numerics of this backend are unmeasured.
 """
-import importlib.util
-import os
-
 import jax
 import numpy as np
 import pytest
 
 from tests.pallas import test_features as features
+from tests.pallas.mosaic_gpu_kernels import CASES
 from tests.pallas.test_mosaic_gpu import FEATURES_THAT_BUILD
 from tests.pallas.testing import parametrize_cases
 
@@ -29,10 +28,6 @@ def _has_hopper() -> bool:
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not _has_hopper(),
                                  reason="needs an sm_90 GPU (H100/H200)")]
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-
 
 def _cases():
   for name in sorted(FEATURES_THAT_BUILD):
@@ -52,23 +47,9 @@ def test_feature_kernels_on_mosaic_gpu(name, kwargs):
   getattr(features, name)(backend="mosaic_gpu", **kwargs)
 
 
-def _export_script():
-  spec = importlib.util.spec_from_file_location(
-      "mosaic_gpu_export", os.path.join(ROOT, "scripts",
-                                         "mosaic_gpu_export.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-SCRIPT_CASES = ("add_f32", "matmul_bf16", "softmax_bf16",
-                "attention_tile_bf16", "flash_attention_bf16")
-
-
-@pytest.mark.parametrize("case", SCRIPT_CASES)
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_export_script_kernels_match_jnp(case):
-  script = _export_script()
-  fn, ref, make, atol = script.CASES[case]
+  fn, ref, make, atol = CASES[case]
   args = make()
   got = np.asarray(jax.jit(fn)(*args), np.float32)
   want = np.asarray(ref(*args), np.float32)
