@@ -4,9 +4,9 @@
     python scripts/mosaic_gpu_export.py check out/mosaic_gpu    # needs a GPU
 
 `export` lowers each sample kernel (tests/pallas/mosaic_gpu_kernels.py:
-elementwise, matmul, softmax, attention) for "cuda" through
-backend="mosaic_gpu"
-(`jax.export(..., platforms=("cuda",))`) and writes, per kernel, the
+elementwise, matmul, softmax, attention) for "cuda" through backend
+"mosaic_gpu" (`jax.export(..., platforms=("cuda",))`) and writes, per
+kernel, the
 StableHLO text (`NAME.stablehlo.mlir`, holding the `mosaic_gpu_v2` custom
 call), the serialized export (`NAME.jax_exported`, when the `flatbuffers`
 package is installed), the inputs and the jnp reference (`NAME.npz`), and
