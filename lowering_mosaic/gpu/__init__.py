@@ -7,6 +7,7 @@ mbarriers, `wgmma`). Importing the package registers backend "mosaic_gpu";
 
 - `build_gpu_module(spec)`: KernelSpec -> GpuModule (kernel.py, rules/)
 - `to_gpu_modules(f, *args)`: the GpuModules of the pallas_calls in `f`
+  (also written to `jax_pallas_dump_mlir_to` when set)
 
 See docs/mosaic-gpu.md.
 """
@@ -25,11 +26,14 @@ def to_gpu_modules(f, *args, **kwargs) -> list[GpuModule]:
   from jax.interpreters import mlir
   from lowering_mosaic.inspection import kernel_specs
   from dsl.normalize import normalize
+  from lowering_mosaic.gpu.backend import dump_gpu_module
   closed = jax.make_jaxpr(f)(*args, **kwargs)
   out = []
   with mlir.make_ir_context(), ir.Location.unknown():
     for spec, _ in kernel_specs(closed.jaxpr):
-      out.append(build_gpu_module(normalize(spec)))
+      spec = normalize(spec)
+      out.append(build_gpu_module(spec))
+      dump_gpu_module(spec, out[-1])
   return out
 
 
