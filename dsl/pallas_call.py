@@ -1,6 +1,7 @@
 """`pallas_call`: the primitive that runs a kernel over a grid."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -8,7 +9,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import tree_util
-from jax._src import core, dispatch
+from jax._src import core, dispatch, sharding_impls
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
@@ -36,6 +37,9 @@ class KernelSpec:
   cost_estimate: Any = None
   # How this kernel was derived by a transformation, e.g. ("linear", spec, nz).
   meta: tuple = ()
+  # Runs on each device's shards on its own (partitioned under a sharded
+  # jit, see dsl.partitioning): it is not partitioned again.
+  local: bool = False
 
   def __repr__(self):
     gm = self.grid_mapping
@@ -53,6 +57,9 @@ def _block_str(bm) -> str:
 
 pallas_call_p = Primitive("pallas_call")
 pallas_call_p.multiple_results = True
+# Under a sharded jit it lowers through custom_partitioning, which needs the
+# devices while lowering.
+dispatch.prim_requires_devices_during_lowering.add(pallas_call_p)
 
 
 @pallas_call_p.def_impl
@@ -77,16 +84,22 @@ def _pallas_call_impl(*args, spec: KernelSpec):
 def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
   # Inside shard_map, outputs vary over the manual axes the inputs vary over.
   outs = spec.grid_mapping.out_avals
+  if spec.local:   # one device's part of a partitioned kernel: plain arrays
+    from jax._src import mesh as mesh_lib
+    with mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh):
+      return [core.ShapedArray(a.shape, a.dtype) for a in outs]
   varying = [a for a in avals if getattr(getattr(a, "mat", None), "varying",
                                          None)]
   if not varying:
     mesh = _explicit_mesh(avals)
     if mesh is not None:
-      # Under jit over a mesh with Explicit axes: the kernel is not
-      # partitioned, it runs on whole arrays (see _lower); outputs are
-      # replicated over the mesh.
-      rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-      return [core.ShapedArray(a.shape, a.dtype, sharding=rep) for a in outs]
+      # Under jit over a mesh with Explicit axes: outputs are split as the
+      # inputs imply along the grid dims the kernel partitions over
+      # (dsl.partitioning), replicated elsewhere.
+      from dsl import partitioning
+      shardings = partitioning.explicit_out_shardings(spec, avals, mesh)
+      return [core.ShapedArray(a.shape, a.dtype, sharding=sh)
+              for a, sh in zip(outs, shardings)]
     return [core.ShapedArray(a.shape, a.dtype) for a in outs]
   like = max(varying, key=lambda a: len(a.mat.varying))
   mesh = like.sharding.mesh
@@ -123,25 +136,14 @@ def sharded_like(x, aval):
   return jax.sharding.reshard(x, aval.sharding)
 
 
-def _lower_on_whole_arrays(ctx, *args, spec: KernelSpec):
-  """Lowers the kernel on replicated operands: under jit over a mesh with
-  Explicit axes, a kernel is not partitioned and sees whole arrays."""
-  def replicated(x):
-    aval = core.typeof(x)
-    if not _sharded_explicitly(aval):
-      return x
-    return jax.sharding.reshard(
-        x, aval.sharding.update(spec=jax.sharding.PartitionSpec()))
-
-  def whole(*xs):
-    xs = [replicated(x) for x in xs]
-    return pallas_call_p.bind(*xs, spec=spec)
-  return mlir.lower_fun(whole, multiple_results=True)(ctx, *args)
-
-
 def _lower(ctx, *args, spec: KernelSpec, platform: str):
-  if any(_sharded_explicitly(a) for a in ctx.avals_in):
-    return _lower_on_whole_arrays(ctx, *args, spec=spec)
+  ac = ctx.module_context.axis_context
+  if (not spec.local and isinstance(ac, sharding_impls.ShardingContext)
+      and ac.num_devices > 1):
+    # jit over several devices: the kernel partitions itself. Inside
+    # shard_map (an SPMDAxisContext) it is per device already.
+    from dsl import partitioning
+    return partitioning.lower_partitioned(ctx, *args, spec=spec)
   from dsl import config
   name = spec.backend
   if name is None:
@@ -150,9 +152,22 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
       name = "mosaic_gpu"
   rule = backends.lowering_rule(name, spec.name, spec.where)
   if name != "interpret":   # the interpret backend runs every JAX primitive
-    spec = normalize(spec)
-  with lowering_kernel(spec.name):
+    spec = normalize(spec, values_in_memory=name.startswith("mosaic"))
+  with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
+    if spec.local:
+      from dsl import partitioning
+      return partitioning.lower_local(rule, ctx, *args, spec=spec)
     return rule(ctx, *args, spec=spec)
+
+
+@contextlib.contextmanager
+def _named(ctx, kernel: str):
+  """Puts the kernel's name on the name stack of everything lowered for it
+  (XLA's op_name metadata, which profiler traces show)."""
+  stack = ctx.name_stack.extend(kernel)
+  loc = mlir.ir.Location.name(str(stack), childLoc=mlir.ir.Location.current)
+  with loc:
+    yield ctx.replace(name_stack=stack)
 
 
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
@@ -173,10 +188,34 @@ def _interpret_lowering(ctx, *args, spec):
 
     def fn(*xs):
       return runtime_checks.run_checked(spec, interpret.run, xs, axis_context)
+  from dsl import profiling
+  if profiling.enabled():
+    fn = _on_host(fn, spec, ctx.module_context.axis_context)
   # Inside shard_map the operands vary over manual axes; the interpreter's
   # own zeros and iotas do not, and the kernel is per-device anyway.
   with jax_config._check_vma(False):
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _on_host(fn, spec: KernelSpec, axis_context):
+  """`fn` compiled on its own and run in a host callback (`dsl.profile`):
+  timed and named in traces, not fused with its neighbours."""
+  import numpy as np
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+            for a in spec.grid_mapping.out_avals]
+
+  def on_host(*xs):
+    # Compiled ahead, so that its time in the profile is the kernel's alone.
+    compiled = jax.jit(fn).lower(*[jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                   for x in xs]).compile()
+
+    def run(*arrays):
+      return [np.asarray(o) for o in jax.block_until_ready(compiled(*arrays))]
+    outs, failed = host_failures.call_host(run, shapes, *xs,
+                                           kernel=spec.name)
+    host_failures.raise_parked(axis_context, failed)
+    return outs
+  return on_host
 
 
 backends.register_backend("interpret", _interpret_lowering)
@@ -247,6 +286,9 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
 
   def wrapped(*args):
     where = user_frame()
+    params = compiler_params
+    if params is None:
+      params = _autotuned_launch_params(backend)
     flat_args, _ = tree_util.tree_flatten(args)
     flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
                  for a in flat_args]
@@ -255,14 +297,29 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         out_specs=out_specs, scratch_shapes=scratch_shapes,
         num_scalar_prefetch=num_scalar_prefetch,
         input_output_aliases=input_output_aliases, backend=backend,
-        debug=debug, compiler_params=compiler_params,
+        debug=debug, compiler_params=params,
         cost_estimate=cost_estimate, where=where)
-    check_semantics(spec.name, compiler_params, len(spec.grid_mapping.grid),
+    check_semantics(spec.name, params, len(spec.grid_mapping.grid),
                     where)
     outs = pallas_call_p.bind(*flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 
   return wrapped
+
+
+def _autotuned_launch_params(backend):
+  """Triton's num_warps/num_stages from an enclosing `dsl.autotune` config
+  that the tuned function does not take itself, or None."""
+  from dsl import autotuning
+  launch = autotuning.launch_params()
+  if not launch:
+    return None
+  if backend is None:
+    backend = backends.DEFAULT_FOR_PLATFORM.get(jax.default_backend())
+  if backend not in ("triton", "triton_interpret"):
+    return None
+  from dsl import triton
+  return triton.CompilerParams(**launch)
 
 
 def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax._src import api_util, core
+from jax._src import mesh as mesh_lib
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
@@ -123,8 +124,9 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
   dbg = api_util.debug_info(f"kernel {name}", kernel_fn,
                             tuple(range(len(grid_avals) + len(ref_avals))), {})
   try:
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-        lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
+    with _blocks_mesh():
+      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+          lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
   except KernelError:
     raise
   except Exception as e:
@@ -133,6 +135,17 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     raise KernelError(name, f"{type(e).__name__}: {e}", line,
                       operand=operand, detail=source_excerpt(line)) from e
   return core.ClosedJaxpr(jaxpr, consts)
+
+
+def _blocks_mesh():
+  """The mesh a kernel body is traced under: none, unless inside
+  shard_map. Blocks are never sharded; a mesh from `jax.set_mesh` would put
+  sharding annotations in the kernel (and in each device's part of a
+  partitioned kernel)."""
+  am = mesh_lib.get_abstract_mesh()
+  if am.empty or am.manual_axes:
+    return contextlib.nullcontext()
+  return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
 
 
 def _operand_in_traceback(tb, names: dict) -> str | None:

@@ -3,7 +3,8 @@
 - "mosaic": the module, serialized, in a `tpu_custom_call` (what a TPU runs);
   built with `jax._src.tpu_custom_call.lower_module_to_custom_call`.
 - "mosaic_interpret": the same module run on the host by our interpreter
-  through `jax.pure_callback`. Inside `shard_map`, every operand is
+  through `jax.pure_callback`. Partitioned by a sharded `jax.jit`, each
+  device simulates its own part alone. Inside `shard_map`, every operand is
   all-gathered over the mesh, one callback simulates every device of the
   launch (the devices' callbacks share that one simulation), and each
   device keeps its own slice of the outputs.
@@ -39,10 +40,12 @@ def _num_devices(mesh_axes) -> int:
 def mesh_axes_from_context(ctx, spec, on_host: bool = False) -> tuple:
   """((axis, size), ...) of the shard_map mesh the kernel runs in, or ().
 
-  Under a sharded `jax.jit` (no shard_map) a kernel is not partitioned: the
-  host simulation runs it once on whole arrays (`on_host`); a TPU cannot.
+  Under a sharded `jax.jit` (no shard_map) a kernel partitions itself
+  (dsl/partitioning.py) and each device runs its part alone (`spec.local`).
   """
   ac = ctx.module_context.axis_context
+  if spec.local:     # partitioned under a sharded jit: one device, its shards
+    return ()
   if isinstance(ac, sharding_impls.SPMDAxisContext):
     manual = set(ac.manual_axes)
     return tuple((n, s) for n, s in mesh_axes_of(ac.mesh)

@@ -26,9 +26,13 @@ def _consts(j):
 
 
 @functools.lru_cache(maxsize=256)
-def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int):
+def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
+                      kept_refs: int = 0):
+  """The kernel as a function of values; its first `kept_refs` refs after
+  the grid ids (scalar prefetch) may stay refs."""
   j = jaxpr.jaxpr
-  should = [False] * grid_rank + [True] * (len(j.invars) - grid_rank)
+  kept = grid_rank + kept_refs
+  should = [False] * kept + [True] * (len(j.invars) - kept)
   closed = core.ClosedJaxpr(j, jaxpr.consts)
   return state_discharge.discharge_state(closed, should_discharge=should,
                                          strip_memory_space=True)

@@ -113,7 +113,7 @@ def test_interpret_goal_rows_and_skip_slow_peers(capsys, tmp_path):
 
 
 def test_slow_peer_runs_once():
-  from benchmarks.timing import measure
+  from dsl.timing import measure
   calls = []
 
   def slow(x):
@@ -228,3 +228,31 @@ def test_kernels_library_is_picked_up_when_present(capsys, tmp_path):
   (row,) = json.loads(j.read_text())["rows"]
   assert row["check"] == "ok" and row["source"] == "kernels"
   assert row["peers"]["pallas"]["note"].startswith("n/a")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+def test_sharding_rows(capsys, tmp_path):
+  """--sharding: the partitioned kernel, shard_map and the replicated run,
+  each checked against the reference; no all-gather in the sharded one."""
+  out = tmp_path / "sharding.json"
+  code, text, _ = run_cli(capsys, "--sharding", "--kernels", "softmax",
+                          "--sizes", "64x128", "--backends",
+                          "interpret,mosaic_interpret", "--json", str(out),
+                          *FAST)
+  assert code == 0, text
+  rows = json.loads(out.read_text())["sharding"]
+  assert [r["backend"] for r in rows] == ["interpret", "mosaic_interpret"]
+  for r in rows:
+    assert r["sharded"]["all_gathers"] == 0
+    assert all(r[n]["ok"] for n in ("sharded", "shard_map", "replicated"))
+  assert "shard_map ms" in text
+
+
+def test_grad_vs_hand_compares_gradients_and_prints_a_row(capsys):
+  from benchmarks import grad_vs_hand
+  assert grad_vs_hand.main(["--small", "--repeats", "1", "--kernels",
+                            "softmax,layer_norm"]) == 0
+  out = capsys.readouterr().out
+  assert "softmax 16x128" in out and "layer_norm 16x128" in out
+  with pytest.raises(SystemExit):
+    grad_vs_hand.main(["--kernels", "nope"])
