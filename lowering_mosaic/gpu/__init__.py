@@ -31,7 +31,7 @@ def to_gpu_modules(f, *args, **kwargs) -> list[GpuModule]:
   out = []
   with mlir.make_ir_context(), ir.Location.unknown():
     for spec, _ in kernel_specs(closed.jaxpr):
-      spec = normalize(spec)
+      spec = normalize(spec, values_in_memory=True)   # as lowering does
       out.append(build_gpu_module(spec))
       dump_gpu_module(spec, out[-1])
   return out
