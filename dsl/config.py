@@ -39,13 +39,15 @@ dump_promela_to_option = _string(
     "directory.")
 use_mosaic_gpu_option = _bool(
     "jax_pallas_use_mosaic_gpu", False,
-    "If True, lower kernels to the Mosaic-dialect on GPUs instead of Triton.")
+    "If True, lower Pallas kernels to the experimental Mosaic GPU dialect, "
+    "instead of Triton IR.")
 dump_triton_to_option = _string(
     "jax_pallas_dump_triton_to", "",
     "If set, writes each generated Triton kernel's source to this directory.")
 dump_mlir_to_option = _string(
     "jax_pallas_dump_mlir_to", "",
-    "If set, writes each kernel's Mosaic MLIR module to this directory.")
+    "If set, writes each kernel's Mosaic MLIR module (TPU or GPU) to this "
+    "directory.")
 # JAX defines jax_pallas_verbose_errors itself; it is read, not redefined.
 verbose_errors_option = _bool(
     "jax_pallas_verbose_errors", True,

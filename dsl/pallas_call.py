@@ -149,9 +149,7 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
   if name is None:
     name = backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
     if platform == "cuda" and config.use_mosaic_gpu():
-      raise KernelError(spec.name, "jax_pallas_use_mosaic_gpu is set, but the "
-                        "Mosaic-dialect lowering cannot run on GPUs yet; unset "
-                        "it to use Triton", spec.where)
+      name = "mosaic_gpu"
   rule = backends.lowering_rule(name, spec.name, spec.where)
   if name != "interpret":   # the interpret backend runs every JAX primitive
     spec = normalize(spec, values_in_memory=name.startswith("mosaic"))

@@ -125,9 +125,16 @@ def test_verbose_lowering_error_marks_failing_equation():
   assert "\n" not in str(err)
 
 
+def _copy_kernel(x_ref, o_ref):
+  o_ref[...] = x_ref[...] + 1.0
+
+
 def test_use_mosaic_gpu_is_honoured_on_gpu_lowering():
-  f = lambda x: pl.pallas_call(lambda x_ref, o_ref: None,
-                               jax.ShapeDtypeStruct((8,), jnp.float32))(x)
+  """With the option on, CUDA lowering goes through Mosaic GPU (its custom
+  call, not Triton's); backend='triton' still picks Triton."""
+  f = lambda x: pl.pallas_call(_copy_kernel,
+                               jax.ShapeDtypeStruct((64, 128), jnp.float32))(x)
+  x = jnp.ones((64, 128), jnp.float32)
   with pl.config.use_mosaic_gpu_option(True):
-    with pytest.raises(Exception, match="jax_pallas_use_mosaic_gpu"):
-      jax.jit(f).trace(jnp.ones(8)).lower(lowering_platforms=("cuda",))
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu_v2" in text and "triton_kernel_call" not in text
