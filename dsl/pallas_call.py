@@ -13,8 +13,9 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
 from dsl import backends, checks, config, host_failures
-from dsl.errors import (KernelError, KernelTypeError, function_location,
-                        kernel_error_of, lowering_kernel, user_frame)
+from dsl.errors import (KernelError, KernelTypeError, api_boundary,
+                        function_location, kernel_error_of, kernel_name,
+                        lowering_kernel, user_frame)
 from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.interpret.plan import check_block_indices
@@ -236,7 +237,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   The kernel reads blocks of the inputs through refs and writes blocks of the
   outputs; `in_specs`/`out_specs` say which block each grid point sees.
   """
-  name = name or getattr(kernel, "__name__", "kernel")
+  name = name or kernel_name(kernel)
   num_scalar_prefetch = 0
   if grid_spec is not None:
     grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
@@ -247,7 +248,9 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   if isinstance(interpret, str):
     backend = interpret
 
+  @api_boundary
   def wrapped(*args):
+    __tracebackhide__ = True
     where = user_frame()
     flat_args, _ = tree_util.tree_flatten(args)
     flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a

@@ -20,9 +20,11 @@ from jax._src import api_util, core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from dsl import refs as refs_mod
+from dsl import fixits, refs as refs_mod
+from dsl.blockspec import BlockMapping
 from dsl.errors import (KernelError, function_location, frame_of_traceback,
-                        source_excerpt, user_frame)
+                        raise_from_user_frames, source_excerpt, user_frame,
+                        user_traceback)
 from dsl.gridspec import GridMapping
 
 
@@ -126,14 +128,32 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
   try:
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
-  except KernelError:
-    raise
+  except KernelError as e:
+    __tracebackhide__ = True
+    raise e.with_traceback(user_traceback(e.__traceback__))
   except Exception as e:
-    line = frame_of_traceback(e.__traceback__) or where
-    operand = _operand_in_traceback(e.__traceback__, traced_names)
-    raise KernelError(name, f"{type(e).__name__}: {e}", line,
-                      operand=operand, detail=source_excerpt(line)) from e
+    __tracebackhide__ = True
+    _raise_trace_error(e, name, gm, where, traced_names,
+                       dict(zip(param_names, origins)))
   return core.ClosedJaxpr(jaxpr, consts)
+
+
+def _raise_trace_error(e, name, gm, where, traced_names, origins):
+  """Raises the KernelError for an exception from the kernel body: a fix-it
+  hint where one applies, pointing at the user's line."""
+  __tracebackhide__ = True
+  line = frame_of_traceback(e.__traceback__) or where
+  operand = _operand_in_traceback(e.__traceback__, traced_names)
+  mappings = ([None] * gm.num_scalar_prefetch + list(gm.block_mappings)
+              + [None] * len(gm.scratch_avals))
+  params = {pn: (bm if isinstance(bm, BlockMapping) else None)
+            for pn, bm in zip(origins, mappings)}
+  labels = {pn: f"{pn} ({o})" for pn, o in origins.items()}
+  ctx = fixits.HintContext(operand, line, params, gm.grid, labels)
+  message = fixits.hint(e, ctx)
+  err = KernelError(name, message or f"{type(e).__name__}: {e}", line,
+                    operand=ctx.operand, detail=source_excerpt(line))
+  raise_from_user_frames(err, e)
 
 
 def _operand_in_traceback(tb, names: dict) -> str | None:
