@@ -19,7 +19,7 @@ from dsl.errors import (KernelError, KernelTypeError, api_boundary,
 from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.interpret.plan import check_block_indices
-from dsl.tracing import trace_kernel
+from dsl.tracing import kernel_ref_names, trace_kernel
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -37,6 +37,20 @@ class KernelSpec:
   cost_estimate: Any = None
   # How this kernel was derived by a transformation, e.g. ("linear", spec, nz).
   meta: tuple = ()
+  # The user's name of each kernel ref (its parameter: `x_ref`, `sem`,
+  # `bufs[1]`), None where unknown; see `ref_labels`.
+  ref_names: tuple = ()
+
+  def ref_labels(self) -> list[str]:
+    """A name per kernel ref for messages and generated code: the user's
+    parameter name, else the spec it comes from (`in_specs[0]`,
+    `scratch_shapes[1]`, `scalar prefetch 0`)."""
+    gm = self.grid_mapping
+    origins = ([f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
+               + [bm.origin for bm in gm.block_mappings]
+               + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+    names = list(self.ref_names) + [None] * (len(origins) - len(self.ref_names))
+    return [n or o for n, o in zip(names, origins)]
 
   def __repr__(self):
     gm = self.grid_mapping
@@ -311,7 +325,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
                              where)
     spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,
                       debug, where, function_location(kernel), cost_estimate,
-                      meta)
+                      meta, kernel_ref_names(kernel, gm))
     if debug:
       print(f"--- kernel {name} ({spec.kernel_src})\n{jaxpr}")
     if key is not None:

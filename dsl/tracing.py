@@ -83,6 +83,25 @@ def _param_names(fn, n):
   return names + [f"arg{i}" for i in range(len(names), n)]
 
 
+def kernel_ref_names(kernel_fn, gm: GridMapping) -> tuple[str | None, ...]:
+  """The user's name of each flat kernel ref (prefetch, inputs, outputs,
+  scratch): its parameter's name, with the pytree path inside it (`sem`,
+  `bufs[1]`); None where the kernel takes `*args`."""
+  names: list[str | None] = [None] * gm.num_refs
+  try:
+    params = list(inspect.signature(kernel_fn).parameters.values())
+    args = gm.unflatten_kernel_refs(list(range(gm.num_refs)))
+  except (TypeError, ValueError):
+    return tuple(names)
+  for p, arg in zip(params, args):
+    if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+      break
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+      if isinstance(leaf, int) and 0 <= leaf < len(names):
+        names[leaf] = p.name + jax.tree_util.keystr(path)
+  return tuple(names)
+
+
 def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
                  ) -> core.ClosedJaxpr:
   """Traces `kernel_fn` over the block refs of `gm`; checks its arity."""

@@ -304,10 +304,7 @@ def operand_memref_type(bm) -> ir.MemRefType:
 
 def _param_names(spec) -> list[str]:
   gm = spec.grid_mapping
-  return ([f"grid[{d}]" for d in range(len(gm.grid))]
-          + [f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
-          + [bm.origin for bm in gm.block_mappings]
-          + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+  return [f"grid[{d}]" for d in range(len(gm.grid))] + spec.ref_labels()
 
 
 def _lower_transform(lctx, spec, k, bm, prefetch_types) -> str:

@@ -167,7 +167,8 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
   for i in range(prog.num_scratch):
     t = prog.arg_types[n_pf + len(prog.windows) + i]
     kind = dialect.semaphore_kind_of(t)
-    buf = device.add(Buffer(f"scratch_shapes[{i}]", ("scratch", i),
+    name = _name(prog, n_pf + len(prog.windows) + i, f"scratch_shapes[{i}]")
+    buf = device.add(Buffer(name, ("scratch", i),
                             fresh_array(t, world.options.poison_buffers),
                             _space(t), dev, kind))
     args.append(MemRef(buf))
