@@ -428,6 +428,9 @@ def _build(spec, lctx) -> ir.Module:
         ir.IntegerType.get_signless(64), gm.num_outputs)
     main.attributes["dsl.operand_names"] = ir.ArrayAttr.get(
         [ir.StringAttr.get(n) for n in _param_names(spec)])
+    # the spec each blocked operand comes from, for errors about its blocks
+    main.attributes["dsl.operand_origins"] = ir.ArrayAttr.get(
+        [ir.StringAttr.get(bm.origin) for bm in gm.block_mappings])
     if mesh_axes:
       main.attributes["dsl.mesh_axes"] = ir.ArrayAttr.get(
           [ir.StringAttr.get(str(n)) for n, _ in mesh_axes])
