@@ -50,13 +50,12 @@ def _ref_as_value(m, exc, ctx: HintContext) -> str | None:
   if isinstance(exc, AttributeError):
     name = ctx.param          # the ref whose attribute was asked for
   else:
-    used = _refs_used_as_values(ctx)
+    used = _refs_used_as_values(ctx)   # the line names it without `[...]`
     name = used[0] if len(used) == 1 else None
-    if name is None and "DynamicJaxprTracer" not in str(exc):
-      return None
+  if name is None:
+    return None
   if name in ctx.labels:
     ctx.operand = ctx.labels[name]
-  name = name or "x_ref"
   return (f"{name} is a ref, not a value: read it with `{name}[...]` "
           f"({type(exc).__name__}: {exc})")
 

@@ -12,6 +12,8 @@ interleavings. Command line:
 
     python -m lowering_mosaic.verify kernel.pml
     python -m lowering_mosaic.verify my.module:function f32[8,128] ...
+    python -m lowering_mosaic.verify kernels.collectives:all_gather \
+        f32[32,128] --axis x=4     # per device, in shard_map over x
 
 See docs/verification.md.
 """

@@ -306,3 +306,13 @@ def test_user_exception_in_kernel_is_wrapped_with_line():
 def test_bad_spec_type():
   _raises(r"in_specs\[0\]: expected a BlockSpec", lambda: _call(in_specs=[(8,)]),
           TypeError)
+
+
+def test_no_fixit_for_other_tracer_errors():
+  # A Python `if` on a traced value is not a ref used as a value: JAX's own
+  # message stays.
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] if x_ref[0] > 0 else -x_ref[...]
+  msg = _raises(r"kernel 'kernel', x_ref \(in_specs\[0\]\): "
+                r"TracerBoolConversionError", lambda: _call(kernel))
+  assert "is a ref, not a value" not in msg
