@@ -114,13 +114,18 @@ def test_store_wrong_dtype():
 
 @pytest.mark.parametrize("body", ["x_ref + 1", "1 + x_ref", "x_ref.sum()",
                                   "jnp.exp(x_ref)"])
-def test_ref_used_as_value(body):
-  scope = {"jnp": jnp}
-  exec(f"def kernel(x_ref, o_ref):\n  o_ref[...] = {body}\n", scope)
+def test_ref_used_as_value(body, tmp_path):
+  import importlib.util
+  path = tmp_path / "user_kernel.py"
+  path.write_text("import jax.numpy as jnp\n\ndef kernel(x_ref, o_ref):\n"
+                  f"  o_ref[...] = {body}\n")
+  spec_ = importlib.util.spec_from_file_location("user_kernel", path)
+  module = importlib.util.module_from_spec(spec_)
+  spec_.loader.exec_module(module)
   msg = _raises(r"kernel 'kernel', x_ref \(in_specs\[0\]\): x_ref is a ref, "
                 r"not a value: read it with `x_ref\[\.\.\.\]`",
-                lambda: _call(scope["kernel"]))
-  assert "<string>:2" in msg
+                lambda: _call(module.kernel))
+  assert f"{path}:4" in msg
 
 
 def test_ref_used_as_value_names_the_right_ref():
