@@ -33,7 +33,7 @@ def search(bench, size, dtype, backend: str, platform: str, *,
   its median time and all (config, median or error) results."""
   from benchmarks import peers, sizes
   from benchmarks.report import fmt_config
-  from benchmarks.timing import measure
+  from dsl.timing import measure
   inputs = bench.inputs(size, dtype)
   results = []
   for config in bench.search_space(size, backend, platform):

@@ -34,11 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the quick suite (under two minutes on a 2-core CPU), "
                  "including the interpret-speed cases beside Pallas")
   p.add_argument("--kernels", help="comma-separated kernel names (see --list)")
+  p.add_argument("--kernel", metavar="MODULE:FUNCTION",
+                 help="benchmark your own kernel function instead of the "
+                 "suite (mypkg.mymod:fn or path/to/file.py:fn); with --inputs")
+  p.add_argument("--inputs", metavar="SHAPES", help="with --kernel: its "
+                 "argument shapes, e.g. 'f32[4096,1024],f32[1024]'")
+  p.add_argument("--reference", metavar="MODULE:FUNCTION", help="with "
+                 "--kernel: a plain-jnp function of the same inputs, timed "
+                 "as the XLA column and used to check the outputs")
   p.add_argument("--sizes", help="comma-separated sizes, dims joined by 'x', "
                  "K/M/G suffixes: 4M, 1024, 512x256x1024, 4096x1024")
   p.add_argument("--backends", help="comma-separated dsl backends "
                  "(default: the platform's, interpret on CPU)")
-  p.add_argument("--dtype", default="float32", choices=DTYPES)
+  p.add_argument("--dtype", default=None, choices=DTYPES,
+                 help="input dtype of the suite's kernels (default float32)")
   p.add_argument("--config", help="override kernel parameters, e.g. "
                  "block=4096 or bm=64,bn=64,bk=256,variant=loop_k")
   p.add_argument("--repeats", type=int, default=None,
@@ -233,6 +242,8 @@ def check_args(args) -> None:
     raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
   if args.retune and not args.autotune:
     raise UsageError("--retune needs --autotune")
+  check_user_args(args)
+  args.dtype = args.dtype or "float32"
   for path, flag in ((args.json, "--json"), (args.csv, "--csv"),
                      (args.plot, "--plot")):
     _check_output_path(path, flag)
@@ -241,6 +252,50 @@ def check_args(args) -> None:
       import matplotlib  # noqa: F401
     except ImportError:
       raise UsageError("--plot needs matplotlib (pip install matplotlib)")
+
+
+def check_user_args(args) -> None:
+  """--kernel, --inputs and --reference go together, without the suite's
+  selection flags."""
+  if args.kernel is None:
+    for flag, value in (("--inputs", args.inputs),
+                        ("--reference", args.reference)):
+      if value is not None:
+        raise UsageError(f"{flag} needs --kernel")
+    return
+  if args.inputs is None:
+    raise UsageError("--kernel needs --inputs, e.g. --inputs 'f32[4096,1024]'")
+  for flag, value in (("--kernels", args.kernels), ("--sizes", args.sizes),
+                      ("--quick", args.quick or None),
+                      ("--autotune", args.autotune or None),
+                      ("--dtype", args.dtype)):
+    if value is not None:
+      raise UsageError(f"{flag} does not apply to --kernel (its inputs' "
+                       "shapes and dtypes come from --inputs; a function "
+                       "decorated with dsl.autotune tunes itself)")
+
+
+def user_cases(args):
+  """The rows of `--kernel`: one per dsl backend."""
+  from benchmarks.runner import Case
+  from benchmarks.suite.user import load_user_kernel
+  bench = load_user_kernel(args.kernel, args.inputs, args.reference)
+  args.dtype = bench.specs[0].dtype.name
+  if args.backends is not None and not bench.backend_choice():
+    raise UsageError(f"--backends: {args.kernel} takes neither a 'pl' nor a "
+                     "'backend' parameter, so it runs on the default backend "
+                     "only (see docs/benchmarks.md)")
+  backends = select_backends(args, quick=False)
+  config = parse_config(args.config)
+  unknown = sorted(set(config) - bench.keywords())
+  if unknown and not bench.takes_any_keyword:
+    raise UsageError(f"--config key(s) {', '.join(unknown)} are not keyword "
+                     f"parameters of {args.kernel} (its keywords: "
+                     f"{', '.join(sorted(bench.keywords())) or 'none'})")
+  if not bench.backend_choice():
+    backends = backends[:1]
+  return [Case(bench, bench.size, b, dict(config),
+               "--config" if config else "default") for b in backends]
 
 
 def measure_cases(args, cases):
@@ -339,9 +394,12 @@ def run(args) -> int:
     print(list_text())
     return 0
   check_args(args)
-  kernels, skipped = select_kernels(args)
-  backends = select_backends(args, args.quick)
-  cases = build_cases(args, kernels, backends, args.quick)
+  if args.kernel is not None:
+    skipped, cases = [], user_cases(args)
+  else:
+    kernels, skipped = select_kernels(args)
+    backends = select_backends(args, args.quick)
+    cases = build_cases(args, kernels, backends, args.quick)
   if not cases:
     raise UsageError("nothing to run")
   started = time.time()

@@ -17,7 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import time_queued
+from dsl.timing import time_queued
 
 
 def copy_bandwidth(nbytes=1 << 30):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from benchmarks.timing import time_queued
+from dsl.timing import time_queued
 
 # ------------------------------------------------------------------ kernels
 

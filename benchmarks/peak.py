@@ -7,7 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from benchmarks.timing import measure
+from dsl.timing import measure
 
 
 @dataclasses.dataclass

@@ -36,12 +36,15 @@ def dsl_fn(bench, backend, size, dtype, config):
 
 
 def xla_fn(bench):
+  if bench.reference is None:
+    raise PeerUnavailable("n/a: no --reference")
   return bench.reference
 
 
 def pallas_fn(bench, mode, size, dtype, config):
   if not bench.pallas_source:
-    raise PeerUnavailable("n/a: source imports dsl")
+    raise PeerUnavailable(getattr(bench, "pallas_note",
+                                  "n/a: source imports dsl"))
   reason = platform_info.pallas_unavailable(mode)
   if reason:
     raise PeerUnavailable(reason)

@@ -16,6 +16,8 @@ from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
                         kernel_error_of)
 from dsl.gridspec import GridMapping, GridSpec, PrefetchScalarGridSpec
 from dsl.kernel import kernel
+from dsl.autotuning import autotune
+from dsl.profiling import profile
 from dsl.memory import ANY, MemoryRef, MemorySpace
 from dsl.pallas_call import KernelSpec, pallas_call, pallas_call_p
 from dsl.primitives import (cdiv, debug_print, loop, max_contiguous,
@@ -30,6 +32,7 @@ from dsl import transforms as _transforms  # registers jvp/vmap/vjp rules
 
 __all__ = [
     "ANY", "BACKENDS", "BackendError", "BlockMapping", "BlockSpec", "Blocked",
+    "autotune", "profile",
     "Element", "GridMapping", "GridSpec", "KernelCheckError",
     "KernelDeadlockError", "KernelError", "KernelRuntimeError", "KernelSpec",
     "KernelTypeError", "kernel_error_of", "MemoryRef", "MemorySpace", "PrefetchScalarGridSpec",

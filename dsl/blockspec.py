@@ -12,7 +12,6 @@ import inspect
 import sys
 from typing import Any, Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import api_util, core

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import sys
 
-import jax
 from jax._src import config as jax_config
 
 

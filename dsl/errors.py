@@ -335,10 +335,6 @@ def eqn_error(cls, kernel: str, eqn, message: str, jaxpr=None,
   return cls(kernel, message, where, operand=operand, detail=detail)
 
 
-def in_kernel_source_file(filename: str) -> bool:
-  return not _is_internal(filename)
-
-
 __all__ = ["KernelError", "KernelTypeError", "BackendError",
            "KernelRuntimeError", "KernelCheckError", "KernelDeadlockError",
            "KernelRaceError", "kernel_error_of", "park", "parked", "user_frame",

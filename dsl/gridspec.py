@@ -98,6 +98,16 @@ class GridMapping:
       start += n
     return KernelArgs(*parts)
 
+  def split_operands(self, seq: Sequence[Any]) -> KernelArgs:
+    """The pallas_call's operands `seq` (scalar prefetch, then inputs) by
+    role; `ids`, `outputs` and `scratch` are empty."""
+    if len(seq) != self.num_scalar_prefetch + self.num_inputs:
+      raise ValueError(f"{len(seq)} operands for a kernel with "
+                       f"{self.num_scalar_prefetch} scalar prefetch and "
+                       f"{self.num_inputs} inputs")
+    n = self.num_scalar_prefetch
+    return KernelArgs((), tuple(seq[:n]), tuple(seq[n:]), (), ())
+
   def unflatten_kernel_refs(self, refs: Sequence[Any]) -> list[Any]:
     """The kernel's positional arguments, in the pytree shape of the specs."""
     _, prefetch, ins, outs, scratch = self.split(refs)

@@ -36,9 +36,12 @@ from dsl.errors import BackendError, KernelError, kernel_error_of, park, parked
 def call_host(fn, result_shapes, *args, kernel: str):
   """`jax.pure_callback(fn, result_shapes, *args)`, plus the id of the
   KernelError that `fn` raised (0 if none); outputs are zeros then."""
+  from dsl import profiling
+
   def host(*arrays):
     try:
-      outs = fn(*arrays)
+      with profiling.host_run(kernel):
+        outs = fn(*arrays)
       return [*outs, np.int32(0)]
     except KernelError as e:
       failure = e

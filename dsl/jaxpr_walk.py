@@ -58,10 +58,13 @@ class RuleTable:
     self.owner = owner                  # "the Triton backend", for messages
     self._by_key: dict[Any, Callable] = {}
     self._by_name: dict[str, Callable] = {}
+    self._folded: set = set()
 
-  def register(self, *keys):
+  def register(self, *keys, fold: bool = False):
     """Decorator: `rule` handles every key (a primitive, or a name; None is
-    skipped so optional primitives can be listed as `getattr(m, "x", None)`)."""
+    skipped so optional primitives can be listed as `getattr(m, "x", None)`).
+    `fold`: an equation whose operands are all constants is evaluated at
+    lowering time (by the host's `fold`) instead of calling the rule."""
     def decorate(rule):
       for key in keys:
         if key is None:
@@ -70,8 +73,14 @@ class RuleTable:
           self._by_name[key] = rule
         else:
           self._by_key[key] = rule
+        if fold:
+          self._folded.add(key)
       return rule
     return decorate
+
+  def folds(self, key) -> bool:
+    """Whether equations of `key` with constant operands are folded."""
+    return key in self._folded or getattr(key, "name", None) in self._folded
 
   def lookup(self, key) -> Callable | None:
     rule = self._by_key.get(key) if not isinstance(key, str) else None
@@ -109,6 +118,12 @@ class LoweringHost:
   def error(self, message: str, eqn=None) -> BackendError:
     """A BackendError naming the kernel and `eqn`'s user line."""
     raise NotImplementedError
+
+  def fold(self, ctx: Any, eqn, invals: Sequence[Any]) -> Any | None:
+    """The lowered value of `eqn` evaluated at lowering time, or None when
+    its operands are not all constants (only for primitives registered with
+    `fold=True`)."""
+    return None
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn) -> Iterator[None]:
@@ -155,7 +170,10 @@ def walk_jaxpr(host: LoweringHost, jaxpr: core.Jaxpr, consts: Sequence[Any],
     ctx = host.rule_context(eqn, used, (jaxpr, i))
     with host.lowering_eqn(eqn):
       try:
-        outs = rule(ctx, *invals, **eqn.params)
+        outs = (host.fold(ctx, eqn, invals) if host.rules.folds(eqn.primitive)
+                else None)
+        if outs is None:
+          outs = rule(ctx, *invals, **eqn.params)
       except BackendError:
         raise
       except Exception as e:  # a bug or an unforeseen case in a rule

@@ -19,7 +19,6 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-import numpy as np
 from jax import lax
 from jax._src import core, source_info_util
 from jax._src.state import types as state_types

@@ -1,6 +1,7 @@
 """`pallas_call`: the primitive that runs a kernel over a grid."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -18,7 +19,7 @@ from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         lowering_kernel, user_frame)
 from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
-from dsl.interpret.plan import check_block_indices
+from dsl.interpret.plan import check_block_indices, check_semantics
 from dsl.tracing import kernel_ref_names, trace_kernel
 
 
@@ -168,8 +169,18 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
   rule = backends.lowering_rule(name, spec.name, spec.where)
   if name != "interpret":   # the interpret backend runs every JAX primitive
     spec = normalize(spec)
-  with lowering_kernel(spec.name):
+  with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
     return rule(ctx, *args, spec=spec)
+
+
+@contextlib.contextmanager
+def _named(ctx, kernel: str):
+  """Puts the kernel's name on the name stack of everything lowered for it
+  (XLA's op_name metadata, which profiler traces show)."""
+  stack = ctx.name_stack.extend(kernel)
+  loc = mlir.ir.Location.name(str(stack), childLoc=mlir.ir.Location.current)
+  with loc:
+    yield ctx.replace(name_stack=stack)
 
 
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
@@ -190,10 +201,34 @@ def _interpret_lowering(ctx, *args, spec):
 
     def fn(*xs):
       return runtime_checks.run_checked(spec, interpret.run, xs, axis_context)
+  from dsl import profiling
+  if profiling.enabled():
+    fn = _on_host(fn, spec, ctx.module_context.axis_context)
   # Inside shard_map the operands vary over manual axes; the interpreter's
   # own zeros and iotas do not, and the kernel is per-device anyway.
   with jax_config._check_vma(False):
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _on_host(fn, spec: KernelSpec, axis_context):
+  """`fn` compiled on its own and run in a host callback (`dsl.profile`):
+  timed and named in traces, not fused with its neighbours."""
+  import numpy as np
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+            for a in spec.grid_mapping.out_avals]
+
+  def on_host(*xs):
+    # Compiled ahead, so that its time in the profile is the kernel's alone.
+    compiled = jax.jit(fn).lower(*[jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                   for x in xs]).compile()
+
+    def run(*arrays):
+      return [np.asarray(o) for o in jax.block_until_ready(compiled(*arrays))]
+    outs, failed = host_failures.call_host(run, shapes, *xs,
+                                           kernel=spec.name)
+    host_failures.raise_parked(axis_context, failed)
+    return outs
+  return on_host
 
 
 backends.register_backend("interpret", _interpret_lowering)
@@ -266,6 +301,9 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   def wrapped(*args):
     __tracebackhide__ = True
     where = user_frame()
+    params = compiler_params
+    if params is None:
+      params = _autotuned_launch_params(backend)
     flat_args, _ = tree_util.tree_flatten(args)
     flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
                  for a in flat_args]
@@ -274,12 +312,29 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         out_specs=out_specs, scratch_shapes=scratch_shapes,
         num_scalar_prefetch=num_scalar_prefetch,
         input_output_aliases=input_output_aliases, backend=backend,
-        debug=debug, compiler_params=compiler_params,
+        debug=debug, compiler_params=params,
         cost_estimate=cost_estimate, where=where)
+    check_semantics(spec.name, params, len(spec.grid_mapping.grid),
+                    where)
     outs = pallas_call_p.bind(*flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 
   return wrapped
+
+
+def _autotuned_launch_params(backend):
+  """Triton's num_warps/num_stages from an enclosing `dsl.autotune` config
+  that the tuned function does not take itself, or None."""
+  from dsl import autotuning
+  launch = autotuning.launch_params()
+  if not launch:
+    return None
+  if backend is None:
+    backend = backends.DEFAULT_FOR_PLATFORM.get(jax.default_backend())
+  if backend not in ("triton", "triton_interpret"):
+    return None
+  from dsl import triton
+  return triton.CompilerParams(**launch)
 
 
 def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 
 import jax.numpy as jnp
-from jax import lax, tree_util
+from jax import tree_util
 from jax._src import core
 from jax._src.state import discharge as state_discharge
 from jax._src.state import indexing

@@ -29,7 +29,6 @@ Interpret-backend meaning (the discharge rules):
 """
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import jax.numpy as jnp

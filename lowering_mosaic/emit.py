@@ -9,24 +9,9 @@ import numpy as np
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
 
+from dsl.dtypes import bits, is_bool, is_float, is_unsigned  # noqa: F401
 from lowering_mosaic import dialect
 from lowering_mosaic.lowering import constant
-
-
-def is_float(dtype) -> bool:
-  return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-
-
-def is_bool(dtype) -> bool:
-  return jnp.dtype(dtype) == jnp.bool_
-
-
-def is_unsigned(dtype) -> bool:
-  return jnp.issubdtype(jnp.dtype(dtype), jnp.unsignedinteger)
-
-
-def bits(dtype) -> int:
-  return 1 if is_bool(dtype) else jnp.dtype(dtype).itemsize * 8
 
 
 def vtype(shape, dtype) -> ir.Type:

@@ -40,6 +40,7 @@ from jax._src.lib.mlir.dialects import arith, func
 
 from dsl.blockspec import Element, squeezed
 from dsl.errors import BackendError, source_info_frame
+from dsl.interpret.plan import declared_semantics
 from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
 from lowering_mosaic import dialect
 
@@ -268,26 +269,11 @@ def lower_jaxpr(lctx: LoweringContext, jaxpr: core.Jaxpr, consts, args):
 # ------------------------------------------------------------ the module
 
 def _dimension_semantics(spec, grid_rank) -> list[str]:
-  from dsl.errors import KernelError
-  params = spec.compiler_params
-  sem = getattr(params, "dimension_semantics", None)
-  if sem is None:
-    return ["arbitrary"] * grid_rank
-  sem = [str(getattr(s, "value", s)).lower() for s in sem]
-  # grid axes added by vmap lead the grid (num_hidden_axes); they are parallel.
-  hidden = spec.grid_mapping.num_hidden_axes
-  if hidden and len(sem) == grid_rank - hidden:
-    sem = ["parallel"] * hidden + sem
-  if len(sem) != grid_rank:
-    raise KernelError(spec.name, f"dimension_semantics has {len(sem)} "
-                      f"entries but the grid has rank {grid_rank}",
-                      spec.where, operand="compiler_params")
-  for s in sem:
-    if s not in ("parallel", "arbitrary", "core_parallel"):
-      raise KernelError(spec.name, f"dimension_semantics entry {s!r} must be "
-                        "'parallel' or 'arbitrary'", spec.where,
-                        operand="compiler_params")
-  return sem
+  """The declared semantics (checked at trace time), `arbitrary` when none
+  are given."""
+  gm = spec.grid_mapping
+  sem = declared_semantics(spec.compiler_params, grid_rank, gm.num_hidden_axes)
+  return list(sem or ("arbitrary",) * grid_rank)
 
 
 def _block_space(bm) -> str:

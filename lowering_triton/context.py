@@ -15,6 +15,7 @@ import linecache
 import os
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 from jax._src import core
 
@@ -249,6 +250,19 @@ class Lowering(LoweringHost):
     if isinstance(value, (TVal, MemRef, ValueRef)):
       return value
     return self.const_value(value)
+
+  def fold(self, ctx, eqn, invals) -> Any | None:
+    """A scalar equation whose operands are all literals, evaluated now."""
+    if (eqn.primitive.multiple_results or not invals
+        or not all(isinstance(a, TVal) and a.literal is not None
+                   for a in invals)):
+      return None
+    vals = [np.asarray(a.literal, a.dtype) for a in invals]
+    with jax.ensure_compile_time_eval():
+      out = np.asarray(eqn.primitive.bind(*vals, **eqn.params))
+    if out.ndim:
+      return None
+    return literal_value(out, eqn.outvars[0].aval.dtype)
 
   def rule_context(self, eqn, used: set, position: tuple) -> "RuleContext":
     jaxpr, i = position

@@ -1,9 +1,9 @@
 """JAX dtypes as Triton types: source spellings, signatures, interpreter types."""
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
+from dsl.dtypes import is_bool, is_float, is_int, is_unsigned  # noqa: F401
 from dsl.errors import BackendError
 
 # numpy dtype name -> (Triton language attribute, signature spelling)
@@ -55,22 +55,6 @@ def tl_object(dtype):
   """The `triton.language` dtype object (used by the interpreter launch)."""
   import triton.language as tl
   return getattr(tl, _entry(dtype)[0])
-
-
-def is_float(dtype) -> bool:
-  return jnp.issubdtype(np.dtype(dtype), jnp.floating)
-
-
-def is_int(dtype) -> bool:
-  return jnp.issubdtype(np.dtype(dtype), jnp.integer)
-
-
-def is_unsigned(dtype) -> bool:
-  return jnp.issubdtype(np.dtype(dtype), jnp.unsignedinteger)
-
-
-def is_bool(dtype) -> bool:
-  return np.dtype(dtype) == np.bool_
 
 
 def is_low_float(dtype) -> bool:

@@ -245,6 +245,51 @@ def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
     buf.line(f"{ids[d]} = {expr}")
 
 
+def _pointer_params(gm, stems, names) -> tuple[list[KernelParam], list[str]]:
+  """A pointer parameter per prefetch, input and output operand."""
+  stem_of = gm.split(stems)
+  pf_avals = [getattr(a, "inner_aval", a) for a in gm.prefetch_avals]
+  roles = (("prefetch", stem_of.prefetch, pf_avals),
+           ("input", stem_of.inputs, [bm.array_aval for bm in gm.in_mappings]),
+           ("output", stem_of.outputs,
+            [bm.array_aval for bm in gm.out_mappings]))
+  params, ptrs = [], []
+  for kind, role_stems, avals in roles:
+    for k, (stem, aval) in enumerate(zip(role_stems, avals)):
+      ptr = names.fresh(f"{stem}_ptr")
+      ptrs.append(ptr)
+      params.append(KernelParam(ptr, kind, k, np.dtype(aval.dtype),
+                                tuple(aval.shape)))
+  return params, ptrs
+
+
+def _grid_id_values(plan: GridPlan, grid_ids, rank: int) -> list[Any]:
+  """The value of each grid index: a program id or loop variable, or 0 for
+  a dimension of size 1 that neither launches nor loops."""
+  return [TVal(grid_ids[d], (), np.dtype(np.int32))
+          if d in plan.parallel or d in plan.sequential
+          else literal_value(0, np.int32) for d in range(rank)]
+
+
+def _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids) -> None:
+  """The grid (program ids, loops over the sequential dims) and the kernel
+  body at every point of it."""
+  gm, buf = spec.grid_mapping, lowering.buf
+  _emit_program_ids(lowering, plan, grid_ids)
+  id_vals = _grid_id_values(plan, grid_ids, len(gm.grid))
+  stem_of = gm.split(stems)
+  prefetch_refs = [_prefetch_ref(aval, stem, ptr) for aval, stem, ptr in
+                   zip(gm.prefetch_avals, stem_of.prefetch, ptrs)]
+  scratch_refs = [_scratch(lowering, aval, stem, k) for k, (aval, stem) in
+                  enumerate(zip(gm.scratch_avals, stem_of.scratch))]
+  loops = list(plan.sequential)
+  if loops:
+    buf.comment("sequential grid dims run in order inside each program: "
+                + ", ".join(f"{grid_ids[d]} < {gm.grid[d]}" for d in loops))
+  _emit_steps(lowering, spec, gm, stems, ptrs, id_vals, prefetch_refs,
+              scratch_refs, spec.jaxpr, loops)
+
+
 def _generate(spec) -> GeneratedKernel:
   gm = spec.grid_mapping
   try:
@@ -253,57 +298,15 @@ def _generate(spec) -> GeneratedKernel:
     raise BackendError(spec.name, str(e), spec.where) from e
   names = Names()
   fn_name = names.fresh(sanitize(spec.name))
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
   # Stems prefix generated names (x_ptr, x_offs); they are not names
   # themselves, so a loaded block can be called `x`.
   stems = _unique([sanitize(s) for s in operand_names(spec)])
   grid_ids = grid_names(spec, names)
-  params: list[KernelParam] = []
-  ptrs = []
-  for i, stem in enumerate(stems[:n_pf + n_in + n_out]):
-    ptr = names.fresh(f"{stem}_ptr")
-    ptrs.append(ptr)
-    if i < n_pf:
-      aval = gm.prefetch_avals[i]
-      inner = getattr(aval, "inner_aval", aval)
-      params.append(KernelParam(ptr, "prefetch", i, np.dtype(inner.dtype),
-                                tuple(inner.shape)))
-    elif i < n_pf + n_in:
-      a = gm.block_mappings[i - n_pf].array_aval
-      params.append(KernelParam(ptr, "input", i - n_pf, np.dtype(a.dtype),
-                                tuple(a.shape)))
-    else:
-      a = gm.block_mappings[i - n_pf].array_aval
-      params.append(KernelParam(ptr, "output", i - n_pf - n_in,
-                                np.dtype(a.dtype), tuple(a.shape)))
-
+  params, ptrs = _pointer_params(gm, stems, names)
   buf = CodeBuffer()
   lowering = Lowering(spec.name, spec.where, names, buf, TABLE, spec.jaxpr)
-  jaxpr = spec.jaxpr
-  rank = len(gm.grid)
   with buf.indent():
-    # Grid: program ids, then loops for the sequential dims.
-    _emit_program_ids(lowering, plan, grid_ids)
-    id_vals: list[Any] = []
-    for d in range(rank):
-      if d in plan.parallel:
-        id_vals.append(TVal(grid_ids[d], (), np.dtype(np.int32)))
-      elif d in plan.sequential:
-        id_vals.append(TVal(grid_ids[d], (), np.dtype(np.int32)))
-      else:
-        id_vals.append(literal_value(0, np.int32))
-    prefetch_refs = [_prefetch_ref(gm.prefetch_avals[i], stems[i], ptrs[i])
-                     for i in range(n_pf)]
-    scratch_refs = []
-    for k, aval in enumerate(gm.scratch_avals):
-      stem = stems[n_pf + n_in + n_out + k]
-      scratch_refs.append(_scratch(lowering, aval, stem, k))
-    loops = list(plan.sequential)
-    if loops:
-      buf.comment("sequential grid dims run in order inside each program: "
-                  + ", ".join(f"{grid_ids[d]} < {gm.grid[d]}" for d in loops))
-    _emit_steps(lowering, spec, gm, stems, ptrs, id_vals, prefetch_refs,
-                scratch_refs, jaxpr, loops)
+    _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids)
   lowering.drop_needless_barriers()
   buf.drop_unused_definitions()
 

@@ -41,8 +41,7 @@ def zero_outputs(spec) -> tuple[bool, ...]:
   start as zeros)."""
   gm = spec.grid_mapping
   j = spec.jaxpr.jaxpr
-  first = len(gm.grid) + gm.num_scalar_prefetch + gm.num_inputs
-  out_vars = j.invars[first:first + gm.num_outputs]
+  out_vars = gm.split(j.invars).outputs
   aliased = {o for _, o in spec.input_output_aliases}
   result = []
   for k, (v, bm) in enumerate(zip(out_vars, gm.out_mappings)):

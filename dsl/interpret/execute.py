@@ -17,7 +17,7 @@ from jax import lax
 from jax._src import core
 from jax._src.state import discharge as state_discharge
 
-from dsl.blockspec import BlockMapping, Element, squeezed
+from dsl.blockspec import BlockMapping, Element
 from dsl.interpret.plan import OperandPlan, Plan, make_plan
 
 
@@ -132,11 +132,9 @@ def read_view_block(view, op: OperandPlan, plan: Plan, seq_coords):
 
 
 def write_view_block(view, block, op: OperandPlan, plan: Plan, seq_coords):
-  bm = op.mapping
   if not op.sources:
     return block.astype(view.dtype)
   starts, sizes = _view_window(op, plan, seq_coords, view.shape)
-  n_par = len(op.par_dims)
   perm = _window_perm(op)
   permuted_shape = [sizes[a] for a in perm]
   block = block.astype(view.dtype).reshape(permuted_shape)

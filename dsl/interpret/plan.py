@@ -178,9 +178,13 @@ def _view_sources(bm: BlockMapping, idx, grid):
   return tuple(sources)
 
 
+_SEMANTICS = ("parallel", "arbitrary", "core_parallel")
+
+
 def declared_semantics(compiler_params, grid_rank: int,
                        num_hidden_axes: int = 0) -> tuple[str, ...] | None:
-  """`dimension_semantics` per grid dim, lower case, or None when not given.
+  """`dimension_semantics` per grid dim, lower case, or None when not given
+  (`check_semantics` has checked it at trace time).
 
   Grid axes added by vmap lead the grid and are parallel.
   """
@@ -191,6 +195,25 @@ def declared_semantics(compiler_params, grid_rank: int,
   if num_hidden_axes and len(sem) == grid_rank - num_hidden_axes:
     sem = ["parallel"] * num_hidden_axes + sem
   return tuple(sem) if len(sem) == grid_rank else None
+
+
+def check_semantics(kernel: str, compiler_params, grid_rank: int,
+                    where: str) -> None:
+  """Raises KernelError when `dimension_semantics` does not fit the grid."""
+  from dsl.errors import KernelError
+  sem = getattr(compiler_params, "dimension_semantics", None)
+  if sem is None:
+    return
+  sem = [str(getattr(s, "value", s)).lower() for s in sem]
+  if len(sem) != grid_rank:
+    raise KernelError(kernel, f"dimension_semantics has {len(sem)} entries "
+                      f"but the grid has rank {grid_rank}", where,
+                      operand="compiler_params")
+  for s in sem:
+    if s not in _SEMANTICS:
+      raise KernelError(kernel, f"dimension_semantics entry {s!r} must be "
+                        "'parallel' or 'arbitrary'", where,
+                        operand="compiler_params")
 
 
 _PURE_WRITES = ("swap",)

@@ -5,17 +5,11 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 from jax._src import core
 
 from dsl.blockspec import BlockMapping, BlockSpec, squeezed
-from dsl.gridspec import GridMapping
 from dsl.interpret.execute import discharged_kernel
 from dsl.pallas_call import KernelSpec, build_spec, pallas_call_p
-
-
-def is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def block_spec_of(bm: BlockMapping, n_grid: int,
@@ -44,10 +38,6 @@ def block_spec_of(bm: BlockMapping, n_grid: int,
 
 def sds(aval, batch: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(batch + tuple(aval.shape), aval.dtype)
-
-
-def scratch_of(gm: GridMapping):
-  return list(gm.scratch_avals)
 
 
 def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
@@ -86,13 +76,11 @@ def point_function(spec: KernelSpec):
   """
   gm = spec.grid_mapping
   dj = discharged_kernel(spec.jaxpr, len(gm.grid))
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
 
   def F(ids, pf, ins, outs, scratch):
-    finals = core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins, *outs,
-                             *scratch)
-    return (list(finals[n_pf + n_in:n_pf + n_in + n_out]),
-            list(finals[n_pf + n_in + n_out:]))
+    finals = gm.split(core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins,
+                                      *outs, *scratch))
+    return list(finals.outputs), list(finals.scratch)
   return F
 
 

@@ -6,29 +6,29 @@ blocks with the same BlockSpecs as their primals.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jax._src import core
 from jax._src.interpreters import ad
 
 from dsl.pallas_call import KernelSpec, pallas_call_p
 from dsl.tracing import program_id
+from dsl.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   is_float, sds, split)
+                                   sds, split)
 
 
 def tangent_pattern(spec: KernelSpec, in_nz):
   """Which outputs and scratch buffers carry tangents."""
   gm = spec.grid_mapping
-  out_nz = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
-  scr_nz = [is_float(a.inner_aval.dtype) for a in gm.scratch_avals]
+  out_nz = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
+  scr_nz = [has_tangent(a.inner_aval.dtype) for a in gm.scratch_avals]
   return out_nz, scr_nz
 
 
 def input_tangent_mask(spec: KernelSpec, nonzeros):
   gm = spec.grid_mapping
-  n_pf = gm.num_scalar_prefetch
-  return [bool(nz) and is_float(bm.array_aval.dtype)
-          for nz, bm in zip(nonzeros[n_pf:], gm.in_mappings)]
+  return [bool(nz) and has_tangent(bm.array_aval.dtype)
+          for nz, bm in zip(gm.split_operands(nonzeros).inputs,
+                            gm.in_mappings)]
 
 
 def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
@@ -91,14 +91,14 @@ def split_outputs(spec: KernelSpec, outs, out_nz):
 
 def pallas_call_jvp(primals, tangents, *, spec: KernelSpec):
   gm = spec.grid_mapping
-  n_pf = gm.num_scalar_prefetch
   in_nz = input_tangent_mask(spec, [type(t) is not ad.Zero for t in tangents])
   out_nz, _ = tangent_pattern(spec, in_nz)
   if not any(in_nz):
     outs = pallas_call_p.bind(*primals, spec=spec)
     return outs, [_zero_tangent(bm.array_aval) for bm in gm.out_mappings]
   new = jvp_spec(spec, in_nz)
-  tins = [ad.instantiate_zeros(t) for t, nz in zip(tangents[n_pf:], in_nz) if nz]
+  tins = [ad.instantiate_zeros(t) for t, nz in
+          zip(gm.split_operands(tangents).inputs, in_nz) if nz]
   outs = pallas_call_p.bind(*primals, *tins, spec=new)
   return split_outputs(spec, outs, out_nz)
 

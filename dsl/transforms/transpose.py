@@ -25,8 +25,9 @@ from dsl.errors import KernelError
 from dsl.interpret.plan import make_plan
 from dsl.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.tracing import program_id
+from dsl.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   is_float, point_function, sds, split)
+                                   point_function, sds, split)
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
 
@@ -35,7 +36,6 @@ from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
 
 def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
   gm = spec.grid_mapping
-  n_pf = gm.num_scalar_prefetch
   in_nz = input_tangent_mask(spec, nonzeros)
   out_nz, _ = tangent_pattern(spec, in_nz)
   primal_out = pallas_call_p.bind(*primals, spec=spec)
@@ -45,8 +45,8 @@ def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
   lin = jvp_spec(spec, in_nz, meta=("linear", spec, tuple(in_nz)))
 
   def linearized(residuals, _, *tangents):
-    tins = [ad.instantiate_zeros(t) for t, nz in zip(tangents[n_pf:], in_nz)
-            if nz]
+    tins = [ad.instantiate_zeros(t) for t, nz in
+            zip(gm.split_operands(tangents).inputs, in_nz) if nz]
     outs = pallas_call_p.bind(*residuals, *tins, spec=lin)
     return split_outputs(spec, outs, out_nz)[1]
 
@@ -72,13 +72,13 @@ def needs_entry_state(spec: KernelSpec) -> bool:
   """Does the tangent map at a point depend on its entry output/scratch state?"""
   gm = spec.grid_mapping
   F = point_function(spec)
-  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
+  n_grid = len(gm.grid)
   ids = [jax.ShapeDtypeStruct((), jnp.int32)] * n_grid
   pf = [sds(a.inner_aval) for a in gm.prefetch_avals]
   ins = [sds(bm.ref_aval.inner_aval) for bm in gm.in_mappings]
   outs = [sds(bm.ref_aval.inner_aval) for bm in gm.out_mappings]
   scr = [sds(a.inner_aval) for a in gm.scratch_avals]
-  fl = lambda xs: [x for x in xs if is_float(x.dtype)]
+  fl = lambda xs: [x for x in xs if has_tangent(x.dtype)]
   if not fl(outs) and not fl(scr):
     return False
 
@@ -103,14 +103,14 @@ def needs_entry_state(spec: KernelSpec) -> bool:
 
 def _fill_floats(values, floats):
   it = iter(floats)
-  return [next(it) if is_float(v.dtype) else v for v in values]
+  return [next(it) if has_tangent(v.dtype) else v for v in values]
 
 
 def _float_call(F, ids, pf, ins, outs, scr, fi, fo, fs):
   o, s = F(ids, pf, _fill_floats(ins, fi), _fill_floats(outs, fo),
            _fill_floats(scr, fs))
-  return ([x for x in o if is_float(x.dtype)],
-          [x for x in s if is_float(x.dtype)])
+  return ([x for x in o if has_tangent(x.dtype)],
+          [x for x in s if has_tangent(x.dtype)])
 
 
 def _recording_spec(spec: KernelSpec) -> KernelSpec:
@@ -122,11 +122,11 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
                  + [a.inner_aval for a in gm.scratch_avals])
 
   def body(*refs):
+    # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
     ids = [program_id(d) for d in range(n_grid)]
-    base = refs[:n_pf + n_in + n_out]
-    rec = refs[n_pf + n_in + n_out:n_pf + n_in + n_out + len(state_avals)]
-    scr = refs[n_pf + n_in + n_out + len(state_avals):]
-    for r, s in zip(rec, list(base[n_pf + n_in:]) + list(scr)):
+    base, rec, scr = split(refs, n_pf + n_in + n_out, len(state_avals), n_scr)
+    ops = gm.split(base + scr)
+    for r, s in zip(rec, ops.outputs + ops.scratch):
       r[...] = s[...]
     eval_ref_jaxpr(spec.jaxpr, *ids, *base, *scr)
 
@@ -154,8 +154,7 @@ def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
 def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
-  n_pf, n_in, n_out, n_scr = (gm.num_scalar_prefetch, gm.num_inputs,
-                              gm.num_outputs, len(gm.scratch_avals))
+  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
   sequential = set(make_plan(gm, spec.compiler_params, spec.jaxpr).sequential)
   F = point_function(spec)
 
@@ -163,9 +162,9 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
     return [grid[d] - 1 - i if d in sequential else i
             for d, i in enumerate(ids)]
 
-  out_f = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
-  scr_f = [is_float(a.inner_aval.dtype) for a in gm.scratch_avals]
-  in_f = [is_float(bm.array_aval.dtype) for bm in gm.in_mappings]
+  out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
+  scr_f = [has_tangent(a.inner_aval.dtype) for a in gm.scratch_avals]
+  in_f = [has_tangent(bm.array_aval.dtype) for bm in gm.in_mappings]
   state_avals = ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
                  + [a.inner_aval for a in gm.scratch_avals])
   n_rec = len(state_avals) if recorded else 0
@@ -191,7 +190,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
                   for x, nz, f in zip(ins, in_nz, in_f) if f]
       def f(fi, fo, fs):
         return _float_call(F, ids, pf, ins, outs_e, scr_e, fi, fo, fs)
-      fl = lambda xs: [x for x in xs if is_float(x.dtype)]
+      fl = lambda xs: [x for x in xs if has_tangent(x.dtype)]
       _, tangents = jax.jvp(f, (fl(ins), fl(outs_e), fl(scr_e)),
                             (t_in_all, t_out, t_scr))
       return tangents
@@ -240,12 +239,13 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
                       "derive", spec.where)
   _, base, in_nz = spec.meta
   gm = base.grid_mapping
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
-  primals = args[:n_pf + n_in]
+  n_out = gm.num_outputs
+  n_primals = gm.num_scalar_prefetch + gm.num_inputs
+  primals, tangent_args = args[:n_primals], args[n_primals:]
   if any(ad.is_undefined_primal(p) for p in primals):
     raise KernelError(base.name, "reverse mode needs the kernel's primal "
                       "inputs as residuals", base.where)
-  out_f = [is_float(bm.array_aval.dtype) for bm in gm.out_mappings]
+  out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
   t_cts = iter(cts[n_out:])
   ct_outs = []
   for bm, f in zip(gm.out_mappings, out_f):
@@ -267,13 +267,14 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   final_by_out = dict(zip([o for o, f in enumerate(out_f) if f], ct_out_final))
   pos = {k: j for j, k in enumerate(k for k, nz in enumerate(in_nz) if nz)}
   for i, o in base.input_output_aliases:
-    if i - n_pf in pos and o in final_by_out:
-      ct_ins[pos[i - n_pf]] = ct_ins[pos[i - n_pf]] + final_by_out[o]
+    k = i - gm.num_scalar_prefetch     # the aliased input's position
+    if k in pos and o in final_by_out:
+      ct_ins[pos[k]] = ct_ins[pos[k]] + final_by_out[o]
   # A cotangent has its tangent's type (sharding included, under jit over a
   # mesh with Explicit axes, where the kernel's outputs are replicated).
   tangent_cts = [sharded_like(c, getattr(t, "aval", None))
-                 for c, t in zip(ct_ins, args[n_pf + n_in:])]
-  return [None] * (n_pf + n_in) + tangent_cts
+                 for c, t in zip(ct_ins, tangent_args)]
+  return [None] * n_primals + tangent_cts
 
 
 ad.primitive_linearizations[pallas_call_p] = pallas_call_linearize

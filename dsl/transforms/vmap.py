@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.interpreters import batching
@@ -37,11 +36,12 @@ def _batched_by_loop(args, dims, spec):
 
 def pallas_call_batch(args, dims, *, spec: KernelSpec):
   gm = spec.grid_mapping
-  n_pf, n_in, n_grid = gm.num_scalar_prefetch, gm.num_inputs, len(gm.grid)
+  n_grid = len(gm.grid)
   size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+  in_dims = gm.split_operands(dims)
   unblocked = any(d is not None and bm.memory_space is MemorySpace.ANY
-                  for d, bm in zip(dims[n_pf:], gm.in_mappings))
-  if any(d is not None for d in dims[:n_pf]) or unblocked or any(
+                  for d, bm in zip(in_dims.inputs, gm.in_mappings))
+  if any(d is not None for d in in_dims.prefetch) or unblocked or any(
       bm.memory_space is MemorySpace.ANY for bm in gm.out_mappings):
     return _batched_by_loop(args, dims, spec)
   args = [batching.moveaxis(a, d, 0) if d is not None else a
@@ -57,16 +57,17 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
     ids = [program_id(d + 1) for d in range(n_grid)]
     eval_ref_jaxpr(spec.jaxpr, *ids, *refs)
 
+  in_batched = gm.split_operands(batched)
   inner = lambda ids: ids[1:]
   lead = lambda ids: (ids[0],)
   in_specs = [block_spec_of(bm, n_grid + 1, inner, lead if b else None)
-              for bm, b in zip(gm.in_mappings, batched[n_pf:])]
+              for bm, b in zip(gm.in_mappings, in_batched.inputs)]
   out_specs = [block_spec_of(bm, n_grid + 1, inner, lead)
                for bm in gm.out_mappings]
   arg_shapes = ([sds(a.inner_aval, (size,) if b else ()) for a, b in
-                 zip(gm.prefetch_avals, batched[:n_pf])]
+                 zip(gm.prefetch_avals, in_batched.prefetch)]
                 + [sds(bm.array_aval, (size,) if b else ())
-                   for bm, b in zip(gm.in_mappings, batched[n_pf:])])
+                   for bm, b in zip(gm.in_mappings, in_batched.inputs)])
   out_shapes = [sds(bm.array_aval, (size,)) for bm in gm.out_mappings]
   new = derived_spec(spec, body, arg_shapes, out_shapes,
                      grid=(size,) + tuple(gm.grid), in_specs=in_specs,

@@ -391,12 +391,6 @@ def _extract_strided(op):
 _KIND = re.compile(r"#vector\.kind<(\w+)>")
 
 
-def _reducer(kind):
-  return {"add": np.sum, "mul": np.prod, "maximumf": np.max,
-          "minimumf": np.min, "maxsi": np.max, "minsi": np.min,
-          "and": np.bitwise_and.reduce, "or": np.bitwise_or.reduce}.get(kind)
-
-
 def _signed_zero_fix(red, src, dims, kind):
   """np.max/np.min pick either zero of a -0/+0 tie; maximumf wants +0 and
   minimumf -0 when the reduced lanes hold both."""

@@ -9,7 +9,6 @@ written out from the ones it has.
 from __future__ import annotations
 
 import numpy as np
-import jax
 from jax import lax
 from jax._src import ad_util, custom_derivatives
 from jax._src.lax import special as lax_special
@@ -18,20 +17,6 @@ from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.rules import register
 from lowering_triton.values import TVal, full_expr, literal_value
-
-
-def fold(ctx, args, params):
-  """Evaluates an equation whose operands are all constants."""
-  if not args or not all(isinstance(a, TVal) and a.literal is not None
-                         for a in args):
-    return None
-  vals = [np.asarray(a.literal, a.dtype) for a in args]
-  with jax.ensure_compile_time_eval():
-    out = ctx.eqn.primitive.bind(*vals, **params)
-  out = np.asarray(out)
-  if out.ndim:
-    return None
-  return literal_value(out, ctx.out_aval.dtype)
 
 
 def result(ctx, expr: str, computed_in, hint: str):
@@ -43,11 +28,8 @@ def result(ctx, expr: str, computed_in, hint: str):
 # ------------------------------------------------------------- unary
 
 def _unary(prim, template: str, hint: str, *, floats_only=False):
-  @register(prim)
+  @register(prim, fold=True)
   def rule(ctx, x, **params):
-    folded = fold(ctx, [x], params)
-    if folded is not None:
-      return folded
     if floats_only and not dtypes.is_float(x.dtype):
       raise ctx.error(f"'{ctx.primitive}' of {x.dtype} is not supported by the "
                       "Triton backend")
@@ -86,11 +68,8 @@ def _named_input(ctx, x: TVal, hint="x"):
   return ctx.bind_raw(e, hint)
 
 
-@register(lax.tanh_p)
+@register(lax.tanh_p, fold=True)
 def _tanh(ctx, x, **params):
-  folded = fold(ctx, [x], params)
-  if folded is not None:
-    return folded
   xf = _named_input(ctx, x)
   a = ctx.bind_raw(f"tl.abs({xf})", "tanh_abs")
   e = ctx.bind_raw(f"tl.exp(-2.0 * {a})", "tanh_exp")
@@ -103,11 +82,8 @@ def _tanh(ctx, x, **params):
   return result(ctx, expr, np.float32, "tanh")
 
 
-@register(lax.log1p_p)
+@register(lax.log1p_p, fold=True)
 def _log1p(ctx, x, **params):
-  folded = fold(ctx, [x], params)
-  if folded is not None:
-    return folded
   xf = _named_input(ctx, x)
   u = ctx.bind_raw(f"1.0 + {xf}", "log1p_u")
   expr = (f"tl.where({u} == 1.0, {xf}, tl.where({u} == float('inf'), {u}, "
@@ -115,11 +91,8 @@ def _log1p(ctx, x, **params):
   return result(ctx, expr, np.float32, "log1p")
 
 
-@register(lax.expm1_p)
+@register(lax.expm1_p, fold=True)
 def _expm1(ctx, x, **params):
-  folded = fold(ctx, [x], params)
-  if folded is not None:
-    return folded
   xf = _named_input(ctx, x)
   u = ctx.bind_raw(f"tl.exp({xf})", "expm1_u")
   expr = (f"tl.where({u} == 1.0, {xf}, tl.where({u} - 1.0 == -1.0, -1.0, "
@@ -150,11 +123,8 @@ def _cbrt(ctx, x, **params):
   return result(ctx, expr, np.float32, "cbrt")
 
 
-@register(lax.sign_p)
+@register(lax.sign_p, fold=True)
 def _sign(ctx, x, **params):
-  folded = fold(ctx, [x], params)
-  if folded is not None:
-    return folded
   xf = _named_input(ctx, x)
   cd = dtypes.compute_dtype(x.dtype)
   if dtypes.is_float(cd):
@@ -186,11 +156,8 @@ def _is_finite(ctx, x, **params):
                  "is_finite")
 
 
-@register(lax.integer_pow_p)
+@register(lax.integer_pow_p, fold=True)
 def _integer_pow(ctx, x, y, **params):
-  folded = fold(ctx, [x], dict(y=y, **params))
-  if folded is not None:
-    return folded
   cd = dtypes.compute_dtype(x.dtype)
   base = _named_input(ctx, x)
   n = abs(int(y))
@@ -209,11 +176,8 @@ def _integer_pow(ctx, x, y, **params):
   return result(ctx, expr, cd, "pow")
 
 
-@register(lax.pow_p)
+@register(lax.pow_p, fold=True)
 def _pow(ctx, x, y, **params):
-  folded = fold(ctx, [x, y], params)
-  if folded is not None:
-    return folded
   if not dtypes.is_float(x.dtype):
     raise ctx.error("'pow' of integers is not supported by the Triton backend;"
                     " use lax.integer_pow (x ** n with a Python int n)")
@@ -272,11 +236,8 @@ def identity(op: str, a: TVal, b: TVal):
 
 def _binary(prim, op: str, hint: str, *, kind="any"):
   """`op` is a Python operator (`+`) or a function template (`{a}`, `{b}`)."""
-  @register(prim)
+  @register(prim, fold=True)
   def rule(ctx, a, b, **params):
-    folded = fold(ctx, [a, b], params)
-    if folded is not None:
-      return folded
     same = identity(op, a, b)
     if same is not None:
       return same
@@ -307,11 +268,8 @@ _binary(lax.ge_p, ">=", "ge")
 
 
 def _minmax(prim, fn: str, bool_op: str):
-  @register(prim)
+  @register(prim, fold=True)
   def rule(ctx, a, b, **params):
-    folded = fold(ctx, [a, b], params)
-    if folded is not None:
-      return folded
     cd = dtypes.compute_dtype(a.dtype)
     ae, be = ctx.compute(a), ctx.compute(b)
     if cd == np.bool_:
@@ -346,11 +304,8 @@ def _select_n(ctx, pred, *cases, **params):
   return ctx.bind(expr, out.shape, out.dtype, ctx.hint("select"))
 
 
-@register(lax.clamp_p)
+@register(lax.clamp_p, fold=True)
 def _clamp(ctx, lo, x, hi, **params):
-  folded = fold(ctx, [lo, x, hi], params)
-  if folded is not None:
-    return folded
   cd = dtypes.compute_dtype(x.dtype)
   nan = ", propagate_nan=tl.PropagateNan.ALL" if dtypes.is_float(cd) else ""
   expr = (f"tl.minimum(tl.maximum({ctx.compute(x)}, {ctx.compute(lo)}{nan}), "

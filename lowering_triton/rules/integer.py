@@ -19,7 +19,7 @@ from jax import lax
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.rules import register
-from lowering_triton.rules.elementwise import fold, identity, result
+from lowering_triton.rules.elementwise import identity, result
 from lowering_triton.values import TVal, literal_value
 
 
@@ -52,11 +52,8 @@ def _safe_divisor(ctx, b: str, dtype) -> str:
                       "divisor")
 
 
-@register(lax.div_p)
+@register(lax.div_p, fold=True)
 def _div(ctx, a, b, **params):
-  folded = fold(ctx, [a, b], params)
-  if folded is not None:
-    return folded
   cd = dtypes.compute_dtype(a.dtype)
   if dtypes.is_float(cd):
     return result(ctx, f"{paren(ctx.compute(a))} / {paren(ctx.compute(b))}",
@@ -75,11 +72,8 @@ def _div(ctx, a, b, **params):
   return result(ctx, f"tl.where({be} == 0, {all_ones}, {quotient})", cd, "div")
 
 
-@register(lax.rem_p)
+@register(lax.rem_p, fold=True)
 def _rem(ctx, a, b, **params):
-  folded = fold(ctx, [a, b], params)
-  if folded is not None:
-    return folded
   same = identity("%", a, b)
   if same is not None:
     return same
@@ -113,11 +107,8 @@ def _as(expr: str, dtype) -> str:
   return f"{paren(expr)}.to({dtypes.tl_type(dtype)}, bitcast=True)"
 
 
-@register(lax.shift_left_p)
+@register(lax.shift_left_p, fold=True)
 def _shift_left(ctx, a, b, **params):
-  folded = fold(ctx, [a, b], params)
-  if folded is not None:
-    return folded
   same = identity("<<", a, b)
   if same is not None:
     return same
@@ -128,11 +119,8 @@ def _shift_left(ctx, a, b, **params):
   return result(ctx, expr, a.dtype, "shl")
 
 
-@register(lax.shift_right_arithmetic_p)
+@register(lax.shift_right_arithmetic_p, fold=True)
 def _shift_right_arithmetic(ctx, a, b, **params):
-  folded = fold(ctx, [a, b], params)
-  if folded is not None:
-    return folded
   same = identity(">>", a, b)
   if same is not None:
     return same
@@ -152,11 +140,8 @@ def _shift_right_arithmetic(ctx, a, b, **params):
   return result(ctx, expr, a.dtype, "shr")
 
 
-@register(lax.shift_right_logical_p)
+@register(lax.shift_right_logical_p, fold=True)
 def _shift_right_logical(ctx, a, b, **params):
-  folded = fold(ctx, [a, b], params)
-  if folded is not None:
-    return folded
   same = identity(">>", a, b)
   if same is not None:
     return same
@@ -174,11 +159,8 @@ def _shift_right_logical(ctx, a, b, **params):
   return result(ctx, expr, a.dtype, "shr")
 
 
-@register(lax.not_p)
+@register(lax.not_p, fold=True)
 def _not(ctx, x, **params):
-  folded = fold(ctx, [x], params)
-  if folded is not None:
-    return folded
   if dtypes.is_unsigned(x.dtype):
     # x ^ all-ones (Triton's interpreter cannot build ~ of unsigned types).
     mask = _const(ctx, np.iinfo(x.dtype).max, x.dtype)

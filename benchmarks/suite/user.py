@@ -1,0 +1,200 @@
+"""A user's own kernel in the benchmark table (`--kernel module:function`).
+
+    python -m benchmarks --kernel mypkg.mymod:fn --inputs "f32[4096,1024]" \\
+        [--reference mypkg.mymod:ref] [--config block=256]
+
+The function is called on random inputs of the `--inputs` shapes and dtypes
+(normal floats; zeros for integers and booleans), with the `--config` items
+as keyword arguments. How it is called decides which columns it gets:
+
+* it has a parameter named `pl`: it is written against a Pallas-like module
+  and called as `fn(*inputs, pl=<module>)`, once with `dsl` (its
+  `pl.pallas_call` bound to the row's backend) and once with
+  `jax.experimental.pallas` (interpret mode on CPUs) for the Pallas column;
+* else, with a `backend` parameter: `fn(*inputs, backend=<row backend>)`;
+* else: `fn(*inputs)`, on the platform's default backend only.
+
+`--reference` names a plain-jnp function of the same inputs: XLA runs it as
+the XLA column, and the outputs are checked against it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.errors import UsageError
+from benchmarks.suite.base import KernelBench
+
+_DTYPES = {"f64": "float64", "f32": "float32", "f16": "float16",
+           "bf16": "bfloat16", "i64": "int64", "i32": "int32",
+           "i16": "int16", "i8": "int8", "u32": "uint32", "u16": "uint16",
+           "u8": "uint8", "bool": "bool", "pred": "bool"}
+_SHAPE = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]*)\[([\d,\s]*)\]\s*(?:[,;]|$)")
+
+
+def parse_inputs(text: str) -> list[jax.ShapeDtypeStruct]:
+  """'f32[4096,1024], f32[1024]' -> two ShapeDtypeStructs."""
+  out, pos = [], 0
+  text = text.strip()
+  while pos < len(text):
+    m = _SHAPE.match(text, pos)
+    if not m:
+      raise UsageError(f"malformed --inputs {text!r} at {text[pos:]!r}: "
+                       "expected shapes like f32[4096,1024], comma-separated")
+    name = _DTYPES.get(m.group(1).lower(), m.group(1).lower())
+    try:
+      dtype = jnp.dtype(name)
+    except TypeError:
+      raise UsageError(f"unknown dtype {m.group(1)!r} in --inputs; use one of "
+                       f"{', '.join(_DTYPES)}") from None
+    dims = [d for d in m.group(2).replace(" ", "").split(",") if d]
+    out.append(jax.ShapeDtypeStruct(tuple(int(d) for d in dims), dtype))
+    pos = m.end()
+  if not out:
+    raise UsageError("--inputs is empty: give e.g. --inputs 'f32[4096,1024]'")
+  return out
+
+
+def load_function(target: str, flag: str):
+  """'pkg.mod:fn' or 'path/to/file.py:fn' -> the function."""
+  mod_name, _, fn_name = target.rpartition(":")
+  if not mod_name or not fn_name:
+    raise UsageError(f"{flag} {target!r}: expected module:function, e.g. "
+                     "mypkg.mymod:fn or path/to/file.py:fn")
+  try:
+    if mod_name.endswith(".py") or os.sep in mod_name:
+      spec = importlib.util.spec_from_file_location(
+          os.path.splitext(os.path.basename(mod_name))[0], mod_name)
+      if spec is None or spec.loader is None:
+        raise ImportError(f"no such file {mod_name}")
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+    else:
+      if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+      module = importlib.import_module(mod_name)
+  except Exception as e:
+    raise UsageError(f"{flag} {target!r}: cannot import {mod_name}: "
+                     f"{type(e).__name__}: {e}".splitlines()[0]) from None
+  fn = module
+  for part in fn_name.split("."):
+    fn = getattr(fn, part, None)
+    if fn is None:
+      raise UsageError(f"{flag} {target!r}: {mod_name} has no {fn_name!r}")
+  if not callable(fn):
+    raise UsageError(f"{flag} {target!r} is not a function")
+  return fn
+
+
+class _BoundPl:
+  """A `pl` module whose `pallas_call` has the row's keywords (backend=...,
+  interpret=True, compiler_params=...) filled in."""
+
+  def __init__(self, module, call_kw):
+    self._module = module
+    self.pallas_call = functools.partial(module.pallas_call, **call_kw)
+
+  def __getattr__(self, name):
+    return getattr(self._module, name)
+
+
+def _parameters(fn) -> dict:
+  try:
+    return dict(inspect.signature(fn).parameters)
+  except (TypeError, ValueError):
+    return {}
+
+
+class UserKernel(KernelBench):
+  source = "user"
+  tunable = False
+  pallas_note = "n/a: no 'pl' parameter"
+  bound = "memory"
+
+  def __init__(self, target: str, fn, inputs, reference=None,
+               reference_name: str | None = None):
+    self.name = target
+    self.fn = fn
+    self.specs = list(inputs)
+    self.reference_fn = reference
+    params = _parameters(fn)
+    self.takes_pl = "pl" in params
+    self.takes_any_keyword = any(p.kind is p.VAR_KEYWORD
+                                 for p in params.values())
+    self.takes_backend = "backend" in params or self.takes_any_keyword
+    self.pallas_source = self.takes_pl
+    self.summary = f"user kernel {target}" + (
+        f" (reference {reference_name})" if reference_name else "")
+    self.size = self.specs[0].shape
+    self._out_bytes = None
+
+  def keywords(self) -> set[str]:
+    params = _parameters(self.fn)
+    return {n for n, p in params.items()
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.default is not p.empty and n not in ("pl", "backend")}
+
+  def backend_choice(self) -> bool:
+    return self.takes_pl or self.takes_backend
+
+  # --- data
+  def normalize(self, dims):
+    return tuple(dims)
+
+  def default_sizes(self, platform):
+    return [self.size]
+
+  def inputs(self, size, dtype):
+    keys = jax.random.split(jax.random.key(0), len(self.specs))
+    out = []
+    for k, s in zip(keys, self.specs):
+      if jnp.issubdtype(s.dtype, jnp.inexact):
+        out.append(jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype))
+      else:
+        out.append(jnp.zeros(s.shape, s.dtype))
+    return tuple(out)
+
+  @property
+  def reference(self):
+    return self.reference_fn
+
+  # --- kernel
+  def build(self, pl, size, dtype, config, **call_kw):
+    fn, kw = self.fn, dict(config)
+    if self.takes_pl:
+      kw["pl"] = _BoundPl(pl, call_kw)
+    elif self.takes_backend and "backend" in call_kw:
+      kw["backend"] = call_kw["backend"]
+    return lambda *xs: fn(*xs, **kw)
+
+  # --- accounting
+  def io_bytes(self, size, dtype):
+    if self._out_bytes is None:
+      import dsl
+      try:
+        outs = jax.eval_shape(self.build(dsl, size, dtype, {}), *self.specs)
+        self._out_bytes = sum(math.prod(o.shape) * o.dtype.itemsize
+                              for o in jax.tree_util.tree_leaves(outs))
+      except Exception:  # accounting only: count the inputs alone
+        self._out_bytes = 0
+    return float(sum(math.prod(s.shape) * s.dtype.itemsize
+                     for s in self.specs) + self._out_bytes)
+
+  def tolerance(self, dtype):
+    return super().tolerance(self.specs[0].dtype)
+
+
+def load_user_kernel(target: str, inputs: str, reference: str | None):
+  fn = load_function(target, "--kernel")
+  ref = load_function(reference, "--reference") if reference else None
+  return UserKernel(target, fn, parse_inputs(inputs), ref, reference)
+
