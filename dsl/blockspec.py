@@ -20,7 +20,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.state import types as state_types
 
 from dsl.errors import (KernelError, KernelTypeError, function_location,
-                        in_kernel_source_file)
+                        in_user_code)
 from dsl.memory import MemorySpace
 
 
@@ -74,7 +74,7 @@ def creation_site(depth: int = 1) -> str | None:
   `depth` frames above this one at least."""
   frame = sys._getframe(depth)
   while frame is not None:
-    if in_kernel_source_file(frame.f_code.co_filename):
+    if in_user_code(frame.f_code.co_filename):
       return f"{frame.f_code.co_filename}:{frame.f_lineno}"
     frame = frame.f_back
   return None

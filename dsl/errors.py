@@ -72,6 +72,11 @@ def kernel_name(fn) -> str:
   return getattr(fn, "__name__", "kernel")
 
 
+def in_user_code(filename: str) -> bool:
+  """Whether `filename` is the user's (not jax, dsl, a lowering, stdlib)."""
+  return not _is_internal(filename)
+
+
 def user_frame(skip_internal: bool = True) -> str:
   """Returns 'file:line' of the innermost frame outside jax and dsl."""
   for frame in reversed(traceback.extract_stack()):

@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax._src import api_util, core
 from jax._src import linear_util as lu
