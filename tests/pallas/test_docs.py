@@ -49,7 +49,8 @@ RUNNABLE = [p for p in PAGES if marked_blocks(p)]
 def test_the_pages_with_runnable_blocks():
   names = {os.path.relpath(p, ROOT) for p in RUNNABLE}
   assert {"README.md", "docs/mosaic.md", "docs/triton.md",
-          "docs/verification.md", "docs/kernels.md"} <= names, names
+          "docs/verification.md", "docs/kernels.md", "docs/autotune.md",
+          "docs/profiling.md"} <= names, names
 
 
 @pytest.mark.parametrize("path", RUNNABLE,
@@ -62,6 +63,7 @@ def test_runnable_blocks_run(path, tmp_path, monkeypatch):
       pytest.skip(why)
   monkeypatch.chdir(tmp_path)
   monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setenv("DSL_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
   namespace = {"__name__": "__doc_page__"}
   saved = []
   try:
