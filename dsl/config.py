@@ -6,6 +6,9 @@ absl flag after `jax.config.parse_flags_with_absl()`.
 """
 from __future__ import annotations
 
+import itertools
+import sys
+
 from jax._src import config as jax_config
 
 
@@ -52,6 +55,35 @@ dump_mlir_to_option = _string(
 verbose_errors_option = _bool(
     "jax_pallas_verbose_errors", True,
     "If True, print verbose error messages for kernels.")
+
+
+def _late_absl_flags(names) -> None:
+  """Makes the order of `import dsl` and JAX's absl set-up not matter.
+
+  `jax.config.config_with_absl()` (and `parse_flags_with_absl()`) register
+  absl flags for the options defined so far; options that `import dsl`
+  defines afterwards get their flags here, and when the command line was
+  already parsed, their `--jax_pallas_...` arguments are read now."""
+  cfg = jax_config.config
+  if not getattr(cfg, "use_absl", False):
+    return            # absl comes later and will see our options
+  from absl import flags
+  define = {bool: flags.DEFINE_bool, str: flags.DEFINE_string}
+  for name in names:
+    if name not in flags.FLAGS and name in cfg.meta:
+      flag_type, args, kwargs = cfg.meta[name]
+      define[flag_type](name, cfg._value_holders[name].value, *args, **kwargs)
+  if getattr(jax_config, "already_configured_with_absl", False):
+    argv = itertools.takewhile(lambda a: a != "--", sys.argv)
+    flags.FLAGS(["", *(a for a in argv if a.startswith("--jax_pallas_")
+                       or a.startswith("--nojax_pallas_"))], known_only=True)
+    for name in names:
+      if name in flags.FLAGS and flags.FLAGS[name].present:
+        cfg._value_holders[name]._set(flags.FLAGS[name].value)
+
+
+_late_absl_flags([n for n in jax_config.config._value_holders
+                  if n.startswith("jax_pallas_")])
 
 
 def _read(name):

@@ -14,12 +14,13 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
 from dsl import backends, checks, config, host_failures
-from dsl.errors import (KernelError, KernelTypeError, function_location,
-                        kernel_error_of, lowering_kernel, user_frame)
+from dsl.errors import (KernelError, KernelTypeError, api_boundary,
+                        function_location, kernel_error_of, kernel_name,
+                        lowering_kernel, user_frame)
 from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.interpret.plan import check_block_indices, check_semantics
-from dsl.tracing import trace_kernel
+from dsl.tracing import kernel_ref_names, trace_kernel
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -40,6 +41,20 @@ class KernelSpec:
   # Runs on each device's shards on its own (partitioned under a sharded
   # jit, see dsl.partitioning): it is not partitioned again.
   local: bool = False
+  # The user's name of each kernel ref (its parameter: `x_ref`, `sem`,
+  # `bufs[1]`), None where unknown; see `ref_labels`.
+  ref_names: tuple = ()
+
+  def ref_labels(self) -> list[str]:
+    """A name per kernel ref for messages and generated code: the user's
+    parameter name, else the spec it comes from (`in_specs[0]`,
+    `scratch_shapes[1]`, `scalar prefetch 0`)."""
+    gm = self.grid_mapping
+    origins = ([f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
+               + [bm.origin for bm in gm.block_mappings]
+               + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+    names = list(self.ref_names) + [None] * (len(origins) - len(self.ref_names))
+    return [n or o for n, o in zip(names, origins)]
 
   def __repr__(self):
     gm = self.grid_mapping
@@ -273,7 +288,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   The kernel reads blocks of the inputs through refs and writes blocks of the
   outputs; `in_specs`/`out_specs` say which block each grid point sees.
   """
-  name = name or getattr(kernel, "__name__", "kernel")
+  name = name or kernel_name(kernel)
   num_scalar_prefetch = 0
   if grid_spec is not None:
     grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
@@ -284,7 +299,9 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   if isinstance(interpret, str):
     backend = interpret
 
+  @api_boundary
   def wrapped(*args):
+    __tracebackhide__ = True
     where = user_frame()
     params = compiler_params
     if params is None:
@@ -365,7 +382,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
                              where)
     spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,
                       debug, where, function_location(kernel), cost_estimate,
-                      meta)
+                      meta, kernel_ref_names(kernel, gm))
     if debug:
       print(f"--- kernel {name} ({spec.kernel_src})\n{jaxpr}")
     if key is not None:

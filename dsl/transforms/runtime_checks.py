@@ -78,10 +78,7 @@ def needs_checks(jaxpr: core.Jaxpr, include_debug: bool = False) -> bool:
 
 def _operand_names(spec: KernelSpec) -> list[str | None]:
   gm = spec.grid_mapping
-  return ([None] * len(gm.grid)
-          + [f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
-          + [bm.origin for bm in gm.block_mappings]
-          + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+  return [None] * len(gm.grid) + spec.ref_labels()
 
 
 def _while_operands(eqn, key):

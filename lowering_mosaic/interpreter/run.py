@@ -41,6 +41,7 @@ class Window:
   element_dims: tuple = ()
   padding_low: tuple = ()
   padding_high: tuple = ()
+  origin: str | None = None    # the spec it comes from: "in_specs[0]"
 
 
 @dataclasses.dataclass
@@ -74,6 +75,8 @@ def program_from_module(module: ir.Module) -> KernelProgram:
   n_pf = ir.IntegerAttr(a["scalar_prefetch"]).value
   n_sc = ir.IntegerAttr(a["scratch_operands"]).value
   windows = []
+  origins = ([ir.StringAttr(s).value for s in ir.ArrayAttr(
+      a["dsl.operand_origins"])] if "dsl.operand_origins" in a else [])
   for w in ir.ArrayAttr(a["window_params"]):
     d = ir.DictAttr(w)
     if "transform_indices" not in d:
@@ -83,8 +86,10 @@ def program_from_module(module: ir.Module) -> KernelProgram:
     pad_lo, pad_hi = (_i64s(d[f"dsl.element_padding_{side}"])
                       if f"dsl.element_padding_{side}" in d else ()
                       for side in ("low", "high"))
+    origin = origins[len(windows)] if len(windows) < len(origins) else None
     windows.append(Window(ir.FlatSymbolRefAttr(d["transform_indices"]).value,
-                          _i64s(d["window_bounds"]), elem, pad_lo, pad_hi))
+                          _i64s(d["window_bounds"]), elem, pad_lo, pad_hi,
+                          origin))
   n_ops = len(windows)
   n_in = (ir.IntegerAttr(a["dsl.num_inputs"]).value
           if "dsl.num_inputs" in a else n_ops - 1)
@@ -167,7 +172,8 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
   for i in range(prog.num_scratch):
     t = prog.arg_types[n_pf + len(prog.windows) + i]
     kind = dialect.semaphore_kind_of(t)
-    buf = device.add(Buffer(f"scratch_shapes[{i}]", ("scratch", i),
+    name = _name(prog, n_pf + len(prog.windows) + i, f"scratch_shapes[{i}]")
+    buf = device.add(Buffer(name, ("scratch", i),
                             fresh_array(t, world.options.poison_buffers),
                             _space(t), dev, kind))
     args.append(MemRef(buf))
@@ -259,7 +265,8 @@ def _check_block_index(world, prog, op: Operand, idx, point):
   if bad is None:
     return
   d, valid = bad
-  name = _name(prog, prog.num_prefetch + op.index, f"operand {op.index}")
+  name = op.window.origin or _name(prog, prog.num_prefetch + op.index,
+                                   f"operand {op.index}")
   line = _first_line(prog.funcs[op.window.transform])
   array = core.ShapedArray(op.hbm.array.shape, op.hbm.array.dtype)
   raise KernelSimulationError(

@@ -138,3 +138,24 @@ def test_use_mosaic_gpu_is_honoured_on_gpu_lowering():
   with pl.config.use_mosaic_gpu_option(True):
     text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu_v2" in text and "triton_kernel_call" not in text
+
+
+def test_absl_flags_parsed_before_import_dsl():
+  # parse_flags_with_absl() may run before `import dsl` registers its
+  # options: their --jax_pallas_* arguments are still read.
+  names = sorted(OPTIONS)
+  code = ("import jax; jax.config.parse_flags_with_absl(); import dsl; "
+          "from dsl import config; "
+          f"print(repr([config._read(n) for n in {names!r}]))")
+  argv = [f"--{n}={OPTIONS[n][1]}" for n in names]
+  assert _run(code, argv=argv) == repr([OPTIONS[n][2] for n in names])
+
+
+def test_config_with_absl_before_import_dsl():
+  # jax.config.config_with_absl() then absl's own parsing (as app.run does),
+  # with dsl imported in between.
+  code = ("import sys, jax; jax.config.config_with_absl(); import dsl; "
+          "from absl import flags; flags.FLAGS(sys.argv); "
+          "jax.config.complete_absl_config(flags); from dsl import config; "
+          "print(repr(config._read('jax_pallas_enable_runtime_assert')))")
+  assert _run(code, argv=["--jax_pallas_enable_runtime_assert=true"]) == "True"
