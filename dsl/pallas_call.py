@@ -264,6 +264,14 @@ def _hashable(x):
 _SPEC_CACHE: dict = {}
 
 
+def _option_key() -> tuple:
+  """The options a KernelSpec depends on (how its checks run, what its fresh
+  buffers hold): a spec built under other values is another spec, so a
+  backend lowers (and caches) it anew."""
+  return (config.enable_runtime_assert(), config.enable_debug_checks(),
+          config.poison_buffers())
+
+
 def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
                 in_specs=None, out_specs=None, grid_spec: GridSpec | None = None,
                 scratch_shapes=(), input_output_aliases=None,
@@ -349,7 +357,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),
            _hashable(scratch_shapes), num_scalar_prefetch,
            _hashable(input_output_aliases), backend, debug,
-           _hashable(compiler_params), meta, config.enable_runtime_assert())
+           _hashable(compiler_params), meta, _option_key())
     hash(key)
   except TypeError:
     key = None
@@ -362,7 +370,8 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
     check_block_indices(name, gm, where)
     jaxpr = trace_kernel(kernel, name, gm, where)
-    jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert())
+    jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert(),
+                                  config.enable_debug_checks())
     aliases = _check_aliases(name, input_output_aliases, avals, out_avals,
                              where)
     spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,

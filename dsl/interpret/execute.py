@@ -17,19 +17,29 @@ from jax import lax
 from jax._src import core
 from jax._src.state import discharge as state_discharge
 
+from dsl import config
 from dsl.blockspec import BlockMapping, Element
 from dsl.interpret.plan import OperandPlan, Plan, make_plan
+from dsl.poison import fresh_buffer, poison_value
 
 
 def _consts(j):
   return list(getattr(j, "consts", ()) or ())
 
 
-@functools.lru_cache(maxsize=256)
 def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
                       kept_refs: int = 0):
   """The kernel as a function of values; its first `kept_refs` refs after
-  the grid ids (scalar prefetch) may stay refs."""
+  the grid ids (scalar prefetch) may stay refs. Cached; what run_scoped
+  allocations start as (jax_pallas_poison_buffers) is part of the key."""
+  return _discharged_kernel(jaxpr, grid_rank, kept_refs,
+                            config.poison_buffers())
+
+
+@functools.lru_cache(maxsize=256)
+def _discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
+                       kept_refs: int, poison_buffers: bool):
+  del poison_buffers     # read by run_scoped's discharge rule
   j = jaxpr.jaxpr
   kept = grid_rank + kept_refs
   should = [False] * kept + [True] * (len(j.invars) - kept)
@@ -58,10 +68,12 @@ def _padding(bm: BlockMapping):
 
 
 def pad(x, bm: BlockMapping):
+  """`x` padded to whole blocks (and by `Element` padding) with poison: the
+  part of a block past its array reads poison, as on every host backend."""
   pads = _padding(bm)
   if all(p == (0, 0) for p in pads):
     return x
-  return jnp.pad(x, pads)
+  return jnp.pad(x, pads, constant_values=poison_value(x.dtype))
 
 
 def unpad(x, bm: BlockMapping):
@@ -223,8 +235,8 @@ def _initial_states(args, spec, plan: Plan):
     init = pad(init, bm)
     out_states.append(to_view(init, bm) if op.mode == "view" else init)
   par_shape = tuple(gm.grid[d] for d in plan.parallel)
-  scratch = [jnp.zeros(par_shape + tuple(a.inner_aval.shape), a.inner_aval.dtype)
-             for a in gm.scratch_avals]
+  poison = config.poison_buffers()
+  scratch = [fresh_buffer(a, poison, par_shape) for a in gm.scratch_avals]
   return prefetch, in_states, out_states, scratch
 
 
