@@ -63,7 +63,7 @@ def _padding(bm: BlockMapping):
       lo, hi = d.padding
       pads.append((lo, hi + b))
     else:
-      pads.append((0, (-n) % b))
+      pads.append((0, (-n) % b if b else 0))   # b == 0: an empty array
   return pads
 
 

@@ -153,11 +153,13 @@ def _subsets_largest_first(dims: tuple[int, ...]):
 
 
 def _n_blocks(bm: BlockMapping) -> tuple[int, ...]:
-  return tuple(-(-n // b) for n, b in zip(bm.array_aval.shape, bm.block_sizes))
+  """Blocks per array dim (a zero-size dim, whose block is empty: none)."""
+  return tuple(-(-n // b) if b else 0
+               for n, b in zip(bm.array_aval.shape, bm.block_sizes))
 
 
 def _view_sources(bm: BlockMapping, idx, grid):
-  if idx is None or bm.has_element_dims:
+  if idx is None or bm.has_element_dims or 0 in bm.block_sizes:
     return None
   coords = np.indices(grid) if grid else np.zeros((0,))
   sources, used = [], set()

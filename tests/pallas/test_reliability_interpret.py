@@ -206,3 +206,38 @@ def test_scratch_accumulator_over_a_reduction_axis_keeps_the_rows_parallel():
   got = jax.jit(pl.pallas_call(kernel, out, backend="interpret", **kw))(x)
   want = x.reshape(16, 3, 128).sum(axis=1)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------- zero-size operands
+
+def _zero_size_kernel(x_ref, y_ref, o_ref, e_ref):
+  o_ref[...] = y_ref[...] * 2 + jnp.sum(x_ref[...])
+  e_ref[...] = x_ref[...] * 3
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
+@pytest.mark.parametrize("shape", [(0,), (0, 16), (8, 0)])
+def test_zero_size_operand_without_block_spec(backend, shape):
+  """A zero-size operand with no BlockSpec (its block is the whole, empty
+  array) runs; the planner divided by its block size before."""
+  x = jnp.zeros(shape, jnp.float32)
+  y = jnp.arange(128, dtype=jnp.float32).reshape(8, 16)
+  f = pl.pallas_call(_zero_size_kernel,
+                     (jax.ShapeDtypeStruct((8, 16), jnp.float32),
+                      jax.ShapeDtypeStruct(shape, jnp.float32)),
+                     backend=backend)
+  for g in (f, jax.jit(f)):
+    o, e = g(x, y)
+    np.testing.assert_array_equal(o, y * 2)
+    assert e.shape == shape
+
+
+def test_zero_size_operand_on_mosaic_is_a_clear_error():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1    # zero-size-line
+  with pytest.raises(KernelError) as e:
+    pl.pallas_call(kernel, jax.ShapeDtypeStruct((0, 128), jnp.float32),
+                   backend="mosaic_interpret")(jnp.zeros((0, 128)))
+  msg = str(e.value)
+  assert "kernel 'kernel'" in msg and "zero-size" in msg
+  assert "test_reliability_interpret.py" in msg
