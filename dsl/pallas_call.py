@@ -183,13 +183,17 @@ def _interpret_lowering(ctx, *args, spec):
   from dsl.transforms import runtime_checks
   from jax._src import config as jax_config
   fn = functools.partial(interpret.run, spec=spec)
-  if (runtime_checks.needs_checks(spec.jaxpr.jaxpr)
+  # With runtime asserts on, block indices read from data are checked too.
+  check_blocks = (config.enable_runtime_assert()
+                  and bool(runtime_checks.data_dependent_blocks(spec)))
+  if ((check_blocks or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
       and not runtime_checks.is_checked(spec)):
     # Run-time checks and waits become values; a failure raises from the host.
     axis_context = ctx.module_context.axis_context
 
     def fn(*xs):
-      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context)
+      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context,
+                                        check_blocks)
   from dsl import profiling
   if profiling.enabled():
     fn = _on_host(fn, spec, ctx.module_context.axis_context)
