@@ -238,3 +238,52 @@ def test_pallas_debug_checks_agree():
   got = jpl.pallas_call(kernel, S(X.shape, X.dtype), interpret=True)(-X)
   ours = pl.pallas_call(_positive, S(X.shape, X.dtype))(-X)
   np.testing.assert_array_equal(got, ours)
+
+
+@pytest.mark.parametrize("backend,kept", [("interpret", True),
+                                          ("mosaic_interpret", True),
+                                          ("triton_interpret", False)])
+def test_written_padding_read_back_is_backend_defined(backend, kept):
+  """A value written past the array and read back in the same step is
+  undefined (docs/interpret.md): kept where the block is a buffer, poison
+  on Triton, whose stores past the array are masked off."""
+  def kernel(o_ref, s_ref):
+    o_ref[...] = jnp.full(o_ref.shape, 7.0, o_ref.dtype)
+    s_ref[...] = jnp.broadcast_to(jnp.sum(o_ref[...], axis=0, keepdims=True),
+                                  s_ref.shape)
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  o, s = pl.pallas_call(kernel, (S((20, 128), jnp.float32),
+                                 S((24, 128), jnp.float32)), grid=(3,),
+                        out_specs=[spec, spec], backend=backend)()
+  np.testing.assert_array_equal(o, 7.0)
+  np.testing.assert_array_equal(s[:16], 56.0)
+  if kept:
+    np.testing.assert_array_equal(s[16:], 56.0)
+  else:
+    assert np.isnan(s[16:]).all()
+
+
+# ------------------------------------------------------------ reverse mode
+
+def test_automatic_gradient_never_sees_the_poison():
+  """Reverse mode without a custom_vjp over partial column blocks: the
+  cotangent of a row scale sums over the block's columns, padding included;
+  the padding counts as zeros, not poison (0 * NaN)."""
+  def kernel(x_ref, m_ref, o_ref):
+    o_ref[...] = jnp.exp(x_ref[...]) * m_ref[...][:, None]
+
+  def f(x, m):
+    return pl.pallas_call(
+        kernel, S(x.shape, x.dtype), grid=(3,),
+        in_specs=[pl.BlockSpec((8, 128), lambda j: (0, j)),
+                  pl.BlockSpec((8,), lambda j: (0,))],
+        out_specs=pl.BlockSpec((8, 128), lambda j: (0, j)))(x, m)
+
+  x = jnp.linspace(-1, 1, 8 * 300, dtype=jnp.float32).reshape(8, 300)
+  m = jnp.arange(1, 9, dtype=jnp.float32)
+  loss = lambda f: (lambda x, m: jnp.sum(jnp.sin(f(x, m))))
+  ref = lambda x, m: jnp.exp(x) * m[:, None]
+  got = jax.grad(loss(f), argnums=(0, 1))(x, m)
+  want = jax.grad(loss(ref), argnums=(0, 1))(x, m)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
