@@ -55,6 +55,15 @@ dump_mlir_to_option = _string(
 verbose_errors_option = _bool(
     "jax_pallas_verbose_errors", True,
     "If True, print verbose error messages for kernels.")
+# So do these two (registered here only for a JAX that lacks them).
+enable_debug_checks_option = _bool(
+    "jax_pallas_enable_debug_checks", False,
+    "If set, ``pl.debug_check`` calls are checked at runtime. Otherwise, "
+    "they are a noop.")
+poison_buffers_option = _bool(
+    "jax_pallas_poison_buffers", False,
+    "If set, scratch buffers and run_scoped allocations start as poison "
+    "(NaN for floats) instead of zeros.")
 
 
 def _late_absl_flags(names) -> None:
@@ -92,6 +101,17 @@ def _read(name):
 
 def enable_runtime_assert() -> bool:
   return bool(_read("jax_pallas_enable_runtime_assert"))
+
+
+def enable_debug_checks() -> bool:
+  """JAX's jax_pallas_enable_debug_checks: `pl.debug_check` is checked."""
+  return bool(_read("jax_pallas_enable_debug_checks"))
+
+
+def poison_buffers() -> bool:
+  """JAX's jax_pallas_poison_buffers: scratch and run_scoped buffers start as
+  poison (dsl/poison.py) instead of zeros."""
+  return bool(_read("jax_pallas_poison_buffers"))
 
 
 def use_mosaic_gpu() -> bool:

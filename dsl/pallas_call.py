@@ -196,13 +196,17 @@ def _interpret_lowering(ctx, *args, spec):
   from dsl.transforms import runtime_checks
   from jax._src import config as jax_config
   fn = functools.partial(interpret.run, spec=spec)
-  if (runtime_checks.needs_checks(spec.jaxpr.jaxpr)
+  # With runtime asserts on, block indices read from data are checked too.
+  check_blocks = (config.enable_runtime_assert()
+                  and bool(runtime_checks.data_dependent_blocks(spec)))
+  if ((check_blocks or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
       and not runtime_checks.is_checked(spec)):
     # Run-time checks and waits become values; a failure raises from the host.
     axis_context = ctx.module_context.axis_context
 
     def fn(*xs):
-      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context)
+      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context,
+                                        check_blocks)
   from dsl import profiling
   if profiling.enabled():
     fn = _on_host(fn, spec, ctx.module_context.axis_context)
@@ -275,6 +279,14 @@ def _hashable(x):
 
 
 _SPEC_CACHE: dict = {}
+
+
+def _option_key() -> tuple:
+  """The options a KernelSpec depends on (how its checks run, what its fresh
+  buffers hold): a spec built under other values is another spec, so a
+  backend lowers (and caches) it anew."""
+  return (config.enable_runtime_assert(), config.enable_debug_checks(),
+          config.poison_buffers())
 
 
 def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
@@ -364,7 +376,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),
            _hashable(scratch_shapes), num_scalar_prefetch,
            _hashable(input_output_aliases), backend, debug,
-           _hashable(compiler_params), meta, config.enable_runtime_assert())
+           _hashable(compiler_params), meta, _option_key())
     hash(key)
   except TypeError:
     key = None
@@ -377,7 +389,8 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
     check_block_indices(name, gm, where)
     jaxpr = trace_kernel(kernel, name, gm, where)
-    jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert())
+    jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert(),
+                                  config.enable_debug_checks())
     aliases = _check_aliases(name, input_output_aliases, avals, out_avals,
                              where)
     spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,

@@ -20,6 +20,7 @@ from jax._src.state.primitives import get_ref_and_transforms
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
+from dsl.poison import poison_full, poison_value
 
 
 def _ref_effects(ref_aval, write: bool):
@@ -43,8 +44,8 @@ def _pad_for_slices(x, transforms):
   A dynamic slice that runs past the end of an array is moved back inside it
   (`lax.dynamic_slice` clamps its start); a masked access must instead see the
   elements at the positions it names, the mask deciding which count. With the
-  padding the slice never moves. Returns the padded array and the transforms
-  re-targeted at it.
+  padding (poison: what lies past the array is unspecified) the slice never
+  moves. Returns the padded array and the transforms re-targeted at it.
   """
   if not transforms or not isinstance(transforms[0], indexing.NDIndexer):
     return x, transforms
@@ -54,7 +55,7 @@ def _pad_for_slices(x, transforms):
           else (0, 0) for idx in first.indices]
   if all(p == (0, 0) for p in pads):
     return x, transforms
-  x = jnp.pad(x, pads)
+  x = jnp.pad(x, pads, constant_values=poison_value(x.dtype))
   first = indexing.NDIndexer(first.indices, tuple(x.shape),
                              first.int_indexer_shape)
   return x, (first, *transforms[1:])
@@ -99,8 +100,10 @@ def _load_discharge(ctx, x, *args, tree, has_mask, has_other, out_aval, **_):
   mask = extra.pop(0) if has_mask else None
   other = extra.pop(0) if has_other else None
   if mask is not None:
-    fill = jnp.zeros_like(y) if other is None else jnp.broadcast_to(
-        jnp.asarray(other, y.dtype), y.shape)
+    # Masked-off lanes without `other` read poison: the memory there is
+    # unspecified (dsl/poison.py).
+    fill = (poison_full(y.shape, y.dtype) if other is None else
+            jnp.broadcast_to(jnp.asarray(other, y.dtype), y.shape))
     y = jnp.where(mask, y, fill)
   return (None,) * (1 + len(args)), y
 
@@ -119,7 +122,8 @@ def _check_mask(name, mask, shape):
 
 def load(ref, idx=None, *, mask=None, other=None, cache_modifier=None,
          eviction_policy=None, volatile=False):
-  """Reads `ref[idx]`; where `mask` is False the result is `other` (or 0)."""
+  """Reads `ref[idx]`; where `mask` is False the result is `other` (poison
+  without it: the memory there is unspecified)."""
   ref, transforms, shape, dtype = _indexed_aval(ref, idx)
   flat, tree = tree_util.tree_flatten(transforms)
   extra = []

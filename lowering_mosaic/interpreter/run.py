@@ -8,8 +8,8 @@ HBM array into its VMEM buffer and an output block is written back and the
 new one read in (so revisiting an output block over consecutive steps
 accumulates, and aliased outputs keep unwritten blocks). The part of a
 block past its array (partial edge blocks, `Element` padding, a block index
-read from data that leaves the array) reads poison on the way in (NaN, the
-integer minimum: hardware reads garbage there) and is dropped on the way
+read from data that leaves the array) reads poison on the way in (dsl/poison.py:
+NaN for floats; hardware reads garbage there) and is dropped on the way
 out, so no access leaves a buffer; with runtime checks on, a block index
 outside the array is an error naming the operand. Scratch buffers persist
 over the whole grid; they start at zero, or as poison with
@@ -24,9 +24,9 @@ import numpy as np
 from jax._src import core
 from jax._src.lib.mlir import ir
 
+from dsl.poison import poison_value
 from lowering_mosaic import dialect
-from lowering_mosaic.interpreter.memory import (Buffer, MemRef, fresh_array,
-                                                poison_value)
+from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
 from lowering_mosaic.interpreter.program import (CFunc, Frame, compile_module,
                                                  run_block, run_to_end)
 from lowering_mosaic.interpreter.simulator import (PREEMPT,

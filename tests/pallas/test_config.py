@@ -15,6 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 OPTIONS = {
     "jax_pallas_enable_runtime_assert": ("1", "true", True),
+    "jax_pallas_enable_debug_checks": ("1", "true", True),
+    "jax_pallas_poison_buffers": ("1", "true", True),
     "jax_pallas_use_mosaic_gpu": ("1", "true", True),
     "jax_pallas_verbose_errors": ("1", "true", True),
     "jax_pallas_dump_promela_to": ("/tmp/pml", "/tmp/pml", "/tmp/pml"),
@@ -64,6 +66,8 @@ def test_defaults():
   assert config.enable_runtime_assert() is False
   assert config.use_mosaic_gpu() is False
   assert config.dump_promela_to() == ""
+  assert config.enable_debug_checks() is False
+  assert config.poison_buffers() is False
 
 
 @contextlib.contextmanager
