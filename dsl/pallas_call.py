@@ -38,12 +38,12 @@ class KernelSpec:
   cost_estimate: Any = None
   # How this kernel was derived by a transformation, e.g. ("linear", spec, nz).
   meta: tuple = ()
-  # Runs on each device's shards on its own (partitioned under a sharded
-  # jit, see dsl.partitioning): it is not partitioned again.
-  local: bool = False
   # The user's name of each kernel ref (its parameter: `x_ref`, `sem`,
   # `bufs[1]`), None where unknown; see `ref_labels`.
   ref_names: tuple = ()
+  # Runs on each device's shards on its own (partitioned under a sharded
+  # jit, see dsl.partitioning): it is not partitioned again.
+  local: bool = False
 
   def ref_labels(self) -> list[str]:
     """A name per kernel ref for messages and generated code: the user's
@@ -393,9 +393,12 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
                                   config.enable_debug_checks())
     aliases = _check_aliases(name, input_output_aliases, avals, out_avals,
                              where)
-    spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,
-                      debug, where, function_location(kernel), cost_estimate,
-                      meta, kernel_ref_names(kernel, gm))
+    spec = KernelSpec(
+        name, jaxpr, gm, input_output_aliases=aliases,
+        compiler_params=compiler_params, backend=backend, debug=debug,
+        where=where, kernel_src=function_location(kernel),
+        cost_estimate=cost_estimate, meta=meta,
+        ref_names=kernel_ref_names(kernel, gm))
     if debug:
       print(f"--- kernel {name} ({spec.kernel_src})\n{jaxpr}")
     if key is not None:
