@@ -113,7 +113,7 @@ def list_text() -> str:
     lines.append(f"  {b:<24} {mark}{default}")
   lines.append("peers:")
   lines.append(f"  {'xla':<24} plain jax.numpy, always")
-  for mode in ("interpret", "triton", "mosaic"):
+  for mode in ("interpret", "triton", "mosaic", "mosaic_gpu"):
     reason = platform_info.pallas_unavailable(mode)
     lines.append(f"  {'pallas ' + mode:<24} "
                  f"{'available' if reason is None else reason}")

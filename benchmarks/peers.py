@@ -3,7 +3,8 @@
     dsl     the kernel through `dsl.pallas_call(..., backend=<row backend>)`
     xla     the kernel's plain-jnp reference, compiled by XLA (always)
     pallas  the same kernel source through `jax.experimental.pallas`:
-            interpret mode for host backends, Triton on GPU, Mosaic on TPU
+            interpret mode for host backends, Triton on GPU (Mosaic GPU
+            for the mosaic_gpu rows), Mosaic on TPU
     triton  a hand-written Triton kernel (GPU only, where one is natural)
 """
 from __future__ import annotations
@@ -57,6 +58,10 @@ def pallas_fn(bench, mode, size, dtype, config):
     params = _triton_params(jpl_triton, config)
     if params is not None:
       kw["compiler_params"] = params
+  elif mode == "mosaic_gpu":
+    # The type of compiler_params picks Pallas's Mosaic GPU lowering.
+    from jax.experimental.pallas import mosaic_gpu as jpl_mgpu
+    kw["compiler_params"] = jpl_mgpu.CompilerParams()
   return bench.build(jpl, size, dtype, config, **kw)
 
 

@@ -8,7 +8,7 @@ import os
 import jax
 
 DSL_BACKENDS = ("interpret", "triton", "triton_interpret", "mosaic",
-                "mosaic_interpret")
+                "mosaic_interpret", "mosaic_gpu")
 HOST_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
 
 
@@ -61,6 +61,9 @@ def backend_unavailable(name: str) -> str | None:
     return "backend 'triton' needs a GPU; this machine has none (try interpret)"
   if name == "mosaic" and not has_tpu():
     return "backend 'mosaic' needs a TPU; this machine has none (try interpret)"
+  if name == "mosaic_gpu" and not has_gpu():
+    return ("backend 'mosaic_gpu' needs an NVIDIA Hopper GPU; this machine has "
+            "none (try interpret)")
   try:
     from dsl import backends
     backends.lowering_rule(name, "benchmarks", None)
@@ -77,11 +80,12 @@ def pallas_mode(backend: str) -> str:
   """How jax.experimental.pallas runs the peer of a dsl backend's row."""
   if backend in HOST_BACKENDS:
     return "interpret"
-  return {"triton": "triton", "mosaic": "mosaic"}[backend]
+  return {"triton": "triton", "mosaic": "mosaic",
+          "mosaic_gpu": "mosaic_gpu"}[backend]
 
 
 def pallas_unavailable(mode: str) -> str | None:
-  if mode == "triton" and not has_gpu():
+  if mode in ("triton", "mosaic_gpu") and not has_gpu():
     return "n/a: no GPU"
   if mode == "mosaic" and not has_tpu():
     return "n/a: no TPU"
@@ -91,6 +95,8 @@ def pallas_unavailable(mode: str) -> str | None:
       import jax.experimental.pallas.triton  # noqa: F401
     if mode == "mosaic":
       import jax.experimental.pallas.tpu  # noqa: F401
+    if mode == "mosaic_gpu":
+      import jax.experimental.pallas.mosaic_gpu  # noqa: F401
   except Exception as e:
     return f"n/a: {type(e).__name__}"
   return None

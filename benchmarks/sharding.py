@@ -112,7 +112,7 @@ def run(args) -> int:
   kernels = args.kernels.split(",") if args.kernels else ["softmax",
                                                            "layer_norm"]
   sizes = parse_sizes(args.sizes) if args.sizes else [(1024, 1024)]
-  dtype = jnp.dtype(args.dtype)
+  dtype = jnp.dtype(args.dtype or "float32")
   rows = []
   benches = by_name()
   for k in kernels:

@@ -11,7 +11,7 @@ from typing import Callable
 from dsl.errors import BackendError
 
 BACKENDS = ("interpret", "triton", "triton_interpret", "mosaic",
-            "mosaic_interpret")
+            "mosaic_interpret", "mosaic_gpu")
 
 # backend name -> package that registers it.
 _PACKAGES = {
@@ -19,9 +19,11 @@ _PACKAGES = {
     "triton_interpret": "lowering_triton",
     "mosaic": "lowering_mosaic",
     "mosaic_interpret": "lowering_mosaic",
+    "mosaic_gpu": "lowering_mosaic.gpu",
 }
 
-# platform -> backend chosen when `backend=None`.
+# platform -> backend chosen when `backend=None` (on "cuda",
+# `jax_pallas_use_mosaic_gpu=True` chooses "mosaic_gpu" instead).
 DEFAULT_FOR_PLATFORM = {
     "cpu": "interpret",
     "cuda": "triton",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
@@ -18,7 +19,8 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 from jax._src.state import types as state_types
 
-from dsl.errors import KernelError, KernelTypeError, function_location
+from dsl.errors import (KernelError, KernelTypeError, function_location,
+                        in_user_code)
 from dsl.memory import MemorySpace
 
 
@@ -55,10 +57,27 @@ class BlockSpec:
   index_map: Callable[..., Any] | None = None
   memory_space: Any = None
   pipeline_mode: Any = None
+  # The user's "file:line" that made this BlockSpec, for errors about it.
+  where: str | None = dataclasses.field(default=None, compare=False,
+                                        repr=False, kw_only=True)
 
   def __post_init__(self):
+    if self.where is None:
+      # skip __post_init__ and the dataclass's generated __init__
+      object.__setattr__(self, "where", creation_site(depth=3))
     if self.block_shape is not None and not isinstance(self.block_shape, tuple):
       object.__setattr__(self, "block_shape", tuple(self.block_shape))
+
+
+def creation_site(depth: int = 1) -> str | None:
+  """'file:line' of the innermost frame outside jax, dsl and the lowerings,
+  `depth` frames above this one at least."""
+  frame = sys._getframe(depth)
+  while frame is not None:
+    if in_user_code(frame.f_code.co_filename):
+      return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    frame = frame.f_back
+  return None
 
 
 def _dim_size(d: BlockDim) -> int:
@@ -185,6 +204,8 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
   if not isinstance(spec, BlockSpec):
     raise KernelTypeError(kernel, f"expected a BlockSpec, got {spec!r}", where,
                           operand=origin)
+  if spec.where and spec.where != where:
+    where = f"{spec.where}; the pallas_call at {where}"
   rank = len(aval.shape)
   memory_space = spec.memory_space
   whole = spec.block_shape is None or memory_space is MemorySpace.ANY

@@ -1,10 +1,15 @@
 """Runtime checks inside kernels: `debug_check` and `checkify.check`.
 
-Both become JAX's `check` primitive in the kernel jaxpr. When a kernel is
-traced, every check in it is set by `jax_pallas_enable_runtime_assert`:
-on, a failing check raises when the kernel runs; off (the default), checks
-are ignored unless the caller functionalizes them with `checkify.checkify`,
-which returns the error as a value.
+Both become JAX's `check` primitive in the kernel jaxpr (`debug_check` as a
+debug-only one). When a kernel is traced, each check is made run-time (a
+failing check raises when the kernel runs) or debug-only (ignored, unless
+the caller functionalizes it with `checkify.checkify`, which returns the
+error as a value):
+
+- with `jax_pallas_enable_runtime_assert` on, every check is run-time;
+- with JAX's `jax_pallas_enable_debug_checks` on, `debug_check`s are
+  run-time (as Pallas does); `checkify.check`s follow the first option;
+- with both off (the default), every check is debug-only.
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ def split_check_text(text: str) -> tuple[str, str | None]:
 
 def debug_check(condition, message: str = "debug_check failed", *fmt_args,
                 **fmt_kwargs) -> None:
-  """Checks `condition` inside a kernel; see jax_pallas_enable_runtime_assert."""
+  """Checks `condition` inside a kernel when jax_pallas_enable_debug_checks
+  or jax_pallas_enable_runtime_assert is on (see the module docstring)."""
   checkify.debug_check(condition, message, *fmt_args, **fmt_kwargs)
 
 
@@ -89,14 +95,18 @@ def map_eqns(jaxpr: core.Jaxpr, fn) -> core.Jaxpr:
   return jaxpr.replace(eqns=eqns)
 
 
-def set_check_mode(closed: core.ClosedJaxpr, runtime: bool) -> core.ClosedJaxpr:
-  """Makes every check in a kernel jaxpr run-time (raises) or debug-only."""
+def set_check_mode(closed: core.ClosedJaxpr, runtime: bool,
+                   debug_checks: bool = False) -> core.ClosedJaxpr:
+  """Makes the checks of a kernel jaxpr run-time (raise) or debug-only:
+  every check with `runtime` (jax_pallas_enable_runtime_assert), the
+  `debug_check`s with `debug_checks` (jax_pallas_enable_debug_checks)."""
   if not has_checks(closed.jaxpr):
     return closed
 
   def fn(eqn):
     if eqn.primitive is check_p:
-      return eqn.replace(params=dict(eqn.params, debug=not runtime))
+      checked = runtime or (debug_checks and eqn.params["debug"])
+      return eqn.replace(params=dict(eqn.params, debug=not checked))
     return eqn
 
   return core.ClosedJaxpr(map_eqns(closed.jaxpr, fn), closed.consts)

@@ -6,6 +6,9 @@ absl flag after `jax.config.parse_flags_with_absl()`.
 """
 from __future__ import annotations
 
+import itertools
+import sys
+
 from jax._src import config as jax_config
 
 
@@ -39,17 +42,57 @@ dump_promela_to_option = _string(
     "directory.")
 use_mosaic_gpu_option = _bool(
     "jax_pallas_use_mosaic_gpu", False,
-    "If True, lower kernels to the Mosaic-dialect on GPUs instead of Triton.")
+    "If True, lower Pallas kernels to the experimental Mosaic GPU dialect, "
+    "instead of Triton IR.")
 dump_triton_to_option = _string(
     "jax_pallas_dump_triton_to", "",
     "If set, writes each generated Triton kernel's source to this directory.")
 dump_mlir_to_option = _string(
     "jax_pallas_dump_mlir_to", "",
-    "If set, writes each kernel's Mosaic MLIR module to this directory.")
+    "If set, writes each kernel's Mosaic MLIR module (TPU or GPU) to this "
+    "directory.")
 # JAX defines jax_pallas_verbose_errors itself; it is read, not redefined.
 verbose_errors_option = _bool(
     "jax_pallas_verbose_errors", True,
     "If True, print verbose error messages for kernels.")
+# So do these two (registered here only for a JAX that lacks them).
+enable_debug_checks_option = _bool(
+    "jax_pallas_enable_debug_checks", False,
+    "If set, ``pl.debug_check`` calls are checked at runtime. Otherwise, "
+    "they are a noop.")
+poison_buffers_option = _bool(
+    "jax_pallas_poison_buffers", False,
+    "If set, scratch buffers and run_scoped allocations start as poison "
+    "(NaN for floats) instead of zeros.")
+
+
+def _late_absl_flags(names) -> None:
+  """Makes the order of `import dsl` and JAX's absl set-up not matter.
+
+  `jax.config.config_with_absl()` (and `parse_flags_with_absl()`) register
+  absl flags for the options defined so far; options that `import dsl`
+  defines afterwards get their flags here, and when the command line was
+  already parsed, their `--jax_pallas_...` arguments are read now."""
+  cfg = jax_config.config
+  if not getattr(cfg, "use_absl", False):
+    return            # absl comes later and will see our options
+  from absl import flags
+  define = {bool: flags.DEFINE_bool, str: flags.DEFINE_string}
+  for name in names:
+    if name not in flags.FLAGS and name in cfg.meta:
+      flag_type, args, kwargs = cfg.meta[name]
+      define[flag_type](name, cfg._value_holders[name].value, *args, **kwargs)
+  if getattr(jax_config, "already_configured_with_absl", False):
+    argv = itertools.takewhile(lambda a: a != "--", sys.argv)
+    flags.FLAGS(["", *(a for a in argv if a.startswith("--jax_pallas_")
+                       or a.startswith("--nojax_pallas_"))], known_only=True)
+    for name in names:
+      if name in flags.FLAGS and flags.FLAGS[name].present:
+        cfg._value_holders[name]._set(flags.FLAGS[name].value)
+
+
+_late_absl_flags([n for n in jax_config.config._value_holders
+                  if n.startswith("jax_pallas_")])
 
 
 def _read(name):
@@ -58,6 +101,17 @@ def _read(name):
 
 def enable_runtime_assert() -> bool:
   return bool(_read("jax_pallas_enable_runtime_assert"))
+
+
+def enable_debug_checks() -> bool:
+  """JAX's jax_pallas_enable_debug_checks: `pl.debug_check` is checked."""
+  return bool(_read("jax_pallas_enable_debug_checks"))
+
+
+def poison_buffers() -> bool:
+  """JAX's jax_pallas_poison_buffers: scratch and run_scoped buffers start as
+  poison (dsl/poison.py) instead of zeros."""
+  return bool(_read("jax_pallas_poison_buffers"))
 
 
 def use_mosaic_gpu() -> bool:

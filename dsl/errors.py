@@ -4,12 +4,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import functools
 import os
 import sys
 import threading
 import traceback
 
 import jax
+from jax._src import source_info_util, traceback_util
 
 _JAX_DIR = os.path.dirname(jax.__file__)
 _DSL_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -21,6 +23,58 @@ def _is_internal(filename: str) -> bool:
   return (filename.startswith(_JAX_DIR) or filename.startswith(_DSL_DIR)
           or filename.startswith(_PY_LIB) or "jaxlib" in filename
           or "/lowering_triton/" in filename or "/lowering_mosaic/" in filename)
+
+
+def hide_package_frames(path: str) -> None:
+  """Leaves the frames of the package at `path` out of the tracebacks users
+  see (JAX's traceback filtering) and out of JAX's source lines."""
+  directory = os.path.dirname(os.path.abspath(path))
+  traceback_util.register_exclusion(directory)
+  source_info_util.register_exclusion(directory)
+
+
+hide_package_frames(__file__)
+
+
+def user_traceback(tb):
+  """`tb` without the frames of jax, dsl and the lowerings: the user's own
+  frames (the kernel body's line among them)."""
+  import types
+  out = None
+  for frame, lineno in reversed(list(traceback.walk_tb(tb))):
+    if not _is_internal(frame.f_code.co_filename):
+      out = types.TracebackType(out, frame, frame.f_lasti, lineno)
+  return out
+
+
+def api_boundary(fn):
+  """JAX's API boundary: an exception raised below `fn` reaches the user
+  with jax's, dsl's and the lowerings' frames filtered out."""
+  return traceback_util.api_boundary(fn)
+
+
+def raise_from_user_frames(err: BaseException, cause: BaseException):
+  """Raises `err` in place of `cause`, with the user's frames of `cause`
+  (e.g. the kernel body's line) as its traceback. The internal traceback of
+  `cause` is chained only when JAX's traceback filtering is off or
+  jax_pallas_verbose_errors is on; `err.original_error` keeps it."""
+  err.original_error = cause
+  if verbose_errors() or traceback_util._filtering_mode() == "off":
+    raise err from cause
+  err.__suppress_context__ = True
+  raise err.with_traceback(user_traceback(cause.__traceback__))
+
+
+def kernel_name(fn) -> str:
+  """The name of a kernel function, seen through `functools.partial`."""
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  return getattr(fn, "__name__", "kernel")
+
+
+def in_user_code(filename: str) -> bool:
+  """Whether `filename` is the user's (not jax, dsl, a lowering, stdlib)."""
+  return not _is_internal(filename)
 
 
 def user_frame(skip_internal: bool = True) -> str:
@@ -60,6 +114,8 @@ def traceback_frame(tb) -> str | None:
 
 
 def function_location(fn) -> str:
+  while isinstance(fn, functools.partial):
+    fn = fn.func
   code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
   if code is None:
     return "<unknown>"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from dsl.errors import api_boundary, kernel_name
 from dsl.pallas_call import pallas_call
 
 
@@ -28,7 +29,9 @@ def kernel(body=None, *, out_shape: Any, grid: Any = (), in_specs: Any = None,
   """
   def decorate(fn):
     @functools.wraps(fn)
+    @api_boundary
     def call(*args):
+      __tracebackhide__ = True
       return pallas_call(
           fn, _resolve(out_shape, args), grid=_resolve(grid, args),
           in_specs=_resolve(in_specs, args), out_specs=_resolve(out_specs, args),
@@ -36,7 +39,7 @@ def kernel(body=None, *, out_shape: Any, grid: Any = (), in_specs: Any = None,
           grid_spec=_resolve(grid_spec, args),
           input_output_aliases=input_output_aliases,
           compiler_params=compiler_params, backend=backend,
-          interpret=interpret, name=name or fn.__name__, debug=debug,
+          interpret=interpret, name=name or kernel_name(fn), debug=debug,
           cost_estimate=cost_estimate)(*args)
     call.kernel_body = fn
     return call

@@ -12,15 +12,35 @@ equation keeps the source line of the equation it replaces.
 
 Primitives not in the table pass through unchanged, so a kernel that holds
 none of them comes back equal (and `normalize` returns the same spec).
+
+For the Mosaic (TPU) lowering, `normalize(spec, values_in_memory=True)` also
+rewrites `dynamic_slice` and `dynamic_update_slice` on values (what the
+reverse mode of a loop over ref rows makes of `x_ref[pl.ds(i, 1), :]` once the
+per-point function is discharged) into a round trip through a `run_scoped`
+VMEM buffer: store the value whole, then load (or store) the window at its
+dynamic start. A TPU slices and updates vectors in registers only at static
+offsets, but loads and stores VMEM at dynamic offsets on its untiled and
+second-minor dims, which is what these windows use; doing it here keeps one
+lowering path (`run_scoped` -> `tpu.region` + `memref.alloca`, ref loads and
+stores) instead of a second one inside the Mosaic rules. Starts are clamped
+as `dynamic_slice` clamps them, and a dim the window covers whole gets the
+static start 0: the row slices of a transposed row loop thus have static lane
+offsets (a window narrower than the last dim at a traced start would need a
+dynamic lane offset, which a TPU does not have).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any, Callable
 
+import numpy as np
+
 from jax import lax
 from jax._src import core, source_info_util
+from jax._src.state import indexing
 from jax._src.state import types as state_types
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
@@ -75,6 +95,43 @@ def _select_n(which, *cases):
   high = rest[0] if len(rest) == 1 else _select_n(
       lax.max(shifted, lax.full_like(shifted, 0)), *rest)
   return lax.select(lax.lt(which, lax.full_like(which, half)), low, high)
+
+
+# Rewrites used only where vectors cannot be sliced at dynamic offsets (Mosaic).
+VALUES_IN_MEMORY: dict[Any, Callable] = {}
+
+
+def _window(shape, starts, sizes):
+  """The ref indexer of a `dynamic_slice` window, starts clamped as
+  `dynamic_slice` clamps them; whole dims get the static start 0."""
+  index = []
+  for dim, start, size in zip(shape, starts, sizes):
+    if size == dim:
+      index.append(indexing.Slice(0, size))
+      continue
+    start = lax.convert_element_type(start, np.int32)
+    start = lax.clamp(np.int32(0), start, np.int32(dim - size))
+    index.append(indexing.Slice(start, size))
+  return tuple(index)
+
+
+def _dynamic_slice(x, *starts, slice_sizes):
+  def scoped(ref):
+    ref[...] = x
+    return ref[_window(x.shape, starts, slice_sizes)]
+  return run_scoped(scoped, _buffer(x.shape, x.dtype))
+
+
+def _dynamic_update_slice(x, update, *starts):
+  def scoped(ref):
+    ref[...] = x
+    ref[_window(x.shape, starts, update.shape)] = update
+    return ref[...]
+  return run_scoped(scoped, _buffer(x.shape, x.dtype))
+
+
+VALUES_IN_MEMORY[lax.dynamic_slice_p] = _dynamic_slice
+VALUES_IN_MEMORY[lax.dynamic_update_slice_p] = _dynamic_update_slice
 
 
 def scan_layout(params: dict) -> tuple[int, int, int, int]:
@@ -168,8 +225,8 @@ def _eval(jaxpr: core.Jaxpr, consts, args) -> list:
       if eqn.primitive in CALL_PRIMITIVES:
         body = call_body(eqn.params, invals)
         outs = _eval(*body) if body is not None else _bind(eqn, invals)
-      elif eqn.primitive in DECOMPOSITIONS:
-        outs = DECOMPOSITIONS[eqn.primitive](*invals, **eqn.params)
+      elif eqn.primitive in _RULES.get():
+        outs = _RULES.get()[eqn.primitive](*invals, **eqn.params)
       else:
         outs = _bind(eqn, invals)
     if not eqn.primitive.multiple_results:
@@ -201,10 +258,30 @@ def _rewritten(eqn) -> bool:
     return bool(n_xs or n_ys)
   if eqn.primitive is lax.select_n_p:
     return len(eqn.invars) > 3
-  return eqn.primitive in DECOMPOSITIONS
+  return eqn.primitive in _RULES.get()
 
 
-def normalize_closed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+# The rewrites in force: DECOMPOSITIONS, plus VALUES_IN_MEMORY for Mosaic.
+_RULES = contextvars.ContextVar("normalize_rules", default=DECOMPOSITIONS)
+
+
+@contextlib.contextmanager
+def _rules(values_in_memory: bool):
+  token = _RULES.set({**DECOMPOSITIONS, **VALUES_IN_MEMORY}
+                     if values_in_memory else DECOMPOSITIONS)
+  try:
+    yield
+  finally:
+    _RULES.reset(token)
+
+
+def normalize_closed(closed: core.ClosedJaxpr, *,
+                     values_in_memory: bool | None = None) -> core.ClosedJaxpr:
+  """`closed` rewritten; `values_in_memory` (default: as the enclosing call)
+  also rewrites slices of values into buffer round trips."""
+  if values_in_memory is not None:
+    with _rules(values_in_memory):
+      return normalize_closed(closed)
   if not needs_normalizing(closed.jaxpr):
     return closed
   fn = lu.wrap_init(lambda *args: _eval(closed.jaxpr, closed.consts, args),
@@ -215,9 +292,11 @@ def normalize_closed(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
 
 
 @functools.lru_cache(maxsize=256)
-def normalize(spec):
-  """`spec` with its kernel jaxpr in the primitives every lowering handles."""
-  jaxpr = normalize_closed(spec.jaxpr)
+def normalize(spec, values_in_memory: bool = False):
+  """`spec` with its kernel jaxpr in the primitives every lowering handles;
+  `values_in_memory` for lowerings that cannot slice vectors at dynamic
+  offsets (Mosaic)."""
+  jaxpr = normalize_closed(spec.jaxpr, values_in_memory=values_in_memory)
   if jaxpr is spec.jaxpr:
     return spec
   return dataclasses.replace(spec, jaxpr=jaxpr)

@@ -14,12 +14,13 @@ from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
 from dsl import backends, checks, config, host_failures
-from dsl.errors import (KernelError, KernelTypeError, function_location,
-                        kernel_error_of, lowering_kernel, user_frame)
+from dsl.errors import (KernelError, KernelTypeError, api_boundary,
+                        function_location, kernel_error_of, kernel_name,
+                        lowering_kernel, user_frame)
 from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.interpret.plan import check_block_indices, check_semantics
-from dsl.tracing import trace_kernel
+from dsl.tracing import kernel_ref_names, trace_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +55,23 @@ class KernelSpec:
   cost_estimate: Any = None
   # How this kernel was derived by a transformation, e.g. ("linear", spec, nz).
   meta: tuple = ()
+  # The user's name of each kernel ref (its parameter: `x_ref`, `sem`,
+  # `bufs[1]`), None where unknown; see `ref_labels`.
+  ref_names: tuple = ()
   # Runs on each device's shards on its own (partitioned under a sharded
   # jit, see dsl.partitioning): it is not partitioned again.
   local: bool = False
+
+  def ref_labels(self) -> list[str]:
+    """A name per kernel ref for messages and generated code: the user's
+    parameter name, else the spec it comes from (`in_specs[0]`,
+    `scratch_shapes[1]`, `scalar prefetch 0`)."""
+    gm = self.grid_mapping
+    origins = ([f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
+               + [bm.origin for bm in gm.block_mappings]
+               + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+    names = list(self.ref_names) + [None] * (len(origins) - len(self.ref_names))
+    return [n or o for n, o in zip(names, origins)]
 
   def __repr__(self):
     gm = self.grid_mapping
@@ -166,12 +181,10 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
   if name is None:
     name = backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
     if platform == "cuda" and config.use_mosaic_gpu():
-      raise KernelError(spec.name, "jax_pallas_use_mosaic_gpu is set, but the "
-                        "Mosaic-dialect lowering cannot run on GPUs yet; unset "
-                        "it to use Triton", spec.where)
+      name = "mosaic_gpu"
   rule = backends.lowering_rule(name, spec.name, spec.where)
   if name != "interpret":   # the interpret backend runs every JAX primitive
-    spec = normalize(spec)
+    spec = normalize(spec, values_in_memory=name.startswith("mosaic"))
   with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
     if spec.local:
       from dsl import partitioning
@@ -200,13 +213,17 @@ def _interpret_lowering(ctx, *args, spec):
   from dsl.transforms import runtime_checks
   from jax._src import config as jax_config
   fn = functools.partial(interpret.run, spec=spec)
-  if (runtime_checks.needs_checks(spec.jaxpr.jaxpr)
+  # With runtime asserts on, block indices read from data are checked too.
+  check_blocks = (config.enable_runtime_assert()
+                  and bool(runtime_checks.data_dependent_blocks(spec)))
+  if ((check_blocks or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
       and not runtime_checks.is_checked(spec)):
     # Run-time checks and waits become values; a failure raises from the host.
     axis_context = ctx.module_context.axis_context
 
     def fn(*xs):
-      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context)
+      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context,
+                                        check_blocks)
   from dsl import profiling
   if profiling.enabled():
     fn = _on_host(fn, spec, ctx.module_context.axis_context)
@@ -281,6 +298,14 @@ def _hashable(x):
 _SPEC_CACHE: dict = {}
 
 
+def _option_key() -> tuple:
+  """The options a KernelSpec depends on (how its checks run, what its fresh
+  buffers hold): a spec built under other values is another spec, so a
+  backend lowers (and caches) it anew."""
+  return (config.enable_runtime_assert(), config.enable_debug_checks(),
+          config.poison_buffers())
+
+
 def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
                 in_specs=None, out_specs=None, grid_spec: GridSpec | None = None,
                 scratch_shapes=(), input_output_aliases=None,
@@ -292,7 +317,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   The kernel reads blocks of the inputs through refs and writes blocks of the
   outputs; `in_specs`/`out_specs` say which block each grid point sees.
   """
-  name = name or getattr(kernel, "__name__", "kernel")
+  name = name or kernel_name(kernel)
   num_scalar_prefetch = 0
   if grid_spec is not None:
     grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
@@ -303,7 +328,9 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   if isinstance(interpret, str):
     backend = interpret
 
+  @api_boundary
   def wrapped(*args):
+    __tracebackhide__ = True
     where = user_frame()
     params = compiler_params
     if params is None:
@@ -366,7 +393,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),
            _hashable(scratch_shapes), num_scalar_prefetch,
            _hashable(input_output_aliases), backend, debug,
-           _hashable(compiler_params), meta, config.enable_runtime_assert())
+           _hashable(compiler_params), meta, _option_key())
     hash(key)
   except TypeError:
     key = None
@@ -379,12 +406,16 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
     check_block_indices(name, gm, where)
     jaxpr = trace_kernel(kernel, name, gm, where)
-    jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert())
+    jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert(),
+                                  config.enable_debug_checks())
     aliases = _check_aliases(name, input_output_aliases, avals, out_avals,
                              where)
-    spec = KernelSpec(name, jaxpr, gm, aliases, compiler_params, backend,
-                      debug, where, function_location(kernel), cost_estimate,
-                      meta)
+    spec = KernelSpec(
+        name, jaxpr, gm, input_output_aliases=aliases,
+        compiler_params=compiler_params, backend=backend, debug=debug,
+        where=where, kernel_src=function_location(kernel),
+        cost_estimate=cost_estimate, meta=meta,
+        ref_names=kernel_ref_names(kernel, gm))
     if debug:
       print(f"--- kernel {name} ({spec.kernel_src})\n{jaxpr}")
     if key is not None:

@@ -155,17 +155,17 @@ def _jaxpr_consts(j):
   return list(getattr(j, "consts", ()) or ())
 
 
-def _zeros_of(aval):
-  inner = getattr(aval, "inner_aval", aval)
-  if not hasattr(inner, "shape"):
-    raise NotImplementedError(f"run_scoped cannot allocate {aval}")
-  return jnp.zeros(inner.shape, inner.dtype)
+def _fresh(aval):
+  """A run_scoped allocation: zeros, or poison with jax_pallas_poison_buffers."""
+  from dsl import config
+  from dsl.poison import fresh_buffer
+  return fresh_buffer(aval, config.poison_buffers())
 
 
 @state_discharge.register_discharge_rule(run_scoped_p)
 def _run_scoped_discharge(ctx, *args, jaxpr, num_consts):
   is_ref = [isinstance(v.aval, state_types.AbstractRef) for v in jaxpr.invars]
-  scoped = [_zeros_of(v.aval) for v in jaxpr.invars[num_consts:]]
+  scoped = [_fresh(v.aval) for v in jaxpr.invars[num_consts:]]
   dj = state_discharge.discharge_state(
       jaxpr, should_discharge=is_ref,
       strip_memory_space=getattr(ctx, "strip_memory_space", False))

@@ -1,7 +1,9 @@
 """Ref primitives with masks and atomics: masked load/store, atomic RMW/CAS.
 
 Each has an abstract eval and a discharge rule (the interpret backend's
-meaning); the lowerings give them their hardware meaning.
+meaning); the lowerings give them their hardware meaning. Masked loads and
+stores also have jvp rules: the tangent is the same masked access of the
+tangent ref (so jvp and, through discharge, grad of kernels using them work).
 """
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import enum
 
 import jax.numpy as jnp
 from jax import tree_util
-from jax._src import core
+from jax._src import ad_util, core
+from jax._src.interpreters import ad
 from jax._src.state import discharge as state_discharge
 from jax._src.state import indexing
 from jax._src.state import types as state_types
@@ -17,6 +20,7 @@ from jax._src.state.primitives import get_ref_and_transforms
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
+from dsl.poison import poison_full, poison_value
 
 
 def _ref_effects(ref_aval, write: bool):
@@ -40,8 +44,8 @@ def _pad_for_slices(x, transforms):
   A dynamic slice that runs past the end of an array is moved back inside it
   (`lax.dynamic_slice` clamps its start); a masked access must instead see the
   elements at the positions it names, the mask deciding which count. With the
-  padding the slice never moves. Returns the padded array and the transforms
-  re-targeted at it.
+  padding (poison: what lies past the array is unspecified) the slice never
+  moves. Returns the padded array and the transforms re-targeted at it.
   """
   if not transforms or not isinstance(transforms[0], indexing.NDIndexer):
     return x, transforms
@@ -51,7 +55,7 @@ def _pad_for_slices(x, transforms):
           else (0, 0) for idx in first.indices]
   if all(p == (0, 0) for p in pads):
     return x, transforms
-  x = jnp.pad(x, pads)
+  x = jnp.pad(x, pads, constant_values=poison_value(x.dtype))
   first = indexing.NDIndexer(first.indices, tuple(x.shape),
                              first.int_indexer_shape)
   return x, (first, *transforms[1:])
@@ -96,8 +100,10 @@ def _load_discharge(ctx, x, *args, tree, has_mask, has_other, out_aval, **_):
   mask = extra.pop(0) if has_mask else None
   other = extra.pop(0) if has_other else None
   if mask is not None:
-    fill = jnp.zeros_like(y) if other is None else jnp.broadcast_to(
-        jnp.asarray(other, y.dtype), y.shape)
+    # Masked-off lanes without `other` read poison: the memory there is
+    # unspecified (dsl/poison.py).
+    fill = (poison_full(y.shape, y.dtype) if other is None else
+            jnp.broadcast_to(jnp.asarray(other, y.dtype), y.shape))
     y = jnp.where(mask, y, fill)
   return (None,) * (1 + len(args)), y
 
@@ -116,7 +122,8 @@ def _check_mask(name, mask, shape):
 
 def load(ref, idx=None, *, mask=None, other=None, cache_modifier=None,
          eviction_policy=None, volatile=False):
-  """Reads `ref[idx]`; where `mask` is False the result is `other` (or 0)."""
+  """Reads `ref[idx]`; where `mask` is False the result is `other` (poison
+  without it: the memory there is unspecified)."""
   ref, transforms, shape, dtype = _indexed_aval(ref, idx)
   flat, tree = tree_util.tree_flatten(transforms)
   extra = []
@@ -152,6 +159,46 @@ def _store_discharge(ctx, x, *args, tree, has_mask, **_):
   x_new, _ = _masked_swap(x, transforms,
                           lambda old: jnp.where(extra[1], val, old))
   return (x_new,) + (None,) * len(args), []
+
+
+def _instantiate(t, like):
+  return (jnp.zeros(like.shape, like.dtype) if isinstance(t, ad_util.Zero)
+          else t)
+
+
+def _load_jvp(primals, tangents, *, tree, has_mask, has_other, out_aval,
+              **params):
+  ref, *args = primals
+  out = masked_load_p.bind(ref, *primals[1:], tree=tree, has_mask=has_mask,
+                           has_other=has_other, out_aval=out_aval, **params)
+  if isinstance(tangents[0], ad_util.Zero):
+    return out, ad_util.Zero(core.typeof(out).to_tangent_aval())
+  n_idx = tree.num_leaves
+  extra = list(args[n_idx:n_idx + has_mask])
+  # Masked-off lanes take `other`, so their tangent is `other`'s.
+  extra.append(_instantiate(tangents[-1], out) if has_other
+               else jnp.zeros(out.shape, out.dtype))
+  t = masked_load_p.bind(tangents[0], *args[:n_idx], *extra, tree=tree,
+                         has_mask=has_mask, has_other=True, out_aval=out_aval,
+                         **params)
+  return out, t
+
+
+def _store_jvp(primals, tangents, *, tree, has_mask, **params):
+  ref, *args = primals
+  masked_store_p.bind(ref, *args, tree=tree, has_mask=has_mask, **params)
+  if not isinstance(tangents[0], ad_util.Zero):
+    n_idx = tree.num_leaves
+    val = args[n_idx]
+    t_args = list(args)
+    t_args[n_idx] = _instantiate(tangents[1 + n_idx], val)
+    masked_store_p.bind(tangents[0], *t_args, tree=tree, has_mask=has_mask,
+                        **params)
+  return [], []
+
+
+ad.primitive_jvps[masked_load_p] = _load_jvp
+ad.primitive_jvps[masked_store_p] = _store_jvp
 
 
 def _check_value(name, val, shape, dtype):

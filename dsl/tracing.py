@@ -14,15 +14,18 @@ import dataclasses
 import inspect
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax._src import api_util, core
 from jax._src import mesh as mesh_lib
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from dsl import refs as refs_mod
+from dsl import fixits, refs as refs_mod
+from dsl.blockspec import BlockMapping
 from dsl.errors import (KernelError, function_location, frame_of_traceback,
-                        source_excerpt, user_frame)
+                        raise_from_user_frames, source_excerpt, user_frame,
+                        user_traceback)
 from dsl.gridspec import GridMapping
 
 
@@ -81,6 +84,25 @@ def _param_names(fn, n):
   return names + [f"arg{i}" for i in range(len(names), n)]
 
 
+def kernel_ref_names(kernel_fn, gm: GridMapping) -> tuple[str | None, ...]:
+  """The user's name of each flat kernel ref (prefetch, inputs, outputs,
+  scratch): its parameter's name, with the pytree path inside it (`sem`,
+  `bufs[1]`); None where the kernel takes `*args`."""
+  names: list[str | None] = [None] * gm.num_refs
+  try:
+    params = list(inspect.signature(kernel_fn).parameters.values())
+    args = gm.unflatten_kernel_refs(list(range(gm.num_refs)))
+  except (TypeError, ValueError):
+    return tuple(names)
+  for p, arg in zip(params, args):
+    if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+      break
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+      if isinstance(leaf, int) and 0 <= leaf < len(names):
+        names[leaf] = p.name + jax.tree_util.keystr(path)
+  return tuple(names)
+
+
 def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
                  ) -> core.ClosedJaxpr:
   """Traces `kernel_fn` over the block refs of `gm`; checks its arity."""
@@ -127,13 +149,13 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     with _blocks_mesh():
       jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
           lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
-  except KernelError:
-    raise
+  except KernelError as e:
+    __tracebackhide__ = True
+    raise e.with_traceback(user_traceback(e.__traceback__))
   except Exception as e:
-    line = frame_of_traceback(e.__traceback__) or where
-    operand = _operand_in_traceback(e.__traceback__, traced_names)
-    raise KernelError(name, f"{type(e).__name__}: {e}", line,
-                      operand=operand, detail=source_excerpt(line)) from e
+    __tracebackhide__ = True
+    _raise_trace_error(e, name, gm, where, traced_names,
+                       dict(zip(param_names, origins)))
   return core.ClosedJaxpr(jaxpr, consts)
 
 
@@ -146,6 +168,24 @@ def _blocks_mesh():
   if am.empty or am.manual_axes:
     return contextlib.nullcontext()
   return mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh)
+
+
+def _raise_trace_error(e, name, gm, where, traced_names, origins):
+  """Raises the KernelError for an exception from the kernel body: a fix-it
+  hint where one applies, pointing at the user's line."""
+  __tracebackhide__ = True
+  line = frame_of_traceback(e.__traceback__) or where
+  operand = _operand_in_traceback(e.__traceback__, traced_names)
+  mappings = ([None] * gm.num_scalar_prefetch + list(gm.block_mappings)
+              + [None] * len(gm.scratch_avals))
+  params = {pn: (bm if isinstance(bm, BlockMapping) else None)
+            for pn, bm in zip(origins, mappings)}
+  labels = {pn: f"{pn} ({o})" for pn, o in origins.items()}
+  ctx = fixits.HintContext(operand, line, params, gm.grid, labels)
+  message = fixits.hint(e, ctx)
+  err = KernelError(name, message or f"{type(e).__name__}: {e}", line,
+                    operand=ctx.operand, detail=source_excerpt(line))
+  raise_from_user_frames(err, e)
 
 
 def _operand_in_traceback(tb, names: dict) -> str | None:

@@ -1,4 +1,5 @@
-"""A kernel inside a jitted model: the README's first example."""
+"""A kernel inside a jitted model: the README's first example (the model,
+its gradient and a vmap of the kernel), each checked against jnp."""
 import jax
 import jax.numpy as jnp
 
@@ -24,3 +25,12 @@ if __name__ == "__main__":
   got, want = model(x, y), jnp.sum((x + y) ** 2)
   print(f"kernel: {float(got):.4f}  jnp: {float(want):.4f}")
   assert jnp.allclose(got, want, rtol=1e-5)
+
+  dx = jax.grad(model)(x, y)               # reverse mode through the kernel
+  assert jnp.allclose(dx, 2 * (x + y), rtol=1e-5)
+  print(f"grad: d/dx[0] = {float(dx[0]):.4f}  jnp: {float(2 * (x[0] + y[0])):.4f}")
+
+  batched = jax.vmap(add)(jnp.stack([x, x]), jnp.stack([y, y]))
+  assert batched.shape == (2, 10_000)
+  assert jnp.allclose(batched, jnp.stack([x + y, x + y]))
+  print(f"vmap: {batched.shape}, matches jnp")

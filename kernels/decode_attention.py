@@ -65,6 +65,10 @@ def attend_tile(q, k, v, start, length, sm_scale, m_sc, l_sc, acc_sc):
   p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
   alpha = jnp.exp(m_prev - m_new)
   l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1)
+  # Values past the length (past the cache, in a partial last block) are
+  # garbage, NaN maybe: a zero weight does not cancel them in the dot.
+  rows = start + lax.broadcasted_iota(jnp.int32, (v.shape[0], 1), 0)
+  v = jnp.where(rows < length, v, jnp.zeros_like(v))
   acc_sc[...] = acc_sc[...] * alpha[:, None] + lax.dot_general(
       p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
       preferred_element_type=jnp.float32)

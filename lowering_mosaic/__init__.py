@@ -10,6 +10,9 @@
 
 Importing the package registers both backends with dsl. See docs/mosaic.md.
 """
+from dsl.errors import hide_package_frames as _hide
+
+_hide(__file__)   # JAX's traceback filtering leaves our frames out
 from lowering_mosaic import rules as _rules  # noqa: F401 (fills the table)
 from lowering_mosaic.tpu_rules import check_tpu_rules
 from lowering_mosaic.inspection import dump_module, to_mlir, to_modules

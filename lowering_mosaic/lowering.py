@@ -335,10 +335,7 @@ def operand_memref_type(bm) -> ir.MemRefType:
 
 def _param_names(spec) -> list[str]:
   gm = spec.grid_mapping
-  return ([f"grid[{d}]" for d in range(len(gm.grid))]
-          + [f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
-          + [bm.origin for bm in gm.block_mappings]
-          + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+  return [f"grid[{d}]" for d in range(len(gm.grid))] + spec.ref_labels()
 
 
 def _lower_transform(lctx, spec, k, bm, prefetch_types) -> str:
@@ -515,6 +512,9 @@ def _entry_attributes(main, spec, lctx, window_params):
   main.attributes["dsl.num_outputs"] = _i64(gm.num_outputs)
   main.attributes["dsl.operand_names"] = ir.ArrayAttr.get(
       [ir.StringAttr.get(n) for n in _param_names(spec)])
+  # the spec each blocked operand comes from, for errors about its blocks
+  main.attributes["dsl.operand_origins"] = ir.ArrayAttr.get(
+      [ir.StringAttr.get(bm.origin) for bm in gm.block_mappings])
   if lctx.mesh_axes:
     main.attributes["dsl.mesh_axes"] = ir.ArrayAttr.get(
         [ir.StringAttr.get(str(n)) for n, _ in lctx.mesh_axes])

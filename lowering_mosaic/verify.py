@@ -12,6 +12,8 @@ interleavings. Command line:
 
     python -m lowering_mosaic.verify kernel.pml
     python -m lowering_mosaic.verify my.module:function f32[8,128] ...
+    python -m lowering_mosaic.verify kernels.collectives:all_gather \
+        f32[32,128] --axis x=4     # per device, in shard_map over x
 
 See docs/verification.md.
 """
@@ -162,6 +164,65 @@ def _load_function(target: str):
   return fn
 
 
+def _needs_axis_name(fn) -> bool:
+  import inspect
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+  p = params.get("axis_name")
+  return p is not None and p.default is p.empty
+
+
+def parse_axis(text: str) -> tuple[str, int]:
+  """'x=4' -> ('x', 4): a mesh axis name and its size."""
+  name, _, size = text.partition("=")
+  if not name.isidentifier() or not size.isdigit() or int(size) < 1:
+    raise ValueError(f"cannot read the mesh axis {text!r}; write NAME=SIZE, "
+                     "e.g. x=4")
+  return name, int(size)
+
+
+def in_shard_map(fn, axis: str, size: int):
+  """`fn` run per device inside `shard_map` over a 1-D mesh axis `axis` of
+  `size` devices, given `axis_name=axis` when it takes one. Its arguments
+  are split along dim 0; `.global_args` turns per-device shapes into them."""
+  import functools
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+  if len(jax.devices()) < size:
+    raise ValueError(f"the mesh axis {axis}={size} needs {size} devices, "
+                     f"there are {len(jax.devices())}; use --host-devices")
+  mesh = Mesh(np.array(jax.devices()[:size]), (axis,))
+  body = functools.partial(fn, axis_name=axis) if _needs_axis_name(fn) else fn
+
+  def per_device(*shards):
+    return jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
+                         check_vma=False)(*shards)
+
+  def global_args(args):
+    return [jax.ShapeDtypeStruct((a.shape[0] * size, *a.shape[1:]), a.dtype)
+            for a in args]
+  per_device.global_args = global_args
+  return per_device
+
+
+def _target(fn, axis_text: Optional[str], num_devices: Optional[int], args):
+  """The function to verify and its arguments: `fn` itself, or `fn` inside
+  `shard_map` when --axis is given or `fn` needs an `axis_name`."""
+  if axis_text is None and not _needs_axis_name(fn):
+    return fn, args
+  if axis_text is None:
+    axis_text = f"x={num_devices or 2}"
+    print(f"note: {getattr(fn, '__name__', 'the function')} takes axis_name: "
+          f"running it in shard_map over the mesh axis {axis_text} (choose "
+          "with --axis NAME=SIZE); the shapes are per device", file=sys.stderr)
+  axis, size = parse_axis(axis_text)
+  wrapped = in_shard_map(fn, axis, size)
+  return wrapped, wrapped.global_args(args)
+
+
 def _host_devices(n: int):
   flag = "--xla_force_host_platform_device_count"
   flags = os.environ.get("XLA_FLAGS", "")
@@ -173,12 +234,29 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(
       prog="python -m lowering_mosaic.verify",
       description="Check a Mosaic kernel (or a Promela model of one) for "
-      "races, deadlocks and unbalanced semaphores with SPIN.")
+      "races, deadlocks and unbalanced semaphores with SPIN.",
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="examples:\n"
+      "  python -m lowering_mosaic.verify mypkg.kernels:f f32[8,128]\n"
+      "  python -m lowering_mosaic.verify path/to/file.py:f f32[8,128]\n"
+      "  # a collective kernel that takes axis_name, on 4 devices:\n"
+      "  python -m lowering_mosaic.verify kernels.collectives:all_gather "
+      "f32[32,128] --axis x=4\n"
+      "  python -m lowering_mosaic.verify kernel.pml\n"
+      "exit status: 0 ok, 1 a race, deadlock or semaphore error, 2 the "
+      "search hit a bound")
   ap.add_argument("target", help="a .pml file, or module:function (also "
                   "path/to/file.py:function) calling pallas_call")
   ap.add_argument("shapes", nargs="*", help="argument shapes for "
                   "module:function, e.g. f32[8,128] or 8x128xf32")
-  ap.add_argument("--num-devices", type=int, default=None)
+  ap.add_argument("--num-devices", type=int, default=None,
+                  help="devices running the kernel (default: the mesh axis "
+                  "of --axis, else 1)")
+  ap.add_argument("--axis", metavar="NAME=SIZE", default=None,
+                  help="run module:function per device inside shard_map over "
+                  "a mesh axis NAME of SIZE devices, passing axis_name=NAME "
+                  "when it takes one; SHAPES are then per device. A function "
+                  "that needs axis_name gets --axis x=2 by default")
   ap.add_argument("--max-depth", type=int, default=200_000)
   ap.add_argument("--timeout", type=float, default=60.0, help="seconds")
   ap.add_argument("--memory-mb", type=int, default=512)
@@ -205,6 +283,7 @@ def main(argv=None) -> int:
       _host_devices(a.host_devices)
       fn = _load_function(a.target)
       args = [parse_shape(s) for s in a.shapes]
+      fn, args = _target(fn, a.axis, a.num_devices, args)
       if a.emit:
         from lowering_mosaic.inspection import to_modules
         for m in to_modules(fn, *args):

@@ -8,10 +8,11 @@ lowered operands, and returns the lowered results.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import linecache
 import os
-import re
 from typing import Any, Sequence
 
 import jax
@@ -27,11 +28,6 @@ from lowering_triton.refs import MemRef, ValueRef, row_major_strides
 from lowering_triton.values import (MAX_NUMEL, TVal, full_expr, literal_value,
                                     numel, padded, py_literal)
 
-_ASSIGN = re.compile(
-    r"^\s*([A-Za-z_]\w*)\s*(?::[^=]+)?(?:\+|-|\*|/|//|%|&|\||\^|<<|>>|\*\*)?="
-    r"(?!=)")
-
-
 def source_text(frame: str | None) -> str:
   """`file.py:12: <the stripped source line>` for a `file:line` frame."""
   if not frame:
@@ -42,16 +38,36 @@ def source_text(frame: str | None) -> str:
   return f"{loc}: {text}" if text else loc
 
 
+@functools.lru_cache(maxsize=64)
+def _assignments(path: str, size: int) -> dict[int, str]:
+  """Line -> name for each `name = ...` (or `name += ...`) statement of a
+  source file: only real assignments, not keyword arguments of a call."""
+  try:
+    tree = ast.parse("".join(linecache.getlines(path)))
+  except (SyntaxError, ValueError):
+    return {}
+  out = {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+      target = node.targets[0]
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+      target = node.target
+    else:
+      continue
+    if isinstance(target, ast.Name) and target.id not in ("self", "_"):
+      out[node.lineno] = target.id
+  return out
+
+
 def _assigned_name(frame: str | None) -> str | None:
+  """The variable that the statement at `file:line` assigns, if any."""
   if not frame:
     return None
   path, _, line = frame.rpartition(":")
   if not line.isdigit():
     return None
-  m = _ASSIGN.match(linecache.getline(path, int(line)))
-  if m and m.group(1) not in ("self", "_"):
-    return m.group(1)
-  return None
+  lines = linecache.getlines(path)
+  return _assignments(path, len(lines)).get(int(line)) if lines else None
 
 
 def _subjaxprs_using(eqn) -> bool:

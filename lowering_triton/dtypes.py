@@ -80,16 +80,3 @@ def max_value(dtype):
   if is_bool(dtype):
     return True
   return int(np.iinfo(np.dtype(dtype)).max)
-
-
-def poison_value(dtype):
-  """What a read of memory past an array sees (and, with
-  jax_pallas_poison_buffers on, a fresh scratch buffer holds), so that a
-  kernel that uses it gives a visibly wrong answer on the CPU, as it would
-  on hardware: NaN for floats, the dtype's minimum for integers, True for
-  bools."""
-  if is_float(dtype):
-    return float("nan")
-  if is_bool(dtype):
-    return True
-  return int(np.iinfo(np.dtype(dtype)).min)

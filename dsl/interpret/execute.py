@@ -17,18 +17,32 @@ from jax import lax
 from jax._src import core
 from jax._src.state import discharge as state_discharge
 
+from dsl import config
 from dsl.blockspec import BlockMapping, Element
 from dsl.interpret.plan import OperandPlan, Plan, make_plan
+from dsl.poison import fresh_buffer, poison_value
 
 
 def _consts(j):
   return list(getattr(j, "consts", ()) or ())
 
 
+def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
+                      kept_refs: int = 0):
+  """The kernel as a function of values; its first `kept_refs` refs after
+  the grid ids (scalar prefetch) may stay refs. Cached; what run_scoped
+  allocations start as (jax_pallas_poison_buffers) is part of the key."""
+  return _discharged_kernel(jaxpr, grid_rank, kept_refs,
+                            config.poison_buffers())
+
+
 @functools.lru_cache(maxsize=256)
-def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int):
+def _discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
+                       kept_refs: int, poison_buffers: bool):
+  del poison_buffers     # read by run_scoped's discharge rule
   j = jaxpr.jaxpr
-  should = [False] * grid_rank + [True] * (len(j.invars) - grid_rank)
+  kept = grid_rank + kept_refs
+  should = [False] * kept + [True] * (len(j.invars) - kept)
   closed = core.ClosedJaxpr(j, jaxpr.consts)
   return state_discharge.discharge_state(closed, should_discharge=should,
                                          strip_memory_space=True)
@@ -49,15 +63,17 @@ def _padding(bm: BlockMapping):
       lo, hi = d.padding
       pads.append((lo, hi + b))
     else:
-      pads.append((0, (-n) % b))
+      pads.append((0, (-n) % b if b else 0))   # b == 0: an empty array
   return pads
 
 
 def pad(x, bm: BlockMapping):
+  """`x` padded to whole blocks (and by `Element` padding) with poison: the
+  part of a block past its array reads poison, as on every host backend."""
   pads = _padding(bm)
   if all(p == (0, 0) for p in pads):
     return x
-  return jnp.pad(x, pads)
+  return jnp.pad(x, pads, constant_values=poison_value(x.dtype))
 
 
 def unpad(x, bm: BlockMapping):
@@ -163,19 +179,80 @@ def block_offsets(bm: BlockMapping, ids, prefetch):
   return [jnp.asarray(o, jnp.int32) for o in bm.element_offsets(idx)]
 
 
-def read_gather_block(full, bm: BlockMapping, offsets):
+def _window_inside(full, bm: BlockMapping, offsets):
+  """Whether the block at `offsets` lies inside the padded array `full`."""
+  ok = jnp.bool_(True)
+  for o, b, n in zip(offsets, bm.block_sizes, full.shape):
+    ok = ok & (o >= 0) & (o + b <= n)
+  return ok
+
+
+def _positions(full, bm: BlockMapping, offsets, outside: bool):
+  """Per dim, the positions the block covers (those outside `full` moved to
+  0, or past the end with `outside`) and which lie inside."""
+  pos, valid = [], []
+  for o, b, n in zip(offsets, bm.block_sizes, full.shape):
+    p = o + jnp.arange(b, dtype=jnp.int32)
+    v = (p >= 0) & (p < n)
+    pos.append(jnp.where(v, p, n if outside else 0))
+    valid.append(v)
+  return pos, valid
+
+
+def _outer_and(valid):
+  mask = jnp.bool_(True)
+  for d, v in enumerate(valid):
+    shape = [1] * len(valid)
+    shape[d] = v.shape[0]
+    mask = mask & v.reshape(shape)
+  return mask
+
+
+def _read_unchecked_block(full, bm: BlockMapping, offsets):
+  """A block whose indices were not checked at trace time: what lies
+  outside the padded array reads poison (nothing is read outside it)."""
+  poison = poison_value(full.dtype)
+  if not bm.has_element_dims:   # a block lies wholly inside or outside
+    blk = lax.dynamic_slice(full, offsets, bm.block_sizes)
+    return jnp.where(_window_inside(full, bm, offsets), blk, poison)
+  pos, valid = _positions(full, bm, offsets, outside=False)
+  return jnp.where(_outer_and(valid), full[jnp.ix_(*pos)], poison)
+
+
+def _write_unchecked_block(full, blk, bm: BlockMapping, offsets):
+  """Writes a block whose indices were not checked at trace time; what
+  lies outside the padded array is dropped."""
+  if not bm.has_element_dims:
+    cur = lax.dynamic_slice(full, offsets, bm.block_sizes)
+    new = jnp.where(_window_inside(full, bm, offsets), blk, cur)
+    return lax.dynamic_update_slice(full, new, offsets)
+  pos, _ = _positions(full, bm, offsets, outside=True)
+  return full.at[jnp.ix_(*pos)].set(blk, mode="drop")
+
+
+def read_gather_block(full, bm: BlockMapping, offsets, unchecked=False):
   if full.ndim == 0:
     return full
-  blk = lax.dynamic_slice(full, offsets, bm.block_sizes)
+  if unchecked:
+    blk = _read_unchecked_block(full, bm, offsets)
+  else:
+    blk = lax.dynamic_slice(full, offsets, bm.block_sizes)
   return blk.reshape(bm.kernel_shape)
 
 
-def scatter_blocks(full, blocks, offsets, bm: BlockMapping, n_par: int):
-  """Writes per-point blocks (P..., kernel_shape) at offsets (P..., rank)."""
+def scatter_blocks(full, blocks, offsets, bm: BlockMapping, n_par: int,
+                   unchecked: bool = False):
+  """Writes per-point blocks (P..., kernel_shape) at offsets (P..., rank).
+
+  `unchecked`: the offsets were not checked at trace time (then the grid
+  has no parallel dims: an output's blocks from data are not analysed)."""
   r = full.ndim
   blocks = blocks.astype(full.dtype)
   if r == 0:
     return blocks.reshape(blocks.shape[n_par:]) if n_par == 0 else blocks.reshape(-1)[-1]
+  if n_par == 0 and unchecked:
+    return _write_unchecked_block(full, blocks.reshape(bm.block_sizes), bm,
+                                  list(offsets))
   if n_par == 0:
     return lax.dynamic_update_slice(full, blocks.reshape(bm.block_sizes),
                                     list(offsets))
@@ -219,8 +296,8 @@ def _initial_states(args, spec, plan: Plan):
     init = pad(init, bm)
     out_states.append(to_view(init, bm) if op.mode == "view" else init)
   par_shape = tuple(gm.grid[d] for d in plan.parallel)
-  scratch = [jnp.zeros(par_shape + tuple(a.inner_aval.shape), a.inner_aval.dtype)
-             for a in gm.scratch_avals]
+  poison = config.poison_buffers()
+  scratch = [fresh_buffer(a, poison, par_shape) for a in gm.scratch_avals]
   return prefetch, in_states, out_states, scratch
 
 
@@ -236,7 +313,8 @@ def _point_fn(spec, plan: Plan):
     ids, pf, in_args, out_args, sc = gm.split(flat)
     in_blocks = [a if op.mode == "view" else
                  read_gather_block(a, op.mapping,
-                                   block_offsets(op.mapping, ids, pf))
+                                   block_offsets(op.mapping, ids, pf),
+                                   op.from_data)
                  for a, op in zip(in_args, in_plans)]
     out_blocks, out_offs = [], []
     for a, op in zip(out_args, out_plans):
@@ -245,7 +323,8 @@ def _point_fn(spec, plan: Plan):
       else:
         offs = block_offsets(op.mapping, ids, pf)
         out_offs.append(jnp.stack(offs) if offs else jnp.zeros((0,), jnp.int32))
-        out_blocks.append(read_gather_block(a, op.mapping, offs))
+        out_blocks.append(read_gather_block(a, op.mapping, offs,
+                                            op.from_data))
     finals = gm.split(_eval(dj, *ids, *pf, *in_blocks, *out_blocks, *sc))
     return list(finals.outputs), list(finals.scratch), out_offs
 
@@ -282,7 +361,8 @@ def _step_fn(spec, plan: Plan, prefetch, in_states):
         o = next(offs)
         updated.append(scatter_blocks(s, blk, [o[..., j] for j in
                                                range(o.shape[-1])],
-                                      op.mapping, len(plan.parallel)))
+                                      op.mapping, len(plan.parallel),
+                                      op.from_data))
     return updated, list(new_scratch)
 
   return step

@@ -31,6 +31,10 @@ class OperandPlan:
   mode: str                      # "view" or "gather"
   sources: tuple = ()            # view: per array dim ("grid", d) | ("const", c)
   par_dims: tuple[int, ...] = ()  # view: parallel grid dims it is batched over
+  # gather: block indices not known at trace time (read from data, or too
+  # many grid points to analyse), so not checked there: every access is
+  # kept inside the buffer at run time.
+  from_data: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,11 +157,13 @@ def _subsets_largest_first(dims: tuple[int, ...]):
 
 
 def _n_blocks(bm: BlockMapping) -> tuple[int, ...]:
-  return tuple(-(-n // b) for n, b in zip(bm.array_aval.shape, bm.block_sizes))
+  """Blocks per array dim (a zero-size dim, whose block is empty: none)."""
+  return tuple(-(-n // b) if b else 0
+               for n, b in zip(bm.array_aval.shape, bm.block_sizes))
 
 
 def _view_sources(bm: BlockMapping, idx, grid):
-  if idx is None or bm.has_element_dims:
+  if idx is None or bm.has_element_dims or 0 in bm.block_sizes:
     return None
   coords = np.indices(grid) if grid else np.zeros((0,))
   sources, used = [], set()
@@ -305,7 +311,7 @@ def make_plan_uncached(gm: GridMapping,
   for bm, idx in zip(gm.block_mappings, idxs):
     sources = _view_sources(bm, idx, grid)
     if sources is None:
-      plans.append(OperandPlan(bm, "gather"))
+      plans.append(OperandPlan(bm, "gather", from_data=idx is None))
       continue
     par = tuple(d for d in parallel
                 if ("grid", d) in sources)
@@ -313,5 +319,5 @@ def make_plan_uncached(gm: GridMapping,
   # An output in view mode must be batched over every parallel dim.
   for k, p in enumerate(plans[gm.num_inputs:], gm.num_inputs):
     if p.mode == "view" and len(p.par_dims) != len(parallel):
-      plans[k] = OperandPlan(p.mapping, "gather")
+      plans[k] = OperandPlan(p.mapping, "gather", from_data=idxs[k] is None)
   return Plan(grid, parallel, sequential, tuple(plans))

@@ -70,18 +70,21 @@ def eval_ref_jaxpr(jaxpr: core.ClosedJaxpr, *args):
   return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
-def point_function(spec: KernelSpec):
+def point_function(spec: KernelSpec, prefetch_refs: bool = False):
   """The kernel at one grid point as a pure function.
 
   `F(ids, pf, ins, outs, scratch) -> (outs', scratch')`: given the blocks it
-  sees on entry, the output and scratch blocks it leaves.
+  sees on entry, the output and scratch blocks it leaves. With
+  `prefetch_refs`, `pf` are the scalar-prefetch refs themselves (read a
+  scalar at a time, as SMEM must be) rather than their values.
   """
   gm = spec.grid_mapping
-  dj = discharged_kernel(spec.jaxpr, len(gm.grid))
+  kept = gm.num_scalar_prefetch if prefetch_refs else 0
+  dj = discharged_kernel(spec.jaxpr, len(gm.grid), kept)
 
   def F(ids, pf, ins, outs, scratch):
-    finals = gm.split(core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins,
-                                      *outs, *scratch))
+    finals = gm.split([None] * kept + core.eval_jaxpr(
+        dj.jaxpr, dj.consts, *ids, *pf, *ins, *outs, *scratch))
     return list(finals.outputs), list(finals.scratch)
   return F
 

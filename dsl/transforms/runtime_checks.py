@@ -34,7 +34,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from dsl import checks, host_failures, primitives
 from dsl import tpu_primitives as tp
-from dsl.blockspec import BlockSpec
+from dsl.blockspec import BlockSpec, Element
 from dsl.errors import (KernelCheckError, KernelDeadlockError,
                         KernelRuntimeError, park, traceback_frame)
 from dsl.pallas_call import KernelSpec
@@ -47,6 +47,11 @@ _USER_CHECKS = frozenset({jax_checkify.FailedCheckError})
 class NeverFinishingWait(jax_checkify.FailedCheckError):
   """A DMA or semaphore wait that nothing before it can satisfy (a user
   check for checkify: `checkify.user_checks` enables it)."""
+
+
+class BlockOutsideArray(jax_checkify.FailedCheckError):
+  """A block index read from data (scalar prefetch) that puts the block
+  outside its array (checked with jax_pallas_enable_runtime_assert)."""
 
 
 # ------------------------------------------------------------ what to check
@@ -78,10 +83,7 @@ def needs_checks(jaxpr: core.Jaxpr, include_debug: bool = False) -> bool:
 
 def _operand_names(spec: KernelSpec) -> list[str | None]:
   gm = spec.grid_mapping
-  return ([None] * len(gm.grid)
-          + [f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
-          + [bm.origin for bm in gm.block_mappings]
-          + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+  return [None] * len(gm.grid) + spec.ref_labels()
 
 
 def _while_operands(eqn, key):
@@ -241,16 +243,89 @@ for _p in _WAIT_NEEDS:
 jax_checkify.error_checks[primitives.run_scoped_p] = _run_scoped_rule
 
 
+# ------------------------------------------------------------ block indices
+
+def data_dependent_blocks(spec: KernelSpec) -> list:
+  """The block mappings whose index maps read scalar-prefetch data."""
+  from dsl.interpret.plan import _uses_prefetch
+  gm = spec.grid_mapping
+  return [bm for bm in gm.block_mappings
+          if not bm.whole_array and bm.block_shape
+          and _uses_prefetch(bm.index_map_jaxpr, len(gm.grid))]
+
+
+def _index_map_location(bm) -> str:
+  info = getattr(bm.index_map_jaxpr.jaxpr, "debug_info", None)
+  src = getattr(info, "func_src_info", None) or ""
+  return f" (index map at {src.split(' at ')[-1]})" if " at " in src else ""
+
+
+def _block_limits(bm):
+  """Per dim: (the first illegal index, its text) or None (unchecked)."""
+  out = []
+  for dim, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes):
+    if n == 0:
+      out.append(None)
+    elif isinstance(dim, Element):
+      lo, hi = dim.padding
+      out.append((n + lo + hi, f"element offsets below {n + lo + hi}"))
+    else:
+      out.append((-(-n // b), f"block indices below {-(-n // b)}"))
+  return out
+
+
+def _block_index_errors(ctx, error, spec: KernelSpec, ids, pf):
+  """`error` with a check, per operand whose block index comes from data,
+  that the block lies inside its array."""
+  for bm in data_dependent_blocks(spec):
+    j = bm.index_map_jaxpr
+    idx = core.eval_jaxpr(j.jaxpr, j.consts, *ids, *pf)[:len(bm.block_shape)]
+    idx = [jnp.asarray(i, jnp.int32) for i in idx]
+    bad, valid = jnp.bool_(False), []
+    for d, (i, lim) in enumerate(zip(idx, _block_limits(bm))):
+      if lim is not None:
+        bad = bad | (i < 0) | (i >= lim[0])
+        valid.append(f"dim {d}: {lim[1]}")
+    rank, n_grid = len(idx), len(ids)
+    point = (f" at grid point ({', '.join(['{}'] * n_grid)}"
+             f"{',' if n_grid == 1 else ''})" if n_grid else "")
+    fmt = (f"{bm.origin}: block index ({', '.join(['{}'] * rank)}"
+           f"{',' if rank == 1 else ''}){point} is outside the array "
+           f"{bm.array_aval.str_short()} ({'; '.join(valid)}); index maps "
+           f"return block indices, not element offsets"
+           f"{_index_map_location(bm)}")
+    # The failure's line is the index map's.
+    tb = next((e.source_info.traceback for e in j.jaxpr.eqns
+               if e.source_info is not None), None)
+    exc = BlockOutsideArray(tb or jax_checkify.get_traceback(), fmt, *idx,
+                            *[jnp.asarray(i, jnp.int32) for i in ids])
+    error = jax_checkify.assert_func(ctx, error, bad, exc)
+  return error
+
+
 # ------------------------------------------------------------ the kernel
 
-def _error_structure(jaxpr: core.ClosedJaxpr, enabled_errors):
+def _checkify_kernel(spec, jaxpr, enabled_errors, check_blocks, args):
+  """The error state of the kernel's checks at one grid point; `args`:
+  grid ids, prefetch, inputs, outputs, scratch."""
+  ctx, err = jax_checkify.CheckifyContext(), jax_checkify.init_error
+  if check_blocks:
+    gm = spec.grid_mapping
+    n_grid = len(gm.grid)
+    err = _block_index_errors(ctx, err, spec, args[:n_grid],
+                              args[n_grid:n_grid + gm.num_scalar_prefetch])
+  err, _ = jax_checkify.checkify_jaxpr(ctx, jaxpr, enabled_errors, err,
+                                       *args)
+  return err
+
+
+def _error_structure(spec, jaxpr: core.ClosedJaxpr, enabled_errors,
+                     check_blocks):
   """(treedef, leaf avals) of the error a checkified kernel produces."""
   box = []
 
   def f(*args):
-    err, _ = jax_checkify.checkify_jaxpr(jax_checkify.CheckifyContext(),
-                                         jaxpr, enabled_errors,
-                                         jax_checkify.init_error, *args)
+    err = _checkify_kernel(spec, jaxpr, enabled_errors, check_blocks, args)
     leaves, tree = tree_util.tree_flatten(err)
     box.append(tree)
     return leaves
@@ -270,26 +345,27 @@ def _error_block_spec(aval, n_grid: int) -> BlockSpec:
 
 @functools.lru_cache(maxsize=256)
 def checked_spec(spec: KernelSpec, keep_debug: bool = False,
-                 enabled_errors=_USER_CHECKS):
+                 enabled_errors=_USER_CHECKS, check_blocks: bool = False):
   """The kernel that also writes the error state of its checks, one block per
   grid point: `(spec', error treedef)`; the error outputs follow the
   kernel's own outputs. `keep_debug`: debug-only checks count too (for
-  `checkify.checkify`); `enabled_errors`: the checkify error kinds."""
+  `checkify.checkify`); `enabled_errors`: the checkify error kinds;
+  `check_blocks`: block indices read from data are checked too."""
   gm = spec.grid_mapping
   n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   names = dict(zip(spec.jaxpr.jaxpr.invars, _operand_names(spec)))
   jaxpr = core.ClosedJaxpr(_prepare(spec.jaxpr.jaxpr, names, keep_debug),
                            spec.jaxpr.consts)
-  err_tree, err_avals = _error_structure(jaxpr, enabled_errors)
+  err_tree, err_avals = _error_structure(spec, jaxpr, enabled_errors,
+                                         check_blocks)
   n_err = len(err_avals)
 
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
     pf, ins, outs, errs, scr = split(refs, n_pf, n_in, n_out, n_err, n_scr)
-    err, _ = jax_checkify.checkify_jaxpr(
-        jax_checkify.CheckifyContext(), jaxpr, enabled_errors,
-        jax_checkify.init_error, *ids, *pf, *ins, *outs, *scr)
+    err = _checkify_kernel(spec, jaxpr, enabled_errors, check_blocks,
+                           (*ids, *pf, *ins, *outs, *scr))
     for ref, leaf in zip(errs, tree_util.tree_leaves(err)):
       ref[...] = jnp.asarray(leaf, ref.dtype)
 
@@ -345,6 +421,8 @@ def kernel_failure(kernel: str, point, exc, device=None) -> KernelRuntimeError:
   detail = []
   if isinstance(exc, NeverFinishingWait):
     cls, message = KernelDeadlockError, _values_text(exc) or exc.fmt_string
+  elif isinstance(exc, BlockOutsideArray):
+    cls, message = KernelRuntimeError, _values_text(exc) or exc.fmt_string
   elif isinstance(exc, jax_checkify.FailedCheckError):
     # The first line is the message as written, as every backend gives it;
     # the values of its `{}` fields follow.
@@ -354,7 +432,7 @@ def kernel_failure(kernel: str, point, exc, device=None) -> KernelRuntimeError:
       detail.append(f"  with its values: {values}")
   else:
     cls, message = KernelRuntimeError, str(exc)
-  if point:
+  if point and not isinstance(exc, BlockOutsideArray):   # it says where
     detail.append(f"  at grid point {point}")
   if device is not None:
     detail.append(f"  on device {device}" + (
@@ -382,10 +460,12 @@ def _device_id(axes):
   return device
 
 
-def run_checked(spec: KernelSpec, run, args, axis_context):
-  """Runs `spec` through `run(*args, spec=...)` with its checks, and raises
-  the first failure (dsl/host_failures.py)."""
-  new, err_tree = checked_spec(spec)
+def run_checked(spec: KernelSpec, run, args, axis_context,
+                check_blocks: bool = False):
+  """Runs `spec` through `run(*args, spec=...)` with its checks (and, with
+  `check_blocks`, its block indices read from data), and raises the first
+  failure (dsl/host_failures.py)."""
+  new, err_tree = checked_spec(spec, check_blocks=check_blocks)
   outs = run(*args, spec=new)
   n_out = spec.grid_mapping.num_outputs
   axes = host_failures.manual_axes(axis_context)

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax._src import core
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 
-from dsl.errors import KernelError
+from dsl.errors import KernelError, source_info_frame
 from dsl.interpret.plan import make_plan
 from dsl.pallas_call import KernelSpec, pallas_call_p, sharded_like
+from dsl.primitives import run_scoped
 from dsl.tracing import program_id
 from dsl.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
@@ -128,7 +130,24 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     ops = gm.split(base + scr)
     for r, s in zip(rec, ops.outputs + ops.scratch):
       r[...] = s[...]
-    eval_ref_jaxpr(spec.jaxpr, *ids, *base, *scr)
+    pf_refs, in_refs = base[:n_pf], base[n_pf:n_pf + n_in]
+    copied = [k for k, bm in enumerate(gm.in_mappings) if _overhangs(bm)]
+    if not copied:
+      eval_ref_jaxpr(spec.jaxpr, *ids, *base, *scr)
+      return
+
+    # The replay sees zeros past the arrays, so the recorded states (an
+    # accumulator's rows past the array) hold no garbage that the
+    # transposed kernel would multiply by a zero cotangent.
+    def replay(*bufs):
+      refs_in = list(in_refs)
+      for k, buf in zip(copied, bufs):
+        buf[...] = _zero_past_array(in_refs[k][...], gm.in_mappings[k], ids,
+                                    pf_refs)
+        refs_in[k] = buf
+      eval_ref_jaxpr(spec.jaxpr, *ids, *pf_refs, *refs_in,
+                     *base[n_pf + n_in:], *scr)
+    run_scoped(replay, *[gm.in_mappings[k].ref_aval for k in copied])
 
   rec_specs = [_record_block_spec(a, n_grid) for a in state_avals]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
@@ -151,12 +170,41 @@ def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
 
 # ----------------------------------------------------------- transpose
 
+def _overhangs(bm) -> bool:
+  """Whether a block of `bm` may lie partly past its array."""
+  from dsl.blockspec import Element
+  return not bm.whole_array and any(
+      isinstance(d, Element) or (b and n % b)
+      for d, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes))
+
+
+def _zero_past_array(x, bm, ids, pf_refs):
+  """`x`, the block of `bm` at grid point `ids`, with the positions past
+  the array set to 0. The transposed kernel reads primal inputs, recorded
+  output states and output cotangents there: the cotangent of a position
+  that does not exist is 0, and a primal value there is garbage on hardware
+  (poison on the CPU) that `0 * garbage` would carry into the cotangents of
+  the array."""
+  from dsl.blockspec import Element
+  if not _overhangs(bm):
+    return x
+  dims = list(zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes))
+  j = bm.index_map_jaxpr
+  idx = core.eval_jaxpr(j.jaxpr, j.consts, *ids, *pf_refs)[:len(dims)]
+  mask = jnp.bool_(True)
+  for k, ((d, n, b), o) in enumerate(zip(dims, bm.element_offsets(idx))):
+    start = o - d.padding[0] if isinstance(d, Element) else o
+    pos = start + jax.lax.broadcasted_iota(jnp.int32, bm.block_sizes, k)
+    mask = mask & (pos >= 0) & (pos < n)
+  return jnp.where(mask.reshape(bm.kernel_shape), x, jnp.zeros_like(x))
+
+
 def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
   n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
   sequential = set(make_plan(gm, spec.compiler_params, spec.jaxpr).sequential)
-  F = point_function(spec)
+  F = point_function(spec, prefetch_refs=True)
 
   def rev(ids):
     return [grid[d] - 1 - i if d in sequential else i
@@ -176,10 +224,13 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
     (pf_refs, in_refs, rec_refs, _ct_out_in, ct_in_refs, ct_out_refs,
      ct_scr_refs) = split(refs, n_pf, n_in, n_rec, n_ct_out, n_ct_in,
                           n_ct_out, len(ct_scr_avals))
-    pf = [r[...] for r in pf_refs]
-    ins = [r[...] for r in in_refs]
+    pf = list(pf_refs)      # SMEM: read by the kernel a scalar at a time
+    ins = [_zero_past_array(r[...], bm, ids, pf_refs)
+           for r, bm in zip(in_refs, gm.in_mappings)]
     if recorded:
       entry = [r[...] for r in rec_refs]
+      entry[:n_out] = [_zero_past_array(x, bm, ids, pf_refs)
+                       for x, bm in zip(entry, gm.out_mappings)]
     else:
       entry = [jnp.zeros(a.shape, a.dtype) for a in state_avals]
     outs_e, scr_e = entry[:n_out], entry[n_out:]
@@ -199,7 +250,8 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
     t_out_ex = [x for x, f in zip(outs_e, out_f) if f]
     t_scr_ex = [x for x, f in zip(scr_e, scr_f) if f]
     transposed = jax.linear_transpose(tangent_map, t_in_ex, t_out_ex, t_scr_ex)
-    ct_out_now = [r[...] for r in ct_out_refs]
+    ct_out_now = [_zero_past_array(r[...], bm, ids, pf_refs)
+                  for r, bm in zip(ct_out_refs, ct_out_maps)]
     ct_scr_now = [r[...] for r in ct_scr_refs]
     ct_tin, ct_tout, ct_tscr = transposed((ct_out_now, ct_scr_now))
     for r, c in zip(ct_in_refs, ct_tin):
@@ -256,10 +308,14 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
   recorded = needs_entry_state(base)
   rec = []
-  if recorded:
-    rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
-    rec = list(rec_outs[n_out:])
-  tspec = _transpose_spec(base, in_nz, recorded)
+  try:
+    if recorded:
+      rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
+      rec = list(rec_outs[n_out:])
+    tspec = _transpose_spec(base, in_nz, recorded)
+  except KernelError as e:
+    _raise_for_while_loop(base, e)
+    raise
   outs = pallas_call_p.bind(*primals, *rec, *ct_outs, spec=tspec)
   n_ct_in = sum(in_nz)
   ct_ins, ct_out_final = list(outs[:n_ct_in]), list(outs[n_ct_in:])
@@ -275,6 +331,36 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   tangent_cts = [sharded_like(c, getattr(t, "aval", None))
                  for c, t in zip(ct_ins, tangent_args)]
   return [None] * n_primals + tangent_cts
+
+
+def _while_loops(jaxpr: core.Jaxpr):
+  """The `while_loop` equations of a kernel, in its control flow and calls."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is lax.while_p:
+      yield eqn
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, tuple) else (v,)):
+        if isinstance(sub, core.ClosedJaxpr):
+          yield from _while_loops(sub.jaxpr)
+        elif isinstance(sub, core.Jaxpr):
+          yield from _while_loops(sub)
+
+
+def _raise_for_while_loop(base: KernelSpec, err: KernelError):
+  """JAX cannot transpose a `while_loop` (nor a `fori_loop` whose bounds are
+  traced values, which becomes one): say so, at the loop's line."""
+  loop = next(_while_loops(base.jaxpr.jaxpr), None)
+  if loop is None or "while_loop" not in str(err):
+    return
+  line = source_info_frame(loop.source_info) or base.where
+  raise KernelError(
+      base.name, "reverse mode (jax.grad, jax.vjp) cannot differentiate a "
+      "while_loop, or a fori_loop whose bounds are traced values (read from a "
+      "ref or computed in the kernel): the number of iterations is unknown "
+      "when the backward pass is built. Use lax.fori_loop with static "
+      "(Python int) bounds, masking the iterations past the dynamic bound, or "
+      "give the kernel a hand-written backward pass with jax.custom_vjp "
+      "(forward mode, jax.jvp, works as it is)", line) from err
 
 
 ad.primitive_linearizations[pallas_call_p] = pallas_call_linearize

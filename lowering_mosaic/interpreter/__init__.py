@@ -48,7 +48,7 @@ def current_options() -> InterpreterOptions:
   from dsl import config
   return dataclasses.replace(
       _set_options(),
-      poison_buffers=bool(jax_config.jax_pallas_poison_buffers.value),
+      poison_buffers=config.poison_buffers(),
       runtime_checks=config.enable_runtime_assert())
 
 

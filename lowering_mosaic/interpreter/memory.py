@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 from jax._src.lib.mlir import ir
 
+from dsl.poison import poison_value
 from lowering_mosaic import dialect
 
 
@@ -131,20 +132,6 @@ def describe_box(buf: Buffer, box) -> str:
   starts, sizes = box
   parts = [f"{s}:{s + n}" for s, n in zip(starts, sizes)]
   return f"{buf.name}[{', '.join(parts)}]"
-
-
-def poison_value(dtype):
-  """What memory nothing wrote holds, as the interpreter shows it: NaN for
-  floats, the dtype's minimum for integers, True for bools. Reads of block
-  padding past an array see it (hardware reads garbage there), and so do
-  fresh scratch and run_scoped buffers with `jax_pallas_poison_buffers` on,
-  so a kernel that uses such memory gives a visibly wrong answer."""
-  dtype = np.dtype(dtype)
-  if dtype == np.bool_:
-    return True
-  if np.issubdtype(dtype, np.integer):
-    return np.iinfo(dtype).min
-  return np.nan
 
 
 def fresh_array(t, poison: bool = False) -> np.ndarray:

@@ -8,8 +8,8 @@ HBM array into its VMEM buffer and an output block is written back and the
 new one read in (so revisiting an output block over consecutive steps
 accumulates, and aliased outputs keep unwritten blocks). The part of a
 block past its array (partial edge blocks, `Element` padding, a block index
-read from data that leaves the array) reads poison on the way in (NaN, the
-integer minimum: hardware reads garbage there) and is dropped on the way
+read from data that leaves the array) reads poison on the way in (dsl/poison.py:
+NaN for floats; hardware reads garbage there) and is dropped on the way
 out, so no access leaves a buffer; with runtime checks on, a block index
 outside the array is an error naming the operand. Scratch buffers persist
 over the whole grid; they start at zero, or as poison with
@@ -24,9 +24,9 @@ import numpy as np
 from jax._src import core
 from jax._src.lib.mlir import ir
 
+from dsl.poison import poison_value
 from lowering_mosaic import dialect
-from lowering_mosaic.interpreter.memory import (Buffer, MemRef, fresh_array,
-                                                poison_value)
+from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
 from lowering_mosaic.interpreter.program import (CFunc, Frame, compile_module,
                                                  run_block, run_to_end)
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
@@ -41,6 +41,7 @@ class Window:
   element_dims: tuple = ()
   padding_low: tuple = ()
   padding_high: tuple = ()
+  origin: str | None = None    # the spec it comes from: "in_specs[0]"
 
 
 @dataclasses.dataclass
@@ -95,6 +96,8 @@ def program_from_module(module: ir.Module) -> KernelProgram:
   n_pf = ir.IntegerAttr(a["scalar_prefetch"]).value
   n_sc = ir.IntegerAttr(a["scratch_operands"]).value
   windows = []
+  origins = ([ir.StringAttr(s).value for s in ir.ArrayAttr(
+      a["dsl.operand_origins"])] if "dsl.operand_origins" in a else [])
   if "window_params" not in a:
     windows = _grid_free_windows(
         main.arg_types[len(grid) + n_pf:len(main.arg_types) - n_sc])
@@ -107,8 +110,10 @@ def program_from_module(module: ir.Module) -> KernelProgram:
     pad_lo, pad_hi = (_i64s(d[f"dsl.element_padding_{side}"])
                       if f"dsl.element_padding_{side}" in d else ()
                       for side in ("low", "high"))
+    origin = origins[len(windows)] if len(windows) < len(origins) else None
     windows.append(Window(ir.FlatSymbolRefAttr(d["transform_indices"]).value,
-                          _i64s(d["window_bounds"]), elem, pad_lo, pad_hi))
+                          _i64s(d["window_bounds"]), elem, pad_lo, pad_hi,
+                          origin))
   n_ops = len(windows)
   n_in = (ir.IntegerAttr(a["dsl.num_inputs"]).value
           if "dsl.num_inputs" in a else n_ops - 1)
@@ -191,7 +196,8 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
   for i in range(prog.num_scratch):
     t = prog.arg_types[n_pf + len(prog.windows) + i]
     kind = dialect.semaphore_kind_of(t)
-    buf = device.add(Buffer(f"scratch_shapes[{i}]", ("scratch", i),
+    name = _name(prog, n_pf + len(prog.windows) + i, f"scratch_shapes[{i}]")
+    buf = device.add(Buffer(name, ("scratch", i),
                             fresh_array(t, world.options.poison_buffers),
                             _space(t), dev, kind))
     args.append(MemRef(buf))
@@ -283,7 +289,8 @@ def _check_block_index(world, prog, op: Operand, idx, point):
   if bad is None:
     return
   d, valid = bad
-  name = _name(prog, prog.num_prefetch + op.index, f"operand {op.index}")
+  name = op.window.origin or _name(prog, prog.num_prefetch + op.index,
+                                   f"operand {op.index}")
   f = prog.funcs.get(op.window.transform)
   line = _first_line(f) if f is not None else None
   array = core.ShapedArray(op.hbm.array.shape, op.hbm.array.dtype)

@@ -14,8 +14,8 @@ import scipy.special
 from jax._src.lib.mlir import ir
 
 from dsl.jaxpr_walk import RuleTable
+from dsl.poison import poison_value
 from lowering_mosaic import dialect
-from lowering_mosaic.interpreter.memory import poison_value
 
 VALUE_OPS = RuleTable("the Mosaic interpreter")
 value_op = VALUE_OPS.register

@@ -296,7 +296,7 @@ def _debug_print(ctx, *args, fmt):
 
 @register(checkify.check_p)
 def _check(ctx, *args, err_tree, debug, **params):
-  """A run-time check (jax_pallas_enable_runtime_assert) becomes `cf.assert`
+  """A run-time check (dsl/checks.py says which are) becomes `cf.assert`
   on the negated error flag, with the check's message."""
   if debug:
     return []       # debug-only checks are dropped, as without checkify

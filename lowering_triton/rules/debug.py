@@ -2,9 +2,9 @@
 hints, `debug_print` as `tl.device_print`, run-time checks (`debug_check`,
 `checkify.check`) as `tl.device_assert`.
 
-dsl marks every check of a kernel as run-time (`debug=False`) when
-jax_pallas_enable_runtime_assert is on, and as debug-only otherwise; only
-run-time checks produce an assert.
+dsl marks the checks of a kernel as run-time (`debug=False`) or debug-only
+from jax_pallas_enable_runtime_assert and jax_pallas_enable_debug_checks
+(dsl/checks.py); only run-time checks produce an assert.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _debug_print(ctx, *args, fmt, **params):
 @register(jax_checkify.check_p)
 def _check(ctx, *args, err_tree, debug, **params):
   if debug:
-    ctx.emit("# check skipped: jax_pallas_enable_runtime_assert is off")
+    ctx.emit("# a debug-only check: skipped")
     return []
   error = tree_util.tree_unflatten(err_tree, list(args))
   where = source_info_frame(ctx.eqn.source_info) or ctx.lowering.where

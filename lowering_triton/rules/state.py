@@ -15,6 +15,7 @@ from jax._src.state import primitives as state_primitives
 
 from dsl import primitives as dsl_primitives
 from dsl import ref_ops
+from dsl.poison import poison_value
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
@@ -42,8 +43,8 @@ def _view(ctx, ref: MemRef, transforms) -> MemRef:
 
 
 def poison(dtype) -> str:
-  """The value masked-off lanes of a load read (see dtypes.poison_value)."""
-  return py_literal(dtypes.poison_value(dtype), dtype)
+  """The value masked-off lanes of a load read (see poison_value)."""
+  return py_literal(poison_value(dtype), dtype)
 
 
 def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
@@ -401,13 +402,13 @@ def new_value_ref(ctx, aval, hint: str, origin: str = "") -> ValueRef:
 def poison_buffers() -> bool:
   """JAX's jax_pallas_poison_buffers: scratch buffers and run_scoped
   allocations start as poison instead of zeros."""
-  import jax
-  return bool(jax.config.jax_pallas_poison_buffers)
+  from dsl import config
+  return config.poison_buffers()
 
 
 def fresh_buffer(shape, dtype) -> str:
   """The initial value of a scratch buffer or run_scoped allocation."""
-  fill = dtypes.poison_value(dtype) if poison_buffers() else 0
+  fill = poison_value(dtype) if poison_buffers() else 0
   return full_expr(shape, fill, dtype)
 
 

@@ -246,3 +246,13 @@ def test_sharding_rows(capsys, tmp_path):
     assert r["sharded"]["all_gathers"] == 0
     assert all(r[n]["ok"] for n in ("sharded", "shard_map", "replicated"))
   assert "shard_map ms" in text
+
+
+def test_grad_vs_hand_compares_gradients_and_prints_a_row(capsys):
+  from benchmarks import grad_vs_hand
+  assert grad_vs_hand.main(["--small", "--repeats", "1", "--kernels",
+                            "softmax,layer_norm"]) == 0
+  out = capsys.readouterr().out
+  assert "softmax 16x128" in out and "layer_norm 16x128" in out
+  with pytest.raises(SystemExit):
+    grad_vs_hand.main(["--kernels", "nope"])

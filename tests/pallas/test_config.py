@@ -15,6 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 OPTIONS = {
     "jax_pallas_enable_runtime_assert": ("1", "true", True),
+    "jax_pallas_enable_debug_checks": ("1", "true", True),
+    "jax_pallas_poison_buffers": ("1", "true", True),
     "jax_pallas_use_mosaic_gpu": ("1", "true", True),
     "jax_pallas_verbose_errors": ("1", "true", True),
     "jax_pallas_dump_promela_to": ("/tmp/pml", "/tmp/pml", "/tmp/pml"),
@@ -64,6 +66,8 @@ def test_defaults():
   assert config.enable_runtime_assert() is False
   assert config.use_mosaic_gpu() is False
   assert config.dump_promela_to() == ""
+  assert config.enable_debug_checks() is False
+  assert config.poison_buffers() is False
 
 
 @contextlib.contextmanager
@@ -125,9 +129,37 @@ def test_verbose_lowering_error_marks_failing_equation():
   assert "\n" not in str(err)
 
 
+def _copy_kernel(x_ref, o_ref):
+  o_ref[...] = x_ref[...] + 1.0
+
+
 def test_use_mosaic_gpu_is_honoured_on_gpu_lowering():
-  f = lambda x: pl.pallas_call(lambda x_ref, o_ref: None,
-                               jax.ShapeDtypeStruct((8,), jnp.float32))(x)
+  """With the option on, CUDA lowering goes through Mosaic GPU (its custom
+  call, not Triton's); backend='triton' still picks Triton."""
+  f = lambda x: pl.pallas_call(_copy_kernel,
+                               jax.ShapeDtypeStruct((64, 128), jnp.float32))(x)
+  x = jnp.ones((64, 128), jnp.float32)
   with pl.config.use_mosaic_gpu_option(True):
-    with pytest.raises(Exception, match="jax_pallas_use_mosaic_gpu"):
-      jax.jit(f).trace(jnp.ones(8)).lower(lowering_platforms=("cuda",))
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu_v2" in text and "triton_kernel_call" not in text
+
+
+def test_absl_flags_parsed_before_import_dsl():
+  # parse_flags_with_absl() may run before `import dsl` registers its
+  # options: their --jax_pallas_* arguments are still read.
+  names = sorted(OPTIONS)
+  code = ("import jax; jax.config.parse_flags_with_absl(); import dsl; "
+          "from dsl import config; "
+          f"print(repr([config._read(n) for n in {names!r}]))")
+  argv = [f"--{n}={OPTIONS[n][1]}" for n in names]
+  assert _run(code, argv=argv) == repr([OPTIONS[n][2] for n in names])
+
+
+def test_config_with_absl_before_import_dsl():
+  # jax.config.config_with_absl() then absl's own parsing (as app.run does),
+  # with dsl imported in between.
+  code = ("import sys, jax; jax.config.config_with_absl(); import dsl; "
+          "from absl import flags; flags.FLAGS(sys.argv); "
+          "jax.config.complete_absl_config(flags); from dsl import config; "
+          "print(repr(config._read('jax_pallas_enable_runtime_assert')))")
+  assert _run(code, argv=["--jax_pallas_enable_runtime_assert=true"]) == "True"

@@ -106,7 +106,132 @@ def test_store_wrong_shape_names_operand_and_line():
 def test_store_wrong_dtype():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...].astype(jnp.int32)
-  _raises(r"o_ref \(out_specs\[0\]\): .*dtype", lambda: _call(kernel))
+  msg = _raises(r"kernel 'kernel', o_ref \(out_specs\[0\]\): storing int32 "
+                r"values into o_ref, a float32 ref: cast it first with "
+                r"`\.astype\(o_ref\.dtype\)`", lambda: _call(kernel))
+  assert f"{THIS_FILE}:{kernel.__code__.co_firstlineno + 1}" in msg
+
+
+@pytest.mark.parametrize("body", ["x_ref + 1", "1 + x_ref", "x_ref.sum()",
+                                  "jnp.exp(x_ref)"])
+def test_ref_used_as_value(body, tmp_path):
+  import importlib.util
+  path = tmp_path / "user_kernel.py"
+  path.write_text("import jax.numpy as jnp\n\ndef kernel(x_ref, o_ref):\n"
+                  f"  o_ref[...] = {body}\n")
+  spec_ = importlib.util.spec_from_file_location("user_kernel", path)
+  module = importlib.util.module_from_spec(spec_)
+  spec_.loader.exec_module(module)
+  msg = _raises(r"kernel 'kernel', x_ref \(in_specs\[0\]\): x_ref is a ref, "
+                r"not a value: read it with `x_ref\[\.\.\.\]`",
+                lambda: _call(module.kernel))
+  assert f"{path}:4" in msg
+
+
+def test_ref_used_as_value_names_the_right_ref():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + o_ref
+  _raises(r"o_ref \(out_specs\[0\]\): o_ref is a ref, not a value: read it "
+          r"with `o_ref\[\.\.\.\]`", lambda: _call(kernel))
+
+
+def test_forgotten_out_specs_shows_the_blockspec_that_fits():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+  msg = _raises(
+      r"kernel 'kernel', o_ref \(out_specs\[0\]\): the value stored has shape "
+      r"\(8,\), but o_ref is the whole array \(16,\): out_specs\[0\] has no "
+      r"BlockSpec \(no `out_specs` means the whole array\)\. A BlockSpec that "
+      r"fits the value: out_specs\[0\] = pl\.BlockSpec\(\(8,\), lambda i: "
+      r"\(i,\)\)", lambda: _call(kernel, out_specs=None))
+  assert f"{THIS_FILE}:{kernel.__code__.co_firstlineno + 1}" in msg
+
+
+def test_forgotten_out_specs_2d_grid():
+  x = jnp.ones((16, 32))
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+  _raises(r"out_specs\[0\] = pl\.BlockSpec\(\(8, 32\), lambda i, j: \(i, 0\)\)",
+          lambda: pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                 grid=(2, 1),
+                                 in_specs=[pl.BlockSpec((8, 32), lambda i, j: (i, 0))])(x))
+
+
+def test_forgotten_in_specs_shows_the_blockspec_that_fits():
+  _raises(r"x_ref \(in_specs\[0\]\): the value stored into o_ref has shape "
+          r"\(16,\), the whole array of x_ref: in_specs\[0\] has no BlockSpec "
+          r"\(no `in_specs` means the whole array\)\. A BlockSpec that gives "
+          r"x_ref blocks of \(8,\): in_specs\[0\] = pl\.BlockSpec\(\(8,\), "
+          r"lambda i: \(i,\)\)", lambda: _call(in_specs=None))
+
+
+def _scale(x_ref, o_ref, *, factor):
+  o_ref[...] = x_ref[...] * factor
+
+
+def test_partial_kernel_reports_the_wrapped_name():
+  import functools
+  bad = functools.partial(_scale, factor=jnp.ones(3))
+  msg = _raises(r"kernel '_scale'", lambda: _call(bad))
+  assert "kernel 'partial'" not in msg and "kernel 'kernel'" not in msg
+  good = pl.pallas_call(functools.partial(_scale, factor=2.0), SDS)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda x: good(x).sum()))(X)
+  names = [e.params["spec"].name for e in jaxpr.eqns
+           if e.primitive is pl.pallas_call_p]
+  assert names == ["_scale", "_scale_transpose"], names
+  srcs = {e.params["spec"].kernel_src for e in jaxpr.eqns
+          if e.primitive is pl.pallas_call_p}
+  assert srcs == {f"{THIS_FILE}:{_scale.__code__.co_firstlineno}"}, srcs
+
+
+def test_spec_error_points_at_the_blockspec_line():
+  bad = pl.BlockSpec((8, 1), lambda i: (i, 0)); line = _line()
+  msg = _raises(r"in_specs\[0\]: block shape \(8, 1\) has rank 2",
+                lambda: _call(in_specs=[bad]))
+  assert f"{THIS_FILE}:{line}; the pallas_call at {THIS_FILE}:" in msg, msg
+
+
+def _line():
+  import sys
+  return sys._getframe(1).f_lineno
+
+
+def test_traceback_shows_the_users_frames_only():
+  import traceback
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref + 1
+  with pytest.raises(pl.KernelError) as info:
+    _call(kernel)
+  err = info.value
+  frames = traceback.extract_tb(err.__traceback__)
+  assert {f.filename for f in frames} == {THIS_FILE}, frames
+  assert frames[-1].lineno == kernel.__code__.co_firstlineno + 1
+  assert err.__cause__ is None and err.__suppress_context__
+  assert isinstance(err.original_error, AttributeError)
+
+
+def test_printed_traceback_is_short(tmp_path):
+  import os, subprocess, sys
+  script = tmp_path / "user.py"
+  script.write_text(
+      "import jax.numpy as jnp\nimport dsl as pl\n"
+      "def kernel(x_ref, o_ref):\n  o_ref[...] = x_ref + 1\n"
+      "x = jnp.ones(8)\npl.pallas_call(kernel, x)(x)\n")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(THIS_FILE)))
+  env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+  env.pop("JAX_TRACEBACK_FILTERING", None)
+  out = subprocess.run([sys.executable, str(script)], env=env, text=True,
+                       capture_output=True, timeout=120).stderr
+  lines = out.strip().splitlines()
+  assert lines[0] == "Traceback (most recent call last):", out
+  files = [l for l in lines if l.lstrip().startswith("File ")]
+  assert len(files) == 2 and all(str(script) in f for f in files), out
+  assert "direct cause" not in out and "During handling" not in out, out
+  first = next(l for l in lines if l.startswith("dsl.errors.KernelError"))
+  assert first == (f"dsl.errors.KernelError: kernel 'kernel', x_ref "
+                   f"(in_specs[0]): x_ref is a ref, not a value: read it with "
+                   f"`x_ref[...]` (AttributeError: 'AbstractRef' object has no "
+                   f"attribute '_add') (at {script}:4)"), out
 
 
 def test_static_index_outside_block():
@@ -186,3 +311,13 @@ def test_user_exception_in_kernel_is_wrapped_with_line():
 def test_bad_spec_type():
   _raises(r"in_specs\[0\]: expected a BlockSpec", lambda: _call(in_specs=[(8,)]),
           TypeError)
+
+
+def test_no_fixit_for_other_tracer_errors():
+  # A Python `if` on a traced value is not a ref used as a value: JAX's own
+  # message stays.
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] if x_ref[0] > 0 else -x_ref[...]
+  msg = _raises(r"kernel 'kernel', x_ref \(in_specs\[0\]\): "
+                r"TracerBoolConversionError", lambda: _call(kernel))
+  assert "is a ref, not a value" not in msg

@@ -140,19 +140,83 @@ def row_loop(x, backend):
                         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
 
 
-@pytest.mark.parametrize("backend", ("interpret", "triton_interpret"))
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_fori_loop_over_rows_grads(backend):
+  """The transposed loop slices carried values at the loop index; Mosaic
+  gets those slices as loads and stores of a VMEM buffer."""
   (x,) = _data((8, 128))
   f = functools.partial(row_loop, backend=backend)
   np.testing.assert_allclose(f(x), jnp.tanh(x) * 2, rtol=1e-6)
   check_grads(f, (x,), order=1, modes=("fwd", "rev"), atol=2e-2, rtol=2e-2)
+  got = jax.grad(lambda a: jnp.sum(f(a) ** 2))(x)
+  want = jax.grad(lambda a: jnp.sum((jnp.tanh(a) * 2) ** 2))(x)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_fori_loop_reverse_mode_on_mosaic_says_why():
+def _slices(a, i):
+  row = lax.dynamic_slice(a, (i, 3), (1, 128))
+  return lax.dynamic_update_slice(a, row * 2, (i + 1, 0))
+
+
+def _slices_kernel(i_ref, x_ref, o_ref):
+  o_ref[...] = _slices(x_ref[...], i_ref[0])
+
+
+def test_values_in_memory_rewrites_dynamic_slices_for_mosaic():
   (x,) = _data((8, 128))
-  f = functools.partial(row_loop, backend="mosaic_interpret")
-  np.testing.assert_allclose(f(x), jnp.tanh(x) * 2, rtol=1e-6)
-  with pytest.raises(pl.BackendError,
-                     match=r"_row_loop_kernel_transpose.*dynamic_slice.*"
-                           r"test_grad_backends.py:\d+"):
+  jaxpr = jax.make_jaxpr(_slices)(x, 2)
+  names = lambda j: {e.primitive.name for e in j.jaxpr.eqns}
+  assert {"dynamic_slice", "dynamic_update_slice"} <= names(
+      normalize_closed(jaxpr))
+  mosaic = normalize_closed(jaxpr, values_in_memory=True)
+  assert not {"dynamic_slice", "dynamic_update_slice"} & names(mosaic)
+  assert "run_scoped" in names(mosaic)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_dynamic_slices_of_values_in_a_kernel(backend):
+  (x,) = _data((8, 128))
+  for i in (0, 3, 7, 9, -4):       # starts clamp as dynamic_slice clamps them
+    idx = jnp.array([i], jnp.int32)
+    got = pl.pallas_call(
+        _slices_kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        grid_spec=pl.tpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec((8, 128), lambda g, n: (0, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda g, n: (0, 0))),
+        backend=backend)(idx, x)
+    np.testing.assert_array_equal(got, _slices(x, i))
+
+
+def _dynamic_while_kernel(n_ref, x_ref, o_ref):
+  def body(c):
+    i, acc = c
+    return i + 1, acc * jnp.sin(x_ref[...])
+  _, acc = lax.while_loop(lambda c: c[0] < n_ref[0], body,  # the loop line
+                          (0, jnp.ones_like(x_ref[...])))
+  o_ref[...] = acc
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_grad_of_dynamic_while_loop_says_why(backend):
+  (x,) = _data((8, 128))
+  n = jnp.array([3], jnp.int32)
+
+  def f(a):
+    return pl.pallas_call(
+        _dynamic_while_kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        grid_spec=pl.tpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, n: (0, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, n: (0, 0))),
+        backend=backend)(n, a)
+  _, t = jax.jvp(f, (x,), (jnp.ones_like(x),))      # forward mode works
+  np.testing.assert_allclose(t, 3 * jnp.sin(x) ** 2 * jnp.cos(x), rtol=1e-5)
+  line = _dynamic_while_kernel.__code__.co_firstlineno + 4
+  with pytest.raises(pl.KernelError) as info:
     jax.grad(lambda a: jnp.sum(f(a)))(x)
+  msg = str(info.value)
+  assert "kernel '_dynamic_while_kernel'" in msg
+  assert "cannot differentiate a while_loop" in msg
+  assert "fori_loop with static" in msg and "jax.custom_vjp" in msg
+  assert msg.endswith(f"test_grad_backends.py:{line})")

@@ -69,7 +69,7 @@ def test_copy_through_vmem_read_before_wait_is_a_race():
       copy_through_vmem, backend="mosaic_interpret", racy=True)), x)
   assert isinstance(err, KernelRaceError)
   msg = str(err)
-  assert "race on scratch_shapes[0][0:16, 0:128]" in msg
+  assert "race on buf[0:16, 0:128]" in msg
   assert "read at" in msg and "is writing" in msg
   src = open(__file__).read().splitlines()
   read_line, start_line = [int(l.rsplit(":", 1)[1]) for l in err.lines]
@@ -232,7 +232,7 @@ def test_wait_on_the_wrong_semaphore_is_a_deadlock():
                      backend="mosaic_interpret")
   err = _run_failing(jax.jit(f), x)
   assert isinstance(err, KernelDeadlockError)
-  assert "on semaphore scratch_shapes[0][1] (now 0)" in str(err)
+  assert "on semaphore sem[1] (now 0)" in str(err)
 
 
 def test_unbalanced_signal_is_reported_at_kernel_end():

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dsl as pl
+from dsl import host_failures
 from dsl import tpu as pltpu
 import lowering_mosaic
 from lowering_mosaic import KernelRaceError, interpreter_options
@@ -164,6 +165,9 @@ def _races(fn, seeds):
         err = interpreter.last_failure()
         assert err is not None
         found.append(err)
+  # The failed runs' runtime tokens would raise again at the next
+  # jax.effects_barrier() (in a later test).
+  host_failures.forget_failed_runs()
   return found
 
 
@@ -184,7 +188,7 @@ def test_reduce_scatter_without_credits_overwrites_a_busy_buffer():
   assert found, "the missing handshake was never caught"
   assert all(isinstance(e, KernelRaceError) for e in found), found
   text = " ".join(str(e) for e in found)
-  assert "scratch_shapes[1]" in text
+  assert "recv[" in text and "scratch_shapes" not in text, text
 
 
 def test_remote_module_structure():

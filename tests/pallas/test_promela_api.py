@@ -86,6 +86,24 @@ def test_race_report_names_the_kernel_lines():
 
 
 @needs_spin
+@pytest.mark.parametrize("variant,kind", [("read_early", "race"),
+                                          ("wrong_sem", "deadlock")])
+def test_reports_use_the_kernels_parameter_names(variant, kind):
+  # _copy_kernel(x_hbm, o_ref, buf, sem): operands are named as the kernel
+  # names them, not after the specs they come from.
+  f, args = corpus.copy_through_vmem(variant)
+  rep = verify(f, *args)
+  text = str(rep)
+  assert rep.kind == kind
+  assert "DMA x_hbm -> buf, signals sem[0]" in text, text
+  assert "scratch_shapes" not in text and "in_specs" not in text, text
+  if kind == "race":
+    assert "device 0's buf (vmem[8, 128])" in rep.message, rep.message
+  else:
+    assert "waits for DMA x_hbm -> buf on sem[1]" in rep.message, rep.message
+
+
+@needs_spin
 def test_num_devices_defaults_to_the_mesh_and_can_be_given():
   f, args = corpus.ring_all_gather(n=2)
   assert verify(f, *args).num_devices == 2
@@ -249,6 +267,31 @@ def test_cli_on_a_function(capsys, fn, shape, code, kind):
   assert f": {kind} (" in out
   if kind == "race":
     assert "test_promela_corpus.py:" in out and "trail:" in out
+
+
+@needs_spin
+def test_cli_runs_a_kernel_that_takes_an_axis_name(capsys):
+  # kernels.collectives.all_gather(x, *, axis_name): the CLI runs it per
+  # device inside shard_map; SHAPES are per device.
+  assert verify.main(["kernels.collectives:all_gather", "f32[32,128]"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out.startswith("all_gather: ok ("), captured.out
+  assert "--axis NAME=SIZE" in captured.err and "x=2" in captured.err
+  assert verify.main(["kernels.collectives:all_gather", "f32[32,128]",
+                      "--axis", "ring=4", "--timeout", "120"]) == 0
+  out = capsys.readouterr()
+  assert out.out.startswith("all_gather: ok (") and not out.err, out
+
+
+def test_cli_help_shows_how_to_pass_an_axis(capsys):
+  with pytest.raises(SystemExit):
+    verify.main(["--help"])
+  out = capsys.readouterr().out
+  assert "--axis NAME=SIZE" in out
+  assert ("python -m lowering_mosaic.verify kernels.collectives:all_gather "
+          "f32[32,128] --axis x=4") in out
+  with pytest.raises(ValueError, match="write NAME=SIZE"):
+    verify.parse_axis("4")
 
 
 @needs_spin

@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as jpltpu
 
 import dsl as pl
 from dsl import tpu as pltpu
-from dsl.errors import KernelError
+from dsl.errors import KernelError, kernel_error_of
 
 HOST_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
 
@@ -206,3 +206,120 @@ def test_scratch_accumulator_over_a_reduction_axis_keeps_the_rows_parallel():
   got = jax.jit(pl.pallas_call(kernel, out, backend="interpret", **kw))(x)
   want = x.reshape(16, 3, 128).sum(axis=1)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------- zero-size operands
+
+def _zero_size_kernel(x_ref, y_ref, o_ref, e_ref):
+  o_ref[...] = y_ref[...] * 2 + jnp.sum(x_ref[...])
+  e_ref[...] = x_ref[...] * 3
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
+@pytest.mark.parametrize("shape", [(0,), (0, 16), (8, 0)])
+def test_zero_size_operand_without_block_spec(backend, shape):
+  """A zero-size operand with no BlockSpec (its block is the whole, empty
+  array) runs; the planner divided by its block size before."""
+  x = jnp.zeros(shape, jnp.float32)
+  y = jnp.arange(128, dtype=jnp.float32).reshape(8, 16)
+  f = pl.pallas_call(_zero_size_kernel,
+                     (jax.ShapeDtypeStruct((8, 16), jnp.float32),
+                      jax.ShapeDtypeStruct(shape, jnp.float32)),
+                     backend=backend)
+  for g in (f, jax.jit(f)):
+    o, e = g(x, y)
+    np.testing.assert_array_equal(o, y * 2)
+    assert e.shape == shape
+
+
+def test_zero_size_operand_on_mosaic_is_a_clear_error():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1    # zero-size-line
+  with pytest.raises(KernelError) as e:
+    pl.pallas_call(kernel, jax.ShapeDtypeStruct((0, 128), jnp.float32),
+                   backend="mosaic_interpret")(jnp.zeros((0, 128)))
+  msg = str(e.value)
+  assert "kernel 'kernel'" in msg and "zero-size" in msg
+  assert "test_reliability_interpret.py" in msg
+
+
+# ------------------------------------------------- block indices from data
+
+def _blocks_from_data(backend, idx, x, in_map=lambda i, idx: (idx[i], 0)):
+  def kernel(idx_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] + 1
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(4,),
+          in_specs=[pl.BlockSpec((8, 128), in_map)],
+          out_specs=pl.BlockSpec((8, 128),
+                                 lambda i, idx: (3 - idx[i], 0))),   # the-map
+      backend=backend)(idx, x)
+
+
+def _map_line():
+  lines = open(__file__).read().splitlines()
+  n = next(k for k, t in enumerate(lines, 1) if "# the-map" in t
+           and "_map_line" not in t)
+  return f"{__file__}:{n}"
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_block_indices_from_data_never_leave_the_buffer(jit):
+  """Out-of-range block indices read from scalar prefetch: reads see
+  poison and writes are dropped, as on mosaic_interpret (the interpret
+  backend clamped them before: it read the wrong block and overwrote
+  another one)."""
+  x = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+  idx = jnp.array([0, 8, 2, -3], jnp.int32)
+  f = lambda i, x: _blocks_from_data("interpret", i, x)
+  got = np.asarray((jax.jit(f) if jit else f)(idx, x))
+  np.testing.assert_array_equal(got[24:], x[:8] + 1)
+  np.testing.assert_array_equal(got[8:16], x[16:24] + 1)
+  np.testing.assert_array_equal(got[:8], 0)       # written by no step
+  np.testing.assert_array_equal(got[16:24], 0)
+  np.testing.assert_array_equal(got, _blocks_from_data("mosaic_interpret",
+                                                       idx, x))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "mosaic_interpret"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_block_index_from_data_outside_the_array_is_a_runtime_error(backend,
+                                                                     jit):
+  x = jnp.ones((32, 128), jnp.float32)
+  f = lambda i, x: _blocks_from_data(backend, i, x, lambda i, idx: (i, 0))
+  g = jax.jit(f) if jit else f
+  with pl.config.enable_runtime_assert_option(True):
+    np.testing.assert_array_equal(g(jnp.array([0, 1, 2, 3], jnp.int32), x),
+                                  x + 1)
+    with pytest.raises(Exception) as e:
+      jax.block_until_ready(g(jnp.array([0, 1, 2, 9], jnp.int32), x))
+  err = kernel_error_of(e.value)
+  assert isinstance(err, KernelError), e.value
+  text = str(err).splitlines()[0]
+  assert text.startswith("kernel 'kernel': out_specs[0]: block index (-6, 0) "
+                         "at grid point (3,) is outside the array")
+  assert "not element offsets" in text and _map_line() in text
+
+
+def test_element_offsets_from_data_outside_the_array():
+  """Element dims with offsets from data: the part of the window past the
+  (padded) array reads poison and its writes are dropped."""
+  def kernel(idx_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+  x = jnp.arange(1, 17, dtype=jnp.float32)
+  idx = jnp.array([0, 14, -2, 100], jnp.int32)
+  out = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((4, 4), jnp.float32),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(4,),
+          in_specs=[pl.BlockSpec((pl.Element(4),), lambda i, idx: (idx[i],))],
+          out_specs=pl.BlockSpec((None, 4), lambda i, idx: (i, 0))),
+      backend="interpret")(idx, x)
+  got = np.asarray(out)
+  np.testing.assert_array_equal(got[0], [2, 4, 6, 8])
+  np.testing.assert_array_equal(got[1, :2], [30, 32])
+  assert np.isnan(got[1, 2:]).all() and np.isnan(got[3]).all()
+  assert np.isnan(got[2, :2]).all()
+  np.testing.assert_array_equal(got[2, 2:], [2, 4])

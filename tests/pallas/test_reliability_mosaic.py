@@ -15,6 +15,7 @@ import dsl as pl
 import lowering_mosaic
 from dsl import tpu as pltpu
 from dsl.errors import BackendError, KernelError
+from dsl.poison import poison_value
 
 MI = "mosaic_interpret"
 
@@ -253,7 +254,7 @@ def test_edge_block_padding_reads_poison():
       in_specs=[pl.BlockSpec((8, 256), lambda i: (0, i))],
       out_specs=pl.BlockSpec((8, 128), lambda i: (0, i)), backend=MI)(xi)
   np.testing.assert_array_equal(got[:, 0], 1)
-  np.testing.assert_array_equal(got[:, 128], np.iinfo(np.int32).min)
+  np.testing.assert_array_equal(got[:, 128], poison_value(np.int32))
 
 
 @pytest.mark.parametrize("poison", [False, True])
@@ -269,7 +270,8 @@ def test_scratch_and_run_scoped_start_as_poison_when_asked(poison):
         kernel, jax.ShapeDtypeStruct((8, 384), jnp.float32),
         scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32),
                         pltpu.VMEM((8, 128), jnp.int32)], backend=MI)()
-  want = [np.nan, -2.0 ** 31, np.nan] if poison else [0.0, 0.0, 0.0]
+  want = ([np.nan, np.float32(poison_value(np.int32)), np.nan] if poison
+          else [0.0, 0.0, 0.0])
   np.testing.assert_array_equal(got[0, ::128], want)
 
 

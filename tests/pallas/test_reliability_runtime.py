@@ -78,7 +78,7 @@ def test_wait_for_a_dma_never_started_is_a_deadlock(backend, jit):
   first = str(err).splitlines()[0]
   assert first.startswith("kernel 'dma_never_started': a wait can never "
                           "finish"), first
-  assert "a DMA of 4096 bytes on semaphore scratch_shapes[1] (now 0)" in first
+  assert "a DMA of 4096 bytes on semaphore sem (now 0)" in first
   assert first.endswith(f"(at {_line('# wait-never-started')})"), first
 
 
@@ -91,7 +91,7 @@ def test_wait_for_more_than_was_signalled_is_a_deadlock(backend):
   _, err = _failure(f, X, jit=False)
   assert isinstance(err, KernelDeadlockError)
   first = str(err).splitlines()[0]
-  assert "semaphore scratch_shapes[0] (now 1) to reach 2" in first, first
+  assert "semaphore sem (now 1) to reach 2" in first, first
   assert first.endswith(f"(at {_line('# wait-for-two')})"), first
 
 
@@ -114,7 +114,7 @@ def test_deadlock_names_the_grid_point_and_the_semaphore_slot():
                      scratch_shapes=[pltpu.SemaphoreType.REGULAR((2,))],
                      backend="interpret")
   _, err = _failure(f, x, jit=True)
-  assert "semaphore scratch_shapes[0][1] (now 0) to reach 1" in str(err)
+  assert "semaphore sems[1] (now 0) to reach 1" in str(err)
   assert "at grid point (2,)" in str(err)
 
 
@@ -171,7 +171,7 @@ def test_remote_wait_that_no_device_satisfies_names_the_device():
   f = jax.shard_map(per_device, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
   _, err = _failure(f, jnp.ones((32, 128)), jit=True)
   assert isinstance(err, KernelDeadlockError)
-  assert "a remote DMA of 4096 bytes on semaphore scratch_shapes[1]" in str(err)
+  assert "a remote DMA of 4096 bytes on semaphore recv" in str(err)
   assert "on device 0" in str(err) and "lockstep" in str(err)
 
 

@@ -542,3 +542,26 @@ def test_debug_flag_prints_the_generated_source(capsys):
   out = capsys.readouterr().out
   assert "--- Triton source of kernel add_kernel" in out
   assert "def add_kernel(x_ptr, y_ptr, o_ptr):" in out
+
+
+def _shifted_copy_kernel(x_ref, o_ref):
+  y = x_ref[...] * 2.0
+  o_ref[...] = y
+
+
+def test_values_take_names_from_assignments_not_keywords():
+  # The index maps' arithmetic sits on the `in_specs=` / `out_specs=` lines;
+  # those are keyword arguments, not variables, so no value is named after
+  # them. The kernel's own `y = ...` names its value.
+  x = jnp.ones((512,))
+
+  def f(x):
+    return pl.pallas_call(
+        _shifted_copy_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+        in_specs=[pl.BlockSpec((128,), lambda i: (i * 2 + 1,))],
+        out_specs=pl.BlockSpec((128,), lambda i: (i + 1,)), backend="triton")(x)
+  (src,) = lowering_triton.to_source(f, x)
+  assigned = re.findall(r"^\s+(\w+) = ", src, re.M)
+  assert "in_specs" not in assigned and "out_specs" not in assigned, src
+  assert "y" in assigned, src
+  assert re.search(r"x_start = \w+ \* 128", src), src

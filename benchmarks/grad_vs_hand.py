@@ -1,0 +1,136 @@
+"""Automatic reverse mode against the hand-written backward kernels.
+
+    python -m benchmarks.grad_vs_hand [--backend interpret] [--repeats 7]
+                                      [--kernels softmax,layer_norm,...]
+                                      [--small]
+
+For each kernel of `kernels/` that has a hand-written backward pass
+(`custom_vjp`), times `jax.grad` of a loss through it (forward kernel plus
+the hand-written backward kernels) and through its forward kernel alone,
+whose backward pass the DSL derives (linear, transposed and, where needed,
+recording kernels). Both use the same block sizes and the same cotangent;
+the gradients are checked to agree before timing. Samples are taken in
+alternating rounds (`dsl.timing.run_interleaved`, the benchmark timer), so
+the ratio is fair on a shared machine; `--stat min` is steadier on a loaded one.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsl import timing
+
+_mod = lambda name: importlib.import_module(f"kernels.{name}")
+
+
+def _rand(seed, *shapes):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal(s), jnp.float32)
+               for s in shapes)
+
+
+def _loss(f, ct):
+  return lambda *xs: jnp.sum(f(*xs) * ct)
+
+
+def softmax_case(backend, rows=2048, cols=1024, block_rows=64):
+  sm = _mod("softmax")
+  (x,) = _rand(0, (rows, cols))
+  (ct,) = _rand(1, (rows, cols))
+  hand = functools.partial(sm.softmax, backend=backend, block_rows=block_rows)
+  auto = functools.partial(sm.softmax_2d, backend=backend,
+                           block_rows=block_rows)
+  return f"softmax {rows}x{cols}", hand, auto, (x,), ct
+
+
+def layer_norm_case(backend, rows=2048, cols=1024, block_rows=64):
+  ln = _mod("layer_norm")
+  x, w, b = _rand(0, (rows, cols), (cols,), (cols,))
+  (ct,) = _rand(1, (rows, cols))
+  hand = functools.partial(ln.layer_norm, backend=backend,
+                           block_rows=block_rows)
+
+  def auto(x, w, b):
+    return ln.forward(x, w, b, eps=1e-5, backend=backend,
+                      block_rows=block_rows)[0]
+  return f"layer_norm {rows}x{cols}", hand, auto, (x, w, b), ct
+
+
+def flash_attention_case(backend, batch=1, seq=512, heads=4, head_dim=64,
+                         block=128):
+  fa = _mod("flash_attention")
+  shape = (batch, seq, heads, head_dim)
+  q, k, v = _rand(0, shape, shape, shape)
+  (ct,) = _rand(1, shape)
+  scale = 1 / math.sqrt(head_dim)
+  hand = functools.partial(fa.flash_attention, causal=True, sm_scale=scale,
+                           backend=backend, block_q=block, block_k=block)
+
+  def auto(q, k, v):
+    return fa.forward(q, k, v, causal=True, sm_scale=scale, backend=backend,
+                      block_q=block, block_k=block)[0]
+  return (f"flash_attention causal {batch}x{seq}x{heads}x{head_dim}", hand,
+          auto, (q, k, v), ct)
+
+
+CASES = {"softmax": softmax_case, "layer_norm": layer_norm_case,
+         "flash_attention": flash_attention_case}
+# `--small`: seconds-long smoke runs (the tests use them).
+SMALL = {"softmax": dict(rows=16, cols=128, block_rows=8),
+         "layer_norm": dict(rows=16, cols=128, block_rows=8),
+         "flash_attention": dict(seq=32, heads=1, head_dim=32, block=16)}
+
+
+def measure(name: str, backend: str, repeats: int, small: bool = False,
+            stat: str = "median") -> dict:
+  label, hand, auto, args, ct = CASES[name](
+      backend, **(SMALL[name] if small else {}))
+  argnums = tuple(range(len(args)))
+  fns = {"hand": jax.grad(_loss(hand, ct), argnums),
+         "auto": jax.grad(_loss(auto, ct), argnums)}
+  prepared = {k: timing.prepare(f, args, slow_s=30.0) for k, f in fns.items()}
+  for g_hand, g_auto in zip(prepared["hand"].stats.output,
+                            prepared["auto"].stats.output):
+    np.testing.assert_allclose(g_auto, g_hand, rtol=2e-3, atol=2e-3)
+  stats = timing.run_interleaved(prepared, args, repeats=repeats)
+  return {"case": label, "hand_s": stats["hand"].value(stat),
+          "auto_s": stats["auto"].value(stat),
+          "spread": max(stats["hand"].spread, stats["auto"].spread)}
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.grad_vs_hand",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--backend", default="interpret")
+  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--kernels", default=",".join(CASES),
+                 help=f"comma-separated, of {', '.join(CASES)}")
+  p.add_argument("--stat", choices=("median", "min"), default="median",
+                 help="min is steadier on a loaded machine")
+  p.add_argument("--small", action="store_true", help="tiny sizes (a smoke "
+                 "test; the figures mean little)")
+  args = p.parse_args(argv)
+  names = [n for n in args.kernels.split(",") if n]
+  unknown = [n for n in names if n not in CASES]
+  if unknown:
+    p.error(f"unknown kernels {unknown}; choose from {', '.join(CASES)}")
+  print(f"jax.grad, backend={args.backend}, {args.stat} of {args.repeats} "
+        f"samples, {jax.devices()[0].platform}")
+  print(f"{'case':44} {'hand (ms)':>10} {'auto (ms)':>10} {'auto/hand':>9}")
+  for name in names:
+    r = measure(name, args.backend, args.repeats, args.small, args.stat)
+    print(f"{r['case']:44} {r['hand_s'] * 1e3:10.2f} {r['auto_s'] * 1e3:10.2f}"
+          f" {r['auto_s'] / r['hand_s']:9.2f}  (spread {r['spread']:.0%})",
+          flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,93 @@
+"""Inlined calls, `cond` (`pl.when`, `lax.cond`, `lax.switch`) and loops
+(`fori_loop`, `while_loop`) as `scf.index_switch` / `scf.for` / `scf.while`;
+loop carries may be vectors (the library infers one layout for a carry
+across iterations)."""
+from __future__ import annotations
+
+from jax import lax
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, scf
+
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
+from dsl.normalize import scan_layout
+from dsl.primitives import run_scoped_p
+from lowering_mosaic.gpu.host import TABLE, TRITON_HINT, index_cast_i32, typed
+
+
+@TABLE.register(*CALL_PRIMITIVES)
+def _call(ctx, *args, **params):
+  body = call_body(params, args)
+  if body is None:
+    raise ctx.error("call without a body")
+  jaxpr, consts, operands = body
+  return ctx.lower(jaxpr, consts, operands)
+
+
+def _branch(ctx, closed, args):
+  outs = ctx.lower(closed.jaxpr, closed.consts, args)
+  scf.yield_(outs)
+
+
+@TABLE.register(lax.cond_p)
+def _cond(ctx, index, *args, branches, **_):
+  """`scf.index_switch` (the region op the library infers layouts
+  through): case k runs branch k, the default runs the last branch."""
+  if ir.IntegerType(index.type).width == 1:
+    index = arith.extui(ir.IntegerType.get_signless(32), index)
+  index = arith.index_cast(ir.IndexType.get(), index_cast_i32(index))
+  result_types = [typed(a.shape, a.dtype) for a in ctx.avals_out]
+  n = len(branches)
+  op = scf.IndexSwitchOp(result_types, index, list(range(n - 1)))
+  for block, branch in zip(list(op.case_blocks) + [op.default_block],
+                           branches):
+    with ir.InsertionPoint(block):
+      _branch(ctx, branch, args)
+  return list(op.results)
+
+
+@TABLE.register(lax.scan_p)
+def _scan(ctx, *args, jaxpr, length, reverse, **params):
+  """`fori_loop` with static bounds: a scan whose first carry is the
+  counter and that has no stacked inputs or outputs."""
+  num_consts, num_carry, n_xs, n_ys = scan_layout(params)
+  if n_xs or n_ys:
+    raise ctx.error("lax.scan over arrays is not supported by the Mosaic GPU "
+                    "lowering; use fori_loop" + TRITON_HINT)
+  consts, carry = list(args[:num_consts]), list(args[num_consts:])
+  lo, hi, one = (arith.constant(ir.IndexType.get(), v) for v in (0, length, 1))
+  for_op = scf.ForOp(lo, hi, one, carry)
+  with ir.InsertionPoint(for_op.body):
+    outs = ctx.lower(jaxpr.jaxpr, jaxpr.consts,
+                     consts + list(for_op.inner_iter_args))
+    scf.yield_(outs)
+  return list(for_op.results)
+
+
+@TABLE.register(lax.while_p)
+def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+  cconsts = list(args[:cond_nconsts])
+  bconsts = list(args[cond_nconsts:cond_nconsts + body_nconsts])
+  carry = list(args[cond_nconsts + body_nconsts:])
+  types = [c.type for c in carry]
+  op = scf.WhileOp(types, carry)
+  before = op.before.blocks.append(*types)
+  with ir.InsertionPoint(before):
+    (pred,) = ctx.lower(cond_jaxpr.jaxpr, cond_jaxpr.consts,
+                        cconsts + list(before.arguments))
+    scf.condition(pred, list(before.arguments))
+  after = op.after.blocks.append(*types)
+  with ir.InsertionPoint(after):
+    outs = ctx.lower(body_jaxpr.jaxpr, body_jaxpr.consts,
+                     bconsts + list(after.arguments))
+    scf.yield_(outs)
+  return list(op.results)
+
+
+@TABLE.register(run_scoped_p)
+def _run_scoped(ctx, *consts, jaxpr, num_consts, **_):
+  """The scope's refs are shared-memory buffers the plan set aside for this
+  equation (each run_scoped gets its own; nothing is reused)."""
+  bufs = ctx.host.scoped.get(id(ctx.eqn))
+  if bufs is None:
+    raise ctx.error("internal error: no buffers planned for this run_scoped")
+  return ctx.lower(jaxpr, (), list(consts) + list(bufs))

@@ -1,0 +1,142 @@
+"""Ref reads and writes: `get`, `swap`, `addupdate` on shared memory.
+
+Every ref a kernel sees is a shared-memory buffer (an operand's block, which
+TMA fills and drains, or a scratch buffer). A window of it is a
+`memref.subview`; whole-warpgroup reads and writes are `mosaic_gpu.
+vector_load` / `vector_store` (layout inference picks how the 128 threads
+share it); scalars are `memref.load` / `memref.store`.
+"""
+from __future__ import annotations
+
+from jax import tree_util
+from jax._src.lib import mosaic_gpu_dialect as mgpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import memref
+from jax._src.state import indexing
+from jax._src.state import primitives as state_primitives
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import layouts
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+from dsl import dtypes, ref_ops
+from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_to,
+                                      is_vector, to_index)
+
+
+def _static(x):
+  if isinstance(x, ir.Value):
+    return x
+  return int(x)
+
+
+def window(ctx, ref: ir.Value, transforms) -> ir.Value:
+  """The subview of `ref` that its NDIndexer transforms select."""
+  for t in transforms or ():
+    if not isinstance(t, indexing.NDIndexer):
+      raise ctx.error(f"ref transform {type(t).__name__} is not supported by "
+                      "the Mosaic GPU lowering" + TRITON_HINT)
+    if t.int_indexer_shape:
+      raise ctx.error("indexing a ref with an array of indices (a gather) is "
+                      "not supported by the Mosaic GPU lowering" + TRITON_HINT)
+    index = []
+    shape = ir.MemRefType(ref.type).shape
+    whole = True
+    for idx, n in zip(t.indices, shape):
+      if isinstance(idx, indexing.Slice):
+        if int(idx.stride) != 1:
+          raise ctx.error("strided ref slices are not supported by the "
+                          "Mosaic GPU lowering" + TRITON_HINT)
+        start = _static(idx.start)
+        if isinstance(start, int):
+          index.append(slice(start, start + int(idx.size)))
+          whole &= start == 0 and int(idx.size) == n
+        else:
+          index.append(mgpu_utils.DynamicSlice(to_index(start), int(idx.size)))
+          whole = False
+      else:
+        i = _static(idx)
+        index.append(i if isinstance(i, int) else to_index(i))
+        whole = False
+    if not whole:
+      ref = mgpu_utils.memref_slice(ref, tuple(index))
+  return ref
+
+
+def load(ref: ir.Value) -> ir.Value:
+  if not ir.MemRefType(ref.type).shape:
+    return memref.load(ref, [])
+  return mgpu.vector_load(ref)
+
+
+def store(ref: ir.Value, val: ir.Value) -> None:
+  shape = tuple(ir.MemRefType(ref.type).shape)
+  if not shape:
+    memref.store(val, ref, [])
+    return
+  val = broadcast_to(val, shape)
+  if len(shape) == 1 and shape[0] % 128 and shape[0] % 64 == 0:
+    # A row vector of a 64-row tile (softmax statistics): the wgmma row
+    # layout, as the row reductions that produce such values use.
+    val = mgpu.layout_cast(val, layouts.to_layout_attr(fa.WGMMA_ROW_LAYOUT))
+  mgpu.vector_store(val, ref)
+
+
+def _unflatten(tree, idx):
+  return tree_util.tree_unflatten(tree, list(idx))
+
+
+@TABLE.register(state_primitives.get_p)
+def _get(ctx, ref, *idx, tree):
+  return load(window(ctx, ref, _unflatten(tree, idx)))
+
+
+@TABLE.register(state_primitives.swap_p)
+def _swap(ctx, ref, val, *idx, tree):
+  view = window(ctx, ref, _unflatten(tree, idx))
+  old = load(view) if ctx.used_out[0] else None
+  store(view, val)
+  return old if old is not None else val
+
+
+@TABLE.register(state_primitives.addupdate_p)
+def _addupdate(ctx, ref, val, *idx, tree):
+  from jax._src.lib.mlir.dialects import arith
+  view = window(ctx, ref, _unflatten(tree, idx))
+  old = load(view)
+  val = broadcast_to(val, tuple(ctx.avals_in[1].shape)) if is_vector(old) \
+      else val
+  add = arith.addf if dtypes.is_float(ctx.avals_in[1].dtype) else arith.addi
+  store(view, add(old, val))
+  return []
+
+
+def _unsupported(what):
+  def rule(ctx, *args, **params):
+    raise ctx.error(f"{what} cannot be expressed in the Mosaic GPU lowering"
+                    + TRITON_HINT)
+  return rule
+
+
+TABLE.register(ref_ops.atomic_rmw_p, ref_ops.atomic_cas_p)(
+    _unsupported("atomic operations"))
+
+
+@TABLE.register(ref_ops.masked_load_p)
+def _masked_load(ctx, ref, *args, tree, has_mask, has_other, **_):
+  if has_mask:
+    raise ctx.error("loads with a mask cannot be expressed in the Mosaic GPU "
+                    "lowering (TMA fills out-of-bounds elements of edge "
+                    "blocks with zeros; arbitrary masks need per-element "
+                    "predication)" + TRITON_HINT)
+  return load(window(ctx, ref, _unflatten(tree, args[:tree.num_leaves])))
+
+
+@TABLE.register(ref_ops.masked_store_p)
+def _masked_store(ctx, ref, *args, tree, has_mask, **_):
+  if has_mask:
+    raise ctx.error("stores with a mask cannot be expressed in the Mosaic GPU "
+                    "lowering (TMA clips edge blocks; arbitrary masks need "
+                    "per-element predication)" + TRITON_HINT)
+  n = tree.num_leaves
+  store(window(ctx, ref, _unflatten(tree, args[:n])), args[n])
+  return []
