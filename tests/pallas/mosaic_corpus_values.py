@@ -592,3 +592,37 @@ def partially_unrolled_loop(pl, pltpu):
                                unroll=2)
   f = pl.pallas_call(half_unroll_kernel, sds((8, 128)))
   return f, (f32(32, 128),)
+
+
+@case
+def shifts_and_unsigned(pl, pltpu):
+  def shift_kernel(x_ref, u_ref, o_ref, p_ref):
+    x = x_ref[...]
+    o_ref[...] = (x << 2) + (x >> 1) + lax.shift_right_logical(x, 3)
+    u = u_ref[...]
+    p_ref[...] = jnp.where(u > jnp.uint32(5), u // jnp.uint32(3),
+                           u % jnp.uint32(7))
+  f = pl.pallas_call(shift_kernel, (sds((8, 128), jnp.int32),
+                                    sds((8, 128), jnp.uint32)))
+  return f, (jnp.ones((8, 128), jnp.int32), jnp.ones((8, 128), jnp.uint32))
+
+
+@case
+def value_slices_and_reshape(pl, pltpu):
+  def slice_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    top, bottom = x[:8], x[8:]
+    y = jnp.concatenate([bottom[:, 128:], top[:, :128]], axis=1)
+    o_ref[...] = y.reshape(2, 8, 128).sum(axis=0)
+  f = pl.pallas_call(slice_kernel, sds((8, 128)))
+  return f, (f32(16, 256),)
+
+
+@case
+def nan_test_and_rounding(pl, pltpu):
+  def nan_kernel(x_ref, o_ref):
+    x = x_ref[...]
+    o_ref[...] = (jnp.where(jnp.isnan(x), 0.0, jnp.maximum(x, 0.0))
+                  + jnp.floor(x) + jnp.ceil(x) + jnp.round(x))
+  f = pl.pallas_call(nan_kernel, sds((8, 128)))
+  return f, (f32(8, 128),)
