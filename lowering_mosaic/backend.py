@@ -83,12 +83,17 @@ def mosaic_lowering(ctx, *args, spec):
   collective_id = params.collective_id
   if lctx.uses_barrier and collective_id is None:
     collective_id = 0
-  out_avals = tuple(core.ShapedArray(a.shape, a.dtype)
+  out_avals = tuple(_in_memory(core.ShapedArray(a.shape, a.dtype))
                     for a in spec.grid_mapping.out_avals)
   allow_fusion = (list(params.allow_input_fusion)
                   if params.allow_input_fusion is not None else None)
-  return tpu_custom_call.lower_module_to_custom_call(
-      ctx, *args, module=strip_annotations(module), out_type=out_avals,
+  # booleans cross the call as int32 (the kernel's memrefs hold i32)
+  in_avals = [_in_memory(a) for a in ctx.avals_in]
+  args = mlir.lower_fun(_cast_all(in_avals), multiple_results=True)(
+      ctx.replace(avals_out=in_avals), *args)
+  outs = tpu_custom_call.lower_module_to_custom_call(
+      ctx.replace(avals_in=in_avals, avals_out=list(out_avals)), *args,
+      module=strip_annotations(module), out_type=out_avals,
       kernel_name=entry_name(spec), cost_estimate=cost_estimate_of(spec),
       vmem_limit_bytes=params.vmem_limit_bytes,
       flags=dict(params.flags) if params.flags else None,
@@ -101,6 +106,22 @@ def mosaic_lowering(ctx, *args, spec):
       disable_bounds_checks=bool(params.disable_bounds_checks),
       input_memory_spaces=None, metadata=kernel_metadata(lctx),
       shape_invariant_numerics=bool(params.shape_invariant_numerics))
+  return mlir.lower_fun(_cast_all(ctx.avals_out), multiple_results=True)(
+      ctx.replace(avals_in=list(out_avals)), *outs)
+
+
+def _in_memory(aval):
+  """The aval a kernel operand has at the call: booleans as int32."""
+  if aval.dtype == np.bool_:
+    return core.ShapedArray(aval.shape, np.int32)
+  return aval
+
+
+def _cast_all(avals):
+  def cast(*xs):
+    return [x if x.dtype == a.dtype else x.astype(a.dtype)
+            for x, a in zip(xs, avals)]
+  return cast
 
 
 _COST_FIELDS = ("flops", "transcendentals", "bytes_accessed",

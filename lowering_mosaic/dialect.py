@@ -75,6 +75,9 @@ def semaphore_type(kind: str) -> ir.Type:
 
 
 def memref_type(shape, dtype, space: str) -> ir.MemRefType:
+  """Booleans live in memory as i32 (as Pallas: the custom call passes
+  them as int32; loads compare with 0, stores extend)."""
+  dtype = jnp.int32 if jnp.dtype(dtype) == jnp.bool_ else dtype
   return ir.MemRefType.get(list(shape), element_type(dtype),
                            memory_space=memory_space_attr(space))
 

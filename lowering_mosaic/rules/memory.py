@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 from jax import tree_util
 from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
@@ -122,14 +123,33 @@ def load(ctx, view: View) -> ir.Value:
     if math.prod(view.sizes) != 1:
       raise ctx.error(f"{ref.name or 'an SMEM ref'} is in SMEM, which is read "
                       "one scalar at a time; index it with integers")
-    x = memref.LoadOp(ref.value, _indices(view)).result
+    x = _from_memory(memref.LoadOp(ref.value, _indices(view)).result, (),
+                     dtype)
     return emit.reshape(x, (), view.shape, dtype)
-  t = emit.vtype(view.load_shape, dtype)
+  t = emit.vtype(view.load_shape, _stored(dtype))
   if any(s != 1 for s in view.strides):
     x = tpu.StridedLoadOp(t, ref.value, _indices(view), view.strides).result
   else:
     x = vector.LoadOp(t, ref.value, _indices(view)).result
+  x = _from_memory(x, view.load_shape, dtype)
   return emit.reshape(x, view.load_shape, view.shape, dtype)
+
+
+def _stored(dtype):
+  """The dtype a value of `dtype` has in memory (booleans: i32)."""
+  return jnp.int32 if emit.is_bool(dtype) else dtype
+
+
+def _from_memory(x, shape, dtype):
+  if not emit.is_bool(dtype):
+    return x
+  return arith.CmpIOp(arith.CmpIPredicate.ne, x,
+                      emit.zeros(shape, jnp.int32)).result
+
+
+def _to_memory(x, shape, dtype):
+  return emit.convert(x, shape, dtype, jnp.int32) if emit.is_bool(
+      dtype) else x
 
 
 def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
@@ -145,10 +165,11 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
       raise ctx.error("masked stores to SMEM are not supported")
     if emit.is_vector(val):
       val = emit.reshape(val, view.shape, (), dtype)
-    memref.StoreOp(val, ref.value, _indices(view))
+    memref.StoreOp(_to_memory(val, (), dtype), ref.value, _indices(view))
     return
   val = emit.broadcast_to(val, view.shape, dtype)
   val = emit.reshape(val, view.shape, view.load_shape, dtype)
+  val = _to_memory(val, view.load_shape, dtype)
   if mask is not None:
     mask = emit.broadcast_to(mask, view.shape, "bool")
     mask = emit.reshape(mask, view.shape, view.load_shape, "bool")

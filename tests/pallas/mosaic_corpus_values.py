@@ -626,3 +626,30 @@ def nan_test_and_rounding(pl, pltpu):
                   + jnp.floor(x) + jnp.ceil(x) + jnp.round(x))
   f = pl.pallas_call(nan_kernel, sds((8, 128)))
   return f, (f32(8, 128),)
+
+
+@case
+def bool_operands(pl, pltpu):
+  def mask_kernel(m_ref, x_ref, o_ref, b_ref):
+    m = m_ref[...]
+    o_ref[...] = jnp.where(m, x_ref[...], 0.0)
+    b_ref[...] = jnp.logical_not(m)
+  f = pl.pallas_call(mask_kernel, (sds((8, 128)), sds((8, 128), jnp.bool_)))
+  return f, (jnp.arange(8 * 128).reshape(8, 128) % 3 == 0, f32(8, 128))
+
+
+@case
+def when_inside_loop(pl, pltpu):
+  def loop_when_kernel(s_ref, x_ref, o_ref):
+    o_ref[...] = jnp.zeros_like(o_ref)
+
+    def body(i, c):
+      @pl.when(i % 2 == s_ref[0])
+      def _():
+        o_ref[...] += x_ref[pl.ds(i * 8, 8), :]
+      return c
+    lax.fori_loop(0, 4, body, 0)
+  f = pl.pallas_call(loop_when_kernel, sds((8, 128)),
+                     in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                               pl.BlockSpec(memory_space=pltpu.VMEM)])
+  return f, (jnp.array([1], jnp.int32), f32(32, 128))
