@@ -22,6 +22,7 @@ from dsl import ref_ops
 from lowering_mosaic import dialect, emit
 from lowering_mosaic.lowering import RefVal, to_i32, to_index
 from lowering_mosaic.rules import register
+from lowering_mosaic.rules.integer import static_int
 
 
 @dataclasses.dataclass
@@ -91,7 +92,11 @@ def view_of(ctx, ref: RefVal, transforms) -> View:
         v.sizes[d] = int(idx.size)
         v.strides[d] = v.strides[d] * int(idx.stride)
       else:
-        v.starts[d] = _add(v.starts[d], _mul(_static(idx), v.strides[d]))
+        i = _static(idx)
+        c = i if isinstance(i, int) else static_int(i)
+        if c is not None and c < 0:     # a static index: from the end
+          i = c + v.sizes[d]
+        v.starts[d] = _add(v.starts[d], _mul(i, v.strides[d]))
         v.sizes[d] = 1
         v.squeezed[d] = True
   return v
