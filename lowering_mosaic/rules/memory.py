@@ -136,6 +136,11 @@ def load(ctx, view: View) -> ir.Value:
   return emit.reshape(x, view.load_shape, view.shape, dtype)
 
 
+def _element_bits(ref: RefVal) -> int:
+  t = ir.MemRefType(ref.value.type).element_type
+  return t.width if hasattr(t, "width") else ir.FloatType(t).width
+
+
 def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
   """Writes `val` (shape `view.shape`, or a scalar) to `view`."""
   ref = view.ref
@@ -154,6 +159,12 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
   val = emit.broadcast_to(val, view.shape, dtype)
   val = emit.reshape(val, view.shape, view.load_shape, dtype)
   if mask is not None:
+    if _element_bits(ref) != 32:
+      raise ctx.error(
+          f"a masked store to {ref.name or 'a ref'} of {dtype}: TPUs store "
+          "under a mask only 32-bit elements; store a 32-bit array, or "
+          "write the window whole with jnp.where(mask, new, old) when it "
+          "lies inside the ref")
     mask = emit.broadcast_to(mask, view.shape, "bool")
     mask = emit.reshape(mask, view.shape, view.load_shape, "bool")
     if any(s != 1 for s in view.strides):

@@ -8,11 +8,7 @@ Features are the tags a generator puts on a case (`Case.features`, shown by
 """
 from __future__ import annotations
 
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("window_past_end", "mosaic_interpret"):
-        "a masked pl.ds window past the end of a whole-array ref fails at "
-        "run time (out-of-bounds, raw JaxRuntimeError)",
-}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def known_failure(features, backend: str) -> str | None:
