@@ -379,3 +379,20 @@ def test_masked_store_of_narrow_elements_is_a_clear_error():
   text = str(e.value)
   assert "masked store" in text and "int8" in text and "32-bit" in text
   assert "test_reliability_mosaic.py" in text
+
+
+def test_a_module_that_does_not_verify_names_the_reason(monkeypatch):
+  """The one-line message carries MLIR's first error, not only its
+  "Verification failed:" header."""
+  from lowering_mosaic.rules import memory
+  monkeypatch.setattr(memory, "_element_bits", lambda ref: 32)
+
+  def kernel(x_ref, o_ref):
+    pl.triton.store(o_ref.at[:, pl.ds(0, 128)], x_ref[:, pl.ds(0, 128)],
+                    mask=lax.broadcasted_iota(jnp.int32, (32, 128), 1) < 5)
+  with pytest.raises(BackendError) as e:
+    pl.pallas_call(kernel, jax.ShapeDtypeStruct((32, 128), jnp.int8),
+                   backend=MI)(jnp.ones((32, 128), jnp.int8))
+  first = str(e.value).splitlines()[0]
+  assert "does not verify: error:" in first
+  assert "non-32-bit element type" in first
