@@ -14,9 +14,9 @@ import numpy as np
 from jax._src.lib.mlir import ir
 
 from dsl.jaxpr_walk import RuleTable
+from dsl.poison import poison_value
 from lowering_mosaic import dialect
-from lowering_mosaic.interpreter.memory import (Buffer, MemRef, fresh_array,
-                                                poison_value)
+from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
                                                    KernelSimulationError, Wait)
 from lowering_mosaic.interpreter.value_ops import (VALUE_OPS, i64_array_attr,

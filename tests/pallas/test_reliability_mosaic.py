@@ -398,3 +398,27 @@ def test_a_module_that_does_not_verify_names_the_reason(monkeypatch):
   first = str(e.value).splitlines()[0]
   assert "does not verify: error:" in first
   assert "non-32-bit element type" in first
+
+
+def test_grid_free_kernel_with_a_window_is_refused_as_on_a_tpu():
+  """A grid-free Mosaic kernel has no windows (as Pallas emits it): a block
+  that is not the whole array would be silently read whole, so it is refused
+  at trace time with the fix."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  x = jnp.ones((2, 40, 128), jnp.float32)
+  call = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((1, 32, 128), jnp.float32),
+      in_specs=[pl.BlockSpec((None, 32, 128), lambda: (1, 0, 0))],
+      out_specs=pl.BlockSpec((None, 32, 128), lambda: (0, 0, 0)),
+      backend="mosaic_interpret")
+  with pytest.raises(pl.KernelError, match=r"in_specs\[0\]: a kernel without "
+                     r"a grid sees whole operands.*grid=\(1,\)"):
+    call(x)
+  # the same kernel with a one-point grid runs and matches
+  got = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((1, 32, 128), jnp.float32), grid=(1,),
+      in_specs=[pl.BlockSpec((None, 32, 128), lambda i: (1, 0, 0))],
+      out_specs=pl.BlockSpec((None, 32, 128), lambda i: (0, 0, 0)),
+      backend="mosaic_interpret")(x)
+  np.testing.assert_array_equal(got, x[1:2, :32] * 2.0)
