@@ -20,14 +20,13 @@ See docs/verification.md.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import re
 import sys
 import types
 from typing import Optional
 
+from dsl.targets import load_function
 from lowering_mosaic.promela import Options, to_promela
 from lowering_mosaic.promela.report import Report, Reports
 from lowering_mosaic.promela.spin import (SpinNotFoundError, require_spin,
@@ -142,26 +141,6 @@ def parse_shape(text: str):
                        "f32[8,128] or 8x128xf32")
     dt, shape = parts[-1], tuple(int(p) for p in parts[:-1])
   return jax.ShapeDtypeStruct(shape, jnp.dtype(_DTYPES.get(dt, dt)))
-
-
-def _load_function(target: str):
-  mod_name, _, fn_name = target.rpartition(":")
-  if not mod_name or not fn_name:
-    raise ValueError(f"expected FILE.pml or module:function, got {target!r}")
-  if mod_name.endswith(".py") or os.sep in mod_name:
-    spec = importlib.util.spec_from_file_location("_verify_target", mod_name)
-    if spec is None or spec.loader is None:
-      raise ValueError(f"cannot load {mod_name}")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-  else:
-    if os.getcwd() not in sys.path:
-      sys.path.insert(0, os.getcwd())
-    mod = importlib.import_module(mod_name)
-  fn = mod
-  for part in fn_name.split("."):
-    fn = getattr(fn, part)
-  return fn
 
 
 def _needs_axis_name(fn) -> bool:
@@ -281,7 +260,7 @@ def main(argv=None) -> int:
                            keep_dir=a.keep)
     else:
       _host_devices(a.host_devices)
-      fn = _load_function(a.target)
+      fn = load_function(a.target)
       args = [parse_shape(s) for s in a.shapes]
       fn, args = _target(fn, a.axis, a.num_devices, args)
       if a.emit:

@@ -20,18 +20,15 @@ the XLA column, and the outputs are checked against it.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import math
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.errors import UsageError
+from dsl import targets
 from benchmarks.suite.base import KernelBench
 
 _DTYPES = {"f64": "float64", "f32": "float32", "f16": "float16",
@@ -66,33 +63,10 @@ def parse_inputs(text: str) -> list[jax.ShapeDtypeStruct]:
 
 def load_function(target: str, flag: str):
   """'pkg.mod:fn' or 'path/to/file.py:fn' -> the function."""
-  mod_name, _, fn_name = target.rpartition(":")
-  if not mod_name or not fn_name:
-    raise UsageError(f"{flag} {target!r}: expected module:function, e.g. "
-                     "mypkg.mymod:fn or path/to/file.py:fn")
   try:
-    if mod_name.endswith(".py") or os.sep in mod_name:
-      spec = importlib.util.spec_from_file_location(
-          os.path.splitext(os.path.basename(mod_name))[0], mod_name)
-      if spec is None or spec.loader is None:
-        raise ImportError(f"no such file {mod_name}")
-      module = importlib.util.module_from_spec(spec)
-      spec.loader.exec_module(module)
-    else:
-      if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-      module = importlib.import_module(mod_name)
-  except Exception as e:
-    raise UsageError(f"{flag} {target!r}: cannot import {mod_name}: "
-                     f"{type(e).__name__}: {e}".splitlines()[0]) from None
-  fn = module
-  for part in fn_name.split("."):
-    fn = getattr(fn, part, None)
-    if fn is None:
-      raise UsageError(f"{flag} {target!r}: {mod_name} has no {fn_name!r}")
-  if not callable(fn):
-    raise UsageError(f"{flag} {target!r} is not a function")
-  return fn
+    return targets.load_function(target)
+  except targets.TargetError as e:
+    raise UsageError(f"{flag} {e}") from None
 
 
 class _BoundPl:
