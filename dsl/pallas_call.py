@@ -318,6 +318,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   outputs; `in_specs`/`out_specs` say which block each grid point sees.
   """
   name = name or kernel_name(kernel)
+  if isinstance(out_shape, list):   # as Pallas: the results come as a tuple
+    out_shape = tuple(out_shape)
   num_scalar_prefetch = 0
   if grid_spec is not None:
     grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs

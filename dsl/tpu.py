@@ -13,6 +13,7 @@ import dataclasses
 import enum
 from typing import Any
 
+from dsl.compiler_params import CompilerParams as BaseCompilerParams
 from dsl.gridspec import PrefetchScalarGridSpec
 from dsl.memory import ANY, MemoryRef, MemorySpace
 from dsl.semaphores import (BarrierSemaphore, DeviceIdType, SemaphoreShape,
@@ -22,6 +23,8 @@ from dsl.tpu_primitives import (AsyncCopyDescriptor, async_copy, device_id,
                                 make_async_copy, make_async_remote_copy,
                                 semaphore_read, semaphore_signal,
                                 semaphore_wait)
+from dsl.tpu_helpers import (async_remote_copy, load, reciprocal, store,
+                              sync_copy)
 from dsl.tpu_vector import bitcast, repeat, roll
 
 VMEM = MemorySpace.VMEM
@@ -29,6 +32,8 @@ SMEM = MemorySpace.SMEM
 HBM = MemorySpace.HBM
 SEMAPHORE = MemorySpace.SEMAPHORE
 TPUMemorySpace = MemorySpace
+# The dtype of a DMA semaphore scratch (`SemaphoreType.DMA` makes one).
+dma_semaphore = SemaphoreType.DMA
 
 
 class GridDimensionSemantics(enum.Enum):
@@ -49,7 +54,7 @@ DEFAULT_VMEM_LIMIT_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class CompilerParams:
+class CompilerParams(BaseCompilerParams):
   """Mosaic compiler parameters.
 
   dimension_semantics: one of "parallel"/"arbitrary" (or PARALLEL/ARBITRARY)
@@ -93,5 +98,6 @@ __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "BarrierSemaphore", "AsyncCopyDescriptor", "make_async_copy",
            "async_copy", "make_async_remote_copy", "semaphore_signal",
            "semaphore_wait", "semaphore_read", "get_barrier_semaphore",
-           "device_id", "roll", "repeat", "bitcast",
+           "device_id", "roll", "repeat", "bitcast", "sync_copy", "load",
+           "store", "reciprocal", "async_remote_copy", "dma_semaphore",
            "DEFAULT_VMEM_LIMIT_BYTES"]

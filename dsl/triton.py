@@ -6,6 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from dsl.compiler_params import CompilerParams as BaseCompilerParams
 from dsl.primitives import max_contiguous, multiple_of
 from dsl.ref_ops import (atomic_add, atomic_and, atomic_cas, atomic_max,
                          atomic_min, atomic_or, atomic_xchg, atomic_xor, load,
@@ -13,7 +14,7 @@ from dsl.ref_ops import (atomic_add, atomic_and, atomic_cas, atomic_max,
 
 
 @dataclasses.dataclass(frozen=True)
-class CompilerParams:
+class CompilerParams(BaseCompilerParams):
   """Triton launch parameters."""
   num_warps: int | None = None
   num_stages: int | None = None

@@ -1,0 +1,152 @@
+"""Pallas API names a kernel written for jax.experimental.pallas uses:
+each runs on dsl by changing the import, checked against jnp and against
+Pallas in interpret mode on the same kernel source."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as jpl
+from jax.experimental.pallas import tpu as jpltpu
+
+import dsl
+from dsl import tpu as dtpu
+from tests.pallas import mosaic_golden
+from tests.pallas.testing import assert_close
+
+TPU = {dsl: dtpu, jpl: jpltpu}
+
+
+def buffered_add(pl, n_buffers, x, y):
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] + y_ref[...]
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0),
+                      pipeline_mode=pl.Buffered(n_buffers))
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // 8,),
+      in_specs=[spec, pl.BlockSpec((8, 128), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)), interpret=True)(x, y)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_buffered_runs_like_pallas(n):
+  x = jnp.arange(32 * 128, dtype=jnp.float32).reshape(32, 128)
+  y = jnp.ones_like(x)
+  ours = buffered_add(dsl, n, x, y)
+  assert_close(ours, x + y)
+  assert_close(ours, buffered_add(jpl, n, x, y))
+
+
+def _mosaic_calls(pl, n):
+  x = jax.ShapeDtypeStruct((32, 128), jnp.float32)
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+  extra = {"backend": "mosaic"} if pl is dsl else {}
+  f = pl.pallas_call(
+      kernel, x, grid=(4,),
+      in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0),
+                             pipeline_mode=pl.Buffered(n))],
+      out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)), **extra)
+  return mosaic_golden.lower_tpu(f, x)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_buffered_mosaic_window_matches_pallas(n):
+  ours, theirs = _mosaic_calls(dsl, n), _mosaic_calls(jpl, n)
+  kind = "synchronous" if n == 1 else "double_buffered"
+  assert f"#tpu.pipeline_mode<{kind}>" in ours[0].module
+  assert mosaic_golden.compare(ours, theirs) == []
+
+
+def test_buffered_three_rejected_by_mosaic():
+  with pytest.raises(dsl.BackendError, match="1 or 2 buffers"):
+    _mosaic_calls(dsl, 3)
+
+
+def test_bad_pipeline_mode_is_type_error():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+  f = dsl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32),
+                      in_specs=[dsl.BlockSpec((8,), lambda: (0,),
+                                              pipeline_mode="double")],
+                      interpret=True)
+  with pytest.raises(TypeError, match="pipeline_mode"):
+    f(jnp.ones(8))
+
+
+def sync_copy_kernel(pl, x):
+  pltpu = TPU[pl]
+  def kernel(x_ref, o_ref, buf):
+    pltpu.sync_copy(x_ref, buf)
+    buf[...] = buf[...] + 1
+    pltpu.sync_copy(buf, o_ref)
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      out_specs=pl.BlockSpec(memory_space=pl.ANY),
+      scratch_shapes=[pltpu.VMEM(x.shape, x.dtype)], interpret=True)(x)
+
+
+def test_sync_copy_like_pallas():
+  x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+  ours = sync_copy_kernel(dsl, x)
+  assert_close(ours, x + 1)
+  assert_close(ours, sync_copy_kernel(jpl, x))
+
+
+def test_sync_copy_pytree():
+  def kernel(a_ref, b_ref, oa_ref, ob_ref):
+    dtpu.sync_copy((a_ref, b_ref), (oa_ref, ob_ref))
+  a, b = jnp.arange(8.), jnp.arange(16.) * 2
+  oa, ob = dsl.pallas_call(
+      kernel, (jax.ShapeDtypeStruct(a.shape, a.dtype),
+               jax.ShapeDtypeStruct(b.shape, b.dtype)),
+      in_specs=[dsl.BlockSpec(memory_space=dsl.ANY)] * 2,
+      out_specs=[dsl.BlockSpec(memory_space=dsl.ANY)] * 2,
+      interpret=True)(a, b)
+  assert_close(oa, a)
+  assert_close(ob, b)
+
+
+def list_out_kernel(pl, x):
+  def kernel(x_ref, a_ref, b_ref):
+    a_ref[...] = x_ref[...] + 1
+    b_ref[...] = x_ref[...] * 2
+  shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  return pl.pallas_call(kernel, [shape, shape], interpret=True)(x)
+
+
+def test_out_shape_list_like_pallas():
+  x = jnp.arange(16.)
+  ours, theirs = list_out_kernel(dsl, x), list_out_kernel(jpl, x)
+  assert type(ours) is type(theirs) is tuple
+  assert_close(ours[0], x + 1)
+  assert_close(ours[1], x * 2)
+  for a, b in zip(ours, theirs):
+    assert_close(a, b)
+
+
+def test_masked_tpu_load_store_and_reciprocal():
+  def kernel(x_ref, o_ref):
+    x = dtpu.load(x_ref)
+    dtpu.store(o_ref, dtpu.reciprocal(x, approx=True),
+               mask=jnp.arange(8) < 5)
+  x = jnp.arange(1., 9.)
+  out = dsl.pallas_call(kernel, jax.ShapeDtypeStruct((8,), jnp.float32),
+                        input_output_aliases={0: 0}, interpret=True)(x)
+  want = jnp.where(jnp.arange(8) < 5, 1 / x, x)
+  assert_close(out, want)
+
+
+def test_helpers_match_pallas():
+  for v in [0, 1, 3, 8, 9, 1000]:
+    assert dsl.next_power_of_2(v) == jpl.next_power_of_2(v)
+    assert dsl.align_to(v, 8) == jpl.align_to(v, 8)
+  assert dsl.strides_from_shape((2, 3, 4)) == jpl.strides_from_shape((2, 3, 4))
+  assert isinstance(dtpu.CompilerParams(), dsl.CompilerParams)
+  assert isinstance(dsl.triton.CompilerParams(), dsl.CompilerParams)
+  assert dsl.DeviceIdType.LOGICAL is dtpu.DeviceIdType.LOGICAL
+  with dsl.enable_debug_checks(True):
+    from dsl import config
+    assert config.enable_debug_checks()
