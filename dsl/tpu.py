@@ -14,6 +14,7 @@ import enum
 from typing import Any
 
 from dsl.compiler_params import CompilerParams as BaseCompilerParams
+from dsl.errors import BackendError
 from dsl.gridspec import PrefetchScalarGridSpec
 from dsl.memory import ANY, MemoryRef, MemorySpace
 from dsl.semaphores import (BarrierSemaphore, DeviceIdType, SemaphoreShape,
@@ -76,6 +77,16 @@ class CompilerParams(BaseCompilerParams):
   disable_bounds_checks: bool = False
   flags: Any = None
   shape_invariant_numerics: bool = True
+  # Accepted so that Pallas code runs unchanged; the Mosaic backend does not
+  # pass these to the TPU compiler (see docs/pallas-compat.md).
+  serialization_format: int = 1
+  disable_semaphore_checks: bool = False
+  skip_device_barrier: bool = False
+  allow_collective_id_without_custom_barrier: bool = False
+  use_tc_tiling_on_sc: bool | None = None
+  needs_layout_passes: bool = True
+  fuse_transposed_lhs_in_matmul: bool = False
+  opt_level: Any = None
 
   def __post_init__(self):
     if self.dimension_semantics is not None:
@@ -89,6 +100,8 @@ class CompilerParams(BaseCompilerParams):
 
 
 TPUCompilerParams = CompilerParams
+# Code that catches Pallas's TPU lowering errors catches the backend's own.
+LoweringException = BackendError
 
 __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "TPUMemorySpace", "MemoryRef", "PrefetchScalarGridSpec",
@@ -100,4 +113,5 @@ __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "semaphore_wait", "semaphore_read", "get_barrier_semaphore",
            "device_id", "roll", "repeat", "bitcast", "sync_copy", "load",
            "store", "reciprocal", "async_remote_copy", "dma_semaphore",
+           "LoweringException",
            "DEFAULT_VMEM_LIMIT_BYTES"]

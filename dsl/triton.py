@@ -35,7 +35,12 @@ def dot(a, b, trans_a: bool = False, trans_b: bool = False,
   return jnp.dot(a, b, precision=precision, preferred_element_type=acc)
 
 
-__all__ = ["CompilerParams", "load", "store", "dot", "max_contiguous",
+def approx_tanh(x):
+  """tanh(x); exact here (Pallas uses the GPU's approximate instruction)."""
+  return jnp.tanh(x)
+
+
+__all__ = ["approx_tanh", "CompilerParams", "load", "store", "dot", "max_contiguous",
            "multiple_of", "atomic_add", "atomic_max", "atomic_min",
            "atomic_and", "atomic_or", "atomic_xor", "atomic_xchg",
            "atomic_cas"]
