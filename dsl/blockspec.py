@@ -177,7 +177,7 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
   if arity is not None and arity != n_args:
     extra = (f" and {len(prefetch_avals)} scalar-prefetch refs"
              if prefetch_avals else "")
-    raise KernelError(
+    raise KernelTypeError(
         kernel, f"index_map takes {arity} arguments but the grid has rank "
         f"{grid_rank}{extra}, so it is called with {n_args}",
         f"{where} (index_map defined at {loc})", operand=origin)
@@ -196,7 +196,8 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
   except KernelError:
     raise
   except Exception as e:  # the user's index_map failed to trace
-    raise KernelError(kernel, f"index_map failed: {type(e).__name__}: {e}",
+    cls = KernelTypeError if isinstance(e, TypeError) else KernelError
+    raise cls(kernel, f"index_map failed: {type(e).__name__}: {e}",
                       f"{where} (index_map defined at {loc})",
                       operand=origin) from e
   if len(out_avals) != rank:

@@ -23,8 +23,8 @@ from jax._src.interpreters import partial_eval as pe
 
 from dsl import fixits, refs as refs_mod
 from dsl.blockspec import BlockMapping
-from dsl.errors import (KernelError, function_location, frame_of_traceback,
-                        raise_from_user_frames, source_excerpt, user_frame,
+from dsl.errors import (KernelError, KernelTypeError, function_location,
+                        frame_of_traceback, raise_from_user_frames, source_excerpt, user_frame,
                         user_traceback)
 from dsl.gridspec import GridMapping
 
@@ -110,7 +110,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
   arity = _positional_arity(kernel_fn)
   n_args = len(gm.unflatten_kernel_refs([object()] * n_refs))
   if arity is not None and arity != n_args:
-    raise KernelError(
+    raise KernelTypeError(
         name, f"the kernel takes {arity} refs but pallas_call passes {n_args}: "
         f"{gm.num_scalar_prefetch} scalar prefetch + {gm.num_inputs} inputs + "
         f"{gm.num_outputs} outputs + {len(gm.scratch_avals)} scratch",
@@ -183,8 +183,11 @@ def _raise_trace_error(e, name, gm, where, traced_names, origins):
   labels = {pn: f"{pn} ({o})" for pn, o in origins.items()}
   ctx = fixits.HintContext(operand, line, params, gm.grid, labels)
   message = fixits.hint(e, ctx)
-  err = KernelError(name, message or f"{type(e).__name__}: {e}", line,
-                    operand=ctx.operand, detail=source_excerpt(line))
+  # The class of the user's error is kept (a TypeError stays a TypeError),
+  # so code that catches Pallas's errors catches ours.
+  cls = KernelTypeError if isinstance(e, TypeError) else KernelError
+  err = cls(name, message or f"{type(e).__name__}: {e}", line,
+            operand=ctx.operand, detail=source_excerpt(line))
   raise_from_user_frames(err, e)
 
 

@@ -150,3 +150,61 @@ def test_helpers_match_pallas():
   with dsl.enable_debug_checks(True):
     from dsl import config
     assert config.enable_debug_checks()
+
+
+def _copy(x_ref, o_ref):
+  o_ref[...] = x_ref[...]
+
+
+def _two_in(x_ref, y_ref, o_ref):
+  o_ref[...] = x_ref[...]
+
+
+def _bad_matmul(x_ref, o_ref):
+  o_ref[...] = x_ref[...] @ jnp.ones((3, 3))
+
+
+_S = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+_ROWS = lambda pl: pl.BlockSpec((8, 128), lambda i: (i, 0))
+BAD_CALLS = {
+    "block rank": lambda pl: pl.pallas_call(
+        _copy, _S, grid=(2,), in_specs=[pl.BlockSpec((8,), lambda i: (i,))],
+        out_specs=_ROWS(pl), interpret=True),
+    "index_map arity": lambda pl: pl.pallas_call(
+        _copy, _S, grid=(2,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, 0))],
+        out_specs=_ROWS(pl), interpret=True),
+    "index_map results": lambda pl: pl.pallas_call(
+        _copy, _S, grid=(2,), in_specs=[pl.BlockSpec((8, 128), lambda i: (i,))],
+        out_specs=_ROWS(pl), interpret=True),
+    "spec count": lambda pl: pl.pallas_call(
+        _copy, _S, grid=(2,), in_specs=[_ROWS(pl)] * 2, out_specs=_ROWS(pl),
+        interpret=True),
+    "alias shape": lambda pl: pl.pallas_call(
+        _copy, jax.ShapeDtypeStruct((8,), jnp.float32),
+        input_output_aliases={0: 0}, interpret=True),
+    "alias index": lambda pl: pl.pallas_call(
+        _copy, _S, input_output_aliases={3: 0}, interpret=True),
+    "kernel arity": lambda pl: pl.pallas_call(_two_in, _S, interpret=True),
+    "kernel body": lambda pl: pl.pallas_call(_bad_matmul, _S, interpret=True),
+    "zero block": lambda pl: pl.pallas_call(
+        _copy, _S, grid=(2,), in_specs=[pl.BlockSpec((0, 128), lambda i: (i, 0))],
+        out_specs=_ROWS(pl), interpret=True),
+}
+
+
+def _raised(make, pl):
+  with pytest.raises(Exception) as info:
+    make(pl)(jnp.ones((16, 128)))
+  return info.value
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+def test_errors_are_of_pallas_class(case):
+  """Code that catches Pallas's exception class catches ours."""
+  theirs = _raised(BAD_CALLS[case], jpl)
+  ours = _raised(BAD_CALLS[case], dsl)
+  assert isinstance(ours, dsl.KernelError)
+  for cls in (ValueError, TypeError):
+    if isinstance(theirs, cls):
+      assert isinstance(ours, cls), (case, type(theirs), type(ours))
