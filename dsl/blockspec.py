@@ -252,11 +252,7 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
       if not isinstance(size, (int, np.integer)) or size <= 0:
         raise KernelError(kernel, f"block dim {i} must be a positive integer, "
                           f"None or Element, got {d!r}", where, operand=origin)
-      if not isinstance(d, Element) and size > n:
-        raise KernelError(
-            kernel, f"block dim {i} is {size} but the array dim is only {n} "
-            f"(block {tuple(spec.block_shape)} for array {tuple(aval.shape)}); "
-            f"use a block of at most {n}", where, operand=origin)
+      # A block larger than the array is padded, as in Pallas.
   _check_pipeline_mode(kernel, origin, spec.pipeline_mode, where)
   index_map = spec.index_map
   if whole or index_map is None:

@@ -208,3 +208,29 @@ def test_errors_are_of_pallas_class(case):
   for cls in (ValueError, TypeError):
     if isinstance(theirs, cls):
       assert isinstance(ours, cls), (case, type(theirs), type(ours))
+
+
+def big_block_kernel(pl, x, block, **kw):
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2 + 1
+  spec = pl.BlockSpec(block, lambda i: (0,) * len(block))
+  return pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        grid=(1,), in_specs=[spec], out_specs=spec, **kw)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
+def test_block_larger_than_array_is_padded(backend):
+  x = jnp.arange(10, dtype=jnp.float32)
+  ours = big_block_kernel(dsl, x, (16,), backend=backend)(x)
+  assert_close(ours, x * 2 + 1)
+  assert_close(ours, big_block_kernel(jpl, x, (16,), interpret=True)(x))
+
+
+def test_block_larger_than_array_mosaic():
+  x = jnp.arange(600, dtype=jnp.float32).reshape(6, 100)
+  ours = big_block_kernel(dsl, x, (8, 128), backend="mosaic_interpret")(x)
+  assert_close(ours, x * 2 + 1)
+  lowered = mosaic_golden.lower_tpu(
+      big_block_kernel(dsl, x, (8, 128), backend="mosaic"), x)
+  theirs = mosaic_golden.lower_tpu(big_block_kernel(jpl, x, (8, 128)), x)
+  assert mosaic_golden.compare(lowered, theirs) == []
