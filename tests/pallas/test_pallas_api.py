@@ -234,3 +234,35 @@ def test_block_larger_than_array_mosaic():
       big_block_kernel(dsl, x, (8, 128), backend="mosaic"), x)
   theirs = mosaic_golden.lower_tpu(big_block_kernel(jpl, x, (8, 128)), x)
   assert mosaic_golden.compare(lowered, theirs) == []
+
+
+_CONST = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+_TABLE = jnp.array([1, 0], jnp.int32)
+
+
+def _const_kernel(x_ref, o_ref):
+  o_ref[...] = x_ref[...] + _CONST
+
+
+def _const_call(backend, index_map):
+  return dsl.pallas_call(
+      _const_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), grid=(2,),
+      in_specs=[dsl.BlockSpec((8, 128), index_map)],
+      out_specs=dsl.BlockSpec((8, 128), lambda i: (i, 0)), backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "mosaic_interpret",
+                                     "triton_interpret"])
+def test_kernel_closing_over_an_array(backend):
+  # Pallas 0.11 rejects this with ValueError; dsl runs it.
+  x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+  out = jax.jit(_const_call(backend, lambda i: (i, 0)))(x)
+  assert_close(out, x + jnp.tile(_CONST, (2, 1)))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
+def test_index_map_closing_over_an_array(backend):
+  x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+  out = _const_call(backend, lambda i: (_TABLE[i], 0))(x)
+  want = jnp.concatenate([x[8:], x[:8]]) + jnp.tile(_CONST, (2, 1))
+  assert_close(out, want)
