@@ -266,3 +266,36 @@ def test_index_map_closing_over_an_array(backend):
   out = _const_call(backend, lambda i: (_TABLE[i], 0))(x)
   want = jnp.concatenate([x[8:], x[:8]]) + jnp.tile(_CONST, (2, 1))
   assert_close(out, want)
+
+
+def _axpy(x_ref, y_ref, o_ref):
+  o_ref[...] = x_ref[...] * 2 + y_ref[...]
+
+
+def _axpy_call(pl, x, y, aliases=None):
+  spec = pl.BlockSpec((8,), lambda i: (i,))
+  return pl.pallas_call(_axpy, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        grid=(2,), in_specs=[spec, spec], out_specs=spec,
+                        input_output_aliases=aliases or {},
+                        interpret=True)(x, y)
+
+
+VMAPS = {
+    "in_axes None": lambda pl, xs, y: jax.vmap(
+        lambda x, y: _axpy_call(pl, x, y), in_axes=(0, None))(xs, y),
+    "constant argument": lambda pl, xs, y: jax.vmap(
+        lambda x: _axpy_call(pl, x, jnp.full((16,), 3.)))(xs),
+    "alias of the unbatched operand": lambda pl, xs, y: jax.vmap(
+        lambda x, y: _axpy_call(pl, x, y, {1: 0}), in_axes=(0, None))(xs, y),
+    "alias of the batched operand": lambda pl, xs, y: jax.vmap(
+        lambda y, x: _axpy_call(pl, x, y, {1: 0}), in_axes=(0, None))(xs, y),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VMAPS))
+def test_vmap_like_pallas(case):
+  xs, y = jnp.arange(48.).reshape(3, 16), jnp.linspace(0, 1, 16)
+  ours = VMAPS[case](dsl, xs, y)
+  theirs = VMAPS[case](jpl, xs, y)
+  assert_close(ours, theirs)
+  assert ours.shape == (3, 16)
