@@ -26,6 +26,7 @@ from dsl.tpu_primitives import (AsyncCopyDescriptor, async_copy, device_id,
                                 semaphore_wait)
 from dsl.tpu_helpers import (async_remote_copy, load, reciprocal, store,
                               sync_copy)
+from dsl.tpu_pipeline import emit_pipeline
 from dsl.tpu_vector import bitcast, repeat, roll
 
 VMEM = MemorySpace.VMEM
@@ -112,6 +113,6 @@ __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "async_copy", "make_async_remote_copy", "semaphore_signal",
            "semaphore_wait", "semaphore_read", "get_barrier_semaphore",
            "device_id", "roll", "repeat", "bitcast", "sync_copy", "load",
-           "store", "reciprocal", "async_remote_copy", "dma_semaphore",
+           "store", "reciprocal", "async_remote_copy", "dma_semaphore", "emit_pipeline",
            "LoweringException",
            "DEFAULT_VMEM_LIMIT_BYTES"]
