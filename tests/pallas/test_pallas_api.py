@@ -345,3 +345,19 @@ def test_emit_pipeline_squeezed_dims():
   out = dsl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
                         interpret=True)(x)
   assert_close(out, x[::-1] * 3)
+
+
+def _named_grid_call(pl, x):
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + pl.program_id(0).astype(jnp.float32)
+  spec = pl.BlockSpec((8,), lambda i: (i,))
+  return pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        grid=(("i", 4),), in_specs=[spec], out_specs=spec,
+                        interpret=True)(x)
+
+
+def test_named_grid_like_pallas():
+  x = jnp.arange(32.)
+  ours = _named_grid_call(dsl, x)
+  assert_close(ours, x + jnp.repeat(jnp.arange(4.), 8))
+  assert_close(ours, _named_grid_call(jpl, x))
