@@ -27,6 +27,8 @@ from dsl.tpu_primitives import (AsyncCopyDescriptor, async_copy, device_id,
 from dsl.tpu_helpers import (async_remote_copy, load, reciprocal, store,
                               sync_copy)
 from dsl.tpu_pipeline import emit_pipeline
+from dsl.tpu_prng import (prng_random_bits, prng_seed, stateful_bernoulli,
+                          stateful_bits, stateful_normal, stateful_uniform)
 from dsl.tpu_vector import bitcast, repeat, roll
 
 VMEM = MemorySpace.VMEM
@@ -113,6 +115,8 @@ __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "async_copy", "make_async_remote_copy", "semaphore_signal",
            "semaphore_wait", "semaphore_read", "get_barrier_semaphore",
            "device_id", "roll", "repeat", "bitcast", "sync_copy", "load",
-           "store", "reciprocal", "async_remote_copy", "dma_semaphore", "emit_pipeline",
+           "store", "reciprocal", "async_remote_copy", "dma_semaphore", "emit_pipeline", "prng_seed",
+           "prng_random_bits", "stateful_bits", "stateful_uniform",
+           "stateful_bernoulli", "stateful_normal",
            "LoweringException",
            "DEFAULT_VMEM_LIMIT_BYTES"]
