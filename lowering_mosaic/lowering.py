@@ -388,8 +388,14 @@ def build_module_and_context(spec, mesh_axes=()):
     else:
       detail = ""
     if not ok:
+      # MLIR's message starts "Verification failed:"; the reason follows on
+      # the next lines, and the one-line message keeps only the first.
+      errors = [l.strip() for l in detail.splitlines()
+                if l.strip().startswith("error:")]
+      reason = errors[0] if errors else detail
       raise BackendError(spec.name, "the generated Mosaic module does not "
-                         f"verify: {detail}\n" + str(module), spec.where)
+                         f"verify: {reason}\n{detail}\n" + str(module),
+                         spec.where)
   return module, lctx
 
 

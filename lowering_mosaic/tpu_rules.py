@@ -173,9 +173,27 @@ def _shrunk_blocks(spec, limit: int):
   return None
 
 
+def _windowed_without_grid(gm):
+  """The first blocked operand of a grid-free kernel whose block is not the
+  whole array at index 0 (a grid-free Mosaic kernel has no windows)."""
+  from lowering_mosaic.lowering import has_trivial_window
+  if gm.grid:
+    return None
+  return next((bm for bm in gm.block_mappings
+               if _block_space(bm) != dialect.ANY
+               and not has_trivial_window(bm)), None)
+
+
 def check_tpu_rules(spec) -> None:
   """Raises KernelError for the first TPU rule `spec` breaks."""
   gm = spec.grid_mapping
+  bm = _windowed_without_grid(gm)
+  if bm is not None:
+    raise KernelError(
+        spec.name, f"a kernel without a grid sees whole operands on a TPU, "
+        f"but block {_fmt(bm.block_shape)} of {bm.array_aval.str_short()} is "
+        "a window of it; give the call grid=(1,) (or a block of the whole "
+        "array at index 0)", spec.where, operand=bm.origin)
   for bm in gm.block_mappings:
     space = _block_space(bm)
     if space == dialect.VMEM and len(bm.kernel_shape) == 0:

@@ -25,8 +25,9 @@ from jax._src.interpreters import mlir
 from jax._src import config as jax_config
 from dsl import checks
 from dsl import host_failures
-from dsl.errors import BackendError, KernelCheckError
-from lowering_triton import dtypes, loader
+from dsl import config
+from dsl.errors import BackendError, KernelCheckError, KernelRuntimeError
+from lowering_triton import dtypes, interpret_memory, loader
 from lowering_triton.kernel import GeneratedKernel, generate
 
 _LOCK = threading.RLock()
@@ -69,8 +70,12 @@ def _interpreter_scope(debug: bool = False):
           scope.set_attr(mod, attr, w)
     # Loop variables are int32 tensors in compiled Triton; the interpreter's
     # range yields Python ints, which lack tensor methods such as .to().
-    scope.set_attr(tl, "range", _tensor_range)
-    scope.set_attr(tl, "static_range", _tensor_range)
+    # A library function (tl.sum, ...) patches the language again each time
+    # it is called, and would put the int-yielding range back: its patching
+    # installs this range too.
+    _use_tensor_range(tl, scope)
+    scope.set_attr(ti, "_patch_lang_core",
+                   _keeping_tensor_range(ti._patch_lang_core))
     # The interpreter's dot multiplies bf16 bit patterns as integers, and its
     # casts truncate (f32 -> bf16) or reinterpret (int <-> bf16) values.
     # Compiled Triton rounds to nearest even; these versions do too.
@@ -78,6 +83,13 @@ def _interpreter_scope(debug: bool = False):
     scope.set_attr(ti.interpreter_builder, "options", dataclasses.replace(
         ti.interpreter_builder.options, debug=debug, sanitize_overflow=False))
     scope.set_attr(ti.InterpreterBuilder, "cast_impl", _cast_impl)
+    # Loads, stores and atomics stay inside the run's buffers, and read
+    # their operands as contiguous arrays (an atomic's broadcast value was
+    # read past its first lane).
+    interpret_memory.install(ti, scope)
+    # A Python float meeting a bf16 tensor (tl.where(m, float('nan'), x))
+    # becomes a bf16 constant; the interpreter's builder had no get_bf16.
+    scope.set_attr(ti.InterpreterBuilder, "get_bf16", _get_bf16)
     scope.set_attr(ti.InterpreterBuilder, "create_fp_to_fp", _fp_to_fp)
     for name in ("create_si_to_fp", "create_ui_to_fp", "create_fp_to_si",
                  "create_fp_to_ui", "create_fp_ext", "create_fp_trunc"):
@@ -92,6 +104,11 @@ def _interpreter_scope(debug: bool = False):
                    _binary(ieee_maximum))
     scope.set_attr(ti.InterpreterBuilder, "create_minimumf",
                    _binary(ieee_minimum))
+    # Comparisons are int1 (bool) in compiled Triton; the interpreter kept
+    # the operands' type on the result handle and cast the booleans to it,
+    # so a compared scalar broadcast and and-ed with a mask failed.
+    for name, fn in _comparisons().items():
+      scope.set_attr(ti.InterpreterBuilder, name, fn)
     scope.set_attr(ti.ReduceOps, "apply_impl",
                    _fast_reduce(ti.ReduceOps.apply_impl))
     # Integer sums wrap around in their type, as on the GPU (numpy's sum
@@ -100,6 +117,25 @@ def _interpreter_scope(debug: bool = False):
     yield
   finally:
     scope.restore()
+
+
+def _get_bf16(self, value):
+  import triton.language as tl
+  ti = _interpreter()
+  return ti.TensorHandle(_encode(np.array([value], np.float32), tl.bfloat16),
+                         tl.bfloat16)
+
+
+def _use_tensor_range(lang, scope):
+  scope.set_attr(lang, "range", _tensor_range)
+  scope.set_attr(lang, "static_range", _tensor_range)
+
+
+def _keeping_tensor_range(patch_lang_core):
+  def patch(lang, scope):
+    patch_lang_core(lang, scope)
+    _use_tensor_range(lang, scope)
+  return patch
 
 
 def _tensor_range(arg1, arg2=None, step=None, **kwargs):
@@ -170,6 +206,37 @@ def _binary(np_fn):
   def create(self, lhs, rhs):
     return self.binary_op(lhs, rhs, np_fn)
   return create
+
+
+_ORDERED = {"LT": np.less, "GT": np.greater, "LE": np.less_equal,
+            "GE": np.greater_equal, "EQ": np.equal, "NE": np.not_equal}
+
+
+def _compare(np_fn, unordered: bool):
+  def create(self, lhs, rhs):
+    import triton.language as tl
+    a = _decode(lhs.data, lhs.dtype.scalar)
+    b = _decode(rhs.data, rhs.dtype.scalar)
+    out = np.asarray(np_fn(a, b))
+    if unordered:                       # true when either operand is NaN
+      out = out | np.isnan(a) | np.isnan(b)
+    return _interpreter().TensorHandle(out.astype(bool), tl.int1)
+  return create
+
+
+def _comparisons() -> dict:
+  """create_icmp*/create_fcmp* of the builder, giving int1 results."""
+  table = {}
+  for cond, fn in _ORDERED.items():
+    for sign in ("S", "U"):
+      if cond in ("EQ", "NE"):
+        table[f"create_icmp{cond}"] = _compare(fn, False)
+      else:
+        table[f"create_icmp{sign}{cond}"] = _compare(fn, False)
+    table[f"create_fcmpO{cond}"] = _compare(fn, False)
+    # UNE is `!=`: np.not_equal is already true for NaN
+    table[f"create_fcmpU{cond}"] = _compare(fn, cond != "NE")
+  return table
 
 
 def _signed_zero(out, a, b, pick_negative: bool):
@@ -293,6 +360,25 @@ def _buffers(gk: GeneratedKernel, arrays) -> tuple[dict, list[np.ndarray]]:
   return {p.name: by_kind[p.kind][p.index] for p in gk.params}, outs
 
 
+_PARAM_ROLES = {"prefetch": "scalar prefetch {}", "input": "in_specs[{}]",
+                "output": "out_specs[{}]", "const": "constant {}"}
+
+
+def _buffer_names(gk: GeneratedKernel, buffers: dict) -> dict:
+  """Buffers by the name an error gives them: `in0 (in_specs[0])`."""
+  roles = {p.name: _PARAM_ROLES[p.kind].format(p.index) for p in gk.params}
+  return {f"{name.removesuffix('_ptr')} ({roles.get(name, name)})": buf
+          for name, buf in buffers.items()}
+
+
+def _out_of_bounds(exc: BaseException):
+  while exc is not None:
+    if isinstance(exc, interpret_memory.OutOfBounds):
+      return exc
+    exc = exc.__cause__ or exc.__context__
+  return None
+
+
 def run(gk: GeneratedKernel, arrays) -> list[np.ndarray]:
   """Runs the kernel over its grid with Triton's interpreter."""
   jf = loader.jit_function(gk)
@@ -300,7 +386,9 @@ def run(gk: GeneratedKernel, arrays) -> list[np.ndarray]:
   fn = ti.InterpretedFunction(jf.fn).rewrite()
   buffers, outs = _buffers(gk, arrays)
   gx, gy, gz = gk.launch_grid
-  with _LOCK, np.errstate(all="ignore"), _interpreter_scope(gk.debug):
+  with _LOCK, np.errstate(all="ignore"), _interpreter_scope(gk.debug), \
+      interpret_memory.guard(_buffer_names(gk, buffers),
+                             config.enable_runtime_assert()):
     ti.interpreter_builder.set_grid_dim(gx, gy, gz)
     kwargs = {name: _pointer(buf, buf.dtype) for name, buf in buffers.items()}
     try:
@@ -315,6 +403,9 @@ def run(gk: GeneratedKernel, arrays) -> list[np.ndarray]:
     except Exception as e:
       lineno = _generated_lineno(gk, e)
       where = user_line(gk.source, lineno) if lineno else None
+      oob = _out_of_bounds(e)
+      if oob is not None:
+        raise KernelRuntimeError(gk.name, str(oob), where or gk.where) from None
       raise BackendError(
           gk.name, f"Triton's interpreter failed running the generated kernel "
           f"(generated line {lineno}): {type(e).__name__}: {e}",

@@ -90,6 +90,9 @@ class MemRef:
   origin: str = ""               # "in_specs[0]" etc., for messages
   valid: tuple[str, ...] = ()    # scalar conditions for the whole window
   # (a block index read from data lies inside the array)
+  dynamic: tuple[int, ...] = ()  # array dims an indexer put a coordinate
+  # computed at run time on: bounded to the array (masked), and checked
+  # with jax_pallas_enable_runtime_assert on
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -132,7 +135,11 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
                            f"{len(ref.axes)}")
   fixed = list(ref.fixed)
   axes = []
+  dynamic = set(ref.dynamic)
   for ax, idx in zip(ref.axes, indices):
+    start = idx.start if isinstance(idx, indexing.Slice) else idx
+    if isinstance(start, TVal) and start.literal is None:
+      dynamic.add(ax.dim)
     if isinstance(idx, indexing.Slice):
       start = as_sym(idx.start)
       axes.append(Axis(ax.dim, sym_add(ax.start, sym_mul(start, ax.step)),
@@ -146,7 +153,7 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
                              "supported by the Triton backend; use scalar "
                              "indices or pl.ds slices")
   return dataclasses.replace(ref, fixed=tuple(sorted(fixed, key=lambda f: f[0])),
-                             axes=tuple(axes))
+                             axes=tuple(axes), dynamic=tuple(sorted(dynamic)))
 
 
 def _axis_word(j: int, rank: int) -> str:
@@ -164,10 +171,22 @@ def bcast(j: int, rank: int) -> str:
   return "[" + ", ".join(":" if k == j else "None" for k in range(rank)) + "]"
 
 
-def emit_address(ctx, ref: MemRef, extra_mask: str | None = None):
-  """Emits the pointers and mask of `ref`; returns (pointer expr, mask expr)."""
+def _bounds(coord: str, n: int, upper: bool, lower: bool) -> list[str]:
+  return ([f"{coord} < {n}"] if upper else []) + (
+      [f"{coord} >= 0"] if lower else [])
+
+
+def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
+                 check: str | None = None):
+  """Emits the pointers and mask of `ref`; returns (pointer expr, mask expr).
+
+  Coordinates computed at run time (`ref.dynamic`) are masked to the array,
+  so no lane leaves the operand's buffer; with `check` (the message of a
+  failed check) a lane the other masks keep outside the array fails a
+  `tl.device_assert` instead.
+  """
   rank = len(ref.axes)
-  terms, masks = [], []
+  terms, masks, inside = [], [], []
   for j, ax in enumerate(ref.axes):
     p = pow2(ax.size)
     lanes = f"tl.arange(0, {p})"
@@ -181,10 +200,11 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None):
     terms.append(f"{name}{b}" + (f" * {stride}" if stride != 1 else ""))
     if p != ax.size:
       masks.append(f"tl.arange(0, {p}){b} < {ax.size}")
-    if ref.check_upper[ax.dim]:
-      masks.append(f"{name}{b} < {ref.array_shape[ax.dim]}")
-    if ref.check_lower[ax.dim]:
-      masks.append(f"{name}{b} >= 0")
+    n, dyn = ref.array_shape[ax.dim], ax.dim in ref.dynamic
+    masks += _bounds(f"{name}{b}", n, ref.check_upper[ax.dim],
+                     ref.check_lower[ax.dim])
+    inside += _bounds(f"{name}{b}", n, dyn and not ref.check_upper[ax.dim],
+                      dyn and not ref.check_lower[ax.dim])
   for d, c in ref.fixed:
     if isinstance(c, int):
       if c:
@@ -193,14 +213,20 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None):
       c_expr = f"({c}).to(tl.int64)" if ref.wide else paren(c)
       terms.append(c_expr + (f" * {ref.strides[d]}" if ref.strides[d] != 1
                              else ""))
-      if ref.check_upper[d]:
-        masks.append(f"{paren(c)} < {ref.array_shape[d]}")
-      if ref.check_lower[d]:
-        masks.append(f"{paren(c)} >= 0")
+      n, dyn = ref.array_shape[d], d in ref.dynamic
+      masks += _bounds(paren(c), n, ref.check_upper[d], ref.check_lower[d])
+      inside += _bounds(paren(c), n, dyn and not ref.check_upper[d],
+                        dyn and not ref.check_lower[d])
   ptr = ref.ptr if not terms else f"{ref.ptr} + " + " + ".join(terms)
   masks.extend(ref.valid)
   if extra_mask is not None:
     masks.append(extra_mask)
+  if inside and check is not None:
+    ok = " & ".join(f"({m})" for m in inside)
+    if masks:
+      ok = f"~({' & '.join(f'({m})' for m in masks)}) | ({ok})"
+    ctx.emit(f"tl.device_assert({ok}, {check!r})")
+  masks.extend(inside)
   if not masks:
     return ptr, None
   if len(masks) == 1:

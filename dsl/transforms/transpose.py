@@ -199,6 +199,28 @@ def _zero_past_array(x, bm, ids, pf_refs):
   return jnp.where(mask.reshape(bm.kernel_shape), x, jnp.zeros_like(x))
 
 
+def _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz):
+  """The transpose of the kernel's tangent map at one grid point, linearized
+  at the entry state (`ins`, `outs_e`, `scr_e`): cotangents of the outputs
+  and scratch it leaves -> cotangents of the tangent inputs (`in_nz`) and of
+  the outputs and scratch it found."""
+  fl = lambda xs: [x for x in xs if has_tangent(x.dtype)]
+
+  def tangent_map(t_in, t_out, t_scr):
+    given = iter(t_in)
+    t_in_all = [next(given) if nz else jnp.zeros(x.shape, x.dtype)
+                for x, nz in zip(ins, in_nz) if has_tangent(x.dtype)]
+
+    def f(fi, fo, fs):
+      return _float_call(F, ids, pf, ins, outs_e, scr_e, fi, fo, fs)
+    _, tangents = jax.jvp(f, (fl(ins), fl(outs_e), fl(scr_e)),
+                          (t_in_all, t_out, t_scr))
+    return tangents
+
+  t_in_ex = [x for x, nz in zip(ins, in_nz) if nz]
+  return jax.linear_transpose(tangent_map, t_in_ex, fl(outs_e), fl(scr_e))
+
+
 def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
@@ -212,7 +234,6 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
 
   out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
   scr_f = [has_tangent(a.inner_aval.dtype) for a in gm.scratch_avals]
-  in_f = [has_tangent(bm.array_aval.dtype) for bm in gm.in_mappings]
   state_avals = ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
                  + [a.inner_aval for a in gm.scratch_avals])
   n_rec = len(state_avals) if recorded else 0
@@ -235,21 +256,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
       entry = [jnp.zeros(a.shape, a.dtype) for a in state_avals]
     outs_e, scr_e = entry[:n_out], entry[n_out:]
 
-    def tangent_map(t_in, t_out, t_scr):
-      full_t_in = iter(t_in)
-      t_in_all = [next(full_t_in) if nz else jnp.zeros(x.shape, x.dtype)
-                  for x, nz, f in zip(ins, in_nz, in_f) if f]
-      def f(fi, fo, fs):
-        return _float_call(F, ids, pf, ins, outs_e, scr_e, fi, fo, fs)
-      fl = lambda xs: [x for x in xs if has_tangent(x.dtype)]
-      _, tangents = jax.jvp(f, (fl(ins), fl(outs_e), fl(scr_e)),
-                            (t_in_all, t_out, t_scr))
-      return tangents
-
-    t_in_ex = [x for x, nz in zip(ins, in_nz) if nz]
-    t_out_ex = [x for x, f in zip(outs_e, out_f) if f]
-    t_scr_ex = [x for x, f in zip(scr_e, scr_f) if f]
-    transposed = jax.linear_transpose(tangent_map, t_in_ex, t_out_ex, t_scr_ex)
+    transposed = _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
     ct_out_now = [_zero_past_array(r[...], bm, ids, pf_refs)
                   for r, bm in zip(ct_out_refs, ct_out_maps)]
     ct_scr_now = [r[...] for r in ct_scr_refs]

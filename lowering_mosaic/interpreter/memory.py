@@ -103,6 +103,38 @@ class MemRef:
       sizes[d] = extent
     return tuple(index), (tuple(starts), tuple(sizes))
 
+  def access_padded(self, idx, shape, strides=None):
+    """(numpy index, box, part) of a `shape` access that may run past the
+    end of the buffer into the padding of its tiled VMEM allocation (see
+    `padded_extent`): `index` selects the part inside the buffer, `part`
+    where that part lies in the access (None when it is all of it).
+
+    Raises IndexError when the access leaves the view otherwise.
+    """
+    try:
+      index, box = self.access(idx, shape, strides)
+      return index, box, None
+    except IndexError:
+      if self.buf.space != "vmem":
+        raise
+    idx = [int(i) for i in idx]
+    strides = list(strides) if strides else [1] * len(idx)
+    clipped, part = list(shape), []
+    vis = {d: k for k, d in enumerate(self.dims)}
+    for d in range(len(self.base)):
+      k = vis.get(d)
+      if k is None:
+        continue
+      n, i, s = shape[k], idx[k], strides[k]
+      extent = (n - 1) * s + 1 if n else 0
+      ends_buffer = self.base[d] + self.sizes[d] == self.buf.array.shape[d]
+      if i + extent > self.sizes[d] and ends_buffer and i >= 0 and \
+          self.base[d] + i + extent <= padded_extent(self.buf, d):
+        clipped[k] = max(0, -(-(self.sizes[d] - i) // s))
+      part.append(slice(0, clipped[k]))
+    index, box = self.access(idx, clipped, strides)   # IndexError if still out
+    return index, box, tuple(part)
+
   def whole_index(self):
     index = []
     vis = set(self.dims)
@@ -118,6 +150,22 @@ class MemRef:
 
   def __repr__(self):
     return f"<view of {self.buf.name} at {self.base} size {self.shape}>"
+
+
+def padded_extent(buf: Buffer, d: int) -> int:
+  """Elements of buffer dim `d` in its VMEM allocation, which holds whole
+  (8 * packing, 128) tiles: the minor dim rounds up to 128 lanes, the
+  second-minor to 8 sublanes of 32-bit words. Past the buffer's end a
+  kernel reads padding (the interpreter shows poison) and a masked store
+  may leave it untouched; beyond the padding nothing is allocated."""
+  shape = buf.array.shape
+  n = shape[d]
+  if d == len(shape) - 1:
+    return -(-n // 128) * 128
+  if d == len(shape) - 2:
+    rows = 8 * max(1, 4 // buf.array.dtype.itemsize)
+    return -(-n // rows) * rows
+  return n
 
 
 def boxes_overlap(a, b) -> bool:

@@ -14,6 +14,7 @@ import numpy as np
 from jax._src.lib.mlir import ir
 
 from dsl.jaxpr_walk import RuleTable
+from dsl.poison import poison_value
 from lowering_mosaic import dialect
 from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
@@ -169,14 +170,32 @@ def _fail(frame, message):
       (frame.line,))
 
 
-def _access(frame, ref: MemRef, idx, shape, write, strides=None):
+def _access(frame, ref: MemRef, idx, shape, write, strides=None,
+            padding=False):
+  """The numpy index of an access, and with `padding` the part of the
+  access inside the buffer (None: all of it; the rest is tile padding)."""
   try:
-    index, box = ref.access(idx, shape, strides)
+    if padding:
+      index, box, part = ref.access_padded(idx, shape, strides)
+    else:
+      (index, box), part = ref.access(idx, shape, strides), None
   except IndexError as e:
     _fail(frame, f"out-of-bounds {'store to' if write else 'load from'} "
           f"{ref.buf.name}: {e}")
   frame.world.check_access(ref.buf, box, write, frame.line)
-  return index
+  return (index, part) if padding else index
+
+
+def _load(frame, ref, idx, shape, strides=None):
+  """A vector load; lanes in the tile padding past the buffer read poison,
+  as block padding does (masked loads past an array's end read them)."""
+  index, part = _access(frame, ref, idx, shape, False, strides, padding=True)
+  if part is None:
+    return np.array(ref.buf.array[index]).reshape(shape)
+  out = np.full(shape, poison_value(ref.buf.array.dtype),
+                ref.buf.array.dtype)
+  out[part] = np.asarray(ref.buf.array[index]).reshape(out[part].shape)
+  return out
 
 
 @stateful("vector.load")
@@ -184,8 +203,7 @@ def _vector_load(op, c):
   shape = result_shape(op)
 
   def fn(frame, ref, *idx):
-    index = _access(frame, ref, idx, shape, False)
-    return np.array(ref.buf.array[index]).reshape(shape)
+    return _load(frame, ref, idx, shape)
   return fn, list(op.operands), False
 
 
@@ -195,14 +213,26 @@ def _strided_load(op, c):
   strides = i64_array_attr(op, "strides")
 
   def fn(frame, ref, *idx):
-    index = _access(frame, ref, idx, shape, False, strides)
-    return np.array(ref.buf.array[index]).reshape(shape)
+    return _load(frame, ref, idx, shape, strides)
   return fn, list(op.operands), False
 
 
 def _store(frame, ref, idx, val, strides=None, mask=None):
   val = np.asarray(val)
-  index = _access(frame, ref, idx, val.shape, True, strides)
+  if mask is not None:      # lanes masked off may lie in the tile padding
+    index, part = _access(frame, ref, idx, val.shape, True, strides,
+                          padding=True)
+    if part is not None:
+      mask = np.broadcast_to(np.asarray(mask), val.shape)
+      outside = mask.copy()
+      outside[part] = False
+      if outside.any():
+        _fail(frame, f"out-of-bounds store to {ref.buf.name}: "
+              f"{int(outside.sum())} lane(s) the mask keeps lie past its "
+              f"end {ref.shape}")
+      val, mask = val[part], mask[part]
+  else:
+    index = _access(frame, ref, idx, val.shape, True, strides)
   target = ref.buf.array
   view_shape = target[index].shape
   val = val.reshape(view_shape)

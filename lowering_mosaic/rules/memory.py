@@ -23,6 +23,7 @@ from dsl import ref_ops
 from lowering_mosaic import dialect, emit
 from lowering_mosaic.lowering import RefVal, to_i32, to_index
 from lowering_mosaic.rules import register
+from lowering_mosaic.rules.integer import static_int
 
 
 @dataclasses.dataclass
@@ -93,7 +94,11 @@ def view_of(ctx, ref: RefVal, transforms) -> View:
         v.sizes[d] = int(idx.size)
         v.strides[d] = v.strides[d] * int(idx.stride)
       else:
-        v.starts[d] = _add(v.starts[d], _mul(_static(idx), v.strides[d]))
+        i = _static(idx)
+        c = i if isinstance(i, int) else static_int(i)
+        if c is not None and c < 0:     # a static index: from the end
+          i = c + v.sizes[d]
+        v.starts[d] = _add(v.starts[d], _mul(i, v.strides[d]))
         v.sizes[d] = 1
         v.squeezed[d] = True
   return v
@@ -152,6 +157,11 @@ def _to_memory(x, shape, dtype):
       dtype) else x
 
 
+def _element_bits(ref: RefVal) -> int:
+  t = ir.MemRefType(ref.value.type).element_type
+  return t.width if hasattr(t, "width") else ir.FloatType(t).width
+
+
 def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
   """Writes `val` (shape `view.shape`, or a scalar) to `view`."""
   ref = view.ref
@@ -171,6 +181,12 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
   val = emit.reshape(val, view.shape, view.load_shape, dtype)
   val = _to_memory(val, view.load_shape, dtype)
   if mask is not None:
+    if _element_bits(ref) != 32:
+      raise ctx.error(
+          f"a masked store to {ref.name or 'a ref'} of {dtype}: TPUs store "
+          "under a mask only 32-bit elements; store a 32-bit array, or "
+          "write the window whole with jnp.where(mask, new, old) when it "
+          "lies inside the ref")
     mask = emit.broadcast_to(mask, view.shape, "bool")
     mask = emit.reshape(mask, view.shape, view.load_shape, "bool")
     if any(s != 1 for s in view.strides):

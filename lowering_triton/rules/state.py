@@ -13,9 +13,11 @@ from jax import tree_util
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 
+from dsl import checks, config
 from dsl import primitives as dsl_primitives
 from dsl import ref_ops
 from dsl.poison import poison_value
+from dsl.errors import source_info_frame
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
@@ -40,6 +42,22 @@ def _view(ctx, ref: MemRef, transforms) -> MemRef:
   except UnsupportedIndex as e:
     raise ctx.error(str(e))
   return ref
+
+
+def _address(ctx, view: MemRef, verb: str, extra_mask: str | None = None):
+  """`emit_address` of `view`; with jax_pallas_enable_runtime_assert on, a
+  lane whose coordinate, computed at run time, leaves the array fails a
+  check naming the operand."""
+  check = None
+  if view.dynamic and config.enable_runtime_assert():
+    where = source_info_frame(ctx.eqn.source_info) or ctx.lowering.where
+    check = checks.check_text(
+        f"out-of-bounds {verb} {view.origin or view.base}: an index or "
+        f"pl.ds window computed at run time leaves the array "
+        f"{tuple(view.array_shape)}", where)
+    ctx.lowering.uses_asserts = True
+    ctx.lowering.has_side_effects = True
+  return emit_address(ctx, view, extra_mask=extra_mask, check=check)
 
 
 def poison(dtype) -> str:
@@ -214,7 +232,7 @@ def _get(ctx, ref, *flat, tree, **params):
   if isinstance(ref, ValueRef):
     return value_read(ctx, ref, transforms, ctx.hint(ref.var))
   view = _view(ctx, ref, transforms)
-  ptr, mask = emit_address(ctx, view)
+  ptr, mask = _address(ctx, view, "load from")
   return _load(ctx, view, ptr, mask, ctx.hint(view.base))
 
 
@@ -226,7 +244,7 @@ def _swap(ctx, ref, val, *flat, tree, **params):
     value_write(ctx, ref, transforms, val)
     return old
   view = _view(ctx, ref, transforms)
-  ptr, mask = emit_address(ctx, view)
+  ptr, mask = _address(ctx, view, "store to")
   old = None
   if ctx.out_used(0):
     ptr = _shared_ptr(ctx, ptr, view)
@@ -246,7 +264,7 @@ def _addupdate(ctx, ref, val, *flat, tree, **params):
     value_write(ctx, ref, transforms, new)
     return []
   view = _view(ctx, ref, transforms)
-  ptr, mask = emit_address(ctx, view)
+  ptr, mask = _address(ctx, view, "update of")
   ptr = _shared_ptr(ctx, ptr, view)
   cur = _load(ctx, view, ptr, mask, "cur")
   new = ctx.finish(f"{ctx.compute(cur)} + {paren(ctx.compute(val))}",
@@ -288,8 +306,8 @@ def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
     return ctx.bind(f"tl.where({mask.expr}, {val.expr}, {other.expr})",
                     val.shape, val.dtype, ctx.hint("load"))
   view = _view(ctx, ref, transforms)
-  ptr, m = emit_address(ctx, view, extra_mask=mask.expr if mask is not None
-                        else None)
+  ptr, m = _address(ctx, view, "load from", mask.expr if mask is not None
+                    else None)
   fill = None
   if other is not None and mask is not None:
     fill = other.expr
@@ -311,8 +329,8 @@ def _masked_store(ctx, ref, *args, tree, has_mask, eviction_policy=None,
     value_write(ctx, ref, transforms, val, mask)
     return []
   view = _view(ctx, ref, transforms)
-  ptr, m = emit_address(ctx, view, extra_mask=mask.expr if mask is not None
-                        else None)
+  ptr, m = _address(ctx, view, "store to", mask.expr if mask is not None
+                    else None)
   _store(ctx, ptr, ctx.value(val), m, _hints(eviction_policy=eviction_policy),
          base=view.ptr)
   return []
@@ -351,8 +369,8 @@ def _atomic_rmw(ctx, ref, *args, tree, has_mask, op, out_aval, **params):
     value_write(ctx, ref, transforms, new, mask)
     return old
   view = _view(ctx, ref, transforms)
-  ptr, m = emit_address(ctx, view, extra_mask=mask.expr if mask is not None
-                        else None)
+  ptr, m = _address(ctx, view, "atomic update of",
+                    mask.expr if mask is not None else None)
   ctx.lowering.before_read(view.ptr)
   ctx.lowering.wrote(view.ptr)
   call = f"tl.{_ATOMIC_NAMES[op]}({ptr}, {ctx.value(val)}"

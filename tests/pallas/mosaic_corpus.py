@@ -3,8 +3,8 @@ code runs with `dsl` / `dsl.tpu` and with `jax.experimental.pallas` /
 `.tpu`. Each case is `case(pl, pltpu) -> (f, args)`; the golden test lowers
 `f(*args)` for a TPU with both and compares the Mosaic modules. This module
 has the grids, block dims, memory spaces, control flow and dots;
-mosaic_corpus_dma.py, mosaic_corpus_values.py and mosaic_corpus_library.py
-(the kernels of kernels/) add theirs to CASES.
+mosaic_corpus_dma.py, mosaic_corpus_values.py, mosaic_corpus_more.py and
+mosaic_corpus_library.py (the kernels of kernels/) add theirs to CASES.
 """
 from __future__ import annotations
 
@@ -241,3 +241,4 @@ def iota_roll_casts(pl, pltpu):
 from tests.pallas import mosaic_corpus_dma  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_library  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_values  # noqa: E402,F401
+from tests.pallas import mosaic_corpus_more  # noqa: E402,F401

@@ -323,3 +323,53 @@ def test_element_offsets_from_data_outside_the_array():
   assert np.isnan(got[1, 2:]).all() and np.isnan(got[3]).all()
   assert np.isnan(got[2, :2]).all()
   np.testing.assert_array_equal(got[2, 2:], [2, 4])
+
+
+# ------------------------------------------------- DMA across grid steps
+
+def _double_buffered(api, tpu, n, rows):
+  """Step i waits for the copy of rows block i, which step i - 1 started
+  (step 0 starts its own), and starts block i + 1 into the other slot."""
+  def kernel(x_hbm, o_ref, buf, sem):
+    i = api.program_id(0)
+
+    def copy(block, slot):
+      return tpu.make_async_copy(x_hbm.at[api.ds(block * rows, rows)],
+                                 buf.at[slot], sem.at[slot])
+
+    @api.when(i == 0)
+    def _():
+      copy(0, 0).start()
+
+    @api.when(i + 1 < n)
+    def _():
+      copy(i + 1, (i + 1) % 2).start()
+
+    copy(i, i % 2).wait()
+    o_ref[...] = buf[i % 2] * 2.0 + i.astype(jnp.float32)
+
+  return dict(
+      grid=(n,), in_specs=[api.BlockSpec(memory_space=api.ANY)],
+      out_specs=api.BlockSpec((rows, 128), lambda i: (i, 0)),
+      scratch_shapes=[tpu.VMEM((2, rows, 128), jnp.float32),
+                      tpu.SemaphoreType.DMA((2,))],
+      compiler_params=tpu.CompilerParams(
+          dimension_semantics=("arbitrary",))), kernel
+
+
+@pytest.mark.parametrize("backend", ("interpret", "mosaic_interpret", "pallas"))
+def test_dma_started_at_the_previous_step_lands_in_carried_scratch(backend):
+  """Double buffering: the copy a step starts for the next step is waited
+  for, and read from scratch, by that next step (it was lost on interpret:
+  the scratch did not carry across steps)."""
+  n, rows = 4, 8
+  x = jnp.arange(n * rows * 128, dtype=jnp.float32).reshape(n * rows, 128)
+  api, tpu = (jpl, jpltpu) if backend == "pallas" else (pl, pltpu)
+  kw, kernel = _double_buffered(api, tpu, n, rows)
+  out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+  if backend == "pallas":
+    got = jpl.pallas_call(kernel, out, interpret=True, **kw)(x)
+  else:
+    got = pl.pallas_call(kernel, out, backend=backend, **kw)(x)
+  step = jnp.repeat(jnp.arange(n, dtype=jnp.float32), rows)[:, None]
+  np.testing.assert_array_equal(got, x * 2.0 + step)

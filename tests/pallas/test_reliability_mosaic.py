@@ -307,3 +307,118 @@ def test_block_indices_from_data_outside_the_array():
   assert "block index (8, 0) at grid point (1,)" in text
   assert "[0, 4)" in text and "not element offsets" in text
   assert "test_reliability_mosaic.py" in text      # the index map's line
+
+
+# ------------------------------------------------------------ indexing
+
+def test_negative_static_row_index_counts_from_the_end():
+  """x_ref[-k] is row n - k, as in numpy (it was an out-of-bounds [-1:0])."""
+  x = jnp.arange(3 * 16 * 128, dtype=jnp.float32).reshape(3, 16, 128)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[-1] + x_ref[-3] * 2 + x_ref[1, -2:][None].sum(1)
+  want = x[2] + x[0] * 2 + x[1, -2:].sum(0)
+  for backend in (MI, "interpret", "pallas"):
+    got = _call(kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), x,
+                backend=backend)
+    np.testing.assert_array_equal(got, want, err_msg=backend)
+
+
+def _tail_kernel(api, masked, n, block):
+  """The Triton idiom on whole-array refs: program i loads and stores the
+  window pl.ds(i * block, block) under the mask of the lanes in the array
+  (`api`: dsl or jax.experimental.pallas; `masked`: its masked load/store)."""
+  def kernel(x_ref, o_ref):
+    i = api.program_id(0)
+    lanes = i * block + lax.broadcasted_iota(jnp.int32, (8, block), 1)
+    mask = lanes < n
+    window = (slice(None), api.ds(i * block, block))
+    x = masked.load(x_ref.at[window], mask=mask, other=-1)
+    masked.store(o_ref.at[window], x * 2 + 1, mask=mask)
+  return kernel
+
+
+def test_masked_window_past_the_end_of_a_whole_array_ref():
+  """The window of the last program runs past the end of the array into
+  the padding of its VMEM tile: masked-off lanes read poison, which the
+  mask replaces, and are not written (it failed with out-of-bounds)."""
+  from jax.experimental.pallas import triton as jpl_triton
+  n, block = 200, 128
+  x = jnp.arange(8 * n, dtype=jnp.float32).reshape(8, n)
+  for backend in (MI, "interpret", "pallas"):
+    api, masked = (jpl, jpl_triton) if backend == "pallas" else (pl, pl.triton)
+    got = _call(_tail_kernel(api, masked, n, block),
+                jax.ShapeDtypeStruct((8, n), jnp.float32), x,
+                backend=backend, grid=(2,))
+    np.testing.assert_array_equal(got, x * 2 + 1, err_msg=backend)
+
+
+def test_masked_store_keeping_a_lane_past_the_end_is_out_of_bounds():
+  n, block = 200, 128
+
+  def kernel(o_ref):
+    i = pl.program_id(0)
+    window = (slice(None), pl.ds(i * block, block))
+    pl.triton.store(o_ref.at[window], jnp.ones((8, block), jnp.float32),
+                    mask=jnp.ones((8, block), bool))
+  with pytest.raises((jax.errors.JaxRuntimeError, KernelError)) as e:
+    jax.block_until_ready(pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct((8, n), jnp.float32), grid=(2,),
+        backend=MI)())
+  assert "out-of-bounds store" in str(e.value)
+  assert "test_reliability_mosaic.py" in str(e.value)
+
+
+def test_masked_store_of_narrow_elements_is_a_clear_error():
+  """TPUs store under a mask only 32-bit elements: the lowering says so
+  (it was a Mosaic module that did not verify, with no reason given)."""
+  def kernel(x_ref, o_ref):
+    pl.triton.store(o_ref.at[:, pl.ds(0, 128)], x_ref[:, pl.ds(0, 128)],
+                    mask=lax.broadcasted_iota(jnp.int32, (32, 128), 1) < 5)
+  with pytest.raises(BackendError) as e:
+    pl.pallas_call(kernel, jax.ShapeDtypeStruct((32, 128), jnp.int8),
+                   backend=MI)(jnp.ones((32, 128), jnp.int8))
+  text = str(e.value)
+  assert "masked store" in text and "int8" in text and "32-bit" in text
+  assert "test_reliability_mosaic.py" in text
+
+
+def test_a_module_that_does_not_verify_names_the_reason(monkeypatch):
+  """The one-line message carries MLIR's first error, not only its
+  "Verification failed:" header."""
+  from lowering_mosaic.rules import memory
+  monkeypatch.setattr(memory, "_element_bits", lambda ref: 32)
+
+  def kernel(x_ref, o_ref):
+    pl.triton.store(o_ref.at[:, pl.ds(0, 128)], x_ref[:, pl.ds(0, 128)],
+                    mask=lax.broadcasted_iota(jnp.int32, (32, 128), 1) < 5)
+  with pytest.raises(BackendError) as e:
+    pl.pallas_call(kernel, jax.ShapeDtypeStruct((32, 128), jnp.int8),
+                   backend=MI)(jnp.ones((32, 128), jnp.int8))
+  first = str(e.value).splitlines()[0]
+  assert "does not verify: error:" in first
+  assert "non-32-bit element type" in first
+
+
+def test_grid_free_kernel_with_a_window_is_refused_as_on_a_tpu():
+  """A grid-free Mosaic kernel has no windows (as Pallas emits it): a block
+  that is not the whole array would be silently read whole, so it is refused
+  at trace time with the fix."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  x = jnp.ones((2, 40, 128), jnp.float32)
+  call = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((1, 32, 128), jnp.float32),
+      in_specs=[pl.BlockSpec((None, 32, 128), lambda: (1, 0, 0))],
+      out_specs=pl.BlockSpec((None, 32, 128), lambda: (0, 0, 0)),
+      backend="mosaic_interpret")
+  with pytest.raises(pl.KernelError, match=r"in_specs\[0\]: a kernel without "
+                     r"a grid sees whole operands.*grid=\(1,\)"):
+    call(x)
+  # the same kernel with a one-point grid runs and matches
+  got = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((1, 32, 128), jnp.float32), grid=(1,),
+      in_specs=[pl.BlockSpec((None, 32, 128), lambda i: (1, 0, 0))],
+      out_specs=pl.BlockSpec((None, 32, 128), lambda i: (0, 0, 0)),
+      backend="mosaic_interpret")(x)
+  np.testing.assert_array_equal(got, x[1:2, :32] * 2.0)
