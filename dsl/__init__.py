@@ -12,8 +12,8 @@ from dsl.backends import BACKENDS
 from dsl.blockspec import (BlockDim, BlockMapping, BlockSpec, Blocked, Buffered,
                            Element, RevisitMode, Squeezed, squeezed)
 from dsl.compiler_params import CompilerParams
-from dsl.helpers import (align_to, broadcast_to, next_power_of_2,
-                         strides_from_shape)
+from dsl.helpers import (align_to, broadcast_to, empty, empty_like,
+                         next_power_of_2, no_block_spec, strides_from_shape)
 from dsl.semaphores import DeviceIdType
 from dsl.tpu_primitives import semaphore_read, semaphore_signal, semaphore_wait
 from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
@@ -50,5 +50,6 @@ __all__ = [
     "BlockDim", "Buffered", "RevisitMode", "CompilerParams", "DeviceIdType",
     "semaphore_read", "semaphore_signal", "semaphore_wait", "align_to",
     "broadcast_to", "next_power_of_2", "strides_from_shape",
-    "enable_debug_checks", "enable_poison_buffers",
+    "enable_debug_checks", "enable_poison_buffers", "empty", "empty_like",
+    "no_block_spec",
 ]

@@ -28,3 +28,19 @@ def strides_from_shape(shape) -> tuple[int, ...]:
 def broadcast_to(a, shape):
   """`jnp.broadcast_to` (every backend lowers the broadcast)."""
   return jnp.broadcast_to(a, tuple(shape))
+
+
+def empty(shape, dtype, *, out_sharding=None):
+  """An array of unspecified values (JAX's `lax.empty`)."""
+  from jax import lax
+  return lax.empty(shape, dtype, out_sharding=out_sharding)
+
+
+def empty_like(x):
+  """A pytree like `x` of arrays of unspecified values."""
+  import jax
+  return jax.tree.map(lambda leaf: empty(leaf.shape, leaf.dtype), x)
+
+
+# `in_specs=pl.no_block_spec`: the same as leaving the specs out.
+no_block_spec = None

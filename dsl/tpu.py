@@ -24,8 +24,8 @@ from dsl.tpu_primitives import (AsyncCopyDescriptor, async_copy, device_id,
                                 make_async_copy, make_async_remote_copy,
                                 semaphore_read, semaphore_signal,
                                 semaphore_wait)
-from dsl.tpu_helpers import (async_remote_copy, load, reciprocal, store,
-                              sync_copy)
+from dsl.tpu_helpers import (async_remote_copy, is_tpu_device, load,
+                              reciprocal, store, sync_copy)
 from dsl.tpu_pipeline import emit_pipeline
 from dsl.tpu_prng import (prng_random_bits, prng_seed, stateful_bernoulli,
                           stateful_bits, stateful_normal, stateful_uniform)
@@ -115,7 +115,7 @@ __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "async_copy", "make_async_remote_copy", "semaphore_signal",
            "semaphore_wait", "semaphore_read", "get_barrier_semaphore",
            "device_id", "roll", "repeat", "bitcast", "sync_copy", "load",
-           "store", "reciprocal", "async_remote_copy", "dma_semaphore", "emit_pipeline", "prng_seed",
+           "store", "reciprocal", "async_remote_copy", "dma_semaphore", "emit_pipeline", "prng_seed", "is_tpu_device",
            "prng_random_bits", "stateful_bits", "stateful_uniform",
            "stateful_bernoulli", "stateful_normal",
            "LoweringException",

@@ -56,3 +56,8 @@ def async_remote_copy(src_ref, dst_ref, send_sem, recv_sem, device_id,
   its descriptor."""
   return make_async_remote_copy(src_ref, dst_ref, send_sem, recv_sem,
                                 device_id, device_id_type).start()
+
+
+def is_tpu_device() -> bool:
+  """Whether JAX's default device is a TPU."""
+  return jax.devices()[0].platform == "tpu"

@@ -361,3 +361,18 @@ def test_named_grid_like_pallas():
   ours = _named_grid_call(dsl, x)
   assert_close(ours, x + jnp.repeat(jnp.arange(4.), 8))
   assert_close(ours, _named_grid_call(jpl, x))
+
+
+def test_empty_and_no_block_spec():
+  def kernel(x_ref, o_ref):
+    scratch = dsl.empty(x_ref.shape, x_ref.dtype)   # every element rewritten
+    o_ref[...] = jnp.zeros_like(scratch) + x_ref[...] * 2
+  x = jnp.arange(8.)
+  for pl in (dsl, jpl):
+    out = pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         in_specs=pl.no_block_spec, out_specs=pl.no_block_spec,
+                         interpret=True)(x)
+    assert_close(out, x * 2)
+  tree = dsl.empty_like({"a": jax.ShapeDtypeStruct((2, 3), jnp.int8)})
+  assert tree["a"].shape == (2, 3) and tree["a"].dtype == jnp.int8
+  assert not dtpu.is_tpu_device() and not jpltpu.is_tpu_device()
