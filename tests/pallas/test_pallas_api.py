@@ -376,3 +376,16 @@ def test_empty_and_no_block_spec():
   tree = dsl.empty_like({"a": jax.ShapeDtypeStruct((2, 3), jnp.int8)})
   assert tree["a"].shape == (2, 3) and tree["a"].dtype == jnp.int8
   assert not dtpu.is_tpu_device() and not jpltpu.is_tpu_device()
+
+
+def test_tpu_compiler_params_take_every_pallas_field():
+  import dataclasses
+  theirs = {f.name for f in dataclasses.fields(jpltpu.CompilerParams)}
+  ours = {f.name for f in dataclasses.fields(dtpu.CompilerParams)}
+  assert theirs <= ours, sorted(theirs - ours)
+  params = dtpu.CompilerParams(dimension_semantics=("parallel",),
+                               needs_layout_passes=True, serialization_format=1)
+  assert isinstance(params, dsl.CompilerParams)
+  assert issubclass(dtpu.LoweringException, Exception)
+  with pytest.raises(dtpu.LoweringException):
+    _mosaic_calls(dsl, 3)
