@@ -9,8 +9,13 @@ from jax._src.state.types import TransformedRef
 
 from dsl import refs as _refs  # installs the static index checks
 from dsl.backends import BACKENDS
-from dsl.blockspec import (BlockMapping, BlockSpec, Blocked, Element, Squeezed,
-                           squeezed)
+from dsl.blockspec import (BlockDim, BlockMapping, BlockSpec, Blocked, Buffered,
+                           Element, RevisitMode, Squeezed, squeezed)
+from dsl.compiler_params import CompilerParams
+from dsl.helpers import (align_to, broadcast_to, empty, empty_like,
+                         next_power_of_2, no_block_spec, strides_from_shape)
+from dsl.semaphores import DeviceIdType
+from dsl.tpu_primitives import semaphore_read, semaphore_signal, semaphore_wait
 from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
                         KernelError, KernelRuntimeError, KernelTypeError,
                         kernel_error_of)
@@ -27,6 +32,8 @@ from dsl.ref_ops import load, store, atomic_add, atomic_cas
 from dsl.refs import Slice, ds, dslice
 from dsl.tracing import num_programs, program_id
 from dsl import config
+enable_debug_checks = config.enable_debug_checks_option
+enable_poison_buffers = config.poison_buffers_option
 from dsl import triton, tpu
 from dsl import transforms as _transforms  # registers jvp/vmap/vjp rules
 
@@ -40,4 +47,9 @@ __all__ = [
     "debug_print", "ds", "dslice", "kernel", "load", "loop", "max_contiguous",
     "multiple_of", "num_programs", "pallas_call", "CostEstimate", "pallas_call_p",
     "program_id", "run_scoped", "squeezed", "store", "tpu", "triton", "when",
+    "BlockDim", "Buffered", "RevisitMode", "CompilerParams", "DeviceIdType",
+    "semaphore_read", "semaphore_signal", "semaphore_wait", "align_to",
+    "broadcast_to", "next_power_of_2", "strides_from_shape",
+    "enable_debug_checks", "enable_poison_buffers", "empty", "empty_like",
+    "no_block_spec",
 ]

@@ -8,6 +8,7 @@ operand (`in_specs[1]`), the expected and the actual value.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import sys
 from typing import Any, Callable, Sequence
@@ -48,6 +49,28 @@ class Blocked:
 
 
 BlockDim = Any  # int | _Squeezed | Element
+
+
+class RevisitMode(enum.Enum):
+  """Whether an output block may be revisited at any step (ANY) or only at
+  the next one (IMMEDIATE, the default). A hint: every backend here keeps
+  the block's contents between visits."""
+  IMMEDIATE = "immediate"
+  ANY = "any"
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffered:
+  """How many buffers a block's pipeline uses (`BlockSpec(pipeline_mode=)`).
+
+  The host backends run blocks one at a time, so the count is a hint there;
+  the Mosaic backend marks the window `synchronous` (1) or
+  `double_buffered` (2), as a TPU accepts.
+  """
+  buffer_count: int
+  use_lookahead: bool = False
+  revisit: RevisitMode | None = None
+  prefetched_count: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +120,7 @@ class BlockMapping:
   index_map_jaxpr: core.ClosedJaxpr
   memory_space: Any = None
   whole_array: bool = False
+  pipeline_mode: Buffered | None = None
 
   @property
   def block_sizes(self) -> tuple[int, ...]:
@@ -153,7 +177,7 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
   if arity is not None and arity != n_args:
     extra = (f" and {len(prefetch_avals)} scalar-prefetch refs"
              if prefetch_avals else "")
-    raise KernelError(
+    raise KernelTypeError(
         kernel, f"index_map takes {arity} arguments but the grid has rank "
         f"{grid_rank}{extra}, so it is called with {n_args}",
         f"{where} (index_map defined at {loc})", operand=origin)
@@ -172,7 +196,8 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
   except KernelError:
     raise
   except Exception as e:  # the user's index_map failed to trace
-    raise KernelError(kernel, f"index_map failed: {type(e).__name__}: {e}",
+    cls = KernelTypeError if isinstance(e, TypeError) else KernelError
+    raise cls(kernel, f"index_map failed: {type(e).__name__}: {e}",
                       f"{where} (index_map defined at {loc})",
                       operand=origin) from e
   if len(out_avals) != rank:
@@ -227,15 +252,25 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
       if not isinstance(size, (int, np.integer)) or size <= 0:
         raise KernelError(kernel, f"block dim {i} must be a positive integer, "
                           f"None or Element, got {d!r}", where, operand=origin)
-      if not isinstance(d, Element) and size > n:
-        raise KernelError(
-            kernel, f"block dim {i} is {size} but the array dim is only {n} "
-            f"(block {tuple(spec.block_shape)} for array {tuple(aval.shape)}); "
-            f"use a block of at most {n}", where, operand=origin)
+      # A block larger than the array is padded, as in Pallas.
+  _check_pipeline_mode(kernel, origin, spec.pipeline_mode, where)
   index_map = spec.index_map
   if whole or index_map is None:
     index_map = _zeros_index_map(grid_rank, len(prefetch_avals), rank)
   jaxpr = _trace_index_map(kernel, origin, index_map, grid_rank,
                            prefetch_avals, rank, where)
   return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype),
-                      block_shape, jaxpr, memory_space, whole)
+                      block_shape, jaxpr, memory_space, whole,
+                      spec.pipeline_mode)
+
+
+def _check_pipeline_mode(kernel, origin, mode, where) -> None:
+  if mode is None:
+    return
+  if not isinstance(mode, Buffered):
+    raise KernelTypeError(kernel, f"pipeline_mode must be pl.Buffered(n), got "
+                          f"{mode!r}", where, operand=origin)
+  n = mode.buffer_count
+  if not isinstance(n, (int, np.integer)) or n < 1:
+    raise KernelError(kernel, f"Buffered.buffer_count must be a positive "
+                      f"integer, got {n!r}", where, operand=origin)

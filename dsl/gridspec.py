@@ -135,6 +135,8 @@ def normalize_grid(kernel: str, grid, where: str) -> tuple[int, ...]:
                           f"got {grid!r}", where, operand="grid")
   out = []
   for i, g in enumerate(grid):
+    if (isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], str)):
+      g = g[1]   # a named grid axis ("i", 4), as Pallas takes it
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
       raise KernelTypeError(
           kernel, f"grid[{i}] must be a positive integer, got {g!r} "

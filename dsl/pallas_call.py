@@ -311,13 +311,18 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
                 scratch_shapes=(), input_output_aliases=None,
                 interpret: bool = False, debug: bool = False,
                 name: str | None = None, compiler_params=None,
-                cost_estimate=None, backend: str | None = None):
+                cost_estimate=None, backend: str | None = None,
+                metadata: dict[str, str] | None = None):
   """Returns a function that runs `kernel` over `grid` on its arguments.
 
   The kernel reads blocks of the inputs through refs and writes blocks of the
   outputs; `in_specs`/`out_specs` say which block each grid point sees.
+  `metadata` is accepted as in Pallas and not used.
   """
+  del metadata
   name = name or kernel_name(kernel)
+  if isinstance(out_shape, list):   # as Pallas: the results come as a tuple
+    out_shape = tuple(out_shape)
   num_scalar_prefetch = 0
   if grid_spec is not None:
     grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs

@@ -13,6 +13,8 @@ import dataclasses
 import enum
 from typing import Any
 
+from dsl.compiler_params import CompilerParams as BaseCompilerParams
+from dsl.errors import BackendError
 from dsl.gridspec import PrefetchScalarGridSpec
 from dsl.memory import ANY, MemoryRef, MemorySpace
 from dsl.semaphores import (BarrierSemaphore, DeviceIdType, SemaphoreShape,
@@ -22,6 +24,11 @@ from dsl.tpu_primitives import (AsyncCopyDescriptor, async_copy, device_id,
                                 make_async_copy, make_async_remote_copy,
                                 semaphore_read, semaphore_signal,
                                 semaphore_wait)
+from dsl.tpu_helpers import (async_remote_copy, is_tpu_device, load,
+                              reciprocal, store, sync_copy)
+from dsl.tpu_pipeline import emit_pipeline
+from dsl.tpu_prng import (prng_random_bits, prng_seed, stateful_bernoulli,
+                          stateful_bits, stateful_normal, stateful_uniform)
 from dsl.tpu_vector import bitcast, repeat, roll
 
 VMEM = MemorySpace.VMEM
@@ -29,6 +36,8 @@ SMEM = MemorySpace.SMEM
 HBM = MemorySpace.HBM
 SEMAPHORE = MemorySpace.SEMAPHORE
 TPUMemorySpace = MemorySpace
+# The dtype of a DMA semaphore scratch (`SemaphoreType.DMA` makes one).
+dma_semaphore = SemaphoreType.DMA
 
 
 class GridDimensionSemantics(enum.Enum):
@@ -49,7 +58,7 @@ DEFAULT_VMEM_LIMIT_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class CompilerParams:
+class CompilerParams(BaseCompilerParams):
   """Mosaic compiler parameters.
 
   dimension_semantics: one of "parallel"/"arbitrary" (or PARALLEL/ARBITRARY)
@@ -71,6 +80,16 @@ class CompilerParams:
   disable_bounds_checks: bool = False
   flags: Any = None
   shape_invariant_numerics: bool = True
+  # Accepted so that Pallas code runs unchanged; the Mosaic backend does not
+  # pass these to the TPU compiler (see docs/pallas-compat.md).
+  serialization_format: int = 1
+  disable_semaphore_checks: bool = False
+  skip_device_barrier: bool = False
+  allow_collective_id_without_custom_barrier: bool = False
+  use_tc_tiling_on_sc: bool | None = None
+  needs_layout_passes: bool = True
+  fuse_transposed_lhs_in_matmul: bool = False
+  opt_level: Any = None
 
   def __post_init__(self):
     if self.dimension_semantics is not None:
@@ -84,6 +103,8 @@ class CompilerParams:
 
 
 TPUCompilerParams = CompilerParams
+# Code that catches Pallas's TPU lowering errors catches the backend's own.
+LoweringException = BackendError
 
 __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "TPUMemorySpace", "MemoryRef", "PrefetchScalarGridSpec",
@@ -93,5 +114,9 @@ __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "BarrierSemaphore", "AsyncCopyDescriptor", "make_async_copy",
            "async_copy", "make_async_remote_copy", "semaphore_signal",
            "semaphore_wait", "semaphore_read", "get_barrier_semaphore",
-           "device_id", "roll", "repeat", "bitcast",
+           "device_id", "roll", "repeat", "bitcast", "sync_copy", "load",
+           "store", "reciprocal", "async_remote_copy", "dma_semaphore", "emit_pipeline", "prng_seed", "is_tpu_device",
+           "prng_random_bits", "stateful_bits", "stateful_uniform",
+           "stateful_bernoulli", "stateful_normal",
+           "LoweringException",
            "DEFAULT_VMEM_LIMIT_BYTES"]

@@ -23,9 +23,10 @@ from jax._src.interpreters import partial_eval as pe
 
 from dsl import fixits, refs as refs_mod
 from dsl.blockspec import BlockMapping
-from dsl.errors import (KernelError, function_location, frame_of_traceback,
-                        raise_from_user_frames, source_excerpt, user_frame,
+from dsl.errors import (KernelError, KernelTypeError, function_location,
+                        frame_of_traceback, raise_from_user_frames, source_excerpt, user_frame,
                         user_traceback)
+from dsl import tpu_prng
 from dsl.gridspec import GridMapping
 
 
@@ -110,7 +111,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
   arity = _positional_arity(kernel_fn)
   n_args = len(gm.unflatten_kernel_refs([object()] * n_refs))
   if arity is not None and arity != n_args:
-    raise KernelError(
+    raise KernelTypeError(
         name, f"the kernel takes {arity} refs but pallas_call passes {n_args}: "
         f"{gm.num_scalar_prefetch} scalar prefetch + {gm.num_inputs} inputs + "
         f"{gm.num_outputs} outputs + {len(gm.scratch_avals)} scratch",
@@ -133,8 +134,9 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     traced_names.update(names)
     token = refs_mod._ACTIVE.set(names)
     try:
-      with grid_env(name, ids, gm.grid):
-        out = kernel_fn(*gm.unflatten_kernel_refs(refs))
+      with grid_env(name, ids, gm.grid), tpu_prng.in_kernel_body():
+        out = _call_body(kernel_fn, gm.unflatten_kernel_refs(refs),
+                         with_prng[0])
     finally:
       refs_mod._ACTIVE.reset(token)
     if out is not None:
@@ -145,10 +147,18 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
 
   dbg = api_util.debug_info(f"kernel {name}", kernel_fn,
                             tuple(range(len(grid_avals) + len(ref_avals))), {})
+  # A kernel that draws random numbers is traced again, with its random
+  # state in a scoped scratch around the body (dsl.tpu_prng).
+  with_prng = [False]
   try:
     with _blocks_mesh():
-      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-          lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
+      try:
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+            lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
+      except tpu_prng.NeedsPrngState:
+        with_prng[0] = True
+        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+            lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
   except KernelError as e:
     __tracebackhide__ = True
     raise e.with_traceback(user_traceback(e.__traceback__))
@@ -157,6 +167,20 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     _raise_trace_error(e, name, gm, where, traced_names,
                        dict(zip(param_names, origins)))
   return core.ClosedJaxpr(jaxpr, consts)
+
+
+def _call_body(kernel_fn, args, with_prng: bool):
+  if not with_prng:
+    return kernel_fn(*args)
+  from dsl.primitives import run_scoped
+  result = []
+
+  def body(state):
+    with tpu_prng.prng_state(state):
+      result.append(kernel_fn(*args))
+
+  run_scoped(body, tpu_prng.state_shape())
+  return result[0]
 
 
 def _blocks_mesh():
@@ -183,8 +207,11 @@ def _raise_trace_error(e, name, gm, where, traced_names, origins):
   labels = {pn: f"{pn} ({o})" for pn, o in origins.items()}
   ctx = fixits.HintContext(operand, line, params, gm.grid, labels)
   message = fixits.hint(e, ctx)
-  err = KernelError(name, message or f"{type(e).__name__}: {e}", line,
-                    operand=ctx.operand, detail=source_excerpt(line))
+  # The class of the user's error is kept (a TypeError stays a TypeError),
+  # so code that catches Pallas's errors catches ours.
+  cls = KernelTypeError if isinstance(e, TypeError) else KernelError
+  err = cls(name, message or f"{type(e).__name__}: {e}", line,
+            operand=ctx.operand, detail=source_excerpt(line))
   raise_from_user_frames(err, e)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
+from dsl.compiler_params import CompilerParams as BaseCompilerParams
 from dsl.primitives import max_contiguous, multiple_of
 from dsl.ref_ops import (atomic_add, atomic_and, atomic_cas, atomic_max,
                          atomic_min, atomic_or, atomic_xchg, atomic_xor, load,
@@ -13,7 +14,7 @@ from dsl.ref_ops import (atomic_add, atomic_and, atomic_cas, atomic_max,
 
 
 @dataclasses.dataclass(frozen=True)
-class CompilerParams:
+class CompilerParams(BaseCompilerParams):
   """Triton launch parameters."""
   num_warps: int | None = None
   num_stages: int | None = None
@@ -34,7 +35,12 @@ def dot(a, b, trans_a: bool = False, trans_b: bool = False,
   return jnp.dot(a, b, precision=precision, preferred_element_type=acc)
 
 
-__all__ = ["CompilerParams", "load", "store", "dot", "max_contiguous",
+def approx_tanh(x):
+  """tanh(x); exact here (Pallas uses the GPU's approximate instruction)."""
+  return jnp.tanh(x)
+
+
+__all__ = ["approx_tanh", "CompilerParams", "load", "store", "dot", "max_contiguous",
            "multiple_of", "atomic_add", "atomic_max", "atomic_min",
            "atomic_and", "atomic_or", "atomic_xor", "atomic_xchg",
            "atomic_cas"]

@@ -41,7 +41,7 @@ from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, func
 
-from dsl.blockspec import Element, squeezed
+from dsl.blockspec import Buffered, Element, RevisitMode, squeezed
 from dsl.errors import BackendError, source_info_frame
 from dsl.interpret.plan import declared_semantics
 from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
@@ -436,11 +436,37 @@ def _window_param(lctx, spec, k, bm, prefetch_types) -> ir.Attribute:
   sq = squeezed_dims(bm)
   if sq:
     entries["dsl.squeezed_dims"] = ir.DenseI64ArrayAttr.get(sq)
-  if _block_space(bm) == dialect.VMEM and has_trivial_window(bm):
-    # one buffer: the block never changes, so nothing to prefetch
-    entries["pipeline_mode"] = ir.Attribute.parse(
-        "#tpu.pipeline_mode<synchronous>")
+  entries.update(_pipeline_entries(spec, bm))
   return ir.DictAttr.get(entries)
+
+
+def _pipeline_entries(spec, bm) -> dict:
+  """`pipeline_mode` (and `revisit_mode`) of a window: from the BlockSpec's
+  `pl.Buffered`, or one buffer where the block never changes (nothing to
+  prefetch), as Pallas emits them."""
+  mode = bm.pipeline_mode
+  if _block_space(bm) == dialect.VMEM and has_trivial_window(bm):
+    mode = Buffered(1)
+  if mode is None:
+    return {}
+  where = f"{bm.origin} pipeline_mode"
+  if mode.use_lookahead:
+    raise BackendError(spec.name, "Buffered(use_lookahead=True) is not "
+                       "supported by the Mosaic backend", spec.where,
+                       operand=where)
+  n = mode.buffer_count
+  if n not in (1, 2):
+    raise BackendError(spec.name, f"the Mosaic backend supports 1 or 2 "
+                       f"buffers, got Buffered({n})", spec.where, operand=where)
+  kind = "synchronous" if n == 1 else "double_buffered"
+  out = {"pipeline_mode": ir.Attribute.parse(f"#tpu.pipeline_mode<{kind}>")}
+  if mode.revisit is not None:
+    if mode.revisit is RevisitMode.ANY and n > 1:
+      raise BackendError(spec.name, "RevisitMode.ANY needs Buffered(1) on the "
+                         "Mosaic backend", spec.where, operand=where)
+    out["revisit_mode"] = ir.Attribute.parse(
+        f"#tpu.revisit_mode<{mode.revisit.value}>")
+  return out
 
 
 def squeezed_dims(bm) -> list[int]:
@@ -554,7 +580,7 @@ def strip_annotations(module: ir.Module) -> ir.Module:
           d = ir.DictAttr(w)
           keep = {}
           for k in ("transform_indices", "window_bounds", "window_kind",
-                    "pipeline_mode"):
+                    "pipeline_mode", "revisit_mode"):
             if k in d:
               keep[k] = d[k]
           cleaned.append(ir.DictAttr.get(keep))

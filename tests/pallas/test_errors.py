@@ -78,11 +78,6 @@ def test_block_rank_mismatch():
   _points_here(msg)
 
 
-def test_block_larger_than_array():
-  _raises(r"in_specs\[0\]: block dim 0 is 32 but the array dim is only 16",
-          lambda: _call(in_specs=[spec(block=(32,))]))
-
-
 def test_out_shape_and_out_specs_count():
   _raises(r"out_specs: out_specs has 2 BlockSpecs but there are 1 outputs",
           lambda: _call(out_specs=[spec(), spec()]))
