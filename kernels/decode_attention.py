@@ -11,6 +11,10 @@ kernel masks positions past a sequence's length, skips blocks entirely past
 it, and the cache index maps clamp the block index to the last valid block,
 so a backend that copies blocks (TPU DMAs) re-uses the block it already has
 instead of fetching blocks that would be masked anyway.
+
+On the Mosaic (TPU) backends the caches are transposed to head-major
+`(batch, kv_heads, max_len, head_dim)` around the call: a TPU block may not
+squeeze its second-minor dim (the kv heads of the public layout).
 """
 from __future__ import annotations
 
@@ -141,15 +145,27 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None,
   s_max, hkv = k_cache.shape[1], k_cache.shape[2]
   g = h // hkv
   sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-  bk = decode_block(s_max, blocking.resolve_backend(backend), block_k)
+  resolved = blocking.resolve_backend(backend)
+  bk = decode_block(s_max, resolved, block_k)
   nk = pl.cdiv(s_max, bk)
   q4 = q.reshape(b, hkv, g, d)
   q_spec = pl.BlockSpec((None, None, g, d),
                         lambda b_, h_, j, lens: (b_, h_, 0, 0))
-  kv_spec = pl.BlockSpec(
-      (None, bk, None, d),
-      lambda b_, h_, j, lens: (b_, jnp.minimum(j, last_block(lens[b_], bk)),
-                               h_, 0))
+
+  def kv_block(b_, j, lens):
+    return jnp.minimum(j, last_block(lens[b_], bk))
+
+  if blocking.is_mosaic(resolved):
+    # TPU blocks may not squeeze the second-minor dim: head-major caches
+    # (batch, kv_heads, max_len, head_dim), blocks (bk, head_dim).
+    k_cache, v_cache = (jnp.swapaxes(c, 1, 2) for c in (k_cache, v_cache))
+    kv_spec = pl.BlockSpec(
+        (None, None, bk, d),
+        lambda b_, h_, j, lens: (b_, h_, kv_block(b_, j, lens), 0))
+  else:
+    kv_spec = pl.BlockSpec(
+        (None, bk, None, d),
+        lambda b_, h_, j, lens: (b_, kv_block(b_, j, lens), h_, 0))
   out = pl.pallas_call(
       functools.partial(_decode_kernel, sm_scale=sm_scale, bk=bk, nk=nk),
       jax.ShapeDtypeStruct(q4.shape, q.dtype),

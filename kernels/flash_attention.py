@@ -122,8 +122,10 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
     # backward kernels measured faster with whole 1024 x 1024 tiles (XLA
     # re-lays out vectorized narrow tiles of the dK/dV kernel).
     tq, tk = (1024, 1024) if backward else (1024, 256)
+  # On a TPU a q block is also the lane dim of the lse / delta row blocks:
+  # a multiple of 128 (or the whole sequence).
   bq = block_q or blocking.block_for(sq, backend, interpret=tq, triton=tq,
-                                     mosaic=tq, mosaic_multiple=8)
+                                     mosaic=tq, mosaic_multiple=128)
   bk = block_k or blocking.block_for(sk, backend, interpret=tk, triton=tk,
                                      mosaic=tk, mosaic_multiple=128)
   return min(bq, sq), min(bk, sk)
@@ -149,7 +151,7 @@ def _tile_mask(qi, kj, *, bq, bk, sq, sk, causal, qs_ref, ks_ref,
   if causal:
     mask = conj(mask, qpos >= kpos)
   if qs_ref is not None:
-    qs, ks = qs_ref[...], ks_ref[...]
+    qs, ks = _rows(qs_ref), _rows(ks_ref)
     mask = conj(mask, ks[:, None] == qs[None, :] if kv_major
                 else qs[:, None] == ks[None, :])
   return mask
@@ -186,6 +188,74 @@ def _dot_nt(a, b):   # a @ b.T
 def _dot(a, b):
   return lax.dot_general(a, b, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------- layouts
+#
+# The public layout is (batch, seq, heads, head_dim): a block takes rows of
+# one head, squeezing the heads dim, the second-minor one. A TPU block may
+# not squeeze its last two dims (they are windows of (8, 128) tiles), so on
+# the Mosaic backends ("head-major", `hm`) the wrappers transpose the
+# operands to (batch, heads, seq, head_dim), and lay the per-row vectors
+# (lse, delta) out as (batch, heads, 1, seq) and segment ids as
+# (batch, 1, seq). Kernels see the same blocks either way, but for the row
+# vectors' leading 1 (`_rows` / `_set_rows`).
+
+def _head_major(backend) -> bool:
+  return blocking.is_mosaic(blocking.resolve_backend(backend))
+
+
+def _rows(ref):
+  """A row-vector block as (rows,): (1, rows) in the head-major layout."""
+  x = ref[...]
+  return x.reshape(x.shape[-1]) if x.ndim > 1 else x
+
+
+def _set_rows(ref, x):
+  ref[...] = x.reshape(ref.shape).astype(ref.dtype)
+
+
+def _to_layout(hm, *xs):
+  """(batch, seq, heads, dim) arrays in the kernels' layout, or back."""
+  return tuple(jnp.swapaxes(x, 1, 2) if hm else x for x in xs)
+
+
+def _seq_spec(hm, rows, d, index):
+  """Blocks of `rows` rows of one head; `index(*grid) -> (b, h, i)`."""
+  def index_map(*ids):
+    b_, h_, i = index(*ids)
+    return (b_, h_, i, 0) if hm else (b_, i, h_, 0)
+  shape = (None, None, rows, d) if hm else (None, rows, None, d)
+  return pl.BlockSpec(shape, index_map)
+
+
+def _row_shape(hm, b, h, s):
+  return (b, h, 1, s) if hm else (b, h, s)
+
+
+def _row_spec(hm, rows, index):
+  """Blocks of a (b, h, s) row vector (lse, delta); `index -> (b, h, i)`."""
+  def index_map(*ids):
+    b_, h_, i = index(*ids)
+    return (b_, h_, 0, i) if hm else (b_, h_, i)
+  shape = (None, None, 1, rows) if hm else (None, None, rows)
+  return pl.BlockSpec(shape, index_map)
+
+
+def _seg_args(hm, q_seg, kv_seg, q_index, kv_index, bq, bk):
+  """Segment-id operands and specs; `q_index`/`kv_index(*grid) -> (b, i)`."""
+  if q_seg is None:
+    return [], []
+
+  def spec(rows, index):
+    def index_map(*ids):
+      b_, i = index(*ids)
+      return (b_, 0, i) if hm else (b_, i)
+    return pl.BlockSpec((None, 1, rows) if hm else (None, rows), index_map)
+
+  segs = [x.reshape(x.shape[0], 1, x.shape[1]) if hm else x
+          for x in (q_seg, kv_seg)]
+  return segs, [spec(bq, q_index), spec(bk, kv_index)]
 
 
 # ---------------------------------------------------------------- forward
@@ -227,25 +297,16 @@ def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     l = l_sc[...]
     l = jnp.where(l == 0.0, 1.0, l)     # rows that see no key output 0
     o_ref[...] = (acc_sc[...] / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m_sc[...] / LOG2E + jnp.log(l)   # back to base e
+    _set_rows(lse_ref, m_sc[...] / LOG2E + jnp.log(l))   # back to base e
 
 
-def _seg_args(q_seg, kv_seg, q_map, kv_map, bq, bk):
-  if q_seg is None:
-    return [], []
-  return ([q_seg, kv_seg],
-          [pl.BlockSpec((None, bq), q_map), pl.BlockSpec((None, bk), kv_map)])
-
-
-def _q_major_specs(bq, bk, d, g, q_seg, kv_seg):
+def _q_major_specs(hm, bq, bk, d, g, q_seg, kv_seg):
   """Specs of a kernel on grid (batch, heads, q_blocks, kv_blocks): q-like
   blocks, kv blocks (head // g under GQA), (b, h, seq) rows, segments."""
-  q_spec = pl.BlockSpec((None, bq, None, d),
-                        lambda b_, h_, i, j: (b_, i, h_, 0))
-  kv_spec = pl.BlockSpec((None, bk, None, d),
-                         lambda b_, h_, i, j: (b_, j, h_ // g, 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda b_, h_, i, j: (b_, h_, i))
-  seg_args, seg_specs = _seg_args(q_seg, kv_seg,
+  q_spec = _seq_spec(hm, bq, d, lambda b_, h_, i, j: (b_, h_, i))
+  kv_spec = _seq_spec(hm, bk, d, lambda b_, h_, i, j: (b_, h_ // g, j))
+  row_spec = _row_spec(hm, bq, lambda b_, h_, i, j: (b_, h_, i))
+  seg_args, seg_specs = _seg_args(hm, q_seg, kv_seg,
                                   lambda b_, h_, i, j: (b_, i),
                                   lambda b_, h_, i, j: (b_, j), bq, bk)
   return q_spec, kv_spec, row_spec, seg_args, seg_specs
@@ -253,22 +314,25 @@ def _q_major_specs(bq, bk, d, g, q_seg, kv_seg):
 
 def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
             backend=None, block_q=None, block_k=None):
-  """The forward kernel: returns (out, lse) with lse of shape (b, h, sq)."""
+  """The forward kernel: returns (out, lse) with lse of shape (b, h, sq)
+  ((b, h, 1, sq) on the Mosaic backends: see "layouts")."""
   b, sq, h, d = q.shape
   sk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
+  hm = _head_major(backend)
   bq, bk = attention_blocks(sq, sk, d, blocking.resolve_backend(backend),
                             block_q, block_k)
   nq, nk = pl.cdiv(sq, bq), pl.cdiv(sk, bk)
   q_spec, kv_spec, lse_spec, seg_args, seg_specs = _q_major_specs(
-      bq, bk, d, g, q_seg, kv_seg)
+      hm, bq, bk, d, g, q_seg, kv_seg)
+  q, k, v = _to_layout(hm, q, k, v)
   kernel = functools.partial(_fwd_kernel, sm_scale=sm_scale, causal=causal,
                              has_seg=q_seg is not None, bq=bq, bk=bk, sq=sq,
                              sk=sk, nk=nk)
-  return pl.pallas_call(
+  o, lse = pl.pallas_call(
       kernel,
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
-       jax.ShapeDtypeStruct((b, h, sq), jnp.float32)),
+       jax.ShapeDtypeStruct(_row_shape(hm, b, h, sq), jnp.float32)),
       grid=(b, h, nq, nk),
       in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
       out_specs=(q_spec, lse_spec),
@@ -279,13 +343,14 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
       compiler_params=_triton_params("fwd", blocking.resolve_backend(backend),
                                      d, bq, bk),
       backend=backend, name="flash_attention_fwd")(q, k, v, *seg_args)
+  return _to_layout(hm, o)[0], lse
 
 
 # ---------------------------------------------------------------- backward
 
 def _delta_kernel(o_ref, do_ref, delta_ref):
-  delta_ref[...] = jnp.sum(o_ref[...].astype(jnp.float32)
-                           * do_ref[...].astype(jnp.float32), axis=1)
+  _set_rows(delta_ref, jnp.sum(o_ref[...].astype(jnp.float32)
+                               * do_ref[...].astype(jnp.float32), axis=1))
 
 
 def _probs(q, k, lse, mask, sm_scale, kv_major=False):
@@ -317,11 +382,11 @@ def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
   def tile():
     q, k, v = _zero_rows(q_ref[...], qi, bq, sq), k_ref[...], v_ref[...]
     do = _zero_rows(do_ref[...], qi, bq, sq)
-    delta = _zero_rows(delta_ref[...], qi, bq, sq)
+    delta = _zero_rows(_rows(delta_ref), qi, bq, sq)
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref, mask_q=True,
                       kv_major=True)
-    p_t = _probs(k, q, lse_ref[...], mask, sm_scale, kv_major=True)
+    p_t = _probs(k, q, _rows(lse_ref), mask, sm_scale, kv_major=True)
     dv_sc[...] += _dot(p_t.astype(do.dtype), do)
     ds_t = p_t * (_dot_nt(v, do) - delta[None, :])
     dk_sc[...] += _dot(ds_t.astype(q.dtype), q) * sm_scale
@@ -350,8 +415,8 @@ def _dq_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     v = _zero_rows(v_ref[...], kj, bk, sk)
     mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                       qs_ref=qs_ref, ks_ref=ks_ref)
-    p = _probs(q, k, lse_ref[...], mask, sm_scale)
-    ds = p * (_dot_nt(do, v) - delta_ref[...][:, None])
+    p = _probs(q, k, _rows(lse_ref), mask, sm_scale)
+    ds = p * (_dot_nt(do, v) - _rows(delta_ref)[:, None])
     dq_sc[...] += _dot(ds.astype(k.dtype), k) * sm_scale
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
@@ -368,6 +433,8 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
   sk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
   resolved = blocking.resolve_backend(backend)
+  hm = _head_major(backend)
+  q, k, v, o, do = _to_layout(hm, q, k, v, o, do)
 
   def setup(kernel):
     bq, bk = attention_blocks(sq, sk, d, resolved, block_q, block_k, kernel)
@@ -379,22 +446,21 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
   bq, bk, nq, nk, common, params = setup("dkdv")
 
   # delta = rowsum(o * do), laid out like lse.
-  q3 = pl.BlockSpec((None, bq, None, d), lambda b_, h_, i: (b_, i, h_, 0))
+  q3 = _seq_spec(hm, bq, d, lambda b_, h_, i: (b_, h_, i))
   delta = pl.pallas_call(
-      _delta_kernel, jax.ShapeDtypeStruct((b, h, sq), jnp.float32),
+      _delta_kernel,
+      jax.ShapeDtypeStruct(_row_shape(hm, b, h, sq), jnp.float32),
       grid=(b, h, nq), in_specs=[q3, q3],
-      out_specs=pl.BlockSpec((None, None, bq), lambda b_, h_, i: (b_, h_, i)),
+      out_specs=_row_spec(hm, bq, lambda b_, h_, i: (b_, h_, i)),
       backend=backend, name="flash_attention_bwd_delta")(o, do)
 
   # dK, dV: grid (b, kv_heads, kv_blocks, group * q_blocks).
   nt = g * nq
-  q_map = lambda b_, hk, j, t: (b_, t % nq, hk * g + t // nq, 0)
-  kv_map = lambda b_, hk, j, t: (b_, j, hk, 0)
-  row_map = lambda b_, hk, j, t: (b_, hk * g + t // nq, t % nq)
-  q_spec = pl.BlockSpec((None, bq, None, d), q_map)
-  kv_spec = pl.BlockSpec((None, bk, None, d), kv_map)
-  row_spec = pl.BlockSpec((None, None, bq), row_map)
-  seg_args, seg_specs = _seg_args(q_seg, kv_seg,
+  q_index = lambda b_, hk, j, t: (b_, hk * g + t // nq, t % nq)
+  q_spec = _seq_spec(hm, bq, d, q_index)
+  kv_spec = _seq_spec(hm, bk, d, lambda b_, hk, j, t: (b_, hk, j))
+  row_spec = _row_spec(hm, bq, q_index)
+  seg_args, seg_specs = _seg_args(hm, q_seg, kv_seg,
                                   lambda b_, hk, j, t: (b_, t % nq),
                                   lambda b_, hk, j, t: (b_, j), bq, bk)
   dk, dv = pl.pallas_call(
@@ -414,7 +480,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
   # dQ: grid (b, heads, q_blocks, kv_blocks).
   bq, bk, nq, nk, common, params = setup("dq")
   q_spec, kv_spec, row_spec, seg_args, seg_specs = _q_major_specs(
-      bq, bk, d, g, q_seg, kv_seg)
+      hm, bq, bk, d, g, q_seg, kv_seg)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, nk=nk, **common),
       jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -426,7 +492,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
       compiler_params=params, backend=backend,
       name="flash_attention_bwd_dq")(
           q, k, v, do, lse, delta, *seg_args)
-  return dq, dk, dv
+  return _to_layout(hm, dq, dk, dv)
 
 
 # ---------------------------------------------------------------- autodiff

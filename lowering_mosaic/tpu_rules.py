@@ -2,8 +2,8 @@
 
 1. Tiling: the last two dims of every VMEM block are divisible by the tile of
    its dtype, (8, 128) for 32-bit, (16, 128) for 16-bit, (32, 128) for 8-bit
-   types, or equal the array's dims. (A squeezed second-minor dim is
-   allowed, though Pallas's lowering rejects it (docs/mosaic.md); rank-1
+   types, or equal the array's dims. A squeezed (None) dim counts as 1 there,
+   as in Pallas's lowering: it passes only where the array dim is 1. (Rank-1
    blocks need only the 128 rule.)
 2. VMEM budget: double-buffered VMEM blocks plus VMEM scratch (each padded
    to whole tiles) fit in `vmem_limit_bytes` (default 16 MiB).
@@ -88,7 +88,15 @@ def _tiling_violation(bm):
     suggestion[last] = _fit(sizes[last], arr[last], LANES)
   if rank >= 2:
     d = rank - 2
-    if bm.block_shape[d] is not squeezed and sizes[d] % tile and \
+    if bm.block_shape[d] is squeezed and arr[d] != 1:
+      # Pallas counts a squeezed dim as 1: in the last two dims it is a
+      # partial tile, which the TPU's (8, 128) layout cannot window.
+      problems.append(f"the second-minor dim is squeezed (size 1) but must "
+                      f"be a multiple of {tile} or the array dim {arr[d]}; "
+                      "lay the operand out so a squeezed dim comes before "
+                      "the last two (e.g. (batch, heads, seq, dim))")
+      suggestion[d] = min(tile, arr[d])
+    elif bm.block_shape[d] is not squeezed and sizes[d] % tile and \
         sizes[d] != arr[d]:
       problems.append(f"second-minor dim {sizes[d]} is neither a multiple of "
                       f"{tile} ({bits}-bit {jnp.dtype(dtype).name} tiles are "

@@ -49,6 +49,11 @@ CASES["lib_flash_attention"] = _library("kernels.flash_attention",
                                         "flash_attention", _qkv)
 CASES["lib_flash_attention_causal"] = _library(
     "kernels.flash_attention", "flash_attention", _qkv, causal=True)
+CASES["lib_flash_attention_gqa_segments"] = _library(
+    "kernels.flash_attention", "flash_attention",
+    lambda: (f32(2, 256, 4, 128), f32(2, 256, 2, 128), f32(2, 256, 2, 128)),
+    segment_ids=jnp.repeat(jnp.arange(2, dtype=jnp.int32)[None], 256,
+                           axis=0).reshape(2, 256))
 CASES["lib_decode_attention"] = _library(
     "kernels.decode_attention", "decode_attention",
     lambda: (f32(2, 2, 128), f32(2, 512, 2, 128), f32(2, 512, 2, 128),
@@ -102,6 +107,13 @@ CASES["lib_rms_norm_grad"] = _library_grad(
 CASES["lib_matmul_grad"] = _library_grad(
     "kernels.matmul", "matmul", lambda: (f32(256, 256), f32(256, 256)),
     argnums=(0, 1), activation="gelu")
+CASES["lib_flash_attention_grad"] = _library_grad(
+    "kernels.flash_attention", "flash_attention", _qkv, argnums=(0, 1, 2),
+    causal=True)
+CASES["lib_flash_attention_gqa_grad"] = _library_grad(
+    "kernels.flash_attention", "flash_attention",
+    lambda: (f32(1, 256, 4, 128), f32(1, 256, 2, 128), f32(1, 256, 2, 128)),
+    argnums=(0, 1, 2))
 CASES["lib_matmul_2d_trans"] = _library(
     "kernels.matmul", "matmul_2d", lambda: (f32(256, 128), f32(256, 128)),
     trans_a=True, trans_b=False)

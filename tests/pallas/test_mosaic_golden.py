@@ -69,18 +69,10 @@ SHARD_MAPPED = {"remote_ring_copy", "remote_wait_send_recv",
 
 # Kernels Pallas's TPU lowering rejects (docs/mosaic.md): case -> (its
 # exception, what it says, what our module shows instead).
-# - Blocks (batch, seq, heads, head_dim) squeezing the heads dim, the
-#   second-minor one: our tiling rule allows it, Pallas's does not (not
-#   harmless: listed in docs/mosaic.md with the fix).
 # - An Element dim beside a blocked one: Pallas requires all or none; ours
 #   makes every index of the window an element offset (the blocked dim's
 #   index times its block size), a window a TPU reads as Pallas's.
-_SECOND_MINOR = (ValueError, "last two dimensions of your block shape are "
-                 "divisible", "memref<1x")
 REJECTED_BY_PALLAS = {
-    "lib_flash_attention": _SECOND_MINOR,
-    "lib_flash_attention_causal": _SECOND_MINOR,
-    "lib_decode_attention": _SECOND_MINOR,
     "element_mixed_with_blocked": (
         NotImplementedError, "All block dimensions must be Elements",
         "window_kind = #tpu.element_window<[0, 0], [0, 0]>"),

@@ -187,6 +187,26 @@ def test_tiling_rule(dtype, block, msg, fix):
       a, a, tuple(int(v) for v in fix.strip("()").split(","))), x)
 
 
+def squeezed_rows_copy(x, backend="mosaic_interpret"):
+  """Copies (b, h, n) in blocks (None, None, n): h squeezed, second-minor."""
+  spec = pl.BlockSpec((None, None, x.shape[2]), lambda i, j: (i, j, 0))
+  return pl.pallas_call(
+      lambda x_ref, o_ref: o_ref.__setitem__(Ellipsis, x_ref[...]),
+      jax.ShapeDtypeStruct(x.shape, x.dtype), grid=x.shape[:2],
+      in_specs=[spec], out_specs=spec, backend=backend)(x)
+
+
+def test_tiling_rule_rejects_squeezed_second_minor_dim():
+  with pytest.raises(KernelError) as e:
+    lowering_mosaic.to_mlir(squeezed_rows_copy, jnp.ones((2, 4, 128)))
+  text = str(e.value)
+  assert e.value.operand == "in_specs[0]" and "TPU tiling rule" in text
+  assert "second-minor dim is squeezed" in text, text
+  assert "A block shape that passes: (None, 4, 128)" in text, text
+  # a squeezed dim of size 1 is its whole array dim
+  lowering_mosaic.to_mlir(squeezed_rows_copy, jnp.ones((2, 1, 128)))
+
+
 def test_tiling_rule_allows_full_array_dims():
   x = jnp.ones((10, 100))
   lowering_mosaic.to_mlir(lambda a: blocked_add(a, a, (10, 100)), x)
