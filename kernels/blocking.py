@@ -38,6 +38,12 @@ def is_mosaic(backend: str) -> bool:
   return backend.startswith("mosaic")
 
 
+def is_tpu(backend: str) -> bool:
+  """The Mosaic TPU backends (not "mosaic_gpu"), whose blocks follow the
+  TPU tiling rule."""
+  return backend in ("mosaic", "mosaic_interpret")
+
+
 def pow2_floor(n: int) -> int:
   p = 1
   while p * 2 <= n:

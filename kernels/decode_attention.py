@@ -12,7 +12,7 @@ it, and the cache index maps clamp the block index to the last valid block,
 so a backend that copies blocks (TPU DMAs) re-uses the block it already has
 instead of fetching blocks that would be masked anyway.
 
-On the Mosaic (TPU) backends the caches are transposed to head-major
+On the Mosaic TPU backends the caches are transposed to head-major
 `(batch, kv_heads, max_len, head_dim)` around the call: a TPU block may not
 squeeze its second-minor dim (the kv heads of the public layout).
 """
@@ -155,7 +155,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None,
   def kv_block(b_, j, lens):
     return jnp.minimum(j, last_block(lens[b_], bk))
 
-  if blocking.is_mosaic(resolved):
+  if blocking.is_tpu(resolved):
     # TPU blocks may not squeeze the second-minor dim: head-major caches
     # (batch, kv_heads, max_len, head_dim), blocks (bk, head_dim).
     k_cache, v_cache = (jnp.swapaxes(c, 1, 2) for c in (k_cache, v_cache))

@@ -124,8 +124,9 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
     tq, tk = (1024, 1024) if backward else (1024, 256)
   # On a TPU a q block is also the lane dim of the lse / delta row blocks:
   # a multiple of 128 (or the whole sequence).
-  bq = block_q or blocking.block_for(sq, backend, interpret=tq, triton=tq,
-                                     mosaic=tq, mosaic_multiple=128)
+  bq = block_q or blocking.block_for(
+      sq, backend, interpret=tq, triton=tq, mosaic=tq,
+      mosaic_multiple=128 if blocking.is_tpu(backend) else 8)
   bk = block_k or blocking.block_for(sk, backend, interpret=tk, triton=tk,
                                      mosaic=tk, mosaic_multiple=128)
   return min(bq, sq), min(bk, sk)
@@ -195,14 +196,14 @@ def _dot(a, b):
 # The public layout is (batch, seq, heads, head_dim): a block takes rows of
 # one head, squeezing the heads dim, the second-minor one. A TPU block may
 # not squeeze its last two dims (they are windows of (8, 128) tiles), so on
-# the Mosaic backends ("head-major", `hm`) the wrappers transpose the
+# the Mosaic TPU backends ("head-major", `hm`) the wrappers transpose the
 # operands to (batch, heads, seq, head_dim), and lay the per-row vectors
 # (lse, delta) out as (batch, heads, 1, seq) and segment ids as
 # (batch, 1, seq). Kernels see the same blocks either way, but for the row
 # vectors' leading 1 (`_rows` / `_set_rows`).
 
 def _head_major(backend) -> bool:
-  return blocking.is_mosaic(blocking.resolve_backend(backend))
+  return blocking.is_tpu(blocking.resolve_backend(backend))
 
 
 def _rows(ref):
@@ -315,7 +316,7 @@ def _q_major_specs(hm, bq, bk, d, g, q_seg, kv_seg):
 def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
             backend=None, block_q=None, block_k=None):
   """The forward kernel: returns (out, lse) with lse of shape (b, h, sq)
-  ((b, h, 1, sq) on the Mosaic backends: see "layouts")."""
+  ((b, h, 1, sq) on the Mosaic TPU backends: see "layouts")."""
   b, sq, h, d = q.shape
   sk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
