@@ -113,6 +113,18 @@ def test_other_cpu_backends(backend):
   assert_close(got, paged_mod.reference(q, kp, vp, lens, table), tol=2e-5)
 
 
+def test_tpu_layout_with_several_kv_heads():
+  """mosaic_interpret transposes the caches head-major (a block squeezing
+  the kv heads, the second-minor dim, breaks the TPU tiling rule)."""
+  q = array((3, 0), (2, 4, 128), jnp.float32)
+  kc = array((3, 1), (2, 384, 2, 128), jnp.float32)
+  vc = array((3, 2), (2, 384, 2, 128), jnp.float32)
+  lens = jnp.array([384, 130], jnp.int32)
+  got = jax.block_until_ready(kernels.decode_attention(
+      q, kc, vc, lens, backend="mosaic_interpret", block_k=128))
+  assert_close(got, decode_mod.reference(q, kc, vc, lens), tol=2e-5)
+
+
 def test_vmap_over_scalar_prefetch_lengths():
   q = array(8, (2, 1, 12, 2, 8), jnp.float32)
   lens = jnp.array([[3], [12]], jnp.int32)
