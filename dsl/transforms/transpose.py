@@ -153,7 +153,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in gm.in_mappings])
   out_shapes = ([sds(bm.array_aval) for bm in gm.out_mappings]
-                + [sds(a, gm.grid) for a in state_avals])
+                + [_record_sds(a, gm.grid) for a in state_avals])
   return derived_spec(
       spec, body, args, out_shapes, grid=gm.grid,
       in_specs=[block_spec_of(bm, n_grid) for bm in gm.in_mappings],
@@ -162,10 +162,24 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
       suffix="record")
 
 
+def _record_pad(aval) -> int:
+  """Unit dims between a record's grid dims and its state's: a TPU block
+  may squeeze its last two dims only where the array's are 1, so a state
+  of rank < 2 gets unit dims there instead of grid dims."""
+  return max(0, 2 - len(aval.shape))
+
+
+def _record_sds(aval, grid) -> jax.ShapeDtypeStruct:
+  """The array recording state `aval` at every grid point."""
+  return sds(aval, tuple(grid) + (1,) * _record_pad(aval))
+
+
 def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
   from dsl.blockspec import BlockSpec
-  shape = (None,) * n_grid + tuple(aval.shape)
-  return BlockSpec(shape, lambda *a: (*ids_fn(a[:n_grid]),) + (0,) * len(aval.shape))
+  pad = _record_pad(aval)
+  shape = (None,) * (n_grid + pad) + tuple(aval.shape)
+  return BlockSpec(shape, lambda *a: (*ids_fn(a[:n_grid]),)
+                   + (0,) * (pad + len(aval.shape)))
 
 
 # ----------------------------------------------------------- transpose
@@ -274,7 +288,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   ct_in_maps = [bm for bm, nz in zip(in_maps, in_nz) if nz]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in in_maps]
-          + ([sds(a, grid) for a in state_avals] if recorded else [])
+          + ([_record_sds(a, grid) for a in state_avals] if recorded else [])
           + [sds(bm.array_aval) for bm in ct_out_maps])
   in_specs = ([spec_of(bm) for bm in in_maps]
               + ([_record_block_spec(a, n_grid, rev) for a in state_avals]
