@@ -81,7 +81,12 @@ def evaluate_index_map(bm: BlockMapping, grid: tuple[int, ...]):
       outs = one_point()
     else:
       outs = jax.vmap(one_point)(*coords)
-    outs = [np.broadcast_to(np.asarray(o), (n_points,)) for o in outs]
+    try:
+      outs = [np.broadcast_to(np.asarray(o), (n_points,)) for o in outs]
+    except jax.errors.TracerArrayConversionError:
+      # Under some enclosing transforms (vmap of a shard_map) a computed
+      # index stays a tracer: no static answer, as for prefetch maps.
+      return None
   idx = np.stack(outs, axis=-1).reshape(*grid, rank).astype(np.int64)
   idx.flags.writeable = False
   return idx

@@ -14,17 +14,17 @@ from dsl.pallas_call import KernelSpec, build_spec, pallas_call_p
 
 def block_spec_of(bm: BlockMapping, n_grid: int,
                   ids_fn: Callable[[Sequence], Sequence] = lambda ids: ids,
-                  lead: Callable[[Sequence], Sequence] | None = None
-                  ) -> BlockSpec:
+                  lead: Callable[[Sequence], Sequence] | None = None,
+                  n_lead: int = 1) -> BlockSpec:
   """A BlockSpec equal to `bm`, for a grid of rank `n_grid`.
 
   `ids_fn` maps the new grid's ids to the ids `bm`'s index map expects;
-  `lead(ids)` gives block indices of extra leading (squeezed) dims.
+  `lead(ids)` gives block indices of `n_lead` extra leading (squeezed) dims.
   """
   jaxpr = bm.index_map_jaxpr
   shape = tuple(None if d is squeezed else d for d in bm.block_shape)
   if lead is not None:
-    shape = (None,) + shape
+    shape = (None,) * n_lead + shape
 
   def index_map(*args):
     ids, pf = args[:n_grid], args[n_grid:]

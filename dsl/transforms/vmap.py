@@ -1,7 +1,10 @@
 """vmap: the batch becomes a new leading grid dimension.
 
 Batched operands get a leading squeezed block dim indexed by that grid
-dimension; unbatched operands keep their BlockSpecs. The kernel body is
+dimension; unbatched operands keep their BlockSpecs. A batched rank-1
+operand also gets a unit dim after the batch one, `(batch, 1, n)`, so its
+squeezed batch dim is not the second-minor one (a TPU block may squeeze its
+last two dims only where the array's are 1). The kernel body is
 unchanged and its own `program_id(k)` numbering does not see the new dim.
 """
 from __future__ import annotations
@@ -59,16 +62,27 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
 
   in_batched = gm.split_operands(batched)
   inner = lambda ids: ids[1:]
-  lead = lambda ids: (ids[0],)
-  in_specs = [block_spec_of(bm, n_grid + 1, inner, lead if b else None)
+
+  def batch_spec(bm):
+    unit = _unit(bm)
+    return block_spec_of(bm, n_grid + 1, inner,
+                         lambda ids: (ids[0],) + (0,) * unit, 1 + unit)
+
+  def batch_sds(bm):
+    return sds(bm.array_aval, (size,) + (1,) * _unit(bm))
+
+  in_specs = [batch_spec(bm) if b else block_spec_of(bm, n_grid + 1, inner)
               for bm, b in zip(gm.in_mappings, in_batched.inputs)]
-  out_specs = [block_spec_of(bm, n_grid + 1, inner, lead)
-               for bm in gm.out_mappings]
+  out_specs = [batch_spec(bm) for bm in gm.out_mappings]
   arg_shapes = ([sds(a.inner_aval, (size,) if b else ()) for a, b in
                  zip(gm.prefetch_avals, in_batched.prefetch)]
-                + [sds(bm.array_aval, (size,) if b else ())
+                + [batch_sds(bm) if b else sds(bm.array_aval)
                    for bm, b in zip(gm.in_mappings, in_batched.inputs)])
-  out_shapes = [sds(bm.array_aval, (size,)) for bm in gm.out_mappings]
+  out_shapes = [batch_sds(bm) for bm in gm.out_mappings]
+  n_pf = gm.num_scalar_prefetch
+  args = args[:n_pf] + [
+      a.reshape(s.shape) if b else a
+      for a, s, b in zip(args[n_pf:], arg_shapes[n_pf:], batched[n_pf:])]
   new = derived_spec(spec, body, arg_shapes, out_shapes,
                      grid=(size,) + tuple(gm.grid), in_specs=in_specs,
                      out_specs=out_specs, scratch=list(gm.scratch_avals),
@@ -76,7 +90,14 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
   new = new.replace(grid_mapping=dataclasses.replace(
       new.grid_mapping, num_hidden_axes=gm.num_hidden_axes + 1))
   outs = pallas_call_p.bind(*args, spec=new)
+  outs = [o.reshape((size,) + tuple(bm.array_aval.shape))
+          for o, bm in zip(outs, gm.out_mappings)]
   return outs, [0] * len(outs)
+
+
+def _unit(bm) -> int:
+  """1 where a batched operand of `bm` gets a unit dim after the batch dim."""
+  return 1 if len(bm.array_aval.shape) == 1 else 0
 
 
 batching.primitive_batchers[pallas_call_p] = pallas_call_batch
