@@ -213,7 +213,7 @@ def _rows(ref):
 
 
 def _set_rows(ref, x):
-  ref[...] = x.reshape(ref.shape).astype(ref.dtype)
+  ref[...] = x.reshape(ref.shape)
 
 
 def _to_layout(hm, *xs):
