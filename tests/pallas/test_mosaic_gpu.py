@@ -503,7 +503,8 @@ FEATURES_THAT_BUILD = {
     "test_pytree_operands_and_out_shape", "test_reversed_index_map",
     "test_run_scoped_scratch", "test_scalar_prefetch_index_map",
     "test_scalars_in_smem", "test_scratch_accumulator_persists_over_sequential_"
-    "steps", "test_squeezed_dims_and_2d_grid", "test_zero_d_refs_and_int_dtypes",
+    "steps", "test_squeezed_dims_and_2d_grid",
+    "test_squeezed_leading_dims_and_2d_grid", "test_zero_d_refs_and_int_dtypes",
 }
 
 
