@@ -42,6 +42,14 @@ def space_name(memory_space, default: str = VMEM) -> str:
   return str(memory_space)
 
 
+def block_space(bm) -> str:
+  """Where a blocked operand lives in the kernel: ANY for a whole array left
+  in HBM (`memory_space=ANY`), else its memory space (VMEM by default)."""
+  if bm.whole_array and space_name(bm.memory_space) == ANY:
+    return ANY
+  return space_name(bm.memory_space, VMEM)
+
+
 def memory_space_attr(name: str) -> ir.Attribute:
   return ir.Attribute.parse(f"#tpu.memory_space<{name}>")
 

@@ -319,16 +319,10 @@ def _dimension_semantics(spec, grid_rank) -> list[str]:
   return list(sem)
 
 
-def _block_space(bm) -> str:
-  if bm.whole_array and dialect.space_name(bm.memory_space) == dialect.ANY:
-    return dialect.ANY
-  return dialect.space_name(bm.memory_space, dialect.VMEM)
-
-
 def operand_memref_type(bm) -> ir.MemRefType:
   """The kernel's memref of an operand: the block (squeezed dims kept as
   1s, as Pallas), or the whole array for pl.ANY."""
-  space = _block_space(bm)
+  space = dialect.block_space(bm)
   shape = bm.array_aval.shape if space == dialect.ANY else bm.block_sizes
   return dialect.memref_type(shape, bm.array_aval.dtype, space)
 
@@ -413,7 +407,7 @@ def has_trivial_window(bm) -> bool:
 
 def _window_param(lctx, spec, k, bm, prefetch_types) -> ir.Attribute:
   """The entry of `window_params` for operand k (lowers its index map)."""
-  if _block_space(bm) == dialect.ANY:
+  if dialect.block_space(bm) == dialect.ANY:
     return ir.DictAttr.get({})
   tname = _lower_transform(lctx, spec, k, bm, prefetch_types)
   entries = {
@@ -445,7 +439,7 @@ def _pipeline_entries(spec, bm) -> dict:
   `pl.Buffered`, or one buffer where the block never changes (nothing to
   prefetch), as Pallas emits them."""
   mode = bm.pipeline_mode
-  if _block_space(bm) == dialect.VMEM and has_trivial_window(bm):
+  if dialect.block_space(bm) == dialect.VMEM and has_trivial_window(bm):
     mode = Buffered(1)
   if mode is None:
     return {}
@@ -479,11 +473,11 @@ def _operand_refs(spec, args) -> list[RefVal]:
   avals = ([*gm.prefetch_avals] + [bm.ref_aval for bm in gm.block_mappings]
            + [*gm.scratch_avals])
   spaces = ([dialect.SMEM] * gm.num_scalar_prefetch
-            + [_block_space(bm) for bm in gm.block_mappings]
+            + [dialect.block_space(bm) for bm in gm.block_mappings]
             + [dialect.space_name(a.memory_space, dialect.VMEM)
                for a in gm.scratch_avals])
   hidden = ([()] * gm.num_scalar_prefetch
-            + [() if _block_space(bm) == dialect.ANY
+            + [() if dialect.block_space(bm) == dialect.ANY
                else tuple(squeezed_dims(bm)) for bm in gm.block_mappings]
             + [()] * len(gm.scratch_avals))
   return [RefVal(a, aval, space, nm, hid) for a, aval, space, nm, hid

@@ -53,12 +53,6 @@ def padded_bytes(shape, dtype) -> int:
   return math.prod(shape) * jnp.dtype(dtype).itemsize
 
 
-def _block_space(bm) -> str:
-  if bm.whole_array and dialect.space_name(bm.memory_space) == dialect.ANY:
-    return dialect.ANY
-  return dialect.space_name(bm.memory_space, dialect.VMEM)
-
-
 def _fmt(shape) -> str:
   return "(" + ", ".join("None" if d is squeezed else str(getattr(
       d, "block_size", d)) for d in shape) + ("," if len(shape) == 1 else "") + ")"
@@ -66,7 +60,7 @@ def _fmt(shape) -> str:
 
 def _tiling_violation(bm):
   """(message, suggested block shape) or None."""
-  if _block_space(bm) != dialect.VMEM:
+  if dialect.block_space(bm) != dialect.VMEM:
     return None
   arr = bm.array_aval.shape
   dtype = bm.array_aval.dtype
@@ -117,7 +111,7 @@ def vmem_footprint(spec) -> list[tuple[str, int, str]]:
   gm = spec.grid_mapping
   items = []
   for bm in gm.block_mappings:
-    if _block_space(bm) != dialect.VMEM:
+    if dialect.block_space(bm) != dialect.VMEM:
       continue
     b = padded_bytes(bm.block_sizes, bm.array_aval.dtype)
     items.append((bm.origin, 2 * b, f"2 x {b} (double-buffered block "
@@ -157,7 +151,7 @@ def _shrunk_blocks(spec, limit: int):
   halving the largest block first; None if even the smallest do not fit."""
   gm = spec.grid_mapping
   blocked = [bm for bm in gm.block_mappings
-             if _block_space(bm) == dialect.VMEM]
+             if dialect.block_space(bm) == dialect.VMEM]
   sizes = {bm.origin: list(bm.block_sizes) for bm in blocked}
   fixed = sum(b for o, b, _ in vmem_footprint(spec)
               if o.startswith("scratch"))
@@ -188,7 +182,7 @@ def _windowed_without_grid(gm):
   if gm.grid:
     return None
   return next((bm for bm in gm.block_mappings
-               if _block_space(bm) != dialect.ANY
+               if dialect.block_space(bm) != dialect.ANY
                and not has_trivial_window(bm)), None)
 
 
@@ -203,7 +197,7 @@ def check_tpu_rules(spec) -> None:
         "a window of it; give the call grid=(1,) (or a block of the whole "
         "array at index 0)", spec.where, operand=bm.origin)
   for bm in gm.block_mappings:
-    space = _block_space(bm)
+    space = dialect.block_space(bm)
     if space == dialect.VMEM and len(bm.kernel_shape) == 0:
       raise KernelError(
           spec.name, "scalars must live in SMEM: the block is 0-d, and VMEM "

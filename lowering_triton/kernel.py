@@ -489,9 +489,8 @@ def _generate_cached(spec, runtime_asserts: bool, matmul_precision: str,
 def generate(spec) -> GeneratedKernel:
   """The Triton source and launch metadata of `spec` (cached per spec)."""
   from lowering_triton.rules.dot import default_matmul_precision
-  from lowering_triton.rules.state import poison_buffers
   key = (config.enable_runtime_assert(), default_matmul_precision(),
-         poison_buffers())
+         config.poison_buffers())
   fresh = _generate_cached.cache_info().misses
   gk = _generate_cached(spec, *key)
   if spec.debug and _generate_cached.cache_info().misses > fresh:

@@ -39,18 +39,19 @@ def var(name: str) -> Expr:
   return Expr(name)
 
 
-def _c_div(a: int, b: int) -> int:
+def c_div(a: int, b: int) -> int:
+  """Integer division truncating toward zero, as C and Promela divide."""
   q = abs(a) // abs(b)
   return q if (a >= 0) == (b >= 0) else -q
 
 
-def _c_rem(a: int, b: int) -> int:
-  return a - b * _c_div(a, b)
+def c_rem(a: int, b: int) -> int:
+  return a - b * c_div(a, b)
 
 
 _FOLD = {
     "+": lambda a, b: a + b, "-": lambda a, b: a - b,
-    "*": lambda a, b: a * b, "/": _c_div, "%": _c_rem,
+    "*": lambda a, b: a * b, "/": c_div, "%": c_rem,
     "&": lambda a, b: a & b, "|": lambda a, b: a | b,
     "^": lambda a, b: a ^ b, "<<": lambda a, b: a << b,
     ">>": lambda a, b: a >> b,

@@ -16,6 +16,7 @@ import re
 from typing import Optional
 
 from lowering_mosaic.promela.errors import ERRORS
+from lowering_mosaic.promela.model import c_div, c_rem
 from lowering_mosaic.promela.report import TrailStep
 
 
@@ -41,11 +42,6 @@ _BINARY = {"||": 2, "&&": 3, "|": 4, "^": 5, "&": 6, "==": 7, "!=": 7,
            "-": 10, "*": 11, "/": 11, "%": 11}
 
 
-def _c_div(a, b):
-  q = abs(a) // abs(b)
-  return q if (a >= 0) == (b >= 0) else -q
-
-
 _APPLY = {
     "||": lambda a, b: int(bool(a) or bool(b)),
     "&&": lambda a, b: int(bool(a) and bool(b)),
@@ -55,8 +51,7 @@ _APPLY = {
     ">": lambda a, b: int(a > b), ">=": lambda a, b: int(a >= b),
     "<<": lambda a, b: a << b, ">>": lambda a, b: a >> b,
     "+": lambda a, b: a + b, "-": lambda a, b: a - b,
-    "*": lambda a, b: a * b, "/": _c_div,
-    "%": lambda a, b: a - b * _c_div(a, b),
+    "*": lambda a, b: a * b, "/": c_div, "%": c_rem,
 }
 
 

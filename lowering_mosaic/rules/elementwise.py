@@ -10,6 +10,7 @@ from jax._src.lax import lax as lax_internal
 from jax._src.lib import tpu
 from jax._src.lib.mlir.dialects import arith, math
 
+from dsl.rule_helpers import power_by_squaring
 from lowering_mosaic import emit
 from lowering_mosaic.lowering import constant
 from lowering_mosaic.rules import register
@@ -160,13 +161,7 @@ def _integer_pow(ctx, x, *, y, **_):
   mul = arith.MulFOp if emit.is_float(aval.dtype) else arith.MulIOp
   if y == 0:
     return constant(1, aval.shape, aval.dtype)
-  base, acc, n = x, None, abs(y)
-  while n:
-    if n & 1:
-      acc = base if acc is None else mul(acc, base).result
-    n >>= 1
-    if n:
-      base = mul(base, base).result
+  acc = power_by_squaring(x, abs(y), lambda a, b: mul(a, b).result)
   if y < 0:
     if not emit.is_float(aval.dtype):
       raise ctx.error("negative integer powers need a float operand")

@@ -13,6 +13,7 @@ from jax import lax
 from jax._src import ad_util, custom_derivatives
 from jax._src.lax import special as lax_special
 
+from dsl.rule_helpers import power_by_squaring
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.rules import register
@@ -164,14 +165,9 @@ def _integer_pow(ctx, x, y, **params):
   if n == 0:
     return result(ctx, full_expr(x.shape, 1, cd), cd, "pow")
   # Exponentiation by squaring, with named partial products.
-  acc, sq = None, base
-  while True:
-    if n & 1:
-      acc = sq if acc is None else ctx.bind_raw(f"{acc} * {sq}", "pow_acc")
-    n >>= 1
-    if not n:
-      break
-    sq = ctx.bind_raw(f"{sq} * {sq}", "pow_sq")
+  acc = power_by_squaring(
+      base, n, lambda a, b: ctx.bind_raw(f"{a} * {b}", "pow_acc"),
+      lambda b: ctx.bind_raw(f"{b} * {b}", "pow_sq"))
   expr = acc if y > 0 else f"1.0 / {paren(acc)}"
   return result(ctx, expr, cd, "pow")
 

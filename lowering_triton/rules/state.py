@@ -417,16 +417,9 @@ def new_value_ref(ctx, aval, hint: str, origin: str = "") -> ValueRef:
   return ValueRef(name, shape, dtype, origin)
 
 
-def poison_buffers() -> bool:
-  """JAX's jax_pallas_poison_buffers: scratch buffers and run_scoped
-  allocations start as poison instead of zeros."""
-  from dsl import config
-  return config.poison_buffers()
-
-
 def fresh_buffer(shape, dtype) -> str:
   """The initial value of a scratch buffer or run_scoped allocation."""
-  fill = poison_value(dtype) if poison_buffers() else 0
+  fill = poison_value(dtype) if config.poison_buffers() else 0
   return full_expr(shape, fill, dtype)
 
 

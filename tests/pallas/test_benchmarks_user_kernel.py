@@ -6,21 +6,12 @@ import json
 
 import pytest
 
-from benchmarks import cli
+# The CLI runner and the per-test autotune cache (an autouse fixture).
+from tests.pallas.test_benchmarks_cli import (  # noqa: F401
+    _private_autotune_cache, run_cli)
 
 FAST = ["--repeats", "1"]
 SCALE = "tests.pallas.bench_user_kernel:scale"
-
-
-@pytest.fixture(autouse=True)
-def _private_autotune_cache(tmp_path, monkeypatch):
-  monkeypatch.setenv("DSL_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
-
-
-def run_cli(capsys, *argv):
-  rc = cli.main(list(argv))
-  out, err = capsys.readouterr()
-  return rc, out, err
 
 
 def test_pl_kernel_beside_xla_and_pallas(capsys, tmp_path):

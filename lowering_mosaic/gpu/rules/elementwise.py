@@ -10,6 +10,7 @@ from jax import lax
 from jax._src.lib.mlir.dialects import arith, math as mlir_math
 
 from dsl import dtypes, primitives
+from dsl.rule_helpers import power_by_squaring
 from lowering_mosaic.gpu.host import TABLE, constant, shape_of, to_shape, typed
 
 
@@ -136,13 +137,7 @@ def _integer_pow(ctx, x, *, y):
   mul = arith.mulf if dtypes.is_float(aval.dtype) else arith.muli
   if y == 0:
     return constant(1, aval.shape, aval.dtype)
-  acc, base, n = None, x, abs(y)
-  while n:
-    if n & 1:
-      acc = base if acc is None else mul(acc, base)
-    n >>= 1
-    if n:
-      base = mul(base, base)
+  acc = power_by_squaring(x, abs(y), mul)
   if y < 0:
     acc = arith.divf(constant(1.0, aval.shape, aval.dtype), acc)
   return acc
