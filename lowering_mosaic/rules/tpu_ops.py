@@ -154,7 +154,14 @@ def _axis_index(ctx, *, axis_name):
 
 @register(tp.dma_start_p)
 def _dma_start(ctx, *flat, layout, device_id_type, device_id_axes, mesh_axes,
-               priority):
+               priority, add):
+  if add:
+    # Pallas's TPU lowering rejects it (NotImplementedError) too: the
+    # TensorCore's `tpu.enqueue_dma` has no accumulating form.
+    raise ctx.error(
+        "an accumulating DMA (start(add=True), sync_copy(add=True)) has no "
+        "TensorCore form (tpu.enqueue_dma only copies); DMA into a VMEM "
+        "scratch, wait, and add with a load and a store instead")
   # Pallas's order: the device id, then the views from the last operand to
   # the first (pure ops; the same order keeps the modules comparable)
   a = unpack(flat, layout)

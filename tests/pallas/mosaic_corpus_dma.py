@@ -140,3 +140,47 @@ def logical_device_id(pl, pltpu):
       out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
       scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])
   return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+# ------------------------------------------------------------ accumulating DMAs
+# Both lowerings reject these (test_mosaic_golden.REJECTED_BY_BOTH).
+
+@case
+def accumulating_dma(pl, pltpu):
+  def accumulate_kernel(x_hbm, o_ref, sem):
+    o_ref[...] = jnp.ones_like(o_ref)
+    pltpu.make_async_copy(x_hbm, o_ref, sem).start(add=True)
+    pltpu.make_async_copy(x_hbm, o_ref, sem).wait()
+  f = pl.pallas_call(
+      accumulate_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      scratch_shapes=[pltpu.SemaphoreType.DMA])
+  return f, (f32(8, 128),)
+
+
+@case
+def accumulating_sync_copy(pl, pltpu):
+  def sync_accumulate_kernel(x_hbm, o_ref):
+    o_ref[...] = jnp.ones_like(o_ref)
+    pltpu.sync_copy(x_hbm, o_ref, add=True)
+  f = pl.pallas_call(
+      sync_accumulate_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)])
+  return f, (f32(8, 128),)
+
+
+@case
+def accumulating_remote_copy(pl, pltpu):
+  def remote_accumulate_kernel(x_ref, o_ref, send_sem, recv_sem):
+    right = lax.rem(lax.axis_index("x") + 1, N_DEV)
+    c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,
+                                     device_id=(right,),
+                                     device_id_type=api(pl, pltpu, 'DeviceIdType').MESH)
+    c.start(add=True)
+    c.wait()
+  call = pl.pallas_call(
+      remote_accumulate_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)

@@ -65,7 +65,8 @@ BARRIER_PLACEMENT = {"barrier_and_remote_signal", "lib_all_gather",
 # Kernels that run inside shard_map (tests/pallas/test_mosaic_multidevice.py
 # runs such kernels).
 SHARD_MAPPED = {"remote_ring_copy", "remote_wait_send_recv",
-                "barrier_and_remote_signal", "logical_device_id"}
+                "barrier_and_remote_signal", "logical_device_id",
+                "accumulating_remote_copy"}
 
 # Kernels Pallas's TPU lowering rejects (docs/mosaic.md): case -> (its
 # exception, what it says, what our module shows instead).
@@ -79,7 +80,20 @@ REJECTED_BY_PALLAS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(set(CASES) - set(REJECTED_BY_PALLAS)))
+# Kernels both lowerings reject: case -> (Pallas's message, ours), both
+# NotImplementedError.
+# - An accumulating DMA (`start(add=True)`, `sync_copy(add=True)`, local or
+#   remote): the TensorCore's `tpu.enqueue_dma` only copies.
+_ACCUMULATING = ("DMA with add=True is not supported", "accumulating DMA")
+REJECTED_BY_BOTH = {
+    "accumulating_dma": _ACCUMULATING,
+    "accumulating_sync_copy": _ACCUMULATING,
+    "accumulating_remote_copy": _ACCUMULATING,
+}
+
+
+@pytest.mark.parametrize(
+    "name", sorted(set(CASES) - set(REJECTED_BY_PALLAS) - set(REJECTED_BY_BOTH)))
 def test_matches_pallas(name):
   ours, theirs = lower_both(name)
   assert theirs, "Pallas emitted no tpu_custom_call"
@@ -117,6 +131,18 @@ def test_rejected_by_pallas_but_lowered_by_us(name):
   assert ours_shows in call.module
 
 
+@pytest.mark.parametrize("name", sorted(REJECTED_BY_BOTH))
+def test_rejected_by_pallas_and_by_us(name):
+  pallas_says, we_say = REJECTED_BY_BOTH[name]
+  f, args = CASES[name](jpl, jpltpu)
+  with pytest.raises(NotImplementedError, match=pallas_says):
+    golden.lower_tpu(f, *args)
+  f, args = CASES[name](dsl, dtpu)
+  with pytest.raises(NotImplementedError, match=we_say) as e:
+    golden.lower_tpu(f, *args)
+  assert isinstance(e.value, dsl.BackendError)
+
+
 def test_mixed_element_window_takes_element_offsets():
   f, args = CASES["element_mixed_with_blocked"](dsl, dtpu)
   (call,) = golden.lower_tpu(f, *args)
@@ -131,7 +157,8 @@ def test_mixed_element_window_takes_element_offsets():
 # shard_map ones have their own tests): the module, run by the Mosaic
 # interpreter, computes what the plain interpreter computes.
 RUNNABLE = sorted(n for n in CASES
-                  if not n.startswith("lib_") and n not in SHARD_MAPPED)
+                  if not n.startswith("lib_") and n not in SHARD_MAPPED
+                  and n not in REJECTED_BY_BOTH)
 
 
 def _random_like(args, seed=0):
