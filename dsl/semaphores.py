@@ -66,22 +66,17 @@ class DeviceIdType(enum.Enum):
 
 
 class BarrierSemaphore:
-  """The kernel's barrier semaphore (`get_barrier_semaphore()`)."""
+  """The kernel's barrier semaphore, as `get_barrier_semaphore()` returns it
+  (`dsl.tpu_primitives`): `handle` is the value of the
+  `get_barrier_semaphore` primitive, which the Mosaic lowering emits as
+  `tpu.sem_barrier` where it is called; signals, waits and reads of the
+  semaphore take it as an operand."""
 
   shape = ()
   dtype = jnp.dtype(jnp.int32)
 
+  def __init__(self, handle=None):
+    self.handle = handle
+
   def __repr__(self):
     return "BarrierSemaphore()"
-
-
-BARRIER_SEMAPHORE = BarrierSemaphore()
-
-
-def get_barrier_semaphore():
-  """The barrier semaphore shared by the devices running this kernel.
-
-  Devices signal each other's barrier semaphore with
-  `semaphore_signal(sem, 1, device_id=peer)` and wait on their own.
-  """
-  return BARRIER_SEMAPHORE

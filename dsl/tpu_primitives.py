@@ -26,7 +26,9 @@ Interpret-backend meaning (the discharge rules):
   the remote operation (not under a device-dependent `pl.when`), as in an
   SPMD program; for kernels where devices diverge, use the
   `"mosaic_interpret"` backend, which simulates devices independently.
-- the barrier semaphore is a no-op: the discharged program runs in lockstep.
+- the barrier semaphore is a no-op: the discharged program runs in lockstep
+  (`get_barrier_semaphore` gives a dummy handle, its signals and waits do
+  nothing).
 """
 from __future__ import annotations
 
@@ -420,6 +422,38 @@ for _p in (semaphore_signal_p, semaphore_wait_p):
 semaphore_read_p.def_impl(lambda *a, **p: jnp.int32(0))
 
 
+# ------------------------------------------------------------ barrier
+
+get_barrier_semaphore_p = Primitive("get_barrier_semaphore")
+
+
+@get_barrier_semaphore_p.def_effectful_abstract_eval
+def _get_barrier_abstract_eval():
+  # effectful, so that a call whose semaphore is unused stays in the kernel
+  # (and in its Mosaic module, as in Pallas's)
+  return core.ShapedArray((), jnp.int32), {debugging.debug_effect}
+
+
+get_barrier_semaphore_p.def_impl(lambda: jnp.int32(0))
+mlir.register_lowering(get_barrier_semaphore_p, mlir.lower_fun(
+    lambda: jnp.int32(0), multiple_results=False))
+
+
+def get_barrier_semaphore():
+  """The barrier semaphore shared by the devices running this kernel.
+
+  Devices signal each other's barrier semaphore with
+  `semaphore_signal(sem, 1, device_id=peer)` and wait on their own.
+  """
+  return BarrierSemaphore(get_barrier_semaphore_p.bind())
+
+
+def _barrier_handle(sem):
+  """The `get_barrier_semaphore` value a barrier-semaphore operand carries
+  (None for other semaphores)."""
+  return sem.handle if isinstance(sem, BarrierSemaphore) else None
+
+
 # ------------------------------------------------------------ user API
 
 def _check_copy(src, src_t, dst, dst_t, what):
@@ -547,7 +581,7 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
     device_id_type = DeviceIdType(device_id_type)
   dev, axes = _normalize_device_id(device_id, device_id_type)
   flat, layout = _pack(sem=ref, sem_t=t, inc=jnp.asarray(inc, jnp.int32),
-                       device_id=dev)
+                       device_id=dev, barrier=_barrier_handle(sem))
   semaphore_signal_p.bind(*flat, layout=layout, kind=_sem_kind(ref),
                           device_id_type=device_id_type, device_id_axes=axes,
                           mesh_axes=_current_mesh_axes() if dev else ())
@@ -556,14 +590,15 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
 def semaphore_wait(sem, value=1):
   """Waits until `sem` is at least `value`, then subtracts `value`."""
   ref, t = _sem_parts("semaphore_wait's semaphore", sem)
-  flat, layout = _pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32))
+  flat, layout = _pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32),
+                       barrier=_barrier_handle(sem))
   semaphore_wait_p.bind(*flat, layout=layout, kind=_sem_kind(ref))
 
 
 def semaphore_read(sem):
   """The current value of `sem` (an int32 scalar)."""
   ref, t = _sem_parts("semaphore_read's semaphore", sem)
-  flat, layout = _pack(sem=ref, sem_t=t)
+  flat, layout = _pack(sem=ref, sem_t=t, barrier=_barrier_handle(sem))
   return semaphore_read_p.bind(*flat, layout=layout, kind=_sem_kind(ref))
 
 
@@ -579,7 +614,7 @@ def device_id():
 
 __all__ = [
     "AsyncCopyDescriptor", "async_copy", "device_id", "dma_start_p",
-    "dma_wait_p", "make_async_copy", "make_async_remote_copy",
+    "dma_wait_p", "get_barrier_semaphore", "get_barrier_semaphore_p", "make_async_copy", "make_async_remote_copy",
     "semaphore_read", "semaphore_read_p", "semaphore_signal",
     "semaphore_signal_p", "semaphore_wait", "semaphore_wait_p",
 ]

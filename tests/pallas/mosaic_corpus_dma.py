@@ -127,6 +127,32 @@ def barrier_and_remote_signal(pl, pltpu):
 
 
 @case
+def barrier_in_control_flow(pl, pltpu):
+  def barrier_loop_kernel(x_ref, o_ref):
+    me = lax.axis_index("x")
+    barrier = pltpu.get_barrier_semaphore()
+    mesh = api(pl, pltpu, 'DeviceIdType').MESH
+
+    def signal_peer(k, carry):
+      api(pl, pltpu, 'semaphore_signal')(
+          barrier, 1, device_id=(lax.rem(me + 1 + k, N_DEV),),
+          device_id_type=mesh)
+      return carry
+    lax.fori_loop(0, 2, signal_peer, 0)
+
+    @pl.when(me < N_DEV)
+    def _():
+      api(pl, pltpu, 'semaphore_wait')(barrier, 2)
+    o_ref[...] = x_ref[...]
+  call = pl.pallas_call(
+      barrier_loop_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      compiler_params=pltpu.CompilerParams(collective_id=0))
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+@case
 def logical_device_id(pl, pltpu):
   def logical_kernel(x_ref, o_ref, send_sem, recv_sem):
     c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,

@@ -56,16 +56,11 @@ DOCUMENTED = {
                            {"tpu.reduce_index"}),
 }
 
-# tpu.sem_barrier where the barrier semaphore is used, not where
-# get_barrier_semaphore() is called: these match Pallas exactly once every
-# sem_barrier is replaced by one at the top of its function.
-BARRIER_PLACEMENT = {"barrier_and_remote_signal", "lib_all_gather",
-                     "lib_reduce_scatter"}
-
 # Kernels that run inside shard_map (tests/pallas/test_mosaic_multidevice.py
 # runs such kernels).
 SHARD_MAPPED = {"remote_ring_copy", "remote_wait_send_recv",
-                "barrier_and_remote_signal", "logical_device_id",
+                "barrier_and_remote_signal", "barrier_in_control_flow",
+                "logical_device_id",
                 "accumulating_remote_copy"}
 
 # Kernels Pallas's TPU lowering rejects (docs/mosaic.md): case -> (its
@@ -98,13 +93,6 @@ def test_matches_pallas(name):
   ours, theirs = lower_both(name)
   assert theirs, "Pallas emitted no tpu_custom_call"
   problems = golden.compare(ours, theirs)
-  if name in BARRIER_PLACEMENT:
-    assert problems, f"{name} matches Pallas now: remove it from BARRIER_PLACEMENT"
-    for a, b in zip(ours, theirs):
-      assert a.config == b.config and a.attrs == b.attrs
-      assert a.barrier_hoisted == b.barrier_hoisted, golden.diff(
-          a.barrier_hoisted, b.barrier_hoisted)
-    return
   if name not in DOCUMENTED:
     assert not problems, "\n".join(problems)
     return

@@ -265,3 +265,24 @@ def test_remote_accumulating_dma_is_rejected_on_mosaic():
   x = jnp.zeros((N * 8, 128))
   with pytest.raises(pl.BackendError, match="accumulating DMA"):
     ring_accumulate(x, "mosaic_interpret")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_barrier_taken_once_and_used_in_a_loop_and_a_branch(backend):
+  # The corpus kernel: the barrier semaphore is read before a fori_loop of
+  # remote signals and a pl.when holding the wait.
+  from tests.pallas.mosaic_corpus import CASES
+  f, (x,) = CASES["barrier_in_control_flow"](pl, pltpu)
+  x = jax.random.normal(jax.random.key(1), x.shape)
+  out = jax.jit(functools.partial(_with_backend, f, backend))(x)
+  np.testing.assert_array_equal(out, x)
+
+
+def _with_backend(f, backend, x):
+  from dsl import backends
+  saved = backends.DEFAULT_FOR_PLATFORM["cpu"]
+  backends.DEFAULT_FOR_PLATFORM["cpu"] = backend
+  try:
+    return f(x)
+  finally:
+    backends.DEFAULT_FOR_PLATFORM["cpu"] = saved
