@@ -73,7 +73,7 @@ def _barrier_semaphore(ctx) -> ir.Value:
 
 
 @register(tp.get_barrier_semaphore_p)
-def _get_barrier_semaphore(ctx):
+def _get_barrier_semaphore(ctx, *, tag):
   """`tpu.sem_barrier` where `get_barrier_semaphore()` is called (as
   Pallas); the signals and waits on it use this value."""
   return _barrier_semaphore(ctx)

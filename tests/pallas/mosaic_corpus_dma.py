@@ -153,6 +153,24 @@ def barrier_in_control_flow(pl, pltpu):
 
 
 @case
+def barrier_with_tag(pl, pltpu):
+  # the tag, not CompilerParams(collective_id=...), names the collective
+  def tagged_barrier_kernel(x_ref, o_ref):
+    me = lax.axis_index("x")
+    barrier = pltpu.get_barrier_semaphore(tag=("ring", 1))
+    api(pl, pltpu, 'semaphore_signal')(
+        barrier, 1, device_id=(lax.rem(me + 1, N_DEV),),
+        device_id_type=api(pl, pltpu, 'DeviceIdType').MESH)
+    api(pl, pltpu, 'semaphore_wait')(barrier, 1)
+    o_ref[...] = x_ref[...] * 2.0
+  call = pl.pallas_call(
+      tagged_barrier_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM))
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+@case
 def logical_device_id(pl, pltpu):
   def logical_kernel(x_ref, o_ref, send_sem, recv_sem):
     c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,

@@ -60,6 +60,7 @@ DOCUMENTED = {
 # runs such kernels).
 SHARD_MAPPED = {"remote_ring_copy", "remote_wait_send_recv",
                 "barrier_and_remote_signal", "barrier_in_control_flow",
+                "barrier_with_tag",
                 "logical_device_id",
                 "accumulating_remote_copy"}
 
@@ -187,3 +188,54 @@ def test_float_not_equal_is_unordered_unlike_pallas():
   ours, theirs = lower_both("nan_test_and_rounding")
   assert "arith.cmpf une, %0, %0" in ours[0].module
   assert "arith.cmpf one, %0, %0" in theirs[0].module
+
+
+def _tagged_pair(pl, pltpu, tags, collective_id=None):
+  """Two barrier kernels in one computation, with the given tags."""
+  from jax import lax
+  from jax.sharding import PartitionSpec as P
+  from tests.pallas.mosaic_corpus_dma import N_DEV, _mesh
+
+  def call(tag_list):
+    def kernel(x_ref, o_ref):
+      me = lax.axis_index("x")
+      for tag in tag_list:
+        barrier = pltpu.get_barrier_semaphore(tag=tag)
+        pl.semaphore_signal(barrier, 1, device_id=(lax.rem(me + 1, N_DEV),),
+                            device_id_type=pl.DeviceIdType.MESH)
+        pl.semaphore_wait(barrier, 1)
+      o_ref[...] = x_ref[...]
+    params = pltpu.CompilerParams(collective_id=collective_id)
+    return pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                          compiler_params=params)
+
+  def f(x):
+    for tag_list in tags:
+      x = jax.shard_map(call(tag_list), mesh=_mesh(), in_specs=P("x"),
+                        out_specs=P("x"), check_vma=False)(x)
+    return x
+  return f, jnp.ones((N_DEV * 8, 128), jnp.float32)
+
+
+def test_barrier_tags_name_collectives_as_in_pallas():
+  # one id per distinct tag, in order: ("a",) -> 0, ("b",) -> 1
+  ids = {}
+  for pl, pltpu in ((jpl, jpltpu), (dsl, dtpu)):
+    f, x = _tagged_pair(pl, pltpu, [["a"], ["b"], ["a"]])
+    ids[pl] = [c.config["custom_call_config"]["collective_id"]
+               for c in golden.lower_tpu(f, x)]
+  assert ids[dsl] == ids[jpl] == [0, 1, 0]
+
+
+def test_barrier_tag_and_collective_id_conflict_as_in_pallas():
+  for pl, pltpu in ((jpl, jpltpu), (dsl, dtpu)):
+    f, x = _tagged_pair(pl, pltpu, [["a"]], collective_id=3)
+    with pytest.raises(ValueError, match="Conflicting collective_id"):
+      golden.lower_tpu(f, x)
+
+
+def test_two_barrier_tags_in_one_kernel_are_rejected_as_in_pallas():
+  for pl, pltpu in ((jpl, jpltpu), (dsl, dtpu)):
+    f, x = _tagged_pair(pl, pltpu, [["a", "b"]])
+    with pytest.raises(ValueError, match="tags"):
+      golden.lower_tpu(f, x)

@@ -267,15 +267,18 @@ def test_remote_accumulating_dma_is_rejected_on_mosaic():
     ring_accumulate(x, "mosaic_interpret")
 
 
+@pytest.mark.parametrize("case,scale", [("barrier_in_control_flow", 1.0),
+                                        ("barrier_with_tag", 2.0)])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_barrier_taken_once_and_used_in_a_loop_and_a_branch(backend):
-  # The corpus kernel: the barrier semaphore is read before a fori_loop of
-  # remote signals and a pl.when holding the wait.
+def test_barrier_corpus_kernels_run(backend, case, scale):
+  # barrier_in_control_flow reads the barrier semaphore before a fori_loop
+  # of remote signals and a pl.when holding the wait; barrier_with_tag
+  # names its collective with get_barrier_semaphore(tag=...).
   from tests.pallas.mosaic_corpus import CASES
-  f, (x,) = CASES["barrier_in_control_flow"](pl, pltpu)
+  f, (x,) = CASES[case](pl, pltpu)
   x = jax.random.normal(jax.random.key(1), x.shape)
   out = jax.jit(functools.partial(_with_backend, f, backend))(x)
-  np.testing.assert_array_equal(out, x)
+  np.testing.assert_array_equal(out, x * scale)
 
 
 def _with_backend(f, backend, x):
@@ -286,3 +289,14 @@ def _with_backend(f, backend, x):
     return f(x)
   finally:
     backends.DEFAULT_FOR_PLATFORM["cpu"] = saved
+
+
+def test_unhashable_barrier_tag_is_a_type_error():
+  def kernel(x_ref, o_ref):
+    pltpu.get_barrier_semaphore(tag=["ring"])
+    o_ref[...] = x_ref[...]
+  f = pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                     backend="interpret")
+  with pytest.raises(TypeError, match="tag=.*hashable") as e:
+    f(jnp.ones((8, 128)))
+  assert "kernel 'kernel'" in str(e.value) and __file__ in str(e.value)
