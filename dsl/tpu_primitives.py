@@ -44,7 +44,9 @@ from jax._src.state import types as state_types
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
-from dsl.semaphores import BarrierSemaphore, DeviceIdType, is_semaphore_aval
+from dsl.semaphores import (BarrierSemaphore, DeviceIdType,
+                            get_barrier_semaphore, get_barrier_semaphore_p,
+                            is_semaphore_aval)
 
 
 # ------------------------------------------------------------ packing args
@@ -424,60 +426,6 @@ semaphore_read_p.def_impl(lambda *a, **p: jnp.int32(0))
 
 # ------------------------------------------------------------ barrier
 
-get_barrier_semaphore_p = Primitive("get_barrier_semaphore")
-
-
-@get_barrier_semaphore_p.def_effectful_abstract_eval
-def _get_barrier_abstract_eval(*, tag):
-  # effectful, so that a call whose semaphore is unused stays in the kernel
-  # (and in its Mosaic module, as in Pallas's)
-  return core.ShapedArray((), jnp.int32), {debugging.debug_effect}
-
-
-get_barrier_semaphore_p.def_impl(lambda *, tag: jnp.int32(0))
-mlir.register_lowering(get_barrier_semaphore_p, mlir.lower_fun(
-    lambda *, tag: jnp.int32(0), multiple_results=False))
-
-
-def get_barrier_semaphore(tag=None):
-  """The barrier semaphore shared by the devices running this kernel.
-
-  Devices signal each other's barrier semaphore with
-  `semaphore_signal(sem, 1, device_id=peer)` and wait on their own.
-  `tag` (hashable) names the collective instead of
-  `CompilerParams(collective_id=...)`: on a TPU, kernels with the same tag
-  get the same barrier semaphore; a kernel has at most one tag.
-  """
-  try:
-    hash(tag)
-  except TypeError:
-    raise KernelTypeError(None, "get_barrier_semaphore(tag=...) must be "
-                          f"hashable, got {type(tag).__name__}",
-                          user_frame()) from None
-  return BarrierSemaphore(get_barrier_semaphore_p.bind(tag=tag))
-
-
-def barrier_tag(jaxpr, kernel: str | None = None,
-                where: str | None = None) -> Any:
-  """The one `get_barrier_semaphore(tag=...)` tag of a kernel jaxpr (None
-  without one); several different tags are an error."""
-  tags = set()
-
-  def visit(j):
-    for eqn in j.eqns:
-      if (eqn.primitive is get_barrier_semaphore_p
-          and eqn.params["tag"] is not None):
-        tags.add(eqn.params["tag"])
-      for sub in core.jaxprs_in_params(eqn.params):
-        visit(sub)
-  visit(jaxpr)
-  if len(tags) > 1:
-    raise KernelError(kernel, "get_barrier_semaphore is called with "
-                      f"different tags {sorted(map(repr, tags))}; a kernel "
-                      "has one barrier semaphore, so at most one tag", where)
-  return next(iter(tags), None)
-
-
 def _barrier_handle(sem):
   """The `get_barrier_semaphore` value a barrier-semaphore operand carries
   (None for other semaphores)."""
@@ -644,7 +592,8 @@ def device_id():
 
 __all__ = [
     "AsyncCopyDescriptor", "async_copy", "device_id", "dma_start_p",
-    "dma_wait_p", "get_barrier_semaphore", "get_barrier_semaphore_p", "make_async_copy", "make_async_remote_copy",
+    "dma_wait_p", "get_barrier_semaphore", "get_barrier_semaphore_p",
+    "make_async_copy", "make_async_remote_copy",
     "semaphore_read", "semaphore_read_p", "semaphore_signal",
     "semaphore_signal_p", "semaphore_wait", "semaphore_wait_p",
 ]

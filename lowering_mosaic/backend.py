@@ -68,7 +68,7 @@ def _barrier_tag(spec):
   """`get_barrier_semaphore(tag=...)`'s tag: it names the collective (JAX
   gives each tag its collective id; one with `collective_id` is JAX's
   ValueError)."""
-  from dsl.tpu_primitives import barrier_tag
+  from dsl.semaphores import barrier_tag
   return barrier_tag(spec.jaxpr.jaxpr, spec.name, spec.where)
 
 
