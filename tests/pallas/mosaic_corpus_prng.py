@@ -78,3 +78,13 @@ def erf_inv_values(pl, pltpu):
     o_ref[...] = lax.erf_inv(x_ref[...])
   f = pl.pallas_call(erf_inv_kernel, sds((8, 128)))
   return f, (f32(8, 128) * 0.5,)
+
+
+@case
+def prng_bernoulli_high_resolution(pl, pltpu):
+  def high_kernel(o_ref):
+    pltpu.prng_seed(5)
+    o_ref[...] = pltpu.stateful_bernoulli(0.1, (8, 128),
+                                          mode="high").astype(jnp.int32)
+  f = pl.pallas_call(high_kernel, sds((8, 128), jnp.int32))
+  return f, ()
