@@ -77,13 +77,14 @@ def _state_type():
   return MemorySpace.SMEM((3,), jnp.uint32)
 
 
-def _seed(state, *seeds):
+def _seed(state, eqn, seeds):
   k0, k1 = seed_key(jnp, seeds)
   state[...] = jnp.concatenate([k0, k1, jnp.zeros((1,), jnp.uint32)])
   return []
 
 
-def _random_bits(state, *, shape, dtype):
+def _random_bits(state, eqn, invals):
+  shape, dtype = eqn.params["shape"], eqn.params["dtype"]
   st = state[...]
   n = int(np.prod(shape, dtype=np.int64))
   words = draw_words(jnp, st[0:1], st[1:2], st[2], n)
@@ -136,12 +137,30 @@ def _call(state, eqn, invals):
   return _run(jaxpr, consts, args, state)
 
 
-def _control_rules():
+@functools.cache
+def _rules():
+  """primitive -> rule(state, eqn, invals), for the equations that seed,
+  draw or hold jaxprs that do."""
   from dsl.primitives import run_scoped_p
-  rules = {lax.cond_p: _cond, lax.while_p: _while, lax.scan_p: _scan,
+  rules = {prng_seed_p: _seed, prng_random_bits_p: _random_bits,
+           lax.cond_p: _cond, lax.while_p: _while, lax.scan_p: _scan,
            run_scoped_p: _run_scoped}
   rules.update({p: _call for p in CALL_PRIMITIVES})
   return rules
+
+
+def _threaded(eqn):
+  """The rule of an equation that uses the random state, else None."""
+  if eqn.primitive not in (prng_seed_p, prng_random_bits_p) and not any(
+      uses_prng(j) for j in core.jaxprs_in_params(eqn.params)):
+    return None
+  rule = _rules().get(eqn.primitive)
+  if rule is None:
+    raise KernelError(
+        None, f"random numbers inside '{eqn.primitive.name}' are not "
+        "supported by the interpret backend",
+        source_info_frame(eqn.source_info))
+  return rule
 
 
 @functools.lru_cache(maxsize=1024)
@@ -164,7 +183,6 @@ def _run(jaxpr: core.Jaxpr, consts, args, state) -> list:
   env = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
   read = lambda a: a.val if isinstance(a, core.Literal) else env[a]
-  control = _control_rules()
   for eqn in jaxpr.eqns:
     invals = [read(a) for a in eqn.invars]
     name_stack = (source_info_util.current_name_stack()
@@ -172,17 +190,8 @@ def _run(jaxpr: core.Jaxpr, consts, args, state) -> list:
     with (source_info_util.user_context(eqn.source_info.traceback,
                                         name_stack=name_stack),
           eqn.ctx.manager):
-      if eqn.primitive is prng_seed_p:
-        outs = _seed(state, *invals)
-      elif eqn.primitive is prng_random_bits_p:
-        outs = _random_bits(state, **eqn.params)
-      elif any(uses_prng(j) for j in core.jaxprs_in_params(eqn.params)):
-        rule = control.get(eqn.primitive)
-        if rule is None:
-          raise KernelError(
-              None, f"random numbers inside '{eqn.primitive.name}' are not "
-              "supported by the interpret backend",
-              source_info_frame(eqn.source_info))
+      rule = _threaded(eqn)
+      if rule is not None:
         outs = rule(state, eqn, invals)
       else:
         params = eqn.primitive.get_bind_params(eqn.params)
