@@ -1,106 +1,194 @@
 """The TPU's stateful random numbers: `prng_seed`, `prng_random_bits` and the
 `stateful_*` samplers.
 
-The state is a threefry key in a 2-word SMEM scratch that the kernel body
-runs inside (`tracing.trace_kernel` adds it, only for kernels that use these
-functions): `prng_seed` writes the key made from the seeds, each draw splits
-it, keeps one half and draws from the other — so draws inside a loop differ
-per iteration. Like the TPU's, the state is only defined after `prng_seed`
-in the same grid step (unseeded, it is unspecified). The bits are
-threefry's, not the TPU hardware's: the same seed gives the same numbers on
-every host backend, and other numbers than on a TPU.
+`prng_seed` and `prng_random_bits` are primitives with an effect (the
+core's random state), as on the TPU: the kernel jaxpr holds no state, and
+each backend gives them their meaning (rules keyed by primitive):
+
+- "mosaic": `tpu.prng_set_seed_32` and `tpu.prng_random_bits`, the TPU's
+  hardware generator (lowering_mosaic/rules/prng.py);
+- "mosaic_interpret": those two ops run by our interpreter, each device
+  keeping a key and a draw counter (lowering_mosaic/interpreter/prng.py);
+- "interpret": the state lives in an SMEM scratch that the backend puts
+  around the kernel body before discharging it (dsl/interpret/prng.py).
+
+Both host backends draw with the same counter-based generator
+(`dsl.interpret.prng`: threefry-2x32 keyed by a hash of the seeds), so they
+give the same bits, and other bits than a TPU. Like the TPU's, the state is
+only defined after `prng_seed` in the same grid step. Triton has no such
+generator (nor has Pallas's Triton backend): it rejects these primitives.
+
+The samplers turn 32-bit words into numbers the way `jax.random` does
+(uniform: 23 random mantissa bits under the exponent of 1.0, minus 1,
+scaled; normal: `sqrt(2) * erf_inv` of a uniform in (-1, 1); bernoulli:
+a uniform below `p`), so a kernel draws what a user of `jax.random`
+expects, from the kernel's state instead of a key.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core, effects
+from jax.extend.core import Primitive
 
-from dsl.errors import KernelError, user_frame
-
-_STATE: contextvars.ContextVar = contextvars.ContextVar("dsl_prng_state",
-                                                        default=None)
-
-
-class NeedsPrngState(Exception):
-  """Raised while tracing a kernel that draws random numbers without the
-  state scratch; `trace_kernel` traces it again with the scratch."""
+from dsl.errors import KernelError, KernelTypeError, user_frame
 
 
-@contextlib.contextmanager
-def prng_state(ref):
-  token = _STATE.set(ref)
-  try:
-    yield
-  finally:
-    _STATE.reset(token)
+class PrngEffect(effects.Effect):
+  """Reads and advances the core's random state."""
+
+  def __str__(self):
+    return "Prng"
 
 
-def _state():
-  ref = _STATE.get()
-  if ref is None:
-    if _STATE_WANTED.get():
-      raise NeedsPrngState()
-    raise KernelError(None, "prng_seed and the random draws can only be "
-                      "called inside a kernel body", user_frame())
-  return ref
+prng_effect = PrngEffect()
+effects.control_flow_allowed_effects.add_type(PrngEffect)
+effects.custom_derivatives_allowed_effects.add_type(PrngEffect)
+effects.remat_allowed_effects.add_type(PrngEffect)
+
+prng_seed_p = Primitive("prng_seed")
+prng_seed_p.multiple_results = True
 
 
-# Set while a kernel body is traced: a draw then asks for the state.
-_STATE_WANTED: contextvars.ContextVar = contextvars.ContextVar(
-    "dsl_prng_wanted", default=False)
+@prng_seed_p.def_effectful_abstract_eval
+def _prng_seed_abstract_eval(*seeds):
+  return [], {prng_effect}
 
 
-@contextlib.contextmanager
-def in_kernel_body():
-  token = _STATE_WANTED.set(True)
-  try:
-    yield
-  finally:
-    _STATE_WANTED.reset(token)
+prng_random_bits_p = Primitive("prng_random_bits")
 
 
-def state_shape():
-  from dsl.memory import MemorySpace
-  return MemorySpace.SMEM((2,), jnp.uint32)
+@prng_random_bits_p.def_effectful_abstract_eval
+def _prng_random_bits_abstract_eval(*, shape, dtype):
+  return core.ShapedArray(shape, dtype), {prng_effect}
+
+
+def _outside_kernel(name: str):
+  from dsl.tracing import in_kernel_body
+  if not in_kernel_body():
+    raise KernelError(None, f"{name}: prng_seed and the random draws can "
+                      "only be called inside a kernel body", user_frame())
+
+
+def _seed_value(seed, k: int):
+  aval = core.typeof(seed)
+  dtype = getattr(aval, "dtype", None)
+  if getattr(aval, "shape", None) != () or not (
+      jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+    raise KernelTypeError(
+        None, f"prng_seed: seed {k} must be an integer scalar, got "
+        f"{aval.str_short() if hasattr(aval, 'str_short') else aval}",
+        user_frame())
+  if dtype in (jnp.int32, jnp.uint32):
+    return seed
+  return lax.convert_element_type(seed, jnp.int32)
 
 
 def prng_seed(*seeds) -> None:
-  """Seeds the kernel's random state; several seeds are mixed."""
+  """Seeds the core's random state; several seeds are mixed."""
+  _outside_kernel("prng_seed")
   if not seeds:
-    raise ValueError("prng_seed needs at least one seed")
-  ref = _state()
-  key = jax.random.PRNGKey(jnp.asarray(seeds[0]).astype(jnp.uint32))
-  for s in seeds[1:]:
-    key = jax.random.fold_in(key, jnp.asarray(s).astype(jnp.uint32))
-  ref[...] = key
+    raise KernelTypeError(None, "prng_seed needs at least one seed",
+                          user_frame())
+  prng_seed_p.bind(*(_seed_value(s, k) for k, s in enumerate(seeds)))
 
 
-def _next_key():
-  ref = _state()
-  keep, draw = jax.random.split(ref[...])
-  ref[...] = keep
-  return draw
+def _draw(shape, dtype=jnp.int32):
+  try:
+    shape = tuple(int(d) for d in shape)
+  except TypeError:
+    raise KernelTypeError(None, f"the shape of a random draw must be a tuple "
+                          f"of static ints, got {shape!r}", user_frame()
+                          ) from None
+  return prng_random_bits_p.bind(shape=shape, dtype=jnp.dtype(dtype))
 
 
 def prng_random_bits(shape):
-  """int32 random bits of `shape` from the kernel's state."""
-  bits = jax.random.bits(_next_key(), tuple(shape), jnp.uint32)
-  return jax.lax.bitcast_convert_type(bits, jnp.int32)
+  """int32 random bits of `shape` from the core's random state."""
+  _outside_kernel("prng_random_bits")
+  return _draw(shape)
 
 
-def _stateful(sampler):
-  def draw(*args, **kwargs):
-    return sampler(_next_key(), *args, **kwargs)
-  draw.__name__ = f"stateful_{sampler.__name__}"
-  draw.__doc__ = (f"`jax.random.{sampler.__name__}` without the key: drawn "
-                  "from the kernel's random state.")
-  return draw
+# ------------------------------------------------------------ samplers
+# 32-bit words as jax.random turns them into numbers; the state gives words
+# of 32 bits only, so (as on Pallas's TPU backend) only 32-bit dtypes.
+
+def _float32_only(name: str, dtype):
+  dtype = jax.dtypes.canonicalize_dtype(jnp.float32 if dtype is None
+                                        else dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise KernelTypeError(None, f"{name}: dtype must be a float dtype, got "
+                          f"{dtype}", user_frame())
+  if jnp.finfo(dtype).bits != 32:
+    raise KernelTypeError(
+        None, f"{name}: the random state gives 32-bit words, so dtype must "
+        f"be float32, got {dtype}; draw float32 and cast", user_frame())
+  return dtype
 
 
-stateful_bits = _stateful(jax.random.bits)
-stateful_uniform = _stateful(jax.random.uniform)
-stateful_bernoulli = _stateful(jax.random.bernoulli)
-stateful_normal = _stateful(jax.random.normal)
+def stateful_bits(shape=(), dtype=None):
+  """`jax.random.bits` without the key: uint32 words from the state."""
+  _outside_kernel("stateful_bits")
+  dtype = jnp.dtype(jnp.uint32 if dtype is None else dtype)
+  if dtype != jnp.uint32:
+    raise KernelTypeError(None, "stateful_bits: the random state gives "
+                          f"32-bit words, so dtype must be uint32, got "
+                          f"{dtype}", user_frame())
+  return _draw(shape, jnp.uint32)
+
+
+def _uniform(shape, dtype, minval, maxval):
+  """Uniform in [minval, maxval): 23 random mantissa bits of a float in
+  [1, 2), minus 1, scaled (jax.random.uniform's conversion)."""
+  shape = tuple(shape)
+  minval = lax.broadcast_to_rank(lax.convert_element_type(minval, dtype),
+                                 len(shape))
+  maxval = lax.broadcast_to_rank(lax.convert_element_type(maxval, dtype),
+                                 len(shape))
+  nmant = jnp.finfo(dtype).nmant
+  bits = _draw(shape, jnp.uint32)
+  mantissa = lax.shift_right_logical(bits, jnp.array(32 - nmant, jnp.uint32))
+  one_bits = np.array(1.0, dtype).view(np.uint32)
+  in_1_2 = lax.bitcast_convert_type(
+      lax.bitwise_or(mantissa, jnp.asarray(one_bits, jnp.uint32)), dtype)
+  floats = in_1_2 - jnp.array(1.0, dtype)
+  return lax.max(minval, lax.reshape(floats * (maxval - minval) + minval,
+                                     shape))
+
+
+def stateful_uniform(shape=(), dtype=None, minval=0.0, maxval=1.0):
+  """`jax.random.uniform` without the key: floats in [minval, maxval)."""
+  _outside_kernel("stateful_uniform")
+  return _uniform(shape, _float32_only("stateful_uniform", dtype), minval,
+                  maxval)
+
+
+def stateful_normal(shape=(), dtype=None):
+  """`jax.random.normal` without the key: standard normal floats."""
+  _outside_kernel("stateful_normal")
+  dtype = _float32_only("stateful_normal", dtype)
+  lo = np.nextafter(np.array(-1.0, dtype), np.array(0.0, dtype), dtype=dtype)
+  u = _uniform(shape, dtype, lo, np.array(1.0, dtype))
+  return lax.mul(np.array(np.sqrt(2), dtype), lax.erf_inv(u))
+
+
+def stateful_bernoulli(p=0.5, shape=None, mode="low"):
+  """`jax.random.bernoulli` without the key: True with probability `p`."""
+  _outside_kernel("stateful_bernoulli")
+  if mode not in ("low", "high"):
+    raise KernelTypeError(None, f"stateful_bernoulli: mode must be 'low' or "
+                          f"'high', got {mode!r}", user_frame())
+  dtype = lax.dtype(p)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise KernelTypeError(None, "stateful_bernoulli: the probability p must "
+                          f"have a float dtype, got {dtype}", user_frame())
+  dtype = _float32_only("stateful_bernoulli", dtype)
+  p = lax.convert_element_type(p, dtype)
+  shape = np.shape(p) if shape is None else tuple(shape)
+  if mode == "low":
+    return _uniform(shape, dtype, 0.0, 1.0) < p
+  u1, u2 = _uniform((2, *shape), dtype, 0.0, 1.0)
+  u2 = u2 * 2.0 ** -jnp.finfo(dtype).nmant   # resolution of one uniform
+  return u2 < p - u1

@@ -26,7 +26,6 @@ from dsl.blockspec import BlockMapping
 from dsl.errors import (KernelError, KernelTypeError, function_location,
                         frame_of_traceback, raise_from_user_frames, source_excerpt, user_frame,
                         user_traceback)
-from dsl import tpu_prng
 from dsl.gridspec import GridMapping
 
 
@@ -63,6 +62,11 @@ def num_programs(axis: int):
     raise KernelError(env.kernel, f"num_programs({axis}) is outside the grid "
                       f"of rank {len(env.sizes)}", user_frame())
   return env.sizes[axis]
+
+
+def in_kernel_body() -> bool:
+  """Whether a kernel body is being traced."""
+  return _GRID_ENV.get() is not None
 
 
 @contextlib.contextmanager
@@ -134,9 +138,8 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     traced_names.update(names)
     token = refs_mod._ACTIVE.set(names)
     try:
-      with grid_env(name, ids, gm.grid), tpu_prng.in_kernel_body():
-        out = _call_body(kernel_fn, gm.unflatten_kernel_refs(refs),
-                         with_prng[0])
+      with grid_env(name, ids, gm.grid):
+        out = kernel_fn(*gm.unflatten_kernel_refs(refs))
     finally:
       refs_mod._ACTIVE.reset(token)
     if out is not None:
@@ -147,18 +150,10 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
 
   dbg = api_util.debug_info(f"kernel {name}", kernel_fn,
                             tuple(range(len(grid_avals) + len(ref_avals))), {})
-  # A kernel that draws random numbers is traced again, with its random
-  # state in a scoped scratch around the body (dsl.tpu_prng).
-  with_prng = [False]
   try:
     with _blocks_mesh():
-      try:
-        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-            lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
-      except tpu_prng.NeedsPrngState:
-        with_prng[0] = True
-        jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-            lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
+      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+          lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
   except KernelError as e:
     __tracebackhide__ = True
     raise e.with_traceback(user_traceback(e.__traceback__))
@@ -167,20 +162,6 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     _raise_trace_error(e, name, gm, where, traced_names,
                        dict(zip(param_names, origins)))
   return core.ClosedJaxpr(jaxpr, consts)
-
-
-def _call_body(kernel_fn, args, with_prng: bool):
-  if not with_prng:
-    return kernel_fn(*args)
-  from dsl.primitives import run_scoped
-  result = []
-
-  def body(state):
-    with tpu_prng.prng_state(state):
-      result.append(kernel_fn(*args))
-
-  run_scoped(body, tpu_prng.state_shape())
-  return result[0]
 
 
 def _blocks_mesh():

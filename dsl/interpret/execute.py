@@ -20,6 +20,7 @@ from jax._src.state import discharge as state_discharge
 from dsl import config
 from dsl.blockspec import BlockMapping, Element
 from dsl.interpret.plan import OperandPlan, Plan, make_plan
+from dsl.interpret.prng import with_prng_state
 from dsl.poison import fresh_buffer, poison_value
 
 
@@ -40,6 +41,7 @@ def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
 def _discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
                        kept_refs: int, poison_buffers: bool):
   del poison_buffers     # read by run_scoped's discharge rule
+  jaxpr = with_prng_state(jaxpr)      # the random state, if it draws
   j = jaxpr.jaxpr
   kept = grid_rank + kept_refs
   should = [False] * kept + [True] * (len(j.invars) - kept)

@@ -26,6 +26,7 @@ from jax._src.lib.mlir import ir
 
 from dsl.poison import poison_value
 from lowering_mosaic import dialect
+from lowering_mosaic.interpreter import prng  # noqa: F401  (its ops)
 from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
 from lowering_mosaic.interpreter.program import (CFunc, Frame, compile_module,
                                                  run_block, run_to_end)

@@ -125,6 +125,7 @@ class Device:
     self.alloc_counts: dict[Any, int] = {}
     self.waiting: Wait | None = None
     self.done = False
+    self.prng = None          # [key, key, draw counter] once seeded
 
   def add(self, buf: Buffer) -> Buffer:
     self.buffers[buf.key] = buf

@@ -16,4 +16,5 @@ from lowering_mosaic.lowering import TABLE
 register = TABLE.register
 
 from lowering_mosaic.rules import (control, elementwise, integer,  # noqa: E402,F401
-                                   memory, reductions, shapes, tpu_ops)
+                                   memory, prng, reductions, shapes,
+                                   tpu_ops)

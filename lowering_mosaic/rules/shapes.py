@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lax import lax as lax_internal
 from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import vector
@@ -105,6 +106,22 @@ def _split(ctx, x, *, sizes, axis):
     offsets[axis] = start
     outs.append(_extract(x, out, offsets, out.shape))
     start += size
+  return outs
+
+
+@register(lax_internal.unstack_p)
+def _unstack(ctx, x, *, axis):
+  """One unit slice per index along `axis`, its dim dropped (as Pallas)."""
+  aval, out = ctx.avals_in[0], ctx.avals_out[0]
+  unit = list(aval.shape)
+  unit[axis] = 1
+  sliced = aval.update(shape=tuple(unit))
+  outs = []
+  for i in range(aval.shape[axis]):
+    offsets = [0] * len(aval.shape)
+    offsets[axis] = i
+    piece = _extract(x, sliced, offsets, unit)
+    outs.append(emit.reshape(piece, unit, out.shape, aval.dtype))
   return outs
 
 

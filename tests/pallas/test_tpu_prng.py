@@ -1,14 +1,23 @@
-"""pltpu.prng_seed / prng_random_bits / stateful_* on the host backends:
-deterministic per seed, new numbers per draw (also inside loops), the
-distributions the samplers promise, and the dtypes Pallas gives."""
+"""pltpu.prng_seed / prng_random_bits / stateful_* on the host backends
+(`interpret`, and `mosaic_interpret`, which runs the tpu dialect's seed and
+random-bits ops): deterministic per seed, new numbers per draw (also inside
+loops and branches) and per grid step, the distributions the samplers
+promise with jax.random's conversions, the same bits on both host
+backends, and the dtypes Pallas gives. The Mosaic modules themselves are
+compared with Pallas's in test_mosaic_golden.py (mosaic_corpus_prng.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental.pallas import tpu as jpltpu
+import jax.extend.random as jex_random
 
 import dsl
 from dsl import tpu as pltpu
+from dsl.interpret import prng as host_prng
+
+HOST = ["interpret", "mosaic_interpret"]
 
 
 def _bits_kernel(seed_ref, o_ref):
@@ -32,14 +41,16 @@ def test_bits_dtype_like_pallas():
   assert out.shape == (2, 2) + theirs.shape
 
 
-def test_same_seed_same_bits_other_seed_other_bits():
-  a, b, c = _bits(1), _bits(1), _bits(2)
+@pytest.mark.parametrize("backend", HOST)
+def test_same_seed_same_bits_other_seed_other_bits(backend):
+  a, b, c = _bits(1, backend), _bits(1, backend), _bits(2, backend)
   np.testing.assert_array_equal(a, b)
   assert (a != c).mean() > 0.99
 
 
-def test_draws_and_grid_steps_differ():
-  out = np.asarray(_bits(3))
+@pytest.mark.parametrize("backend", HOST)
+def test_draws_and_grid_steps_differ(backend):
+  out = np.asarray(_bits(3, backend))
   assert (out[0, 0] != out[0, 1]).mean() > 0.99   # two draws
   assert (out[0, 0] != out[1, 0]).mean() > 0.99   # seeded by program_id
   # the bits look uniform: each of the 32 bits is set about half the time
@@ -48,38 +59,145 @@ def test_draws_and_grid_steps_differ():
   assert np.all(np.abs(ones - 0.5) < 0.05), ones
 
 
-def test_draws_in_a_loop_differ_per_iteration():
+def test_both_host_backends_draw_the_same_bits():
+  np.testing.assert_array_equal(_bits(5, "interpret"),
+                                _bits(5, "mosaic_interpret"))
+
+
+def test_generator_is_threefry():
+  rng = np.random.default_rng(0)
+  key = rng.integers(0, 2**32, 2, dtype=np.uint32)
+  x = rng.integers(0, 2**32, 64, dtype=np.uint32)
+  theirs = np.asarray(jex_random.threefry_2x32(jnp.asarray(key),
+                                               jnp.asarray(x)))
+  for xp in (np, jnp):
+    o0, o1 = host_prng.threefry2x32(xp.asarray(key[:1]), xp.asarray(key[1:]),
+                                    xp.asarray(x[:32]), xp.asarray(x[32:]))
+    np.testing.assert_array_equal(np.concatenate([o0, o1]), theirs)
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_draws_in_a_loop_differ_per_iteration(backend):
   def kernel(o_ref):
     pltpu.prng_seed(7)
-    def body(i, carry):
-      o_ref[pl_ds(i)] = pltpu.stateful_uniform((1, 128))
-      return carry
-    jax.lax.fori_loop(0, 8, body, 0)
 
-  def pl_ds(i):
-    return (dsl.ds(i, 1), slice(None))
+    def body(i, carry):
+      o_ref[dsl.ds(i * 8, 8), :] = pltpu.stateful_uniform((8, 128))
+      return carry
+    lax.fori_loop(0, 4, body, None)
 
   out = np.asarray(dsl.pallas_call(
-      kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32), interpret=True)())
-  assert len({tuple(r) for r in out.round(6)}) == 8
+      kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32),
+      backend=backend)()).reshape(4, -1)
+  assert len({tuple(r) for r in out.round(6)}) == 4
   assert out.min() >= 0 and out.max() < 1
 
 
-def test_samplers(backend="interpret"):
-  def kernel(u_ref, n_ref, b_ref):
+@pytest.mark.parametrize("backend", HOST)
+def test_draws_in_while_loops_and_branches(backend):
+  def kernel(n_ref, o_ref):
+    pltpu.prng_seed(9)
+
+    @dsl.when(n_ref[0] > 0)
+    def _():
+      o_ref[0] = pltpu.prng_random_bits((8, 128))
+
+    def body(k):
+      o_ref[k] = pltpu.prng_random_bits((8, 128))
+      return k + 1
+    lax.while_loop(lambda k: k < n_ref[0], body, 1)
+
+  out = np.asarray(dsl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((3, 8, 128), jnp.int32),
+      in_specs=[dsl.BlockSpec(memory_space=pltpu.SMEM)],
+      backend=backend)(jnp.array([3], jnp.int32)))
+  rows = {tuple(r) for r in out.reshape(3, -1)}
+  assert len(rows) == 3
+  again = dsl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((3, 8, 128), jnp.int32),
+      in_specs=[dsl.BlockSpec(memory_space=pltpu.SMEM)],
+      backend="interpret")(jnp.array([3], jnp.int32))
+  np.testing.assert_array_equal(out, again)
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_samplers(backend):
+  def kernel(u_ref, n_ref, b_ref, h_ref):
     pltpu.prng_seed(11)
     u_ref[...] = pltpu.stateful_uniform((64, 128), minval=2.0, maxval=4.0)
     n_ref[...] = pltpu.stateful_normal((64, 128))
     b_ref[...] = pltpu.stateful_bernoulli(0.25, (64, 128)).astype(jnp.int32)
+    h_ref[...] = pltpu.stateful_bernoulli(0.1, (64, 128),
+                                          mode="high").astype(jnp.int32)
 
   shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32),
             jax.ShapeDtypeStruct((64, 128), jnp.float32),
+            jax.ShapeDtypeStruct((64, 128), jnp.int32),
             jax.ShapeDtypeStruct((64, 128), jnp.int32))
-  u, n, b = dsl.pallas_call(kernel, shapes, backend=backend)()
-  u, n, b = map(np.asarray, (u, n, b))
+  u, n, b, h = map(np.asarray,
+                   dsl.pallas_call(kernel, shapes, backend=backend)())
   assert u.min() >= 2 and u.max() < 4 and abs(u.mean() - 3) < 0.05
   assert abs(n.mean()) < 0.05 and abs(n.std() - 1) < 0.05
+  assert np.all(np.isfinite(n))
   assert abs(b.mean() - 0.25) < 0.03
+  assert abs(h.mean() - 0.1) < 0.02
+
+
+def _words_impl(words):
+  """A jax.random key implementation whose draws are `words`: jax.random's
+  samplers on it show how they turn those words into numbers."""
+  return jex_random.define_prng_impl(
+      key_shape=(1,), seed=lambda s: jnp.zeros((1,), jnp.uint32),
+      split=lambda k, shape: jnp.zeros((*shape, 1), jnp.uint32),
+      fold_in=lambda k, d: k,
+      random_bits=lambda k, width, shape: jnp.asarray(words).reshape(shape),
+      name="fixed_words")
+
+
+@pytest.mark.parametrize("backend", HOST)
+def test_samplers_convert_words_like_jax_random(backend):
+  def kernel(w_ref, u_ref, n_ref, b_ref):
+    for ref in (w_ref, u_ref, n_ref, b_ref):
+      pltpu.prng_seed(4)            # every sampler sees the same words
+      if ref is w_ref:
+        w_ref[...] = pltpu.stateful_bits((8, 128))
+      elif ref is u_ref:
+        u_ref[...] = pltpu.stateful_uniform((8, 128), minval=-1.0, maxval=3.0)
+      elif ref is n_ref:
+        n_ref[...] = pltpu.stateful_normal((8, 128))
+      else:
+        b_ref[...] = pltpu.stateful_bernoulli(0.3, (8, 128)).astype(jnp.int32)
+
+  shapes = (jax.ShapeDtypeStruct((8, 128), jnp.uint32),
+            jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            jax.ShapeDtypeStruct((8, 128), jnp.int32))
+  w, u, n, b = dsl.pallas_call(kernel, shapes, backend=backend)()
+  key = jax.random.key(0, impl=_words_impl(w))
+  np.testing.assert_array_equal(
+      u, jax.random.uniform(key, (8, 128), minval=-1.0, maxval=3.0))
+  np.testing.assert_allclose(n, jax.random.normal(key, (8, 128)),
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(b, jax.random.bernoulli(key, 0.3, (8, 128)))
+
+
+def test_gradient_through_a_dropout_kernel():
+  def dropout(x_ref, o_ref):
+    pltpu.prng_seed(3, dsl.program_id(0))
+    keep = pltpu.stateful_bernoulli(0.5, (8, 128))
+    o_ref[...] = jnp.where(keep, x_ref[...] * 2.0, 0.0)
+
+  def f(x):
+    spec = dsl.BlockSpec((8, 128), lambda i: (i, 0))
+    return dsl.pallas_call(dropout, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           grid=(2,), in_specs=[spec], out_specs=spec,
+                           interpret=True)(x)
+
+  x = jnp.ones((16, 128))
+  y = f(x)
+  g = jax.grad(lambda x: jnp.sum(f(x)))(x)
+  np.testing.assert_array_equal(g, jnp.where(y != 0, 2.0, 0.0))
+  assert 0.4 < float((y != 0).mean()) < 0.6
 
 
 def test_kernels_without_random_numbers_are_unchanged():
@@ -93,9 +211,41 @@ def test_kernels_without_random_numbers_are_unchanged():
 def test_prng_outside_a_kernel_is_an_error():
   with pytest.raises(dsl.KernelError, match="inside a kernel body"):
     pltpu.prng_seed(0)
+  with pytest.raises(dsl.KernelError, match="inside a kernel body"):
+    pltpu.stateful_uniform((8, 128))
 
 
-@pytest.mark.parametrize("backend", ["triton_interpret", "mosaic_interpret"])
-def test_compiled_backends_reject_random_numbers_clearly(backend):
-  with pytest.raises(dsl.BackendError, match="not supported"):
-    _bits(0, backend=backend)
+@pytest.mark.parametrize("draw, says", [
+    (lambda: pltpu.prng_seed(1.5), "seed 0 must be an integer scalar"),
+    (lambda: pltpu.stateful_uniform((8, 128), jnp.bfloat16), "float32"),
+    (lambda: pltpu.stateful_bits((8, 128), jnp.uint8), "uint32"),
+])
+def test_bad_arguments_name_the_problem(draw, says):
+  def kernel(o_ref):
+    draw()
+  with pytest.raises(dsl.KernelError, match=says):
+    dsl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                    interpret=True)()
+
+
+def test_mosaic_interpret_rejects_a_draw_before_the_seed():
+  def kernel(o_ref):
+    o_ref[...] = pltpu.prng_random_bits((8, 128))
+  with pytest.raises(Exception, match="before prng_seed"):
+    jax.block_until_ready(dsl.pallas_call(
+        kernel, jax.ShapeDtypeStruct((8, 128), jnp.int32),
+        backend="mosaic_interpret")())
+
+
+def test_mosaic_rejects_a_draw_of_rank_one():
+  def kernel(o_ref):
+    pltpu.prng_seed(0)
+    o_ref[...] = pltpu.prng_random_bits((128,))
+  with pytest.raises(dsl.BackendError, match="rank 2 or more"):
+    dsl.pallas_call(kernel, jax.ShapeDtypeStruct((128,), jnp.int32),
+                    backend="mosaic_interpret")()
+
+
+def test_triton_rejects_random_numbers_clearly():
+  with pytest.raises(dsl.BackendError, match="prng_seed.*not supported"):
+    _bits(0, backend="triton_interpret")
