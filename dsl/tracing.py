@@ -26,7 +26,7 @@ from dsl.blockspec import BlockMapping
 from dsl.errors import (KernelError, KernelTypeError, function_location,
                         frame_of_traceback, raise_from_user_frames, source_excerpt, user_frame,
                         user_traceback)
-from dsl import tpu_prng
+from dsl import named_axes, tpu_prng
 from dsl.gridspec import GridMapping
 
 
@@ -35,6 +35,7 @@ class _GridEnv:
   kernel: str
   indices: tuple[Any, ...]
   sizes: tuple[int, ...]
+  names: frozenset = frozenset()
 
 
 _GRID_ENV: contextvars.ContextVar[_GridEnv | None] = contextvars.ContextVar(
@@ -66,12 +67,20 @@ def num_programs(axis: int):
 
 
 @contextlib.contextmanager
-def grid_env(kernel: str, indices, sizes):
-  token = _GRID_ENV.set(_GridEnv(kernel, tuple(indices), tuple(sizes)))
+def grid_env(kernel: str, indices, sizes, names=()):
+  token = _GRID_ENV.set(_GridEnv(kernel, tuple(indices), tuple(sizes),
+                                 frozenset(n for n in names or () if n)))
   try:
     yield
   finally:
     _GRID_ENV.reset(token)
+
+
+def grid_axis_names() -> frozenset:
+  """The named grid axes of the kernel being traced (they are in JAX's axis
+  environment beside any shard_map mesh axes)."""
+  env = _GRID_ENV.get()
+  return env.names if env is not None else frozenset()
 
 
 from dsl.blockspec import positional_arity as _positional_arity
@@ -134,7 +143,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     traced_names.update(names)
     token = refs_mod._ACTIVE.set(names)
     try:
-      with grid_env(name, ids, gm.grid), tpu_prng.in_kernel_body():
+      with grid_env(name, ids, gm.grid, gm.grid_names), tpu_prng.in_kernel_body():
         out = _call_body(kernel_fn, gm.unflatten_kernel_refs(refs),
                          with_prng[0])
     finally:
@@ -151,7 +160,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
   # state in a scoped scratch around the body (dsl.tpu_prng).
   with_prng = [False]
   try:
-    with _blocks_mesh():
+    with _blocks_mesh(), named_axes.bind_grid_axes(gm.grid_names, gm.grid):
       try:
         jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
             lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
@@ -159,6 +168,9 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
         with_prng[0] = True
         jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
             lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
+      closed = named_axes.rewrite(core.ClosedJaxpr(jaxpr, consts), name,
+                                  gm.grid_names or (), gm.grid,
+                                  _ref_axes(gm))
   except KernelError as e:
     __tracebackhide__ = True
     raise e.with_traceback(user_traceback(e.__traceback__))
@@ -166,7 +178,36 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     __tracebackhide__ = True
     _raise_trace_error(e, name, gm, where, traced_names,
                        dict(zip(param_names, origins)))
-  return core.ClosedJaxpr(jaxpr, consts)
+  return closed
+
+
+def _ref_axes(gm: GridMapping) -> list[frozenset]:
+  """Per kernel ref, the named grid axes its contents may differ along: an
+  input block's, those its index map reads; every output's and scratch's,
+  all of them (they carry values from one grid point to the next)."""
+  names = gm.grid_names or ()
+  every = frozenset(n for n in names if n is not None)
+  if not every:
+    return [frozenset()] * gm.num_refs
+  ins = []
+  for bm in gm.in_mappings:
+    read = _inputs_read(bm.index_map_jaxpr.jaxpr)
+    ins.append(frozenset(n for k, n in enumerate(names)
+                         if n is not None and k in read))
+  return ([frozenset()] * gm.num_scalar_prefetch + ins
+          + [every] * (gm.num_outputs + len(gm.scratch_avals)))
+
+
+def _inputs_read(jaxpr: core.Jaxpr) -> set[int]:
+  """The positions of the invars that `jaxpr`'s outputs are computed from."""
+  deps = {v: {k} for k, v in enumerate(jaxpr.invars)}
+  for eqn in jaxpr.eqns:
+    d = set().union(*(deps.get(v, set()) for v in eqn.invars
+                      if not isinstance(v, core.Literal)))
+    for v in eqn.outvars:
+      deps[v] = d
+  return set().union(*(deps.get(v, set()) for v in jaxpr.outvars
+                       if not isinstance(v, core.Literal)))
 
 
 def _call_body(kernel_fn, args, with_prng: bool):

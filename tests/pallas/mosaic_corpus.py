@@ -242,3 +242,4 @@ from tests.pallas import mosaic_corpus_dma  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_library  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_values  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_more  # noqa: E402,F401
+from tests.pallas import mosaic_corpus_named  # noqa: E402,F401
