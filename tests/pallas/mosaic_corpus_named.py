@@ -37,3 +37,39 @@ def named_grid_in_control_flow(pl, pltpu):
                      grid=(("i", 2), ("j", 2)), in_specs=[spec],
                      out_specs=spec)
   return f, (f32(16, 256),)
+
+
+def _mesh_dma_body(pl, pltpu):
+  def mesh_dma_kernel(x_hbm, o_hbm, buf, sem):
+    core = lax.axis_index("core")
+    copy = pltpu.make_async_copy(x_hbm, buf, sem)
+    copy.start()
+    copy.wait()
+    buf[...] = buf[...] * 2.0 + core.astype(jnp.float32)
+    pltpu.sync_copy(buf, o_hbm)
+  return mesh_dma_kernel
+
+
+@case
+def mesh_kernel_dma(pl, pltpu):
+  f = pl.kernel(_mesh_dma_body(pl, pltpu), sds((16, 128)),
+                mesh=pltpu.create_tensorcore_mesh("core", num_cores=1),
+                scratch_types=[pltpu.VMEM((16, 128), jnp.float32),
+                               pltpu.SemaphoreType.DMA])
+  return f, (f32(16, 128),)
+
+
+@case
+def mesh_kernel_first_core(pl, pltpu):
+  @pl.kernel(out_type=(sds((8, 128)), sds((8, 128))),
+             mesh=pltpu.TensorCoreMesh(axis_name="core", num_cores=1),
+             scratch_types=(pltpu.VMEM((8, 128), jnp.float32),))
+  def mesh_two_outputs(x_hbm, o_hbm, p_hbm, buf):
+    pltpu.sync_copy(x_hbm, buf)
+
+    @pltpu.run_on_first_core("core")
+    def _():
+      buf[...] += 1.0
+    pltpu.sync_copy(buf, o_hbm)
+    pltpu.sync_copy(buf, p_hbm)
+  return mesh_two_outputs, (f32(8, 128),)
