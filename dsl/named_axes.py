@@ -51,10 +51,22 @@ def grid_names(grid) -> tuple | None:
   return names if any(n is not None for n in names) else None
 
 
-def bind_grid_axes(names, sizes):
+def bind_grid_axes(gm):
   """The axis environment a body with named grid axes is traced in."""
-  named = [(n, int(s)) for n, s in zip(names or (), sizes) if n is not None]
-  return core.extend_axis_env_nd(named)
+  return core.extend_axis_env_nd(
+      [(n, int(s)) for n, s in zip(gm.grid_names or (), gm.grid)
+       if n is not None])
+
+
+def check_not_shadowing(kernel: str, grid, where: str) -> None:
+  """A grid axis name that the enclosing shard_map's mesh has too is an
+  error (checked at every call: a traced kernel is cached)."""
+  outer = core.get_axis_env().axis_sizes
+  for n in grid_names(grid) or ():
+    if n is not None and n in outer:
+      raise KernelError(kernel, f"the grid axis name {n!r} is also an axis "
+                        "of the enclosing mesh (shard_map); name it "
+                        "differently", where, operand="grid")
 
 
 @dataclasses.dataclass
@@ -92,13 +104,14 @@ def _subjaxprs(params):
         yield x
 
 
-def rewrite(closed: core.ClosedJaxpr, kernel: str, names, sizes,
-            ref_axes) -> core.ClosedJaxpr:
-  """The kernel jaxpr `closed` (grid ids first, then refs) without grid axis
-  names; `ref_axes[k]`: the named axes that ref `k`'s contents differ along."""
+def rewrite(closed: core.ClosedJaxpr, kernel: str, gm) -> core.ClosedJaxpr:
+  """The kernel jaxpr `closed` (grid ids first, then refs) of the grid
+  mapping `gm`, without grid axis names."""
+  names, sizes = gm.grid_names or (), gm.grid
   every = frozenset(n for n in names if n is not None)
   if not every or not uses_grid_axes(closed.jaxpr, every):
     return closed
+  ref_axes = _ref_axes(gm)
 
   def fn(*args):
     ctx = _Ctx(kernel, {n: a for n, a in zip(names, args) if n is not None},
@@ -112,6 +125,35 @@ def rewrite(closed: core.ClosedJaxpr, kernel: str, names, sizes,
       lu.wrap_init(fn, debug_info=closed.jaxpr.debug_info),
       [v.aval for v in closed.jaxpr.invars])
   return core.ClosedJaxpr(jaxpr, consts)
+
+
+def _ref_axes(gm) -> list[frozenset]:
+  """Per kernel ref, the named grid axes its contents may differ along: an
+  input block's, those its index map reads; every output's and scratch's,
+  all of them (they carry values from one grid point to the next)."""
+  names = gm.grid_names or ()
+  every = frozenset(n for n in names if n is not None)
+  if not every:
+    return [frozenset()] * gm.num_refs
+  ins = []
+  for bm in gm.in_mappings:
+    read = _inputs_read(bm.index_map_jaxpr.jaxpr)
+    ins.append(frozenset(n for k, n in enumerate(names)
+                         if n is not None and k in read))
+  return ([frozenset()] * gm.num_scalar_prefetch + ins
+          + [every] * (gm.num_outputs + len(gm.scratch_avals)))
+
+
+def _inputs_read(jaxpr: core.Jaxpr) -> set[int]:
+  """The positions of the invars that `jaxpr`'s outputs are computed from."""
+  deps = {v: {k} for k, v in enumerate(jaxpr.invars)}
+  for eqn in jaxpr.eqns:
+    d = set().union(*(deps.get(v, set()) for v in eqn.invars
+                      if not isinstance(v, core.Literal)))
+    for v in eqn.outvars:
+      deps[v] = d
+  return set().union(*(deps.get(v, set()) for v in jaxpr.outvars
+                       if not isinstance(v, core.Literal)))
 
 
 def _eval(ctx: _Ctx, jaxpr: core.Jaxpr, consts, args, in_axes):

@@ -160,7 +160,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
   # state in a scoped scratch around the body (dsl.tpu_prng).
   with_prng = [False]
   try:
-    with _blocks_mesh(), named_axes.bind_grid_axes(gm.grid_names, gm.grid):
+    with _blocks_mesh(), named_axes.bind_grid_axes(gm):
       try:
         jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
             lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
@@ -168,9 +168,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
         with_prng[0] = True
         jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
             lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
-      closed = named_axes.rewrite(core.ClosedJaxpr(jaxpr, consts), name,
-                                  gm.grid_names or (), gm.grid,
-                                  _ref_axes(gm))
+      closed = named_axes.rewrite(core.ClosedJaxpr(jaxpr, consts), name, gm)
   except KernelError as e:
     __tracebackhide__ = True
     raise e.with_traceback(user_traceback(e.__traceback__))
@@ -179,35 +177,6 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     _raise_trace_error(e, name, gm, where, traced_names,
                        dict(zip(param_names, origins)))
   return closed
-
-
-def _ref_axes(gm: GridMapping) -> list[frozenset]:
-  """Per kernel ref, the named grid axes its contents may differ along: an
-  input block's, those its index map reads; every output's and scratch's,
-  all of them (they carry values from one grid point to the next)."""
-  names = gm.grid_names or ()
-  every = frozenset(n for n in names if n is not None)
-  if not every:
-    return [frozenset()] * gm.num_refs
-  ins = []
-  for bm in gm.in_mappings:
-    read = _inputs_read(bm.index_map_jaxpr.jaxpr)
-    ins.append(frozenset(n for k, n in enumerate(names)
-                         if n is not None and k in read))
-  return ([frozenset()] * gm.num_scalar_prefetch + ins
-          + [every] * (gm.num_outputs + len(gm.scratch_avals)))
-
-
-def _inputs_read(jaxpr: core.Jaxpr) -> set[int]:
-  """The positions of the invars that `jaxpr`'s outputs are computed from."""
-  deps = {v: {k} for k, v in enumerate(jaxpr.invars)}
-  for eqn in jaxpr.eqns:
-    d = set().union(*(deps.get(v, set()) for v in eqn.invars
-                      if not isinstance(v, core.Literal)))
-    for v in eqn.outvars:
-      deps[v] = d
-  return set().union(*(deps.get(v, set()) for v in jaxpr.outvars
-                       if not isinstance(v, core.Literal)))
 
 
 def _call_body(kernel_fn, args, with_prng: bool):

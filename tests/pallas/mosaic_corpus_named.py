@@ -4,6 +4,7 @@ over a mesh of TensorCores (`pl.kernel(mesh=...)`); see mosaic_corpus.py.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -73,3 +74,14 @@ def mesh_kernel_first_core(pl, pltpu):
     pltpu.sync_copy(buf, o_hbm)
     pltpu.sync_copy(buf, p_hbm)
   return mesh_two_outputs, (f32(8, 128),)
+
+
+@case
+def named_grid_vmapped(pl, pltpu):
+  def named_vmapped_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * lax.axis_size("i") + lax.axis_index(
+        "i").astype(jnp.float32)
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  f = pl.pallas_call(named_vmapped_kernel, sds((16, 128)), grid=(("i", 2),),
+                     in_specs=[spec], out_specs=spec)
+  return jax.vmap(f), (f32(3, 16, 128),)

@@ -128,3 +128,28 @@ def test_unnamed_grid_axis_is_still_unbound():
     pl.pallas_call(k, jax.ShapeDtypeStruct((32, 256), jnp.float32),
                    grid=(4, 2), in_specs=[SPEC], out_specs=SPEC)(
                        jnp.zeros((32, 256)))
+
+
+def test_grid_name_that_shadows_a_mesh_axis_is_rejected():
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:1]), ("i",))
+  call = pl.pallas_call(index_kernel, jax.ShapeDtypeStruct((32, 256),
+                                                           jnp.float32),
+                        grid=GRID, in_specs=[SPEC], out_specs=SPEC)
+  f = jax.shard_map(call, mesh=mesh, in_specs=P("i"), out_specs=P("i"),
+                    check_vma=False)
+  with pytest.raises(KernelError, match="also an axis of the enclosing mesh"):
+    jax.jit(f)(jnp.zeros((32, 256), jnp.float32))
+
+
+def test_mesh_axis_beside_grid_names_keeps_its_meaning():
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+
+  def both_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + lax.psum(1, ("x", "i")) + lax.axis_index("x")
+  call = _named(both_kernel, "interpret")
+  f = jax.shard_map(call, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                    check_vma=False)
+  x = array(3, (32, 256), jnp.float32)
+  np.testing.assert_allclose(jax.jit(f)(x), x + 4)
