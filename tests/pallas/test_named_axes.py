@@ -9,6 +9,8 @@ from jax import lax
 
 import dsl as pl
 import lowering_triton
+from jax.experimental import pallas as jpl
+from jax.experimental.pallas import tpu as jpltpu
 from dsl.errors import KernelError
 from tests.pallas.testing import array
 
@@ -41,6 +43,15 @@ def test_axis_index_and_size_are_the_grid_position(backend):
   got = jax.jit(_named(index_kernel, backend))(x)
   ids = np.arange(4)[:, None] * 2 + np.arange(2)[None, :] + 400
   np.testing.assert_allclose(got, x + _per_block(ids))
+
+
+def test_axis_index_like_pallas_tpu_interpreter():
+  x = array(0, (32, 256), jnp.float32)
+  spec = jpl.BlockSpec((8, 128), lambda i, j: (i, j))
+  theirs = jpl.pallas_call(index_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           grid=GRID, in_specs=[spec], out_specs=spec,
+                           interpret=jpltpu.InterpretParams())(x)
+  np.testing.assert_allclose(_named(index_kernel, "interpret")(x), theirs)
 
 
 def control_flow_kernel(x_ref, o_ref):
