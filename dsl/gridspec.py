@@ -63,6 +63,9 @@ class GridMapping:
   scratch_tree: Any = None
   # grid axes added by vmap: they are not visible to the kernel's numbering.
   num_hidden_axes: int = 0
+  # the axis names of a grid given as (("i", 4), ...): None per unnamed dim,
+  # None when no dim is named (dsl.named_axes)
+  grid_names: tuple | None = None
 
   @property
   def in_mappings(self) -> tuple[BlockMapping, ...]:
@@ -168,6 +171,7 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                          prefetch_avals, in_avals, in_tree, out_avals,
                          out_tree, where: str) -> GridMapping:
   """Checks user specs against the operands and resolves them."""
+  names = grid_names(kernel, grid, where)
   grid = normalize_grid(kernel, grid, where)
   in_leaves = _flatten_specs(kernel, in_specs, len(in_avals), "in_specs",
                              where, "inputs")
@@ -192,4 +196,16 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                         for i, s in enumerate(scratch_leaves))
   return GridMapping(grid, tuple(mappings), len(in_avals), len(out_avals),
                      num_scalar_prefetch, tuple(p_refs), scratch_avals,
-                     in_tree, out_tree, scratch_tree)
+                     in_tree, out_tree, scratch_tree, grid_names=names)
+
+
+def grid_names(kernel: str, grid, where: str) -> tuple | None:
+  """The names of a grid's axes (None where a dim has none), or None; a name
+  given twice is an error."""
+  from dsl.named_axes import grid_names as names_of
+  names = names_of(grid)
+  given = [n for n in names or () if n is not None]
+  if len(set(given)) != len(given):
+    raise KernelError(kernel, f"grid axis names must differ, got {names}",
+                      where, operand="grid")
+  return names

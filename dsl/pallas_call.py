@@ -13,7 +13,7 @@ from jax._src import core, dispatch, sharding_impls
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
-from dsl import backends, checks, config, host_failures
+from dsl import backends, checks, config, host_failures, named_axes
 from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         function_location, kernel_error_of, kernel_name,
                         lowering_kernel, user_frame)
@@ -381,6 +381,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
   """Resolves specs and traces `kernel` for arguments like `args` (cached)."""
   where = where or user_frame()
   backends.check_backend_name(backend, name, where)
+  named_axes.check_not_shadowing(name, grid, where)
   flat_args, _ = tree_util.tree_flatten(args)
   avals = [_leaf_aval(name, a, f"argument {i}", where)
            for i, a in enumerate(flat_args)]

@@ -30,6 +30,8 @@ from dsl.tpu_pipeline import emit_pipeline
 from dsl.tpu_prng import (prng_random_bits, prng_seed, stateful_bernoulli,
                           stateful_bits, stateful_normal, stateful_uniform)
 from dsl.tpu_vector import bitcast, repeat, roll
+from dsl.tpu_mesh import (CoreType, TensorCoreMesh, core_barrier,
+                          create_tensorcore_mesh, run_on_first_core)
 
 VMEM = MemorySpace.VMEM
 SMEM = MemorySpace.SMEM
@@ -118,5 +120,6 @@ __all__ = ["VMEM", "SMEM", "HBM", "ANY", "SEMAPHORE", "MemorySpace",
            "store", "reciprocal", "async_remote_copy", "dma_semaphore", "emit_pipeline", "prng_seed", "is_tpu_device",
            "prng_random_bits", "stateful_bits", "stateful_uniform",
            "stateful_bernoulli", "stateful_normal",
-           "LoweringException",
+           "LoweringException", "CoreType", "TensorCoreMesh", "core_barrier",
+           "create_tensorcore_mesh", "run_on_first_core",
            "DEFAULT_VMEM_LIMIT_BYTES"]

@@ -136,8 +136,10 @@ def _sem_kind(ref) -> str:
 
 def _current_mesh_axes() -> tuple[tuple[Any, int], ...]:
   """The named axes (name, size) in scope, in order (shard_map's mesh)."""
-  env = core.get_axis_env()
-  return tuple((n, int(s)) for n, s in env.axis_sizes.items())
+  from dsl.tracing import grid_axis_names
+  env, grid = core.get_axis_env(), grid_axis_names()
+  return tuple((n, int(s)) for n, s in env.axis_sizes.items()
+               if n not in grid)
 
 
 def _normalize_device_id(device_id, device_id_type):

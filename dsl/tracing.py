@@ -26,6 +26,7 @@ from dsl.blockspec import BlockMapping
 from dsl.errors import (KernelError, KernelTypeError, function_location,
                         frame_of_traceback, raise_from_user_frames, source_excerpt, user_frame,
                         user_traceback)
+from dsl import named_axes
 from dsl.gridspec import GridMapping
 
 
@@ -34,6 +35,7 @@ class _GridEnv:
   kernel: str
   indices: tuple[Any, ...]
   sizes: tuple[int, ...]
+  names: frozenset = frozenset()
 
 
 _GRID_ENV: contextvars.ContextVar[_GridEnv | None] = contextvars.ContextVar(
@@ -70,12 +72,20 @@ def in_kernel_body() -> bool:
 
 
 @contextlib.contextmanager
-def grid_env(kernel: str, indices, sizes):
-  token = _GRID_ENV.set(_GridEnv(kernel, tuple(indices), tuple(sizes)))
+def grid_env(kernel: str, indices, sizes, names=()):
+  token = _GRID_ENV.set(_GridEnv(kernel, tuple(indices), tuple(sizes),
+                                 frozenset(n for n in names or () if n)))
   try:
     yield
   finally:
     _GRID_ENV.reset(token)
+
+
+def grid_axis_names() -> frozenset:
+  """The named grid axes of the kernel being traced (they are in JAX's axis
+  environment beside any shard_map mesh axes)."""
+  env = _GRID_ENV.get()
+  return env.names if env is not None else frozenset()
 
 
 from dsl.blockspec import positional_arity as _positional_arity
@@ -138,7 +148,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     traced_names.update(names)
     token = refs_mod._ACTIVE.set(names)
     try:
-      with grid_env(name, ids, gm.grid):
+      with grid_env(name, ids, gm.grid, gm.grid_names):
         out = kernel_fn(*gm.unflatten_kernel_refs(refs))
     finally:
       refs_mod._ACTIVE.reset(token)
@@ -151,9 +161,10 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
   dbg = api_util.debug_info(f"kernel {name}", kernel_fn,
                             tuple(range(len(grid_avals) + len(ref_avals))), {})
   try:
-    with _blocks_mesh():
+    with _blocks_mesh(), named_axes.bind_grid_axes(gm):
       jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
           lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
+      closed = named_axes.rewrite(core.ClosedJaxpr(jaxpr, consts), name, gm)
   except KernelError as e:
     __tracebackhide__ = True
     raise e.with_traceback(user_traceback(e.__traceback__))
@@ -161,7 +172,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     __tracebackhide__ = True
     _raise_trace_error(e, name, gm, where, traced_names,
                        dict(zip(param_names, origins)))
-  return core.ClosedJaxpr(jaxpr, consts)
+  return closed
 
 
 def _blocks_mesh():

@@ -262,3 +262,4 @@ from tests.pallas import mosaic_corpus_library  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_values  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_more  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_prng  # noqa: E402,F401
+from tests.pallas import mosaic_corpus_named  # noqa: E402,F401
