@@ -1,0 +1,320 @@
+"""The DMA schedule of `emit_pipeline` for operands in HBM.
+
+Each operand in HBM (a "stream") gets a VMEM buffer of `n` slots for its
+block and `n` DMA semaphores, in one `run_scoped` around the pipeline's loop
+(`n` = 2, or 1 for `pl.Buffered(1)` and `no_pipelining=True`). At step `s`
+of the row-major grid, with `b(s)` a stream's block indices there:
+
+inputs, double buffered: before the loop, block `b(0)` is fetched into slot
+  0. At step `s`, the next block `b(s+1)` is fetched into the other slot when
+  it differs from `b(s)`; then the fetch of `b(s)` is waited for when `b(s)`
+  differs from `b(s-1)` (or at step 0); the slot moves on when the block
+  changes. A block that stays the same between steps is not fetched again.
+inputs, one buffer: `b(s)` is fetched and waited for at step `s` when it
+  differs from `b(s-1)` (or at step 0).
+outputs: after the body, the block is written back when `b(s+1)` differs
+  from `b(s)` or at the last step: an accumulator revisited on consecutive
+  steps is written once, when the pipeline leaves it. Double buffered, the
+  write-back of `b(s-1)` is waited for after the body of step `s` (the body
+  writes the other slot meanwhile) and the last one at the last step; with
+  one buffer each write-back is waited for at once.
+
+An output block is never copied in: it starts with what the buffer holds
+(uninitialized on a TPU), so a body initializes its accumulator, e.g. under
+`pl.when(pl.program_id(2) == 0)`, as with Pallas.
+
+Blocks must tile the array: a block dim that does not divide its array dim
+(a partial edge block) is refused at trace time, naming the operand.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from dsl.blockspec import BlockSpec, Blocked, Element, squeezed
+from dsl.errors import KernelError, user_frame
+from dsl.memory import MemorySpace
+from dsl.primitives import run_scoped, when
+from dsl.semaphores import SemaphoreType
+from dsl.tpu_pipeline import (block_indices, block_window, kernel_name,
+                              run_body)
+from dsl.tpu_primitives import make_async_copy
+
+
+# ------------------------------------------------------------ bool helpers
+# Block indices are Python ints where an index map returns constants: these
+# keep such predicates Python bools, so no branch is emitted for them.
+
+def _or(a, b):
+  if isinstance(a, bool) and isinstance(b, bool):
+    return a or b
+  if a is True or b is True:
+    return True
+  if a is False:
+    return b
+  if b is False:
+    return a
+  return jnp.logical_or(a, b)
+
+
+def _and(a, b):
+  if isinstance(a, bool) and isinstance(b, bool):
+    return a and b
+  if a is False or b is False:
+    return False
+  if a is True:
+    return b
+  if b is True:
+    return a
+  return jnp.logical_and(a, b)
+
+
+def _not(a):
+  return (not a) if isinstance(a, bool) else jnp.logical_not(a)
+
+
+def _differ(xs, ys):
+  out = False
+  for x, y in zip(xs, ys):
+    if isinstance(x, int) and isinstance(y, int):
+      out = _or(out, x != y)
+    else:
+      out = _or(out, jnp.asarray(x) != jnp.asarray(y))
+  return out
+
+
+def _flip(pred, slot):
+  if pred is False:
+    return slot
+  if pred is True:
+    return 1 - slot
+  return lax.select(pred, 1 - slot, slot)
+
+
+# ------------------------------------------------------------ streams
+
+def _block_dim(d) -> int | None:
+  """The buffer extent of a block dim (None: squeezed)."""
+  if d is None or d is squeezed:
+    return None
+  if isinstance(d, Element):
+    return d.block_size
+  return d.block_size if isinstance(d, Blocked) else d
+
+
+@dataclasses.dataclass
+class _Stream:
+  """One operand copied block by block between HBM and a VMEM buffer."""
+  ref: Any
+  spec: BlockSpec
+  label: str
+  is_output: bool
+  nbuf: int
+  buf: Any = None       # VMEM ref of shape (nbuf, *block)
+  sem: Any = None       # DMA semaphores (nbuf,)
+
+  @property
+  def block_shape(self) -> tuple[int, ...]:
+    dims = (_block_dim(d) for d in self.spec.block_shape)
+    return tuple(d for d in dims if d is not None)
+
+  def scratch_types(self):
+    return (MemorySpace.VMEM((self.nbuf, *self.block_shape), self.ref.dtype),
+            SemaphoreType.DMA((self.nbuf,)))
+
+  def block(self, indices) -> tuple:
+    return block_indices(self.spec, self.label, indices)
+
+  def _copy(self, blk, slot, inward: bool):
+    hbm = self.ref.at[block_window(self.spec, blk)]
+    vmem = self.buf.at[slot]
+    src, dst = (hbm, vmem) if inward else (vmem, hbm)
+    return make_async_copy(src, dst, self.sem.at[slot])
+
+  def copy_in(self, blk, slot):
+    return self._copy(blk, slot, inward=True)
+
+  def copy_out(self, blk, slot):
+    return self._copy(blk, slot, inward=False)
+
+
+def _check_stream(ref, spec: BlockSpec, label: str) -> None:
+  """Refuses blocks that do not tile `ref` (partial edge blocks)."""
+  where = spec.where or user_frame()
+  shape = tuple(ref.shape)
+  if len(spec.block_shape) != len(shape):
+    raise KernelError(kernel_name(), f"block shape {tuple(spec.block_shape)} "
+                      f"has rank {len(spec.block_shape)} but the operand has "
+                      f"shape {shape}", where, operand=label)
+  for dim, (d, n) in enumerate(zip(spec.block_shape, shape)):
+    size = _block_dim(d)
+    if size is None or isinstance(d, Element):
+      continue
+    if not isinstance(size, int) or size <= 0:
+      raise KernelError(kernel_name(), f"block dim {dim} must be a positive "
+                        f"integer, None or Element, got {d!r}", where,
+                        operand=label)
+    if n % size:
+      raise KernelError(
+          kernel_name(), f"block {tuple(spec.block_shape)} does not tile the "
+          f"operand of shape {shape}: dim {dim} ({n}) is not a multiple of "
+          f"{size}. An operand in HBM is copied into VMEM block by block and "
+          f"partial edge blocks are not supported; pad the array or pick a "
+          f"block that divides it", where, operand=label)
+
+
+def _buffer_count(spec: BlockSpec, buffered: bool) -> int:
+  mode = spec.pipeline_mode
+  if not buffered or (mode is not None and mode.buffer_count == 1):
+    return 1
+  return 2
+
+
+# ------------------------------------------------------------ the schedule
+
+def _inputs_before_body(ins, slots, at):
+  """Prefetches and waits of the input streams; returns their next slots."""
+  new = []
+  for s, slot in zip(ins, slots):
+    b, bp, bn = s.block(at["cur"]), s.block(at["prev"]), s.block(at["next"])
+    arrive = _or(at["first"], _differ(b, bp))
+    if s.nbuf == 1:
+      @when(arrive)
+      def _(s=s, b=b):
+        c = s.copy_in(b, 0)
+        c.start()
+        c.wait()
+      new.append(slot)
+      continue
+    fetch_next = _and(_not(at["last"]), _differ(bn, b))
+
+    @when(fetch_next)
+    def _(s=s, bn=bn, slot=slot):
+      s.copy_in(bn, 1 - slot).start()
+
+    @when(arrive)
+    def _(s=s, b=b, slot=slot):
+      s.copy_in(b, slot).wait()
+    new.append(_flip(fetch_next, slot))
+  return new
+
+
+def _outputs_after_body(outs, slots, at):
+  """Write-backs of the output streams; returns their next slots."""
+  new = []
+  for s, slot in zip(outs, slots):
+    b, bp, bn = s.block(at["cur"]), s.block(at["prev"]), s.block(at["next"])
+    leave = _or(at["last"], _differ(bn, b))
+    if s.nbuf == 1:
+      @when(leave)
+      def _(s=s, b=b):
+        c = s.copy_out(b, 0)
+        c.start()
+        c.wait()
+      new.append(slot)
+      continue
+
+    @when(leave)
+    def _(s=s, b=b, slot=slot):
+      s.copy_out(b, slot).start()
+
+    @when(_and(_not(at["first"]), _differ(b, bp)))
+    def _(s=s, bp=bp, slot=slot):
+      s.copy_out(bp, 1 - slot).wait()      # the previous block's write-back
+
+    @when(at["last"])
+    def _(s=s, b=b, slot=slot):
+      s.copy_out(b, slot).wait()
+    new.append(_flip(leave, slot))
+  return new
+
+
+def _schedule(body, grid, refs, streams, scratches, view):
+  """The pipeline's loop; `view(k, indices)` is the block of operand `k`
+  that is not streamed."""
+  total = math.prod(grid) if grid else 1
+  ins = [s for s in streams.values() if not s.is_output]
+  outs = [s for s in streams.values() if s.is_output]
+  start = (0,) * len(grid)
+  for s in ins:
+    if s.nbuf == 2:
+      s.copy_in(s.block(start), 0).start()
+
+  def step(n, carry):
+    cur, in_slots, out_slots = carry
+    cur = tuple(0 if g == 1 else i for i, g in zip(cur, grid))
+    nxt = _next_indices(cur, grid)
+    at = dict(cur=cur, prev=_prev_indices(cur, grid), next=nxt,
+              first=n == 0, last=n == total - 1)
+    next_in = _inputs_before_body(ins, in_slots, at)
+    slot_of = dict(zip(map(id, ins), in_slots))
+    slot_of.update(zip(map(id, outs), out_slots))
+    blocks = [streams[k].buf.at[slot_of[id(streams[k])]] if k in streams
+              else view(k, at["cur"]) for k in range(len(refs))]
+    run_body(body, grid, at["cur"], blocks, scratches)
+    next_out = _outputs_after_body(outs, out_slots, at)
+    return _int32s(nxt), tuple(next_in), tuple(next_out)
+
+  zeros = lambda xs: tuple(jnp.int32(0) for _ in xs)
+  lax.fori_loop(0, total, step, (zeros(grid), zeros(ins), zeros(outs)))
+
+
+def _int32s(xs):
+  return tuple(jnp.asarray(x, jnp.int32) for x in xs)
+
+
+def _next_indices(indices, grid):
+  """The row-major successor of `indices` (wrapping to all zeros), by
+  increments and selects: no division in the loop."""
+  out, carry = [], True
+  for i, g in reversed(list(zip(indices, grid))):
+    if isinstance(g, int) and g == 1:
+      out.append(0)
+      continue
+    inc = i + 1 if carry is True else lax.select(carry, i + 1, i)
+    wrap = inc == g
+    out.append(lax.select(wrap, jnp.zeros_like(inc), inc))
+    carry = wrap
+  return tuple(reversed(out))
+
+
+def _prev_indices(indices, grid):
+  """The row-major predecessor of `indices` (wrapping to the last point)."""
+  out, borrow = [], True
+  for i, g in reversed(list(zip(indices, grid))):
+    if isinstance(g, int) and g == 1:
+      out.append(0)
+      continue
+    dec = i - 1 if borrow is True else lax.select(borrow, i - 1, i)
+    wrap = dec < 0
+    out.append(lax.select(wrap, jnp.full_like(dec, g - 1), dec))
+    borrow = wrap
+  return tuple(reversed(out))
+
+
+def run_copied(body, grid, refs, specs, labels, copied, n_in, scratches, *,
+               buffered: bool = True):
+  """Runs the pipeline with the `copied` operands streamed through VMEM
+  buffers; the others are passed as views."""
+  from dsl.tpu_pipeline import _block_view
+  streams = {}
+  for k, (ref, spec, label, c) in enumerate(zip(refs, specs, labels, copied)):
+    if c:
+      _check_stream(ref, spec, label)
+      streams[k] = _Stream(ref, spec, label, k >= n_in,
+                           _buffer_count(spec, buffered))
+
+  def view(k, indices):
+    return _block_view(refs[k], specs[k], labels[k], indices)
+
+  def with_buffers(bufs, sems):
+    for s, b, m in zip(streams.values(), bufs, sems):
+      s.buf, s.sem = b, m
+    _schedule(body, grid, refs, streams, scratches, view)
+
+  types = [s.scratch_types() for s in streams.values()]
+  run_scoped(with_buffers, [t[0] for t in types], [t[1] for t in types])
