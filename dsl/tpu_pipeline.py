@@ -163,7 +163,7 @@ def emit_pipeline(body, *, grid, in_specs=(), out_specs=(), tiling=None,
   """Returns `pipeline(*in_refs, *out_refs)`, which runs
   `body(*in_block_refs, *out_block_refs)` at every point of `grid`;
   `no_pipelining=True` copies blocks synchronously (one buffer each)."""
-  del tiling, core_axis, core_axis_name, dimension_semantics, trace_scopes
+  del tiling, core_axis, core_axis_name, dimension_semantics
   grid = tuple(grid)
   if any(isinstance(g, int) and g <= 0 for g in grid):
     raise ValueError(f"All elements in the grid must be strictly positive, "
@@ -190,7 +190,8 @@ def emit_pipeline(body, *, grid, in_specs=(), out_specs=(), tiling=None,
     if any(copied):
       from dsl.tpu_pipeline_dma import run_copied
       run_copied(body, grid, refs, specs, labels, copied, len(in_specs),
-                 scratches, buffered=not no_pipelining)
+                 scratches, buffered=not no_pipelining,
+                 trace_scopes=trace_scopes)
     else:
       _run_views(body, grid, refs, specs, labels, scratches)
 

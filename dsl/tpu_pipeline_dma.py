@@ -106,7 +106,7 @@ def _block_dim(d) -> int | None:
   return d.block_size if isinstance(d, Blocked) else d
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Stream:
   """One operand copied block by block between HBM and a VMEM buffer."""
   ref: Any
@@ -176,91 +176,115 @@ def _buffer_count(spec: BlockSpec, buffered: bool) -> int:
 
 # ------------------------------------------------------------ the schedule
 
-def _inputs_before_body(ins, slots, at):
-  """Prefetches and waits of the input streams; returns their next slots."""
+def _sync_copy(copy):
+  copy.start()
+  copy.wait()
+
+
+def _inputs_before_body(ins, slots, at, scope):
+  """The input streams' fetches (all started before any is waited for);
+  returns their slots for the next step."""
   new = []
   for s, slot in zip(ins, slots):
-    b, bp, bn = s.block(at["cur"]), s.block(at["prev"]), s.block(at["next"])
-    arrive = _or(at["first"], _differ(b, bp))
-    if s.nbuf == 1:
-      @when(arrive)
-      def _(s=s, b=b):
-        c = s.copy_in(b, 0)
-        c.start()
-        c.wait()
-      new.append(slot)
-      continue
-    fetch_next = _and(_not(at["last"]), _differ(bn, b))
-
-    @when(fetch_next)
-    def _(s=s, bn=bn, slot=slot):
-      s.copy_in(bn, 1 - slot).start()
-
-    @when(arrive)
-    def _(s=s, b=b, slot=slot):
-      s.copy_in(b, slot).wait()
+    fetch_next = False
+    if s.nbuf == 2:
+      fetch_next = _and(_not(at["last"]), _differ(at["next"][s], at["cur"][s]))
+      with scope("ep_copy_in"):
+        when(fetch_next)(lambda s=s, slot=slot: s.copy_in(
+            at["next"][s], 1 - slot).start())
     new.append(_flip(fetch_next, slot))
+  for s, slot in zip(ins, slots):
+    arrive = _or(at["first"], _differ(at["cur"][s], at["prev"][s]))
+    with scope("ep_wait_in"):
+      if s.nbuf == 1:
+        when(arrive)(lambda s=s: _sync_copy(s.copy_in(at["cur"][s], 0)))
+      else:
+        when(arrive)(lambda s=s, slot=slot: s.copy_in(
+            at["cur"][s], slot).wait())
   return new
 
 
-def _outputs_after_body(outs, slots, at):
-  """Write-backs of the output streams; returns their next slots."""
+def _outputs_after_body(outs, slots, at, scope):
+  """The output streams' write-backs: a block is written back when the
+  pipeline leaves it, and (double buffered) the previous block's write-back
+  is waited for once the body has written the other slot. Returns their
+  slots for the next step."""
   new = []
   for s, slot in zip(outs, slots):
-    b, bp, bn = s.block(at["cur"]), s.block(at["prev"]), s.block(at["next"])
-    leave = _or(at["last"], _differ(bn, b))
-    if s.nbuf == 1:
-      @when(leave)
-      def _(s=s, b=b):
-        c = s.copy_out(b, 0)
-        c.start()
-        c.wait()
-      new.append(slot)
-      continue
-
-    @when(leave)
-    def _(s=s, b=b, slot=slot):
-      s.copy_out(b, slot).start()
-
-    @when(_and(_not(at["first"]), _differ(b, bp)))
-    def _(s=s, bp=bp, slot=slot):
-      s.copy_out(bp, 1 - slot).wait()      # the previous block's write-back
-
-    @when(at["last"])
-    def _(s=s, b=b, slot=slot):
-      s.copy_out(b, slot).wait()
+    leave = _or(at["last"], _differ(at["next"][s], at["cur"][s]))
+    with scope("ep_copy_out"):
+      if s.nbuf == 1:
+        when(leave)(lambda s=s: _sync_copy(s.copy_out(at["cur"][s], 0)))
+        new.append(slot)
+        continue
+      when(leave)(lambda s=s, slot=slot: s.copy_out(
+          at["cur"][s], slot).start())
     new.append(_flip(leave, slot))
+  for s, slot in zip(outs, slots):
+    if s.nbuf == 2:
+      with scope("ep_wait_out"):
+        changed = _and(_not(at["first"]), _differ(at["cur"][s], at["prev"][s]))
+        when(changed)(lambda s=s, slot=slot: s.copy_out(
+            at["prev"][s], 1 - slot).wait())
   return new
 
 
-def _schedule(body, grid, refs, streams, scratches, view):
+class _Blocks(dict):
+  """Block indices of each stream at one grid point, computed on demand."""
+
+  def __init__(self, indices):
+    super().__init__()
+    self.indices = indices
+
+  def __missing__(self, stream):
+    self[stream] = stream.block(self.indices)
+    return self[stream]
+
+
+def _scopes(enabled: bool):
+  import contextlib
+  import jax
+  return jax.named_scope if enabled else (lambda name: contextlib.nullcontext())
+
+
+def _schedule(body, grid, refs, streams, scratches, view, trace_scopes):
   """The pipeline's loop; `view(k, indices)` is the block of operand `k`
   that is not streamed."""
+  scope = _scopes(trace_scopes)
   total = math.prod(grid) if grid else 1
   ins = [s for s in streams.values() if not s.is_output]
   outs = [s for s in streams.values() if s.is_output]
-  start = (0,) * len(grid)
-  for s in ins:
-    if s.nbuf == 2:
-      s.copy_in(s.block(start), 0).start()
+  with scope("ep_initialize_0"):
+    for s in ins:
+      if s.nbuf == 2:
+        s.copy_in(s.block((0,) * len(grid)), 0).start()
 
   def step(n, carry):
     cur, in_slots, out_slots = carry
     cur = tuple(0 if g == 1 else i for i, g in zip(cur, grid))
     nxt = _next_indices(cur, grid)
-    at = dict(cur=cur, prev=_prev_indices(cur, grid), next=nxt,
-              first=n == 0, last=n == total - 1)
-    next_in = _inputs_before_body(ins, in_slots, at)
-    slot_of = dict(zip(map(id, ins), in_slots))
-    slot_of.update(zip(map(id, outs), out_slots))
-    blocks = [streams[k].buf.at[slot_of[id(streams[k])]] if k in streams
-              else view(k, at["cur"]) for k in range(len(refs))]
-    run_body(body, grid, at["cur"], blocks, scratches)
-    next_out = _outputs_after_body(outs, out_slots, at)
+    at = dict(cur=_Blocks(cur), prev=_Blocks(_prev_indices(cur, grid)),
+              next=_Blocks(nxt), first=n == 0, last=n == total - 1)
+    next_in = _inputs_before_body(ins, in_slots, at, scope)
+    slot_of = dict(zip(ins, in_slots))
+    slot_of.update(zip(outs, out_slots))
+    blocks = [streams[k].buf.at[slot_of[streams[k]]] if k in streams
+              else view(k, cur) for k in range(len(refs))]
+    with scope("ep_run_kernel"):
+      run_body(body, grid, cur, blocks, scratches)
+    next_out = _outputs_after_body(outs, out_slots, at, scope)
     return _int32s(nxt), tuple(next_in), tuple(next_out)
 
   zeros = lambda xs: tuple(jnp.int32(0) for _ in xs)
-  lax.fori_loop(0, total, step, (zeros(grid), zeros(ins), zeros(outs)))
+  _, _, out_slots = lax.fori_loop(0, total, step,
+                                  (zeros(grid), zeros(ins), zeros(outs)))
+  # the last write-back of each double-buffered output (from the slot
+  # before the last flip)
+  last = tuple(g - 1 for g in grid)
+  with scope("ep_finalize"):
+    for s, slot in zip(outs, out_slots):
+      if s.nbuf == 2:
+        s.copy_out(s.block(last), 1 - slot).wait()
 
 
 def _int32s(xs):
@@ -297,7 +321,7 @@ def _prev_indices(indices, grid):
 
 
 def run_copied(body, grid, refs, specs, labels, copied, n_in, scratches, *,
-               buffered: bool = True):
+               buffered: bool = True, trace_scopes: bool = True):
   """Runs the pipeline with the `copied` operands streamed through VMEM
   buffers; the others are passed as views."""
   from dsl.tpu_pipeline import _block_view
@@ -314,7 +338,7 @@ def run_copied(body, grid, refs, specs, labels, copied, n_in, scratches, *,
   def with_buffers(bufs, sems):
     for s, b, m in zip(streams.values(), bufs, sems):
       s.buf, s.sem = b, m
-    _schedule(body, grid, refs, streams, scratches, view)
+    _schedule(body, grid, refs, streams, scratches, view, trace_scopes)
 
   types = [s.scratch_types() for s in streams.values()]
   run_scoped(with_buffers, [t[0] for t in types], [t[1] for t in types])

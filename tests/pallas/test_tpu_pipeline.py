@@ -16,7 +16,8 @@ from jax.experimental.pallas import tpu as jpltpu
 import dsl
 from dsl import tpu as dtpu
 from dsl.errors import KernelError
-from lowering_mosaic import interpreter_options
+from lowering_mosaic import interpreter_options, promela
+from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
 from tests.pallas.testing import assert_close
 
@@ -29,7 +30,8 @@ MATMUL_TOL = {f32: 1e-4}
 
 def _call(pl, kernel, out_shape, n_in, backend, scratch_shapes=()):
   any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  kw = ({"backend": backend} if pl is dsl
+  # Pallas: its TPU interpret mode, or its TPU lowering for "mosaic"
+  kw = ({"backend": backend} if pl is dsl else {} if backend == "mosaic"
         else {"interpret": jpltpu.InterpretParams(detect_races=True)})
   return pl.pallas_call(kernel, out_shape, in_specs=[any_spec] * n_in,
                         out_specs=any_spec, scratch_shapes=scratch_shapes,
@@ -273,3 +275,27 @@ def test_triton_addresses_hbm_directly():
   jaxpr = str(jax.make_jaxpr(functools.partial(
       elementwise, dsl, backend="mosaic_interpret", **blocks))(x, y))
   assert "dma_start" in jaxpr
+
+
+@pytest.mark.skipif(not promela.spin_available()[0],
+                    reason=str(promela.spin_available()[1]))
+@pytest.mark.parametrize("kind", ["matmul", "single_buffered", "elementwise",
+                                  "revisited"])
+def test_spin_finds_no_race_or_deadlock(kind):
+  """SPIN explores every order of the DMAs of the TPU module: the schedule
+  waits for each block before the body reads it and for each write-back
+  before its buffer is written again."""
+  if kind in ("matmul", "single_buffered"):
+    x, y, blocks, _ = _matmul_case("f32_2x2x2")
+    args = (x, y)
+    f = functools.partial(matmul, dsl, backend="mosaic",
+                          no_pipelining=kind == "single_buffered", **blocks)
+  elif kind == "elementwise":
+    x, y, blocks, _ = _elementwise_case("f32_3x2")
+    args = (x, y)
+    f = functools.partial(elementwise, dsl, backend="mosaic", **blocks)
+  else:
+    args = tuple(_inputs([(24, 384)], f32))
+    f = functools.partial(_revisited, dsl, backend="mosaic")
+  report = verify(f, *args)
+  assert report.kind == "ok", str(report)
