@@ -252,6 +252,14 @@ def _schedule(body, grid, refs, streams, scratches, view, trace_scopes):
   that is not streamed."""
   scope = _scopes(trace_scopes)
   total = math.prod(grid) if grid else 1
+  if not isinstance(total, int):     # a grid of traced sizes may be empty
+    when(total > 0)(lambda: _loop(body, grid, total, refs, streams,
+                                  scratches, view, scope))
+  else:
+    _loop(body, grid, total, refs, streams, scratches, view, scope)
+
+
+def _loop(body, grid, total, refs, streams, scratches, view, scope):
   ins = [s for s in streams.values() if not s.is_output]
   outs = [s for s in streams.values() if s.is_output]
   with scope("ep_initialize_0"):
@@ -261,7 +269,7 @@ def _schedule(body, grid, refs, streams, scratches, view, trace_scopes):
 
   def step(n, carry):
     cur, in_slots, out_slots = carry
-    cur = tuple(0 if g == 1 else i for i, g in zip(cur, grid))
+    cur = tuple(0 if _is_one(g) else i for i, g in zip(cur, grid))
     nxt = _next_indices(cur, grid)
     at = dict(cur=_Blocks(cur), prev=_Blocks(_prev_indices(cur, grid)),
               next=_Blocks(nxt), first=n == 0, last=n == total - 1)
@@ -287,6 +295,11 @@ def _schedule(body, grid, refs, streams, scratches, view, trace_scopes):
         s.copy_out(s.block(last), 1 - slot).wait()
 
 
+def _is_one(g) -> bool:
+  """A grid dim of static size 1 (its index is the constant 0)."""
+  return isinstance(g, int) and g == 1
+
+
 def _int32s(xs):
   return tuple(jnp.asarray(x, jnp.int32) for x in xs)
 
@@ -296,7 +309,7 @@ def _next_indices(indices, grid):
   increments and selects: no division in the loop."""
   out, carry = [], True
   for i, g in reversed(list(zip(indices, grid))):
-    if isinstance(g, int) and g == 1:
+    if _is_one(g):
       out.append(0)
       continue
     inc = i + 1 if carry is True else lax.select(carry, i + 1, i)
@@ -310,7 +323,7 @@ def _prev_indices(indices, grid):
   """The row-major predecessor of `indices` (wrapping to the last point)."""
   out, borrow = [], True
   for i, g in reversed(list(zip(indices, grid))):
-    if isinstance(g, int) and g == 1:
+    if _is_one(g):
       out.append(0)
       continue
     dec = i - 1 if borrow is True else lax.select(borrow, i - 1, i)

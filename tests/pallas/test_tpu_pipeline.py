@@ -299,3 +299,54 @@ def test_spin_finds_no_race_or_deadlock(kind):
     f = functools.partial(_revisited, dsl, backend="mosaic")
   report = verify(f, *args)
   assert report.kind == "ok", str(report)
+
+
+def _add_bias(pl, x, b, backend=None):
+  """x + b: the bias block's index never changes, so it is fetched once."""
+  def inner(x_ref, b_ref, o_ref):
+    o_ref[...] = x_ref[...] + b_ref[...]
+
+  def kernel(x_hbm, b_hbm, o_hbm):
+    spec = pl.BlockSpec((8, 128), lambda i, j: (i, j))
+    TPU[pl].emit_pipeline(
+        inner, grid=(x_hbm.shape[0] // 8, 1),
+        in_specs=[spec, pl.BlockSpec((8, 128), lambda i, j: (0, 0))],
+        out_specs=spec)(x_hbm, b_hbm, o_hbm)
+  return _call(pl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 2,
+               backend)(x, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchanging_block_is_fetched_once(backend):
+  x, b = _inputs([(32, 128), (8, 128)], f32)
+  assert_close(_add_bias(dsl, x, b, backend), x + jnp.tile(b, (4, 1)))
+  if backend == "mosaic_interpret":
+    call, = golden.lower_tpu(functools.partial(_add_bias, dsl,
+                                               backend="mosaic"), x, b)
+    # the two fetches before the loop, x's prefetch, the write-back: no
+    # DMA of the bias inside the loop
+    assert _ops(call.module).count("tpu.enqueue_dma") == 4
+
+
+def _traced_grid(x, n, backend):
+  """A pipeline whose grid size is read from scalar prefetch."""
+  def inner(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  def kernel(n_ref, x_hbm, o_hbm):
+    spec = dsl.BlockSpec((8, 128), lambda i: (i, 0))
+    dtpu.emit_pipeline(inner, grid=(n_ref[0],), in_specs=[spec],
+                       out_specs=spec)(x_hbm, o_hbm)
+  any_spec = dsl.BlockSpec(memory_space=dsl.ANY)
+  return dsl.pallas_call(
+      kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+      grid_spec=dtpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, in_specs=[any_spec], out_specs=any_spec),
+      backend=backend)(jnp.array([n], jnp.int32), x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_traced_grid_size(backend):
+  x, = _inputs([(32, 128)], f32)
+  assert_close(_traced_grid(x, 3, backend)[:24], x[:24] * 2)
+  jax.block_until_ready(_traced_grid(x, 0, backend))   # no DMA left behind
