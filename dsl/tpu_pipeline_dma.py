@@ -2,26 +2,32 @@
 
 Each operand in HBM (a "stream") gets a VMEM buffer of `n` slots for its
 block and `n` DMA semaphores, in one `run_scoped` around the pipeline's loop
-(`n` = 2, or 1 for `pl.Buffered(1)` and `no_pipelining=True`). At step `s`
-of the row-major grid, with `b(s)` a stream's block indices there:
+(`n` = 2, or 1 for `pl.Buffered(1)` and `no_pipelining=True`). The loop
+carries the grid indices (stepped by increments and selects) and each
+stream's slot. At step `s` of the row-major grid, with `b(s)` a stream's
+block indices there:
 
 inputs, double buffered: before the loop, block `b(0)` is fetched into slot
   0. At step `s`, the next block `b(s+1)` is fetched into the other slot when
-  it differs from `b(s)`; then the fetch of `b(s)` is waited for when `b(s)`
-  differs from `b(s-1)` (or at step 0); the slot moves on when the block
-  changes. A block that stays the same between steps is not fetched again.
+  it differs from `b(s)` (every stream's fetch is started before any wait);
+  then the fetch of `b(s)` is waited for when `b(s)` differs from `b(s-1)`
+  (or at step 0); the slot moves on when the block changes. A block that
+  stays the same between steps is not fetched again.
 inputs, one buffer: `b(s)` is fetched and waited for at step `s` when it
   differs from `b(s-1)` (or at step 0).
 outputs: after the body, the block is written back when `b(s+1)` differs
   from `b(s)` or at the last step: an accumulator revisited on consecutive
   steps is written once, when the pipeline leaves it. Double buffered, the
-  write-back of `b(s-1)` is waited for after the body of step `s` (the body
-  writes the other slot meanwhile) and the last one at the last step; with
-  one buffer each write-back is waited for at once.
+  write-back of `b(s-1)` is waited for after the body of step `s` (which
+  wrote the other slot) and the last write-back after the loop; with one
+  buffer each write-back is waited for at once.
 
 An output block is never copied in: it starts with what the buffer holds
 (uninitialized on a TPU), so a body initializes its accumulator, e.g. under
-`pl.when(pl.program_id(2) == 0)`, as with Pallas.
+`pl.when(pl.program_id(2) == 0)`, as with Pallas. The regions carry
+Pallas's named scopes (`ep_copy_in`, `ep_wait_in`, `ep_run_kernel`, ...:
+`tpu.trace_start`/`trace_stop` for the profiler) unless
+`trace_scopes=False`.
 
 Blocks must tile the array: a block dim that does not divide its array dim
 (a partial edge block) is refused at trace time, naming the operand.
