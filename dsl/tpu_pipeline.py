@@ -137,19 +137,22 @@ def unravel(n, grid):
   return tuple(reversed(out))
 
 
-def run_body(body, grid, indices, refs, scratches):
-  """`body(*refs, *scratches)` with `pl.program_id` giving `indices`."""
+def run_body(body, grid, indices, refs, scratches, prologue=None):
+  """`prologue()` then `body(*refs, *scratches)`, with `pl.program_id`
+  giving `indices`."""
   from dsl.tracing import grid_env
   with grid_env(kernel_name() or "kernel", indices, grid):
+    if prologue is not None:
+      prologue()
     body(*refs, *scratches)
 
 
-def _run_views(body, grid, refs, specs, labels, scratches):
+def _run_views(body, grid, refs, specs, labels, scratches, prologue):
   def step(n, carry):
     indices = unravel(n, grid)
     views = [_block_view(r, s, l, indices)
              for r, s, l in zip(refs, specs, labels)]
-    run_body(body, grid, indices, views, scratches)
+    run_body(body, grid, indices, views, scratches, prologue)
     return carry
 
   total = math.prod(grid) if grid else 1
@@ -178,7 +181,7 @@ def emit_pipeline(body, *, grid, in_specs=(), out_specs=(), tiling=None,
                last_cycle=None, init_accumulators=None, prefetch=None,
                postyeet=None, schedule=None, body_prologue=None):
     del allocations, first_cycle, last_cycle, init_accumulators
-    del prefetch, postyeet, schedule, body_prologue
+    del prefetch, postyeet, schedule
     if len(refs) != len(specs):
       raise KernelError(None, f"emit_pipeline has {len(in_specs)} in_specs "
                         f"and {len(out_specs)} out_specs but was called with "
@@ -191,8 +194,8 @@ def emit_pipeline(body, *, grid, in_specs=(), out_specs=(), tiling=None,
       from dsl.tpu_pipeline_dma import run_copied
       run_copied(body, grid, refs, specs, labels, copied, len(in_specs),
                  scratches, buffered=not no_pipelining,
-                 trace_scopes=trace_scopes)
+                 trace_scopes=trace_scopes, prologue=body_prologue)
     else:
-      _run_views(body, grid, refs, specs, labels, scratches)
+      _run_views(body, grid, refs, specs, labels, scratches, body_prologue)
 
   return pipeline

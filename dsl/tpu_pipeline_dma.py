@@ -253,19 +253,39 @@ def _scopes(enabled: bool):
   return jax.named_scope if enabled else (lambda name: contextlib.nullcontext())
 
 
-def _schedule(body, grid, refs, streams, scratches, view, trace_scopes):
-  """The pipeline's loop; `view(k, indices)` is the block of operand `k`
-  that is not streamed."""
-  scope = _scopes(trace_scopes)
+@dataclasses.dataclass(frozen=True)
+class _Body:
+  """The user's body and what it takes besides the streamed blocks."""
+  fn: Any
+  grid: tuple
+  n_refs: int
+  view: Any              # view(k, indices): operand k's block, not streamed
+  scratches: tuple
+  prologue: Any
+  scope: Any             # scope(name): a named scope, or none
+
+  def run(self, indices, streamed: dict):
+    """The body at grid point `indices`; `streamed[k]`: operand k's slot."""
+    blocks = [streamed[k] if k in streamed else self.view(k, indices)
+              for k in range(self.n_refs)]
+    with self.scope("ep_run_kernel"):
+      run_body(self.fn, self.grid, indices, blocks, self.scratches,
+               self.prologue)
+
+
+def _schedule(body: _Body, streams: dict):
+  """The pipeline's loop (under `pl.when(size > 0)` for a traced grid,
+  which may be empty)."""
+  grid = body.grid
   total = math.prod(grid) if grid else 1
-  if not isinstance(total, int):     # a grid of traced sizes may be empty
-    when(total > 0)(lambda: _loop(body, grid, total, refs, streams,
-                                  scratches, view, scope))
+  if not isinstance(total, int):
+    when(total > 0)(lambda: _loop(body, streams, total))
   else:
-    _loop(body, grid, total, refs, streams, scratches, view, scope)
+    _loop(body, streams, total)
 
 
-def _loop(body, grid, total, refs, streams, scratches, view, scope):
+def _loop(body: _Body, streams: dict, total):
+  grid, scope = body.grid, body.scope
   ins = [s for s in streams.values() if not s.is_output]
   outs = [s for s in streams.values() if s.is_output]
   with scope("ep_initialize_0"):
@@ -282,10 +302,7 @@ def _loop(body, grid, total, refs, streams, scratches, view, scope):
     next_in = _inputs_before_body(ins, in_slots, at, scope)
     slot_of = dict(zip(ins, in_slots))
     slot_of.update(zip(outs, out_slots))
-    blocks = [streams[k].buf.at[slot_of[streams[k]]] if k in streams
-              else view(k, cur) for k in range(len(refs))]
-    with scope("ep_run_kernel"):
-      run_body(body, grid, cur, blocks, scratches)
+    body.run(cur, {k: s.buf.at[slot_of[s]] for k, s in streams.items()})
     next_out = _outputs_after_body(outs, out_slots, at, scope)
     return _int32s(nxt), tuple(next_in), tuple(next_out)
 
@@ -340,7 +357,8 @@ def _prev_indices(indices, grid):
 
 
 def run_copied(body, grid, refs, specs, labels, copied, n_in, scratches, *,
-               buffered: bool = True, trace_scopes: bool = True):
+               buffered: bool = True, trace_scopes: bool = True,
+               prologue=None):
   """Runs the pipeline with the `copied` operands streamed through VMEM
   buffers; the others are passed as views."""
   from dsl.tpu_pipeline import _block_view
@@ -354,10 +372,13 @@ def run_copied(body, grid, refs, specs, labels, copied, n_in, scratches, *,
   def view(k, indices):
     return _block_view(refs[k], specs[k], labels[k], indices)
 
+  body = _Body(body, tuple(grid), len(refs), view, scratches, prologue,
+               _scopes(trace_scopes))
+
   def with_buffers(bufs, sems):
     for s, b, m in zip(streams.values(), bufs, sems):
       s.buf, s.sem = b, m
-    _schedule(body, grid, refs, streams, scratches, view, trace_scopes)
+    _schedule(body, streams)
 
   types = [s.scratch_types() for s in streams.values()]
   run_scoped(with_buffers, [t[0] for t in types], [t[1] for t in types])

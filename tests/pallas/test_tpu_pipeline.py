@@ -361,3 +361,44 @@ def test_views_differentiate_on_triton():
   gx, gy = jax.grad(loss, argnums=(0, 1))(x, y)
   assert_close(gx, 4 * (2 * x + y))
   assert_close(gy, 2 * (2 * x + y))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "mosaic_interpret"])
+def test_uninitialized_accumulator_reads_poison(backend):
+  """An output block is not copied in (as on a TPU): a body that forgets to
+  initialize its accumulator reads poison with jax_pallas_poison_buffers."""
+  from jax._src import config as jax_config
+
+  def inner(x_ref, o_ref):
+    o_ref[...] += x_ref[...]        # no init at the first step
+
+  def kernel(x_hbm, o_hbm):
+    dtpu.emit_pipeline(
+        inner, grid=(2,),
+        in_specs=[dsl.BlockSpec((8, 128), lambda l: (0, l))],
+        out_specs=[dsl.BlockSpec((8, 128), lambda l: (0, 0))])(x_hbm, o_hbm)
+
+  x, = _inputs([(8, 256)], f32)
+  with jax_config.jax_pallas_poison_buffers(True):
+    got = _call(dsl, kernel, jax.ShapeDtypeStruct((8, 128), f32), 1,
+                backend)(x)
+  assert np.isnan(np.asarray(got)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_body_prologue_runs_before_each_body(backend):
+  def kernel(x_hbm, o_hbm, s_ref):
+    def prologue():      # in the pipeline's grid: program_id is its step
+      s_ref[...] = jnp.full(s_ref.shape, dsl.program_id(0), jnp.float32)
+
+    def inner(x_ref, o_ref, s):
+      o_ref[...] = x_ref[...] + s[...]
+
+    spec = dsl.BlockSpec((8, 128), lambda i: (i, 0))
+    dtpu.emit_pipeline(inner, grid=(3,), in_specs=[spec], out_specs=spec)(
+        x_hbm, o_hbm, scratches=[s_ref], body_prologue=prologue)
+
+  x, = _inputs([(24, 128)], f32)
+  got = _call(dsl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1,
+              backend, [dtpu.VMEM((8, 128), f32)])(x)
+  assert_close(got, x + jnp.repeat(jnp.arange(3.), 8)[:, None])
