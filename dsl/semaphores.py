@@ -1,4 +1,5 @@
-"""Semaphore types of TPU kernels and the barrier semaphore.
+"""Semaphore types of TPU kernels and the barrier semaphore (its
+`get_barrier_semaphore` primitive).
 
 A semaphore is a ref of int32 counters whose memory space is a
 `SemaphoreSpace` (its `kind` is "dma", "regular" or "barrier");
@@ -8,10 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 import jax.numpy as jnp
-from jax._src import core
+from jax._src import core, debugging
+from jax._src.interpreters import mlir
 from jax._src.state import types as state_types
+from jax.extend.core import Primitive
+
+from dsl.errors import KernelError, KernelTypeError, user_frame
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +72,71 @@ class DeviceIdType(enum.Enum):
 
 
 class BarrierSemaphore:
-  """The kernel's barrier semaphore (`get_barrier_semaphore()`)."""
+  """The kernel's barrier semaphore, as `get_barrier_semaphore()` returns it
+  (below): `handle` is the value of the
+  `get_barrier_semaphore` primitive, which the Mosaic lowering emits as
+  `tpu.sem_barrier` where it is called; signals, waits and reads of the
+  semaphore take it as an operand."""
 
   shape = ()
   dtype = jnp.dtype(jnp.int32)
+
+  def __init__(self, handle=None):
+    self.handle = handle
 
   def __repr__(self):
     return "BarrierSemaphore()"
 
 
-BARRIER_SEMAPHORE = BarrierSemaphore()
+get_barrier_semaphore_p = Primitive("get_barrier_semaphore")
 
 
-def get_barrier_semaphore():
+@get_barrier_semaphore_p.def_effectful_abstract_eval
+def _get_barrier_abstract_eval(*, tag):
+  # effectful, so that a call whose semaphore is unused stays in the kernel
+  # (and in its Mosaic module, as in Pallas's)
+  return core.ShapedArray((), jnp.int32), {debugging.debug_effect}
+
+
+get_barrier_semaphore_p.def_impl(lambda *, tag: jnp.int32(0))
+mlir.register_lowering(get_barrier_semaphore_p, mlir.lower_fun(
+    lambda *, tag: jnp.int32(0), multiple_results=False))
+
+
+def get_barrier_semaphore(tag=None):
   """The barrier semaphore shared by the devices running this kernel.
 
   Devices signal each other's barrier semaphore with
   `semaphore_signal(sem, 1, device_id=peer)` and wait on their own.
+  `tag` (hashable) names the collective instead of
+  `CompilerParams(collective_id=...)`: on a TPU, kernels with the same tag
+  get the same barrier semaphore; a kernel has at most one tag.
   """
-  return BARRIER_SEMAPHORE
+  try:
+    hash(tag)
+  except TypeError:
+    raise KernelTypeError(None, "get_barrier_semaphore(tag=...) must be "
+                          f"hashable, got {type(tag).__name__}",
+                          user_frame()) from None
+  return BarrierSemaphore(get_barrier_semaphore_p.bind(tag=tag))
+
+
+def barrier_tag(jaxpr, kernel: str | None = None,
+                where: str | None = None) -> Any:
+  """The one `get_barrier_semaphore(tag=...)` tag of a kernel jaxpr (None
+  without one); several different tags are an error."""
+  tags = set()
+
+  def visit(j):
+    for eqn in j.eqns:
+      if (eqn.primitive is get_barrier_semaphore_p
+          and eqn.params["tag"] is not None):
+        tags.add(eqn.params["tag"])
+      for sub in core.jaxprs_in_params(eqn.params):
+        visit(sub)
+  visit(jaxpr)
+  if len(tags) > 1:
+    raise KernelError(kernel, "get_barrier_semaphore is called with "
+                      f"different tags {sorted(map(repr, tags))}; a kernel "
+                      "has one barrier semaphore, so at most one tag", where)
+  return next(iter(tags), None)

@@ -18,9 +18,9 @@ from dsl.errors import BackendError
 from dsl.gridspec import PrefetchScalarGridSpec
 from dsl.memory import ANY, MemoryRef, MemorySpace
 from dsl.semaphores import (BarrierSemaphore, DeviceIdType, SemaphoreShape,
-                            SemaphoreSpace, SemaphoreType,
-                            get_barrier_semaphore)
+                            SemaphoreSpace, SemaphoreType)
 from dsl.tpu_primitives import (AsyncCopyDescriptor, async_copy, device_id,
+                                get_barrier_semaphore,
                                 make_async_copy, make_async_remote_copy,
                                 semaphore_read, semaphore_signal,
                                 semaphore_wait)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsl.errors import KernelError, user_frame
 from dsl.primitives import run_scoped
 from dsl import ref_ops
 from dsl.semaphores import DeviceIdType, SemaphoreType
@@ -14,10 +13,8 @@ from dsl.tpu_primitives import make_async_copy, make_async_remote_copy
 
 def sync_copy(src_ref, dst_ref, *, add: bool = False) -> None:
   """Copies a pytree of refs into another one and waits for it: every copy
-  is a DMA on one scoped semaphore, all started, then all waited."""
-  if add:
-    raise KernelError(None, "sync_copy(add=True) is not supported; load, add "
-                      "and store the block instead", user_frame())
+  is a DMA on one scoped semaphore, all started, then all waited. With
+  `add=True` each copy adds its source to its destination."""
   if not jax.tree.leaves(src_ref):
     return
 
@@ -26,7 +23,7 @@ def sync_copy(src_ref, dst_ref, *, add: bool = False) -> None:
         lambda s, d: make_async_copy(s, d, sem), src_ref, dst_ref),
         is_leaf=lambda x: hasattr(x, "wait"))
     for d in descs:
-      d.start()
+      d.start(add=add)
     for d in descs:
       d.wait()
 

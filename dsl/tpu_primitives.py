@@ -14,8 +14,9 @@ the copy it waits for.
 
 Interpret-backend meaning (the discharge rules):
 
-- a DMA completes at once: `dst[...] = src[...]`, its semaphores go up by
-  the number of bytes; a DMA wait takes them back down.
+- a DMA completes at once: `dst[...] = src[...]` (`dst[...] += src[...]`
+  for an accumulating one, `start(add=True)`), its semaphores go up by the
+  number of bytes; a DMA wait takes them back down.
 - `semaphore_signal` adds, `semaphore_wait` subtracts (nothing blocks); a
   wait, of either kind, whose semaphore is short of its count can never
   finish: dsl/transforms/runtime_checks.py makes it a KernelDeadlockError.
@@ -25,7 +26,9 @@ Interpret-backend meaning (the discharge rules):
   the remote operation (not under a device-dependent `pl.when`), as in an
   SPMD program; for kernels where devices diverge, use the
   `"mosaic_interpret"` backend, which simulates devices independently.
-- the barrier semaphore is a no-op: the discharged program runs in lockstep.
+- the barrier semaphore is a no-op: the discharged program runs in lockstep
+  (`get_barrier_semaphore` gives a dummy handle, its signals and waits do
+  nothing).
 """
 from __future__ import annotations
 
@@ -41,7 +44,9 @@ from jax._src.state import types as state_types
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
-from dsl.semaphores import BarrierSemaphore, DeviceIdType, is_semaphore_aval
+from dsl.semaphores import (BarrierSemaphore, DeviceIdType,
+                            get_barrier_semaphore, get_barrier_semaphore_p,
+                            is_semaphore_aval)
 
 
 # ------------------------------------------------------------ packing args
@@ -247,7 +252,10 @@ dma_start_p.multiple_results = True
 
 @dma_start_p.def_effectful_abstract_eval
 def _dma_start_abstract_eval(*avals, layout, device_id_type, device_id_axes,
-                             mesh_axes, priority):
+                             mesh_axes, priority, add):
+  if add:       # an accumulating DMA reads what it adds to
+    return [], _effects_for(layout, reads=("src", "dst"),
+                            writes=("dst", "dst_sem", "src_sem"))
   return [], _effects_for(layout, reads=("src",),
                           writes=("dst", "dst_sem", "src_sem"))
 
@@ -263,9 +271,18 @@ def _sem_add(sem, transforms, amount):
   return new
 
 
+def _landed(old, data, add: bool):
+  """What the destination window holds once a DMA of `data` lands."""
+  if not add:
+    return data
+  if old.dtype == jnp.bool_:
+    return jnp.logical_or(old, data)
+  return (old + data).astype(old.dtype)
+
+
 @state_discharge.register_discharge_rule(dma_start_p)
 def _dma_start_discharge(ctx, *flat, layout, device_id_type, device_id_axes,
-                         mesh_axes, priority):
+                         mesh_axes, priority, add):
   a = unpack(flat, layout)
   new = [None] * len(flat)
   val = state_discharge.transform_array(a["src"], a["src_t"])
@@ -282,9 +299,12 @@ def _dma_start_discharge(ctx, *flat, layout, device_id_type, device_id_axes,
         tree, [ex.from_sender(leaf) for leaf in leaves])
     received = ex.from_sender(val)
     old = state_discharge.transform_array(a["dst"], dst_t)
-    val = jnp.where(ex.count > 0, received, old)
+    val = jnp.where(ex.count > 0, _landed(old, received, add), old)
     recv_amount = ex.count * nbytes
   else:
+    if add:
+      val = _landed(state_discharge.transform_array(a["dst"], dst_t), val,
+                    add)
     recv_amount = nbytes
   _, new_dst = state_discharge.transform_swap_array(a["dst"], dst_t, val)
   new[position(layout, "dst")] = new_dst
@@ -404,6 +424,14 @@ for _p in (semaphore_signal_p, semaphore_wait_p):
 semaphore_read_p.def_impl(lambda *a, **p: jnp.int32(0))
 
 
+# ------------------------------------------------------------ barrier
+
+def _barrier_handle(sem):
+  """The `get_barrier_semaphore` value a barrier-semaphore operand carries
+  (None for other semaphores)."""
+  return sem.handle if isinstance(sem, BarrierSemaphore) else None
+
+
 # ------------------------------------------------------------ user API
 
 def _check_copy(src, src_t, dst, dst_t, what):
@@ -453,13 +481,15 @@ class AsyncCopyDescriptor:
     return dict(device_id_type=self.device_id_type,
                 device_id_axes=self.device_id_axes, mesh_axes=self.mesh_axes)
 
-  def start(self, priority: int = 0):
+  def start(self, priority: int = 0, *, add: bool = False):
+    """Starts the copy; with `add=True` the data is added to what `dst`
+    holds when it lands (an accumulating DMA)."""
     flat, layout = _pack(src=self.src, src_t=self.src_t, dst=self.dst,
                          dst_t=self.dst_t, dst_sem=self.dst_sem,
                          dst_sem_t=self.dst_sem_t, src_sem=self.src_sem,
                          src_sem_t=self.src_sem_t, device_id=self.device_id)
     dma_start_p.bind(*flat, layout=layout, priority=int(priority),
-                     **self._common())
+                     add=bool(add), **self._common())
     return self
 
   def _wait(self, sem, sem_t, side):
@@ -496,9 +526,11 @@ def make_async_copy(src_ref, dst_ref, sem) -> AsyncCopyDescriptor:
   return AsyncCopyDescriptor(src_ref, dst_ref, sem)
 
 
-def async_copy(src_ref, dst_ref, sem, *, priority: int = 0):
-  """Starts a local DMA and returns its descriptor (call `.wait()` on it)."""
-  return make_async_copy(src_ref, dst_ref, sem).start(priority=priority)
+def async_copy(src_ref, dst_ref, sem, *, priority: int = 0, add: bool = False):
+  """Starts a local DMA (accumulating with `add=True`) and returns its
+  descriptor (call `.wait()` on it)."""
+  return make_async_copy(src_ref, dst_ref, sem).start(priority=priority,
+                                                      add=add)
 
 
 def make_async_remote_copy(src_ref, dst_ref, send_sem, recv_sem, device_id,
@@ -527,7 +559,7 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
     device_id_type = DeviceIdType(device_id_type)
   dev, axes = _normalize_device_id(device_id, device_id_type)
   flat, layout = _pack(sem=ref, sem_t=t, inc=jnp.asarray(inc, jnp.int32),
-                       device_id=dev)
+                       device_id=dev, barrier=_barrier_handle(sem))
   semaphore_signal_p.bind(*flat, layout=layout, kind=_sem_kind(ref),
                           device_id_type=device_id_type, device_id_axes=axes,
                           mesh_axes=_current_mesh_axes() if dev else ())
@@ -536,14 +568,15 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
 def semaphore_wait(sem, value=1):
   """Waits until `sem` is at least `value`, then subtracts `value`."""
   ref, t = _sem_parts("semaphore_wait's semaphore", sem)
-  flat, layout = _pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32))
+  flat, layout = _pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32),
+                       barrier=_barrier_handle(sem))
   semaphore_wait_p.bind(*flat, layout=layout, kind=_sem_kind(ref))
 
 
 def semaphore_read(sem):
   """The current value of `sem` (an int32 scalar)."""
   ref, t = _sem_parts("semaphore_read's semaphore", sem)
-  flat, layout = _pack(sem=ref, sem_t=t)
+  flat, layout = _pack(sem=ref, sem_t=t, barrier=_barrier_handle(sem))
   return semaphore_read_p.bind(*flat, layout=layout, kind=_sem_kind(ref))
 
 
@@ -559,7 +592,8 @@ def device_id():
 
 __all__ = [
     "AsyncCopyDescriptor", "async_copy", "device_id", "dma_start_p",
-    "dma_wait_p", "make_async_copy", "make_async_remote_copy",
+    "dma_wait_p", "get_barrier_semaphore", "get_barrier_semaphore_p",
+    "make_async_copy", "make_async_remote_copy",
     "semaphore_read", "semaphore_read_p", "semaphore_signal",
     "semaphore_signal_p", "semaphore_wait", "semaphore_wait_p",
 ]

@@ -64,6 +64,14 @@ def _tpu_params(spec):
   return p if isinstance(p, tpu.CompilerParams) else tpu.CompilerParams()
 
 
+def _barrier_tag(spec):
+  """`get_barrier_semaphore(tag=...)`'s tag: it names the collective (JAX
+  gives each tag its collective id; one with `collective_id` is JAX's
+  ValueError)."""
+  from dsl.semaphores import barrier_tag
+  return barrier_tag(spec.jaxpr.jaxpr, spec.name, spec.where)
+
+
 # ------------------------------------------------------------ "mosaic"
 
 def mosaic_lowering(ctx, *args, spec):
@@ -81,7 +89,8 @@ def mosaic_lowering(ctx, *args, spec):
   promela.maybe_dump(module, spec.name, num_devices=_num_devices(mesh_axes))
   params = _tpu_params(spec)
   collective_id = params.collective_id
-  if lctx.uses_barrier and collective_id is None:
+  tag = _barrier_tag(spec)
+  if lctx.uses_barrier and collective_id is None and tag is None:
     collective_id = 0
   out_avals = tuple(_in_memory(core.ShapedArray(a.shape, a.dtype))
                     for a in spec.grid_mapping.out_avals)
@@ -100,7 +109,7 @@ def mosaic_lowering(ctx, *args, spec):
       allow_input_fusion=allow_fusion,
       input_output_aliases=tuple(spec.input_output_aliases),
       internal_scratch_in_bytes=params.internal_scratch_in_bytes,
-      collective_id=collective_id,
+      collective_id=collective_id, collective_id_tag=tag,
       has_side_effects=bool(params.has_side_effects),
       serialization_format=1, output_memory_spaces=None,
       disable_bounds_checks=bool(params.disable_bounds_checks),

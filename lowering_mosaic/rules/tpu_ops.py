@@ -66,12 +66,28 @@ def memref_view(ctx, ref: RefVal, transforms) -> ir.Value:
   return x
 
 
-def _semaphore(ctx, ref, transforms) -> ir.Value:
-  if ref is None:
-    ctx.lctx.uses_barrier = True
-    return tpu.GetBarrierSemaphoreOp(
-        dialect.semaphore_memref_type((), "regular")).result
-  return memref_view(ctx, ref, transforms)
+def _barrier_semaphore(ctx) -> ir.Value:
+  ctx.lctx.uses_barrier = True
+  return tpu.GetBarrierSemaphoreOp(
+      dialect.semaphore_memref_type((), "regular")).result
+
+
+@register(tp.get_barrier_semaphore_p)
+def _get_barrier_semaphore(ctx, *, tag):
+  """`tpu.sem_barrier` where `get_barrier_semaphore()` is called (as
+  Pallas); the signals and waits on it use this value."""
+  return _barrier_semaphore(ctx)
+
+
+def _semaphore(ctx, ref, transforms, barrier=None) -> ir.Value:
+  """The semaphore operand: a window of a semaphore ref, or the barrier
+  semaphore (`barrier`: the `get_barrier_semaphore` value, if it was taken
+  in the kernel)."""
+  if ref is not None:
+    return memref_view(ctx, ref, transforms)
+  if isinstance(barrier, ir.Value) and isinstance(barrier.type, ir.MemRefType):
+    return barrier
+  return _barrier_semaphore(ctx)
 
 
 # ------------------------------------------------------------ device ids
@@ -154,7 +170,14 @@ def _axis_index(ctx, *, axis_name):
 
 @register(tp.dma_start_p)
 def _dma_start(ctx, *flat, layout, device_id_type, device_id_axes, mesh_axes,
-               priority):
+               priority, add):
+  if add:
+    # Pallas's TPU lowering rejects it (NotImplementedError) too: the
+    # TensorCore's `tpu.enqueue_dma` has no accumulating form.
+    raise ctx.error(
+        "an accumulating DMA (start(add=True), sync_copy(add=True)) has no "
+        "TensorCore form (tpu.enqueue_dma only copies); DMA into a VMEM "
+        "scratch, wait, and add with a load and a store instead")
   # Pallas's order: the device id, then the views from the last operand to
   # the first (pure ops; the same order keeps the modules comparable)
   a = unpack(flat, layout)
@@ -201,7 +224,7 @@ def _dma_wait(ctx, *flat, layout, side, device_id_type, device_id_axes,
 def _sem_signal(ctx, *flat, layout, kind, device_id_type, device_id_axes,
                 mesh_axes):
   a = unpack(flat, layout)
-  sem = _semaphore(ctx, a["sem"], a["sem_t"])
+  sem = _semaphore(ctx, a["sem"], a["sem_t"], a.get("barrier"))
   dev = None
   if a["device_id"]:
     ctx.lctx.uses_remote = True
@@ -214,7 +237,7 @@ def _sem_signal(ctx, *flat, layout, kind, device_id_type, device_id_axes,
 @register(tp.semaphore_wait_p)
 def _sem_wait(ctx, *flat, layout, kind):
   a = unpack(flat, layout)
-  sem = _semaphore(ctx, a["sem"], a["sem_t"])
+  sem = _semaphore(ctx, a["sem"], a["sem_t"], a.get("barrier"))
   tpu.SemaphoreWaitOp(sem, to_i32(a["value"]))
   return []
 
@@ -222,7 +245,7 @@ def _sem_wait(ctx, *flat, layout, kind):
 @register(tp.semaphore_read_p)
 def _sem_read(ctx, *flat, layout, kind):
   a = unpack(flat, layout)
-  sem = _semaphore(ctx, a["sem"], a["sem_t"])
+  sem = _semaphore(ctx, a["sem"], a["sem_t"], a.get("barrier"))
   return tpu.SemaphoreReadOp(sem).result
 
 

@@ -237,6 +237,25 @@ def iota_roll_casts(pl, pltpu):
   return f, (f32(8, 128),)
 
 
+def _buffered_case(**mode):
+  def build(pl, pltpu):
+    def buffered_kernel(x_ref, o_ref):
+      o_ref[...] = x_ref[...] * 2.0
+    f = pl.pallas_call(
+        buffered_kernel, sds((32, 128)), grid=(4,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0),
+                               pipeline_mode=pl.Buffered(**mode))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)))
+    return f, (f32(32, 128),)
+  return build
+
+
+# Both lowerings reject these (test_mosaic_golden.REJECTED_BY_BOTH).
+CASES["buffered_three"] = _buffered_case(buffer_count=3)
+CASES["buffered_lookahead"] = _buffered_case(buffer_count=2,
+                                             use_lookahead=True)
+
+
 # The rest of the corpus registers itself into CASES.
 from tests.pallas import mosaic_corpus_dma  # noqa: E402,F401
 from tests.pallas import mosaic_corpus_library  # noqa: E402,F401

@@ -127,6 +127,50 @@ def barrier_and_remote_signal(pl, pltpu):
 
 
 @case
+def barrier_in_control_flow(pl, pltpu):
+  def barrier_loop_kernel(x_ref, o_ref):
+    me = lax.axis_index("x")
+    barrier = pltpu.get_barrier_semaphore()
+    mesh = api(pl, pltpu, 'DeviceIdType').MESH
+
+    def signal_peer(k, carry):
+      api(pl, pltpu, 'semaphore_signal')(
+          barrier, 1, device_id=(lax.rem(me + 1 + k, N_DEV),),
+          device_id_type=mesh)
+      return carry
+    lax.fori_loop(0, 2, signal_peer, 0)
+
+    @pl.when(me < N_DEV)
+    def _():
+      api(pl, pltpu, 'semaphore_wait')(barrier, 2)
+    o_ref[...] = x_ref[...]
+  call = pl.pallas_call(
+      barrier_loop_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      compiler_params=pltpu.CompilerParams(collective_id=0))
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+@case
+def barrier_with_tag(pl, pltpu):
+  # the tag, not CompilerParams(collective_id=...), names the collective
+  def tagged_barrier_kernel(x_ref, o_ref):
+    me = lax.axis_index("x")
+    barrier = pltpu.get_barrier_semaphore(tag=("ring", 1))
+    api(pl, pltpu, 'semaphore_signal')(
+        barrier, 1, device_id=(lax.rem(me + 1, N_DEV),),
+        device_id_type=api(pl, pltpu, 'DeviceIdType').MESH)
+    api(pl, pltpu, 'semaphore_wait')(barrier, 1)
+    o_ref[...] = x_ref[...] * 2.0
+  call = pl.pallas_call(
+      tagged_barrier_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM))
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+@case
 def logical_device_id(pl, pltpu):
   def logical_kernel(x_ref, o_ref, send_sem, recv_sem):
     c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,
@@ -136,6 +180,50 @@ def logical_device_id(pl, pltpu):
     c.wait()
   call = pl.pallas_call(
       logical_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])
+  return _shard(pl, call), (f32(N_DEV * 8, 128),)
+
+
+# ------------------------------------------------------------ accumulating DMAs
+# Both lowerings reject these (test_mosaic_golden.REJECTED_BY_BOTH).
+
+@case
+def accumulating_dma(pl, pltpu):
+  def accumulate_kernel(x_hbm, o_ref, sem):
+    o_ref[...] = jnp.ones_like(o_ref)
+    pltpu.make_async_copy(x_hbm, o_ref, sem).start(add=True)
+    pltpu.make_async_copy(x_hbm, o_ref, sem).wait()
+  f = pl.pallas_call(
+      accumulate_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+      scratch_shapes=[pltpu.SemaphoreType.DMA])
+  return f, (f32(8, 128),)
+
+
+@case
+def accumulating_sync_copy(pl, pltpu):
+  def sync_accumulate_kernel(x_hbm, o_ref):
+    o_ref[...] = jnp.ones_like(o_ref)
+    pltpu.sync_copy(x_hbm, o_ref, add=True)
+  f = pl.pallas_call(
+      sync_accumulate_kernel, sds((8, 128)),
+      in_specs=[pl.BlockSpec(memory_space=pl.ANY)])
+  return f, (f32(8, 128),)
+
+
+@case
+def accumulating_remote_copy(pl, pltpu):
+  def remote_accumulate_kernel(x_ref, o_ref, send_sem, recv_sem):
+    right = lax.rem(lax.axis_index("x") + 1, N_DEV)
+    c = pltpu.make_async_remote_copy(x_ref, o_ref, send_sem, recv_sem,
+                                     device_id=(right,),
+                                     device_id_type=api(pl, pltpu, 'DeviceIdType').MESH)
+    c.start(add=True)
+    c.wait()
+  call = pl.pallas_call(
+      remote_accumulate_kernel, sds((8, 128)),
       in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
       out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
       scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA])

@@ -30,7 +30,6 @@ import re
 
 import jax
 from jax._src.lib import tpu as tpu_lib
-from jax._src.lib import tpu as tpu_dialect
 from jax._src.lib.mlir import ir, passmanager
 from jax.interpreters import mlir as jax_mlir
 
@@ -47,9 +46,6 @@ class Call:
   module: str                 # normalized module text
   config: dict                # backend_config without the body
   attrs: dict                 # CALL_ATTRS present on the custom call
-  # the module with every `tpu.sem_barrier` replaced by one at the top of
-  # its function (for the documented difference in where it is read)
-  barrier_hoisted: str = ""
 
 
 def _context() -> ir.Context:
@@ -59,7 +55,7 @@ def _context() -> ir.Context:
   return ctx
 
 
-def decode(body_b64: str, hoist_barrier: bool = False) -> str:
+def decode(body_b64: str) -> str:
   """The module in a backend_config body, deserialized and canonicalized,
   as normalized text."""
   ctx = _context()
@@ -67,32 +63,7 @@ def decode(body_b64: str, hoist_barrier: bool = False) -> str:
     module = ir.Module.parse(base64.b64decode(body_b64))
     passmanager.PassManager.parse(NORMALIZE).run(module.operation)
     assert module.operation.verify()
-    if hoist_barrier:
-      _hoist_barrier(module)
     return normalize_text(module.operation.get_asm())
-
-
-def _hoist_barrier(module):
-  """One `tpu.sem_barrier` at the top of each function for all of them."""
-  for f in module.body.operations:
-    found = []
-
-    def walk(op):
-      for region in op.regions:
-        for block in region.blocks:
-          for inner in block.operations:
-            if inner.operation.name == "tpu.sem_barrier":
-              found.append(inner.operation)
-            walk(inner.operation)
-    walk(f.operation)
-    if not found:
-      continue
-    entry = f.operation.regions[0].blocks[0]
-    with ir.InsertionPoint.at_block_begin(entry):
-      one = tpu_dialect.GetBarrierSemaphoreOp(found[0].result.type).result
-    for op in found:
-      op.result.replace_all_uses_with(one)
-      op.erase()
 
 
 _FUNC = re.compile(r"^  func\.func ", re.M)
@@ -155,8 +126,7 @@ def _custom_calls(lowered) -> list:
     body = config["custom_call_config"].pop("body")
     attrs = {a: str(op.attributes[a]) for a in CALL_ATTRS
              if a in op.attributes}
-    calls.append(Call(decode(body), config, attrs,
-                      decode(body, hoist_barrier=True)))
+    calls.append(Call(decode(body), config, attrs))
   return calls
 
 

@@ -272,3 +272,61 @@ def test_dma_structure_of_the_module():
   assert "memref<2x!tpu.dma_semaphore, #tpu.memory_space<semaphore_mem>>" \
       in text
   assert "tpu.memref_slice" in text and "tpu.memref_squeeze" in text
+
+
+# ------------------------------------------------------------ accumulating DMAs
+
+def accumulate(x, y, backend, how):
+  """o = y, then x[0:8] and x[8:16] are both DMA'd onto o[0:8] with
+  add=True: o[0:8] ends as y[0:8] + x[0:8] + x[8:16], o[8:] as y[8:]."""
+  def kernel(x_hbm, y_ref, o_ref, sems):
+    o_ref[...] = y_ref[...]
+    halves = [x_hbm.at[pl.ds(0, 8)], x_hbm.at[pl.ds(8, 8)]]
+    if how == "sync_copy":
+      for half in halves:
+        pltpu.sync_copy(half, o_ref.at[pl.ds(0, 8)], add=True)
+      return
+    copies = [pltpu.make_async_copy(half, o_ref.at[pl.ds(0, 8)], sems.at[k])
+              for k, half in enumerate(halves)]
+    copies[0].start(add=True)
+    if how == "async_copy":
+      pltpu.async_copy(halves[1], o_ref.at[pl.ds(0, 8)], sems.at[1], add=True)
+    else:
+      copies[1].start(add=True)
+    for c in copies:
+      c.wait()
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct(y.shape, y.dtype),
+      in_specs=[ANY, pl.BlockSpec(memory_space=pltpu.VMEM)],
+      scratch_shapes=[pltpu.SemaphoreType.DMA((2,))], backend=backend)(x, y)
+
+
+def _accumulate_inputs(dtype):
+  x = jnp.arange(16 * 128).reshape(16, 128).astype(dtype)
+  y = (jnp.arange(16 * 128).reshape(16, 128) % 7 - 3).astype(dtype)
+  want = y.at[:8].add(x[:8] + x[8:])
+  return x, y, want
+
+
+@pytest.mark.parametrize("how", ["start", "async_copy", "sync_copy"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_accumulating_dma_adds_to_the_destination(how, dtype):
+  x, y, want = _accumulate_inputs(dtype)
+  got = jax.jit(functools.partial(accumulate, backend="interpret",
+                                  how=how))(x, y)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("how", ["start", "sync_copy"])
+def test_accumulating_dma_is_rejected_on_mosaic_as_by_pallas(how):
+  # Pallas's TPU lowering raises NotImplementedError for add=True (the
+  # TensorCore DMA only copies); both Mosaic backends say so at the line.
+  x, y, _ = _accumulate_inputs(jnp.float32)
+  for backend in ("mosaic_interpret", "mosaic"):
+    with pytest.raises(NotImplementedError, match="accumulating DMA") as e:
+      jax.jit(functools.partial(accumulate, backend=backend, how=how)).trace(
+          x, y).lower(lowering_platforms=("tpu",) if backend == "mosaic"
+                      else None)
+    assert isinstance(e.value, pl.BackendError)
+    assert __file__ in str(e.value)

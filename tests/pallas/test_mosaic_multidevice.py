@@ -224,3 +224,79 @@ def test_tpu_lowering_of_a_collective_kernel():
   x = jnp.zeros((N * 8, 128))
   text = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",)).as_text()
   assert "tpu_custom_call" in text and "has_communication" in text
+
+
+def ring_accumulate(x, backend):
+  """Each device starts from its own block and a remote DMA with add=True
+  adds its left neighbour's block onto it: device d ends with x_d + x_{d-1}."""
+  def kernel(x_ref, o_ref, send_sem, recv_sem):
+    me = jax.lax.axis_index("x")
+    o_ref[...] = x_ref[...]
+    _barrier(me)                  # every o_ref holds its start value
+    copy = pltpu.make_async_remote_copy(
+        x_ref, o_ref, send_sem, recv_sem, device_id=((me + 1) % N,),
+        device_id_type=pltpu.DeviceIdType.MESH)
+    copy.start(add=True)
+    copy.wait()
+  call = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((8, 128), x.dtype),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+      out_specs=pl.BlockSpec(memory_space=pltpu.VMEM),
+      scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA],
+      compiler_params=pltpu.CompilerParams(collective_id=0),
+      backend=backend)
+  mesh = _mesh()
+  f = jax.shard_map(call, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                    check_vma=False)
+  return jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P("x"))))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_remote_accumulating_dma(dtype):
+  x = jnp.arange(N * 8 * 128).reshape(N * 8, 128).astype(dtype)
+  blocks = x.reshape(N, 8, 128)
+  want = (blocks + jnp.roll(blocks, 1, axis=0)).reshape(N * 8, 128)
+  out = ring_accumulate(x, "interpret")
+  assert out.dtype == want.dtype
+  np.testing.assert_array_equal(out, want)
+
+
+def test_remote_accumulating_dma_is_rejected_on_mosaic():
+  x = jnp.zeros((N * 8, 128))
+  with pytest.raises(pl.BackendError, match="accumulating DMA"):
+    ring_accumulate(x, "mosaic_interpret")
+
+
+@pytest.mark.parametrize("case,scale", [("barrier_in_control_flow", 1.0),
+                                        ("barrier_with_tag", 2.0)])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_barrier_corpus_kernels_run(backend, case, scale):
+  # barrier_in_control_flow reads the barrier semaphore before a fori_loop
+  # of remote signals and a pl.when holding the wait; barrier_with_tag
+  # names its collective with get_barrier_semaphore(tag=...).
+  from tests.pallas.mosaic_corpus import CASES
+  f, (x,) = CASES[case](pl, pltpu)
+  x = jax.random.normal(jax.random.key(1), x.shape)
+  out = jax.jit(functools.partial(_with_backend, f, backend))(x)
+  np.testing.assert_array_equal(out, x * scale)
+
+
+def _with_backend(f, backend, x):
+  from dsl import backends
+  saved = backends.DEFAULT_FOR_PLATFORM["cpu"]
+  backends.DEFAULT_FOR_PLATFORM["cpu"] = backend
+  try:
+    return f(x)
+  finally:
+    backends.DEFAULT_FOR_PLATFORM["cpu"] = saved
+
+
+def test_unhashable_barrier_tag_is_a_type_error():
+  def kernel(x_ref, o_ref):
+    pltpu.get_barrier_semaphore(tag=["ring"])
+    o_ref[...] = x_ref[...]
+  f = pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                     backend="interpret")
+  with pytest.raises(TypeError, match="tag=.*hashable") as e:
+    f(jnp.ones((8, 128)))
+  assert "kernel 'kernel'" in str(e.value) and __file__ in str(e.value)
