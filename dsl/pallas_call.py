@@ -13,7 +13,7 @@ from jax._src import core, dispatch, sharding_impls
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
-from dsl import backends, checks, config, host_failures, named_axes
+from dsl import backends, checks, config, host_failures, named_axes, tpu_pipeline
 from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         function_location, kernel_error_of, kernel_name,
                         lowering_kernel, user_frame)
@@ -411,7 +411,8 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         prefetch_avals=avals[:n_pf_leaves], in_avals=avals[n_pf_leaves:],
         in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
     check_block_indices(name, gm, where)
-    jaxpr = trace_kernel(kernel, name, gm, where)
+    with tpu_pipeline.kernel_backend(backend):
+      jaxpr = trace_kernel(kernel, name, gm, where)
     jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert(),
                                   config.enable_debug_checks())
     aliases = _check_aliases(name, input_output_aliases, avals, out_avals,

@@ -322,52 +322,6 @@ def test_vmap_like_pallas(case):
   assert ours.shape == (3, 16)
 
 
-def _pipelined_matmul(backend, x, y, bm=8, bk=16, bn=128):
-  def inner(x_ref, y_ref, o_ref):   # the out block is revisited along l
-    o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                          preferred_element_type=jnp.float32)
-
-  def kernel(x_hbm, y_hbm, o_hbm):
-    o_hbm[...] = jnp.zeros(o_hbm.shape, o_hbm.dtype)
-    m, k = x_hbm.shape
-    n = y_hbm.shape[1]
-    dtpu.emit_pipeline(
-        inner, grid=(m // bm, n // bn, k // bk),
-        in_specs=[dsl.BlockSpec((bm, bk), lambda i, j, l: (i, l)),
-                  dsl.BlockSpec((bk, bn), lambda i, j, l: (l, j))],
-        out_specs=dsl.BlockSpec((bm, bn), lambda i, j, l: (i, j)),
-    )(x_hbm, y_hbm, o_hbm)
-
-  return dsl.pallas_call(
-      kernel, jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.float32),
-      in_specs=[dsl.BlockSpec(memory_space=dsl.ANY)] * 2,
-      out_specs=dsl.BlockSpec(memory_space=dsl.ANY), backend=backend)(x, y)
-
-
-@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
-def test_emit_pipeline_matmul(backend):
-  x = jax.random.normal(jax.random.key(0), (16, 48))
-  y = jax.random.normal(jax.random.key(1), (48, 256))
-  out = _pipelined_matmul(backend, x, y)
-  assert_close(out, jnp.dot(x, y, precision="highest"))
-
-
-def test_emit_pipeline_squeezed_dims():
-  def inner(x_ref, o_ref):
-    o_ref[...] = x_ref[...] * 3   # x_ref is one (8,) row of a (4, 8) array
-
-  def kernel(x_ref, o_ref):
-    dtpu.emit_pipeline(inner, grid=(4,),
-                       in_specs=[dsl.BlockSpec((None, 8), lambda i: (i, 0))],
-                       out_specs=[dsl.BlockSpec((None, 8), lambda i: (3 - i, 0))]
-                       )(x_ref, o_ref)
-
-  x = jnp.arange(32.).reshape(4, 8)
-  out = dsl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        interpret=True)(x)
-  assert_close(out, x[::-1] * 3)
-
-
 def _named_grid_call(pl, x):
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] + pl.program_id(0).astype(jnp.float32)
