@@ -192,3 +192,34 @@ def walk_jaxpr(host: LoweringHost, jaxpr: core.Jaxpr, consts: Sequence[Any],
       if not isinstance(v, core.DropVar):
         env[v] = o
   return [read_atom(host, env, v) for v in jaxpr.outvars]
+
+
+def retrace(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
+            eval_eqn: Callable[[Any, list], Any]) -> list:
+  """Evaluates `jaxpr` on `args` in the current trace, equation by equation:
+  `eval_eqn(eqn, invals)` gives each equation's outputs (a value, or a list
+  for a primitive with several results). Each runs under the equation's
+  source line and name stack, so a jaxpr rewritten this way keeps the
+  user's lines. The jaxpr rewrites (normalization, random state threading)
+  share this loop."""
+  from jax._src import source_info_util
+  env: dict = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+
+  def read(v):
+    return v.val if isinstance(v, core.Literal) else env[v]
+
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    name_stack = (source_info_util.current_name_stack()
+                  + eqn.source_info.name_stack)
+    with (source_info_util.user_context(eqn.source_info.traceback,
+                                        name_stack=name_stack),
+          eqn.ctx.manager):
+      outs = eval_eqn(eqn, invals)
+    if not eqn.primitive.multiple_results:
+      outs = [outs]
+    for v, o in zip(eqn.outvars, outs):
+      if not isinstance(v, core.DropVar):
+        env[v] = o
+  return [read(v) for v in jaxpr.outvars]

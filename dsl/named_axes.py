@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 from jax import lax
-from jax._src import core, source_info_util
+from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import control_flow as cf
 from jax._src.lax import parallel as lax_parallel
@@ -38,7 +38,7 @@ from jax._src.state import types as state_types
 import jax.extend.linear_util as lu
 
 from dsl.errors import KernelError, source_info_frame
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace
 
 
 def grid_names(grid) -> tuple | None:
@@ -159,36 +159,25 @@ def _inputs_read(jaxpr: core.Jaxpr) -> set[int]:
 def _eval(ctx: _Ctx, jaxpr: core.Jaxpr, consts, args, in_axes):
   """Evaluates `jaxpr` on `args` (tracers), rewriting grid-axis primitives;
   returns (outputs, the axes each output differs along)."""
-  env: dict = {}
-  axes: dict = {}
-
-  def read(v):
-    return v.val if isinstance(v, core.Literal) else env[v]
+  axes: dict = dict(zip(jaxpr.invars, in_axes))
 
   def axes_of(v):
     return frozenset() if isinstance(v, core.Literal) else axes.get(v, frozenset())
 
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  axes.update(zip(jaxpr.invars, in_axes))
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
+  def eval_eqn(eqn, invals):
     in_ax = [axes_of(v) for v in eqn.invars]
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=eqn.source_info.name_stack):
-      outs, out_ax = _eval_eqn(ctx, eqn, invals, in_ax)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, o in zip(eqn.outvars, outs):
-      if not isinstance(v, core.DropVar):
-        env[v] = o
-        axes[v] = out_ax
+    outs, out_ax = _eval_eqn(ctx, eqn, invals, in_ax)
+    for v in eqn.outvars:
+      axes[v] = out_ax
     # A ref written here may now hold values that differ along more axes.
     for k in _written(eqn):
       v = eqn.invars[k]
       if not isinstance(v, core.Literal):
         axes[v] = axes_of(v) | out_ax | frozenset().union(*in_ax)
-  return [read(v) for v in jaxpr.outvars], [axes_of(v) for v in jaxpr.outvars]
+    return outs
+
+  outs = retrace(jaxpr, consts, args, eval_eqn)
+  return outs, [axes_of(v) for v in jaxpr.outvars]
 
 
 def _written(eqn) -> list[int]:

@@ -39,14 +39,14 @@ from typing import Any, Callable
 import numpy as np
 
 from jax import lax
-from jax._src import core, source_info_util
+from jax._src import core
 from jax._src.state import indexing
 from jax._src.state import types as state_types
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 import jax.extend.linear_util as lu
 
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace
 from dsl.memory import MemorySpace
 from dsl.primitives import run_scoped
 
@@ -210,31 +210,17 @@ def _bind(eqn, invals):
   return eqn.primitive.bind(*invals, **params)
 
 
+def _eval_eqn(eqn, invals):
+  if eqn.primitive in CALL_PRIMITIVES:
+    body = call_body(eqn.params, invals)
+    return _eval(*body) if body is not None else _bind(eqn, invals)
+  if eqn.primitive in _RULES.get():
+    return _RULES.get()[eqn.primitive](*invals, **eqn.params)
+  return _bind(eqn, invals)
+
+
 def _eval(jaxpr: core.Jaxpr, consts, args) -> list:
-  env: dict = {}
-
-  def read(v):
-    return v.val if isinstance(v, core.Literal) else env[v]
-
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=eqn.source_info.name_stack):
-      if eqn.primitive in CALL_PRIMITIVES:
-        body = call_body(eqn.params, invals)
-        outs = _eval(*body) if body is not None else _bind(eqn, invals)
-      elif eqn.primitive in _RULES.get():
-        outs = _RULES.get()[eqn.primitive](*invals, **eqn.params)
-      else:
-        outs = _bind(eqn, invals)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, o in zip(eqn.outvars, outs):
-      if not isinstance(v, core.DropVar):
-        env[v] = o
-  return [read(v) for v in jaxpr.outvars]
+  return retrace(jaxpr, consts, args, _eval_eqn)
 
 
 def _subjaxprs(params):

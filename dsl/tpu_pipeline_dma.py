@@ -55,28 +55,24 @@ from dsl.tpu_primitives import make_async_copy
 # Block indices are Python ints where an index map returns constants: these
 # keep such predicates Python bools, so no branch is emitted for them.
 
-def _or(a, b):
-  if isinstance(a, bool) and isinstance(b, bool):
-    return a or b
-  if a is True or b is True:
-    return True
-  if a is False:
+def _logic(a, b, absorbing: bool, op):
+  """`op(a, b)` for logical or (absorbing True) / and (absorbing False),
+  kept a Python bool where an operand decides it."""
+  if a is absorbing or b is absorbing:
+    return absorbing
+  if a is (not absorbing):
     return b
-  if b is False:
+  if b is (not absorbing):
     return a
-  return jnp.logical_or(a, b)
+  return op(a, b)
+
+
+def _or(a, b):
+  return _logic(a, b, True, jnp.logical_or)
 
 
 def _and(a, b):
-  if isinstance(a, bool) and isinstance(b, bool):
-    return a and b
-  if a is False or b is False:
-    return False
-  if a is True:
-    return b
-  if b is True:
-    return a
-  return jnp.logical_and(a, b)
+  return _logic(a, b, False, jnp.logical_and)
 
 
 def _not(a):

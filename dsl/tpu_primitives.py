@@ -591,11 +591,3 @@ def device_id():
     return jnp.int32(0)
   return _my_logical_id(axes)
 
-
-__all__ = [
-    "AsyncCopyDescriptor", "async_copy", "device_id", "dma_start_p",
-    "dma_wait_p", "get_barrier_semaphore", "get_barrier_semaphore_p",
-    "make_async_copy", "make_async_remote_copy",
-    "semaphore_read", "semaphore_read_p", "semaphore_signal",
-    "semaphore_signal_p", "semaphore_wait", "semaphore_wait_p",
-]

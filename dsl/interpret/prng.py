@@ -24,12 +24,12 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core, source_info_util
+from jax._src import core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from dsl.errors import KernelError, source_info_frame
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace
 from dsl.tpu_prng import prng_random_bits_p, prng_seed_p
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -180,28 +180,13 @@ def _run_closed(closed, state, *args):
 
 def _run(jaxpr: core.Jaxpr, consts, args, state) -> list:
   """Evaluates `jaxpr` in the current trace with the random state `state`."""
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  read = lambda a: a.val if isinstance(a, core.Literal) else env[a]
-  for eqn in jaxpr.eqns:
-    invals = [read(a) for a in eqn.invars]
-    name_stack = (source_info_util.current_name_stack()
-                  + eqn.source_info.name_stack)
-    with (source_info_util.user_context(eqn.source_info.traceback,
-                                        name_stack=name_stack),
-          eqn.ctx.manager):
-      rule = _threaded(eqn)
-      if rule is not None:
-        outs = rule(state, eqn, invals)
-      else:
-        params = eqn.primitive.get_bind_params(eqn.params)
-        outs = eqn.primitive.bind(*invals, **params)
-    if not eqn.primitive.multiple_results:
-      outs = [outs]
-    for v, o in zip(eqn.outvars, outs):
-      if not isinstance(v, core.DropVar):
-        env[v] = o
-  return [read(v) for v in jaxpr.outvars]
+  def eval_eqn(eqn, invals):
+    rule = _threaded(eqn)
+    if rule is not None:
+      return rule(state, eqn, invals)
+    params = eqn.primitive.get_bind_params(eqn.params)
+    return eqn.primitive.bind(*invals, **params)
+  return retrace(jaxpr, consts, args, eval_eqn)
 
 
 def with_prng_state(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
