@@ -57,8 +57,9 @@ def kernel_backend(name: str | None):
     _BACKEND.reset(token)
 
 
-def _backend_copies_blocks() -> bool:
-  """Whether the kernel being traced must copy HBM blocks into VMEM."""
+def traced_backend() -> str:
+  """The backend the kernel being traced is for (the automatic backend
+  counts as the default of JAX's platform)."""
   from dsl import backends, config
   name = _BACKEND.get()
   if name is _UNSET or name is None:
@@ -67,7 +68,12 @@ def _backend_copies_blocks() -> bool:
       name = "mosaic_gpu" if config.use_mosaic_gpu() else "triton"
     else:
       name = backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
-  return name not in _ADDRESSES_HBM
+  return name
+
+
+def _backend_copies_blocks() -> bool:
+  """Whether the kernel being traced must copy HBM blocks into VMEM."""
+  return traced_backend() not in _ADDRESSES_HBM
 
 
 def ref_memory_space(ref):
