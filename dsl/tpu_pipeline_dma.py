@@ -45,6 +45,7 @@ import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from dsl.blockspec import BlockSpec, Blocked, Element, squeezed
@@ -97,6 +98,16 @@ def _differ(xs, ys):
   return out
 
 
+def _branch(pred, if_true, if_false):
+  """`if_true()` where `pred` holds, else `if_false()` (chosen at trace
+  time for a Python bool)."""
+  if isinstance(pred, (bool, np.bool_)):
+    (if_true if pred else if_false)()
+  else:
+    lax.cond(pred, lambda: (if_true(), None)[1],
+             lambda: (if_false(), None)[1])
+
+
 def _flip(pred, slot):
   if pred is False:
     return slot
@@ -127,6 +138,13 @@ class _Stream:
   buf: Any = None       # VMEM ref of shape (nbuf, *block)
   sem: Any = None       # DMA semaphores (nbuf,)
 
+  def __post_init__(self):
+    from dsl.tpu_pipeline import traced_backend
+    # a TPU's DMAs copy whole tiles (see `_edge_dims`)
+    self.whole_tiles = traced_backend() == "mosaic"
+    self.edges = _edge_dims(self.spec, tuple(self.ref.shape), self.ref.dtype,
+                            self.whole_tiles)
+
   @property
   def block_shape(self) -> tuple[int, ...]:
     dims = (_block_dim(d) for d in self.spec.block_shape)
@@ -138,12 +156,6 @@ class _Stream:
 
   def block(self, indices) -> tuple:
     return block_indices(self.spec, self.label, indices)
-
-  def __post_init__(self):
-    from dsl.tpu_pipeline import traced_backend
-    self.whole_tiles = traced_backend() == "mosaic"
-    self.edges = _edge_dims(self.spec, tuple(self.ref.shape), self.ref.dtype,
-                            self.whole_tiles)
 
   def _copy(self, blk, slot, inward: bool):
     return _BlockCopy(self, blk, slot, inward)
@@ -231,8 +243,8 @@ def _tiles(rank: int, dtype) -> tuple[int, ...]:
 class _BlockCopy:
   """The DMA of one block between HBM and a VMEM slot. A block on the edge
   of its array (the last one along a dim that blocks do not tile) copies
-  only its in-bounds part, a window of static size, into the leading part
-  of the slot: which window is chosen at run time, one branch per edge dim
+  only its in-bounds part (rounded up to whole tiles on a TPU), a window of
+  static size, into the leading part of the slot: which window is chosen at run time, one branch per edge dim
   (each splits on whether the block index is the last one). `wait` takes
   the same branches, so each wait names the DMA that was started."""
 
@@ -250,8 +262,8 @@ class _BlockCopy:
     dim, _, last, extent = edges[k]
     i = self.blk[dim]
     is_last = (i == last) if isinstance(i, int) else jnp.asarray(i) == last
-    when(is_last)(lambda: self._each(fn, k + 1, {**partial, dim: extent}))
-    when(_not(is_last))(lambda: self._each(fn, k + 1, partial))
+    _branch(is_last, lambda: self._each(fn, k + 1, {**partial, dim: extent}),
+            lambda: self._each(fn, k + 1, partial))
 
   def start(self):
     poison = self.inward and _poisons_edges()
