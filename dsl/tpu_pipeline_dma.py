@@ -244,9 +244,10 @@ class _BlockCopy:
   """The DMA of one block between HBM and a VMEM slot. A block on the edge
   of its array (the last one along a dim that blocks do not tile) copies
   only its in-bounds part (rounded up to whole tiles on a TPU), a window of
-  static size, into the leading part of the slot: which window is chosen at run time, one branch per edge dim
-  (each splits on whether the block index is the last one). `wait` takes
-  the same branches, so each wait names the DMA that was started."""
+  static size, into the leading part of the slot. Which window is chosen
+  at run time, by one if/else per edge dim on whether the block index is
+  the last one; `wait` takes the same branches, so each wait names the DMA
+  that was started, of the same size."""
 
   def __init__(self, stream: _Stream, blk, slot, inward: bool):
     self.stream, self.blk, self.slot, self.inward = stream, blk, slot, inward

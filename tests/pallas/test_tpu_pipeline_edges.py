@@ -190,6 +190,34 @@ def test_squeezed_and_element_dims_with_edges(backend):
   assert_close(got, x + 1)
 
 
+def _negate_1d(x, backend):
+  def inner(x_ref, o_ref):
+    o_ref[...] = -x_ref[...]
+
+  def kernel(x_hbm, o_hbm):
+    spec = dsl.BlockSpec((256,), lambda i: (i,))
+    dtpu.emit_pipeline(inner, grid=(_cdiv(x_hbm.shape[0], 256),),
+                       in_specs=[spec], out_specs=[spec])(x_hbm, o_hbm)
+
+  return _call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1,
+               backend)(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_dim_int32(backend):
+  x = jnp.arange(300, dtype=jnp.int32) * 7 - 1000
+  np.testing.assert_array_equal(np.asarray(_negate_1d(x, backend)),
+                                np.asarray(-x))
+
+
+def test_one_dim_lowers_for_tpu():
+  """The lane edge of 44 elements is copied as one 128-element tile."""
+  x = jnp.arange(300, dtype=jnp.float32)
+  call, = golden.lower_tpu(functools.partial(_negate_1d, backend="mosaic"),
+                           x)
+  assert _dma_windows(call.module) == {(256,), (128,)}
+
+
 def _pallas(kind, x, y, bm, bn, bk=None):
   """The same pipeline in Pallas, on its TPU interpreter."""
   from jax.experimental import pallas as jpl
