@@ -57,9 +57,8 @@ def kernel_backend(name: str | None):
     _BACKEND.reset(token)
 
 
-def traced_backend() -> str:
-  """The backend the kernel being traced is for (the automatic backend
-  counts as the default of JAX's platform)."""
+def _backend_copies_blocks() -> bool:
+  """Whether the kernel being traced must copy HBM blocks into VMEM."""
   from dsl import backends, config
   name = _BACKEND.get()
   if name is _UNSET or name is None:
@@ -68,12 +67,20 @@ def traced_backend() -> str:
       name = "mosaic_gpu" if config.use_mosaic_gpu() else "triton"
     else:
       name = backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
+  return name not in _ADDRESSES_HBM
+
+
+def traced_backend() -> str:
+  """The backend the kernel being traced is for (the automatic backend
+  counts as the default of JAX's platform)."""
+  from dsl import backends, config
+  name = _BACKEND.get()
+  if name is _UNSET or name is None:
+    platform = jax.default_backend()
+    if platform == "gpu":
+      return "mosaic_gpu" if config.use_mosaic_gpu() else "triton"
+    return backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
   return name
-
-
-def _backend_copies_blocks() -> bool:
-  """Whether the kernel being traced must copy HBM blocks into VMEM."""
-  return traced_backend() not in _ADDRESSES_HBM
 
 
 def ref_memory_space(ref):
