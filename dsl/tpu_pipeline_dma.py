@@ -31,8 +31,8 @@ Pallas's named scopes (`ep_copy_in`, `ep_wait_in`, `ep_run_kernel`, ...:
 
 Blocks need not tile the array: along a dim whose block does not divide
 the array dim, the last block is a partial edge block, and its DMAs copy
-only the in-bounds part (a window of static size, `array dim % block dim`)
-between HBM and the leading part of the slot, in a branch taken when the
+only the in-bounds part (a window of static size, `array dim % block dim`,
+rounded up to whole tiles on a TPU) between HBM and the leading part of the slot, in a branch taken when the
 block index is the last one (see `_BlockCopy`). The rest of an input slot
 is unspecified, as in Pallas (poison on the host backends); only the
 in-bounds part of an output block is written back.
@@ -56,7 +56,7 @@ from dsl.primitives import run_scoped, when
 from dsl.refs import ds, unchecked_bounds
 from dsl.semaphores import SemaphoreType
 from dsl.tpu_pipeline import (block_indices, block_window, kernel_name,
-                              run_body)
+                              run_body, traced_backend)
 from dsl.tpu_primitives import make_async_copy
 
 
@@ -139,7 +139,6 @@ class _Stream:
   sem: Any = None       # DMA semaphores (nbuf,)
 
   def __post_init__(self):
-    from dsl.tpu_pipeline import traced_backend
     # a TPU's DMAs copy whole tiles (see `_edge_dims`)
     self.whole_tiles = traced_backend() == "mosaic"
     self.edges = _edge_dims(self.spec, tuple(self.ref.shape), self.ref.dtype,
@@ -283,7 +282,6 @@ class _BlockCopy:
 def _poisons_edges() -> bool:
   """Whether the part of an edge block's slot past the array is filled with
   poison: on the host backends, where memory is otherwise zeros or stale."""
-  from dsl.tpu_pipeline import traced_backend
   return traced_backend() in ("interpret", "mosaic_interpret")
 
 
