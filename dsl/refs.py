@@ -6,7 +6,9 @@ outside the block is an error at trace time instead of a silent clamp.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import dataclasses
 import sys
 
 import numpy as np
@@ -110,10 +112,43 @@ def check_static_indices(indices, shape) -> None:
                       f"shape {tuple(shape)}")
 
 
+# Set while windows that may reach past their ref are made.
+_UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "dsl_unchecked_bounds", default=False)
+
+
+@contextlib.contextmanager
+def unchecked_bounds():
+  """Windows made inside are not bounds-checked (by dsl or JAX): for the
+  DMAs of `emit_pipeline`'s edge blocks on a TPU, which reach into the
+  padding that an array in HBM has up to whole tiles."""
+  token = _UNCHECKED.set(True)
+  try:
+    yield
+  finally:
+    _UNCHECKED.reset(token)
+
+
+def _past_bounds(cls, indices, shape):
+  """The indexer of `indices` on `shape`, whose static `pl.ds` windows may
+  reach past `shape`."""
+  room = list(shape)
+  if isinstance(indices, tuple) and all(i is not ... for i in indices):
+    for dim, idx in enumerate(indices[:len(room)]):
+      if isinstance(idx, Slice):
+        start, size = _static_int(idx.start), _static_int(idx.size)
+        if start is not None and size is not None:
+          room[dim] = max(room[dim], start + size)
+  out = _original_from_indices_shape(cls, indices, tuple(room))
+  return dataclasses.replace(out, shape=tuple(shape), validate=False)
+
+
 _original_from_indices_shape = NDIndexer.from_indices_shape.__func__
 
 
 def _checked_from_indices_shape(cls, indices, shape):
+  if _UNCHECKED.get():
+    return _past_bounds(cls, indices, shape)
   check_static_indices(indices, shape)
   return _original_from_indices_shape(cls, indices, shape)
 

@@ -70,6 +70,19 @@ def _backend_copies_blocks() -> bool:
   return name not in _ADDRESSES_HBM
 
 
+def traced_backend() -> str:
+  """The backend the kernel being traced is for (the automatic backend
+  counts as the default of JAX's platform)."""
+  from dsl import backends, config
+  name = _BACKEND.get()
+  if name is _UNSET or name is None:
+    platform = jax.default_backend()
+    if platform == "gpu":
+      return "mosaic_gpu" if config.use_mosaic_gpu() else "triton"
+    return backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
+  return name
+
+
 def ref_memory_space(ref):
   """The memory space of a kernel ref or of a view of one (`x.at[...]`)."""
   base = getattr(ref, "ref", ref)

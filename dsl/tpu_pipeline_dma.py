@@ -29,25 +29,34 @@ Pallas's named scopes (`ep_copy_in`, `ep_wait_in`, `ep_run_kernel`, ...:
 `tpu.trace_start`/`trace_stop` for the profiler) unless
 `trace_scopes=False`.
 
-Blocks must tile the array: a block dim that does not divide its array dim
-(a partial edge block) is refused at trace time, naming the operand.
+Blocks need not tile the array: along a dim whose block does not divide
+the array dim, the last block is a partial edge block, and its DMAs copy
+only the in-bounds part (a window of static size, `array dim % block dim`,
+rounded up to whole tiles on a TPU) between HBM and the leading part of the slot, in a branch taken when the
+block index is the last one (see `_BlockCopy`). The rest of an input slot
+is unspecified, as in Pallas (poison on the host backends); only the
+in-bounds part of an output block is written back.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from dsl.blockspec import BlockSpec, Blocked, Element, squeezed
 from dsl.errors import KernelError, user_frame
 from dsl.memory import MemorySpace
+from dsl.poison import poison_full
 from dsl.primitives import run_scoped, when
+from dsl.refs import ds, unchecked_bounds
 from dsl.semaphores import SemaphoreType
 from dsl.tpu_pipeline import (block_indices, block_window, kernel_name,
-                              run_body)
+                              run_body, traced_backend)
 from dsl.tpu_primitives import make_async_copy
 
 
@@ -89,6 +98,16 @@ def _differ(xs, ys):
   return out
 
 
+def _branch(pred, if_true, if_false):
+  """`if_true()` where `pred` holds, else `if_false()` (chosen at trace
+  time for a Python bool)."""
+  if isinstance(pred, (bool, np.bool_)):
+    (if_true if pred else if_false)()
+  else:
+    lax.cond(pred, lambda: (if_true(), None)[1],
+             lambda: (if_false(), None)[1])
+
+
 def _flip(pred, slot):
   if pred is False:
     return slot
@@ -119,6 +138,12 @@ class _Stream:
   buf: Any = None       # VMEM ref of shape (nbuf, *block)
   sem: Any = None       # DMA semaphores (nbuf,)
 
+  def __post_init__(self):
+    # a TPU's DMAs copy whole tiles (see `_edge_dims`)
+    self.whole_tiles = traced_backend() == "mosaic"
+    self.edges = _edge_dims(self.spec, tuple(self.ref.shape), self.ref.dtype,
+                            self.whole_tiles)
+
   @property
   def block_shape(self) -> tuple[int, ...]:
     dims = (_block_dim(d) for d in self.spec.block_shape)
@@ -132,10 +157,34 @@ class _Stream:
     return block_indices(self.spec, self.label, indices)
 
   def _copy(self, blk, slot, inward: bool):
-    hbm = self.ref.at[block_window(self.spec, blk)]
-    vmem = self.buf.at[slot]
+    return _BlockCopy(self, blk, slot, inward)
+
+  def descriptor(self, blk, slot, inward: bool, partial: dict):
+    """The DMA of block `blk` to or from `slot`; `partial` maps an edge dim
+    to the extent of the block there (the in-bounds part, copied into the
+    leading part of the slot)."""
+    window = list(block_window(self.spec, blk))
+    inner = [slot]
+    for dim, d in enumerate(self.spec.block_shape):
+      size = _block_dim(d)
+      if size is None:
+        continue
+      if dim in partial:     # the last block: its start is static
+        window[dim] = ds(self.ref.shape[dim] // size * size, partial[dim])
+      inner.append(ds(0, partial.get(dim, size)))
+    # on a TPU, an edge window may reach into the array's tile padding
+    with (unchecked_bounds() if partial and self.whole_tiles
+          else contextlib.nullcontext()):
+      hbm = self.ref.at[tuple(window)]
+    vmem = self.buf.at[tuple(inner)] if partial else self.buf.at[slot]
     src, dst = (hbm, vmem) if inward else (vmem, hbm)
     return make_async_copy(src, dst, self.sem.at[slot])
+
+  def poison(self, slot):
+    """Fills `slot` with poison (before an edge block lands in its leading
+    part: the rest then reads poison on the host backends)."""
+    view = self.buf.at[slot]
+    view[...] = poison_full(view.shape, self.ref.dtype)
 
   def copy_in(self, blk, slot):
     return self._copy(blk, slot, inward=True)
@@ -145,14 +194,14 @@ class _Stream:
 
 
 def _check_stream(ref, spec: BlockSpec, label: str) -> None:
-  """Refuses blocks that do not tile `ref` (partial edge blocks)."""
+  """Refuses block shapes that do not fit `ref`'s rank or are not sizes."""
   where = spec.where or user_frame()
   shape = tuple(ref.shape)
   if len(spec.block_shape) != len(shape):
     raise KernelError(kernel_name(), f"block shape {tuple(spec.block_shape)} "
                       f"has rank {len(spec.block_shape)} but the operand has "
                       f"shape {shape}", where, operand=label)
-  for dim, (d, n) in enumerate(zip(spec.block_shape, shape)):
+  for dim, d in enumerate(spec.block_shape):
     size = _block_dim(d)
     if size is None or isinstance(d, Element):
       continue
@@ -160,13 +209,80 @@ def _check_stream(ref, spec: BlockSpec, label: str) -> None:
       raise KernelError(kernel_name(), f"block dim {dim} must be a positive "
                         f"integer, None or Element, got {d!r}", where,
                         operand=label)
-    if n % size:
-      raise KernelError(
-          kernel_name(), f"block {tuple(spec.block_shape)} does not tile the "
-          f"operand of shape {shape}: dim {dim} ({n}) is not a multiple of "
-          f"{size}. An operand in HBM is copied into VMEM block by block and "
-          f"partial edge blocks are not supported; pad the array or pick a "
-          f"block that divides it", where, operand=label)
+
+
+def _edge_dims(spec: BlockSpec, shape, dtype, whole_tiles: bool) -> tuple:
+  """(dim, block size, index of the partial block, the extent its DMAs
+  copy) of each blocked dim whose block does not divide the array dim. The
+  extent is the in-bounds part, or with `whole_tiles` (a TPU, whose DMAs
+  move whole tiles of the two minor dims; an array in HBM is stored padded
+  to tiles) that part rounded up to tiles, at most the block."""
+  out = []
+  tiles = _tiles(len(shape), dtype)
+  for dim, (d, n) in enumerate(zip(spec.block_shape, shape)):
+    size = _block_dim(d)
+    if size is None or isinstance(d, Element) or n % size == 0:
+      continue
+    extent = n % size
+    if whole_tiles and tiles[dim] > 1:
+      extent = min(-(-extent // tiles[dim]) * tiles[dim], size)
+    out.append((dim, size, n // size, extent))
+  return tuple(out)
+
+
+def _tiles(rank: int, dtype) -> tuple[int, ...]:
+  """The TPU's tile of each dim of an array (1: untiled): (8, 128) for
+  32-bit types on the two minor dims, more rows for narrower types."""
+  packing = max(1, 4 // jnp.dtype(dtype).itemsize)
+  if rank == 1:
+    return (128 * packing,)
+  return (1,) * (rank - 2) + (8 * packing, 128)
+
+
+class _BlockCopy:
+  """The DMA of one block between HBM and a VMEM slot. A block on the edge
+  of its array (the last one along a dim that blocks do not tile) copies
+  only its in-bounds part (rounded up to whole tiles on a TPU), a window of
+  static size, into the leading part of the slot. Which window is chosen
+  at run time, by one if/else per edge dim on whether the block index is
+  the last one; `wait` takes the same branches, so each wait names the DMA
+  that was started, of the same size."""
+
+  def __init__(self, stream: _Stream, blk, slot, inward: bool):
+    self.stream, self.blk, self.slot, self.inward = stream, blk, slot, inward
+
+  def _each(self, fn, k: int = 0, partial=None):
+    """`fn(descriptor, partial)` in the branch of this block's edges."""
+    partial = partial or {}
+    edges = self.stream.edges
+    if k == len(edges):
+      fn(self.stream.descriptor(self.blk, self.slot, self.inward, partial),
+         partial)
+      return
+    dim, _, last, extent = edges[k]
+    i = self.blk[dim]
+    is_last = (i == last) if isinstance(i, int) else jnp.asarray(i) == last
+    _branch(is_last, lambda: self._each(fn, k + 1, {**partial, dim: extent}),
+            lambda: self._each(fn, k + 1, partial))
+
+  def start(self):
+    poison = self.inward and _poisons_edges()
+
+    def go(copy, partial):
+      if partial and poison:
+        self.stream.poison(self.slot)
+      copy.start()
+    self._each(go)
+    return self
+
+  def wait(self):
+    self._each(lambda copy, partial: copy.wait())
+
+
+def _poisons_edges() -> bool:
+  """Whether the part of an edge block's slot past the array is filled with
+  poison: on the host backends, where memory is otherwise zeros or stale."""
+  return traced_backend() in ("interpret", "mosaic_interpret")
 
 
 def _buffer_count(spec: BlockSpec, buffered: bool) -> int:
