@@ -57,7 +57,7 @@ def kernel_backend(name: str | None):
     _BACKEND.reset(token)
 
 
-def _backend_copies_blocks() -> bool:
+def backend_copies_blocks() -> bool:
   """Whether the kernel being traced must copy HBM blocks into VMEM."""
   from dsl import backends, config
   name = _BACKEND.get()
@@ -188,7 +188,7 @@ def emit_pipeline(body, *, grid, in_specs=(), out_specs=(), tiling=None,
                         f"and {len(out_specs)} out_specs but was called with "
                         f"{len(refs)} refs", user_frame())
     scratches = tuple(scratches or ())
-    copied = [_backend_copies_blocks() and in_hbm(r)
+    copied = [backend_copies_blocks() and in_hbm(r)
               and s is not None and s.block_shape is not None
               for r, s in zip(refs, specs)]
     if any(copied):
