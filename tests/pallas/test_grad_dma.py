@@ -249,3 +249,20 @@ def test_remote_dma_is_refused_with_a_clear_error():
   x = jnp.ones((8 * n, 128), f32)
   with pytest.raises(KernelError, match=r"kernel 'kernel'.*remote DMA"):
     jax.jvp(g, (x,), (x,))
+
+
+@pytest.mark.parametrize("config", [((8, 0, 0), (0, 0, 0)),
+                                    ((0, 8, 0), (128, 0, 0)),
+                                    ((-8, 16, 0), (0, 0, 0))])
+def test_pad_on_mosaic(config):
+  """`lax.pad` (the transpose of a static slice) runs on Mosaic as a buffer
+  round trip, negative padding included."""
+  (x,) = _data((16, 128))
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jax.lax.pad(x_ref[...], jnp.float32(1.5), config)
+
+  want = jax.lax.pad(x, jnp.float32(1.5), config)
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(want.shape, f32),
+                       backend="mosaic_interpret")(x)
+  np.testing.assert_array_equal(got, want)
