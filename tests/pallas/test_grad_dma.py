@@ -158,12 +158,13 @@ def test_grads(backend, name):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_source_without_tangent_gives_zero_tangent(backend):
   """A DMA from an input that is not differentiated writes zeros into the
-  tangent of its destination."""
+  tangent of its destination (poisoned buffers would show it missing)."""
   x, w = _data((32, 128), (8, 128))
   f = lambda w: double_buffered(x, w, backend)
-  _, t = jax.jvp(f, (w,), (jnp.ones_like(w),))
+  with pl.config.poison_buffers_option(True):
+    _, t = jax.jvp(f, (w,), (jnp.ones_like(w),))
+    g = jax.grad(lambda w: jnp.sum(f(w)))(w)
   np.testing.assert_allclose(t, jnp.sin(x), rtol=1e-5, atol=1e-5)
-  g = jax.grad(lambda w: jnp.sum(f(w)))(w)
   np.testing.assert_allclose(g, jnp.sin(x).reshape(4, 8, 128).sum(0),
                              rtol=1e-4, atol=1e-4)
 
