@@ -22,6 +22,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import dsl as pl
 from dsl import tpu as pltpu
 from dsl.errors import KernelError
+from lowering_mosaic import promela
+from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
 from tests.pallas import test_tpu_pipeline as pipe
 from tests.pallas.test_grad_corpus import _check, _data
@@ -267,3 +269,20 @@ def test_pad_on_mosaic(config):
   got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(want.shape, f32),
                        backend="mosaic_interpret")(x)
   np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(not promela.spin_available()[0],
+                    reason=str(promela.spin_available()[1]))
+@pytest.mark.parametrize("name", ["double_buffered",
+                                  "emit_pipeline_elementwise"])
+def test_spin_finds_no_race_or_deadlock_in_derived_kernels(name):
+  """SPIN explores every order of the DMAs of the jvp, recording and
+  transposed kernels' TPU modules (the tangent copies next to the
+  pipeline's, the staging copies of the transposed kernel)."""
+  kernel, _, shapes = CASES[name]
+  args = tuple(_data(*shapes))
+  f = functools.partial(kernel, backend="mosaic")
+  jvp = verify(lambda *a: jax.jvp(f, a, a), *args)
+  grad = verify(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1)), *args)
+  for report in [jvp, *grad]:
+    assert report.kind == "ok", str(report)
