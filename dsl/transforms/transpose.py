@@ -32,7 +32,7 @@ from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    point_function, sds, split)
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
-from dsl.transforms.staging import is_semaphore, with_vmem_copies
+from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 
 
 # ----------------------------------------------------------- linearize
@@ -250,8 +250,8 @@ def _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz):
 
 
 def _zero_at_first_point(ids, refs):
-  """Zeros `refs` at the first grid point: the cotangent of the scratch
-  state the kernel leaves is 0 (the buffers start as poison with
+  """Zeros `refs` at the first grid point (e.g. the cotangent of the
+  scratch state the kernel leaves is 0; scratch starts as poison with
   jax_pallas_poison_buffers, as on hardware)."""
   if not refs:
     return
@@ -294,9 +294,15 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
     _zero_at_first_point(raw, ct_scr_refs)
     staged = in_refs + ct_in_refs + ct_out_refs
     writes = [False] * n_in + [True] * (n_ct_in + n_ct_out)
-    with_vmem_copies(staged, [True] * len(staged), writes, lambda *r: point(
-        ids, pf_refs, rec_refs, ct_scr_refs,
-        *split(r, n_in, n_ct_in, n_ct_out)))
+    whole = [in_hbm(r.aval) for r in ct_in_refs]
+
+    def on_buffers(*r):
+      ins, ct_ins, ct_outs = split(r, n_in, n_ct_in, n_ct_out)
+      # A cotangent in HBM is the whole array at every point: it starts at 0
+      # (the output it is copied from starts uninitialized on a TPU).
+      _zero_at_first_point(raw, [c for c, w in zip(ct_ins, whole) if w])
+      point(ids, pf_refs, rec_refs, ct_scr_refs, ins, ct_ins, ct_outs)
+    with_vmem_copies(staged, [True] * len(staged), writes, on_buffers)
 
   def point(ids, pf_refs, rec_refs, ct_scr_refs, in_refs, ct_in_refs,
             ct_out_refs):
