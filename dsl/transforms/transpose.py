@@ -265,6 +265,23 @@ def _zero_at_first_point(ids, refs):
       r[...] = jnp.zeros(r.shape, r.dtype)
 
 
+def _staged(raw_ids, in_refs, ct_in_refs, ct_out_refs, run):
+  """`run(ins, ct_ins, ct_outs)` on VMEM copies of the refs in HBM (see
+  `staging`); the cotangents are copied back."""
+  n_in, n_ct_in, n_ct_out = len(in_refs), len(ct_in_refs), len(ct_out_refs)
+  refs = list(in_refs) + list(ct_in_refs) + list(ct_out_refs)
+  writes = [False] * n_in + [True] * (n_ct_in + n_ct_out)
+  whole = [in_hbm(r.aval) for r in ct_in_refs]
+
+  def on_buffers(*r):
+    ins, ct_ins, ct_outs = split(r, n_in, n_ct_in, n_ct_out)
+    # A cotangent in HBM is the whole array at every point: it starts at 0
+    # (the output it is copied from starts uninitialized on a TPU).
+    _zero_at_first_point(raw_ids, [c for c, w in zip(ct_ins, whole) if w])
+    run(ins, ct_ins, ct_outs)
+  with_vmem_copies(refs, [True] * len(refs), writes, on_buffers)
+
+
 def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
@@ -292,17 +309,8 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
      ct_scr_refs) = split(refs, n_pf, n_in, n_rec, n_ct_out, n_ct_in,
                           n_ct_out, len(ct_scr_avals))
     _zero_at_first_point(raw, ct_scr_refs)
-    staged = in_refs + ct_in_refs + ct_out_refs
-    writes = [False] * n_in + [True] * (n_ct_in + n_ct_out)
-    whole = [in_hbm(r.aval) for r in ct_in_refs]
-
-    def on_buffers(*r):
-      ins, ct_ins, ct_outs = split(r, n_in, n_ct_in, n_ct_out)
-      # A cotangent in HBM is the whole array at every point: it starts at 0
-      # (the output it is copied from starts uninitialized on a TPU).
-      _zero_at_first_point(raw, [c for c, w in zip(ct_ins, whole) if w])
-      point(ids, pf_refs, rec_refs, ct_scr_refs, ins, ct_ins, ct_outs)
-    with_vmem_copies(staged, [True] * len(staged), writes, on_buffers)
+    _staged(raw, in_refs, ct_in_refs, ct_out_refs, lambda *r: point(
+        ids, pf_refs, rec_refs, ct_scr_refs, *r))
 
   def point(ids, pf_refs, rec_refs, ct_scr_refs, in_refs, ct_in_refs,
             ct_out_refs):
