@@ -134,6 +134,30 @@ VALUES_IN_MEMORY[lax.dynamic_slice_p] = _dynamic_slice
 VALUES_IN_MEMORY[lax.dynamic_update_slice_p] = _dynamic_update_slice
 
 
+def _pad(x, padding_value, *, padding_config):
+  """`lax.pad` without interior padding (the transpose of a static slice)
+  as a buffer round trip: fill with the padding value, store `x` (trimmed
+  where a padding is negative) at its static offsets."""
+  if any(interior for _, _, interior in padding_config):
+    return lax.pad_p.bind(x, padding_value, padding_config=padding_config)
+  lo = [max(0, -l) for l, _, _ in padding_config]
+  hi = [n - max(0, -h) for n, (_, h, _) in zip(x.shape, padding_config)]
+  x = lax.slice(x, lo, hi)
+  shape = tuple(n + max(0, l) + max(0, h)
+                for n, (l, h, _) in zip(x.shape, padding_config))
+  window = tuple(indexing.Slice(max(0, l), n)
+                 for n, (l, _, _) in zip(x.shape, padding_config))
+
+  def scoped(ref):
+    ref[...] = lax.full(shape, padding_value, x.dtype)
+    ref[window] = x
+    return ref[...]
+  return run_scoped(scoped, _buffer(shape, x.dtype))
+
+
+VALUES_IN_MEMORY[lax.pad_p] = _pad
+
+
 def scan_layout(params: dict) -> tuple[int, int, int, int]:
   """(consts, carry, xs, ys) counts of a scan equation."""
   n_consts, n_carry, n_xs = (len(p) for p in params["ft_in"].unpack())

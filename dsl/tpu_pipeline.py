@@ -57,19 +57,6 @@ def kernel_backend(name: str | None):
     _BACKEND.reset(token)
 
 
-def _backend_copies_blocks() -> bool:
-  """Whether the kernel being traced must copy HBM blocks into VMEM."""
-  from dsl import backends, config
-  name = _BACKEND.get()
-  if name is _UNSET or name is None:
-    platform = jax.default_backend()
-    if platform == "gpu":
-      name = "mosaic_gpu" if config.use_mosaic_gpu() else "triton"
-    else:
-      name = backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
-  return name not in _ADDRESSES_HBM
-
-
 def traced_backend() -> str:
   """The backend the kernel being traced is for (the automatic backend
   counts as the default of JAX's platform)."""
@@ -81,6 +68,11 @@ def traced_backend() -> str:
       return "mosaic_gpu" if config.use_mosaic_gpu() else "triton"
     return backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
   return name
+
+
+def backend_copies_blocks() -> bool:
+  """Whether the kernel being traced must copy HBM blocks into VMEM."""
+  return traced_backend() not in _ADDRESSES_HBM
 
 
 def ref_memory_space(ref):
@@ -201,7 +193,7 @@ def emit_pipeline(body, *, grid, in_specs=(), out_specs=(), tiling=None,
                         f"and {len(out_specs)} out_specs but was called with "
                         f"{len(refs)} refs", user_frame())
     scratches = tuple(scratches or ())
-    copied = [_backend_copies_blocks() and in_hbm(r)
+    copied = [backend_copies_blocks() and in_hbm(r)
               and s is not None and s.block_shape is not None
               for r, s in zip(refs, specs)]
     if any(copied):

@@ -35,9 +35,12 @@ def kernel_specs(jaxpr: core.Jaxpr, mesh_axes=()):
 
 def to_modules(f, *args, **kwargs):
   """The Mosaic modules (ir.Module) of the pallas_calls in `f(*args)`."""
+  from dsl.normalize import normalize
   closed = jax.make_jaxpr(f)(*args, **kwargs)
   mods = []
   for spec, mesh_axes in kernel_specs(closed.jaxpr):
+    with core.extend_axis_env_nd(list(mesh_axes)):   # as lowering does
+      spec = normalize(spec, values_in_memory=True)
     module = build_module(spec, mesh_axes)
     dump_module(spec, module)
     mods.append(module)

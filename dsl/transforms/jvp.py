@@ -9,6 +9,7 @@ from __future__ import annotations
 from jax._src import core
 from jax._src.interpreters import ad
 
+from dsl.errors import KernelError
 from dsl.pallas_call import KernelSpec, pallas_call_p
 from dsl.tracing import program_id
 from dsl.dtypes import has_tangent
@@ -31,6 +32,16 @@ def input_tangent_mask(spec: KernelSpec, nonzeros):
                             gm.in_mappings)]
 
 
+def _jvp_jaxpr(spec: KernelSpec, nonzeros):
+  try:
+    return ad.jvp_jaxpr(spec.jaxpr, nonzeros, instantiate=False)[0]
+  except KernelError as e:
+    if e.kernel != "<kernel>":
+      raise
+    raise KernelError(spec.name, e.short, e.where or spec.where,
+                      e.operand) from e
+
+
 def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
   """The kernel that computes primal and tangent outputs together.
 
@@ -42,7 +53,7 @@ def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   out_nz, scr_nz = tangent_pattern(spec, in_nz)
   nonzeros = ([False] * (n_grid + n_pf) + list(in_nz) + out_nz + scr_nz)
-  jj, _ = ad.jvp_jaxpr(spec.jaxpr, nonzeros, instantiate=False)
+  jj = _jvp_jaxpr(spec, nonzeros)
   n_tin, n_tout, n_tscr = sum(in_nz), sum(out_nz), sum(scr_nz)
 
   def body(*refs):

@@ -25,13 +25,14 @@ from jax._src.interpreters import partial_eval as pe
 from dsl.errors import KernelError, source_info_frame
 from dsl.interpret.plan import make_plan
 from dsl.pallas_call import KernelSpec, pallas_call_p, sharded_like
-from dsl.primitives import run_scoped
+from dsl.primitives import run_scoped, when
 from dsl.tracing import program_id
 from dsl.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    point_function, sds, split)
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
+from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 
 
 # ----------------------------------------------------------- linearize
@@ -115,21 +116,34 @@ def _float_call(F, ids, pf, ins, outs, scr, fi, fo, fs):
           [x for x in s if has_tangent(x.dtype)])
 
 
+def _state_refs(gm):
+  """The kernel's output and scratch refs (their avals), and which of them
+  the recording kernel saves: all but semaphores, whose counts no tangent
+  depends on."""
+  avals = ([bm.ref_aval for bm in gm.out_mappings] + list(gm.scratch_avals))
+  return avals, [not is_semaphore(a) for a in avals]
+
+
 def _recording_spec(spec: KernelSpec) -> KernelSpec:
   """The forward kernel, also saving every point's entry out/scratch blocks."""
   gm = spec.grid_mapping
   n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
-  state_avals = ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
-                 + [a.inner_aval for a in gm.scratch_avals])
+  state_refs, kept = _state_refs(gm)
+  state_avals = [a.inner_aval for a, k in zip(state_refs, kept) if k]
+
+  def record(rec, states):
+    for r, s in zip(rec, states):
+      r[...] = s[...]
 
   def body(*refs):
     # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
     ids = [program_id(d) for d in range(n_grid)]
     base, rec, scr = split(refs, n_pf + n_in + n_out, len(state_avals), n_scr)
     ops = gm.split(base + scr)
-    for r, s in zip(rec, ops.outputs + ops.scratch):
-      r[...] = s[...]
+    states = [s for s, k in zip(ops.outputs + ops.scratch, kept) if k]
+    with_vmem_copies(states, [True] * len(states), [False] * len(states),
+                     lambda *s: record(rec, s))
     pf_refs, in_refs = base[:n_pf], base[n_pf:n_pf + n_in]
     copied = [k for k, bm in enumerate(gm.in_mappings) if _overhangs(bm)]
     if not copied:
@@ -235,6 +249,39 @@ def _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz):
   return jax.linear_transpose(tangent_map, t_in_ex, fl(outs_e), fl(scr_e))
 
 
+def _zero_at_first_point(ids, refs):
+  """Zeros `refs` at the first grid point (e.g. the cotangent of the
+  scratch state the kernel leaves is 0; scratch starts as poison with
+  jax_pallas_poison_buffers, as on hardware)."""
+  if not refs:
+    return
+  first = jnp.bool_(True)
+  for i in ids:
+    first = first & (i == 0)
+
+  @when(first)
+  def _():
+    for r in refs:
+      r[...] = jnp.zeros(r.shape, r.dtype)
+
+
+def _staged(raw_ids, in_refs, ct_in_refs, ct_out_refs, run):
+  """`run(ins, ct_ins, ct_outs)` on VMEM copies of the refs in HBM (see
+  `staging`); the cotangents are copied back."""
+  n_in, n_ct_in, n_ct_out = len(in_refs), len(ct_in_refs), len(ct_out_refs)
+  refs = list(in_refs) + list(ct_in_refs) + list(ct_out_refs)
+  writes = [False] * n_in + [True] * (n_ct_in + n_ct_out)
+  whole = [in_hbm(r.aval) for r in ct_in_refs]
+
+  def on_buffers(*r):
+    ins, ct_ins, ct_outs = split(r, n_in, n_ct_in, n_ct_out)
+    # A cotangent in HBM is the whole array at every point: it starts at 0
+    # (the output it is copied from starts uninitialized on a TPU).
+    _zero_at_first_point(raw_ids, [c for c, w in zip(ct_ins, whole) if w])
+    run(ins, ct_ins, ct_outs)
+  with_vmem_copies(refs, [True] * len(refs), writes, on_buffers)
+
+
 def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
@@ -248,26 +295,34 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
 
   out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
   scr_f = [has_tangent(a.inner_aval.dtype) for a in gm.scratch_avals]
-  state_avals = ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
-                 + [a.inner_aval for a in gm.scratch_avals])
+  state_refs, kept = _state_refs(gm)
+  all_states = [a.inner_aval for a in state_refs]
+  state_avals = [a for a, k in zip(all_states, kept) if k]
   n_rec = len(state_avals) if recorded else 0
   n_ct_out, n_ct_in = sum(out_f), sum(in_nz)
   ct_scr_avals = [a for a, f in zip(gm.scratch_avals, scr_f) if f]
 
   def body(*refs):
-    ids = rev([program_id(d) for d in range(n_grid)])
+    raw = [program_id(d) for d in range(n_grid)]
+    ids = rev(raw)
     (pf_refs, in_refs, rec_refs, _ct_out_in, ct_in_refs, ct_out_refs,
      ct_scr_refs) = split(refs, n_pf, n_in, n_rec, n_ct_out, n_ct_in,
                           n_ct_out, len(ct_scr_avals))
+    _zero_at_first_point(raw, ct_scr_refs)
+    _staged(raw, in_refs, ct_in_refs, ct_out_refs, lambda *r: point(
+        ids, pf_refs, rec_refs, ct_scr_refs, *r))
+
+  def point(ids, pf_refs, rec_refs, ct_scr_refs, in_refs, ct_in_refs,
+            ct_out_refs):
     pf = list(pf_refs)      # SMEM: read by the kernel a scalar at a time
     ins = [_zero_past_array(r[...], bm, ids, pf_refs)
            for r, bm in zip(in_refs, gm.in_mappings)]
+    recs = iter(rec_refs)
+    entry = [next(recs)[...] if recorded and k else jnp.zeros(a.shape, a.dtype)
+             for a, k in zip(all_states, kept)]
     if recorded:
-      entry = [r[...] for r in rec_refs]
       entry[:n_out] = [_zero_past_array(x, bm, ids, pf_refs)
                        for x, bm in zip(entry, gm.out_mappings)]
-    else:
-      entry = [jnp.zeros(a.shape, a.dtype) for a in state_avals]
     outs_e, scr_e = entry[:n_out], entry[n_out:]
 
     transposed = _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
