@@ -32,6 +32,9 @@ from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    point_function, sds, split)
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
+from dsl.transforms.revisits import (first_visit, per_point_sds,
+                                    per_point_spec, revisits_consecutively,
+                                    scatter_contributions)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 
 
@@ -132,9 +135,19 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   state_refs, kept = _state_refs(gm)
   state_avals = [a.inner_aval for a, k in zip(state_refs, kept) if k]
 
-  def record(rec, states):
-    for r, s in zip(rec, states):
-      r[...] = s[...]
+  aliased = {o for _, o in spec.input_output_aliases}
+  # A TPU never reads an output block in: at the first of a run of visits
+  # it holds stale data, which a correct kernel does not read; its entry
+  # state is recorded as zeros (aliased outputs keep theirs, as on the
+  # host backends).
+  fresh = [bm if o not in aliased else None
+           for o, bm in enumerate(gm.out_mappings)] + [None] * n_scr
+  fresh = [f for f, k in zip(fresh, kept) if k]
+
+  def record(rec, states, firsts):
+    for r, s, first in zip(rec, states, firsts):
+      r[...] = s[...] if first is None else jnp.where(
+          first, jnp.zeros(s.shape, s.dtype), s[...])
 
   def body(*refs):
     # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
@@ -142,8 +155,10 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     base, rec, scr = split(refs, n_pf + n_in + n_out, len(state_avals), n_scr)
     ops = gm.split(base + scr)
     states = [s for s, k in zip(ops.outputs + ops.scratch, kept) if k]
+    firsts = [None if bm is None else first_visit(
+        bm, gm.grid, ids, lambda i: i, base[:n_pf]) for bm in fresh]
     with_vmem_copies(states, [True] * len(states), [False] * len(states),
-                     lambda *s: record(rec, s))
+                     lambda *s: record(rec, s, firsts))
     pf_refs, in_refs = base[:n_pf], base[n_pf:n_pf + n_in]
     copied = [k for k, bm in enumerate(gm.in_mappings) if _overhangs(bm)]
     if not copied:
@@ -176,24 +191,13 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
       suffix="record")
 
 
-def _record_pad(aval) -> int:
-  """Unit dims between a record's grid dims and its state's: a TPU block
-  may squeeze its last two dims only where the array's are 1, so a state
-  of rank < 2 gets unit dims there instead of grid dims."""
-  return max(0, 2 - len(aval.shape))
-
-
 def _record_sds(aval, grid) -> jax.ShapeDtypeStruct:
   """The array recording state `aval` at every grid point."""
-  return sds(aval, tuple(grid) + (1,) * _record_pad(aval))
+  return per_point_sds(aval.shape, aval.dtype, grid)
 
 
 def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
-  from dsl.blockspec import BlockSpec
-  pad = _record_pad(aval)
-  shape = (None,) * (n_grid + pad) + tuple(aval.shape)
-  return BlockSpec(shape, lambda *a: (*ids_fn(a[:n_grid]),)
-                   + (0,) * (pad + len(aval.shape)))
+  return per_point_spec(aval.shape, n_grid, ids_fn)
 
 
 # ----------------------------------------------------------- transpose
@@ -282,7 +286,39 @@ def _staged(raw_ids, in_refs, ct_in_refs, ct_out_refs, run):
   with_vmem_copies(refs, [True] * len(refs), writes, on_buffers)
 
 
-def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
+def _ct_in_kinds(gm, in_nz, sequential) -> list[str]:
+  """How each input cotangent is summed over the grid: "staged" (an operand
+  in HBM, staged whole through VMEM at every point), "inplace" (blocks
+  revisited only over consecutive steps of the transposed grid: zeroed at
+  the first, accumulated in the block) or "per_point" (each point's
+  contribution written to its own block, summed outside the kernel)."""
+  kinds = []
+  for bm, nz in zip(gm.in_mappings, in_nz):
+    if not nz:
+      continue
+    if in_hbm(bm.ref_aval):
+      kinds.append("staged")
+    elif revisits_consecutively(bm, gm.grid, sequential):
+      kinds.append("inplace")
+    else:
+      kinds.append("per_point")
+  return kinds
+
+
+def _accumulate(r, c, kind, first):
+  """Adds the cotangent `c` of a point into the ct_in ref `r` (see
+  `_ct_in_kinds`)."""
+  c = c.astype(r.dtype)
+  if kind == "per_point":
+    r[...] = c.reshape(r.shape)
+  elif kind == "inplace":
+    r[...] = jnp.where(first, jnp.zeros(r.shape, r.dtype), r[...]) + c
+  else:
+    r[...] += c
+
+
+def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
+  """The transposed kernel's spec, and `_ct_in_kinds` of its ct_ins."""
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
   n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
@@ -301,19 +337,31 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
   n_rec = len(state_avals) if recorded else 0
   n_ct_out, n_ct_in = sum(out_f), sum(in_nz)
   ct_scr_avals = [a for a, f in zip(gm.scratch_avals, scr_f) if f]
+  in_maps = list(gm.in_mappings)
+  ct_out_maps = [bm for bm, f in zip(gm.out_mappings, out_f) if f]
+  ct_in_maps = [bm for bm, nz in zip(in_maps, in_nz) if nz]
+  kinds = _ct_in_kinds(gm, in_nz, sequential)
 
   def body(*refs):
     raw = [program_id(d) for d in range(n_grid)]
     ids = rev(raw)
-    (pf_refs, in_refs, rec_refs, _ct_out_in, ct_in_refs, ct_out_refs,
+    (pf_refs, in_refs, rec_refs, ct_out_in, ct_in_refs, ct_out_refs,
      ct_scr_refs) = split(refs, n_pf, n_in, n_rec, n_ct_out, n_ct_in,
                           n_ct_out, len(ct_scr_avals))
     _zero_at_first_point(raw, ct_scr_refs)
+    # An output block is not read in on a TPU: at the first of a run of
+    # visits, the cotangent flowing in is the aliased input's block.
+    out_first = [None if in_hbm(bm.ref_aval) else
+                 first_visit(bm, grid, raw, rev, pf_refs) for bm in ct_out_maps]
+    in_first = [first_visit(bm, grid, raw, rev, pf_refs) if k == "inplace"
+                else None for bm, k in zip(ct_in_maps, kinds)]
     _staged(raw, in_refs, ct_in_refs, ct_out_refs, lambda *r: point(
-        ids, pf_refs, rec_refs, ct_scr_refs, *r))
+        ids, pf_refs, rec_refs, ct_scr_refs, (ct_out_in, out_first, in_first),
+        *r))
 
-  def point(ids, pf_refs, rec_refs, ct_scr_refs, in_refs, ct_in_refs,
+  def point(ids, pf_refs, rec_refs, ct_scr_refs, firsts, in_refs, ct_in_refs,
             ct_out_refs):
+    ct_out_in, out_first, in_first = firsts
     pf = list(pf_refs)      # SMEM: read by the kernel a scalar at a time
     ins = [_zero_past_array(r[...], bm, ids, pf_refs)
            for r, bm in zip(in_refs, gm.in_mappings)]
@@ -326,21 +374,22 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
     outs_e, scr_e = entry[:n_out], entry[n_out:]
 
     transposed = _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
-    ct_out_now = [_zero_past_array(r[...], bm, ids, pf_refs)
-                  for r, bm in zip(ct_out_refs, ct_out_maps)]
+    ct_out_now = [_zero_past_array(
+        r[...] if first is None else jnp.where(first, r_in[...], r[...]),
+        bm, ids, pf_refs)
+        for r, r_in, first, bm in zip(ct_out_refs, ct_out_in, out_first,
+                                      ct_out_maps)]
     ct_scr_now = [r[...] for r in ct_scr_refs]
     ct_tin, ct_tout, ct_tscr = transposed((ct_out_now, ct_scr_now))
-    for r, c in zip(ct_in_refs, ct_tin):
-      r[...] += c.astype(r.dtype)
+    for r, c, kind, first in zip(ct_in_refs, ct_tin, kinds, in_first):
+      _accumulate(r, c, kind, first)
     for r, c in zip(ct_out_refs, ct_tout):
       r[...] = c.astype(r.dtype)
     for r, c in zip(ct_scr_refs, ct_tscr):
       r[...] = c.astype(r.dtype)
 
   spec_of = lambda bm: block_spec_of(bm, n_grid, rev)
-  in_maps = list(gm.in_mappings)
-  ct_out_maps = [bm for bm, f in zip(gm.out_mappings, out_f) if f]
-  ct_in_maps = [bm for bm, nz in zip(in_maps, in_nz) if nz]
+  per_point = [k == "per_point" for k in kinds]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in in_maps]
           + ([_record_sds(a, grid) for a in state_avals] if recorded else [])
@@ -349,15 +398,19 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool) -> KernelSpec:
               + ([_record_block_spec(a, n_grid, rev) for a in state_avals]
                  if recorded else [])
               + [spec_of(bm) for bm in ct_out_maps])
-  out_shapes = ([sds(bm.array_aval) for bm in ct_in_maps]
+  out_shapes = ([per_point_sds(bm.kernel_shape, bm.array_aval.dtype, grid)
+                 if pp else sds(bm.array_aval)
+                 for bm, pp in zip(ct_in_maps, per_point)]
                 + [sds(bm.array_aval) for bm in ct_out_maps])
-  out_specs = [spec_of(bm) for bm in ct_in_maps + ct_out_maps]
+  out_specs = ([per_point_spec(bm.kernel_shape, n_grid, rev) if pp
+                else spec_of(bm) for bm, pp in zip(ct_in_maps, per_point)]
+               + [spec_of(bm) for bm in ct_out_maps])
   first_ct_out = n_pf + n_in + n_rec
   aliases = {first_ct_out + j: n_ct_in + j for j in range(n_ct_out)}
   return derived_spec(spec, body, args, out_shapes, grid=grid,
                       in_specs=in_specs, out_specs=out_specs,
                       scratch=ct_scr_avals, aliases=aliases,
-                      suffix="transpose")
+                      suffix="transpose"), kinds
 
 
 def pallas_call_transpose(cts, *args, spec: KernelSpec):
@@ -388,13 +441,18 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
     if recorded:
       rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
       rec = list(rec_outs[n_out:])
-    tspec = _transpose_spec(base, in_nz, recorded)
+    tspec, kinds = _transpose_spec(base, in_nz, recorded)
   except KernelError as e:
     _raise_for_while_loop(base, e)
     raise
   outs = pallas_call_p.bind(*primals, *rec, *ct_outs, spec=tspec)
   n_ct_in = sum(in_nz)
   ct_ins, ct_out_final = list(outs[:n_ct_in]), list(outs[n_ct_in:])
+  ct_in_maps = [bm for bm, nz in zip(gm.in_mappings, in_nz) if nz]
+  ct_ins = [scatter_contributions(c, bm, gm.grid,
+                                  primals[:gm.num_scalar_prefetch])
+            if kind == "per_point" else c
+            for c, bm, kind in zip(ct_ins, ct_in_maps, kinds)]
   # Aliased inputs also receive the cotangent of the output's initial value.
   final_by_out = dict(zip([o for o, f in enumerate(out_f) if f], ct_out_final))
   pos = {k: j for j, k in enumerate(k for k, nz in enumerate(in_nz) if nz)}

@@ -216,11 +216,13 @@ def _cond(backend):
 
 
 def _alias_kernel(x_ref, y_ref, o_ref):
-  o_ref[...] = o_ref[...] * jnp.cos(x_ref[...]) + y_ref[...]
+  # The output's buffer is y's; its old values are read through y_ref (a
+  # TPU never reads an output block in).
+  o_ref[...] = y_ref[...] * jnp.cos(x_ref[...]) + y_ref[...]
 
 
 def _input_output_aliases(backend):
-  """Output 0 starts as input 1: its cotangent flows back into `y`."""
+  """Output 0 reuses input 1's buffer: y's cotangent comes through it."""
   x, y = _data((16, 128), (16, 128))
   spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
   f = pl.pallas_call(_alias_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
@@ -296,7 +298,10 @@ def _masked_kernel(x_ref, init_ref, o_ref, *, n):
   plt.store(o_ref, jnp.exp(x) * x, mask=mask)
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
+# A TPU never reads an output block in, so a masked store leaves stale data
+# in the lanes it skips there: this kernel relies on the output being
+# written in place, as on GPUs and the host backends that model them.
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
 def test_check_grads_masked_load_store(backend):
   """Lanes past `n` are neither read nor written: their output keeps its
   initial contents (the aliased input), so their gradient is the identity."""

@@ -1,0 +1,117 @@
+"""Revisited blocks in derived kernels, under a TPU's output semantics.
+
+A TPU never reads an output block from HBM: when an output's block index
+changes, the new block's buffer holds stale data, and a block that the grid
+leaves and comes back to has lost what was written before. The kernels that
+reverse mode derives follow that rule on every backend:
+
+- an output block whose index maps revisit only over consecutive steps is
+  initialized at the first step of each run of visits (`first_visit`:
+  the block index differs from the previous step's);
+- an input cotangent whose blocks are revisited non-consecutively (a
+  matmul's dx over the j dim) is not accumulated in the kernel: each grid
+  point writes its own contribution into a per-point array
+  (`per_point_sds`, `per_point_spec`), and `scatter_contributions` adds
+  them up outside the kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core
+
+from dsl.blockspec import BlockSpec
+from dsl.interpret.execute import block_offsets
+from dsl.interpret.plan import evaluate_index_map
+
+
+def _pad(shape) -> int:
+  """Unit dims between a per-point array's grid dims and its block's: a TPU
+  block may squeeze its last two dims only where the array's are 1, so a
+  block of rank < 2 gets unit dims there instead of grid dims."""
+  return max(0, 2 - len(shape))
+
+
+def per_point_sds(shape, dtype, grid) -> jax.ShapeDtypeStruct:
+  """An array holding a block of `shape` for every grid point."""
+  return jax.ShapeDtypeStruct(
+      tuple(grid) + (1,) * _pad(shape) + tuple(shape), dtype)
+
+
+def per_point_spec(shape, n_grid, ids_fn=lambda ids: ids) -> BlockSpec:
+  """Grid point `ids` owns the block at `ids_fn(ids)` of a per-point array."""
+  pad = _pad(shape)
+  return BlockSpec((None,) * (n_grid + pad) + tuple(shape),
+                   lambda *a: (*ids_fn(a[:n_grid]),) + (0,) * (pad + len(shape)))
+
+
+def _block_index(bm, ids, pf_refs):
+  return core.jaxpr_as_fun(bm.index_map_jaxpr)(*ids, *pf_refs)
+
+
+def first_visit(bm, grid, raw, ids_fn, pf_refs):
+  """Whether the step at `raw` (the kernel's own ids, row-major) starts a
+  run of visits to its block of `bm` (whose index map takes `ids_fn(raw)`):
+  the first step, or one whose block differs from the previous step's."""
+  if not grid:
+    return jnp.bool_(True)
+  prev, borrow = list(raw), jnp.bool_(True)
+  for d in reversed(range(len(grid))):
+    wrap = borrow & (raw[d] == 0)
+    prev[d] = jnp.where(wrap, grid[d] - 1,
+                        jnp.where(borrow, raw[d] - 1, raw[d]))
+    borrow = wrap
+  now = _block_index(bm, ids_fn(raw), pf_refs)
+  before = _block_index(bm, ids_fn(prev), pf_refs)
+  changed = jnp.bool_(False)
+  for a, b in zip(now, before):
+    changed = changed | (a != b)
+  return borrow | changed       # `borrow` survives only at the first step
+
+
+def revisits_consecutively(bm, grid, sequential) -> bool:
+  """Whether, visiting the grid row-major with the `sequential` dims
+  reversed, every block of `bm` is visited in one run of steps. False when
+  the index map cannot be evaluated statically (it reads scalar prefetch)."""
+  idx = evaluate_index_map(bm, tuple(grid))
+  if idx is None:
+    return False
+  for d in sequential:
+    idx = np.flip(idx, axis=d)
+  rows = idx.reshape(math.prod(grid), -1)
+  if len(rows) < 2:
+    return True
+  starts = np.concatenate([[True], np.any(rows[1:] != rows[:-1], axis=1)])
+  return len(np.unique(rows[starts], axis=0)) == int(starts.sum())
+
+
+def scatter_contributions(contribs, bm, grid, prefetch):
+  """The sum, into an array like `bm`'s, of the block each grid point wrote
+  into the per-point array `contribs` (positions past the array dropped)."""
+  sizes = bm.block_sizes
+  n_points = math.prod(grid)
+  coords = [jnp.asarray(c.reshape(-1), jnp.int32) for c in np.indices(grid)]
+
+  def offsets(*ids):
+    return jnp.stack(block_offsets(bm, ids, prefetch))
+
+  starts = (jax.vmap(offsets)(*coords) if grid else offsets()[None])
+  # Element offsets count from the padded array's start: the accumulator
+  # has that padding in front and a block's room past the end.
+  front = [d.padding[0] if hasattr(d, "padding") else 0
+           for d in bm.block_shape]
+  shape = [f + n + b for f, n, b in zip(front, bm.array_aval.shape, sizes)]
+  acc = jnp.zeros(shape, contribs.dtype)
+  updates = contribs.reshape((n_points,) + tuple(sizes))
+  rank = len(sizes)
+  dnums = lax.ScatterDimensionNumbers(
+      update_window_dims=tuple(range(1, rank + 1)),
+      inserted_window_dims=(), scatter_dims_to_operand_dims=tuple(range(rank)))
+  acc = lax.scatter_add(acc, starts.astype(jnp.int32), updates, dnums,
+                        indices_are_sorted=False, unique_indices=False)
+  return acc[tuple(slice(f, f + n)
+                   for f, n in zip(front, bm.array_aval.shape))]
