@@ -289,16 +289,18 @@ def _staged(raw_ids, in_refs, ct_in_refs, ct_out_refs, run):
 def _ct_in_kinds(gm, in_nz, sequential) -> list[str]:
   """How each input cotangent is summed over the grid: "staged" (an operand
   in HBM, staged whole through VMEM at every point), "inplace" (blocks
-  revisited only over consecutive steps of the transposed grid: zeroed at
-  the first, accumulated in the block) or "per_point" (each point's
-  contribution written to its own block, summed outside the kernel)."""
+  revisited only over consecutive steps of the transposed grid, and no two
+  blocks overlapping: zeroed at the first, accumulated in the block) or
+  "per_point" (each point's contribution written to its own block, summed
+  outside the kernel)."""
   kinds = []
   for bm, nz in zip(gm.in_mappings, in_nz):
     if not nz:
       continue
     if in_hbm(bm.ref_aval):
       kinds.append("staged")
-    elif revisits_consecutively(bm, gm.grid, sequential):
+    elif not bm.has_element_dims and revisits_consecutively(
+        bm, gm.grid, sequential):     # Element windows may overlap
       kinds.append("inplace")
     else:
       kinds.append("per_point")

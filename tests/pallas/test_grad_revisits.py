@@ -1,0 +1,109 @@
+"""Reverse mode under a TPU's output semantics (dsl/transforms/revisits.py):
+input cotangents revisited non-consecutively are summed from per-point
+contributions, consecutive ones accumulated in place."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsl as pl
+from dsl.blockspec import Element
+from dsl.transforms import revisits
+from tests.pallas.testing import CPU_BACKENDS
+
+
+def _mapping(f, *args):
+  """The BlockMappings of the (only) pallas_call in `f`'s jaxpr."""
+  jaxpr = jax.make_jaxpr(f)(*args)
+  eqn = next(e for e in jaxpr.eqns if e.primitive.name == "pallas_call")
+  return eqn.params["spec"].grid_mapping
+
+
+def _matmul(backend, bm=8, bk=128, bn=128):
+  def kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
+                          preferred_element_type=jnp.float32)
+
+  def f(x, y):
+    m, k = x.shape
+    n = y.shape[1]
+    return pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
+        grid=(m // bm, n // bn, k // bk),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, l: (i, l)),
+                  pl.BlockSpec((bk, bn), lambda i, j, l: (l, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, l: (i, j)),
+        backend=backend)(x, y)
+  return f
+
+
+def test_matmul_cotangent_blocks_come_back_non_consecutively():
+  x = jnp.ones((16, 256), jnp.float32)
+  y = jnp.ones((256, 256), jnp.float32)
+  gm = _mapping(_matmul("interpret"), x, y)
+  dx, dy = gm.in_mappings
+  # Transposed grid: dim 2 (the reduction) sequential and reversed.
+  assert not revisits.revisits_consecutively(dx, gm.grid, {2})
+  assert not revisits.revisits_consecutively(dy, gm.grid, {2})
+  assert revisits.revisits_consecutively(gm.out_mappings[0], gm.grid, {2})
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("shape", [(16, 256, 256), (8, 384, 128)])
+def test_matmul_grads_sum_every_contribution(backend, shape):
+  m, k, n = shape
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  f = _matmul(backend)
+  _, vjp = jax.vjp(f, x, y)
+  dx, dy = vjp(ct)
+  want_dx, want_dy = jax.vjp(lambda a, b: a @ b, x, y)[1](ct)
+  np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-3)
+  np.testing.assert_allclose(dy, want_dy, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
+def test_overlapping_element_windows_sum_their_cotangents(backend):
+  """Windows of 16 rows at offsets 8*i overlap: each row's cotangent is
+  the sum over the windows that read it."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.sin(x_ref[0:8, :]) + x_ref[8:16, :] * 2.0
+
+  def f(x):
+    return pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct((24, 128), jnp.float32), grid=(3,),
+        in_specs=[pl.BlockSpec((Element(16), 128), lambda i: (i * 8, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+        backend=backend)(x)
+
+  def want(x):
+    return jnp.sin(x[0:24]) + 2.0 * x[8:32]
+
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((32, 128)),
+                  jnp.float32)
+  ct = jnp.ones((24, 128), jnp.float32)
+  np.testing.assert_allclose(f(x), want(x), rtol=1e-5, atol=1e-5)
+  got = jax.vjp(f, x)[1](ct)[0]
+  ref = jax.vjp(want, x)[1](ct)[0]
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_scatter_contributions_adds_overlaps_and_drops_the_edge():
+  def f(x):
+    return pl.pallas_call(
+        lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+        jax.ShapeDtypeStruct((20, 128), jnp.float32), grid=(3,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+        backend="interpret")(x)
+  gm = _mapping(f, jnp.zeros((20, 128), jnp.float32))
+  bm = gm.in_mappings[0]
+  contribs = jnp.ones((3, 8, 128), jnp.float32)
+  out = revisits.scatter_contributions(contribs, bm, gm.grid, ())
+  assert out.shape == (20, 128)
+  np.testing.assert_array_equal(out, np.ones((20, 128), np.float32))
