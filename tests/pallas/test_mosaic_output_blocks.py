@@ -83,7 +83,8 @@ def test_revisit_read_from_scalar_prefetch_is_a_runtime_error():
   with pytest.raises(pl.KernelRuntimeError, match=(
       r"kernel 'kernel': out_specs\[0\]: output block \(0, 0\) is visited "
       r"again at grid point \(1, 0\) after it was visited at grid point "
-      r"\(0, 0\) and written back.*innermost, or accumulate in scratch")):
+      r"\(0, 0\) and written back.*innermost, or accumulate in scratch "
+      r"\(at .*test_mosaic_output_blocks.py")):
     jax.block_until_ready(call(s, jnp.ones((16, 128), F32)))
   # Visited over consecutive steps only: fine.
   out = call(jnp.array([0, 0], jnp.int32), jnp.ones((16, 128), F32))
