@@ -102,3 +102,24 @@ def test_static_revisit_is_a_trace_time_error(backend):
       r"grid point \(1, 0\).*accumulate in scratch "
       r"\(at .*test_mosaic_output_blocks.py")):
     jax.jit(call).trace(*args).lower(lowering_platforms=("tpu",))
+
+
+def test_pallas_tpu_interpreter_refuses_the_same_revisit():
+  # The oracle: Pallas's TPU interpreter raises on the kernel the Mosaic
+  # backends refuse, and runs the one that visits blocks consecutively.
+  jpl = pytest.importorskip("jax.experimental.pallas")
+  jtpu = pytest.importorskip("jax.experimental.pallas.tpu")
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+
+  def call(out_map):
+    return jpl.pallas_call(
+        kernel, jax.ShapeDtypeStruct((16, 128), F32), grid=(2, 2),
+        in_specs=[jpl.BlockSpec((8, 128), lambda i, j: (j, 0))],
+        out_specs=jpl.BlockSpec((8, 128), out_map),
+        interpret=jtpu.InterpretParams())
+  x = jnp.ones((16, 128), F32)
+  with pytest.raises(Exception, match="Revisited block"):
+    jax.block_until_ready(call(lambda i, j: (j, 0))(x))
+  np.testing.assert_array_equal(call(lambda i, j: (i, 0))(x), x)
