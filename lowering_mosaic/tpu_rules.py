@@ -8,6 +8,9 @@
 2. VMEM budget: double-buffered VMEM blocks plus VMEM scratch (each padded
    to whole tiles) fit in `vmem_limit_bytes` (default 16 MiB).
 3. Scalars in SMEM: a 0-d operand or scratch cannot live in VMEM.
+4. Output blocks: a block already written back is never visited again (the
+   pipeline does not read output blocks from HBM; dsl/revisits.py), where
+   the index maps can be evaluated at trace time.
 
 A violation raises `KernelError` naming the operand, the rule, the numbers
 and a block shape that would pass.
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 
 from dsl.blockspec import squeezed
 from dsl.errors import KernelError
+from dsl.revisits import check_output_revisits
 from dsl.semaphores import SemaphoreSpace
 from lowering_mosaic import dialect
 
@@ -116,6 +120,8 @@ def vmem_footprint(spec) -> list[tuple[str, int, str]]:
     b = padded_bytes(bm.block_sizes, bm.array_aval.dtype)
     items.append((bm.origin, 2 * b, f"2 x {b} (double-buffered block "
                   f"{tuple(bm.block_sizes)} {jnp.dtype(bm.array_aval.dtype).name})"))
+  check_output_revisits(spec.name, gm, spec.where, skip=tuple(
+      bm for bm in gm.block_mappings if dialect.block_space(bm) == dialect.ANY))
   for i, a in enumerate(gm.scratch_avals):
     ms = a.memory_space
     if isinstance(ms, SemaphoreSpace) or dialect.space_name(
@@ -210,6 +216,8 @@ def check_tpu_rules(spec) -> None:
           spec.name, f"TPU tiling rule: block {_fmt(bm.block_shape)} of "
           f"{bm.array_aval.str_short()}: {msg}. A block shape that passes: "
           f"{_fmt(suggestion)}", spec.where, operand=bm.origin)
+  check_output_revisits(spec.name, gm, spec.where, skip=tuple(
+      bm for bm in gm.block_mappings if dialect.block_space(bm) == dialect.ANY))
   for i, a in enumerate(gm.scratch_avals):
     ms = a.memory_space
     if isinstance(ms, SemaphoreSpace):

@@ -4,16 +4,23 @@ The grid loop does what Mosaic's pipeline does around the kernel body: for
 each grid point (row-major order; "parallel" dims too), it evaluates every
 blocked operand's `@transform_k` to get its block index; when the index
 changed since the previous step, an input block is copied from the operand's
-HBM array into its VMEM buffer and an output block is written back and the
-new one read in (so revisiting an output block over consecutive steps
-accumulates, and aliased outputs keep unwritten blocks). The part of a
-block past its array (partial edge blocks, `Element` padding, a block index
+HBM array into its VMEM buffer, and an output block is written back. An
+output block is never read from HBM (aliased outputs included): at the
+first step and whenever its index changes, the output's VMEM buffer holds
+stale data on a TPU and poison here, so a kernel accumulates into an output
+block only over consecutive steps (initialising it at the first one), and
+an aliased output's old values are read through the aliased input. A return
+to an output block already written back would lose the earlier writes on a
+TPU: it is an error naming the operand, the block and the grid points. The
+part of a block past its array (partial edge blocks, `Element` padding, a block index
 read from data that leaves the array) reads poison on the way in (dsl/poison.py:
 NaN for floats; hardware reads garbage there) and is dropped on the way
 out, so no access leaves a buffer; with runtime checks on, a block index
 outside the array is an error naming the operand. Scratch buffers persist
 over the whole grid; they start at zero, or as poison with
-`poison_buffers`. Outputs not aliased start at zero.
+`poison_buffers`. In HBM, outputs not aliased start at zero (only the
+blocks no grid point visits and what a kernel leaves unwritten in an `ANY`
+output keep it).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from jax._src import core
 from jax._src.lib.mlir import ir
 
 from dsl.poison import poison_value
+from dsl.revisits import FIX
 from lowering_mosaic import dialect
 from lowering_mosaic.interpreter import prng  # noqa: F401  (its ops)
 from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
@@ -149,6 +157,9 @@ class Operand:
   hbm: Buffer
   block: Buffer | None
   current: tuple | None = None
+  since: tuple | None = None      # the grid point that entered `current`
+  # output blocks written back: block index -> (first, last) grid point
+  left: dict = dataclasses.field(default_factory=dict)
 
 
 def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
@@ -253,6 +264,15 @@ def _copy_in(world, op: Operand, idx, line):
   blk.array[...] = full.reshape(blk.array.shape)
 
 
+def _poison_block(world, op: Operand, line):
+  """A new output block: the VMEM buffer holds what it held (stale data;
+  poison here), never the block's HBM contents."""
+  blk = op.block
+  world.check_access(blk, ((0,) * blk.array.ndim, blk.array.shape), True,
+                     line, "overwritten by the grid pipeline")
+  blk.array[...] = poison_value(blk.array.dtype)
+
+
 def _copy_out(world, op: Operand, idx, line):
   starts, sizes = _window_box(op, idx)
   blk = op.block
@@ -303,6 +323,40 @@ def _check_block_index(world, prog, op: Operand, idx, point):
       + (f" (index map at {line})" if line else ""), (line,) if line else ())
 
 
+def _next_output_block(world, prog, dev, op: Operand, idx, point, line):
+  """Writes the output block left back and starts `idx` (poison); a block
+  already written back is an error (a TPU would lose its earlier writes)."""
+  if op.current is not None:
+    _copy_out(world, op, op.current, line)
+    op.left[op.current] = (op.since, _previous(prog.grid, point))
+  if idx in op.left:
+    _revisit_error(world, prog, dev, op, idx, point)
+  _poison_block(world, op, line)
+
+
+def _previous(grid, point) -> tuple:
+  """The grid point before `point` in row-major order."""
+  flat = int(np.ravel_multi_index(tuple(point), grid)) - 1
+  return tuple(int(i) for i in np.unravel_index(flat, grid))
+
+
+def _revisit_error(world, prog, dev, op: Operand, idx, point):
+  first, last = op.left[idx]
+  name = op.window.origin or _name(prog, prog.num_prefetch + op.index,
+                                   f"operand {op.index}")
+  f = prog.funcs.get(op.window.transform)
+  where = _first_line(f) if f is not None else None
+  block = tuple(int(i) for i in idx)
+  span = (f"grid point {first}" if first == last
+          else f"grid points {first} to {last}")
+  raise KernelSimulationError(
+      "revisit", f"{world._prefix(dev)}: {name}: output block {block} is "
+      f"visited again at grid point {tuple(int(i) for i in point)} after "
+      f"it was visited at {span} and written back; a TPU never reads an "
+      f"output block back from HBM, so the earlier writes would be lost. "
+      f"Fix: {FIX}", (where,) if where else ())
+
+
 def device_program(world: World, prog: KernelProgram, dev: int, args,
                    operands):
   """The whole grid on one device (a generator for the scheduler)."""
@@ -325,10 +379,11 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
       if idx == op.current:
         continue
       _check_block_index(world, prog, op, idx, point)
-      if op.is_output and op.current is not None:
-        _copy_out(world, op, op.current, line)
-      _copy_in(world, op, idx, line)
-      op.current = idx
+      if op.is_output:
+        _next_output_block(world, prog, dev, op, idx, point, line)
+      else:
+        _copy_in(world, op, idx, line)
+      op.current, op.since = idx, tuple(point)
     frame = Frame(world, dev, prog.name)
     yield from run_block(frame, main.block, ids + args)
     yield PREEMPT

@@ -104,16 +104,42 @@ def test_matmul_revisits_output_block(shape, dtype, semantics, backend):
 @on_cpu_backends
 def test_column_sums_revisit_with_outer_sequential_dim(backend):
   # grid (rows, cols): the output block depends only on cols; rows revisit.
+  # The host backends accumulate over the revisits; a TPU never reads an
+  # output block back, so the Mosaic backends refuse the kernel.
   def kernel(x_ref, o_ref):
     @pl.when(pl.program_id(0) == 0)
     def _():
       o_ref[...] = jnp.zeros_like(o_ref)
     o_ref[...] += jnp.sum(x_ref[...], axis=0)
   x = jax.random.normal(jax.random.key(2), (64, 384))
-  out = pl.pallas_call(
+  call = pl.pallas_call(
       kernel, jax.ShapeDtypeStruct((384,), jnp.float32), grid=(4, 3),
       in_specs=[pl.BlockSpec((16, 128), lambda i, j: (i, j))],
-      out_specs=pl.BlockSpec((128,), lambda i, j: (j,)), backend=backend)(x)
+      out_specs=pl.BlockSpec((128,), lambda i, j: (j,)), backend=backend)
+  if backend.startswith("mosaic"):
+    with pytest.raises(pl.KernelError, match=r"out_specs\[0\]: its index "
+                       r"map ignores grid dim 0 \(size 4\) but depends on "
+                       r"grid dim 1 .*visited again at grid point \(1, 0\)"
+                       r".*innermost, or accumulate in scratch.*test_features"):
+      call(x)
+    return
+  assert_close(call(x), x.sum(0), tol=1e-4)
+
+
+@on_cpu_backends
+def test_column_sums_with_inner_reduction_dim(backend):
+  # The same sums with the grid dim the output ignores innermost: every
+  # output block is visited over consecutive steps, on every backend.
+  def kernel(x_ref, o_ref):
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += jnp.sum(x_ref[...], axis=0)
+  x = jax.random.normal(jax.random.key(2), (64, 384))
+  out = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((384,), jnp.float32), grid=(3, 4),
+      in_specs=[pl.BlockSpec((16, 128), lambda j, i: (i, j))],
+      out_specs=pl.BlockSpec((128,), lambda j, i: (j,)), backend=backend)(x)
   assert_close(out, x.sum(0), tol=1e-4)
 
 

@@ -69,3 +69,39 @@ def test_mismatch_sees_values_nan_positions_and_dtypes():
   off = want.copy()
   off.reshape(-1)[-1] = 1
   assert "differ" in mismatch(ints, [off], [want])
+
+
+def test_an_output_revisited_after_write_back_is_a_refusal_on_mosaic():
+  # A generated kernel whose output block comes back after other blocks is
+  # refused by the Mosaic backends (a TPU would lose the earlier writes):
+  # at trace time for static index maps, at run time for scalar prefetch.
+  import types
+
+  import jax
+  import jax.numpy as jnp
+
+  import dsl as pl
+  from dsl import tpu as pltpu
+  from tests.pallas.fuzz.runner import classify_error
+
+  def kernel(s_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...]
+  name = "fuzz_revisit_0_0"
+  case = types.SimpleNamespace(name=name)
+  for out_map in (lambda i, j, s: (j, 0), lambda i, j, s: (s[j], 0)):
+    call = pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), name=name,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2, 2),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, j, s: (j, 0))],
+            out_specs=pl.BlockSpec((8, 128), out_map)),
+        backend="mosaic_interpret")
+    try:
+      jax.block_until_ready(call(jnp.array([0, 1], jnp.int32),
+                                 jnp.ones((16, 128), jnp.float32)))
+    except Exception as e:    # noqa: BLE001 - what the runner catches
+      outcome = classify_error(case, e, "mosaic_interpret")
+    else:
+      raise AssertionError("the revisit was not refused")
+    assert outcome.status == "refused", outcome
+    assert "visited again" in outcome.detail, outcome
