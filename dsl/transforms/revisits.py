@@ -27,6 +27,7 @@ from jax._src import core
 from dsl.blockspec import BlockSpec
 from dsl.interpret.execute import block_offsets
 from dsl.interpret.plan import evaluate_index_map
+from dsl.revisits import first_revisit
 
 
 def _pad(shape) -> int:
@@ -82,11 +83,7 @@ def revisits_consecutively(bm, grid, sequential) -> bool:
     return False
   for d in sequential:
     idx = np.flip(idx, axis=d)
-  rows = idx.reshape(math.prod(grid), -1)
-  if len(rows) < 2:
-    return True
-  starts = np.concatenate([[True], np.any(rows[1:] != rows[:-1], axis=1)])
-  return len(np.unique(rows[starts], axis=0)) == int(starts.sum())
+  return first_revisit(idx) is None
 
 
 def scatter_contributions(contribs, bm, grid, prefetch):
