@@ -18,9 +18,9 @@ NaN for floats; hardware reads garbage there) and is dropped on the way
 out, so no access leaves a buffer; with runtime checks on, a block index
 outside the array is an error naming the operand. Scratch buffers persist
 over the whole grid; they start at zero, or as poison with
-`poison_buffers`. In HBM, outputs not aliased start at zero (only the
-blocks no grid point visits and what a kernel leaves unwritten in an `ANY`
-output keep it).
+`poison_buffers`. In HBM, outputs not aliased start as poison, as a TPU
+hands a kernel uninitialized output memory: the blocks no grid point visits
+and what a kernel leaves unwritten in an `ANY` output read back as poison.
 """
 from __future__ import annotations
 
@@ -193,7 +193,9 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
       elif src is not None:
         arr = np.array(inputs[src], copy=True)
       if arr is None and k not in hbm:
-        arr = np.zeros(out_shapes[k - n_in], _dtype(t))
+        # A TPU hands a kernel its outputs uninitialized.
+        dtype = _dtype(t)
+        arr = np.full(out_shapes[k - n_in], poison_value(dtype), dtype)
     if k not in hbm:
       hbm[k] = device.add(Buffer(f"{name} (HBM)", ("hbm", k), arr,
                                  dialect.ANY, dev))

@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as jpltpu
 import dsl
 from dsl import backends
 from dsl import tpu as dtpu
+from dsl.poison import poison_value
 from tests.pallas import mosaic_golden as golden
 from tests.pallas.mosaic_corpus import CASES
 
@@ -180,8 +181,16 @@ def test_mosaic_interpreter_runs_the_corpus(name, monkeypatch):
     results[backend] = jax.jit(f)(*_random_like(args))
   for a, b in zip(jax.tree.leaves(results["interpret"]),
                   jax.tree.leaves(results["mosaic_interpret"])):
-    np.testing.assert_allclose(np.asarray(a, np.float32),
-                               np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+    a, b = np.asarray(a), np.asarray(b)
+    # Output memory no step writes is uninitialized on a TPU: poison on
+    # mosaic_interpret, zeros on interpret (a few corpus kernels write part
+    # of their output).
+    unwritten = (b == poison_value(b.dtype)) | (np.isnan(b) if np.issubdtype(
+        b.dtype, np.floating) else False)
+    unwritten &= (a == 0)
+    np.testing.assert_allclose(np.where(unwritten, 0, a).astype(np.float32),
+                               np.where(unwritten, 0, b).astype(np.float32),
+                               rtol=2e-2, atol=2e-2)
 
 
 def test_float_not_equal_is_unordered_unlike_pallas():
