@@ -93,15 +93,15 @@ ELEMENTWISE = {   # name -> shape, block, dtype
 }
 
 
-def _matmul_case(name):
-  (m, k, n), (bm, bk, bn), dtype = MATMULS[name]
+def _matmul_case(name, table=None):
+  (m, k, n), (bm, bk, bn), dtype = (table or MATMULS)[name]
   x, y = _inputs([(m, k), (k, n)], dtype)
   want = jnp.dot(x, y, precision="highest", preferred_element_type=f32)
   return x, y, dict(bm=bm, bk=bk, bn=bn), want
 
 
-def _elementwise_case(name):
-  shape, (bm, bn), dtype = ELEMENTWISE[name]
+def _elementwise_case(name, table=None):
+  shape, (bm, bn), dtype = (table or ELEMENTWISE)[name]
   x, y = _inputs([shape, shape], dtype)
   return x, y, dict(bm=bm, bn=bn), x * 2 + y
 

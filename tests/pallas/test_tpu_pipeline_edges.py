@@ -16,6 +16,8 @@ from dsl import tpu as dtpu
 from lowering_mosaic import interpreter_options, promela
 from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
+from tests.pallas import test_tpu_pipeline as pipeline_tests
+from tests.pallas.test_tpu_pipeline import _inputs
 from tests.pallas.testing import assert_close
 
 BACKENDS = ["interpret", "triton_interpret", "mosaic_interpret"]
@@ -83,12 +85,6 @@ def elementwise(x, y, *, bm, bn, backend):
                backend)(x, y)
 
 
-def _inputs(shapes, dtype):
-  keys = jax.random.split(jax.random.key(1), len(shapes))
-  return [jax.random.normal(k, s, f32).astype(dtype)
-          for k, s in zip(keys, shapes)]
-
-
 MATMULS = {   # name -> (m, k, n), (bm, bk, bn), dtype
     "f32_edges_everywhere": ((200, 300, 136), (128, 128, 128), f32),
     "bf16_edges_everywhere": ((40, 200, 300), (16, 128, 128), bf16),
@@ -102,17 +98,9 @@ ELEMENTWISE = {   # name -> shape, block, dtype
 }
 
 
-def _matmul_case(name):
-  (m, k, n), (bm, bk, bn), dtype = MATMULS[name]
-  x, y = _inputs([(m, k), (k, n)], dtype)
-  want = jnp.dot(x, y, precision="highest", preferred_element_type=f32)
-  return x, y, dict(bm=bm, bk=bk, bn=bn), want
-
-
-def _elementwise_case(name):
-  shape, (bm, bn), dtype = ELEMENTWISE[name]
-  x, y = _inputs([shape, shape], dtype)
-  return x, y, dict(bm=bm, bn=bn), x * 2 + y
+_matmul_case = functools.partial(pipeline_tests._matmul_case, table=MATMULS)
+_elementwise_case = functools.partial(pipeline_tests._elementwise_case,
+                                      table=ELEMENTWISE)
 
 
 @pytest.mark.parametrize("backend,case", [
