@@ -390,6 +390,20 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     for r, c in zip(ct_scr_refs, ct_tscr):
       r[...] = c.astype(r.dtype)
 
+  args, out_shapes, kw = _transpose_io(gm, rev, recorded, state_avals,
+                                       ct_in_maps, ct_out_maps, kinds)
+  return derived_spec(spec, body, args, out_shapes, **kw,
+                      scratch=ct_scr_avals, suffix="transpose"), kinds
+
+
+def _transpose_io(gm, rev, recorded, state_avals, ct_in_maps, ct_out_maps,
+                  kinds):
+  """The transposed kernel's operands, outputs, their specs and aliases:
+  (args, out_shapes, and a dict of grid/in_specs/out_specs/aliases)."""
+  grid, n_grid = gm.grid, len(gm.grid)
+  in_maps = list(gm.in_mappings)
+  n_rec = len(state_avals) if recorded else 0
+  n_ct_in, n_ct_out = len(ct_in_maps), len(ct_out_maps)
   spec_of = lambda bm: block_spec_of(bm, n_grid, rev)
   per_point = [k == "per_point" for k in kinds]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
@@ -407,12 +421,10 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   out_specs = ([per_point_spec(bm.kernel_shape, n_grid, rev) if pp
                 else spec_of(bm) for bm, pp in zip(ct_in_maps, per_point)]
                + [spec_of(bm) for bm in ct_out_maps])
-  first_ct_out = n_pf + n_in + n_rec
+  first_ct_out = gm.num_scalar_prefetch + gm.num_inputs + n_rec
   aliases = {first_ct_out + j: n_ct_in + j for j in range(n_ct_out)}
-  return derived_spec(spec, body, args, out_shapes, grid=grid,
-                      in_specs=in_specs, out_specs=out_specs,
-                      scratch=ct_scr_avals, aliases=aliases,
-                      suffix="transpose"), kinds
+  return args, out_shapes, dict(grid=grid, in_specs=in_specs,
+                                out_specs=out_specs, aliases=aliases)
 
 
 def pallas_call_transpose(cts, *args, spec: KernelSpec):
