@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tests.pallas.testing import matmul_call
+
 CASES = {}
 
 
@@ -60,22 +62,8 @@ def scale_2d_arbitrary(pl, pltpu):
 
 @case
 def matmul_3d_grid(pl, pltpu):
-  def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
-    @pl.when(pl.program_id(2) == 0)
-    def _():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                            preferred_element_type=jnp.float32)
-
-    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-    def _():
-      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-  f = pl.pallas_call(
-      matmul_kernel, sds((256, 256)), grid=(2, 2, 2),
-      in_specs=[pl.BlockSpec((128, 128), lambda i, j, k: (i, k)),
-                pl.BlockSpec((128, 128), lambda i, j, k: (k, j))],
-      out_specs=pl.BlockSpec((128, 128), lambda i, j, k: (i, j)),
-      scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
+  f = matmul_call(
+      pl, pltpu, 256, 256, 256, (128, 128, 128), scratch=True,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")))
   return f, (f32(256, 256), f32(256, 256))

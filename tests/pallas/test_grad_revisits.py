@@ -9,7 +9,7 @@ import pytest
 import dsl as pl
 from dsl.blockspec import Element
 from dsl.transforms import revisits
-from tests.pallas.testing import CPU_BACKENDS
+from tests.pallas.testing import CPU_BACKENDS, matmul_call
 
 
 def _mapping(f, *args):
@@ -20,23 +20,9 @@ def _mapping(f, *args):
 
 
 def _matmul(backend, bm=8, bk=128, bn=128):
-  def kernel(x_ref, y_ref, o_ref):
-    @pl.when(pl.program_id(2) == 0)
-    def _():
-      o_ref[...] = jnp.zeros_like(o_ref)
-    o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                          preferred_element_type=jnp.float32)
-
   def f(x, y):
-    m, k = x.shape
-    n = y.shape[1]
-    return pl.pallas_call(
-        kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
-        grid=(m // bm, n // bn, k // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, l: (i, l)),
-                  pl.BlockSpec((bk, bn), lambda i, j, l: (l, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, l: (i, j)),
-        backend=backend)(x, y)
+    return matmul_call(pl, None, x.shape[0], x.shape[1], y.shape[1],
+                       (bm, bk, bn), backend=backend)(x, y)
   return f
 
 

@@ -13,6 +13,7 @@ from dsl import tpu as pltpu
 from dsl import triton as plt
 from dsl.errors import BackendError, KernelError
 import lowering_mosaic
+from tests.pallas.testing import matmul_call
 
 THIS_FILE = os.path.basename(__file__)
 
@@ -30,25 +31,10 @@ def blocked_add(x, y, block=(8, 128), backend="mosaic_interpret", **kw):
       **kw)(x, y)
 
 
-def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    acc_ref[...] = jnp.zeros_like(acc_ref)
-  acc_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                          preferred_element_type=jnp.float32)
-  @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-  def _():
-    o_ref[...] = acc_ref[...].astype(o_ref.dtype)
-
-
 def matmul(x, y, backend="mosaic"):
-  return pl.pallas_call(
-      matmul_kernel, jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), x.dtype),
-      grid=(x.shape[0] // 128, y.shape[1] // 128, x.shape[1] // 128),
-      in_specs=[pl.BlockSpec((128, 128), lambda i, j, k: (i, k)),
-                pl.BlockSpec((128, 128), lambda i, j, k: (k, j))],
-      out_specs=pl.BlockSpec((128, 128), lambda i, j, k: (i, j)),
-      scratch_shapes=[pltpu.VMEM((128, 128), jnp.float32)],
+  return matmul_call(
+      pl, pltpu, x.shape[0], x.shape[1], y.shape[1], (128, 128, 128),
+      scratch=True, dtype=x.dtype,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=32 * 1024 * 1024),

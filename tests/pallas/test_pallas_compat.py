@@ -8,19 +8,9 @@ from jax.experimental import pallas as jpl
 import dsl
 
 from jax.experimental.pallas import triton as jpl_triton
-from tests.pallas.testing import assert_close
+from tests.pallas.testing import assert_close, matmul_kernel_for
 
 TRITON = {dsl: dsl.triton, jpl: jpl_triton}
-
-
-def matmul_kernel_for(pl):
-  def kernel(x_ref, y_ref, o_ref):
-    @pl.when(pl.program_id(2) == 0)
-    def _():
-      o_ref[...] = jnp.zeros_like(o_ref)
-    o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                          preferred_element_type=jnp.float32)
-  return kernel
 
 
 def masked_kernel_for(pl, n, block):

@@ -2,7 +2,6 @@
 device runs the kernel on its shards, with no all-gather of the operands and
 outputs sharded as the inputs imply (tests/conftest.py asks XLA for 8 host
 devices)."""
-import functools
 import logging
 import re
 
@@ -15,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import dsl as pl
 from dsl import tpu as pltpu
 from dsl import config, partitioning
-from tests.pallas.testing import assert_close
+from tests.pallas.testing import assert_close, matmul_call
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 BACKENDS = ["interpret", "triton_interpret", "mosaic_interpret"]
@@ -119,28 +118,9 @@ def test_set_mesh_and_reshard_explicit():
 
 
 def _matmul(backend, bm=16, bn=128, bk=128):
-  def kernel(x_ref, y_ref, o_ref, acc_ref):
-    @pl.when(pl.program_id(2) == 0)
-    def _():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
-    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                            preferred_element_type=jnp.float32)
-
-    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
-    def _():
-      o_ref[...] = acc_ref[...]
-
   def f(x, y):
-    m, k = x.shape
-    n = y.shape[1]
-    return pl.pallas_call(
-        kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
-        grid=(m // bm, n // bn, k // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                  pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
-        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
-        backend=backend)(x, y)
+    return matmul_call(pl, pltpu, x.shape[0], x.shape[1], y.shape[1],
+                       (bm, bk, bn), scratch=True, backend=backend)(x, y)
   return f
 
 

@@ -217,3 +217,46 @@ def test_cases(module, skip=(), backend=None):
 
 
 test_cases.__test__ = False   # a helper, not a test
+
+
+# ------------------------------------------------------------------ matmul
+
+def matmul_kernel_for(pl, scratch: bool = False):
+  """x @ y over an (i, j, k) grid, written against a `pl` module (dsl or
+  jax.experimental.pallas): accumulated over k in the output block, or with
+  `scratch` in a VMEM scratch stored to the output at the last k."""
+  if not scratch:
+    def matmul_kernel(x_ref, y_ref, o_ref):
+      @pl.when(pl.program_id(2) == 0)
+      def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+      o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
+                            preferred_element_type=jnp.float32)
+    return matmul_kernel
+
+  def matmul_kernel(x_ref, y_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+    acc_ref[...] += jnp.dot(x_ref[...], y_ref[...],
+                            preferred_element_type=jnp.float32)
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _():
+      o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+  return matmul_kernel
+
+
+def matmul_call(pl, pltpu, m, k, n, blocks, *, scratch=False,
+                dtype=jnp.float32, **kw):
+  """`pallas_call` of `matmul_kernel_for` for (m, k) @ (k, n) in blocks
+  (bm, bk, bn); `kw` goes to pallas_call (backend, compiler_params, ...)."""
+  bm, bk, bn = blocks
+  return pl.pallas_call(
+      matmul_kernel_for(pl, scratch), jax.ShapeDtypeStruct((m, n), dtype),
+      grid=(m // bm, n // bn, k // bk),
+      in_specs=[pl.BlockSpec((bm, bk), lambda i, j, l: (i, l)),
+                pl.BlockSpec((bk, bn), lambda i, j, l: (l, j))],
+      out_specs=pl.BlockSpec((bm, bn), lambda i, j, l: (i, j)),
+      scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)] if scratch else [],
+      **kw)
