@@ -310,7 +310,8 @@ def _fixpoint(step, init: list, pinned: dict, rounds: int = 6) -> list:
       widened |= {k for k, (c, o) in enumerate(zip(cur, new)) if c != o}
       new = [None if k in widened else v for k, v in enumerate(new)]
     cur = new
-  return cur
+  # Unreachable (each widening round widens one more carry), and sound.
+  return [pinned.get(k) for k in range(len(init))]
 
 
 def _trip(init: Interval | None, step: int, trips: int, dtype):
