@@ -138,3 +138,56 @@ def test_atomic_cas_takes_proven_run_time_windows_and_refuses_others():
   unproven = _cas_kernel(lambda s_ref, i: s_ref[0] + i)
   with pytest.raises(pl.BackendError, match="not proven inside the array"):
     lowering_triton.to_source(unproven, s)
+
+
+def _causal_kernel(x_ref, o_ref):
+  """Row block i sums the column windows 0..i: a loop whose trip count
+  depends on the program id (a while loop)."""
+  i = pl.program_id(0)
+  def body(k, acc):
+    return acc + x_ref[:, pl.ds(k * 32, 32)]
+  o_ref[...] = lax.fori_loop(0, i + 1, body, jnp.zeros((8, 32), jnp.float32))
+
+
+def _causal(x, backend="triton"):
+  return pl.pallas_call(
+      _causal_kernel, S((32, 32), jnp.float32), grid=(4,),
+      in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((8, 32), lambda i: (i, 0)), backend=backend)(x)
+
+
+@pytest.mark.parametrize("vmapped", [False, True])
+def test_loops_bounded_by_program_ids_and_vmapped_kernels_are_unmasked(
+    vmapped):
+  x = array(1, (32, 128), jnp.float32)
+  fn = jax.vmap(_causal) if vmapped else _causal
+  xs = jnp.stack([x, 2 * x]) if vmapped else x
+  (src,) = lowering_triton.to_source(fn, xs)
+  assert "while" in src and "mask=" not in _kernel_source(src)
+  got = jax.jit(lambda a: (jax.vmap(_causal, in_axes=(0, None)) if vmapped
+                           else _causal)(a, "triton_interpret"))(xs)
+  blocks = x.reshape(4, 8, 4, 32)
+  want = jnp.stack([blocks[i, :, :i + 1].sum(1) for i in range(4)]
+                   ).reshape(32, 32)
+  assert_close(got, jnp.stack([want, 2 * want]) if vmapped else want)
+
+
+def test_windows_inside_a_partial_edge_block_keep_the_blocks_mask():
+  """A window proven inside its block needs no mask of its own; the
+  block's mask at the array's end stays (the last block is partial)."""
+  def kernel(x_ref, o_ref):
+    def body(k, c):
+      o_ref[pl.ds(k * 8, 8)] = x_ref[pl.ds(k * 8, 8)] * 2.0
+      return c
+    lax.fori_loop(0, 4, body, 0)
+
+  def f(x, backend="triton"):
+    spec = pl.BlockSpec((32,), lambda i: (i,))
+    return pl.pallas_call(kernel, S((100,), jnp.float32), grid=(4,),
+                          in_specs=[spec], out_specs=spec, backend=backend)(x)
+  x = array(2, (100,), jnp.float32)
+  (src,) = lowering_triton.to_source(f, x)
+  body = _kernel_source(src)
+  assert "x_offs < 100" in body and "x_offs >= 0" not in body
+  got = jax.jit(lambda x: f(x, "triton_interpret"))(x)
+  assert_close(got, x * 2.0)
