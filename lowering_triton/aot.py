@@ -12,6 +12,7 @@ from jax._src import core
 from dsl.pallas_call import pallas_call_p
 from lowering_triton.compile import compile_kernel
 from lowering_triton.kernel import generate
+from lowering_triton.ptx_stats import PtxStats, ptx_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,12 @@ class AotKernel:
   source: str
   asm: dict = dataclasses.field(repr=False, default_factory=dict)
   metadata: Any = dataclasses.field(repr=False, default=None)
+  spec: Any = dataclasses.field(repr=False, default=None)   # its KernelSpec
+
+  def stats(self) -> PtxStats:
+    """What the PTX says about speed: hot-loop instruction mixes, registers,
+    local memory (lowering_triton.ptx_stats)."""
+    return ptx_stats(self.ptx, self.cubin)
 
 
 def _sub_jaxprs(value):
@@ -87,5 +94,5 @@ def compile_aot(f, *args, target="sm_90", **kwargs) -> list[AotKernel]:
         cubin=compiled.asm["cubin"], ptx=compiled.asm["ptx"],
         shared=int(md.shared), num_warps=int(md.num_warps),
         num_stages=int(md.num_stages), source=gk.source,
-        asm=dict(compiled.asm), metadata=md))
+        asm=dict(compiled.asm), metadata=md, spec=spec))
   return result

@@ -22,6 +22,7 @@ from jax._src import core
 from dsl import config
 from dsl.errors import BackendError, marked_jaxpr, source_info_frame
 from dsl.jaxpr_walk import LoweringHost, walk_jaxpr
+from dsl.ranges import KernelRanges
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren
 from lowering_triton.refs import MemRef, ValueRef, row_major_strides
@@ -79,8 +80,10 @@ class Lowering(LoweringHost):
   """State of one kernel's generation: its code buffer, names and consts."""
 
   def __init__(self, kernel: str, where: str, names: Names, buf: CodeBuffer,
-               rules, kernel_jaxpr=None):
+               rules, kernel_jaxpr=None, ranges: KernelRanges | None = None):
     self.rules = rules
+    # What the range analysis proves of the kernel's ref accesses.
+    self.ranges = ranges if ranges is not None else KernelRanges()
     self.kernel = kernel
     self.where = where
     self.names = names

@@ -21,6 +21,7 @@ from jax._src import core
 from dsl import config
 from dsl.blockspec import Element, squeezed
 from dsl.errors import BackendError
+from dsl.ranges import analyze_kernel
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
 from lowering_triton.context import Lowering
@@ -304,7 +305,8 @@ def _generate(spec) -> GeneratedKernel:
   grid_ids = grid_names(spec, names)
   params, ptrs = _pointer_params(gm, stems, names)
   buf = CodeBuffer()
-  lowering = Lowering(spec.name, spec.where, names, buf, TABLE, spec.jaxpr)
+  lowering = Lowering(spec.name, spec.where, names, buf, TABLE, spec.jaxpr,
+                      analyze_kernel(spec))
   with buf.indent():
     _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids)
   lowering.drop_needless_barriers()

@@ -92,7 +92,23 @@ class MemRef:
   # (a block index read from data lies inside the array)
   dynamic: tuple[int, ...] = ()  # array dims an indexer put a coordinate
   # computed at run time on: bounded to the array (masked), and checked
-  # with jax_pallas_enable_runtime_assert on
+  # with jax_pallas_enable_runtime_assert on, where not proven inside
+  proven: tuple[tuple[int, int], ...] = ()  # (array dim, 0: lower / 1:
+  # upper bound) of those that the range analysis (dsl.ranges) proves
+
+  def inside_masks(self, dim: int) -> tuple[bool, bool]:
+    """(upper, lower): whether a coordinate on array dim `dim` needs a mask
+    that keeps it inside the array beyond the block's own masks: computed
+    at run time and not proven inside."""
+    if dim not in self.dynamic:
+      return False, False
+    return (not self.check_upper[dim] and (dim, 1) not in self.proven,
+            not self.check_lower[dim] and (dim, 0) not in self.proven)
+
+  @property
+  def unproven(self) -> tuple[int, ...]:
+    """The array dims with a run-time coordinate not proven inside."""
+    return tuple(d for d in self.dynamic if any(self.inside_masks(d)))
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -181,9 +197,10 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
   """Emits the pointers and mask of `ref`; returns (pointer expr, mask expr).
 
   Coordinates computed at run time (`ref.dynamic`) are masked to the array,
-  so no lane leaves the operand's buffer; with `check` (the message of a
-  failed check) a lane the other masks keep outside the array fails a
-  `tl.device_assert` instead.
+  so no lane leaves the operand's buffer, unless the range analysis proved
+  them inside (`ref.proven`); with `check` (the message of a failed check)
+  a lane the other masks keep outside the array fails a `tl.device_assert`
+  instead.
   """
   rank = len(ref.axes)
   terms, masks, inside = [], [], []
@@ -200,11 +217,10 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
     terms.append(f"{name}{b}" + (f" * {stride}" if stride != 1 else ""))
     if p != ax.size:
       masks.append(f"tl.arange(0, {p}){b} < {ax.size}")
-    n, dyn = ref.array_shape[ax.dim], ax.dim in ref.dynamic
+    n = ref.array_shape[ax.dim]
     masks += _bounds(f"{name}{b}", n, ref.check_upper[ax.dim],
                      ref.check_lower[ax.dim])
-    inside += _bounds(f"{name}{b}", n, dyn and not ref.check_upper[ax.dim],
-                      dyn and not ref.check_lower[ax.dim])
+    inside += _bounds(f"{name}{b}", n, *ref.inside_masks(ax.dim))
   for d, c in ref.fixed:
     if isinstance(c, int):
       if c:
@@ -213,10 +229,9 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
       c_expr = f"({c}).to(tl.int64)" if ref.wide else paren(c)
       terms.append(c_expr + (f" * {ref.strides[d]}" if ref.strides[d] != 1
                              else ""))
-      n, dyn = ref.array_shape[d], d in ref.dynamic
+      n = ref.array_shape[d]
       masks += _bounds(paren(c), n, ref.check_upper[d], ref.check_lower[d])
-      inside += _bounds(paren(c), n, dyn and not ref.check_upper[d],
-                        dyn and not ref.check_lower[d])
+      inside += _bounds(paren(c), n, *ref.inside_masks(d))
   ptr = ref.ptr if not terms else f"{ref.ptr} + " + " + ".join(terms)
   masks.extend(ref.valid)
   if extra_mask is not None:
@@ -236,7 +251,8 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
 
 
 def has_padding_or_bounds(ref: MemRef) -> bool:
-  if ref.valid or any(pow2(a.size) != a.size for a in ref.axes):
+  if ref.valid or ref.unproven or any(pow2(a.size) != a.size
+                                      for a in ref.axes):
     return True
   dims = [a.dim for a in ref.axes] + [d for d, _ in ref.fixed]
   return any(ref.check_upper[d] or ref.check_lower[d] for d in dims)

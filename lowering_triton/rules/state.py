@@ -8,6 +8,8 @@ back with `tl.where`.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from jax import tree_util
 from jax._src.state import indexing
@@ -41,7 +43,18 @@ def _view(ctx, ref: MemRef, transforms) -> MemRef:
       ref = apply_indexer(ref, t)
   except UnsupportedIndex as e:
     raise ctx.error(str(e))
-  return ref
+  return _with_proven(ctx, ref)
+
+
+def _with_proven(ctx, view: MemRef) -> MemRef:
+  """`view` with the bounds of its run-time coordinates that the range
+  analysis proves (no mask, no check there)."""
+  access = ctx.lowering.ranges.access(ctx.eqn) if view.dynamic else None
+  if access is None or access.array_shape != view.array_shape:
+    return view
+  proven = tuple((d, side) for d in view.dynamic
+                 for side, ok in enumerate(access.proven(d)) if ok)
+  return dataclasses.replace(view, proven=proven)
 
 
 def _address(ctx, view: MemRef, verb: str, extra_mask: str | None = None):
@@ -49,7 +62,7 @@ def _address(ctx, view: MemRef, verb: str, extra_mask: str | None = None):
   lane whose coordinate, computed at run time, leaves the array fails a
   check naming the operand."""
   check = None
-  if view.dynamic and config.enable_runtime_assert():
+  if view.unproven and config.enable_runtime_assert():
     where = source_info_frame(ctx.eqn.source_info) or ctx.lowering.where
     check = checks.check_text(
         f"out-of-bounds {verb} {view.origin or view.base}: an index or "
@@ -395,8 +408,9 @@ def _atomic_cas(ctx, ref, *args, tree, out_aval, **params):
   view = _view(ctx, ref, transforms)
   if has_padding_or_bounds(view):
     raise ctx.error("atomic_cas on a window that needs masking (padded or "
-                    "partial block) is not supported: Triton's atomic_cas "
-                    "takes no mask")
+                    "partial block, or a start computed at run time that "
+                    "is not proven inside the array) is not supported: "
+                    "Triton's atomic_cas takes no mask")
   ptr, _ = emit_address(ctx, view)
   ctx.lowering.before_read(view.ptr)
   ctx.lowering.wrote(view.ptr)
