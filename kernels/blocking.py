@@ -12,22 +12,12 @@ Each backend wants different blocks:
 """
 from __future__ import annotations
 
-import jax
-
-from dsl.backends import DEFAULT_FOR_PLATFORM
+from dsl import backends
 
 
 def resolve_backend(backend: str | None) -> str:
   """The backend a `backend=None` kernel will run on, for choosing blocks."""
-  if backend is not None:
-    return backend
-  try:
-    platform = jax.default_backend()
-  except RuntimeError:
-    platform = "cpu"
-  if platform == "gpu":          # jax's name for CUDA and ROCm devices
-    platform = "cuda"
-  return DEFAULT_FOR_PLATFORM.get(platform, "interpret")
+  return backend or backends.platform_default()
 
 
 def is_triton(backend: str) -> bool:
