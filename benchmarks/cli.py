@@ -333,8 +333,8 @@ def user_cases(args):
 
 def measure_cases(args, cases):
   """Runs the cases (each autotuned first with --autotune) and, when asked
-  for, the device peak, under one progress bar. Returns the rows and the
-  peak (None when not measured)."""
+  for, the device peak, under one progress bar. Returns the rows, the peak
+  (None when not measured) and notes on it (`peak.settle`)."""
   import jax.numpy as jnp
 
   from benchmarks import peak as peak_mod
@@ -357,7 +357,7 @@ def measure_cases(args, cases):
   try:
     if want_peak:
       progress.status("measuring the device peak")
-      options.peak = peak_mod.measure_peak(plat)
+      options.peak = peak_mod.measure_peak(plat, platform_info.device_kind())
       progress.advance(2)
     r = runner.Runner(options, progress)
     for case in cases:
@@ -365,9 +365,14 @@ def measure_cases(args, cases):
         case = r.tune(case)
       rows.append(r.run_case(case))
     r.finish()
+    notes = []
+    if options.peak:
+      progress.status("checking rows against the measured copy")
+      options.peak, notes = peak_mod.settle(
+          rows, options.peak, lambda: peak_mod.remeasure(plat))
   finally:
     progress.close()
-  return rows, options.peak
+  return rows, options.peak, notes
 
 
 def run_meta(args, peak, started: float) -> dict:
@@ -389,11 +394,11 @@ def run_meta(args, peak, started: float) -> dict:
   return meta
 
 
-def report_notes(args, meta, rows, skipped) -> list[str]:
-  """The lines under the table: what did not run, the configs autotuning
-  chose, the wall time and the command."""
+def report_notes(args, meta, rows, skipped, peak_notes=()) -> list[str]:
+  """The lines under the table: what did not run, rows above the measured
+  peak, the configs autotuning chose, the wall time and the command."""
   from benchmarks import report
-  notes = []
+  notes = list(peak_notes)
   if skipped:
     notes.append("not run (unavailable, see --list): "
                  + ", ".join(k.name for k in skipped))
@@ -430,12 +435,12 @@ def shipped_notes(args, rows) -> list[str]:
   return lines
 
 
-def write_results(args, meta, rows, skipped) -> None:
+def write_results(args, meta, rows, skipped, peak_notes=()) -> None:
   """Prints the report; writes the --json, --csv and --plot files."""
   from benchmarks import plot, report, runner
   goals = runner.goals(rows)
   print(report.render(meta, rows, goals,
-                      report_notes(args, meta, rows, skipped)))
+                      report_notes(args, meta, rows, skipped, peak_notes)))
   if args.json:
     report.write_json(args.json, meta, rows, goals)
   if args.csv:
@@ -462,8 +467,10 @@ def run(args) -> int:
   if not cases:
     raise UsageError("nothing to run")
   started = time.time()
-  rows, peak = measure_cases(args, cases)
-  write_results(args, run_meta(args, peak, started), rows, skipped)
+  rows, peak, peak_notes = measure_cases(args, cases)
+  meta = run_meta(args, peak, started)
+  meta["peak_notes"] = peak_notes
+  write_results(args, meta, rows, skipped, peak_notes)
   bad = [row for row in rows if not row.dsl.ok or row.check == "MISMATCH"]
   return 1 if bad else 0
 

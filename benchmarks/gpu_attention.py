@@ -17,13 +17,13 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from benchmarks import peak
 from dsl.timing import time_queued
 
 
-def copy_bandwidth(nbytes=1 << 30):
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  t = time_queued(jax.jit(lambda a: a + 0), x)   # reads and writes nbytes each
-  return 2 * nbytes / t
+def copy_bandwidth(nbytes=peak.GPU_COPY_BYTES):
+  """Bytes/s of a device-to-device copy (read + write), as the CLI's peak."""
+  return peak.copy_rate(nbytes, peak.time_copy(nbytes))
 
 
 def _try(name, fn, *args):
@@ -80,7 +80,7 @@ def rowwise_rows(bw, shape=(8192, 8192)):
   }
   # The copy of an array of the same size is the fair peak for a row kernel
   # (a 1 GiB copy runs faster than any 128 MiB kernel can).
-  same_size_copy = 2 * x.size * x.dtype.itemsize / time_queued(jax.jit(lambda a: -a), x)
+  same_size_copy = copy_bandwidth(x.size * x.dtype.itemsize)
   rows = []
   for name, fn in cases.items():
     t, err = _try(name, jax.jit(fn), x)

@@ -10,6 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from benchmarks import autotune, peers, platform_info, sizes
+from benchmarks import peak as peak_mod
 from benchmarks.suite import max_rel_err
 from dsl.timing import Stats, prepare, run_interleaved
 
@@ -290,16 +291,14 @@ class Runner:
     if not row.dsl.ok:
       return
     b, t = row.case.bench, row.dsl.stats.value(row.stat)
-    peak = self.o.peak
     if b.bound == "compute":
       row.throughput, row.throughput_unit = b.flops(row.case.size) / t, "FLOP/s"
-      if peak:
-        row.peak_fraction = row.throughput / peak.flops
     else:
       row.throughput = b.io_bytes(row.case.size, self.o.dtype) / t
       row.throughput_unit = "B/s"
-      if peak:
-        row.peak_fraction = row.throughput / peak.bandwidth
+    if self.o.peak:
+      row.peak_fraction = peak_mod.fraction(row.throughput,
+                                            row.throughput_unit, self.o.peak)
 
   def finish(self):
     """Frees cached peer outputs and inputs."""
