@@ -1,8 +1,10 @@
 # The README's commands: `make run` (the main job) and `make test` (all tests).
-# Each first creates .venv with python3.12 when it is missing.
+# Each first creates .venv with python3.12 when it is missing (and, on a
+# machine with an NVIDIA driver, installs JAX's CUDA plugin).
+# `make gpu-check`: the GPU check (needs a GPU; docs/benchmarks.md).
 PY := .venv/bin/python
 
-.PHONY: setup run test
+.PHONY: setup run test gpu-check
 setup:
 	@bash scripts/setup.sh
 
@@ -11,3 +13,6 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -n 2 -q tests
+
+gpu-check: setup
+	$(PY) -m benchmarks.gpu_check

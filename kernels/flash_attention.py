@@ -80,7 +80,8 @@ def reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
 
 # Triton configs (block_q, block_k, num_warps, num_stages) for head_dim > 64,
 # where the shipped GPU defaults (dsl/data/gpu_configs.json, entries
-# kernels.flash_attention[.dkdv|.dq]) have none for the device. The forward's was measured on an H100 with `python -m
+# kernels.flash_attention[.dkdv|.dq]) have none for the device. The
+# forward's was measured on an H100 with `python -m
 # benchmarks.gpu_kernel_sweep`. In the backward each kernel keeps one block
 # and walks the other: dK/dV keeps 128 kv rows (the M side of all its dots,
 # two warpgroups of Hopper wgmma; 32 rows would fall back to mma.sync) and

@@ -51,7 +51,8 @@ def test_a_row_above_the_copy_remeasures_it_and_no_row_stays_above():
 
   def again():
     calls.append(1)
-    return dataclasses.replace(FIRST, bandwidth=4.2e12, copy_desc="copy 2048 MiB")
+    return dataclasses.replace(FIRST, bandwidth=4.2e12,
+                               copy_desc="copy 2048 MiB")
   settled, notes = peak.settle(rows, FIRST, again)
   assert calls == [1] and notes == []
   assert settled.bandwidth == 4.2e12 and settled.flops == FIRST.flops
