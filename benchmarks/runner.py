@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import time
 from typing import Any
 
 import jax.numpy as jnp
@@ -181,13 +182,17 @@ class Runner:
         case.config_source = "autotune: cached"
         return case
     self._step(f"autotune {case.label}")
+    # With a budget the search may stop early: the order changes daily, so
+    # that repeated budgeted runs reach the whole space.
+    shuffle = (None if self.o.tune_budget is None
+               else int(time.time() // 86400))
     planned = autotune.candidates(b, case.size, self.o.dtype, case.backend,
-                                  self.platform, case.config)
+                                  self.platform, case.config, shuffle)
     try:
       best, best_t, results = autotune.search(
           b, case.size, self.o.dtype, case.backend, self.platform,
           repeats=self.o.tune_repeats, progress=self.progress,
-          first=case.config, budget_s=self.o.tune_budget)
+          first=case.config, budget_s=self.o.tune_budget, shuffle=shuffle)
     except Exception as e:   # keep the default config; the row says why
       case.config_source = f"default (autotune failed: {_short(e)})"
       return case

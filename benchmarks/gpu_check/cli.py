@@ -120,12 +120,13 @@ def collect(phase: plan.Phase, result: dict, out_dir: str, rec: dict) -> None:
     if phase.name == "tests":
       rec["tests"] = record.tests_of_junit(path)
       return
-    rows = record.rows_of(phase.name, path)
+    rows, about = record.rows_of(phase.name, path)
   except Exception as e:  # noqa: BLE001 - a malformed output is a finding
     result["note"] = f"unreadable output: {type(e).__name__}: {e}"
     return
   rec["rows"].extend(rows)
   result["rows"] = len(rows)
+  result.update(about)
 
 
 def run(args) -> int:

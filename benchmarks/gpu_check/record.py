@@ -122,14 +122,18 @@ def tests_of_junit(path: str) -> dict:
   return counts
 
 
-def rows_of(phase: str, path: str) -> list[dict]:
+def rows_of(phase: str, path: str) -> tuple[list[dict], dict]:
+  """A phase's rows and what else it says about the run (the benchmark
+  CLI's measured peak and notes on it)."""
   with open(path) as f:
     data = json.load(f)
   if phase == "triton":
-    return rows_of_triton(data)
+    return rows_of_triton(data), {}
   if phase == "attention":
-    return rows_of_attention(data)
-  return rows_of_cli(phase, data)
+    return rows_of_attention(data), {}
+  meta = data.get("meta", {})
+  return rows_of_cli(phase, data), {"peak": meta.get("peak"),
+                                    "peak_notes": meta.get("peak_notes", [])}
 
 
 # ------------------------------------------------------------ files

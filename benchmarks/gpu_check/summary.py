@@ -80,6 +80,9 @@ def render(rec: dict, previous: dict | None, slower: list[dict],
                    f"{_value(s['before'], s['unit'])} -> "
                    f"{_value(s['now'], s['unit'])})")
   lines.append("")
+  for name, p in rec.get("phases", {}).items():
+    for note in p.get("peak_notes") or []:
+      lines += [f"{name}: {note}", ""]
   met = goals(rec)
   if met:
     missed = [g for g in met if not g["met"]]

@@ -112,6 +112,21 @@ def test_tune_budget_times_the_current_config_first_then_stops():
                                                 "cpu")) + 1
 
 
+def test_a_budgeted_search_shuffles_all_but_the_current_config():
+  bench = by_name()["matmul"]
+  args = ((4096,) * 3, jnp.float32, "triton", "gpu")
+  first = {"variant": "loop_k", "bm": 32, "bn": 128, "bk": 32,
+           "num_warps": 4, "num_stages": 4}
+  plain = autotune.candidates(bench, *args, first)
+  day1 = autotune.candidates(bench, *args, first, shuffle=1)
+  day2 = autotune.candidates(bench, *args, first, shuffle=2)
+  assert plain[0] == day1[0] == day2[0] == first
+  key = lambda cs: sorted(json.dumps(c, sort_keys=True) for c in cs)
+  assert key(plain) == key(day1) == key(day2)
+  assert day1[1:4] != day2[1:4] and day1 == autotune.candidates(
+      bench, *args, first, shuffle=1)
+
+
 def test_tune_budget_needs_autotune():
   with pytest.raises(Exception, match="--tune-budget needs --autotune"):
     _cases("--tune-budget", "5")

@@ -299,7 +299,9 @@ def test_a_whole_check_with_fabricated_phases(tables, tmp_path, monkeypatch,
   record.write(previous, str(results))
   quick = {"rows": [_cli_row("add", "4194304", "triton", 1.3e-4, 1.0e-4),
                     _cli_row("matmul", "4096x4096x4096", "triton", 1.05e-3,
-                             1.0e-3)]}
+                             1.0e-3)],
+           "meta": {"peak": {"bytes_per_s": 4.2e12},
+                    "peak_notes": ["%peak: 1 row(s) ran above the copy"]}}
   phases = (
       plan.Phase("triton", "t", 60, _writer("triton.json", TRITON_OUT),
                  "triton.json"),
@@ -322,6 +324,8 @@ def test_a_whole_check_with_fabricated_phases(tables, tmp_path, monkeypatch,
   assert rec["device_kind"] == H200 and rec["commit"]["sha"] == "feedface00"
   assert rec["phases"]["tune"]["status"] == "timeout"
   assert rec["phases"]["quick"]["rows"] == 6
+  assert rec["phases"]["quick"]["peak"] == {"bytes_per_s": 4.2e12}
+  assert "quick: %peak: 1 row(s) ran above the copy" in out
   assert any(r["id"] == "triton|matmul bf16 4096^3 b128x256x64 w8 s3|ours"
              for r in rec["rows"])
   assert "1.30x  quick|add 4194304 float32 triton|dsl" in out
