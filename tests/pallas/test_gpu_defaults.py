@@ -334,3 +334,49 @@ def test_kernels_run_on_the_shipped_backend_choice(tables, monkeypatch):
     finally:
       jax.config.update("jax_pallas_use_mosaic_gpu", False)
   jax.clear_caches()
+
+
+# ------------------------------------------------------------ compiled
+
+HOPPER_SHARED = 227 * 1024     # the most shared memory one H100/H200 CTA gets
+
+
+def _concrete(size: str) -> tuple[int, ...] | None:
+  """A size to compile a pattern at: '*' dims become 4096 (or the row count
+  16384), a bare '*' none."""
+  dims = size.split(":")[0]
+  if dims == "*":
+    return None
+  parts = dims.split("x")
+  return tuple(16384 if d == "*" and i == 0 and len(parts) == 2 else
+               4096 if d == "*" else int(d) for i, d in enumerate(parts))
+
+
+def test_shipped_hopper_triton_configs_compile_for_sm_90_within_shared_memory():
+  """Every shipped Triton config of a benchmark kernel for a Hopper device
+  compiles for sm_90 and fits one CTA's shared memory (a config that does
+  not fit would fail on the GPU only)."""
+  from benchmarks import peers
+  from lowering_triton.aot import compile_aot
+  table = _shipped(gpu_defaults.CONFIGS_PATH)
+  tiers = [table["families"]["hopper"]] + list(table["devices"].values())
+  suite = {b.name: b for b in SUITE}
+  compiled = 0
+  for entries in tiers:
+    for key, entry in entries.items():
+      kernel, backend, size = key.split("/")
+      if kernel not in suite or backend != "triton":
+        continue
+      dtype = size.split(":")[1]
+      bench = suite[kernel]
+      dims = _concrete(size) or bench.normalize((4096,))
+      config = bench.fix_config(dims, entry["config"], dtype)
+      fn = peers.dsl_fn(bench, "triton", dims, dtype, config)
+      args = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+              for a in jax.eval_shape(lambda: bench.inputs(dims, dtype))]
+      (k,) = compile_aot(fn, *args, target="sm_90")
+      assert k.shared <= HOPPER_SHARED, (key, k.shared)
+      assert (k.num_warps, k.num_stages) == (
+          config["num_warps"], config["num_stages"]), key
+      compiled += 1
+  assert compiled >= 8
