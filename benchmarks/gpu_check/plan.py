@@ -56,20 +56,21 @@ PHASES = (
           "(benchmarks/gpu_triton.py)", 55,
           ("benchmarks/gpu_triton.py", "--json", "{out}/triton.json"),
           "triton.json"),
-    Phase("attention", "flash attention vs cuDNN and Pallas; row kernels vs "
-          "the copy (benchmarks.gpu_attention)", 70,
-          ("-m", "benchmarks.gpu_attention", "--json",
-           "{out}/attention.json"), "attention.json"),
+    Phase("attention", "flash attention on Triton and Mosaic GPU vs cuDNN "
+          "and Pallas; row kernels vs the copy (benchmarks.gpu_attention)",
+          80, ("-m", "benchmarks.gpu_attention", "--backends",
+               "triton,mosaic_gpu", "--json", "{out}/attention.json"),
+          "attention.json"),
     Phase("mosaic", "kernels/ and matmul on Mosaic GPU beside Triton, bf16, "
           "with XLA and Pallas (Mosaic GPU / Triton) peers", 60,
           _cli("--kernels", ",".join(("matmul",) + KERNELS), "--backends",
                "triton,mosaic_gpu", "--dtype", "bfloat16", "--repeats", "5",
                output="mosaic.json"), "mosaic.json"),
     Phase("quick", "the quick suite at the shipped defaults "
-          "(python -m benchmarks --quick)", 75,
+          "(python -m benchmarks --quick)", 70,
           _cli("--quick", output="quick.json"), "quick.json"),
     Phase("tune", "the quick suite's Triton rows autotuned from the shipped "
-          "defaults (the winners refresh the table)", 95,
+          "defaults (the winners refresh the table)", 90,
           _cli("--quick", "--backends", "triton", "--autotune", "--retune",
                "--tune-repeats", "1", "--tune-budget", "4", "--repeats", "3",
                output="tune.json"), "tune.json",

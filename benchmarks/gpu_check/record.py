@@ -63,8 +63,12 @@ def rows_of_attention(data: dict) -> list[dict]:
   for r in data.get("attention", []):
     name = f"flash_attention {r['mode']} seq={r['seq']}"
     for impl, key, note in (("ours", "ours_ms", "error"),
+                            ("ours mosaic_gpu", "mosaic_gpu_ours_ms",
+                             "mosaic_gpu_error"),
                             ("pallas", "pallas_ms", "pallas_note"),
                             ("cudnn", "cudnn_ms", "cudnn_note")):
+      if key not in r:
+        continue
       t = _num(r.get(key))
       out.append(_row("attention", name, impl, time_s=t and t / 1e3,
                       ok=t is not None, note=r.get(note) or "",

@@ -82,7 +82,8 @@ ATTENTION_OUT = {
     "attention": [{"kernel": "flash_attention", "mode": "fwd", "seq": 2048,
                    "ours_ms": 0.4, "error": None, "pallas_ms": 0.5,
                    "pallas_note": None, "cudnn_ms": None,
-                   "cudnn_note": "n/a: RuntimeError: no cudnn"}],
+                   "cudnn_note": "n/a: RuntimeError: no cudnn",
+                   "mosaic_gpu_ours_ms": 0.6, "mosaic_gpu_error": None}],
     "rowwise": [{"kernel": "softmax", "shape": [8192, 8192], "ms": 0.1,
                  "GB/s": 2600.0, "error": None}],
 }
@@ -115,12 +116,37 @@ def test_rows_from_each_phase_output():
   assert by["attention|flash_attention fwd seq=2048|ours"]["time_s"] == \
       pytest.approx(0.4e-3)
   assert not by["attention|flash_attention fwd seq=2048|cudnn"]["ok"]
+  assert by["attention|flash_attention fwd seq=2048|ours mosaic_gpu"][
+      "time_s"] == pytest.approx(0.6e-3)
   assert by["attention|softmax 8192x8192|ours"]["kernel"] == "kernels.softmax"
   cli_rows = record.rows_of_cli("quick", {"rows": [
       _cli_row("add", "4194304", "triton", 1e-4, 1e-4)]})
   assert [r["impl"] for r in cli_rows] == ["dsl", "xla", "pallas"]
   assert cli_rows[0]["id"] == "quick|add 4194304 float32 triton|dsl"
   assert cli_rows[2]["ok"] is False
+
+
+def test_the_gpu_scripts_write_what_the_record_reads():
+  """gpu_triton and gpu_attention on a CPU: our GPU kernels and the GPU
+  peers fail (said in the rows), XLA's dot runs; the record reads both."""
+  import dsl
+  from benchmarks import gpu_attention, gpu_triton
+  out = []
+  gpu_triton.bench_matmul(128, {"ours": dsl}, out)
+  rows = record.rows_of_triton(json.loads(json.dumps(out)))
+  cublas, ours = rows[0], rows[1]
+  assert cublas["ok"] and cublas["time_s"] > 0
+  assert (ours["impl"], ours["kernel"], ours["size"], ours["ok"]) == (
+      "ours", "matmul", "128x128x128", False)
+  assert ours["config"]["variant"] == "loop_k" and "BackendError" in \
+      ours["note"]
+  att = gpu_attention.attention_rows([128], batch=1, heads=2, dim=64,
+                                     backends=("triton", "mosaic_gpu"))
+  rows = record.rows_of_attention(json.loads(json.dumps(
+      {"copy_GBps": 1.0, "attention": att, "rowwise": []})))
+  impls = {r["impl"] for r in rows if "seq=128" in r["id"]}
+  assert impls == {"ours", "ours mosaic_gpu", "pallas", "cudnn"}
+  assert all(not r["ok"] and r["note"] for r in rows if "seq=128" in r["id"])
 
 
 def test_test_counts_from_junit(tmp_path):
