@@ -100,7 +100,10 @@ def run_phase(phase: plan.Phase, out_dir: str) -> dict:
       rc = proc.wait(timeout=phase.budget_s)
       status = "ok" if rc == 0 else "failed"
     except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, 9)
+      try:
+        os.killpg(proc.pid, 9)     # the phase and what it started
+      except ProcessLookupError:   # it ended in between
+        pass
       proc.wait()
       rc, status = None, "timeout"
   with open(log, errors="replace") as f:
