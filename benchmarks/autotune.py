@@ -22,22 +22,54 @@ sizes (`kernels.blocking.tuned`).
 """
 from __future__ import annotations
 
+import json
+import random
+import time
+
 # The cache's API, used through this module by the CLI and its tests.
 from dsl.autotune_cache import (cache_path, device_key, lookup,  # noqa: F401
                                 size_key, store)
 
 
+def candidates(bench, size, dtype, backend: str, platform: str,
+               first: dict | None = None, shuffle: int | None = None
+               ) -> list[dict]:
+  """The configs to time, `first` (the row's current config) first; the
+  rest in the search space's order, or shuffled with seed `shuffle` (a
+  search stopped by a budget then tries other configs on another day)."""
+  space = list(bench.search_space(size, backend, platform))
+  if shuffle is not None:
+    random.Random(shuffle).shuffle(space)
+  out = [bench.fix_config(size, c, dtype)
+         for c in ([first] if first else []) + space]
+  seen, unique = set(), []
+  for c in out:
+    key = json.dumps(c, sort_keys=True, default=str)
+    if key not in seen:
+      seen.add(key)
+      unique.append(c)
+  return unique
+
+
 def search(bench, size, dtype, backend: str, platform: str, *,
-           repeats: int = 3, progress=None) -> tuple[dict, float, list]:
-  """Times every candidate config with dsl's `backend`; returns the winner,
-  its median time and all (config, median or error) results."""
+           repeats: int = 3, progress=None, first: dict | None = None,
+           budget_s: float | None = None, shuffle: int | None = None
+           ) -> tuple[dict, float, list]:
+  """Times the candidate configs with dsl's `backend` (`first` first; with
+  `budget_s`, no new candidate starts once that many seconds have passed);
+  returns the winner, its median time and every (config, median or error)
+  result, in the order timed."""
   from benchmarks import peers, sizes
   from benchmarks.report import fmt_config
   from dsl.timing import measure
   inputs = bench.inputs(size, dtype)
   results = []
-  for config in bench.search_space(size, backend, platform):
-    config = bench.fix_config(size, config, dtype)
+  start = time.perf_counter()
+  for config in candidates(bench, size, dtype, backend, platform, first,
+                           shuffle):
+    if budget_s is not None and results and \
+        time.perf_counter() - start > budget_s:
+      break
     if progress:
       progress.status(f"autotune {bench.name} {sizes.label(size)} {backend}: "
                       f"{fmt_config(config)}")

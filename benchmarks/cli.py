@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--retune", action="store_true",
                  help="with --autotune: search again even if cached")
   p.add_argument("--tune-repeats", type=int, default=3)
+  p.add_argument("--tune-budget", type=float, default=None, metavar="SECONDS",
+                 help="with --autotune: start no new candidate after this "
+                 "many seconds per row (the current config is timed first)")
   p.add_argument("--peak", choices=("auto", "on", "off"), default="auto",
                  help="measure the device peak (a large matmul and a copy) for "
                  "the %%peak column; auto: on GPUs and TPUs, not on CPUs")
@@ -193,6 +196,34 @@ def parse_config(text: str | None) -> dict:
   return out
 
 
+def kernel_backends(args, bench, backends, platform: str) -> list[str]:
+  """The backends of one kernel's rows: on a GPU without --backends, a
+  kernel of kernels/ runs on the backend it picks itself for backend=None
+  (the shipped choice for this device) instead of the platform's."""
+  choice = getattr(bench, "auto_backend", None)
+  if args.backends is not None or platform != "gpu" or choice is None:
+    return backends
+  picked = choice()
+  if picked is None:
+    return backends
+  from benchmarks import platform_info
+  default = platform_info.default_backend()
+  return list(dict.fromkeys(picked.backend if b == default else b
+                            for b in backends))
+
+
+def _check_overrides(bench, size, backend, platform, overrides) -> None:
+  allowed = set(bench.default_config(size, backend, platform))
+  if bench.tunable:
+    for c in bench.search_space(size, backend, platform):
+      allowed |= set(c)
+  unknown = sorted(set(overrides) - allowed)
+  if unknown:
+    raise UsageError(f"--config key(s) {', '.join(unknown)} do not "
+                     f"apply to kernel '{bench.name}' (its parameters: "
+                     f"{', '.join(sorted(allowed)) or 'none'})")
+
+
 def build_cases(args, kernels, backends, quick):
   from benchmarks import platform_info, sizes
   from benchmarks.runner import Case
@@ -208,22 +239,14 @@ def build_cases(args, kernels, backends, quick):
     else:
       szs = k.quick_sizes(plat) if quick else k.default_sizes(plat)
     for s in szs:
-      for b in backends:
-        config = k.default_config(s, b, plat)
+      for b in kernel_backends(args, k, backends, plat):
+        config, source = k.chosen_config(s, b, plat, dtype)
         if overrides:
-          allowed = set(config)
-          if k.tunable:
-            for c in k.search_space(s, b, plat):
-              allowed |= set(c)
-          unknown = sorted(set(overrides) - allowed)
-          if unknown:
-            raise UsageError(f"--config key(s) {', '.join(unknown)} do not "
-                             f"apply to kernel '{k.name}' (its parameters: "
-                             f"{', '.join(sorted(allowed)) or 'none'})")
-          config.update(overrides)
-        config = k.fix_config(s, config, dtype)
-        cases.append(Case(k, s, b, config,
-                          "--config" if overrides else "default"))
+          _check_overrides(k, s, b, plat, overrides)
+          config = k.fix_config(s, {**config, **overrides}, dtype)
+          source = "--config"
+        cases.append(Case(k, s, b, config, source,
+                          shown=k.shown_config(s, b, dtype, config)))
   return cases
 
 
@@ -248,6 +271,10 @@ def check_args(args) -> None:
     raise UsageError(f"--warmup must be >= 0, got {args.warmup}")
   if args.retune and not args.autotune:
     raise UsageError("--retune needs --autotune")
+  if args.tune_budget is not None and not args.autotune:
+    raise UsageError("--tune-budget needs --autotune")
+  if args.tune_budget is not None and args.tune_budget <= 0:
+    raise UsageError(f"--tune-budget must be > 0, got {args.tune_budget}")
   check_user_args(args)
   args.dtype = args.dtype or "float32"
   for path, flag in ((args.json, "--json"), (args.csv, "--csv"),
@@ -306,8 +333,8 @@ def user_cases(args):
 
 def measure_cases(args, cases):
   """Runs the cases (each autotuned first with --autotune) and, when asked
-  for, the device peak, under one progress bar. Returns the rows and the
-  peak (None when not measured)."""
+  for, the device peak, under one progress bar. Returns the rows, the peak
+  (None when not measured) and notes on it (`peak.settle`)."""
   import jax.numpy as jnp
 
   from benchmarks import peak as peak_mod
@@ -325,12 +352,12 @@ def measure_cases(args, cases):
       dtype=jnp.dtype(args.dtype), warmup=args.warmup, repeats=args.repeats,
       slow_s=args.single_run_after, skip_slow_peers=args.skip_slow_peers,
       autotune=args.autotune, retune=args.retune, stat=args.stat,
-      tune_repeats=args.tune_repeats)
+      tune_repeats=args.tune_repeats, tune_budget=args.tune_budget)
   rows = []
   try:
     if want_peak:
       progress.status("measuring the device peak")
-      options.peak = peak_mod.measure_peak(plat)
+      options.peak = peak_mod.measure_peak(plat, platform_info.device_kind())
       progress.advance(2)
     r = runner.Runner(options, progress)
     for case in cases:
@@ -338,9 +365,14 @@ def measure_cases(args, cases):
         case = r.tune(case)
       rows.append(r.run_case(case))
     r.finish()
+    notes = []
+    if options.peak:
+      progress.status("checking rows against the measured copy")
+      options.peak, notes = peak_mod.settle(
+          rows, options.peak, lambda: peak_mod.remeasure(plat))
   finally:
     progress.close()
-  return rows, options.peak
+  return rows, options.peak, notes
 
 
 def run_meta(args, peak, started: float) -> dict:
@@ -362,11 +394,11 @@ def run_meta(args, peak, started: float) -> dict:
   return meta
 
 
-def report_notes(args, meta, rows, skipped) -> list[str]:
-  """The lines under the table: what did not run, the configs autotuning
-  chose, the wall time and the command."""
+def report_notes(args, meta, rows, skipped, peak_notes=()) -> list[str]:
+  """The lines under the table: what did not run, rows above the measured
+  peak, the configs autotuning chose, the wall time and the command."""
   from benchmarks import report
-  notes = []
+  notes = list(peak_notes)
   if skipped:
     notes.append("not run (unavailable, see --list): "
                  + ", ".join(k.name for k in skipped))
@@ -376,16 +408,39 @@ def report_notes(args, meta, rows, skipped) -> list[str]:
       c = row.case
       notes.append(f"  {c.label}: {report.fmt_config(c.config)} "
                    f"({c.config_source})")
+  notes += shipped_notes(args, rows)
   notes.append(f"wall time {meta['wall_s']} s; command: {meta['command']}")
   return notes
 
 
-def write_results(args, meta, rows, skipped) -> None:
+def shipped_notes(args, rows) -> list[str]:
+  """Where the GPU rows' configs and the kernels' backends came from (the
+  shipped defaults, dsl/data/gpu_*.json)."""
+  from benchmarks import report
+  lines = []
+  for row in rows:
+    c = row.case
+    if c.config_source.startswith("shipped: "):
+      shown = c.config if c.shown is None else c.shown
+      lines.append(f"  {c.label}: {report.fmt_config(shown)} <- "
+                   f"{c.config_source[len('shipped: '):]}")
+    pick = getattr(c.bench, "auto_backend", None)
+    choice = pick() if pick and args.backends is None else None
+    if choice is not None and choice.backend == c.backend:
+      lines.append(f"  {c.label}: backend {choice.backend}, the kernel's "
+                   f"choice for backend=None here ({choice.where})")
+  if lines:
+    lines.insert(0, "GPU defaults shipped in dsl/data/gpu_configs.json and "
+                 "gpu_backends.json:")
+  return lines
+
+
+def write_results(args, meta, rows, skipped, peak_notes=()) -> None:
   """Prints the report; writes the --json, --csv and --plot files."""
   from benchmarks import plot, report, runner
   goals = runner.goals(rows)
   print(report.render(meta, rows, goals,
-                      report_notes(args, meta, rows, skipped)))
+                      report_notes(args, meta, rows, skipped, peak_notes)))
   if args.json:
     report.write_json(args.json, meta, rows, goals)
   if args.csv:
@@ -412,8 +467,10 @@ def run(args) -> int:
   if not cases:
     raise UsageError("nothing to run")
   started = time.time()
-  rows, peak = measure_cases(args, cases)
-  write_results(args, run_meta(args, peak, started), rows, skipped)
+  rows, peak, peak_notes = measure_cases(args, cases)
+  meta = run_meta(args, peak, started)
+  meta["peak_notes"] = peak_notes
+  write_results(args, meta, rows, skipped, peak_notes)
   bad = [row for row in rows if not row.dsl.ok or row.check == "MISMATCH"]
   return 1 if bad else 0
 

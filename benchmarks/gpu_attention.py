@@ -10,6 +10,7 @@ softmax, layer norm and rms norm GB/s against the device's copy bandwidth.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -17,13 +18,13 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from benchmarks import peak
 from dsl.timing import time_queued
 
 
-def copy_bandwidth(nbytes=1 << 30):
-  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-  t = time_queued(jax.jit(lambda a: a + 0), x)   # reads and writes nbytes each
-  return 2 * nbytes / t
+def copy_bandwidth(nbytes=peak.GPU_COPY_BYTES):
+  """Bytes/s of a device-to-device copy (read + write), as the CLI's peak."""
+  return peak.copy_rate(nbytes, peak.time_copy(nbytes))
 
 
 def _try(name, fn, *args):
@@ -33,7 +34,10 @@ def _try(name, fn, *args):
     return None, f"n/a: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
 
-def attention_rows(seqs, batch=4, heads=16, dim=128, causal=False):
+def attention_rows(seqs, batch=4, heads=16, dim=128, causal=False,
+                   backends=("triton",)):
+  """Ours on each dsl backend (`ours_*` on Triton, `mosaic_gpu_*` on
+  Mosaic GPU), Pallas's attention and cuDNN, per sequence length."""
   import kernels
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
   rows = []
@@ -42,8 +46,9 @@ def attention_rows(seqs, batch=4, heads=16, dim=128, causal=False):
     q, k, v = (jax.random.normal(kk, (batch, s, heads, dim), jnp.bfloat16)
                for kk in ks)
     scale = 1.0 / math.sqrt(dim)
-    ours = jax.jit(lambda q, k, v: kernels.flash_attention(
-        q, k, v, causal=causal, sm_scale=scale, backend="triton"))
+    mine = {b: jax.jit(functools.partial(
+        kernels.flash_attention, causal=causal, sm_scale=scale, backend=b))
+        for b in backends}
     peer = jax.jit(lambda q, k, v: pallas_attention.mha(
         q, k, v, None, sm_scale=scale, causal=causal))
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
@@ -53,18 +58,20 @@ def attention_rows(seqs, batch=4, heads=16, dim=128, causal=False):
     flops = 4 * batch * heads * s * s * dim * (0.5 if causal else 1.0)
     for mode, wrap, mult in (("fwd", lambda f: f, 1.0),
                              ("fwd+bwd", loss, 3.5)):
-      t_ours, err = _try("ours", wrap(ours), q, k, v)
       t_peer, perr = _try("pallas", wrap(peer), q, k, v)
       t_cudnn, cerr = _try("cudnn", wrap(cudnn), q, k, v)
-      rows.append({
-          "kernel": "flash_attention", "mode": mode, "seq": s,
-          "ours_ms": t_ours and t_ours * 1e3, "error": err,
-          "tflops": t_ours and flops * mult / t_ours / 1e12,
-          "pallas_ms": t_peer and t_peer * 1e3, "pallas_note": perr,
-          "cudnn_ms": t_cudnn and t_cudnn * 1e3, "cudnn_note": cerr,
-          "vs_pallas": (t_peer / t_ours) if t_ours and t_peer else None,
-          "vs_cudnn": (t_cudnn / t_ours) if t_ours and t_cudnn else None,
-      })
+      row = {"kernel": "flash_attention", "mode": mode, "seq": s,
+             "pallas_ms": t_peer and t_peer * 1e3, "pallas_note": perr,
+             "cudnn_ms": t_cudnn and t_cudnn * 1e3, "cudnn_note": cerr}
+      for b, fn in mine.items():
+        t, err = _try(b, wrap(fn), q, k, v)
+        pre = "" if b == "triton" else f"{b}_"
+        row.update({
+            f"{pre}ours_ms": t and t * 1e3, f"{pre}error": err,
+            f"{pre}tflops": t and flops * mult / t / 1e12,
+            f"{pre}vs_pallas": (t_peer / t) if t and t_peer else None,
+            f"{pre}vs_cudnn": (t_cudnn / t) if t and t_cudnn else None})
+      rows.append(row)
   return rows
 
 
@@ -80,7 +87,7 @@ def rowwise_rows(bw, shape=(8192, 8192)):
   }
   # The copy of an array of the same size is the fair peak for a row kernel
   # (a 1 GiB copy runs faster than any 128 MiB kernel can).
-  same_size_copy = 2 * x.size * x.dtype.itemsize / time_queued(jax.jit(lambda a: -a), x)
+  same_size_copy = copy_bandwidth(x.size * x.dtype.itemsize)
   rows = []
   for name, fn in cases.items():
     t, err = _try(name, jax.jit(fn), x)
@@ -99,6 +106,8 @@ def main(argv=None):
   p.add_argument("--seqs", default="2048,8192")
   p.add_argument("--json")
   p.add_argument("--only", choices=["attention", "rowwise"])
+  p.add_argument("--backends", default="triton", help="dsl backends of the "
+                 "attention rows, e.g. triton,mosaic_gpu (default triton)")
   a = p.parse_args(argv)
   if jax.default_backend() != "gpu":
     print("gpu_attention: needs a GPU (jax.default_backend() is "
@@ -107,14 +116,19 @@ def main(argv=None):
   bw = copy_bandwidth()
   print(f"device: {jax.devices()[0].device_kind}; copy bandwidth "
         f"{bw / 1e9:.0f} GB/s")
+  backends = [b.strip() for b in a.backends.split(",") if b.strip()]
   att = ([] if a.only == "rowwise"
-         else attention_rows([int(s) for s in a.seqs.split(",")]))
+         else attention_rows([int(s) for s in a.seqs.split(",")],
+                             backends=backends))
   for r in att:
-    print(f"flash_attention {r['mode']:8s} seq={r['seq']:5d}: ours "
-          f"{_fmt(r['ours_ms'])} ms ({_fmt(r['tflops'])} TFLOP/s) | pallas "
-          f"{_fmt(r['pallas_ms'])} ms -> {_fmt(r['vs_pallas'])}x | cudnn "
-          f"{_fmt(r['cudnn_ms'])} ms -> {_fmt(r['vs_cudnn'])}x "
-          f"{r['error'] or ''} {r['pallas_note'] or ''} {r['cudnn_note'] or ''}")
+    for b in backends:
+      pre = "" if b == "triton" else f"{b}_"
+      print(f"flash_attention {r['mode']:8s} seq={r['seq']:5d} {b}: ours "
+            f"{_fmt(r[pre + 'ours_ms'])} ms ({_fmt(r[pre + 'tflops'])} "
+            f"TFLOP/s) | pallas {_fmt(r['pallas_ms'])} ms -> "
+            f"{_fmt(r[pre + 'vs_pallas'])}x | cudnn {_fmt(r['cudnn_ms'])} ms "
+            f"-> {_fmt(r[pre + 'vs_cudnn'])}x {r[pre + 'error'] or ''} "
+            f"{r['pallas_note'] or ''} {r['cudnn_note'] or ''}")
   rw = [] if a.only == "attention" else (rowwise_rows(bw) + rowwise_rows(
       bw, (16384, 8192)))
   for r in rw:

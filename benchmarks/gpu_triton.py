@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks import peak
 from dsl.timing import time_queued
 
 # ------------------------------------------------------------------ kernels
@@ -170,6 +171,8 @@ def bench_matmul(size: int, peers, rows: list) -> None:
       continue
     for name, pl in peers.items():
       label = "b{bm}x{bn}x{bk} w{num_warps} s{num_stages}".format(**cfg)
+      ids = dict(kernel="matmul", size=f"{size}x{size}x{size}",
+                 dtype="bfloat16", cfg=dict(variant="loop_k", **cfg))
       try:
         f = jax.jit(make_matmul(pl, **cfg))
         t = time_queued(f, x, y) * 1e3
@@ -178,10 +181,10 @@ def bench_matmul(size: int, peers, rows: list) -> None:
         rows.append(dict(bench=f"matmul bf16 {size}^3", impl=name,
                          config=label, ms=float("nan"), value=float("nan"),
                          unit="TFLOP/s", err=float("nan"),
-                         note=f"{type(e).__name__}: {str(e)[:80]}"))
+                         note=f"{type(e).__name__}: {str(e)[:80]}", **ids))
         continue
       row = dict(bench=f"matmul bf16 {size}^3", impl=name, config=label,
-                 ms=t, value=flops / t / 1e9, unit="TFLOP/s", err=err)
+                 ms=t, value=flops / t / 1e9, unit="TFLOP/s", err=err, **ids)
       rows.append(row)
       if name not in best or row["value"] > best[name]["value"]:
         best[name] = row
@@ -194,11 +197,10 @@ def bench_matmul(size: int, peers, rows: list) -> None:
 
 
 def copy_bandwidth(shape) -> tuple[float, float]:
-  x = jnp.ones(shape, jnp.bfloat16)
-  f = jax.jit(lambda x: -x)
-  t = time_queued(f, x) * 1e3
-  nbytes = 2 * x.size * x.dtype.itemsize
-  return t, nbytes / t / 1e6
+  """(ms, GB/s) of a bf16 copy of `shape` (read + write), as the CLI's peak."""
+  nbytes = int(np.prod(shape)) * 2
+  t = peak.time_copy(nbytes)
+  return t * 1e3, peak.copy_rate(nbytes, t) / 1e9
 
 
 def bench_rows(rows_n: int, cols: int, peers, rows: list) -> None:
@@ -217,6 +219,7 @@ def bench_rows(rows_n: int, cols: int, peers, rows: list) -> None:
       ("layer norm", lambda pl, nw: make_layer_norm(pl, num_warps=nw),
        (x, w, b), _layer_norm_reference(x, w, b)),
   ]
+  suite_name = {"softmax": "softmax", "layer norm": "layer_norm"}
   for bench, make, args, want in cases:
     ref = jax.jit({"softmax": lambda x: jax.nn.softmax(x, -1),
                    "layer norm": _layer_norm_reference}[bench])
@@ -227,6 +230,9 @@ def bench_rows(rows_n: int, cols: int, peers, rows: list) -> None:
                      note=f"{nbytes / t / 1e6 / copy_gbs:.0%} of copy"))
     for name, pl in peers.items():
      for nw in (4, 8, 16):     # the same launch configs for every peer
+      ids = dict(kernel=suite_name[bench], size=f"{rows_n}x{cols}",
+                 dtype="bfloat16",
+                 cfg=dict(block_rows=1, num_warps=nw, num_stages=1))
       try:
         f = jax.jit(make(pl, nw))
         t = time_queued(f, *args) * 1e3
@@ -235,12 +241,12 @@ def bench_rows(rows_n: int, cols: int, peers, rows: list) -> None:
         rows.append(dict(bench=f"{bench} bf16 {rows_n}x{cols}", impl=name,
                          config=f"1 row/program w{nw}", ms=t, value=gbs,
                          unit="GB/s", err=err,
-                         note=f"{gbs / copy_gbs:.0%} of copy"))
+                         note=f"{gbs / copy_gbs:.0%} of copy", **ids))
       except Exception as e:   # noqa: BLE001
         rows.append(dict(bench=f"{bench} bf16 {rows_n}x{cols}", impl=name,
-                         config="", ms=float("nan"), value=float("nan"),
-                         unit="GB/s", err=float("nan"),
-                         note=f"{type(e).__name__}: {str(e)[:80]}"))
+                         config=f"1 row/program w{nw}", ms=float("nan"),
+                         value=float("nan"), unit="GB/s", err=float("nan"),
+                         note=f"{type(e).__name__}: {str(e)[:80]}", **ids))
 
 
 def print_table(rows: list) -> None:

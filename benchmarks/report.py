@@ -110,13 +110,20 @@ def table_rows(rows):
     mem = r.dsl.stats.memory if r.dsl.ok else None
     check = r.check if r.check != "MISMATCH" else f"MISMATCH {r.max_err:.1e}"
     body.append([
-        c.bench.name, _size_label(c.size), c.backend, fmt_config(c.config),
+        c.bench.name, _size_label(c.size), c.backend,
+        fmt_config(c.config if c.shown is None else c.shown),
         _time_cell(r.dsl, notes, r.stat)] + [
         _peer_cell(r, p, notes) for p in peer_names.PEERS] + [
         fmt_rate(r.throughput, r.throughput_unit),
-        "-" if r.peak_fraction is None else f"{r.peak_fraction:.0%}",
+        _peak_cell(r.peak_fraction),
         "-" if mem is None else f"{mem.ratio:.2f}x", check])
   return header, body, notes
+
+
+def _peak_cell(fraction) -> str:
+  if fraction is None:
+    return "-"
+  return f"{fraction:.0%}" + ("!" if fraction > 1 else "")   # see the notes
 
 
 def _size_label(size):

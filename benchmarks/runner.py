@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import time
 from typing import Any
 
 import jax.numpy as jnp
 
 from benchmarks import autotune, peers, platform_info, sizes
+from benchmarks import peak as peak_mod
 from benchmarks.suite import max_rel_err
 from dsl.timing import Stats, prepare, run_interleaved
 
@@ -28,6 +30,8 @@ class Case:
   backend: str
   config: dict
   config_source: str = "default"
+  shown: dict | None = None      # the config column, when not `config`
+  tuning: dict | None = None     # autotune's candidates and their times
 
   @property
   def label(self) -> str:
@@ -76,6 +80,7 @@ class Row:
     d = {"kernel": c.bench.name, "source": c.bench.source,
          "size": sizes.key(c.size), "size_label": sizes.label(c.size),
          "dtype": self.dtype, "backend": c.backend, "config": c.config,
+         "shown_config": c.config if c.shown is None else c.shown,
          "config_source": c.config_source, "dsl": self.dsl.as_dict(),
          "peers": {}, "check": self.check, "max_rel_err": self.max_err,
          "throughput": self.throughput, "throughput_unit": self.throughput_unit,
@@ -102,6 +107,7 @@ class Options:
   autotune: bool = False
   retune: bool = False
   tune_repeats: int = 3
+  tune_budget: float | None = None   # seconds per row's search
   peak: Any = None          # benchmarks.peak.Peak or None
 
 
@@ -176,17 +182,31 @@ class Runner:
         case.config_source = "autotune: cached"
         return case
     self._step(f"autotune {case.label}")
+    # With a budget the search may stop early: the order changes daily, so
+    # that repeated budgeted runs reach the whole space.
+    shuffle = (None if self.o.tune_budget is None
+               else int(time.time() // 86400))
+    planned = autotune.candidates(b, case.size, self.o.dtype, case.backend,
+                                  self.platform, case.config, shuffle)
     try:
       best, best_t, results = autotune.search(
           b, case.size, self.o.dtype, case.backend, self.platform,
-          repeats=self.o.tune_repeats, progress=self.progress)
+          repeats=self.o.tune_repeats, progress=self.progress,
+          first=case.config, budget_s=self.o.tune_budget, shuffle=shuffle)
     except Exception as e:   # keep the default config; the row says why
       case.config_source = f"default (autotune failed: {_short(e)})"
       return case
+    if self.progress and len(results) < len(planned):
+      self.progress.advance(len(planned) - len(results))
     autotune.store(b.name, skey, case.backend, best, median_s=best_t,
                    candidates=len(results))
+    case.tuning = {"before": case.config, "before_source": case.config_source,
+                   "candidates": len(planned),
+                   "results": [[c, t] for c, t in results]}
     case.config = best
-    case.config_source = f"autotune: best of {len(results)}"
+    case.config_source = f"autotune: best of {len(results)}" + (
+        f" (of {len(planned)}, --tune-budget)" if len(results) < len(planned)
+        else "")
     return case
 
   # -------------------------------------------------------------- one row
@@ -253,7 +273,8 @@ class Runner:
     self._done()
 
     row = Row(case, dname, cells["dsl"],
-              {k: cells[k] for k in peers.PEERS}, stat=self.o.stat)
+              {k: cells[k] for k in peers.PEERS}, autotune=case.tuning,
+              stat=self.o.stat)
     self._check(row)
     self._throughput(row)
     for c in cells.values():
@@ -275,16 +296,14 @@ class Runner:
     if not row.dsl.ok:
       return
     b, t = row.case.bench, row.dsl.stats.value(row.stat)
-    peak = self.o.peak
     if b.bound == "compute":
       row.throughput, row.throughput_unit = b.flops(row.case.size) / t, "FLOP/s"
-      if peak:
-        row.peak_fraction = row.throughput / peak.flops
     else:
       row.throughput = b.io_bytes(row.case.size, self.o.dtype) / t
       row.throughput_unit = "B/s"
-      if peak:
-        row.peak_fraction = row.throughput / peak.bandwidth
+    if self.o.peak:
+      row.peak_fraction = peak_mod.fraction(row.throughput,
+                                            row.throughput_unit, self.o.peak)
 
   def finish(self):
     """Frees cached peer outputs and inputs."""

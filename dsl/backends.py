@@ -8,6 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+import jax
+
+from dsl import config
 from dsl.errors import BackendError
 
 BACKENDS = ("interpret", "triton", "triton_interpret", "mosaic",
@@ -31,18 +34,31 @@ DEFAULT_FOR_PLATFORM = {
     "tpu": "mosaic",
 }
 
+# JAX's platform names (`jax.default_backend()`) -> the keys above: JAX
+# calls CUDA and ROCm devices "gpu".
+_PLATFORM_KEYS = {"gpu": "cuda"}
+
 # backends that run kernels on the host (through host callbacks).
 HOST_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
 
 _RULES: dict[str, Callable] = {}
 
 
+def platform_default(platform: str | None = None) -> str:
+  """The backend `backend=None` runs on for `platform` (a JAX platform name
+  such as "gpu", or a lowering platform such as "cuda"; None: JAX's default
+  platform here), honouring `jax_pallas_use_mosaic_gpu` on CUDA."""
+  if platform is None:
+    platform = jax.default_backend()
+  platform = _PLATFORM_KEYS.get(platform, platform)
+  if platform == "cuda" and config.use_mosaic_gpu():
+    return "mosaic_gpu"
+  return DEFAULT_FOR_PLATFORM.get(platform, "interpret")
+
+
 def runs_on_host(name: str | None) -> bool:
   """Whether backend `name` (None: automatic) runs on the host here."""
-  if name is None:
-    import jax
-    name = DEFAULT_FOR_PLATFORM.get(jax.default_backend(), "interpret")
-  return name in HOST_BACKENDS
+  return (name or platform_default()) in HOST_BACKENDS
 
 
 def register_backend(name: str, lowering: Callable) -> None:

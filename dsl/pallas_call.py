@@ -176,12 +176,7 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
     # shard_map (an SPMDAxisContext) it is per device already.
     from dsl import partitioning
     return partitioning.lower_partitioned(ctx, *args, spec=spec)
-  from dsl import config
-  name = spec.backend
-  if name is None:
-    name = backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
-    if platform == "cuda" and config.use_mosaic_gpu():
-      name = "mosaic_gpu"
+  name = spec.backend or backends.platform_default(platform)
   rule = backends.lowering_rule(name, spec.name, spec.where)
   if name != "interpret":   # the interpret backend runs every JAX primitive
     spec = normalize(spec, values_in_memory=name.startswith("mosaic"))
@@ -366,7 +361,7 @@ def _autotuned_launch_params(backend):
   if not launch:
     return None
   if backend is None:
-    backend = backends.DEFAULT_FOR_PLATFORM.get(jax.default_backend())
+    backend = backends.platform_default()
   if backend not in ("triton", "triton_interpret"):
     return None
   from dsl import triton

@@ -28,7 +28,6 @@ import contextlib
 import contextvars
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
@@ -60,13 +59,10 @@ def kernel_backend(name: str | None):
 def traced_backend() -> str:
   """The backend the kernel being traced is for (the automatic backend
   counts as the default of JAX's platform)."""
-  from dsl import backends, config
+  from dsl import backends
   name = _BACKEND.get()
   if name is _UNSET or name is None:
-    platform = jax.default_backend()
-    if platform == "gpu":
-      return "mosaic_gpu" if config.use_mosaic_gpu() else "triton"
-    return backends.DEFAULT_FOR_PLATFORM.get(platform, "interpret")
+    return backends.platform_default()
   return name
 
 

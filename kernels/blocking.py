@@ -14,20 +14,38 @@ from __future__ import annotations
 
 import jax
 
-from dsl.backends import DEFAULT_FOR_PLATFORM
+from dsl import backends, config, gpu_defaults
 
 
 def resolve_backend(backend: str | None) -> str:
   """The backend a `backend=None` kernel will run on, for choosing blocks."""
-  if backend is not None:
+  return backend or backends.platform_default()
+
+
+def choose_backend(kernel: str, backend: str | None) -> str | None:
+  """The backend `kernels.<kernel>` passes to its pallas_calls: `backend`
+  when the caller gives one; on a GPU with None, the shipped choice for this
+  kernel and device (`dsl/data/gpu_backends.json`), or `mosaic_gpu` when
+  `jax_pallas_use_mosaic_gpu` asks for it; None elsewhere (pallas_call picks
+  the platform's backend)."""
+  if backend is not None or jax.default_backend() != "gpu":
     return backend
-  try:
-    platform = jax.default_backend()
-  except RuntimeError:
-    platform = "cpu"
-  if platform == "gpu":          # jax's name for CUDA and ROCm devices
-    platform = "cuda"
-  return DEFAULT_FOR_PLATFORM.get(platform, "interpret")
+  if config.use_mosaic_gpu():
+    return "mosaic_gpu"
+  choice = gpu_defaults.backend_for(f"kernels.{kernel}")
+  return choice.backend if choice else None
+
+
+def gpu_config(kernel: str, dims, dtype, backend: str, *given) -> dict:
+  """The shipped default config of `kernels.<kernel>` (or one of its
+  kernels, e.g. "flash_attention.dq") at this size on this GPU
+  (`dsl/data/gpu_configs.json`: block sizes, num_warps, num_stages), or {}
+  where the kernel's own choice applies: a CPU backend, no GPU, no entry, or
+  block sizes the caller gave (`given`, any not None)."""
+  if any(g is not None for g in given):
+    return {}
+  hit = gpu_defaults.lookup(f"kernels.{kernel}", dims, dtype, backend)
+  return dict(hit.config) if hit else {}
 
 
 def is_triton(backend: str) -> bool:
@@ -92,9 +110,11 @@ def tuned(kernel: str, dims, dtype, backend: str | None) -> dict:
   return cfg or {}
 
 
-def triton_params(backend: str, *, num_warps: int, num_stages: int | None = None):
-  """Launch parameters for Triton backends (None elsewhere)."""
-  if not is_triton(backend):
+def triton_params(backend: str, *, num_warps: int | None,
+                  num_stages: int | None = None):
+  """Launch parameters for Triton backends (None elsewhere, or when neither
+  is given: the lowering's defaults)."""
+  if not is_triton(backend) or (num_warps is None and num_stages is None):
     return None
   from dsl import triton as plt
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)

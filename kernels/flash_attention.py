@@ -78,8 +78,10 @@ def reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
 
 # ---------------------------------------------------------------- blocks
 
-# Triton configs (block_q, block_k, num_warps, num_stages) for head_dim > 64.
-# The forward's was measured on an H100 with `python -m
+# Triton configs (block_q, block_k, num_warps, num_stages) for head_dim > 64,
+# where the shipped GPU defaults (dsl/data/gpu_configs.json, entries
+# kernels.flash_attention[.dkdv|.dq]) have none for the device. The
+# forward's was measured on an H100 with `python -m
 # benchmarks.gpu_kernel_sweep`. In the backward each kernel keeps one block
 # and walks the other: dK/dV keeps 128 kv rows (the M side of all its dots,
 # two warpgroups of Hopper wgmma; 32 rows would fall back to mma.sync) and
@@ -97,7 +99,12 @@ def _triton_config(kernel, d):
   return SMALL_CONFIG if d <= 64 else TRITON_CONFIGS[kernel]
 
 
-def _triton_params(kernel, backend, d, bq, bk):
+def _triton_params(kernel, backend, d, bq, bk, tuned=None):
+  """Launch parameters: the shipped GPU default's (`tuned`, from
+  `blocking.gpu_config`) when it has them, else the table above."""
+  if tuned and "num_warps" in tuned:
+    return blocking.triton_params(backend, num_warps=tuned["num_warps"],
+                                  num_stages=tuned.get("num_stages"))
   cfg = _triton_config(kernel, d)
   if bq * bk < cfg[0] * cfg[1]:
     cfg = SMALL_CONFIG
@@ -321,8 +328,11 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
   sk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
   hm = _head_major(backend)
-  bq, bk = attention_blocks(sq, sk, d, blocking.resolve_backend(backend),
-                            block_q, block_k)
+  be = blocking.resolve_backend(backend)
+  tuned = blocking.gpu_config("flash_attention", q.shape, q.dtype, be,
+                              block_q, block_k)
+  bq, bk = attention_blocks(sq, sk, d, be, tuned.get("block_q", block_q),
+                            tuned.get("block_k", block_k))
   nq, nk = pl.cdiv(sq, bq), pl.cdiv(sk, bk)
   q_spec, kv_spec, lse_spec, seg_args, seg_specs = _q_major_specs(
       hm, bq, bk, d, g, q_seg, kv_seg)
@@ -341,8 +351,7 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
                       pltpu.VMEM((bq,), jnp.float32),
                       pltpu.VMEM((bq, d), jnp.float32),
                       pltpu.VMEM((bq, d), q.dtype)],
-      compiler_params=_triton_params("fwd", blocking.resolve_backend(backend),
-                                     d, bq, bk),
+      compiler_params=_triton_params("fwd", be, d, bq, bk, tuned),
       backend=backend, name="flash_attention_fwd")(q, k, v, *seg_args)
   return _to_layout(hm, o)[0], lse
 
@@ -438,11 +447,15 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
   q, k, v, o, do = _to_layout(hm, q, k, v, o, do)
 
   def setup(kernel):
-    bq, bk = attention_blocks(sq, sk, d, resolved, block_q, block_k, kernel)
+    tuned = blocking.gpu_config(f"flash_attention.{kernel}", (b, sq, h, d),
+                                q.dtype, resolved, block_q, block_k)
+    bq, bk = attention_blocks(sq, sk, d, resolved,
+                              tuned.get("block_q", block_q),
+                              tuned.get("block_k", block_k), kernel)
     common = dict(sm_scale=sm_scale, causal=causal, has_seg=q_seg is not None,
                   bq=bq, bk=bk, sq=sq, sk=sk)
     return (bq, bk, pl.cdiv(sq, bq), pl.cdiv(sk, bk), common,
-            _triton_params(kernel, resolved, d, bq, bk))
+            _triton_params(kernel, resolved, d, bq, bk, tuned))
 
   bq, bk, nq, nk, common, params = setup("dkdv")
 
@@ -555,6 +568,7 @@ def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None,
   sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(
       sm_scale)
   q_seg, kv_seg = _split_segments(segment_ids, q.shape[1], k.shape[1])
+  backend = blocking.choose_backend("flash_attention", backend)
   if block_q is None and block_k is None:
     cfg = blocking.tuned("flash_attention", q.shape, q.dtype, backend)
     block_q, block_k = cfg.get("block_q"), cfg.get("block_k")

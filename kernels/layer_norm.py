@@ -90,7 +90,9 @@ def _bwd_kernel(x_ref, w_ref, mean_ref, rstd_ref, dy_ref, dx_ref, dw_ref,
 def forward(x2, weight, bias, *, eps, backend=None, block_rows=None):
   """The forward kernel on rows `(R, D)`: returns (y, mean, rstd)."""
   rows, d = x2.shape
-  br = row_block(rows, d, blocking.resolve_backend(backend), block_rows)
+  be = blocking.resolve_backend(backend)
+  tuned = blocking.gpu_config("layer_norm", x2.shape, x2.dtype, be, block_rows)
+  br = row_block(rows, d, be, tuned.get("block_rows", block_rows))
   row_spec = pl.BlockSpec((br, d), lambda i: (i, 0))
   vec_spec = pl.BlockSpec((d,), lambda i: (0,))
   stat_spec = pl.BlockSpec((br,), lambda i: (i,))
@@ -101,14 +103,17 @@ def forward(x2, weight, bias, *, eps, backend=None, block_rows=None):
       grid=(pl.cdiv(rows, br),), in_specs=[row_spec, vec_spec, vec_spec],
       out_specs=(row_spec, stat_spec, stat_spec), backend=backend,
       compiler_params=blocking.triton_params(
-          blocking.resolve_backend(backend), num_warps=blocking.row_warps(d)),
+          be, num_warps=tuned.get("num_warps", blocking.row_warps(d)),
+          num_stages=tuned.get("num_stages")),
       name="layer_norm_fwd")(x2, weight, bias)
 
 
 def backward(x2, weight, mean, rstd, dy2, *, backend=None, block_rows=None):
   """The backward kernel: returns (dx, dweight, dbias)."""
   rows, d = x2.shape
-  br = row_block(rows, d, blocking.resolve_backend(backend), block_rows)
+  be = blocking.resolve_backend(backend)
+  tuned = blocking.gpu_config("layer_norm", x2.shape, x2.dtype, be, block_rows)
+  br = row_block(rows, d, be, tuned.get("block_rows", block_rows))
   nb = pl.cdiv(rows, br)
   row_spec = pl.BlockSpec((br, d), lambda i: (i, 0))
   vec_spec = pl.BlockSpec((d,), lambda i: (0,))
@@ -163,6 +168,7 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, *, backend=None,
   if weight.shape != (d,) or bias.shape != (d,):
     raise ValueError(f"layer_norm: weight {weight.shape} and bias "
                      f"{bias.shape} must both have shape ({d},)")
+  backend = blocking.choose_backend("layer_norm", backend)
   if block_rows is None:
     block_rows = blocking.tuned("layer_norm", (x.size // max(d, 1), d),
                                 x.dtype, backend).get("block_rows")

@@ -138,7 +138,9 @@ def matmul_2d(a, b, bias=None, *, activation=None, trans_a=False,
     raise ValueError(f"matmul: contracting dims differ: {k} and {k2}")
   out_dtype = out_dtype or jnp.result_type(a.dtype, b.dtype)
   be = blocking.resolve_backend(backend)
-  bm, bn, bk = blocks or block_sizes(m, n, k, be, out_dtype)
+  tuned = blocking.gpu_config("matmul", (m, k, n), a.dtype, be, blocks)
+  bm, bn, bk = (blocks or tuned.get("block_sizes")
+                or block_sizes(m, n, k, be, out_dtype))
   bm, bn, bk = min(bm, m), min(bn, n), min(bk, k)
   nk = pl.cdiv(k, bk)
   a_spec = (pl.BlockSpec((bk, bm), lambda i, j, kk: (kk, i)) if trans_a else
@@ -170,6 +172,9 @@ def matmul_2d(a, b, bias=None, *, activation=None, trans_a=False,
       kernel, tuple(out_shape), grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), nk),
       in_specs=in_specs, out_specs=tuple(out_specs),
       scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)], backend=backend,
+      compiler_params=blocking.triton_params(
+          be, num_warps=tuned.get("num_warps"),
+          num_stages=tuned.get("num_stages")),
       name="matmul")(*args)
   return outs if save_pre else outs[0]
 
@@ -228,6 +233,7 @@ def matmul(x, y, *, bias=None, activation=None, backend=None,
     raise ValueError(f"matmul: bias {bias.shape} must have shape "
                      f"({y.shape[1]},)")
   lead = x.shape[:-1]
+  backend = blocking.choose_backend("matmul", backend)
   x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
   if x.ndim == 1:
     x2 = x.reshape(1, -1)

@@ -53,7 +53,9 @@ def _bwd_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, rows, br):
 def forward(x2, weight, *, eps, backend=None, block_rows=None):
   """The forward kernel on rows `(R, D)`: returns (y, rstd)."""
   rows, d = x2.shape
-  br = row_block(rows, d, blocking.resolve_backend(backend), block_rows)
+  be = blocking.resolve_backend(backend)
+  tuned = blocking.gpu_config("rms_norm", x2.shape, x2.dtype, be, block_rows)
+  br = row_block(rows, d, be, tuned.get("block_rows", block_rows))
   row_spec = pl.BlockSpec((br, d), lambda i: (i, 0))
   return pl.pallas_call(
       functools.partial(_fwd_kernel, eps=eps),
@@ -64,14 +66,17 @@ def forward(x2, weight, *, eps, backend=None, block_rows=None):
       out_specs=(row_spec, pl.BlockSpec((br,), lambda i: (i,))),
       backend=backend, name="rms_norm_fwd",
       compiler_params=blocking.triton_params(
-          blocking.resolve_backend(backend), num_warps=blocking.row_warps(d)),
+          be, num_warps=tuned.get("num_warps", blocking.row_warps(d)),
+          num_stages=tuned.get("num_stages")),
   )(x2, weight)
 
 
 def backward(x2, weight, rstd, dy2, *, backend=None, block_rows=None):
   """The backward kernel: returns (dx, dweight)."""
   rows, d = x2.shape
-  br = row_block(rows, d, blocking.resolve_backend(backend), block_rows)
+  be = blocking.resolve_backend(backend)
+  tuned = blocking.gpu_config("rms_norm", x2.shape, x2.dtype, be, block_rows)
+  br = row_block(rows, d, be, tuned.get("block_rows", block_rows))
   nb = pl.cdiv(rows, br)
   row_spec = pl.BlockSpec((br, d), lambda i: (i, 0))
   dx, dw = pl.pallas_call(
@@ -119,6 +124,7 @@ def rms_norm(x, weight, eps: float = 1e-6, *, backend=None, block_rows=None):
     weight = jnp.ones((d,), x.dtype)
   if weight.shape != (d,):
     raise ValueError(f"rms_norm: weight {weight.shape} must have shape ({d},)")
+  backend = blocking.choose_backend("rms_norm", backend)
   if block_rows is None:
     block_rows = blocking.tuned("rms_norm", (x.size // max(d, 1), d), x.dtype,
                                 backend).get("block_rows")

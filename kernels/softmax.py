@@ -133,7 +133,10 @@ def softmax_2d(x, *, backend=None, block_rows=None, block_cols=None):
   """Softmax over the last axis of a 2-D array (the kernels, no autodiff)."""
   rows, cols = x.shape
   be = blocking.resolve_backend(backend)
-  br, bc = _blocks(rows, cols, be, block_rows, block_cols)
+  tuned = blocking.gpu_config("softmax", x.shape, x.dtype, be, block_rows,
+                              block_cols)
+  br, bc = _blocks(rows, cols, be, tuned.get("block_rows", block_rows),
+                   tuned.get("block_cols", block_cols))
   nr, nc = pl.cdiv(rows, br), pl.cdiv(cols, bc)
   out = jax.ShapeDtypeStruct(x.shape, x.dtype)
   if nc == 1:
@@ -141,7 +144,9 @@ def softmax_2d(x, *, backend=None, block_rows=None, block_cols=None):
     return pl.pallas_call(_fused_kernel, out, grid=(nr,), in_specs=[block],
                           out_specs=block, backend=backend,
                           compiler_params=blocking.triton_params(
-                              be, num_warps=blocking.row_warps(cols)),
+                              be, num_warps=tuned.get(
+                                  "num_warps", blocking.row_warps(cols)),
+                              num_stages=tuned.get("num_stages")),
                           name="softmax_fused")(x)
   block, row = _row_specs(br, bc, True)
   stat = jax.ShapeDtypeStruct((rows,), jnp.float32)
@@ -157,7 +162,10 @@ def softmax_2d(x, *, backend=None, block_rows=None, block_cols=None):
 def softmax_bwd_2d(y, dy, *, backend=None, block_rows=None, block_cols=None):
   rows, cols = y.shape
   be = blocking.resolve_backend(backend)
-  br, bc = _blocks(rows, cols, be, block_rows, block_cols)
+  tuned = blocking.gpu_config("softmax", y.shape, y.dtype, be, block_rows,
+                              block_cols)
+  br, bc = _blocks(rows, cols, be, tuned.get("block_rows", block_rows),
+                   tuned.get("block_cols", block_cols))
   nr, nc = pl.cdiv(rows, br), pl.cdiv(cols, bc)
   out = jax.ShapeDtypeStruct(y.shape, dy.dtype)
   if nc == 1:
@@ -223,6 +231,7 @@ def softmax(x, axis: int = -1, *, backend=None, block_rows=None,
     raise ValueError(f"axis {axis} is out of range for an array of rank "
                      f"{x.ndim}")
   axis = axis % x.ndim
+  backend = blocking.choose_backend("softmax", backend)
   if block_rows is None and block_cols is None:
     rows = x.size // max(x.shape[axis], 1)
     block_rows = blocking.tuned("softmax", (rows, x.shape[axis]), x.dtype,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-time set-up: .venv with python3.12 and the pinned toolchain, plus spin.
+# One-time set-up: .venv with python3.12 and the pinned toolchain, plus spin;
+# on a machine with an NVIDIA driver, JAX's CUDA plugin matching it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,17 @@ fi
 if ! .venv/bin/python -c "import jax, triton, pytest, hypothesis, xdist, matplotlib, absl, dsl" 2>/dev/null; then
   .venv/bin/pip install --quiet --upgrade pip
   .venv/bin/pip install --quiet -e ".[test,bench]"
+fi
+# NVIDIA GPU: the pinned jax's cuda12 or cuda13 plugin, by the CUDA version
+# the driver supports (scripts/cuda_extra.py), so JAX runs on the GPU.
+if command -v nvidia-smi >/dev/null 2>&1; then
+  cuda_req="$(.venv/bin/python scripts/cuda_extra.py --missing)"
+  if [ -n "$cuda_req" ]; then
+    echo "set-up: installing $cuda_req" >&2
+    .venv/bin/pip install --quiet "$cuda_req" \
+      || echo "warning: could not install $cuda_req; JAX runs on the CPU" >&2
+  fi
+  .venv/bin/python scripts/cuda_extra.py --verify || true
 fi
 if ! command -v spin >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.errors import UsageError
+from dsl import gpu_defaults
 
 Size = tuple[int, ...]
 Config = dict[str, Any]
@@ -63,6 +64,29 @@ class KernelBench:
 
   def search_space(self, size: Size, backend: str, platform: str) -> list[Config]:
     return [self.default_config(size, backend, platform)]
+
+  def shipped(self, size: Size, backend: str, dtype
+              ) -> gpu_defaults.Default | None:
+    """The shipped GPU default of this kernel at this size on this machine's
+    GPU (dsl/data/gpu_configs.json), or None."""
+    return gpu_defaults.lookup(self.name, size, dtype, backend)
+
+  def shown_config(self, size: Size, backend: str, dtype, config: Config
+                   ) -> Config:
+    """What the config column shows for a row that runs `config`."""
+    return config
+
+  def chosen_config(self, size: Size, backend: str, platform: str, dtype
+                    ) -> tuple[Config, str]:
+    """The config a row runs when the user gives none, and where it came
+    from: the shipped GPU default for this device over the kernel's own
+    default (`default_config`), else the latter alone."""
+    config = self.default_config(size, backend, platform)
+    hit = self.shipped(size, backend, dtype)
+    if hit is None:
+      return self.fix_config(size, config, dtype), "default"
+    return (self.fix_config(size, {**config, **hit.config}, dtype),
+            f"shipped: {hit.key} ({hit.where})")
 
   def fix_config(self, size: Size, config: Config, dtype=None) -> Config:
     """Clips a (cached or user) config to what this size allows."""

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from benchmarks.suite.base import KernelBench, random_inputs
 from benchmarks.suite.rowwise import LN_EPS
+from dsl import gpu_defaults
 
 NAMES = ("softmax", "layer_norm", "rms_norm", "matmul", "flash_attention")
 
@@ -193,6 +194,24 @@ class External(KernelBench):
 
   def default_config(self, size, backend, platform):
     return {}   # the kernel's own choice of blocks
+
+  def chosen_config(self, size, backend, platform, dtype):
+    """{}: the kernel chooses itself, from the same shipped table when it
+    has an entry (shown in the config column, not passed)."""
+    hit = self.shipped(size, backend, dtype)
+    if hit is None:
+      return {}, "default (the kernel's own)"
+    return {}, f"shipped: {hit.key} ({hit.where})"
+
+  def shown_config(self, size, backend, dtype, config):
+    if config:
+      return config
+    hit = self.shipped(size, backend, dtype)
+    return hit.config if hit else {}
+
+  def auto_backend(self) -> gpu_defaults.BackendChoice | None:
+    """The GPU backend the kernel runs on with backend=None here."""
+    return gpu_defaults.backend_for(self.name)
 
   def search_space(self, size, backend, platform):
     return [{}] + _TUNABLE[self.short](size, backend)

@@ -196,6 +196,53 @@ def test_launch_keywords_become_triton_compiler_params(cache, monkeypatch):
   assert jaxpr.jaxpr.eqns[0].params["spec"].compiler_params is None
 
 
+def test_launch_keywords_reach_the_automatic_backend_on_a_gpu(cache,
+                                                             monkeypatch):
+  """backend=None on a GPU runs Triton, so the tuned num_warps/num_stages
+  must reach it (they were dropped: "gpu" is JAX's platform name, not a key
+  of the platform -> backend table)."""
+  monkeypatch.setenv(autotuning.ENV_SWITCH, "0")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  add = make_add(configs=[{"block": 256, "num_warps": 2, "num_stages": 3}])
+  x, y = _inputs()
+  spec = jax.make_jaxpr(add)(x, y).jaxpr.eqns[0].params["spec"]
+  assert spec.backend is None
+  assert (spec.compiler_params.num_warps, spec.compiler_params.num_stages) \
+      == (2, 3)
+  # With jax_pallas_use_mosaic_gpu the automatic backend is mosaic_gpu,
+  # which takes no Triton launch parameters.
+  with _mosaic_gpu_flag():
+    spec = jax.make_jaxpr(add)(x, y).jaxpr.eqns[0].params["spec"]
+  assert spec.compiler_params is None
+
+
+def test_platform_default_backend_by_platform(monkeypatch):
+  from dsl import backends
+  assert [backends.platform_default(p) for p in
+          ("cpu", "gpu", "cuda", "rocm", "tpu")] == [
+              "interpret", "triton", "triton", "triton", "mosaic"]
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert backends.platform_default() == "triton"
+  assert not backends.runs_on_host(None)
+  with _mosaic_gpu_flag():
+    assert backends.platform_default() == "mosaic_gpu"
+    assert backends.platform_default("cpu") == "interpret"
+
+
+def _mosaic_gpu_flag():
+  import contextlib
+
+  @contextlib.contextmanager
+  def ctx():
+    old = jax.config.jax_pallas_use_mosaic_gpu
+    jax.config.update("jax_pallas_use_mosaic_gpu", True)
+    try:
+      yield
+    finally:
+      jax.config.update("jax_pallas_use_mosaic_gpu", old)
+  return ctx()
+
+
 def test_wrong_config_keyword_is_a_clear_error():
   with pytest.raises(TypeError) as e:
     make_add(configs=[{"block": 128}, {"blok": 256}])

@@ -3,7 +3,7 @@ compiled by triton and launched through jaxlib's kernel-call custom call,
 plus bf16 matmul/softmax/layer-norm kernels at realistic sizes.
 
 Run on a GPU machine with `pytest -m gpu tests/pallas/test_triton_gpu.py`
-(scripts/gpu_triton_check.sh does this and runs the benchmark).
+(`make gpu-check` runs every GPU-marked test and the benchmarks).
 """
 import jax
 import jax.numpy as jnp
