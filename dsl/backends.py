@@ -12,6 +12,7 @@ import jax
 
 from dsl import config
 from dsl.errors import BackendError
+from dsl.normalize import normalize
 
 BACKENDS = ("interpret", "triton", "triton_interpret", "mosaic",
             "mosaic_interpret", "mosaic_gpu")
@@ -84,6 +85,15 @@ def lowering_rule(name: str, kernel: str, where: str | None) -> Callable:
         f"backend='interpret' (or interpret=True) to run on any platform.",
         where)
   return _RULES[name]
+
+
+def prepare(spec, name: str):
+  """`spec` as backend `name`'s lowering receives it: its kernel jaxpr in
+  the primitives every lowering handles (the interpret backend runs every
+  JAX primitive and takes it as it is)."""
+  if name == "interpret":
+    return spec
+  return normalize(spec, values_in_memory=name.startswith("mosaic"))
 
 
 def check_backend_name(name, kernel: str, where: str) -> None:

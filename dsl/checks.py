@@ -20,6 +20,8 @@ from jax._src import checkify as jax_checkify
 from jax._src import core
 from jax.experimental import checkify
 
+from dsl.jaxpr_walk import sub_jaxprs
+
 check_p = jax_checkify.check_p
 
 _CHECK_AT = re.compile(r"^(.*) \(check at (\S+:\d+)\)$", re.S)
@@ -53,17 +55,6 @@ def debug_check(condition, message: str = "debug_check failed", *fmt_args,
   """Checks `condition` inside a kernel when jax_pallas_enable_debug_checks
   or jax_pallas_enable_runtime_assert is on (see the module docstring)."""
   checkify.debug_check(condition, message, *fmt_args, **fmt_kwargs)
-
-
-def sub_jaxprs(params):
-  """The jaxprs among an equation's params (cond branches, loop bodies...)."""
-  for v in params.values():
-    vs = v if isinstance(v, (tuple, list)) else (v,)
-    for x in vs:
-      if isinstance(x, core.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, core.Jaxpr):
-        yield x
 
 
 def has_checks(jaxpr: core.Jaxpr) -> bool:

@@ -11,6 +11,8 @@ from jax._src.state import types as state_types
 
 from dsl.blockspec import BlockMapping, BlockSpec, resolve_block_spec
 from dsl.errors import KernelError, KernelTypeError
+from dsl.index_maps import evaluate_index_map, reads_prefetch, varies_along
+from dsl.interpret.plan import Plan, make_plan
 from dsl.memory import MemorySpace, scratch_aval
 
 
@@ -67,6 +69,43 @@ class GridMapping:
   # None when no dim is named (dsl.named_axes)
   grid_names: tuple | None = None
 
+  def __post_init__(self):
+    self.check_invariants()
+
+  def check_invariants(self) -> None:
+    """Raises ValueError when the mapping is inconsistent (an internal
+    error: user specs are checked, with messages naming the operand, when
+    they are resolved)."""
+    rank = len(self.grid)
+    problems = []
+    if any(not isinstance(g, (int, np.integer)) or g < 0 for g in self.grid):
+      problems.append(f"grid {self.grid} is not of non-negative ints")
+    if len(self.block_mappings) != self.num_inputs + self.num_outputs:
+      problems.append(f"{len(self.block_mappings)} block mappings for "
+                      f"{self.num_inputs} inputs and {self.num_outputs} "
+                      "outputs")
+    if len(self.prefetch_avals) != self.num_scalar_prefetch:
+      problems.append(f"{len(self.prefetch_avals)} prefetch avals for "
+                      f"{self.num_scalar_prefetch} scalar-prefetch operands")
+    if not 0 <= self.num_hidden_axes <= rank:
+      problems.append(f"{self.num_hidden_axes} hidden axes in a grid of "
+                      f"rank {rank}")
+    if self.grid_names is not None and len(self.grid_names) != rank:
+      problems.append(f"{len(self.grid_names)} grid names for rank {rank}")
+    for bm in self.block_mappings:
+      j = bm.index_map_jaxpr.jaxpr
+      if len(j.invars) != rank + self.num_scalar_prefetch:
+        problems.append(f"{bm.origin}: the index map takes {len(j.invars)} "
+                        f"arguments, not {rank} grid ids + "
+                        f"{self.num_scalar_prefetch} prefetch refs")
+      array_rank = len(bm.array_aval.shape)
+      if not len(j.outvars) == len(bm.block_shape) == array_rank:
+        problems.append(f"{bm.origin}: {len(j.outvars)} block indices, "
+                        f"{len(bm.block_shape)} block dims, array rank "
+                        f"{array_rank}")
+    if problems:
+      raise ValueError("inconsistent GridMapping: " + "; ".join(problems))
+
   @property
   def in_mappings(self) -> tuple[BlockMapping, ...]:
     return self.block_mappings[:self.num_inputs]
@@ -84,6 +123,44 @@ class GridMapping:
     """How many refs the kernel takes (grid indices not counted)."""
     return (self.num_scalar_prefetch + self.num_inputs + self.num_outputs
             + len(self.scratch_avals))
+
+  @property
+  def ref_avals(self) -> tuple[state_types.AbstractRef, ...]:
+    """The kernel's refs, in order: prefetch, block refs, scratch."""
+    return (tuple(self.prefetch_avals)
+            + tuple(bm.ref_aval for bm in self.block_mappings)
+            + tuple(self.scratch_avals))
+
+  @property
+  def ref_origins(self) -> tuple[str, ...]:
+    """Where each kernel ref comes from, for messages: `scalar prefetch
+    0`, `in_specs[1]`, `out_specs[0]`, `scratch_shapes[2]`."""
+    return (tuple(f"scalar prefetch {i}"
+                  for i in range(self.num_scalar_prefetch))
+            + tuple(bm.origin for bm in self.block_mappings)
+            + tuple(f"scratch_shapes[{i}]"
+                    for i in range(len(self.scratch_avals))))
+
+  def block_indices(self, bm: BlockMapping) -> np.ndarray | None:
+    """The block indices of `bm` at every grid point, an int array of shape
+    (*grid, rank), read-only; None when its index map reads scalar-prefetch
+    data or the grid is too large to analyse."""
+    return evaluate_index_map(bm, tuple(int(g) for g in self.grid))
+
+  def reads_prefetch(self, bm: BlockMapping) -> bool:
+    """Whether the index map of `bm` reads scalar-prefetch data."""
+    return reads_prefetch(bm.index_map_jaxpr, len(self.grid))
+
+  def moves_along(self, bm: BlockMapping, d: int) -> bool | None:
+    """Whether the block of `bm` changes along grid dim `d`; None when the
+    index map has no static answer."""
+    idx = self.block_indices(bm)
+    return None if idx is None else varies_along(idx, d)
+
+  def plan(self, compiler_params=None, jaxpr=None) -> Plan:
+    """The execution plan: parallel and sequential grid dims, and how each
+    operand's blocks are fetched (see `make_plan`)."""
+    return make_plan(self, compiler_params, jaxpr)
 
   def split(self, seq: Sequence[Any]) -> KernelArgs:
     """`seq` laid out as the kernel's operands, by role. `seq` holds one

@@ -50,6 +50,23 @@ def call_body(params: dict, args: Sequence[Any]):
   return jaxpr, consts, list(args)[len(args) - n:]
 
 
+def sub_jaxprs(params: dict) -> Iterator[core.Jaxpr]:
+  """The jaxprs among an equation's params (cond branches, loop bodies,
+  call bodies), open or closed, alone or in tuples and lists."""
+  for value in params.values():
+    yield from _jaxprs_in(value)
+
+
+def _jaxprs_in(value) -> Iterator[core.Jaxpr]:
+  if isinstance(value, core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _jaxprs_in(v)
+
+
 class RuleTable:
   """Rules keyed by primitive objects; names only for primitives that are not
   importable in every JAX version, and for tables of MLIR operation names."""

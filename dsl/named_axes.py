@@ -38,7 +38,7 @@ from jax._src.state import types as state_types
 import jax.extend.linear_util as lu
 
 from dsl.errors import KernelError, source_info_frame
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 
 
 def grid_names(grid) -> tuple | None:
@@ -90,18 +90,9 @@ def uses_grid_axes(jaxpr: core.Jaxpr, names: frozenset) -> frozenset:
   found = set()
   for eqn in jaxpr.eqns:
     found.update(n for n in _names(eqn.params) if n in names)
-    for sub in _subjaxprs(eqn.params):
+    for sub in sub_jaxprs(eqn.params):
       found |= uses_grid_axes(sub, names)
   return frozenset(found)
-
-
-def _subjaxprs(params):
-  for v in params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, core.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, core.Jaxpr):
-        yield x
 
 
 def rewrite(closed: core.ClosedJaxpr, kernel: str, gm) -> core.ClosedJaxpr:
@@ -197,7 +188,7 @@ def _eval_eqn(ctx: _Ctx, eqn, invals, in_ax):
                    f"{named[0]!r} is not supported inside a kernel; only "
                    "axis_index, axis_size, psum, pmax and pmin are")
     return rule(ctx, eqn, invals, in_ax, named)
-  subs = list(_subjaxprs(eqn.params))
+  subs = list(sub_jaxprs(eqn.params))
   inner = frozenset().union(*(uses_grid_axes(j, ctx.every) for j in subs))
   if not inner:
     return eqn.primitive.bind(*invals, **eqn.params), union

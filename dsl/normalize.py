@@ -46,7 +46,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 import jax.extend.linear_util as lu
 
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 from dsl.memory import MemorySpace
 from dsl.primitives import run_scoped
 
@@ -207,7 +207,7 @@ def _buffer(shape, dtype):
 
 
 def _sub_jaxpr_params(params: dict) -> bool:
-  return any(True for _ in _subjaxprs(params))
+  return any(True for _ in sub_jaxprs(params))
 
 
 def _normalized_param(value):
@@ -247,18 +247,9 @@ def _eval(jaxpr: core.Jaxpr, consts, args) -> list:
   return retrace(jaxpr, consts, args, _eval_eqn)
 
 
-def _subjaxprs(params):
-  for v in params.values():
-    for x in (v if isinstance(v, tuple) else (v,)):
-      if isinstance(x, core.ClosedJaxpr):
-        yield x.jaxpr
-      elif isinstance(x, core.Jaxpr):
-        yield x
-
-
 def needs_normalizing(jaxpr: core.Jaxpr) -> bool:
   return any(_rewritten(eqn) or eqn.primitive in CALL_PRIMITIVES
-             or any(needs_normalizing(j) for j in _subjaxprs(eqn.params))
+             or any(needs_normalizing(j) for j in sub_jaxprs(eqn.params))
              for eqn in jaxpr.eqns)
 
 

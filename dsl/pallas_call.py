@@ -17,9 +17,9 @@ from dsl import backends, checks, config, host_failures, named_axes, tpu_pipelin
 from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         function_location, kernel_error_of, kernel_name,
                         lowering_kernel, user_frame)
-from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
-from dsl.interpret.plan import check_block_indices, check_semantics
+from dsl.index_maps import check_block_indices
+from dsl.interpret.plan import check_semantics
 from dsl.tracing import kernel_ref_names, trace_kernel
 
 
@@ -66,10 +66,7 @@ class KernelSpec:
     """A name per kernel ref for messages and generated code: the user's
     parameter name, else the spec it comes from (`in_specs[0]`,
     `scratch_shapes[1]`, `scalar prefetch 0`)."""
-    gm = self.grid_mapping
-    origins = ([f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
-               + [bm.origin for bm in gm.block_mappings]
-               + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+    origins = self.grid_mapping.ref_origins
     names = list(self.ref_names) + [None] * (len(origins) - len(self.ref_names))
     return [n or o for n, o in zip(names, origins)]
 
@@ -178,8 +175,7 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
     return partitioning.lower_partitioned(ctx, *args, spec=spec)
   name = spec.backend or backends.platform_default(platform)
   rule = backends.lowering_rule(name, spec.name, spec.where)
-  if name != "interpret":   # the interpret backend runs every JAX primitive
-    spec = normalize(spec, values_in_memory=name.startswith("mosaic"))
+  spec = backends.prepare(spec, name)
   with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
     if spec.local:
       from dsl import partitioning

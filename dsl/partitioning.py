@@ -42,7 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dsl import config
 from dsl.blockspec import Element
-from dsl.interpret.plan import evaluate_index_map, make_plan
+from dsl.index_maps import varies_along
+from dsl.jaxpr_walk import sub_jaxprs
 
 logger = logging.getLogger("dsl.partitioning")
 
@@ -80,7 +81,7 @@ def _talks_to_devices(jaxpr: core.Jaxpr) -> bool:
     if name in _COMM_PRIMITIVES and "layout" in eqn.params:
       if unpack(eqn.invars, eqn.params["layout"]).get("device_id"):
         return True
-    if any(_talks_to_devices(sub) for sub in core.jaxprs_in_params(eqn.params)):
+    if any(_talks_to_devices(sub) for sub in sub_jaxprs(eqn.params)):
       return True
   return False
 
@@ -106,14 +107,13 @@ def _follows(bm, idx, j) -> tuple[int | None, bool]:
   mapping depends on j at all)."""
   if idx is None:
     return None, True
-  varies = idx.shape[j] > 1 and bool((idx != idx.take([0], axis=j)).any())
-  if not varies:
+  if not varies_along(idx, j):
     return None, False
   coord = np.indices(idx.shape[:-1])[j]
   hits = [d for d in range(idx.shape[-1])
           if np.array_equal(idx[..., d], coord)]
-  others = [d for d in range(idx.shape[-1]) if d not in hits and
-            bool((idx[..., d] != idx.take([0], axis=j)[..., d]).any())]
+  others = [d for d in range(idx.shape[-1])
+            if d not in hits and varies_along(idx, j, d)]
   if len(hits) != 1 or others:
     return None, True
   d = hits[0]
@@ -127,10 +127,10 @@ def _follows(bm, idx, j) -> tuple[int | None, bool]:
 def layout_of(spec) -> Layout:
   gm = spec.grid_mapping
   grid = tuple(gm.grid)
-  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
+  plan = gm.plan(spec.compiler_params, spec.jaxpr)
   why = _grid_reasons(spec, plan)
   bms = gm.block_mappings
-  idxs = [evaluate_index_map(bm, grid) for bm in bms]
+  idxs = [gm.block_indices(bm) for bm in bms]
   follows = [[None] * len(grid) for _ in bms]
   for j in range(len(grid)):
     if grid[j] == 1:

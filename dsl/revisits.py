@@ -6,7 +6,7 @@ starts with whatever the VMEM buffer held. A kernel may therefore accumulate
 into an output block only over consecutive grid steps. When the block index
 comes back to a block already written back, the earlier writes are lost.
 
-With index maps evaluated at trace time (`evaluate_index_map`; maps that read
+With index maps evaluated at trace time (`GridMapping.block_indices`; maps that read
 scalar prefetch are left to the run-time check of `mosaic_interpret`), this
 walks the grid in row-major order and finds the first such return. The usual
 cause is an index map that ignores a grid dim of size > 1 outer to one it
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsl.errors import KernelError
-from dsl.interpret.plan import evaluate_index_map
+from dsl.index_maps import varies_along
 
 FIX = ("make the grid dims this output's index map ignores the innermost, "
        "or accumulate in scratch")
@@ -50,15 +50,11 @@ def first_revisit(idx: np.ndarray):
           point(starts[earlier]), point(starts[earlier + 1] - 1))
 
 
-def _varies_along(idx: np.ndarray, d: int) -> bool:
-  return idx.shape[d] > 1 and bool(np.any(np.diff(idx, axis=d) != 0))
-
-
 def _dims(idx: np.ndarray):
   """(ignored dim d1, depended-on dim d2) with d1 outer to d2, both of size
   > 1, or None."""
   grid = idx.shape[:-1]
-  depends = [d for d in range(len(grid)) if _varies_along(idx, d)]
+  depends = [d for d in range(len(grid)) if varies_along(idx, d)]
   for d1 in range(len(grid)):
     if grid[d1] > 1 and d1 not in depends:
       inner = [d for d in depends if d > d1]
@@ -78,7 +74,7 @@ def check_output_revisits(kernel: str, gm, where, skip=()) -> None:
   for bm in gm.block_mappings[gm.num_inputs:]:
     if bm.whole_array or not bm.block_shape or any(bm is s for s in skip):
       continue
-    idx = evaluate_index_map(bm, grid)
+    idx = gm.block_indices(bm)
     if idx is None or idx.size == 0:
       continue
     found = first_revisit(idx)

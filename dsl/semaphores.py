@@ -18,6 +18,7 @@ from jax._src.state import types as state_types
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
+from dsl.jaxpr_walk import sub_jaxprs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +133,7 @@ def barrier_tag(jaxpr, kernel: str | None = None,
       if (eqn.primitive is get_barrier_semaphore_p
           and eqn.params["tag"] is not None):
         tags.add(eqn.params["tag"])
-      for sub in core.jaxprs_in_params(eqn.params):
+      for sub in sub_jaxprs(eqn.params):
         visit(sub)
   visit(jaxpr)
   if len(tags) > 1:

@@ -131,12 +131,8 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
         f"{gm.num_outputs} outputs + {len(gm.scratch_avals)} scratch",
         f"{where} (kernel defined at {function_location(kernel_fn)})")
   grid_avals = [core.ShapedArray((), jnp.int32)] * len(gm.grid)
-  ref_avals = ([*gm.prefetch_avals]
-               + [bm.ref_aval for bm in gm.block_mappings]
-               + [*gm.scratch_avals])
-  origins = ([f"scalar prefetch {i}" for i in range(gm.num_scalar_prefetch)]
-             + [bm.origin for bm in gm.block_mappings]
-             + [f"scratch_shapes[{i}]" for i in range(len(gm.scratch_avals))])
+  ref_avals = list(gm.ref_avals)
+  origins = list(gm.ref_origins)
   param_names = _param_names(kernel_fn, n_refs)
   traced_names: dict = {}
 

@@ -27,7 +27,8 @@ from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
                         KernelError, KernelRaceError, KernelRuntimeError)
 from lowering_mosaic import interpreter as interp
 from lowering_mosaic import promela
-from lowering_mosaic.inspection import dump_module, mesh_axes_of
+from dsl.inspection import mesh_axes_of
+from lowering_mosaic.inspection import dump_module
 from lowering_mosaic.interpreter.run import cached_program, simulate
 from lowering_mosaic.lowering import (build_module_and_context, entry_name,
                                       module_text, strip_annotations)

@@ -470,8 +470,7 @@ def squeezed_dims(bm) -> list[int]:
 def _operand_refs(spec, args) -> list[RefVal]:
   gm = spec.grid_mapping
   names = _param_names(spec)[len(gm.grid):]
-  avals = ([*gm.prefetch_avals] + [bm.ref_aval for bm in gm.block_mappings]
-           + [*gm.scratch_avals])
+  avals = gm.ref_avals
   spaces = ([dialect.SMEM] * gm.num_scalar_prefetch
             + [dialect.block_space(bm) for bm in gm.block_mappings]
             + [dialect.space_name(a.memory_space, dialect.VMEM)

@@ -16,11 +16,11 @@ import os
 from typing import Any
 
 import numpy as np
-from jax._src import core
 
 from dsl import config
 from dsl.blockspec import Element, squeezed
 from dsl.errors import BackendError
+from dsl.index_maps import reads_prefetch
 from dsl.ranges import analyze_kernel
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
@@ -120,14 +120,6 @@ def _describe_block(bm, name: str) -> str:
   return text
 
 
-def _reads_data(bm, n_grid: int) -> bool:
-  """Whether the index map of `bm` reads scalar-prefetch refs."""
-  jaxpr = bm.index_map_jaxpr.jaxpr
-  refs = set(jaxpr.invars[n_grid:])
-  return any(v in refs for e in jaxpr.eqns for v in e.invars
-             if not isinstance(v, core.Literal))
-
-
 def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
   """Per array dim: the block's first element (a Sym), and for the dims
   whose block index is read from data, the condition that it lies inside
@@ -138,7 +130,7 @@ def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
     return [0] * rank, [None] * rank
   outs = lowering.lower_closed(bm.index_map_jaxpr,
                                list(grid_ids) + list(prefetch_refs))
-  from_data = _reads_data(bm, len(grid_ids))
+  from_data = reads_prefetch(bm.index_map_jaxpr, len(grid_ids))
   starts, inside = [], []
   for d, (dim, idx, n) in enumerate(zip(bm.block_shape, outs[:rank], a.shape)):
     size = 1 if dim is squeezed else (
@@ -190,7 +182,8 @@ def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
   wide = a.size * np.dtype(a.dtype).itemsize >= 2 ** 31
   starts, inside = _block_starts(lowering, bm, base, grid_ids, prefetch_refs)
   _check_blocks_inside(lowering, bm, inside)
-  from_data = not bm.whole_array and _reads_data(bm, len(grid_ids))
+  from_data = (not bm.whole_array
+               and reads_prefetch(bm.index_map_jaxpr, len(grid_ids)))
   fixed, axes, upper, lower = [], [], [], []
   for d, (dim, n) in enumerate(zip(bm.block_shape, shape)):
     if bm.whole_array:

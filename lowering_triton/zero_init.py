@@ -14,7 +14,7 @@ from jax import tree_util
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 
-from dsl.interpret.plan import evaluate_index_map
+from dsl.index_maps import blocks_per_dim
 
 
 def _full_indexer(eqn) -> bool:
@@ -55,12 +55,11 @@ def zero_outputs(spec) -> tuple[bool, ...]:
                    eqn.invars[0] is v and _full_indexer(eqn))
         break
     if covered and not bm.whole_array:
-      idx = evaluate_index_map(bm, gm.grid)
+      idx = gm.block_indices(bm)
       if idx is None:
         covered = False
       else:
-        n_blocks = math.prod(-(-n // b) for n, b in
-                             zip(bm.array_aval.shape, bm.block_sizes))
+        n_blocks = math.prod(blocks_per_dim(bm))
         rank = idx.shape[-1]
         visited = (len(np.unique(idx.reshape(-1, rank), axis=0)) if rank
                    else 1)

@@ -19,7 +19,7 @@ from jax._src.state import discharge as state_discharge
 
 from dsl import config
 from dsl.blockspec import BlockMapping, Element
-from dsl.interpret.plan import OperandPlan, Plan, make_plan
+from dsl.interpret.plan import OperandPlan, Plan
 from dsl.interpret.prng import with_prng_state
 from dsl.poison import fresh_buffer, poison_value
 
@@ -395,7 +395,7 @@ def _run_sequential(step, grid, seq, out_states, scratch):
 def run(*args, spec):
   """Evaluates the pallas_call described by `spec` on `args`."""
   gm = spec.grid_mapping
-  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
+  plan = gm.plan(spec.compiler_params, spec.jaxpr)
   prefetch, in_states, out_states, scratch = _initial_states(args, spec, plan)
   step = _step_fn(spec, plan, prefetch, in_states)
   out_states, _ = _run_sequential(step, gm.grid, plan.sequential, out_states,

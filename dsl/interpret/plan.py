@@ -1,4 +1,4 @@
-"""Static analysis of a grid for the interpret backend.
+"""The execution plan of a grid, which every backend honours.
 
 From the index maps, evaluated on every grid point at trace time, it decides
 which grid dimensions are *parallel* (every output block belongs to exactly one
@@ -13,16 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 
-import jax
 import numpy as np
 from jax._src import core
 
-from dsl.blockspec import BlockMapping, Element
-from dsl.gridspec import GridMapping
-
-MAX_ANALYSED_POINTS = 1 << 22
+from dsl.blockspec import BlockMapping
+from dsl.errors import KernelError
+from dsl.index_maps import (blocks_per_dim, evaluate_index_map,
+                            varies_along)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,104 +43,6 @@ class Plan:
   operands: tuple[OperandPlan, ...]   # inputs then outputs
 
 
-def _uses_prefetch(jaxpr: core.ClosedJaxpr, grid_rank: int) -> bool:
-  prefetch_vars = set(jaxpr.jaxpr.invars[grid_rank:])
-  if not prefetch_vars:
-    return False
-  for eqn in jaxpr.jaxpr.eqns:
-    if any(v in prefetch_vars for v in eqn.invars if isinstance(v, core.Var)):
-      return True
-  return any(v in prefetch_vars for v in jaxpr.jaxpr.outvars
-             if isinstance(v, core.Var))
-
-
-@functools.lru_cache(maxsize=512)
-def evaluate_index_map(bm: BlockMapping, grid: tuple[int, ...]):
-  """Block indices of every grid point: int array (*grid, rank), or None.
-
-  The result is cached per mapping and read-only.
-  """
-  n_points = math.prod(grid)
-  if n_points > MAX_ANALYSED_POINTS or _uses_prefetch(bm.index_map_jaxpr,
-                                                      len(grid)):
-    return None
-  rank = len(bm.block_shape)
-  if rank == 0:
-    return np.zeros((*grid, 0), np.int64)
-  coords = [c.reshape(-1).astype(np.int32) for c in np.indices(grid)]
-  jaxpr = bm.index_map_jaxpr
-  n_prefetch = len(jaxpr.jaxpr.invars) - len(grid)
-
-  def one_point(*ids):
-    return core.jaxpr_as_fun(jaxpr)(*ids, *([None] * n_prefetch))
-
-  with jax.ensure_compile_time_eval():
-    if not grid:
-      outs = one_point()
-    else:
-      outs = jax.vmap(one_point)(*coords)
-    try:
-      outs = [np.broadcast_to(np.asarray(o), (n_points,)) for o in outs]
-    except jax.errors.TracerArrayConversionError:
-      # Under some enclosing transforms (vmap of a shard_map) a computed
-      # index stays a tracer: no static answer, as for prefetch maps.
-      return None
-  idx = np.stack(outs, axis=-1).reshape(*grid, rank).astype(np.int64)
-  idx.flags.writeable = False
-  return idx
-
-
-def _dim_limits(bm: BlockMapping):
-  """Per array dim: (block size, one past the largest legal start index)."""
-  limits = []
-  for d, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes):
-    if isinstance(d, Element):
-      lo, hi = d.padding
-      limits.append((1, n + lo + hi))      # an element offset
-    else:
-      limits.append((b, n))
-  return limits
-
-
-def check_block_indices(kernel: str, gm: GridMapping, where: str) -> None:
-  """Raises KernelError when a static index map puts a block outside its array.
-
-  A block may hang over the array's end (a partial edge block of a `cdiv`
-  grid) but must start inside it.
-  """
-  from dsl.errors import KernelError
-  grid = tuple(int(g) for g in gm.grid)
-  for bm in gm.block_mappings:
-    if bm.whole_array or not bm.block_shape:
-      continue
-    idx = evaluate_index_map(bm, grid)
-    if idx is None or idx.size == 0:
-      continue
-    for j, (unit, end) in enumerate(_dim_limits(bm)):
-      if bm.array_aval.shape[j] == 0:
-        continue
-      col = idx[..., j]
-      bad = np.argwhere((col < 0) | (col * unit >= end))
-      if bad.size == 0:
-        continue
-      point = tuple(int(c) for c in bad[0])
-      block = tuple(int(v) for v in idx[point])
-      element = isinstance(bm.block_shape[j], Element)
-      what = "element offset" if element else "block index"
-      hint = ("an Element dim takes an element offset into the padded array"
-              if element else "index maps return block indices, not element "
-              "offsets")
-      raise KernelError(
-          kernel, f"at grid point {point} the index map returns {block}: "
-          f"{what} {block[j]} of dim {j} lies outside the array "
-          f"(shape {tuple(bm.array_aval.shape)}, block "
-          f"{tuple(bm.block_sizes)}); {hint}", where, operand=bm.origin)
-
-
-def _varies_along(idx: np.ndarray, d: int) -> bool:
-  return idx.shape[d] > 1 and bool(np.any(np.diff(idx, axis=d) != 0))
-
-
 def _owned_by_one_point(idx: np.ndarray, parallel: tuple[int, ...]) -> bool:
   """True when each block is touched by a single point of the parallel dims."""
   grid = idx.shape[:-1]
@@ -161,18 +61,12 @@ def _subsets_largest_first(dims: tuple[int, ...]):
     yield from itertools.combinations(dims, size)
 
 
-def _n_blocks(bm: BlockMapping) -> tuple[int, ...]:
-  """Blocks per array dim (a zero-size dim, whose block is empty: none)."""
-  return tuple(-(-n // b) if b else 0
-               for n, b in zip(bm.array_aval.shape, bm.block_sizes))
-
-
 def _view_sources(bm: BlockMapping, idx, grid):
   if idx is None or bm.has_element_dims or 0 in bm.block_sizes:
     return None
   coords = np.indices(grid) if grid else np.zeros((0,))
   sources, used = [], set()
-  for j, nb in enumerate(_n_blocks(bm)):
+  for j, nb in enumerate(blocks_per_dim(bm)):
     col = idx[..., j]
     if col.size and col.min() < 0 or col.size and col.max() >= nb:
       return None
@@ -211,7 +105,6 @@ def declared_semantics(compiler_params, grid_rank: int,
 def check_semantics(kernel: str, compiler_params, grid_rank: int,
                     where: str) -> None:
   """Raises KernelError when `dimension_semantics` does not fit the grid."""
-  from dsl.errors import KernelError
   sem = getattr(compiler_params, "dimension_semantics", None)
   if sem is None:
     return
@@ -265,11 +158,11 @@ def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_cached(gm: GridMapping, forced: tuple[int, ...]) -> Plan:
+def _plan_cached(gm, forced: tuple[int, ...]) -> Plan:
   return make_plan_uncached(gm, forced)
 
 
-def make_plan(gm: GridMapping, compiler_params=None,
+def make_plan(gm, compiler_params=None,
               jaxpr: core.ClosedJaxpr | None = None) -> Plan:
   """The plan of a kernel's grid.
 
@@ -295,7 +188,7 @@ def make_plan(gm: GridMapping, compiler_params=None,
   return _plan_cached(gm, tuple(sorted(set(forced) | set(carried))))
 
 
-def make_plan_uncached(gm: GridMapping,
+def make_plan_uncached(gm,
                        forced: tuple[int, ...] = ()) -> Plan:
   grid = gm.grid
   idxs = [evaluate_index_map(bm, grid) for bm in gm.block_mappings]
@@ -303,7 +196,7 @@ def make_plan_uncached(gm: GridMapping,
   parallel: tuple[int, ...] = ()
   if all(i is not None for i in out_idxs):
     cand = tuple(d for d in range(len(grid)) if d not in forced
-                 and all(_varies_along(i, d) for i in out_idxs))
+                 and all(varies_along(i, d) for i in out_idxs))
     if not out_idxs:
       cand = tuple(d for d in range(len(grid)) if d not in forced)
     # The largest subset of the candidates whose points own their blocks.

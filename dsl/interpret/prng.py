@@ -29,7 +29,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from dsl.errors import KernelError, source_info_frame
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace
+from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 from dsl.tpu_prng import prng_random_bits_p, prng_seed_p
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
@@ -152,7 +152,7 @@ def _rules():
 def _threaded(eqn):
   """The rule of an equation that uses the random state, else None."""
   if eqn.primitive not in (prng_seed_p, prng_random_bits_p) and not any(
-      uses_prng(j) for j in core.jaxprs_in_params(eqn.params)):
+      uses_prng(j) for j in sub_jaxprs(eqn.params)):
     return None
   rule = _rules().get(eqn.primitive)
   if rule is None:
@@ -169,7 +169,7 @@ def uses_prng(jaxpr: core.Jaxpr) -> bool:
   for eqn in jaxpr.eqns:
     if eqn.primitive in (prng_seed_p, prng_random_bits_p):
       return True
-    if any(uses_prng(j) for j in core.jaxprs_in_params(eqn.params)):
+    if any(uses_prng(j) for j in sub_jaxprs(eqn.params)):
       return True
   return False
 

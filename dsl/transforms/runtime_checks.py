@@ -37,6 +37,7 @@ from dsl import tpu_primitives as tp
 from dsl.blockspec import BlockSpec, Element
 from dsl.errors import (KernelCheckError, KernelDeadlockError,
                         KernelRuntimeError, park, traceback_frame)
+from dsl.jaxpr_walk import sub_jaxprs
 from dsl.pallas_call import KernelSpec
 from dsl.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
@@ -76,7 +77,7 @@ def needs_checks(jaxpr: core.Jaxpr, include_debug: bool = False) -> bool:
     if _waits_on_a_semaphore(eqn):
       return True
     if any(needs_checks(j, include_debug)
-           for j in checks.sub_jaxprs(eqn.params)):
+           for j in sub_jaxprs(eqn.params)):
       return True
   return False
 
@@ -247,11 +248,9 @@ jax_checkify.error_checks[primitives.run_scoped_p] = _run_scoped_rule
 
 def data_dependent_blocks(spec: KernelSpec) -> list:
   """The block mappings whose index maps read scalar-prefetch data."""
-  from dsl.interpret.plan import _uses_prefetch
   gm = spec.grid_mapping
   return [bm for bm in gm.block_mappings
-          if not bm.whole_array and bm.block_shape
-          and _uses_prefetch(bm.index_map_jaxpr, len(gm.grid))]
+          if not bm.whole_array and bm.block_shape and gm.reads_prefetch(bm)]
 
 
 def _index_map_location(bm) -> str:

@@ -23,7 +23,6 @@ from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 
 from dsl.errors import KernelError, source_info_frame
-from dsl.interpret.plan import make_plan
 from dsl.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.primitives import run_scoped, when
 from dsl.tracing import program_id
@@ -324,7 +323,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
   n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
-  sequential = set(make_plan(gm, spec.compiler_params, spec.jaxpr).sequential)
+  sequential = set(gm.plan(spec.compiler_params, spec.jaxpr).sequential)
   F = point_function(spec, prefetch_refs=True)
 
   def rev(ids):

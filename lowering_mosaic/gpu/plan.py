@@ -11,7 +11,9 @@ import numpy as np
 
 from dsl.blockspec import BlockMapping, Element, squeezed
 from dsl.errors import BackendError
-from dsl.interpret.plan import evaluate_index_map, make_plan
+from dsl.index_maps import varies_along
+from dsl.jaxpr_walk import sub_jaxprs
+from dsl.primitives import run_scoped_p
 from lowering_mosaic.gpu.host import TRITON_HINT
 
 WARPGROUP = 128                 # threads per CTA: one warpgroup
@@ -129,8 +131,6 @@ def _scratch_of(spec, aval, what):
 def scoped_allocations(spec, jaxpr) -> list:
   """(id(eqn), buffers) of every run_scoped equation in `jaxpr`, nested
   ones included: each gets its own shared-memory buffers."""
-  from dsl.checks import sub_jaxprs
-  from dsl.primitives import run_scoped_p
   out = []
   for eqn in jaxpr.eqns:
     if eqn.primitive is run_scoped_p:
@@ -167,18 +167,17 @@ def _block(spec, bm, is_output, idx, sequential) -> Block:
   if idx is None:
     moves = bool(sequential)
   else:
-    moves = any(idx.shape[d] > 1 and np.any(np.diff(idx, axis=d) != 0)
-                for d in sequential)
+    moves = any(varies_along(idx, d) for d in sequential)
   return Block(bm, is_output, tuple(bm.kernel_shape), lengths, moves)
 
 
 def make_gpu_plan(spec) -> GpuPlan:
   gm = spec.grid_mapping
-  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
+  plan = gm.plan(spec.compiler_params, spec.jaxpr)
   grid = tuple(int(g) for g in gm.grid)
   blocks = []
   for k, bm in enumerate(gm.block_mappings):
-    idx = evaluate_index_map(bm, grid)
+    idx = gm.block_indices(bm)
     blocks.append(_block(spec, bm, k >= gm.num_inputs, idx, plan.sequential))
   scratch = [_scratch_of(spec, ref, f"scratch_shapes[{i}]")
              for i, ref in enumerate(gm.scratch_avals)]

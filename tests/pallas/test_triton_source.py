@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -480,7 +481,7 @@ def test_verbose_error_marks_the_failing_equation(verbose_errors):
   assert "sort" in msg.split(">>>")[1][:400]     # the marked equation
 
 
-@pytest.mark.parametrize("case", ["cas_on_padded", "scan_over_xs",
+@pytest.mark.parametrize("case", ["cas_on_padded",
                                   "array_index", "semaphore", "too_large",
                                   "interior_pad"])
 def test_unsupported_constructs_raise_clear_errors(case):
@@ -492,10 +493,6 @@ def test_unsupported_constructs_raise_clear_errors(case):
       o_ref[...] = x_ref[...]
       plt.atomic_cas(o_ref, x_ref[...], x_ref[...] + 1)
     match = "atomic_cas on a window that needs masking"
-  elif case == "scan_over_xs":
-    def kernel(x_ref, o_ref):
-      o_ref[...] = lax.scan(lambda c, v: (c + v, c), 0, x_ref[...])[1]
-    match = "lax.scan over arrays"
   elif case == "array_index":
     def kernel(x_ref, o_ref):
       o_ref[...] = x_ref[x_ref[...] % 10]
@@ -520,6 +517,19 @@ def test_unsupported_constructs_raise_clear_errors(case):
     lowering_triton.to_source(lambda x: pl.pallas_call(
         kernel, shape, scratch_shapes=scratch)(x), x)
   assert "kernel 'kernel'" in str(e.value)
+
+
+def test_scan_over_arrays_lowers_as_the_lowering_normalizes_it():
+  """`to_source` shows what the lowering builds: a scan over arrays becomes
+  a loop over a scoped buffer there (dsl.normalize), so it lowers."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = lax.scan(lambda c, v: (c + v, c), 0, x_ref[...])[1]
+  x = jnp.arange(10, dtype=jnp.int32)
+  f = lambda x: pl.pallas_call(kernel, jax.ShapeDtypeStruct((10,), jnp.int32),
+                               backend="triton_interpret")(x)
+  (src,) = lowering_triton.to_source(f, x)
+  assert "for " in src
+  np.testing.assert_array_equal(f(x), jnp.cumsum(x) - x)
 
 
 def test_float32_dot_precision_follows_jax_config():
