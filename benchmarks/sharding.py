@@ -107,8 +107,10 @@ def run(args) -> int:
   import jax.numpy as jnp
   from benchmarks.sizes import parse_sizes
   from benchmarks.suite import by_name
+  from dsl import backends as dsl_backends
   backends = (args.backends.split(",") if args.backends
-              else ["interpret", "triton_interpret", "mosaic_interpret"])
+              else [b for b in dsl_backends.BACKENDS
+                    if dsl_backends.REGISTRY[b].on_host])
   kernels = args.kernels.split(",") if args.kernels else ["softmax",
                                                            "layer_norm"]
   sizes = parse_sizes(args.sizes) if args.sizes else [(1024, 1024)]

@@ -22,8 +22,6 @@ made by the function that names none.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import inspect
@@ -31,26 +29,10 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from dsl.compiler_params import tuned_launch
+
 ENV_SWITCH = "DSL_AUTOTUNE"
 LAUNCH_KEYS = ("num_warps", "num_stages")
-
-_LAUNCH: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "dsl_autotune_launch", default=None)
-
-
-def launch_params() -> dict | None:
-  """num_warps/num_stages chosen by an enclosing autotuned call, or None."""
-  return _LAUNCH.get()
-
-
-@contextlib.contextmanager
-def _launching(params: dict):
-  token = _LAUNCH.set(params or None)
-  try:
-    yield
-  finally:
-    _LAUNCH.reset(token)
-
 
 def searching_enabled() -> bool:
   return os.environ.get(ENV_SWITCH, "1").strip().lower() not in (
@@ -176,7 +158,7 @@ class Autotuned:
     launch = {k: v for k, v in config.items()
               if k in LAUNCH_KEYS and k not in names and not takes_any}
     own = {k: v for k, v in config.items() if k not in launch}
-    with _launching(launch):
+    with tuned_launch(launch):
       return self.fn(*args, **kwargs, **own)
 
   def choose(self, *args, **kwargs) -> Choice:

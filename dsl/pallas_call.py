@@ -13,7 +13,8 @@ from jax._src import core, dispatch, sharding_impls
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
-from dsl import backends, checks, config, host_failures, named_axes, tpu_pipeline
+from dsl import backends, checks, config, host_failures, named_axes
+from dsl.compiler_params import tuned_params
 from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         function_location, kernel_error_of, kernel_name,
                         lowering_kernel, user_frame)
@@ -173,7 +174,7 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
     # shard_map (an SPMDAxisContext) it is per device already.
     from dsl import partitioning
     return partitioning.lower_partitioned(ctx, *args, spec=spec)
-  name = spec.backend or backends.platform_default(platform)
+  name = backends.resolve(spec.backend, platform=platform)
   rule = backends.lowering_rule(name, spec.name, spec.where)
   spec = backends.prepare(spec, name)
   with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
@@ -319,10 +320,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     grid, in_specs, out_specs = grid_spec.grid, grid_spec.in_specs, grid_spec.out_specs
     scratch_shapes = grid_spec.scratch_shapes or scratch_shapes
     num_scalar_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
-  if interpret and backend is None:
-    backend = "interpret"
-  if isinstance(interpret, str):
-    backend = interpret
+  backend = backends.requested(backend, interpret)
 
   @api_boundary
   def wrapped(*args):
@@ -330,7 +328,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     where = user_frame()
     params = compiler_params
     if params is None:
-      params = _autotuned_launch_params(backend)
+      runs_on = backends.record(backend, name, where)
+      params = tuned_params(runs_on.compiler_params_class())
     flat_args, _ = tree_util.tree_flatten(args)
     flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
                  for a in flat_args]
@@ -347,21 +346,6 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     return tree_util.tree_unflatten(out_tree, outs)
 
   return wrapped
-
-
-def _autotuned_launch_params(backend):
-  """Triton's num_warps/num_stages from an enclosing `dsl.autotune` config
-  that the tuned function does not take itself, or None."""
-  from dsl import autotuning
-  launch = autotuning.launch_params()
-  if not launch:
-    return None
-  if backend is None:
-    backend = backends.platform_default()
-  if backend not in ("triton", "triton_interpret"):
-    return None
-  from dsl import triton
-  return triton.CompilerParams(**launch)
 
 
 def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
@@ -402,7 +386,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         prefetch_avals=avals[:n_pf_leaves], in_avals=avals[n_pf_leaves:],
         in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
     check_block_indices(name, gm, where)
-    with tpu_pipeline.kernel_backend(backend):
+    with backends.tracing_for(backend):
       jaxpr = trace_kernel(kernel, name, gm, where)
     jaxpr = checks.set_check_mode(jaxpr, config.enable_runtime_assert(),
                                   config.enable_debug_checks())

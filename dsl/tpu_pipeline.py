@@ -18,57 +18,27 @@ Pallas. An operand reaches `body` in one of two ways:
   of the operand itself: reads and writes go to the operand in place.
 
 Which backend the kernel is traced for is set by `pallas_call` around the
-trace (`kernel_backend`); the automatic backend counts as the default of the
+trace (`dsl.backends.tracing_for`); the automatic backend counts as the default of the
 platform JAX runs on. Tiling, core axes, `dimension_semantics` and the
 allocation/schedule arguments are accepted and not used.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import jax.numpy as jnp
 from jax import lax
 from jax._src import core
 
+from dsl.backends import traced_backend
 from dsl.blockspec import BlockSpec, Blocked, Element, squeezed
 from dsl.errors import KernelError, user_frame
 from dsl.memory import MemorySpace
 from dsl.refs import ds
 
-_UNSET = object()
-# The backend the kernel being traced is for (None: automatic).
-_BACKEND: contextvars.ContextVar = contextvars.ContextVar(
-    "dsl_pipeline_backend", default=_UNSET)
-
-# Backends whose refs in HBM are global memory the kernel addresses directly.
-_ADDRESSES_HBM = ("triton", "triton_interpret", "mosaic_gpu")
-
-
-@contextlib.contextmanager
-def kernel_backend(name: str | None):
-  """Tells `emit_pipeline` which backend the kernel traced inside is for."""
-  token = _BACKEND.set(name)
-  try:
-    yield
-  finally:
-    _BACKEND.reset(token)
-
-
-def traced_backend() -> str:
-  """The backend the kernel being traced is for (the automatic backend
-  counts as the default of JAX's platform)."""
-  from dsl import backends
-  name = _BACKEND.get()
-  if name is _UNSET or name is None:
-    return backends.platform_default()
-  return name
-
-
 def backend_copies_blocks() -> bool:
   """Whether the kernel being traced must copy HBM blocks into VMEM."""
-  return traced_backend() not in _ADDRESSES_HBM
+  return traced_backend().copies_hbm_blocks
 
 
 def ref_memory_space(ref):

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dsl.backends import traced_backend
 from dsl.blockspec import BlockSpec, Blocked, Element, squeezed
 from dsl.errors import KernelError, user_frame
 from dsl.memory import MemorySpace
@@ -56,7 +57,7 @@ from dsl.primitives import run_scoped, when
 from dsl.refs import ds, unchecked_bounds
 from dsl.semaphores import SemaphoreType
 from dsl.tpu_pipeline import (block_indices, block_window, kernel_name,
-                              run_body, traced_backend)
+                              run_body)
 from dsl.tpu_primitives import make_async_copy
 
 
@@ -140,7 +141,8 @@ class _Stream:
 
   def __post_init__(self):
     # a TPU's DMAs copy whole tiles (see `_edge_dims`)
-    self.whole_tiles = traced_backend() == "mosaic"
+    target = traced_backend()
+    self.whole_tiles = target.code == "mosaic" and not target.on_host
     self.edges = _edge_dims(self.spec, tuple(self.ref.shape), self.ref.dtype,
                             self.whole_tiles)
 
@@ -282,7 +284,8 @@ class _BlockCopy:
 def _poisons_edges() -> bool:
   """Whether the part of an edge block's slot past the array is filled with
   poison: on the host backends, where memory is otherwise zeros or stale."""
-  return traced_backend() in ("interpret", "mosaic_interpret")
+  target = traced_backend()
+  return target.on_host and target.copies_hbm_blocks
 
 
 def _buffer_count(spec: BlockSpec, buffered: bool) -> int:

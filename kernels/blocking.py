@@ -19,19 +19,19 @@ from dsl import backends, config, gpu_defaults
 
 def resolve_backend(backend: str | None) -> str:
   """The backend a `backend=None` kernel will run on, for choosing blocks."""
-  return backend or backends.platform_default()
+  return backends.resolve(backend)
 
 
 def choose_backend(kernel: str, backend: str | None) -> str | None:
   """The backend `kernels.<kernel>` passes to its pallas_calls: `backend`
   when the caller gives one; on a GPU with None, the shipped choice for this
   kernel and device (`dsl/data/gpu_backends.json`), or `mosaic_gpu` when
-  `jax_pallas_use_mosaic_gpu` asks for it; None elsewhere (pallas_call picks
-  the platform's backend)."""
+  `jax_pallas_use_mosaic_gpu` asks for it (`dsl.backends.resolve`); None
+  elsewhere (pallas_call picks the platform's backend)."""
   if backend is not None or jax.default_backend() != "gpu":
     return backend
   if config.use_mosaic_gpu():
-    return "mosaic_gpu"
+    return backends.resolve(None)
   choice = gpu_defaults.backend_for(f"kernels.{kernel}")
   return choice.backend if choice else None
 

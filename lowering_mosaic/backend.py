@@ -25,13 +25,14 @@ from jax._src.interpreters import mlir
 from dsl import backends, checks, host_failures
 from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
                         KernelError, KernelRaceError, KernelRuntimeError)
+from dsl.inspection import mesh_axes_of
 from lowering_mosaic import interpreter as interp
 from lowering_mosaic import promela
-from dsl.inspection import mesh_axes_of
 from lowering_mosaic.inspection import dump_module
 from lowering_mosaic.interpreter.run import cached_program, simulate
-from lowering_mosaic.lowering import (build_module_and_context, entry_name,
-                                      module_text, strip_annotations)
+from lowering_mosaic.lowering import (TABLE, build_module_and_context,
+                                      entry_name, module_text,
+                                      strip_annotations)
 
 
 def _num_devices(mesh_axes) -> int:
@@ -297,5 +298,5 @@ def interpret_lowering(ctx, *args, spec):
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
-backends.register_backend("mosaic", mosaic_lowering)
-backends.register_backend("mosaic_interpret", interpret_lowering)
+backends.register_backend("mosaic", mosaic_lowering, rules=TABLE)
+backends.register_backend("mosaic_interpret", interpret_lowering, rules=TABLE)

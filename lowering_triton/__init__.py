@@ -21,8 +21,11 @@ from lowering_triton.aot import AotKernel, compile_aot, kernel_specs, to_source
 from lowering_triton import interpret_backend as _interpret_backend
 from lowering_triton import launch as _launch
 
-_backends.register_backend("triton_interpret", _interpret_backend._lowering)
-_backends.register_backend("triton", _launch._lowering)
+from lowering_triton.rules import TABLE as _TABLE
+
+_backends.register_backend("triton_interpret", _interpret_backend._lowering,
+                           rules=_TABLE)
+_backends.register_backend("triton", _launch._lowering, rules=_TABLE)
 
 __all__ = ["AotKernel", "GeneratedKernel", "compile_aot", "generate",
            "kernel_specs", "to_source"]

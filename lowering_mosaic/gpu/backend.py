@@ -14,6 +14,7 @@ from jax.experimental.mosaic.gpu import core as mgpu_core
 
 from dsl import backends
 from dsl.errors import BackendError
+from lowering_mosaic.gpu.host import TABLE
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
 
 
@@ -57,4 +58,4 @@ def mosaic_gpu_lowering(ctx, *args, spec):
       inout_types=(), input_output_aliases=tuple(spec.input_output_aliases))
 
 
-backends.register_backend("mosaic_gpu", mosaic_gpu_lowering)
+backends.register_backend("mosaic_gpu", mosaic_gpu_lowering, rules=TABLE)
