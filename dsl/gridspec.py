@@ -12,7 +12,7 @@ from jax._src.state import types as state_types
 from dsl.blockspec import BlockMapping, BlockSpec, resolve_block_spec
 from dsl.errors import KernelError, KernelTypeError
 from dsl.index_maps import evaluate_index_map, reads_prefetch, varies_along
-from dsl.interpret.plan import Plan, make_plan
+from dsl.core.grid_plan import Plan, make_plan
 from dsl.memory import MemorySpace, scratch_aval
 
 

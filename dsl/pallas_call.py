@@ -20,7 +20,7 @@ from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         lowering_kernel, user_frame)
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.index_maps import check_block_indices
-from dsl.interpret.plan import check_semantics
+from dsl.core.grid_plan import check_semantics
 from dsl.tracing import kernel_ref_names, trace_kernel
 
 

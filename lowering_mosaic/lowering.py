@@ -43,7 +43,7 @@ from jax._src.lib.mlir.dialects import arith, func
 
 from dsl.blockspec import Buffered, Element, RevisitMode, squeezed
 from dsl.errors import BackendError, source_info_frame
-from dsl.interpret.plan import declared_semantics
+from dsl.core.grid_plan import declared_semantics
 from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
 from lowering_mosaic import dialect
 

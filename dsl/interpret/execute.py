@@ -19,7 +19,7 @@ from jax._src.state import discharge as state_discharge
 
 from dsl import config
 from dsl.blockspec import BlockMapping, Element
-from dsl.interpret.plan import OperandPlan, Plan
+from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.interpret.prng import with_prng_state
 from dsl.poison import fresh_buffer, poison_value
 

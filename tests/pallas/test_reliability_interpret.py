@@ -129,7 +129,7 @@ def test_scratch_carries_across_steps_whose_output_block_changes(
 
 
 def test_scratch_written_first_at_each_step_keeps_the_grid_parallel():
-  from dsl.interpret.plan import make_plan
+  from dsl.core.grid_plan import make_plan
   from dsl.pallas_call import build_spec
   x = jnp.ones((32, 128), jnp.float32)
   call = _running_sum(pl, scratch_written_first_kernel, None,
@@ -185,7 +185,7 @@ def test_masked_atomic_add_through_a_slice_past_the_end():
 
 
 def test_scratch_accumulator_over_a_reduction_axis_keeps_the_rows_parallel():
-  from dsl.interpret.plan import make_plan
+  from dsl.core.grid_plan import make_plan
   from dsl.pallas_call import build_spec
 
   def kernel(x_ref, o_ref, acc_ref):
