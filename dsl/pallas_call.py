@@ -200,53 +200,6 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
                          platform=_platform)
 
 
-def _interpret_lowering(ctx, *args, spec):
-  from dsl import interpret
-  from dsl.transforms import runtime_checks
-  from jax._src import config as jax_config
-  fn = functools.partial(interpret.run, spec=spec)
-  # With runtime asserts on, block indices read from data are checked too.
-  check_blocks = (config.enable_runtime_assert()
-                  and bool(runtime_checks.data_dependent_blocks(spec)))
-  if ((check_blocks or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
-      and not runtime_checks.is_checked(spec)):
-    # Run-time checks and waits become values; a failure raises from the host.
-    axis_context = ctx.module_context.axis_context
-
-    def fn(*xs):
-      return runtime_checks.run_checked(spec, interpret.run, xs, axis_context,
-                                        check_blocks)
-  from dsl import profiling
-  if profiling.enabled():
-    fn = _on_host(fn, spec, ctx.module_context.axis_context)
-  # Inside shard_map the operands vary over manual axes; the interpreter's
-  # own zeros and iotas do not, and the kernel is per-device anyway.
-  with jax_config._check_vma(False):
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-
-
-def _on_host(fn, spec: KernelSpec, axis_context):
-  """`fn` compiled on its own and run in a host callback (`dsl.profile`):
-  timed and named in traces, not fused with its neighbours."""
-  import numpy as np
-  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
-            for a in spec.grid_mapping.out_avals]
-
-  def on_host(*xs):
-    # Compiled ahead, so that its time in the profile is the kernel's alone.
-    compiled = jax.jit(fn).lower(*[jax.ShapeDtypeStruct(x.shape, x.dtype)
-                                   for x in xs]).compile()
-
-    def run(*arrays):
-      return [np.asarray(o) for o in jax.block_until_ready(compiled(*arrays))]
-    outs, failed = host_failures.call_host(run, shapes, *xs,
-                                           kernel=spec.name)
-    host_failures.raise_parked(axis_context, failed)
-    return outs
-  return on_host
-
-
-backends.register_backend("interpret", _interpret_lowering)
 
 
 def _leaf_aval(kernel: str, x, what: str, where: str):

@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 
-from dsl import config
+from dsl import config, host_failures
 
 profile_option = config._bool(
     "dsl_profile", False,
@@ -107,3 +107,6 @@ def host_run(kernel: str):
     active = list(_ACTIVE)
   for p in active:
     p.record(kernel, seconds)
+
+
+host_failures.AROUND_HOST_RUNS.append(host_run)

@@ -22,7 +22,7 @@ from jax import lax
 from jax._src import core, sharding_impls
 from jax._src.interpreters import mlir
 
-from dsl import backends, checks, host_failures
+from dsl import checks, host_failures
 from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
                         KernelError, KernelRaceError, KernelRuntimeError)
 from dsl.inspection import mesh_axes_of
@@ -30,9 +30,8 @@ from lowering_mosaic import interpreter as interp
 from lowering_mosaic import promela
 from lowering_mosaic.inspection import dump_module
 from lowering_mosaic.interpreter.run import cached_program, simulate
-from lowering_mosaic.lowering import (TABLE, build_module_and_context,
-                                      entry_name, module_text,
-                                      strip_annotations)
+from lowering_mosaic.lowering import (build_module_and_context, entry_name,
+                                      module_text, strip_annotations)
 
 
 def _num_devices(mesh_axes) -> int:
@@ -215,9 +214,9 @@ def _run(key, text, per_device, out_shapes, options, kernel):
   try:
     outs, world = simulate(prog, per_device, out_shapes, options)
   except interp.KernelSimulationError as e:
-    interp._LAST_FAILURE.append(e)
+    interp.note_failure(e)
     raise kernel_error(e, kernel) from e
-  interp._REPORTS.extend(world.reports)
+  interp.note_reports(world.reports)
   return outs
 
 
@@ -297,6 +296,3 @@ def interpret_lowering(ctx, *args, spec):
 
   return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
-
-backends.register_backend("mosaic", mosaic_lowering, rules=TABLE)
-backends.register_backend("mosaic_interpret", interpret_lowering, rules=TABLE)

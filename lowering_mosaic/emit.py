@@ -11,7 +11,7 @@ from jax._src.lib.mlir.dialects import arith, vector
 
 from dsl.dtypes import bits, is_bool, is_float, is_unsigned  # noqa: F401
 from lowering_mosaic import dialect
-from lowering_mosaic.lowering import constant
+from lowering_mosaic.host import constant
 
 
 def vtype(shape, dtype) -> ir.Type:

@@ -4,8 +4,6 @@ from __future__ import annotations
 import hashlib
 import os
 
-import jax
-
 from dsl import config
 from dsl.inspection import as_lowered, traced_kernels
 from lowering_mosaic.lowering import build_module, module_text

@@ -22,289 +22,27 @@ attributes Mosaic reads:
     #tpu.element_window<...>`, dims listed in `dsl.element_dims`).
 
 The kernel jaxpr is lowered equation by equation by the shared
-`dsl.jaxpr_walk.walk_jaxpr` through `TABLE`, a table keyed by primitive that
-the modules of rules/ fill. Every operation carries the user's source line as
+`dsl.jaxpr_walk.walk_jaxpr` (host.py) through `lowering_mosaic.rules.TABLE`,
+a table keyed by primitive that the modules of rules/ fill. Every operation carries the user's source line as
 its MLIR location, which the interpreter and the race checker report.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import re
-from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax._src import core
-from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, func
 
 from dsl.blockspec import Buffered, Element, RevisitMode, squeezed
-from dsl.errors import BackendError, source_info_frame
 from dsl.core.grid_plan import declared_semantics
-from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
+from dsl.errors import BackendError
 from lowering_mosaic import dialect
+from lowering_mosaic.host import (LoweringContext, RefVal, i32_const,
+                                  lower_jaxpr, to_i32)
+from lowering_mosaic.rules import TABLE
+from lowering_mosaic.tpu_rules import check_tpu_rules, has_trivial_window
 
 MOSAIC_VERSION = 14
-
-# The rule table, keyed by primitive; the modules of `lowering_mosaic.rules`
-# fill it when the package is imported.
-TABLE = RuleTable("the Mosaic (TPU) lowering")
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroSize:
-  """A value of a zero-size array. MLIR vectors cannot have a zero dim, so
-  it has no MLIR value; only the primitives of ZERO_SIZE_PRIMITIVES (the
-  slices and concatenation that `jnp.roll` by 0 or by the axis length
-  makes) take or make one, and any other primitive on one is an error."""
-  aval: Any
-
-
-ZERO_SIZE_PRIMITIVES = frozenset({lax.slice_p, lax.split_p,
-                                  lax.concatenate_p})
-
-
-def has_zero_size(aval) -> bool:
-  return (hasattr(aval, "shape") and not hasattr(aval, "inner_aval")
-          and 0 in tuple(aval.shape))
-
-
-@dataclasses.dataclass
-class RefVal:
-  """A ref in the kernel: its memref value and what it is."""
-  value: ir.Value
-  aval: Any                 # AbstractRef
-  space: str                # dialect.VMEM / SMEM / ANY / SEMAPHORE_MEM
-  name: str = ""            # "x_ref (in_specs[0])"-style, for messages
-  # memref dims the kernel does not see (a BlockSpec's squeezed dims): the
-  # memref keeps them as 1s, and every access indexes them with 0
-  hidden: tuple = ()
-
-  @property
-  def shape(self):
-    """The shape the kernel sees."""
-    return tuple(self.aval.inner_aval.shape)
-
-  @property
-  def memref_shape(self):
-    shape = list(self.shape)
-    for d in self.hidden:
-      shape.insert(d, 1)
-    return tuple(shape)
-
-  @property
-  def dtype(self):
-    return self.aval.inner_aval.dtype
-
-  @property
-  def is_semaphore(self):
-    return self.space == dialect.SEMAPHORE_MEM
-
-
-@dataclasses.dataclass
-class LoweringContext:
-  """One kernel being lowered."""
-  kernel: str
-  where: str                    # the pallas_call site
-  grid: tuple[int, ...]
-  mesh_axes: tuple = ()         # ((name, size), ...) when inside shard_map
-  uses_barrier: bool = False
-  uses_remote: bool = False
-  named_axes: set = dataclasses.field(default_factory=set)  # axis_index'd
-  current_line: str | None = None
-
-  def error(self, message: str, primitive: str | None = None,
-            line: str | None = None) -> BackendError:
-    what = f"primitive '{primitive}': " if primitive else ""
-    return BackendError(self.kernel, f"{what}{message}",
-                        line or self.current_line or self.where)
-
-
-@dataclasses.dataclass
-class RuleContext:
-  """What a lowering rule sees of its equation."""
-  lctx: LoweringContext
-  eqn: Any
-  avals_in: list
-  avals_out: list
-  outs_used: list = dataclasses.field(default_factory=list)
-
-  @property
-  def primitive(self) -> str:
-    return self.eqn.primitive.name
-
-  def error(self, message: str) -> BackendError:
-    return self.lctx.error(message, self.primitive)
-
-  def lower_sub(self, jaxpr: core.Jaxpr, consts, args):
-    return lower_jaxpr(self.lctx, jaxpr, consts, args)
-
-
-# ------------------------------------------------------------ constants
-
-def scalar_attr(value, dtype) -> ir.Attribute:
-  dtype = jnp.dtype(dtype)
-  t = dialect.element_type(dtype)
-  if jnp.issubdtype(dtype, jnp.floating):
-    return ir.FloatAttr.get(t, float(value))
-  if dtype == jnp.bool_:
-    return ir.IntegerAttr.get(t, int(bool(value)))
-  v = int(value)
-  bits = dtype.itemsize * 8
-  if jnp.issubdtype(dtype, jnp.unsignedinteger) and v >= 1 << (bits - 1):
-    v -= 1 << bits           # signless: store the bit pattern
-  return ir.IntegerAttr.get(t, v)
-
-
-def constant(value, shape, dtype) -> ir.Value:
-  """An arith.constant (a splat or dense vector for shape != ())."""
-  shape = tuple(shape)
-  dtype = jnp.dtype(dtype)
-  arr = np.asarray(value)
-  if shape == ():
-    return arith.ConstantOp(dialect.element_type(dtype),
-                            scalar_attr(arr.reshape(()).item(), dtype)).result
-  vt = dialect.value_type(shape, dtype)
-  if arr.size == 1 or np.all(arr == arr.reshape(-1)[0]):
-    attr = ir.DenseElementsAttr.get_splat(
-        vt, scalar_attr(arr.reshape(-1)[0].item(), dtype))
-    return arith.ConstantOp(vt, attr).result
-  arr = np.broadcast_to(arr, shape)
-  if dtype in (jnp.float32, jnp.int32, jnp.int16, jnp.int8):
-    attr = ir.DenseElementsAttr.get(np.ascontiguousarray(arr.astype(dtype)),
-                                    type=vt)
-    return arith.ConstantOp(vt, attr).result
-  if dtype == jnp.bool_:
-    ints = constant(arr.astype(np.int32), shape, jnp.int32)
-    zero = constant(0, shape, jnp.int32)
-    return arith.CmpIOp(arith.CmpIPredicate.ne, ints, zero).result
-  if jnp.issubdtype(dtype, jnp.floating):
-    f = constant(arr.astype(np.float32), shape, jnp.float32)
-    return arith.TruncFOp(vt, f).result
-  raise NotImplementedError(f"constant of dtype {dtype}")
-
-
-def i32_const(v: int) -> ir.Value:
-  return constant(v, (), jnp.int32)
-
-
-def index_const(v: int) -> ir.Value:
-  return arith.ConstantOp(dialect.index_type(),
-                          ir.IntegerAttr.get(dialect.index_type(), int(v))).result
-
-
-def to_index(v) -> ir.Value:
-  """An `index` value from a static int or an integer MLIR scalar."""
-  if isinstance(v, (int, np.integer)):
-    return index_const(int(v))
-  if isinstance(v.type, ir.IndexType):
-    return v
-  return arith.IndexCastOp(dialect.index_type(), v).result
-
-
-def to_i32(v) -> ir.Value:
-  if isinstance(v, (int, np.integer)):
-    return i32_const(int(v))
-  t = v.type
-  if isinstance(t, ir.IndexType):
-    return arith.IndexCastOp(dialect.i32(), v).result
-  w = ir.IntegerType(t).width
-  if w == 32:
-    return v
-  if w < 32:
-    return arith.ExtSIOp(dialect.i32(), v).result
-  return arith.TruncIOp(dialect.i32(), v).result
-
-
-# ------------------------------------------------------------ locations
-
-def _location(eqn, lctx: LoweringContext, outer_line) -> ir.Location:
-  # equations of inner jaxprs (a jitted jnp function) have no user frame:
-  # they take the line of the equation that holds them
-  line = source_info_frame(eqn.source_info) or outer_line
-  lctx.current_line = line
-  name = eqn.primitive.name
-  if line is None:
-    return ir.Location.name(name)
-  path, _, lineno = line.rpartition(":")
-  return ir.Location.name(name, childLoc=ir.Location.file(path, int(lineno),
-                                                          0))
-
-
-# ------------------------------------------------------------ the jaxpr walk
-
-class _Walk(LoweringHost):
-  """The shared walker's hooks for one jaxpr lowered into `lctx`."""
-  rules = TABLE
-
-  def __init__(self, lctx: LoweringContext):
-    self.lctx = lctx
-    self.outer_line = lctx.current_line
-    self.scopes: list[str] = []     # the named scopes now open
-
-  def enter_scopes(self, eqn):
-    """`tpu.trace_start` / `trace_stop` where the equations' named scopes
-    (`jax.named_scope`, einsum) begin and end, as Pallas marks them for
-    the profiler."""
-    names = [s.name for s in eqn.source_info.name_stack.stack]
-    keep = 0
-    while (keep < min(len(names), len(self.scopes))
-           and names[keep] == self.scopes[keep]):
-      keep += 1
-    self.close_scopes(len(self.scopes) - keep)
-    for name in names[keep:]:
-      tpu.TraceStartOp(name, 10)
-    self.scopes = names
-
-  def close_scopes(self, n=None):
-    n = len(self.scopes) if n is None else n
-    for _ in range(n):
-      tpu.TraceStopOp()
-    self.scopes = self.scopes[:len(self.scopes) - n]
-
-  def literal(self, atom):
-    return constant(atom.val, atom.aval.shape, atom.aval.dtype)
-
-  def constvar(self, var, value):
-    if isinstance(value, (ir.Value, RefVal)):
-      return value
-    return constant(np.asarray(value), var.aval.shape, var.aval.dtype)
-
-  def rule_context(self, eqn, used, position):
-    return RuleContext(self.lctx, eqn, [v.aval for v in eqn.invars],
-                       [v.aval for v in eqn.outvars],
-                       [v in used for v in eqn.outvars])
-
-  def error(self, message, eqn=None):
-    line = source_info_frame(eqn.source_info) if eqn is not None else None
-    return self.lctx.error(message, line=line or self.outer_line)
-
-  @contextlib.contextmanager
-  def lowering_eqn(self, eqn):
-    with _location(eqn, self.lctx, self.outer_line):
-      if eqn.primitive not in ZERO_SIZE_PRIMITIVES and any(
-          has_zero_size(v.aval) for v in (*eqn.invars, *eqn.outvars)):
-        raise self.lctx.error("zero-size arrays are not supported by the "
-                              "Mosaic lowering (TPU vectors need positive "
-                              "sizes)", eqn.primitive.name)
-      self.enter_scopes(eqn)
-      yield
-
-
-def lower_jaxpr(lctx: LoweringContext, jaxpr: core.Jaxpr, consts, args):
-  """Lowers `jaxpr` at the current insertion point; returns its outputs."""
-  outer_line = lctx.current_line
-  walk = _Walk(lctx)
-  try:
-    outs = walk_jaxpr(walk, jaxpr, consts, args)
-    walk.close_scopes()
-    return outs
-  finally:
-    lctx.current_line = outer_line
-
 
 # ------------------------------------------------------------ the module
 
@@ -368,11 +106,11 @@ def build_module(spec, mesh_axes=()) -> ir.Module:
 def build_module_and_context(spec, mesh_axes=()):
   """(module, LoweringContext): the context says whether the kernel uses
   the barrier semaphore or remote operations."""
-  from lowering_mosaic.tpu_rules import check_tpu_rules
   check_tpu_rules(spec)
   ctx = dialect.make_context()
   lctx = LoweringContext(spec.name, spec.where,
-                         tuple(spec.grid_mapping.grid), tuple(mesh_axes))
+                         tuple(spec.grid_mapping.grid), tuple(mesh_axes),
+                         rules=TABLE)
   with ctx, ir.Location.unknown():
     module = _build(spec, lctx)
     try:
@@ -396,13 +134,6 @@ def build_module_and_context(spec, mesh_axes=()):
 def entry_name(spec) -> str:
   """The kernel function's name: the kernel's, as a symbol (as Pallas)."""
   return re.sub(r"[^\w.-]", "_", spec.name) or "kernel"
-
-
-def has_trivial_window(bm) -> bool:
-  """The block is the whole array at block index 0 at every grid point."""
-  outs = bm.index_map_jaxpr.jaxpr.outvars
-  return (tuple(bm.block_sizes) == tuple(bm.array_aval.shape)
-          and all(isinstance(v, core.Literal) and v.val == 0 for v in outs))
 
 
 def _window_param(lctx, spec, k, bm, prefetch_types) -> ir.Attribute:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax._src import core
 
 from dsl.blockspec import squeezed
 from dsl.errors import KernelError
@@ -184,12 +185,18 @@ def _shrunk_blocks(spec, limit: int):
 def _windowed_without_grid(gm):
   """The first blocked operand of a grid-free kernel whose block is not the
   whole array at index 0 (a grid-free Mosaic kernel has no windows)."""
-  from lowering_mosaic.lowering import has_trivial_window
   if gm.grid:
     return None
   return next((bm for bm in gm.block_mappings
                if dialect.block_space(bm) != dialect.ANY
                and not has_trivial_window(bm)), None)
+
+
+def has_trivial_window(bm) -> bool:
+  """The block is the whole array at block index 0 at every grid point."""
+  outs = bm.index_map_jaxpr.jaxpr.outvars
+  return (tuple(bm.block_sizes) == tuple(bm.array_aval.shape)
+          and all(isinstance(v, core.Literal) and v.val == 0 for v in outs))
 
 
 def check_tpu_rules(spec) -> None:

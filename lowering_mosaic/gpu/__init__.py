@@ -14,13 +14,15 @@ See docs/mosaic-gpu.md.
 from jax._src.lib.mlir import ir
 from jax.interpreters import mlir
 
+from dsl import backends as _backends
 from dsl.inspection import as_lowered, traced_kernels
 from lowering_mosaic.gpu import rules as _rules  # noqa: F401 (fills TABLE)
 from lowering_mosaic.gpu.host import TABLE
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
 from lowering_mosaic.gpu.plan import GpuPlan, make_gpu_plan
-from lowering_mosaic.gpu import backend as _backend  # noqa: F401
-from lowering_mosaic.gpu.backend import dump_gpu_module
+from lowering_mosaic.gpu.backend import dump_gpu_module, mosaic_gpu_lowering
+
+_backends.register_backend("mosaic_gpu", mosaic_gpu_lowering, rules=TABLE)
 
 
 def to_gpu_modules(f, *args, **kwargs) -> list[GpuModule]:

@@ -12,9 +12,7 @@ import os
 
 from jax.experimental.mosaic.gpu import core as mgpu_core
 
-from dsl import backends
 from dsl.errors import BackendError
-from lowering_mosaic.gpu.host import TABLE
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
 
 
@@ -57,5 +55,3 @@ def mosaic_gpu_lowering(ctx, *args, spec):
       ctx, *args, module=built.module, out_types=built.out_shapes,
       inout_types=(), input_output_aliases=tuple(spec.input_output_aliases))
 
-
-backends.register_backend("mosaic_gpu", mosaic_gpu_lowering, rules=TABLE)

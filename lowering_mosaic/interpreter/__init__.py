@@ -86,6 +86,17 @@ def last_failure():
   return _LAST_FAILURE[-1] if _LAST_FAILURE else None
 
 
+def note_failure(error: KernelSimulationError) -> None:
+  """Keeps the failure of a launch for `last_failure`."""
+  _LAST_FAILURE.append(error)
+
+
+def note_reports(found: list) -> None:
+  """Keeps the races a launch recorded for `reports`."""
+  _REPORTS.extend(found)
+
+
 __all__ = ["InterpreterOptions", "KernelDeadlockError", "KernelRaceError",
            "KernelSimulationError", "clear_reports", "current_options",
-           "interpreter_options", "last_failure", "reports"]
+           "interpreter_options", "last_failure", "note_failure",
+           "note_reports", "reports"]

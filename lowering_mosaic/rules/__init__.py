@@ -1,4 +1,4 @@
-"""The Mosaic lowering's rules, filling `lowering_mosaic.lowering.TABLE`.
+"""The Mosaic lowering's rule table, `TABLE`, and the rules that fill it.
 
 A rule is `rule(ctx: RuleContext, *args, **params)`; `args` are MLIR values
 (scalars, vectors) or `RefVal`s for refs, and it returns the output value
@@ -11,8 +11,10 @@ the kernel and the user's source line.
 """
 from __future__ import annotations
 
-from lowering_mosaic.lowering import TABLE
+from dsl.jaxpr_walk import RuleTable
 
+# The rule table, keyed by primitive; the modules below fill it.
+TABLE = RuleTable("the Mosaic (TPU) lowering")
 register = TABLE.register
 
 from lowering_mosaic.rules import (control, elementwise, integer,  # noqa: E402,F401

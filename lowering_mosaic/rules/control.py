@@ -21,7 +21,7 @@ from dsl import primitives as dsl_primitives
 from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
 from dsl.semaphores import SemaphoreSpace
 from lowering_mosaic import dialect, emit
-from lowering_mosaic.lowering import RefVal, constant, i32_const
+from lowering_mosaic.host import RefVal, constant, i32_const
 from lowering_mosaic.rules import register
 
 

@@ -12,7 +12,7 @@ from jax._src.lib.mlir.dialects import arith, math
 
 from dsl.rule_helpers import power_by_squaring
 from lowering_mosaic import emit
-from lowering_mosaic.lowering import constant
+from lowering_mosaic.host import constant
 from lowering_mosaic.rules import register
 
 

@@ -22,7 +22,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith
 
 from lowering_mosaic import emit
-from lowering_mosaic.lowering import constant
+from lowering_mosaic.host import constant
 from lowering_mosaic.rules import register
 
 

@@ -21,7 +21,7 @@ from jax._src.state import primitives as state_primitives
 
 from dsl import ref_ops
 from lowering_mosaic import dialect, emit
-from lowering_mosaic.lowering import RefVal, to_i32, to_index
+from lowering_mosaic.host import RefVal, to_i32, to_index
 from lowering_mosaic.rules import register
 from lowering_mosaic.rules.integer import static_int
 

@@ -9,7 +9,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import vector
 
 from lowering_mosaic import emit
-from lowering_mosaic.lowering import ZeroSize, has_zero_size
+from lowering_mosaic.host import ZeroSize, has_zero_size
 from lowering_mosaic.rules import register
 
 

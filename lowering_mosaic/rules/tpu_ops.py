@@ -42,7 +42,7 @@ from dsl import tpu_vector
 from dsl.semaphores import DeviceIdType
 from dsl.tpu_primitives import unpack
 from lowering_mosaic import dialect, emit
-from lowering_mosaic.lowering import RefVal, i32_const, to_i32
+from lowering_mosaic.host import RefVal, i32_const, to_i32
 from lowering_mosaic.rules import register
 from lowering_mosaic.rules.memory import view_of
 
