@@ -14,15 +14,17 @@ from dsl.errors import hide_package_frames as _hide
 
 _hide(__file__)   # JAX's traceback filtering leaves our frames out
 from dsl import backends as _backends
-from lowering_mosaic import rules as _rules  # noqa: F401 (fills the table)
-from lowering_mosaic.tpu_rules import check_tpu_rules
-from lowering_mosaic.inspection import dump_module, to_mlir, to_modules
-from lowering_mosaic.lowering import build_module, module_text
-from lowering_mosaic import backend as _backend
-from lowering_mosaic.rules import TABLE as _TABLE
-from lowering_mosaic.interpreter import (
-    InterpreterOptions, KernelDeadlockError, KernelRaceError,
-    KernelSimulationError, interpreter_options)
+from lowering_mosaic.tpu import rules as _rules  # noqa: F401 (fills the table)
+from lowering_mosaic.tpu.constraints import check_tpu_rules
+from lowering_mosaic.tpu.inspection import dump_module, to_mlir, to_modules
+from lowering_mosaic.tpu.lowering import build_module, module_text
+from lowering_mosaic.tpu import launch as _backend
+from lowering_mosaic.tpu.rules import TABLE as _TABLE
+from lowering_mosaic.verification.interpreter import (InterpreterOptions,
+                                                      KernelDeadlockError,
+                                                      KernelRaceError,
+                                                      KernelSimulationError,
+                                                      interpreter_options)
 
 __all__ = ["build_module", "check_tpu_rules", "dump_module", "module_text",
            "to_mlir", "to_modules", "InterpreterOptions",

@@ -24,7 +24,7 @@ from dsl.index_maps import reads_prefetch
 from dsl.ranges import analyze_kernel
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
-from lowering_triton.context import Lowering
+from lowering_triton.host import Lowering
 from lowering_triton.grid import GridPlan, plan_grid
 from lowering_triton.naming import grid_names, operand_names
 from lowering_triton.peel import peel

@@ -20,7 +20,7 @@ from lowering_mosaic.gpu import rules as _rules  # noqa: F401 (fills TABLE)
 from lowering_mosaic.gpu.host import TABLE
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
 from lowering_mosaic.gpu.plan import GpuPlan, make_gpu_plan
-from lowering_mosaic.gpu.backend import dump_gpu_module, mosaic_gpu_lowering
+from lowering_mosaic.gpu.launch import dump_gpu_module, mosaic_gpu_lowering
 
 _backends.register_backend("mosaic_gpu", mosaic_gpu_lowering, rules=TABLE)
 

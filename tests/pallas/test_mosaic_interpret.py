@@ -73,7 +73,7 @@ def test_out_of_bounds_access_is_reported_with_its_line():
                      grid=(2,), in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 0))],
                      out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
                      backend=MI)
-  from lowering_mosaic import interpreter
+  from lowering_mosaic.verification import interpreter
   with pytest.raises(Exception, match="out-of-bounds load"):
     jax.block_until_ready(f(jnp.ones((8, 128))))
   err = interpreter.last_failure()

@@ -14,7 +14,7 @@ from dsl import host_failures
 from dsl import tpu as pltpu
 import lowering_mosaic
 from lowering_mosaic import KernelRaceError, interpreter_options
-from lowering_mosaic import interpreter
+from lowering_mosaic.verification import interpreter
 from tests.pallas.testing import assert_close
 
 N = 4

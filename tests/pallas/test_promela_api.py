@@ -15,9 +15,9 @@ import dsl as pl
 from dsl import tpu as pltpu
 import lowering_mosaic
 import lowering_mosaic.verify as verify
-from lowering_mosaic import promela
-from lowering_mosaic.inspection import to_modules
-from lowering_mosaic.promela import spin as spin_mod
+from lowering_mosaic.verification import promela
+from lowering_mosaic.tpu.inspection import to_modules
+from lowering_mosaic.verification.promela import spin as spin_mod
 from tests.pallas import test_promela_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -197,10 +197,10 @@ def test_maybe_dump_takes_the_mesh_size(promela_dir):
 
 @pytest.mark.parametrize("backend", ["mosaic_interpret", "mosaic"])
 def test_lowering_through_the_mosaic_path_dumps(promela_dir, backend):
-  from lowering_mosaic import backend as mosaic_backend
+  from lowering_mosaic.tpu import launch as mosaic_backend
   if "maybe_dump" not in inspect.getsource(mosaic_backend):
     pytest.skip("the Mosaic backends do not call "
-                "lowering_mosaic.promela.maybe_dump yet")
+                "lowering_mosaic.verification.promela.maybe_dump yet")
 
   def kernel(x_hbm, o_ref, buf, sem):
     c = pltpu.make_async_copy(x_hbm, buf, sem)

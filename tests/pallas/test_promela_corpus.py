@@ -401,7 +401,7 @@ CORPUS = [
 
 # ------------------------------------------------------------ the tests
 
-from lowering_mosaic.promela import spin_available  # noqa: E402
+from lowering_mosaic.verification.promela import spin_available  # noqa: E402
 
 SPIN_OK, SPIN_WHY = spin_available()
 pytestmark = pytest.mark.skipif(not SPIN_OK, reason=SPIN_WHY)

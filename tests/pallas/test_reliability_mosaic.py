@@ -386,7 +386,7 @@ def test_masked_store_of_narrow_elements_is_a_clear_error():
 def test_a_module_that_does_not_verify_names_the_reason(monkeypatch):
   """The one-line message carries MLIR's first error, not only its
   "Verification failed:" header."""
-  from lowering_mosaic.rules import memory
+  from lowering_mosaic.tpu.rules import memory
   monkeypatch.setattr(memory, "_element_bits", lambda ref: 32)
 
   def kernel(x_ref, o_ref):

@@ -13,7 +13,8 @@ from jax import lax
 
 import dsl
 from dsl import tpu as dtpu
-from lowering_mosaic import interpreter_options, promela
+from lowering_mosaic import interpreter_options
+from lowering_mosaic.verification import promela
 from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
 from tests.pallas import test_tpu_pipeline as pipeline_tests

@@ -1,0 +1,1 @@
+"""The Mosaic TPU lowering: kernels as Mosaic-dialect MLIR."""
