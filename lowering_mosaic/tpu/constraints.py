@@ -26,7 +26,7 @@ from dsl.blockspec import squeezed
 from dsl.errors import KernelError
 from dsl.revisits import check_output_revisits
 from dsl.semaphores import SemaphoreSpace
-from lowering_mosaic.tpu import dialect
+from lowering_mosaic import dialect
 
 DEFAULT_VMEM_LIMIT_BYTES = 16 * 1024 * 1024
 LANES = 128

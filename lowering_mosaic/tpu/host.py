@@ -23,7 +23,7 @@ from jax._src.lib.mlir.dialects import arith
 
 from dsl.errors import BackendError, source_info_frame
 from dsl.jaxpr_walk import LoweringHost, walk_jaxpr
-from lowering_mosaic.tpu import dialect
+from lowering_mosaic import dialect
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ from jax._src.lib.mlir.dialects import arith, func
 from dsl.blockspec import Buffered, Element, RevisitMode, squeezed
 from dsl.core.grid_plan import declared_semantics
 from dsl.errors import BackendError
-from lowering_mosaic.tpu import dialect
+from lowering_mosaic import dialect
 from lowering_mosaic.tpu.host import (LoweringContext, RefVal, i32_const,
                                       lower_jaxpr, to_i32)
 from lowering_mosaic.tpu.rules import TABLE

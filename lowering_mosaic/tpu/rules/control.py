@@ -20,7 +20,8 @@ from jax._src.lib.mlir.dialects import arith, memref, scf
 from dsl import primitives as dsl_primitives
 from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
 from dsl.semaphores import SemaphoreSpace
-from lowering_mosaic.tpu import dialect, emit
+from lowering_mosaic import dialect
+from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, constant, i32_const
 from lowering_mosaic.tpu.rules import register
 

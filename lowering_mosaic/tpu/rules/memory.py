@@ -20,7 +20,8 @@ from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 
 from dsl import ref_ops
-from lowering_mosaic.tpu import dialect, emit
+from lowering_mosaic import dialect
+from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, to_i32, to_index
 from lowering_mosaic.tpu.rules import register
 from lowering_mosaic.tpu.rules.integer import static_int

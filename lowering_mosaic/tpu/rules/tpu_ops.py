@@ -41,7 +41,8 @@ from dsl import tpu_primitives as tp
 from dsl import tpu_vector
 from dsl.semaphores import DeviceIdType
 from dsl.tpu_primitives import unpack
-from lowering_mosaic.tpu import dialect, emit
+from lowering_mosaic import dialect
+from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, i32_const, to_i32
 from lowering_mosaic.tpu.rules import register
 from lowering_mosaic.tpu.rules.memory import view_of

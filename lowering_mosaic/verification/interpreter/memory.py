@@ -16,7 +16,7 @@ import numpy as np
 from jax._src.lib.mlir import ir
 
 from dsl.poison import poison_value
-from lowering_mosaic.tpu import dialect
+from lowering_mosaic import dialect
 
 
 class Buffer:

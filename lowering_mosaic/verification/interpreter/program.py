@@ -15,7 +15,7 @@ from jax._src.lib.mlir import ir
 
 from dsl.jaxpr_walk import RuleTable
 from dsl.poison import poison_value
-from lowering_mosaic.tpu import dialect
+from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
                                                              fresh_array)
 from lowering_mosaic.verification.interpreter.simulator import (PREEMPT,

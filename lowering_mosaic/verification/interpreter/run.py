@@ -33,7 +33,7 @@ from jax._src.lib.mlir import ir
 
 from dsl.poison import poison_value
 from dsl.revisits import FIX
-from lowering_mosaic.tpu import dialect
+from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter import (prng)  # noqa: F401  (its ops)
 from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
                                                              fresh_array)

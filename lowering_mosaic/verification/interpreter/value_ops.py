@@ -15,7 +15,7 @@ from jax._src.lib.mlir import ir
 
 from dsl.jaxpr_walk import RuleTable
 from dsl.poison import poison_value
-from lowering_mosaic.tpu import dialect
+from lowering_mosaic import dialect
 
 VALUE_OPS = RuleTable("the Mosaic interpreter")
 value_op = VALUE_OPS.register

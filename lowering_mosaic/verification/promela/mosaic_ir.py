@@ -11,7 +11,7 @@ from typing import Optional
 from jax._src.lib.mlir import ir
 
 from dsl.jaxpr_walk import RuleTable
-from lowering_mosaic.tpu import dialect
+from lowering_mosaic import dialect
 
 
 class ModelError(Exception):
