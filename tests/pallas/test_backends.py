@@ -1,6 +1,7 @@
 """The backend registry: one record per backend, one function that resolves
 `backend=`, `interpret=`, `jax_pallas_use_mosaic_gpu` and the platform."""
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,9 @@ import pytest
 import dsl as pl
 from dsl import backends, config
 from tests.pallas.testing import CPU_BACKENDS
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
 
 
 @contextlib.contextmanager
@@ -89,3 +93,29 @@ def test_kernel_knows_the_backend_it_is_traced_for():
                                                                x.dtype),
                                   backend=backend, name=f"k{backend}"))(x)
   assert seen == ["interpret", "mosaic_interpret", "triton_interpret"]
+
+
+def test_mosaic_gpu_imports_without_the_tpu_lowering_or_verification():
+  import subprocess
+  import sys
+  code = ("import sys, lowering_mosaic.gpu; print(sorted(m for m in "
+          "sys.modules if m.startswith('lowering_')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True, cwd=_ROOT).stdout
+  loaded = eval(out)   # noqa: S307 - our own printout of a list of str
+  assert "lowering_mosaic.gpu.launch" in loaded
+  assert not [m for m in loaded if m.startswith(
+      ("lowering_mosaic.tpu", "lowering_mosaic.verification",
+       "lowering_triton"))], loaded
+
+
+def test_lowering_mosaic_names_load_from_their_sub_packages():
+  import lowering_mosaic
+  from lowering_mosaic.tpu import inspection
+  from lowering_mosaic.verification import interpreter, promela
+  assert lowering_mosaic.to_mlir is inspection.to_mlir
+  assert lowering_mosaic.interpreter is interpreter
+  assert lowering_mosaic.promela is promela
+  assert lowering_mosaic.interpreter_options is interpreter.interpreter_options
+  with pytest.raises(AttributeError):
+    lowering_mosaic.no_such_name   # noqa: B018
