@@ -30,6 +30,9 @@ import sys
 from typing import Any, Callable, Sequence
 
 from dsl.compiler_params import tuned_launch
+from dsl import autotune_cache, config
+from dsl.errors import KernelTypeError, user_frame
+from dsl.timing import measure
 
 ENV_SWITCH = "DSL_AUTOTUNE"
 LAUNCH_KEYS = ("num_warps", "num_stages")
@@ -84,7 +87,6 @@ class Autotuned:
 
   # ------------------------------------------------------------ validation
   def _error(self, message, operand=None):
-    from dsl.errors import KernelTypeError
     return KernelTypeError(self.name, message, self.where, operand=operand)
 
   def _keywords(self):
@@ -140,7 +142,6 @@ class Autotuned:
                     for n in names)
 
   def backend_of(self, kwargs, config=None) -> str:
-    from dsl import autotune_cache
     b = kwargs.get("backend") or (config or {}).get("backend")
     return b or autotune_cache._default_backend()
 
@@ -164,7 +165,6 @@ class Autotuned:
   def choose(self, *args, **kwargs) -> Choice:
     """The config for these arguments: remembered, cached on disk, searched
     (first call per key) or, with DSL_AUTOTUNE=0, the first config."""
-    from dsl import autotune_cache
     key = self.key_of(args, kwargs)
     backend = self.backend_of(kwargs)
     hit = self.choices.get((key, backend))
@@ -184,7 +184,6 @@ class Autotuned:
   # ------------------------------------------------------------ search
   def _search(self, args, kwargs, key, backend) -> Choice:
     import jax
-    from dsl import autotune_cache
     with jax.ensure_compile_time_eval():
       dyn, rebuild = _split_arrays(args, kwargs)
       dyn = [_concrete(x) for x in dyn]
@@ -205,7 +204,6 @@ class Autotuned:
     return choice
 
   def _time(self, config, dyn, rebuild):
-    from dsl.timing import measure
 
     def run(*arrays):
       a, kw = rebuild(arrays)
@@ -218,7 +216,6 @@ class Autotuned:
       return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
   def _report(self, choice: Choice, key, backend):
-    from dsl import autotune_cache, config
     if not config.verbose_errors():
       return
     failed = sum(1 for _, t in choice.results if not isinstance(t, float))
@@ -292,7 +289,6 @@ def autotune(configs: Sequence[dict], key: Sequence[str | int] | str | None
   (values, for non-arrays) select a cache entry; None: every array argument.
   `name` is the kernel's name in the cache (default `module.qualname`).
   """
-  from dsl.errors import user_frame
   where = user_frame()
 
   def decorate(fn):

@@ -5,13 +5,17 @@ import collections
 import contextlib
 import contextvars
 import functools
+import linecache
 import os
 import sys
 import threading
 import traceback
+import types
 
 import jax
-from jax._src import source_info_util, traceback_util
+from jax._src import core, source_info_util, traceback_util
+
+from dsl import config
 
 _JAX_DIR = os.path.dirname(jax.__file__)
 _DSL_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -39,7 +43,6 @@ hide_package_frames(__file__)
 def user_traceback(tb):
   """`tb` without the frames of jax, dsl and the lowerings: the user's own
   frames (the kernel body's line among them)."""
-  import types
   out = None
   for frame, lineno in reversed(list(traceback.walk_tb(tb))):
     if not _is_internal(frame.f_code.co_filename):
@@ -104,7 +107,6 @@ def source_info_frame(source_info) -> str | None:
 
 def traceback_frame(tb) -> str | None:
   """'file:line' of the innermost user frame of a JAX traceback."""
-  from jax._src import source_info_util
   if tb is None:
     return None
   for frame in source_info_util.user_frames(tb):
@@ -124,6 +126,19 @@ def function_location(fn) -> str:
 
 _LOWERING_KERNEL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "dsl_lowering_kernel", default=None)
+_TRACING_KERNEL: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "dsl_tracing_kernel", default=None)
+
+
+@contextlib.contextmanager
+def tracing_kernel(name: str):
+  """Names the kernel whose body is being traced, for errors raised
+  meanwhile (dsl.tracing enters it around the body)."""
+  token = _TRACING_KERNEL.set(name)
+  try:
+    yield
+  finally:
+    _TRACING_KERNEL.reset(token)
 
 
 @contextlib.contextmanager
@@ -138,16 +153,12 @@ def lowering_kernel(name: str):
 
 def current_kernel() -> str:
   """The name of the kernel being traced or lowered ('<kernel>' if none)."""
-  from dsl import tracing
-  env = tracing._GRID_ENV.get()
-  if env is not None:
-    return env.kernel
-  return _LOWERING_KERNEL.get() or "<kernel>"
+  return (_TRACING_KERNEL.get() or _LOWERING_KERNEL.get()
+          or "<kernel>")
 
 
 def verbose_errors() -> bool:
   """JAX's own jax_pallas_verbose_errors option."""
-  from dsl import config
   return config.verbose_errors()
 
 
@@ -285,7 +296,6 @@ def kernel_error_of(exc: BaseException) -> KernelError | None:
 
 def source_excerpt(where: str | None, context: int = 3) -> str | None:
   """The source lines around 'file:line', the line itself marked '>'."""
-  import linecache
   if not where or ":" not in where:
     return None
   filename, _, line = where.rpartition(":")
@@ -303,7 +313,6 @@ def source_excerpt(where: str | None, context: int = 3) -> str | None:
 
 def marked_jaxpr(jaxpr, failing_eqn) -> str:
   """The kernel jaxpr, one equation a line, the failing one marked '>>>'."""
-  from jax._src import core
   ctx = core.JaxprPpContext()
   settings = core.JaxprPpSettings()
   inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr

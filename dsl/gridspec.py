@@ -14,6 +14,7 @@ from dsl.errors import KernelError, KernelTypeError
 from dsl.index_maps import evaluate_index_map, reads_prefetch, varies_along
 from dsl.core.grid_plan import Plan, make_plan
 from dsl.memory import MemorySpace, scratch_aval
+from dsl.named_axes import grid_names as names_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +280,6 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
 def grid_names(kernel: str, grid, where: str) -> tuple | None:
   """The names of a grid's axes (None where a dim has none), or None; a name
   given twice is an error."""
-  from dsl.named_axes import grid_names as names_of
   names = names_of(grid)
   given = [n for n in names or () if n is not None]
   if len(set(given)) != len(given):

@@ -6,7 +6,9 @@ answer), whether a block moves along a grid dim, and the check that every
 static block starts inside its array. `GridMapping` answers these questions
 for each of its operands (`gm.block_indices(bm)`, `gm.reads_prefetch(bm)`,
 `gm.moves_along(bm, d)`); backends and transformations ask it, never the
-index map jaxprs directly.
+index map jaxprs directly. At run time, `block_offsets` evaluates an index
+map on traced grid ids and prefetch values (the host backends and derived
+kernels).
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core
+from jax._src.state import discharge as state_discharge
 
 from dsl.blockspec import BlockMapping, Element
 from dsl.errors import KernelError
@@ -131,3 +135,23 @@ def blocks_per_dim(bm: BlockMapping) -> tuple[int, ...]:
   """Blocks per array dim (a zero-size dim, whose block is empty: none)."""
   return tuple(-(-n // b) if b else 0
                for n, b in zip(bm.array_aval.shape, bm.block_sizes))
+
+
+@functools.lru_cache(maxsize=1024)
+def discharged_index_map(jaxpr: core.ClosedJaxpr, grid_rank: int):
+  """The index map as a pure function of grid ids and prefetch values."""
+  n = len(jaxpr.jaxpr.invars)
+  if n == grid_rank:
+    return jaxpr
+  should = [False] * grid_rank + [True] * (n - grid_rank)
+  return state_discharge.discharge_state(jaxpr, should_discharge=should,
+                                         strip_memory_space=True)
+
+
+def block_offsets(bm: BlockMapping, ids, prefetch):
+  """The element offsets of the block of `bm` at grid ids `ids` (traced
+  values), its index map reading the prefetch values `prefetch`."""
+  dj = discharged_index_map(bm.index_map_jaxpr, len(ids))
+  idx = core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *prefetch)
+  idx = idx[:len(bm.block_shape)]
+  return [jnp.asarray(o, jnp.int32) for o in bm.element_offsets(idx)]

@@ -16,6 +16,9 @@ from jax import tree_util
 
 from dsl.errors import KernelError, api_boundary, kernel_name, user_frame
 from dsl.pallas_call import pallas_call
+from dsl import tpu
+from dsl.blockspec import BlockSpec
+from dsl.tpu_mesh import check_mesh
 
 _UNSET = object()
 
@@ -112,9 +115,6 @@ def _mesh_kernel(fn, *, mesh, out_shape, scratch, input_output_aliases,
                  cost_estimate, where):
   """The mesh form: a `pallas_call` over the mesh's named parallel grid with
   every operand in `ANY` memory."""
-  from dsl import tpu
-  from dsl.blockspec import BlockSpec
-  from dsl.tpu_mesh import check_mesh
   kname = name or kernel_name(fn)
   mesh = check_mesh(kname, mesh, where)
   whole = BlockSpec(memory_space=tpu.ANY)

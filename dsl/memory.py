@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax._src import core
 from jax._src.state import types as state_types
+from dsl.errors import KernelError, user_frame
 
 
 class MemorySpace(enum.Enum):
@@ -44,7 +45,6 @@ class MemoryRef:
 
 def scratch_aval(kernel: str, index: int, shape: Any) -> state_types.AbstractRef:
   """The ref aval of `scratch_shapes[index]`."""
-  from dsl.errors import KernelError, user_frame
   if hasattr(shape, "get_ref_aval"):
     return shape.get_ref_aval()
   if isinstance(shape, state_types.AbstractRef):

@@ -39,6 +39,8 @@ import jax.extend.linear_util as lu
 
 from dsl.errors import KernelError, source_info_frame
 from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
+from dsl.normalize import scan_layout
+from dsl.primitives import run_scoped, run_scoped_p
 
 
 def grid_names(grid) -> tuple | None:
@@ -304,7 +306,6 @@ def _while(ctx, eqn, invals, axes):
 
 
 def _scan(ctx, eqn, invals, axes):
-  from dsl.normalize import scan_layout
   p = eqn.params
   n_consts, n_carry, n_xs, _ = scan_layout(p)
   consts = invals[:n_consts]
@@ -322,7 +323,6 @@ def _scan(ctx, eqn, invals, axes):
 
 
 def _run_scoped(ctx, eqn, invals, axes):
-  from dsl.primitives import run_scoped
   jaxpr = eqn.params["jaxpr"]
   n = eqn.params["num_consts"]
   scoped = [v.aval for v in jaxpr.invars[n:]]
@@ -335,6 +335,5 @@ def _run_scoped(ctx, eqn, invals, axes):
 
 
 def _control_flow() -> dict:
-  from dsl.primitives import run_scoped_p
   return {cf.cond_p: _cond, cf.while_p: _while, cf.scan_p: _scan,
           run_scoped_p: _run_scoped}

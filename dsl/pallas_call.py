@@ -1,23 +1,30 @@
-"""`pallas_call`: the primitive that runs a kernel over a grid."""
+"""`pallas_call`: the primitive that runs a kernel over a grid.
+
+This module defines the primitive (`pallas_call_p`, its KernelSpec, its
+evaluation and abstract evaluation) and the user's entry point
+`pallas_call`, which resolves the specs and traces the kernel once
+(`build_spec`). The primitive's other rules (jvp, vmap, transpose,
+checkify, and its MLIR lowering, which runs the backend the registry
+resolves) are registered by dsl.transforms.
+"""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import tree_util
-from jax._src import core, dispatch, sharding_impls
-from jax._src.interpreters import mlir
+from jax._src import core, dispatch
+from jax._src import mesh as mesh_lib
 from jax.extend.core import Primitive
 
-from dsl import backends, checks, config, host_failures, named_axes
+from dsl import (backends, checks, config, host_failures, named_axes,
+                 sharding)
 from dsl.compiler_params import tuned_params
 from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         function_location, kernel_error_of, kernel_name,
-                        lowering_kernel, user_frame)
+                        user_frame)
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
 from dsl.index_maps import check_block_indices
 from dsl.core.grid_plan import check_semantics
@@ -115,7 +122,6 @@ def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
   # Inside shard_map, outputs vary over the manual axes the inputs vary over.
   outs = spec.grid_mapping.out_avals
   if spec.local:   # one device's part of a partitioned kernel: plain arrays
-    from jax._src import mesh as mesh_lib
     with mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh):
       return [core.ShapedArray(a.shape, a.dtype) for a in outs]
   varying = [a for a in avals if getattr(getattr(a, "mat", None), "varying",
@@ -125,9 +131,8 @@ def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
     if mesh is not None:
       # Under jit over a mesh with Explicit axes: outputs are split as the
       # inputs imply along the grid dims the kernel partitions over
-      # (dsl.partitioning), replicated elsewhere.
-      from dsl import partitioning
-      shardings = partitioning.explicit_out_shardings(spec, avals, mesh)
+      # (dsl.sharding), replicated elsewhere.
+      shardings = sharding.explicit_out_shardings(spec, avals, mesh)
       return [core.ShapedArray(a.shape, a.dtype, sharding=sh)
               for a, sh in zip(outs, shardings)]
     return [core.ShapedArray(a.shape, a.dtype) for a in outs]
@@ -164,42 +169,6 @@ def sharded_like(x, aval):
   if getattr(core.typeof(x), "sharding", None) == aval.sharding:
     return x
   return jax.sharding.reshard(x, aval.sharding)
-
-
-def _lower(ctx, *args, spec: KernelSpec, platform: str):
-  ac = ctx.module_context.axis_context
-  if (not spec.local and isinstance(ac, sharding_impls.ShardingContext)
-      and ac.num_devices > 1):
-    # jit over several devices: the kernel partitions itself. Inside
-    # shard_map (an SPMDAxisContext) it is per device already.
-    from dsl import partitioning
-    return partitioning.lower_partitioned(ctx, *args, spec=spec)
-  name = backends.resolve(spec.backend, platform=platform)
-  rule = backends.lowering_rule(name, spec.name, spec.where)
-  spec = backends.prepare(spec, name)
-  with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
-    if spec.local:
-      from dsl import partitioning
-      return partitioning.lower_local(rule, ctx, *args, spec=spec)
-    return rule(ctx, *args, spec=spec)
-
-
-@contextlib.contextmanager
-def _named(ctx, kernel: str):
-  """Puts the kernel's name on the name stack of everything lowered for it
-  (XLA's op_name metadata, which profiler traces show)."""
-  stack = ctx.name_stack.extend(kernel)
-  loc = mlir.ir.Location.name(str(stack), childLoc=mlir.ir.Location.current)
-  with loc:
-    yield ctx.replace(name_stack=stack)
-
-
-for _platform in ("cpu", "cuda", "rocm", "tpu"):
-  mlir.register_lowering(pallas_call_p,
-                         functools.partial(_lower, platform=_platform),
-                         platform=_platform)
-
-
 
 
 def _leaf_aval(kernel: str, x, what: str, where: str):

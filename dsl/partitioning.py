@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 import threading
 
@@ -36,224 +35,16 @@ import numpy as np
 from jax._src import core, sharding_impls
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
-from jax.experimental.custom_partitioning import (
-    ArrayMapping, CompoundFactor, SdyShardingRule, custom_partitioning)
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dsl import config
-from dsl.blockspec import Element
-from dsl.index_maps import varies_along
-from dsl.jaxpr_walk import sub_jaxprs
-
-logger = logging.getLogger("dsl.partitioning")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-  """Which grid dim each array dim of each operand follows.
-
-  `dims[t][d]`: the partitionable grid dim that array dim `d` of operand `t`
-  follows (operands: scalar prefetch, inputs, then outputs), or None.
-  `why[t][d]`: for a dim that follows none, why it is read whole.
-  """
-  grid: tuple[int, ...]
-  num_operands: int
-  dims: tuple[tuple[int | None, ...], ...]
-  blocks: tuple[tuple[int, ...], ...]
-  why: tuple[tuple[str | None, ...], ...]
-  origins: tuple[str, ...]
-
-  @property
-  def partitionable(self) -> tuple[int, ...]:
-    return tuple(sorted({j for ds in self.dims for j in ds if j is not None}))
-
-
-_COMM_PRIMITIVES = ("axis_index", "dma_start", "semaphore_signal")
-
-
-def _talks_to_devices(jaxpr: core.Jaxpr) -> bool:
-  """Device ids, remote DMAs or remote signals: meant for shard_map."""
-  from dsl.tpu_primitives import unpack
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == "axis_index":
-      return True
-    if name in _COMM_PRIMITIVES and "layout" in eqn.params:
-      if unpack(eqn.invars, eqn.params["layout"]).get("device_id"):
-        return True
-    if any(_talks_to_devices(sub) for sub in sub_jaxprs(eqn.params)):
-      return True
-  return False
-
-
-def _grid_reasons(spec, plan) -> dict[int, str]:
-  """Why each grid dim that cannot be partitioned cannot be."""
-  gm = spec.grid_mapping
-  rank, hidden = len(gm.grid), gm.num_hidden_axes
-  why = {}
-  if _talks_to_devices(spec.jaxpr.jaxpr):
-    return {j: "the kernel talks to other devices (call it inside "
-            "jax.shard_map)" for j in range(rank)}
-  for j in range(rank):
-    if j not in plan.parallel:
-      why[j] = (f"the kernel revisits output blocks along grid dim "
-                f"{j - hidden} (it reduces or accumulates over it, or is told "
-                "it is 'arbitrary')")
-  return why
-
-
-def _follows(bm, idx, j) -> tuple[int | None, bool]:
-  """(the array dim of `bm` whose block index is grid index j, whether the
-  mapping depends on j at all)."""
-  if idx is None:
-    return None, True
-  if not varies_along(idx, j):
-    return None, False
-  coord = np.indices(idx.shape[:-1])[j]
-  hits = [d for d in range(idx.shape[-1])
-          if np.array_equal(idx[..., d], coord)]
-  others = [d for d in range(idx.shape[-1])
-            if d not in hits and varies_along(idx, j, d)]
-  if len(hits) != 1 or others:
-    return None, True
-  d = hits[0]
-  if (isinstance(bm.block_shape[d], Element)
-      or bm.array_aval.shape[d] != idx.shape[j] * bm.block_sizes[d]):
-    return None, True
-  return d, True
-
-
-@functools.lru_cache(maxsize=256)
-def layout_of(spec) -> Layout:
-  gm = spec.grid_mapping
-  grid = tuple(gm.grid)
-  plan = gm.plan(spec.compiler_params, spec.jaxpr)
-  why = _grid_reasons(spec, plan)
-  bms = gm.block_mappings
-  idxs = [gm.block_indices(bm) for bm in bms]
-  follows = [[None] * len(grid) for _ in bms]
-  for j in range(len(grid)):
-    if grid[j] == 1:
-      why.setdefault(j, "the grid has one index along it")
-    for t, (bm, idx) in enumerate(zip(bms, idxs)):
-      d, depends = _follows(bm, idx, j)
-      follows[t][j] = d
-      if d is None and (depends or t >= gm.num_inputs):
-        why.setdefault(j, f"{bm.origin} does not take one whole block per "
-                       f"index of grid dim {j - gm.num_hidden_axes}")
-  for i, o in spec.input_output_aliases:
-    i -= gm.num_scalar_prefetch
-    if 0 <= i < gm.num_inputs:
-      for j in range(len(grid)):
-        if follows[i][j] != follows[gm.num_inputs + o][j]:
-          why.setdefault(j, f"input {i} is aliased to output {o} but they "
-                         "follow the grid differently")
-  dims, blocks, reasons, origins = [], [], [], []
-  for aval in gm.prefetch_avals:
-    rank = len(aval.shape)
-    dims.append((None,) * rank)
-    blocks.append((1,) * rank)
-    reasons.append(("scalar prefetch is read whole",) * rank)
-    origins.append("scalar prefetch")
-  for t, bm in enumerate(bms):
-    per_dim = [None] * len(bm.block_shape)
-    per_why = ["it reads the dim whole"] * len(bm.block_shape)
-    for j, d in enumerate(follows[t]):
-      if d is None:
-        continue
-      if j in why:
-        per_why[d] = why[j]
-      else:
-        per_dim[d], per_why[d] = j, None
-    dims.append(tuple(per_dim))
-    blocks.append(tuple(bm.block_sizes))
-    reasons.append(tuple(per_why))
-    origins.append(bm.origin)
-  return Layout(grid, gm.num_scalar_prefetch + gm.num_inputs, tuple(dims),
-                tuple(blocks), tuple(reasons), tuple(origins))
-
-
-def sharding_rule(layout: Layout) -> SdyShardingRule:
-  """The Shardy rule: grid dim j is factor `g{j}`; an array dim that follows
-  it is `g{j}` or `(g{j} b)` with b its block size; other dims get a factor
-  of their own (they are never partitioned)."""
-  mappings, sizes, whole = [], {}, set()
-  for t, (ds, bs) in enumerate(zip(layout.dims, layout.blocks)):
-    entry = []
-    for d, (j, b) in enumerate(zip(ds, bs)):
-      if j is None:
-        entry.append(f"r{t}_{d}")
-      elif b == 1:
-        entry.append(f"g{j}")
-        whole.add(j)
-      else:
-        entry.append(CompoundFactor(f"g{j}", f"b{t}_{d}"))
-        sizes[f"b{t}_{d}"] = b
-    mappings.append(tuple(entry))
-  for j in layout.partitionable:
-    if j not in whole:
-      sizes[f"g{j}"] = layout.grid[j]
-  n = layout.num_operands
-  return SdyShardingRule(tuple(ArrayMapping(*m) for m in mappings[:n]),
-                         tuple(ArrayMapping(*m) for m in mappings[n:]),
-                         **sizes)
-
-
-def _axes(spec_entry) -> tuple[str, ...]:
-  if spec_entry is None:
-    return ()
-  return tuple(spec_entry) if isinstance(spec_entry, tuple) else (spec_entry,)
-
-
-def _spec_axes(sharding, rank) -> list[tuple[str, ...]]:
-  spec = tuple(getattr(sharding, "spec", ()) or ())
-  return [_axes(spec[d]) if d < len(spec) else () for d in range(rank)]
-
-
-_LOGGED: set = set()
-
-
-def _log_once(kernel: str, message: str) -> None:
-  key = (kernel, message)
-  if key in _LOGGED or not config.verbose_errors():
-    return
-  _LOGGED.add(key)
-  logger.warning("kernel '%s': %s", kernel, message)
-
-
-def choose_axes(name, layout: Layout, shardings, mesh_shape) -> dict:
-  """grid dim -> mesh axes it is split over, read from the operands'
-  `shardings` (one per operand, then per output; the first that names axes
-  for the dim wins). Splits that are not whole blocks are dropped."""
-  chosen, taken = {}, set()
-  for j in layout.partitionable:
-    axes = ()
-    for ds, sh in zip(layout.dims, shardings):
-      got = _spec_axes(sh, len(ds)) if sh is not None else [()] * len(ds)
-      axes = next((got[d] for d, jj in enumerate(ds) if jj == j and got[d]),
-                  ())
-      if axes:
-        break
-    if not axes:
-      continue
-    n = math.prod(mesh_shape[a] for a in axes)
-    if layout.grid[j] % n or set(axes) & taken:
-      _log_once(name, f"grid dim {j} ({layout.grid[j]} blocks) is not split "
-                f"over mesh axes {axes}: it does not divide into {n} whole "
-                "shards of blocks, or the axes split another dim")
-      continue
-    chosen[j] = axes
-    taken |= set(axes)
-  return chosen
-
-
-def _pspec(ds, chosen) -> PartitionSpec:
-  parts = []
-  for j in ds:
-    axes = chosen.get(j, ()) if j is not None else ()
-    parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-  return PartitionSpec(*parts)
-
+from dsl.sharding import (Layout, choose_axes, layout_of, log_once, pspec,
+                          reads_program_ids, sharding_rule, spec_axes)
+from dsl import backends
+from dsl.blockspec import BlockSpec, squeezed
+from dsl.errors import BackendError
+from dsl.pallas_call import build_spec, pallas_call_p
+from dsl.tracing import program_id
 
 @functools.lru_cache(maxsize=256)
 def local_spec(spec, splits: tuple[tuple[int, int], ...]):
@@ -277,22 +68,10 @@ def local_spec(spec, splits: tuple[tuple[int, int], ...]):
   return local
 
 
-def reads_program_ids(spec) -> set[int]:
-  """The grid dims whose program_id the kernel body reads."""
-  jaxpr = spec.jaxpr.jaxpr
-  used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var)}
-  used |= {v for v in jaxpr.outvars if isinstance(v, core.Var)}
-  rank = len(spec.grid_mapping.grid)
-  return {j for j, v in enumerate(jaxpr.invars[:rank]) if v in used}
-
-
 def _with_grid_offsets(local):
   """`local` with one more scalar-prefetch operand first, int32[rank]: the
   offset of this device's grid indices; the body sees global program ids
   (index maps, being per shard, do not)."""
-  from dsl.blockspec import BlockSpec, squeezed
-  from dsl.pallas_call import build_spec
-  from dsl.tracing import program_id
   gm = local.grid_mapping
   n, n_pf = len(gm.grid), gm.num_scalar_prefetch
 
@@ -337,11 +116,11 @@ def _grid_offsets(local_grid, chosen):
 
 def _log_gathered(spec, layout, arg_shapes, chosen):
   for t, (a, ds) in enumerate(zip(arg_shapes, layout.dims)):
-    got = _spec_axes(getattr(a, "sharding", None), len(ds))
+    got = spec_axes(getattr(a, "sharding", None), len(ds))
     for d, axes in enumerate(got):
       if axes and (ds[d] is None or ds[d] not in chosen):
         reason = layout.why[t][d] or "the split is not whole blocks"
-        _log_once(spec.name, f"{layout.origins[t]} is gathered along dim {d} "
+        log_once(spec.name, f"{layout.origins[t]} is gathered along dim {d} "
                   f"(sharded over {axes}): {reason}")
 
 
@@ -362,7 +141,6 @@ def _decoded(shape, mesh):
 
 
 def _partition(spec, mesh, arg_shapes, result_shape):
-  from dsl.pallas_call import pallas_call_p
   layout = layout_of(spec)
   arg_shapes = [_decoded(a, mesh) for a in arg_shapes]
   results = [_decoded(r, mesh) for r in result_shape]
@@ -387,9 +165,9 @@ def _partition(spec, mesh, arg_shapes, result_shape):
       xs = (_grid_offsets(local.grid_mapping.grid, chosen), *xs)
     return pallas_call_p.bind(*xs, spec=local)
 
-  arg_sh = tuple(NamedSharding(mesh, _pspec(ds, chosen))
+  arg_sh = tuple(NamedSharding(mesh, pspec(ds, chosen))
                  for ds in layout.dims[:n])
-  out_sh = [NamedSharding(mesh, _pspec(ds, chosen))
+  out_sh = [NamedSharding(mesh, pspec(ds, chosen))
             for ds in layout.dims[n:]]
   return mesh, lower_fn, out_sh, arg_sh
 
@@ -423,7 +201,6 @@ _PENDING = threading.local()
 
 
 def _partitioned_call(spec, slots):
-  from dsl.pallas_call import pallas_call_p
 
   def run_whole(*xs):   # its types; it is not lowered on several devices
     return pallas_call_p.bind(*xs, spec=spec)
@@ -440,7 +217,6 @@ def _partitioned_call(spec, slots):
 
 def lower_partitioned(ctx, *args, spec):
   """Lowers `spec` under jit over several devices (not inside shard_map)."""
-  from dsl import backends
   # Only the host backends put host callbacks in a kernel's lowering.
   slots = (_CallbackSlots(ctx.module_context)
            if backends.runs_on_host(spec.backend) else None)
@@ -471,7 +247,6 @@ def lower_local(rule, ctx, *args, spec):
   if slots is not None:
     new = callbacks[slots.start:]
     if len(new) > len(slots.targets):
-      from dsl.errors import BackendError
       raise BackendError(spec.name, f"the partitioned kernel needs {len(new)} "
                          f"host callbacks, more than {len(slots.targets)}",
                          spec.where)
@@ -479,18 +254,3 @@ def lower_local(rule, ctx, *args, spec):
   return out
 
 
-def explicit_out_shardings(spec, avals, mesh):
-  """The outputs' shardings under jit over a mesh with Explicit axes: split
-  as the inputs imply along partitionable grid dims, replicated elsewhere."""
-  layout = layout_of(spec)
-  n = layout.num_operands
-  explicit = set(mesh.explicit_axes)
-  shardings = []
-  for a in avals:
-    sh = getattr(a, "sharding", None)
-    axes = _spec_axes(sh, len(a.shape)) if sh is not None else []
-    shardings.append(NamedSharding(mesh, PartitionSpec(*[
-        (ax if set(ax) <= explicit else ()) or None for ax in axes])))
-  sub = Layout(layout.grid, 0, layout.dims[:n], (), (), ())
-  chosen = choose_axes(spec.name, sub, shardings, dict(mesh.shape))
-  return [NamedSharding(mesh, _pspec(ds, chosen)) for ds in layout.dims[n:]]

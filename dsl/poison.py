@@ -28,6 +28,7 @@ the Mosaic interpreter's own poison (a shift or cast out of range) use
 from __future__ import annotations
 
 import numpy as np
+from dsl.semaphores import is_semaphore_aval
 
 
 def poison_value(dtype):
@@ -53,7 +54,6 @@ def fresh_buffer(aval, poison: bool, lead: tuple[int, ...] = ()):
   (jax_pallas_poison_buffers), zeros otherwise; semaphores always start at
   zero."""
   import jax.numpy as jnp
-  from dsl.semaphores import is_semaphore_aval
   inner = getattr(aval, "inner_aval", aval)
   if not hasattr(inner, "shape"):
     raise NotImplementedError(f"cannot allocate a buffer of {aval}")

@@ -17,6 +17,8 @@ from jax._src.state import types as state_types
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, user_frame
+from dsl import config
+from dsl.poison import fresh_buffer
 
 
 def cdiv(a, b):
@@ -157,8 +159,6 @@ def _jaxpr_consts(j):
 
 def _fresh(aval):
   """A run_scoped allocation: zeros, or poison with jax_pallas_poison_buffers."""
-  from dsl import config
-  from dsl.poison import fresh_buffer
   return fresh_buffer(aval, config.poison_buffers())
 
 

@@ -18,6 +18,7 @@ import jax
 from jax import lax
 
 from dsl.errors import KernelError, user_frame
+from dsl.primitives import when
 
 
 class CoreType(enum.Enum):
@@ -87,7 +88,6 @@ def run_on_first_core(core_axis_name: str):
   def wrapped(f):
     if num_cores == 1:
       return f()
-    from dsl.primitives import when
     return when(lax.axis_index(core_axis_name) == 0)(f)
   return wrapped
 

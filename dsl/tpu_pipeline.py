@@ -28,28 +28,12 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
 
-from dsl.backends import traced_backend
-from dsl.blockspec import BlockSpec, Blocked, Element, squeezed
+from dsl.blockspec import BlockSpec
 from dsl.errors import KernelError, user_frame
-from dsl.memory import MemorySpace
-from dsl.refs import ds
-
-def backend_copies_blocks() -> bool:
-  """Whether the kernel being traced must copy HBM blocks into VMEM."""
-  return traced_backend().copies_hbm_blocks
-
-
-def ref_memory_space(ref):
-  """The memory space of a kernel ref or of a view of one (`x.at[...]`)."""
-  base = getattr(ref, "ref", ref)
-  aval = base.aval if hasattr(base, "aval") else core.get_aval(base)
-  return getattr(aval, "memory_space", None)
-
-
-def in_hbm(ref) -> bool:
-  return ref_memory_space(ref) in (MemorySpace.ANY, MemorySpace.HBM)
+from dsl.tpu_pipeline_blocks import (backend_copies_blocks, block_view,
+                                     in_hbm, run_body, unravel)
+from dsl.tpu_pipeline_dma import run_copied
 
 
 def _specs(specs) -> tuple:
@@ -58,71 +42,10 @@ def _specs(specs) -> tuple:
   return tuple(specs)
 
 
-def kernel_name() -> str | None:
-  from dsl.tracing import _GRID_ENV
-  env = _GRID_ENV.get()
-  return env.kernel if env is not None else None
-
-
-def block_indices(spec: BlockSpec, label: str, indices) -> tuple:
-  """What `spec`'s index map returns at grid point `indices`, as a tuple."""
-  block_idx = spec.index_map(*indices) if spec.index_map else (
-      (0,) * len(spec.block_shape))
-  if not isinstance(block_idx, (tuple, list)):
-    block_idx = (block_idx,)
-  if len(block_idx) != len(spec.block_shape):
-    raise KernelError(kernel_name(), f"emit_pipeline: the index map returns "
-                      f"{len(block_idx)} indices for block "
-                      f"{tuple(spec.block_shape)}",
-                      spec.where or user_frame(), operand=label)
-  return tuple(block_idx)
-
-
-def block_window(spec: BlockSpec, block_idx) -> tuple:
-  """The indexer of the block at block indices `block_idx`."""
-  window = []
-  for d, i in zip(spec.block_shape, block_idx):
-    if d is None or d is squeezed:
-      window.append(i)
-    elif isinstance(d, Element):
-      window.append(ds(i, d.block_size))
-    else:
-      size = d.block_size if isinstance(d, Blocked) else d
-      window.append(ds(i * size, size))
-  return tuple(window)
-
-
-def _block_view(ref, spec: BlockSpec | None, label: str, indices):
-  """The window of `ref` that `spec` picks at grid point `indices`."""
-  if spec is None or spec.block_shape is None:
-    return ref
-  return ref.at[block_window(spec, block_indices(spec, label, indices))]
-
-
-def unravel(n, grid):
-  """Grid indices of the row-major step `n`."""
-  out = []
-  for g in reversed(grid):
-    out.append(n % g)
-    n = n // g
-  return tuple(reversed(out))
-
-
-def run_body(body, grid, indices, refs, scratches, prologue=None):
-  """`prologue()` then `body(*refs, *scratches)`, with `pl.program_id`
-  giving `indices`."""
-  from dsl.tracing import grid_axis_names, grid_env
-  # The outer grid's axis names stay bound (lax.axis_index of them).
-  with grid_env(kernel_name() or "kernel", indices, grid, grid_axis_names()):
-    if prologue is not None:
-      prologue()
-    body(*refs, *scratches)
-
-
 def _run_views(body, grid, refs, specs, labels, scratches, prologue):
   def step(n, carry):
     indices = unravel(n, grid)
-    views = [_block_view(r, s, l, indices)
+    views = [block_view(r, s, l, indices)
              for r, s, l in zip(refs, specs, labels)]
     run_body(body, grid, indices, views, scratches, prologue)
     return carry
@@ -163,7 +86,6 @@ def emit_pipeline(body, *, grid, in_specs=(), out_specs=(), tiling=None,
               and s is not None and s.block_shape is not None
               for r, s in zip(refs, specs)]
     if any(copied):
-      from dsl.tpu_pipeline_dma import run_copied
       run_copied(body, grid, refs, specs, labels, copied, len(in_specs),
                  scratches, buffered=not no_pipelining,
                  trace_scopes=trace_scopes, prologue=body_prologue)

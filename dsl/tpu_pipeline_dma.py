@@ -56,8 +56,8 @@ from dsl.poison import poison_full
 from dsl.primitives import run_scoped, when
 from dsl.refs import ds, unchecked_bounds
 from dsl.semaphores import SemaphoreType
-from dsl.tpu_pipeline import (block_indices, block_window, kernel_name,
-                              run_body)
+from dsl.tpu_pipeline_blocks import (block_indices, block_view,
+                                     block_window, kernel_name, run_body)
 from dsl.tpu_primitives import make_async_copy
 
 
@@ -476,7 +476,6 @@ def run_copied(body, grid, refs, specs, labels, copied, n_in, scratches, *,
                prologue=None):
   """Runs the pipeline with the `copied` operands streamed through VMEM
   buffers; the others are passed as views."""
-  from dsl.tpu_pipeline import _block_view
   streams = {}
   for k, (ref, spec, label, c) in enumerate(zip(refs, specs, labels, copied)):
     if c:
@@ -485,7 +484,7 @@ def run_copied(body, grid, refs, specs, labels, copied, n_in, scratches, *,
                            _buffer_count(spec, buffered))
 
   def view(k, indices):
-    return _block_view(refs[k], specs[k], labels[k], indices)
+    return block_view(refs[k], specs[k], labels[k], indices)
 
   body = _Body(body, tuple(grid), len(refs), view, scratches, prologue,
                _scopes(trace_scopes))

@@ -44,47 +44,11 @@ from jax._src.state import types as state_types
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
+from dsl.operand_layout import pack, position, unpack
 from dsl.semaphores import (BarrierSemaphore, DeviceIdType,
                             get_barrier_semaphore, get_barrier_semaphore_p,
                             is_semaphore_aval)
-
-
-# ------------------------------------------------------------ packing args
-
-class Layout(tuple):
-  """(offsets, trees) of packed operands; prints as its part names."""
-
-  def __repr__(self):
-    return "(" + ", ".join(n for n, _, c in self[0] if c) + ")"
-
-
-def _pack(**parts):
-  """Flattens named pytrees; returns (flat, layout) with layout hashable."""
-  flat, offsets = [], []
-  trees = []
-  for name, part in parts.items():
-    leaves, tree = tree_util.tree_flatten(part)
-    offsets.append((name, len(flat), len(leaves)))
-    trees.append(tree)
-    flat += leaves
-  return flat, Layout((tuple(offsets), tuple(trees)))
-
-
-def unpack(flat, layout) -> dict[str, Any]:
-  """Inverse of `_pack`: name -> pytree of the flat values (or avals)."""
-  offsets, trees = layout
-  out = {}
-  for (name, start, n), tree in zip(offsets, trees):
-    out[name] = tree_util.tree_unflatten(tree, list(flat[start:start + n]))
-  return out
-
-
-def position(layout, name) -> int | None:
-  """Flat index of the first leaf of part `name` (None if it is empty)."""
-  for n, start, count in layout[0]:
-    if n == name:
-      return start if count else None
-  return None
+from dsl.tracing import grid_axis_names
 
 
 def _ref_parts(what: str, ref):
@@ -136,7 +100,6 @@ def _sem_kind(ref) -> str:
 
 def _current_mesh_axes() -> tuple[tuple[Any, int], ...]:
   """The named axes (name, size) in scope, in order (shard_map's mesh)."""
-  from dsl.tracing import grid_axis_names
   env, grid = core.get_axis_env(), grid_axis_names()
   return tuple((n, int(s)) for n, s in env.axis_sizes.items()
                if n not in grid)
@@ -486,7 +449,7 @@ class AsyncCopyDescriptor:
   def start(self, priority: int = 0, *, add: bool = False):
     """Starts the copy; with `add=True` the data is added to what `dst`
     holds when it lands (an accumulating DMA)."""
-    flat, layout = _pack(src=self.src, src_t=self.src_t, dst=self.dst,
+    flat, layout = pack(src=self.src, src_t=self.src_t, dst=self.dst,
                          dst_t=self.dst_t, dst_sem=self.dst_sem,
                          dst_sem_t=self.dst_sem_t, src_sem=self.src_sem,
                          src_sem_t=self.src_sem_t, device_id=self.device_id)
@@ -496,7 +459,7 @@ class AsyncCopyDescriptor:
 
   def _wait(self, sem, sem_t, side):
     device_id = self.device_id if side != "local" else ()
-    flat, layout = _pack(sem=sem, sem_t=sem_t, src=self.src, src_t=self.src_t,
+    flat, layout = pack(sem=sem, sem_t=sem_t, src=self.src, src_t=self.src_t,
                          dst=self.dst, dst_t=self.dst_t, device_id=device_id)
     dma_wait_p.bind(*flat, layout=layout, side=side, **self._common())
 
@@ -560,7 +523,7 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
   if isinstance(device_id_type, str):
     device_id_type = DeviceIdType(device_id_type)
   dev, axes = _normalize_device_id(device_id, device_id_type)
-  flat, layout = _pack(sem=ref, sem_t=t, inc=jnp.asarray(inc, jnp.int32),
+  flat, layout = pack(sem=ref, sem_t=t, inc=jnp.asarray(inc, jnp.int32),
                        device_id=dev, barrier=_barrier_handle(sem))
   semaphore_signal_p.bind(*flat, layout=layout, kind=_sem_kind(ref),
                           device_id_type=device_id_type, device_id_axes=axes,
@@ -570,7 +533,7 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
 def semaphore_wait(sem, value=1):
   """Waits until `sem` is at least `value`, then subtracts `value`."""
   ref, t = _sem_parts("semaphore_wait's semaphore", sem)
-  flat, layout = _pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32),
+  flat, layout = pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32),
                        barrier=_barrier_handle(sem))
   semaphore_wait_p.bind(*flat, layout=layout, kind=_sem_kind(ref))
 
@@ -578,7 +541,7 @@ def semaphore_wait(sem, value=1):
 def semaphore_read(sem):
   """The current value of `sem` (an int32 scalar)."""
   ref, t = _sem_parts("semaphore_read's semaphore", sem)
-  flat, layout = _pack(sem=ref, sem_t=t, barrier=_barrier_handle(sem))
+  flat, layout = pack(sem=ref, sem_t=t, barrier=_barrier_handle(sem))
   return semaphore_read_p.bind(*flat, layout=layout, kind=_sem_kind(ref))
 
 

@@ -34,6 +34,7 @@ from jax._src import core, effects
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
+from dsl.tracing import in_kernel_body
 
 
 class PrngEffect(effects.Effect):
@@ -66,7 +67,6 @@ def _prng_random_bits_abstract_eval(*, shape, dtype):
 
 
 def _outside_kernel(name: str):
-  from dsl.tracing import in_kernel_body
   if not in_kernel_body():
     raise KernelError(None, f"{name}: prng_seed and the random draws can "
                       "only be called inside a kernel body", user_frame())

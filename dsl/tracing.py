@@ -24,7 +24,8 @@ from jax._src.interpreters import partial_eval as pe
 from dsl import fixits, refs as refs_mod
 from dsl.blockspec import BlockMapping
 from dsl.errors import (KernelError, KernelTypeError, function_location,
-                        frame_of_traceback, raise_from_user_frames, source_excerpt, user_frame,
+                        frame_of_traceback, raise_from_user_frames,
+                        source_excerpt, tracing_kernel, user_frame,
                         user_traceback)
 from dsl import named_axes
 from dsl.gridspec import GridMapping
@@ -76,9 +77,16 @@ def grid_env(kernel: str, indices, sizes, names=()):
   token = _GRID_ENV.set(_GridEnv(kernel, tuple(indices), tuple(sizes),
                                  frozenset(n for n in names or () if n)))
   try:
-    yield
+    with tracing_kernel(kernel):
+      yield
   finally:
     _GRID_ENV.reset(token)
+
+
+def traced_kernel_name() -> str | None:
+  """The name of the kernel whose body is being traced, or None."""
+  env = _GRID_ENV.get()
+  return env.kernel if env is not None else None
 
 
 def grid_axis_names() -> frozenset:

@@ -20,6 +20,7 @@ from jax._src.state import discharge as state_discharge
 from dsl import config
 from dsl.blockspec import BlockMapping, Element
 from dsl.core.grid_plan import OperandPlan, Plan
+from dsl.index_maps import block_offsets
 from dsl.interpret.prng import with_prng_state
 from dsl.poison import fresh_buffer, poison_value
 
@@ -162,23 +163,6 @@ def write_view_block(view, block, op: OperandPlan, plan: Plan, seq_coords):
     return block
   return lax.dynamic_update_slice(
       view, block, [jnp.asarray(s, jnp.int32) for s in starts])
-
-
-@functools.lru_cache(maxsize=1024)
-def discharged_index_map(jaxpr: core.ClosedJaxpr, grid_rank: int):
-  """The index map as a pure function of grid ids and prefetch values."""
-  n = len(jaxpr.jaxpr.invars)
-  if n == grid_rank:
-    return jaxpr
-  should = [False] * grid_rank + [True] * (n - grid_rank)
-  return state_discharge.discharge_state(jaxpr, should_discharge=should,
-                                         strip_memory_space=True)
-
-
-def block_offsets(bm: BlockMapping, ids, prefetch):
-  dj = discharged_index_map(bm.index_map_jaxpr, len(ids))
-  idx = _eval(dj, *ids, *prefetch)[:len(bm.block_shape)]
-  return [jnp.asarray(o, jnp.int32) for o in bm.element_offsets(idx)]
 
 
 def _window_inside(full, bm: BlockMapping, offsets):

@@ -31,6 +31,9 @@ from jax._src.interpreters import partial_eval as pe
 from dsl.errors import KernelError, source_info_frame
 from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 from dsl.tpu_prng import prng_random_bits_p, prng_seed_p
+from dsl.memory import MemorySpace
+from dsl.normalize import scan_layout
+from dsl.primitives import run_scoped, run_scoped_p
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA
@@ -73,7 +76,6 @@ def draw_words(xp, k0, k1, counter, n: int):
 # ------------------------------------------------------------ interpret
 
 def _state_type():
-  from dsl.memory import MemorySpace
   return MemorySpace.SMEM((3,), jnp.uint32)
 
 
@@ -110,7 +112,6 @@ def _while(state, eqn, invals):
 
 
 def _scan(state, eqn, invals):
-  from dsl.normalize import scan_layout
   p = eqn.params
   nc, ncarry, _, _ = scan_layout(p)
   consts, init, xs = (invals[:nc], invals[nc:nc + ncarry],
@@ -125,7 +126,6 @@ def _scan(state, eqn, invals):
 
 
 def _run_scoped(state, eqn, invals):
-  from dsl.primitives import run_scoped
   jaxpr, n = eqn.params["jaxpr"], eqn.params["num_consts"]
   avals = [v.aval for v in jaxpr.invars[n:]]
   return run_scoped(lambda *refs: _run(jaxpr, (), [*invals, *refs], state),
@@ -141,7 +141,6 @@ def _call(state, eqn, invals):
 def _rules():
   """primitive -> rule(state, eqn, invals), for the equations that seed,
   draw or hold jaxprs that do."""
-  from dsl.primitives import run_scoped_p
   rules = {prng_seed_p: _seed, prng_random_bits_p: _random_bits,
            lax.cond_p: _cond, lax.while_p: _while, lax.scan_p: _scan,
            run_scoped_p: _run_scoped}
@@ -194,7 +193,6 @@ def with_prng_state(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
   (unchanged when it neither seeds nor draws)."""
   if not uses_prng(closed.jaxpr):
     return closed
-  from dsl.primitives import run_scoped
 
   def body(*args):
     return run_scoped(lambda state: _run(closed.jaxpr, closed.consts, args,

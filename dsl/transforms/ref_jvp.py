@@ -28,9 +28,10 @@ from dsl.errors import KernelError, source_info_frame
 from dsl.memory import MemorySpace
 from dsl.primitives import run_scoped, run_scoped_p
 from dsl.semaphores import SemaphoreType
+from dsl.operand_layout import unpack
 from dsl.tpu_primitives import (dma_start_p, dma_wait_p, make_async_copy,
                                 semaphore_read_p, semaphore_signal_p,
-                                semaphore_wait_p, unpack, _view_shape)
+                                semaphore_wait_p, _view_shape)
 
 
 def _is_zero(t) -> bool:

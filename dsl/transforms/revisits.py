@@ -25,8 +25,7 @@ from jax import lax
 from jax._src import core
 
 from dsl.blockspec import BlockSpec
-from dsl.interpret.execute import block_offsets
-from dsl.index_maps import evaluate_index_map
+from dsl.index_maps import block_offsets, evaluate_index_map
 from dsl.revisits import first_revisit
 
 

@@ -38,6 +38,7 @@ from dsl.blockspec import BlockSpec, Element
 from dsl.errors import (KernelCheckError, KernelDeadlockError,
                         KernelRuntimeError, park, traceback_frame)
 from dsl.jaxpr_walk import sub_jaxprs
+from dsl.operand_layout import pack, unpack
 from dsl.pallas_call import KernelSpec
 from dsl.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
@@ -59,7 +60,7 @@ class BlockOutsideArray(jax_checkify.FailedCheckError):
 
 def _waits_on_a_semaphore(eqn) -> bool:
   return (eqn.primitive in _WAIT_NEEDS
-          and tp.unpack(eqn.invars, eqn.params["layout"])["sem"] is not None)
+          and unpack(eqn.invars, eqn.params["layout"])["sem"] is not None)
 
 
 def is_checked(spec: KernelSpec) -> bool:
@@ -139,7 +140,7 @@ def _prepare(jaxpr: core.Jaxpr, names: dict, keep_debug: bool) -> core.Jaxpr:
     params = {k: _prepare_param(eqn, k, v, names, keep_debug)
               for k, v in eqn.params.items()}
     if _waits_on_a_semaphore(eqn):
-      sem = tp.unpack(eqn.invars, eqn.params["layout"])["sem"]
+      sem = unpack(eqn.invars, eqn.params["layout"])["sem"]
       params["origin"] = names.get(sem) if isinstance(sem, core.Var) else None
     eqns.append(eqn.replace(params=params))
   effects = pe.make_jaxpr_effects(jaxpr.constvars, jaxpr.invars,
@@ -190,13 +191,13 @@ def _wait_rule(prim):
   need_of = _WAIT_NEEDS[prim]
 
   def rule(ctx, error, enabled_errors, *flat, origin=None, **params):
-    a = tp.unpack(flat, params["layout"])
+    a = unpack(flat, params["layout"])
     if a["sem"] is not None:
       need, what = need_of(a, params)
       args = []
       sem = f"semaphore {origin or 'of the kernel'}" + _index_text(
           a["sem_t"], args)
-      read_flat, read_layout = tp._pack(sem=a["sem"], sem_t=a["sem_t"])
+      read_flat, read_layout = pack(sem=a["sem"], sem_t=a["sem_t"])
       now = tp.semaphore_read_p.bind(*read_flat, layout=read_layout,
                                      kind=tp._sem_kind(a["sem"]))
       if what is None:

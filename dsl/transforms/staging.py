@@ -14,7 +14,7 @@ from __future__ import annotations
 from dsl.memory import MemorySpace
 from dsl.primitives import run_scoped
 from dsl.semaphores import SemaphoreType, is_semaphore_aval
-from dsl.tpu_pipeline import backend_copies_blocks
+from dsl.tpu_pipeline_blocks import backend_copies_blocks
 from dsl.tpu_primitives import make_async_copy
 
 

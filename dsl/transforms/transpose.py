@@ -35,6 +35,7 @@ from dsl.transforms.revisits import (first_visit, per_point_sds,
                                     per_point_spec, revisits_consecutively,
                                     scatter_contributions)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
+from dsl.blockspec import Element
 
 
 # ----------------------------------------------------------- linearize
@@ -203,7 +204,6 @@ def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
 
 def _overhangs(bm) -> bool:
   """Whether a block of `bm` may lie partly past its array."""
-  from dsl.blockspec import Element
   return not bm.whole_array and any(
       isinstance(d, Element) or (b and n % b)
       for d, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes))
@@ -216,7 +216,6 @@ def _zero_past_array(x, bm, ids, pf_refs):
   that does not exist is 0, and a primal value there is garbage on hardware
   (poison on the CPU) that `0 * garbage` would carry into the cotangents of
   the array."""
-  from dsl.blockspec import Element
   if not _overhangs(bm):
     return x
   dims = list(zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes))

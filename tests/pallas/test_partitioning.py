@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import dsl as pl
 from dsl import tpu as pltpu
-from dsl import config, partitioning
+from dsl import config, sharding
 from tests.pallas.testing import assert_close, matmul_call
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
@@ -26,7 +26,7 @@ def verbose():
   """Gathers are logged with jax_pallas_verbose_errors."""
   old = config.verbose_errors()
   jax.config.update("jax_pallas_verbose_errors", True)
-  partitioning._LOGGED.clear()
+  sharding.forget_logged()
   jax.clear_caches()      # the reason is logged when a kernel is compiled
   yield
   jax.config.update("jax_pallas_verbose_errors", old)
@@ -259,16 +259,16 @@ def test_sharding_rule_names_grid_factors():
   f = _matmul("interpret")
   jaxpr = jax.make_jaxpr(f)(x, y)
   spec = jaxpr.eqns[0].params["spec"]
-  layout = partitioning.layout_of(spec)
+  layout = sharding.layout_of(spec)
   assert layout.partitionable == (0, 1)
   assert layout.dims == ((0, None), (None, 1), (0, 1))
-  rule = str(partitioning.sharding_rule(layout))
+  rule = str(sharding.sharding_rule(layout))
   assert "g0" in rule and "g1" in rule and "g2" not in rule
 
 
 def test_gathers_are_quiet_without_verbose_errors(caplog):
   jax.config.update("jax_pallas_verbose_errors", False)
-  partitioning._LOGGED.clear()
+  sharding.forget_logged()
   jax.clear_caches()
   mesh = _mesh(AxisType.Auto)
   x, y = _mm_operands()

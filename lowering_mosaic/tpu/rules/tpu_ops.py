@@ -40,7 +40,7 @@ from dsl import primitives as dsl_primitives
 from dsl import tpu_primitives as tp
 from dsl import tpu_vector
 from dsl.semaphores import DeviceIdType
-from dsl.tpu_primitives import unpack
+from dsl.operand_layout import unpack
 from lowering_mosaic import dialect
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, i32_const, to_i32
