@@ -114,6 +114,15 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
       # A quarter of the GPU's tiles, so each backward kernel's own shape
       # runs through Triton's interpreter too.
       tq, tk = (t // 4 for t in TRITON_CONFIGS[kernel][:2])
+  elif blocking.is_mosaic_gpu(backend):
+    # 64 query rows per consumer warpgroup (the wgmma layout's rows; row
+    # statistics stay in registers); 128 keys per forward step, 64 in the
+    # backward kernels (whose f32 dK/dV or dQ accumulators share the CTA's
+    # shared memory with the ring).
+    bq = block_q or blocking.gpu_rows(sq, 64)
+    bk = block_k or (min(128, sk) if kernel == "fwd"
+                     else blocking.gpu_rows(sk, 64))
+    return bq, bk
   elif blocking.is_mosaic(backend):
     tq, tk = 512, 512
   else:

@@ -35,7 +35,11 @@ def reference(x, axis=-1):
   return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
 
 
-def _blocks(rows: int, cols: int, backend: str, block_rows, block_cols):
+def _blocks(rows: int, cols: int, backend: str, block_rows, block_cols,
+            itemsize: int = 4):
+  if blocking.is_mosaic_gpu(backend):
+    bc = block_cols or blocking.gpu_cols(cols, itemsize)
+    return block_rows or blocking.gpu_rows(rows), min(bc, cols)
   bc = block_cols or blocking.block_for(cols, backend, interpret=1 << 16,
                                         triton=16384, mosaic=2048,
                                         mosaic_multiple=128)
@@ -133,7 +137,7 @@ def softmax_2d(x, *, backend=None, block_rows=None, block_cols=None):
   """Softmax over the last axis of a 2-D array (the kernels, no autodiff)."""
   rows, cols = x.shape
   be = blocking.resolve_backend(backend)
-  br, bc = _blocks(rows, cols, be, block_rows, block_cols)
+  br, bc = _blocks(rows, cols, be, block_rows, block_cols, x.dtype.itemsize)
   nr, nc = pl.cdiv(rows, br), pl.cdiv(cols, bc)
   out = jax.ShapeDtypeStruct(x.shape, x.dtype)
   if nc == 1:
@@ -157,7 +161,8 @@ def softmax_2d(x, *, backend=None, block_rows=None, block_cols=None):
 def softmax_bwd_2d(y, dy, *, backend=None, block_rows=None, block_cols=None):
   rows, cols = y.shape
   be = blocking.resolve_backend(backend)
-  br, bc = _blocks(rows, cols, be, block_rows, block_cols)
+  br, bc = _blocks(rows, cols, be, block_rows, block_cols,
+                   max(y.dtype.itemsize, dy.dtype.itemsize))
   nr, nc = pl.cdiv(rows, br), pl.cdiv(cols, bc)
   out = jax.ShapeDtypeStruct(y.shape, dy.dtype)
   if nc == 1:

@@ -26,7 +26,9 @@ def _matmul_kernel(x_ref, y_ref, o_ref):
                         preferred_element_type=jnp.float32)
 
 
-def matmul(x, y, bm=128, bn=128, bk=64):
+def matmul(x, y, bm=128, bn=128, bk=64, **schedule):
+  """`schedule`: overrides of the lowering's choice (pipeline_depth,
+  warp_specialize, num_consumers)."""
   m, k = x.shape
   n = y.shape[1]
   return pl.pallas_call(
@@ -35,6 +37,7 @@ def matmul(x, y, bm=128, bn=128, bk=64):
       in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
                 pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
       out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+      compiler_params=pl.mosaic_gpu.CompilerParams(**schedule),
       backend="mosaic_gpu")(x, y)
 
 
@@ -97,7 +100,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
     o_ref[...] = (acc_ref[...] / l_ref[...][:, None]).astype(o_ref.dtype)
 
 
-def flash_attention(q, k, v, bq=64, bk=64):
+def flash_attention(q, k, v, bq=64, bk=64, **schedule):
   n, d = q.shape
   return pl.pallas_call(
       _flash_kernel, jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -109,8 +112,8 @@ def flash_attention(q, k, v, bq=64, bk=64):
       scratch_shapes=[pl.tpu.VMEM((bq,), jnp.float32),
                       pl.tpu.VMEM((bq,), jnp.float32),
                       pl.tpu.VMEM((bq, d), jnp.float32)],
-      compiler_params=pl.tpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary")),
+      compiler_params=pl.mosaic_gpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary"), **schedule),
       backend="mosaic_gpu")(q, k, v)
 
 
