@@ -417,7 +417,7 @@ def choose_schedule(spec, plan: GpuPlan):
     found = _specialized(spec, plan, depth, most, steps, depth is None)
     if found is not None:
       return found
-    if ws:
+    if ws or (depth or 0) > PIPELINE_DEPTH or (consumers or 0) > 1:
       raise _err(spec, f"no warp-specialized schedule of "
                  f"{depth or 'any'} slots and {consumers or 'any'} consumers "
                  f"fits in {SMEM_LIMIT} bytes of shared memory; use smaller "
