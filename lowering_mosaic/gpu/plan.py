@@ -378,12 +378,15 @@ def _fits(plan, blocks, sched) -> bool:
   return smem_total(buffers, sched) <= SMEM_LIMIT
 
 
-def _specialized(spec, plan, depth, consumers, steps, auto_depth):
+def _specialized(spec, plan, depth, consumers, steps, auto_depth,
+                 auto_consumers):
   """The warp-specialized schedule with the most consumers (from
-  `consumers` down) whose ring fits, or None."""
+  `consumers` down, or exactly `consumers` if the params say so) whose
+  ring fits, or None."""
   has_fixed = any(not b.moves and not b.is_output and not b.in_gmem
                   for b in plan.blocks)
-  for c in range(consumers, 0, -1):
+  counts = range(consumers, 0, -1) if auto_consumers else (consumers,)
+  for c in counts:
     splits = _split_dims(plan, plan.blocks, c) if c > 1 else [None]
     for split in splits[:1]:
       for d in ([depth] if depth else range(min(S.MAX_DEPTH, steps), 0, -1)):
@@ -414,14 +417,18 @@ def choose_schedule(spec, plan: GpuPlan):
                "num_consumers must be 1", "compiler_params")
   if moving and ws is not False:
     most = consumers or (1 if plan.reduction_bytes else S.DEFAULT_CONSUMERS)
-    found = _specialized(spec, plan, depth, most, steps, depth is None)
+    found = _specialized(spec, plan, depth, most, steps, depth is None,
+                         consumers is None)
     if found is not None:
       return found
     if ws or (depth or 0) > PIPELINE_DEPTH or (consumers or 0) > 1:
       raise _err(spec, f"no warp-specialized schedule of "
                  f"{depth or 'any'} slots and {consumers or 'any'} consumers "
-                 f"fits in {SMEM_LIMIT} bytes of shared memory; use smaller "
-                 "blocks", "compiler_params")
+                 f"fits in {SMEM_LIMIT} bytes of shared memory (or, for "
+                 "several consumers, has a parallel grid dim that splits "
+                 "evenly among them and that every output block depends "
+                 "on); use smaller blocks or other params",
+                 "compiler_params")
   if consumers and consumers > 1:
     raise _err(spec, "num_consumers applies to warp-specialized kernels; "
                "this one runs on one warpgroup", "compiler_params")

@@ -60,8 +60,10 @@ class _Step:
 
 
 def _inputs(em, which):
+  """The input blocks of the ring (those that move along the sequential
+  dims, however deep the ring) or the fixed ones (loaded once)."""
   ins = [b for b in em.plan.blocks if not b.in_gmem and not b.is_output]
-  return [b for b in ins if (b.slots > 1) == (which == "ring")]
+  return [b for b in ins if b.moves == (which == "ring")]
 
 
 def _copy_items(st: _Step, which: str):

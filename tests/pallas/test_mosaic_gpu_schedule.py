@@ -244,3 +244,16 @@ def test_module_follows_the_schedule_roles():
     for kind, op in emitted.items():
       assert _count(text, op) == sum(o.kind == kind for o in role.ops()), \
           (role.name, kind)
+
+
+def test_a_one_slot_ring_copies_at_every_step():
+  """With pipeline_depth=1 the moving blocks still go through the ring (one
+  slot): copied inside the producer's loop, not once before it (SPIN
+  found this schedule's bug in its model first)."""
+  f, x = _deep(64, 128, 8, pipeline_depth=1)
+  m = _module(f, x)
+  assert m.plan.schedule.depth == 1 and m.plan.schedule.warp_specialized
+  _, producer = _roles(m.dialect_text)
+  loop = _block(producer, producer.index("scf.for"))
+  assert _count(loop, "mosaic_gpu.async_load") == 2      # one per consumer
+  assert _count(producer, "mosaic_gpu.async_load") == 2
