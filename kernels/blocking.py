@@ -46,7 +46,7 @@ def is_mosaic_gpu(backend: str) -> bool:
 
 
 GPU_ROWS = 64                   # rows of a warpgroup's wgmma layout
-GPU_ROW_BLOCK_BYTES = 32 * 1024  # one (rows, cols) block of a row kernel
+GPU_ROW_BLOCK_BYTES = 96 * 1024  # one (rows, cols) block of a row kernel
 
 
 def gpu_rows(n: int, target: int = GPU_ROWS) -> int:

@@ -14,8 +14,11 @@ from typing import Any
 
 import numpy as np
 from jax._src import core
+from jax._src.lib import mosaic_gpu_dialect as mgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl import dtypes
@@ -124,7 +127,6 @@ def reshape(x, in_shape, shape, dtype) -> ir.Value:
 def broadcast_in_dim(x, in_shape, shape, dims, dtype) -> ir.Value:
   """`x` (logical shape `in_shape`) broadcast to `shape`, its dim i
   becoming dim `dims[i]`."""
-  from jax._src.lib import mosaic_gpu_dialect as mgpu
   pin, pout = phys(in_shape), phys(shape)
   if not is_vector(x):
     return broadcast_to(x, pout)
@@ -132,6 +134,11 @@ def broadcast_in_dim(x, in_shape, shape, dims, dtype) -> ir.Value:
     return x
   pos = phys_position(shape)
   pdims = [pos[dims[i]] for i, d in enumerate(in_shape) if int(d) != 1]
+  if len(pout) == 2 and pout[0] % 64 == 0 and len(pdims) == 1:
+    # A row or column vector across a tile: the wgmma layouts, which the
+    # tile's reductions use too (layout inference alone may find none).
+    vec = fa.WGMMA_ROW_LAYOUT if pdims == [0] else fa.WGMMA_COL_LAYOUT
+    x = mgpu.layout_cast(x, layouts.to_layout_attr(vec))
   return mgpu.broadcast_in_dim(typed(shape, dtype), x, pdims)
 
 

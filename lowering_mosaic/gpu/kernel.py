@@ -61,15 +61,15 @@ def _copies(block, buf, offsets):
   copies = block.copies()
   if len(copies) == 1:
     return [(buf, offsets, list(block.slice_lengths))]
-  d = block.first_dim
+  d, bd = block.array_split_dim, block.split_dim
   out = []
   for start, n in copies:
     offs = list(offsets)
     offs[d] = arith.addi(offs[d], i32(start))
     lengths = list(block.slice_lengths)
     lengths[d] = n
-    out.append((mgpu_utils.memref_slice(buf, slice(start, start + n)), offs,
-                lengths))
+    window = (slice(None),) * bd + (slice(start, start + n),)
+    out.append((mgpu_utils.memref_slice(buf, window), offs, lengths))
   return out
 
 

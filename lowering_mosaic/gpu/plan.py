@@ -49,19 +49,28 @@ class Block:
   # tiled and 128-byte swizzled, and one tiled TMA copy moves it.
   tiling: tuple[int, int] | None = None
 
+  @property
+  def split_dim(self) -> int:
+    """The buffer dim a block longer than a TMA box is cut along: its first
+    dim that is not 1 (the runs along it are contiguous in the buffer)."""
+    return next((i for i, n in enumerate(self.kernel_shape) if n != 1), 0)
+
   def copies(self) -> list[tuple[int, int]]:
-    """(start, length) along the buffer's first dim of each TMA copy: a
-    block longer than a TMA box there moves in several copies, each a
-    contiguous run of rows of the buffer."""
-    n = self.kernel_shape[0] if self.kernel_shape else 1
-    if self.tiling or n <= TMA_MAX_BOX or len(self.kernel_shape) < 2:
+    """(start, length) along `split_dim` of each TMA copy: a block longer
+    than a TMA box there moves in several copies, each a contiguous run of
+    the buffer."""
+    if not self.kernel_shape:
+      return [(0, 1)]
+    n = self.kernel_shape[self.split_dim]
+    if self.tiling or n <= TMA_MAX_BOX:
       return [(0, n)]
     return [(a, min(TMA_MAX_BOX, n - a)) for a in range(0, n, TMA_MAX_BOX)]
 
   @property
-  def first_dim(self) -> int:
-    """The array dim of the buffer's first dim."""
-    return next(i for i, n in enumerate(self.slice_lengths) if n != -1)
+  def array_split_dim(self) -> int:
+    """The array dim of `split_dim`."""
+    kept = [i for i, n in enumerate(self.slice_lengths) if n != -1]
+    return kept[self.split_dim]
 
   @property
   def nbytes(self) -> int:
@@ -137,9 +146,10 @@ def _err(spec, message, operand=None):
 
 
 def tiling_of(kernel_shape, dtype) -> tuple[int, int] | None:
-  """The SMEM tiling of a 2-D block wider than a TMA box (None: none
-  needed): (8, one 128-byte swizzle span) tiles."""
-  if len(kernel_shape) != 2 or kernel_shape[-1] <= TMA_MAX_BOX:
+  """The SMEM tiling of a 2-D block (of more than one row) wider than a TMA
+  box (None: none needed): (8, one 128-byte swizzle span) tiles."""
+  if (len(kernel_shape) != 2 or kernel_shape[0] == 1
+      or kernel_shape[-1] <= TMA_MAX_BOX):
     return None
   return (8, SWIZZLE // np.dtype(dtype).itemsize)
 
@@ -168,11 +178,12 @@ def _check_tma(spec, bm: BlockMapping, lengths):
                  f"{tiling} tiles (128-byte swizzle), so its shape "
                  f"{tuple(kept)} must be a multiple of {tiling} with at most "
                  f"{TMA_MAX_BOX * tiling[0]} rows", bm.origin)
-  elif any(n > TMA_MAX_BOX for n in kept[1:]) or (
-      len(kept) == 1 and kept[0] > TMA_MAX_BOX):
+  elif any(n > TMA_MAX_BOX for i, n in enumerate(kept)
+           if i != next((j for j, m in enumerate(kept) if m != 1), 0)):
     raise _err(spec, f"a TMA copy spans at most {TMA_MAX_BOX} elements per "
-               f"dimension; only the first dim of a block is split into "
-               f"several copies and only 2-D blocks are tiled; the block "
+               f"dimension; only the first dim (past unit ones) of a block "
+               f"is split into several copies and only 2-D blocks are "
+               f"tiled; the block "
                f"{tuple(bm.block_sizes)} is too long elsewhere (make that dim "
                f"at most {TMA_MAX_BOX} and cover the rest with the grid)",
                bm.origin)

@@ -1,6 +1,8 @@
 """Sample kernels for backend "mosaic_gpu", with jnp references: the CPU
 tests check how they lower, the GPU tests and scripts/mosaic_gpu_export.py
 check their numerics on a Hopper GPU."""
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -48,6 +50,7 @@ def _softmax_kernel(x_ref, o_ref):
 
 
 def softmax(x):
+  """A (64, C) block per row block: C > 256 moves as one tiled TMA copy."""
   spec = pl.BlockSpec((64, x.shape[1]), lambda i: (i, 0))
   return pl.pallas_call(_softmax_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
                         grid=(x.shape[0] // 64,), in_specs=[spec],
@@ -128,6 +131,33 @@ def _inputs(seed, *shapes_dtypes):
           for k, (s, d) in zip(keys, shapes_dtypes)]
 
 
+def _mm_ref(x, y):
+  return jnp.dot(x, y, preferred_element_type=jnp.float32)
+
+
+def _mm_inputs():
+  return _inputs(1, ((512, 512), jnp.bfloat16), ((512, 512), jnp.bfloat16))
+
+
+def _flash_ref(q, k, v):
+  return _ref_attention(q, k, v, 0.125)
+
+
+def _flash_inputs():
+  return _inputs(4, ((512, 128), jnp.bfloat16), ((1024, 128), jnp.bfloat16),
+                 ((1024, 128), jnp.bfloat16))
+
+
+# The schedules the lowering can emit, on a GPU: name -> overrides
+# (warp-specialized by default: a producer and two consumers; see
+# docs/mosaic-gpu.md).
+SCHEDULES = {
+    "one_warpgroup": dict(warp_specialize=False),
+    "one_slot": dict(pipeline_depth=1),
+    "depth4_one_consumer": dict(pipeline_depth=4, num_consumers=1),
+    "depth2_two_consumers": dict(pipeline_depth=2, num_consumers=2),
+}
+
 # name -> (kernel, jnp reference, inputs, atol)
 CASES = {
     "add_f32": (add, lambda x, y: jnp.exp(x) + 2 * y,
@@ -152,4 +182,15 @@ CASES = {
         lambda: _inputs(4, ((256, 128), jnp.bfloat16),
                         ((512, 128), jnp.bfloat16),
                         ((512, 128), jnp.bfloat16)), 5e-2),
+    "wide_softmax_bf16": (softmax,
+                          lambda x: jax.nn.softmax(x.astype(jnp.float32),
+                                                   axis=-1).astype(x.dtype),
+                          lambda: _inputs(5, ((256, 512), jnp.bfloat16)),
+                          1e-2),
 }
+for _name, _params in SCHEDULES.items():
+  CASES[f"matmul_bf16_{_name}"] = (
+      functools.partial(matmul, **_params), _mm_ref, _mm_inputs, 1e-1)
+  CASES[f"flash_attention_bf16_{_name}"] = (
+      functools.partial(flash_attention, **_params), _flash_ref,
+      _flash_inputs, 5e-2)

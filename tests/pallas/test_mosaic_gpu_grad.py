@@ -151,3 +151,12 @@ def test_library_kernels_and_their_backward_lower(case, mode, tmp_path):
 def test_accumulator_jvp_kernel_lowers(tmp_path):
   f, args = _scratch_accumulator()
   assert any(n.endswith("_jvp") for n in _built(tmp_path, "jvp", f, args))
+
+
+@pytest.mark.parametrize("name", ["softmax", "softmax_two_pass", "layer_norm"])
+def test_the_gpu_checks_library_cases_lower(name, tmp_path):
+  """test_mosaic_gpu_device.py's library cases (wider rows: tiled copies,
+  split vector blocks, the two-pass softmax) build, with their backward."""
+  from tests.pallas.test_mosaic_gpu_device import LIBRARY
+  f, _, args = LIBRARY[name]()
+  _built(tmp_path, "grad", f, args)

@@ -16,7 +16,9 @@ from dsl.errors import BackendError
 from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu import plan as gpu_plan
 from lowering_mosaic.gpu import schedule as S
-from tests.pallas.mosaic_gpu_kernels import add, flash_attention, matmul
+from tests.pallas.mosaic_gpu_kernels import CASES as SAMPLES
+from tests.pallas.mosaic_gpu_kernels import (SCHEDULES, add, flash_attention,
+                                             matmul)
 
 BF = lambda *s: jnp.ones(s, jnp.bfloat16)
 
@@ -257,3 +259,16 @@ def test_a_one_slot_ring_copies_at_every_step():
   loop = _block(producer, producer.index("scf.for"))
   assert _count(loop, "mosaic_gpu.async_load") == 2      # one per consumer
   assert _count(producer, "mosaic_gpu.async_load") == 2
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_every_sample_and_schedule_the_gpu_check_runs_builds(name):
+  """scripts/mosaic_gpu_export.py's cases (the GPU check's): each builds,
+  under the schedule its overrides ask for."""
+  fn, _, make, _ = SAMPLES[name]
+  sched = _module(fn, *make()).plan.schedule
+  for variant, params in SCHEDULES.items():
+    if name.endswith(variant):
+      assert sched.warp_specialized == params.get("warp_specialize", True)
+      assert sched.depth == params.get("pipeline_depth", sched.depth)
+      assert sched.consumers == params.get("num_consumers", sched.consumers)
