@@ -8,7 +8,6 @@ decides how its elements are spread over the 128 threads), or a shared-memory
 from __future__ import annotations
 
 import contextlib
-import math
 import dataclasses
 from typing import Any
 

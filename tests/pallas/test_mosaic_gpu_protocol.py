@@ -5,7 +5,6 @@ and without blocks loaded once), no warpgroup deadlocks, no consumer
 computes on a slot before its copies landed, and no slot is refilled
 before every consumer released it. Bugs seeded into the schedule's roles
 (a missing wait, a missing release) are caught."""
-import jax
 import jax.numpy as jnp
 import pytest
 
