@@ -70,12 +70,14 @@ def block_sizes(m: int, n: int, k: int, backend: str, dtype=jnp.float32):
     return tuple(min(blocking.pow2_floor(max(d, 1)), b)
                  for d, b in zip((m, n, k), t))
   if blocking.is_mosaic_gpu(backend):
-    # wgmma tiles: 64-row multiples; N at most 256; K one 128-byte swizzle
-    # span (f32 operands are tf32); K blocks dividing K (TMA zero-fills
-    # partial M and N blocks, not masked K ones: see _mm_kernel).
+    # 64-row blocks: two consumer warpgroups take a 128-row CTA tile (the
+    # f32 accumulators of both, the outputs and a 4-deep ring fit in shared
+    # memory); N at most 256; K one 128-byte swizzle span; K blocks
+    # dividing K (TMA zero-fills partial M and N blocks, not masked K ones:
+    # see _mm_kernel).
     span = 128 // jnp.dtype(dtype).itemsize
     bk = blocking.divisor_block(k, span, span)
-    return blocking.gpu_rows(m, 128), min(n, 128), bk
+    return blocking.gpu_rows(m, 64), min(n, 128), bk
   if blocking.is_mosaic(backend):
     bm = blocking.block_for(m, backend, interpret=0, triton=0, mosaic=512,
                             mosaic_multiple=8)
