@@ -389,24 +389,26 @@ def _fits(plan, blocks, sched) -> bool:
   return smem_total(buffers, sched) <= SMEM_LIMIT
 
 
-def _specialized(spec, plan, depth, consumers, steps, auto_depth,
-                 auto_consumers):
+def _specialized(plan, depth, consumers, steps, auto_consumers):
   """The warp-specialized schedule with the most consumers (from
   `consumers` down, or exactly `consumers` if the params say so) whose
-  ring fits, or None."""
+  ring fits (the deepest, at most MAX_DEPTH and at least 2, unless `depth`
+  is given), or None."""
   has_fixed = any(not b.moves and not b.is_output and not b.in_gmem
                   for b in plan.blocks)
   counts = range(consumers, 0, -1) if auto_consumers else (consumers,)
   for c in counts:
     splits = _split_dims(plan, plan.blocks, c) if c > 1 else [None]
-    for split in splits[:1]:
-      for d in ([depth] if depth else range(min(S.MAX_DEPTH, steps), 0, -1)):
-        if auto_depth and d < min(2, steps):
-          break
-        sched = S.specialized(d, c, split, steps, has_fixed)
-        blocks = _laid_out(plan.blocks, d, c, split)
-        if _fits(plan, blocks, sched):
-          return sched, blocks
+    if not splits:
+      continue
+    split = splits[0]
+    depths = [depth] if depth else range(min(S.MAX_DEPTH, steps),
+                                         min(2, steps) - 1, -1)
+    for d in depths:
+      sched = S.specialized(d, c, split, steps, has_fixed)
+      blocks = _laid_out(plan.blocks, d, c, split)
+      if _fits(plan, blocks, sched):
+        return sched, blocks
   return None
 
 
@@ -428,8 +430,7 @@ def choose_schedule(spec, plan: GpuPlan):
                "num_consumers must be 1", "compiler_params")
   if moving and ws is not False:
     most = consumers or (1 if plan.reduction_bytes else S.DEFAULT_CONSUMERS)
-    found = _specialized(spec, plan, depth, most, steps, depth is None,
-                         consumers is None)
+    found = _specialized(plan, depth, most, steps, consumers is None)
     if found is not None:
       return found
     if ws or (depth or 0) > PIPELINE_DEPTH or (consumers or 0) > 1:
