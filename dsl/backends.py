@@ -97,6 +97,7 @@ _BUILT_IN = (
             compiler_params="dsl.tpu:CompilerParams"),
     Backend("mosaic_gpu", "lowering_mosaic.gpu", ("cuda",), on_host=False,
             code="mosaic_gpu", values_in_memory=True,
+            compiler_params="dsl.mosaic_gpu:CompilerParams",
             copies_hbm_blocks=False),
 )
 

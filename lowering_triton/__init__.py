@@ -18,7 +18,7 @@ _hide(__file__)   # JAX's traceback filtering leaves our frames out
 from dsl import backends as _backends
 from lowering_triton.kernel import GeneratedKernel, generate
 from lowering_triton.aot import AotKernel, compile_aot, kernel_specs, to_source
-from lowering_triton import interpret_backend as _interpret_backend
+from lowering_triton import interpret_launch as _interpret_backend
 from lowering_triton import launch as _launch
 
 from lowering_triton.rules import TABLE as _TABLE
