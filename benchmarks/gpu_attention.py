@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import peak
-from dsl.timing import time_queued
+from dsl.tools.timing import time_queued
 
 
 def copy_bandwidth(nbytes=peak.GPU_COPY_BYTES):

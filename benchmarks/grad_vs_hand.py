@@ -10,7 +10,7 @@ the hand-written backward kernels) and through its forward kernel alone,
 whose backward pass the DSL derives (linear, transposed and, where needed,
 recording kernels). Both use the same block sizes and the same cotangent;
 the gradients are checked to agree before timing. Samples are taken in
-alternating rounds (`dsl.timing.run_interleaved`, the benchmark timer), so
+alternating rounds (`dsl.tools.timing.run_interleaved`, the benchmark timer), so
 the ratio is fair on a shared machine; `--stat min` is steadier on a loaded one.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsl import timing
+from dsl.tools import timing
 
 _mod = lambda name: importlib.import_module(f"kernels.{name}")
 

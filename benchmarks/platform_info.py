@@ -7,7 +7,7 @@ import os
 
 import jax
 
-from dsl import backends
+from dsl.core import backends
 
 DSL_BACKENDS = backends.BACKENDS
 

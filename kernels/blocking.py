@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import jax
 
-from dsl import backends, config, gpu_defaults
+from dsl.core import backends, config
+from dsl.tools import gpu_defaults
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -28,8 +29,8 @@ def resolve_backend(backend: str | None) -> str:
 def choose_backend(kernel: str, backend: str | None) -> str | None:
   """The backend `kernels.<kernel>` passes to its pallas_calls: `backend`
   when the caller gives one; on a GPU with None, the shipped choice for this
-  kernel and device (`dsl/data/gpu_backends.json`), or `mosaic_gpu` when
-  `jax_pallas_use_mosaic_gpu` asks for it (`dsl.backends.resolve`); None
+  kernel and device (`dsl/tools/data/gpu_backends.json`), or `mosaic_gpu` when
+  `jax_pallas_use_mosaic_gpu` asks for it (`dsl.core.backends.resolve`); None
   elsewhere (pallas_call picks the platform's backend)."""
   if backend is not None or jax.default_backend() != "gpu":
     return backend
@@ -42,7 +43,7 @@ def choose_backend(kernel: str, backend: str | None) -> str | None:
 def gpu_config(kernel: str, dims, dtype, backend: str, *given) -> dict:
   """The shipped default config of `kernels.<kernel>` (or one of its
   kernels, e.g. "flash_attention.dq") at this size on this GPU
-  (`dsl/data/gpu_configs.json`: block sizes, num_warps, num_stages), or {}
+  (`dsl/tools/data/gpu_configs.json`: block sizes, num_warps, num_stages), or {}
   where the kernel's own choice applies: a CPU backend, no GPU, no entry, or
   block sizes the caller gave (`given`, any not None)."""
   if any(g is not None for g in given):
@@ -129,7 +130,7 @@ def block_for(n: int, backend: str, *, interpret: int, triton: int,
 def tuned(kernel: str, dims, dtype, backend: str | None) -> dict:
   """The autotuning cache's winner for `kernels.<kernel>` at this size on this
   device and backend (`python -m benchmarks --autotune` fills it), or {}."""
-  from dsl import autotune_cache
+  from dsl.tools import autotune_cache
   try:
     cfg = autotune_cache.lookup(f"kernels.{kernel}",
                                 autotune_cache.size_key(dims, dtype),

@@ -18,7 +18,7 @@ backend does not load the others. See docs/mosaic.md.
 """
 import importlib
 
-from dsl.errors import hide_package_frames as _hide
+from dsl.core.errors import hide_package_frames as _hide
 
 _hide(__file__)   # JAX's traceback filtering leaves our frames out
 

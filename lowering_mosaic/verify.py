@@ -26,7 +26,7 @@ import sys
 import types
 from typing import Optional
 
-from dsl.targets import load_function
+from dsl.tools.targets import load_function
 from lowering_mosaic.verification.promela import Options, to_promela
 from lowering_mosaic.verification.promela.report import Report, Reports
 from lowering_mosaic.verification.promela.spin import (SpinNotFoundError,

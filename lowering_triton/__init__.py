@@ -12,10 +12,10 @@ Importing this package registers two backends with dsl:
 ``compile_aot(f, *args, target="sm_90")`` compiles them ahead of time for a
 CUDA architecture without a GPU. See docs/triton.md.
 """
-from dsl.errors import hide_package_frames as _hide
+from dsl.core.errors import hide_package_frames as _hide
 
 _hide(__file__)   # JAX's traceback filtering leaves our frames out
-from dsl import backends as _backends
+from dsl.core import backends as _backends
 from lowering_triton.kernel import GeneratedKernel, generate
 from lowering_triton.aot import AotKernel, compile_aot, kernel_specs, to_source
 from lowering_triton import interpret_launch as _interpret_backend

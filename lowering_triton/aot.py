@@ -6,7 +6,7 @@ import dataclasses
 import re
 from typing import Any
 
-from dsl.inspection import as_lowered, traced_kernels
+from dsl.core.inspection import as_lowered, traced_kernels
 from lowering_triton.compile import compile_kernel
 from lowering_triton.kernel import generate
 from lowering_triton.ptx_stats import PtxStats, ptx_stats

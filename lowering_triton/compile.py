@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import threading
 
-from dsl.errors import BackendError
+from dsl.core.errors import BackendError
 from lowering_triton import loader
 
 _CACHE: dict = {}

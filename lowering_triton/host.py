@@ -19,10 +19,10 @@ import jax
 import numpy as np
 from jax._src import core
 
-from dsl import config
-from dsl.errors import BackendError, marked_jaxpr, source_info_frame
-from dsl.jaxpr_walk import LoweringHost, walk_jaxpr
-from dsl.ranges import KernelRanges
+from dsl.core import config
+from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame
+from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
+from dsl.core.ranges import KernelRanges
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren
 from lowering_triton.refs import MemRef, ValueRef, row_major_strides

@@ -23,10 +23,10 @@ import numpy as np
 from jax._src.interpreters import mlir
 
 from jax._src import config as jax_config
-from dsl import checks
-from dsl import host_failures
-from dsl import config
-from dsl.errors import BackendError, KernelCheckError, KernelRuntimeError
+from dsl.core import checks
+from dsl.core import host_failures
+from dsl.core import config
+from dsl.core.errors import BackendError, KernelCheckError, KernelRuntimeError
 from lowering_triton import dtypes, interpret_memory, loader
 from lowering_triton.kernel import GeneratedKernel, generate
 

@@ -1,4 +1,4 @@
-"""From a `dsl.pallas_call.KernelSpec` to the source of one `@triton.jit`
+"""From a `dsl.core.pallas_call.KernelSpec` to the source of one `@triton.jit`
 function (plus its launch metadata): `generate(spec)`.
 
 The generated module reads top to bottom like a hand-written kernel: a
@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from dsl import config
-from dsl.blockspec import Element, squeezed
-from dsl.errors import BackendError
-from dsl.index_maps import reads_prefetch
-from dsl.ranges import analyze_kernel
+from dsl.core import config
+from dsl.core.blockspec import Element, squeezed
+from dsl.core.errors import BackendError
+from dsl.core.index_maps import reads_prefetch
+from dsl.core.ranges import analyze_kernel
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
 from lowering_triton.host import Lowering

@@ -94,7 +94,7 @@ class MemRef:
   # computed at run time on: bounded to the array (masked), and checked
   # with jax_pallas_enable_runtime_assert on, where not proven inside
   proven: tuple[tuple[int, int], ...] = ()  # (array dim, 0: lower / 1:
-  # upper bound) of those that the range analysis (dsl.ranges) proves
+  # upper bound) of those that the range analysis (dsl.core.ranges) proves
 
   def inside_masks(self, dim: int) -> tuple[bool, bool]:
     """(upper, lower): whether a coordinate on array dim `dim` needs a mask

@@ -14,7 +14,7 @@ from jax import tree_util
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 
-from dsl.index_maps import blocks_per_dim
+from dsl.core.index_maps import blocks_per_dim
 
 
 def _full_indexer(eqn) -> bool:

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from benchmarks.suite.base import KernelBench, random_inputs
 from benchmarks.suite.rowwise import LN_EPS
-from dsl import backends, gpu_defaults
+from dsl.core import backends
+from dsl.tools import gpu_defaults
 
 NAMES = ("softmax", "layer_norm", "rms_norm", "matmul", "flash_attention")
 

@@ -17,10 +17,10 @@ import itertools
 import numpy as np
 from jax._src import core
 
-from dsl.blockspec import BlockMapping
-from dsl.errors import KernelError
-from dsl.index_maps import (blocks_per_dim, evaluate_index_map,
-                            varies_along)
+from dsl.core.blockspec import BlockMapping
+from dsl.core.errors import KernelError
+from dsl.core.index_maps import (blocks_per_dim, evaluate_index_map,
+                                 varies_along)
 
 
 @dataclasses.dataclass(frozen=True)

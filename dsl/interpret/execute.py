@@ -17,12 +17,12 @@ from jax import lax
 from jax._src import core
 from jax._src.state import discharge as state_discharge
 
-from dsl import config
-from dsl.blockspec import BlockMapping, Element
+from dsl.core import config
+from dsl.core.blockspec import BlockMapping, Element
 from dsl.core.grid_plan import OperandPlan, Plan
-from dsl.index_maps import block_offsets
-from dsl.interpret.prng import with_prng_state
-from dsl.poison import fresh_buffer, poison_value
+from dsl.core.index_maps import block_offsets
+from dsl.tpu.prng_state import with_prng_state
+from dsl.core.poison import fresh_buffer, poison_value
 
 
 def _consts(j):

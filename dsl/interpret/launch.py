@@ -11,7 +11,8 @@ import numpy as np
 from jax._src import config as jax_config
 from jax._src.interpreters import mlir
 
-from dsl import config, host_failures, profiling
+from dsl.core import config, host_failures
+from dsl.tools import profiling
 from dsl.interpret.execute import run
 from dsl.transforms import runtime_checks
 

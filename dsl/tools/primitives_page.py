@@ -3,8 +3,8 @@
     python -m dsl.tools.primitives_page            # writes the page
     python -m dsl.tools.primitives_page --check    # exit 1 if it is stale
 
-The page is made from the registry (dsl.backends): each backend's rule
-table, the rewrites that dsl.normalize makes before a backend's lowering,
+The page is made from the registry (dsl.core.backends): each backend's rule
+table, the rewrites that dsl.core.normalize makes before a backend's lowering,
 and the call primitives every walker inlines. A test compares it with what
 this module makes now, so a rule added without regenerating the page fails.
 """
@@ -14,9 +14,9 @@ import argparse
 import os
 import sys
 
-from dsl import backends
-from dsl.jaxpr_walk import CALL_PRIMITIVES
-from dsl.normalize import DECOMPOSITIONS, VALUES_IN_MEMORY
+from dsl.core import backends
+from dsl.core.jaxpr_walk import CALL_PRIMITIVES
+from dsl.core.normalize import DECOMPOSITIONS, VALUES_IN_MEMORY
 
 PAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "docs", "primitives.md")
@@ -36,7 +36,7 @@ Every other backend lowers a kernel through its rule table
 `BackendError` naming the primitive, the kernel and the line. Below, a
 backend lowers a primitive when its table has a rule for it (`rule`), or
 when dsl rewrites the primitive into others before that backend's lowering
-(`rewritten`: `dsl.normalize` decomposes it, or inlines a call). Backends
+(`rewritten`: `dsl.core.normalize` decomposes it, or inlines a call). Backends
 that share a table share a column.
 """
 

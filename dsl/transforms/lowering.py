@@ -1,8 +1,8 @@
 """pallas_call's MLIR lowering rule.
 
 Under `jax.jit` over several devices (not inside `shard_map`) the kernel
-partitions itself (dsl/partitioning.py); otherwise the backend the registry
-resolves (`dsl.backends.resolve`: `backend=`, `interpret=`,
+partitions itself (dsl/transforms/partitioning.py); otherwise the backend the registry
+resolves (`dsl.core.backends.resolve`: `backend=`, `interpret=`,
 `jax_pallas_use_mosaic_gpu` and the platform being lowered for) gets the
 kernel as it expects it (`Backend.prepare`), under the kernel's name.
 """
@@ -14,9 +14,10 @@ import functools
 from jax._src import sharding_impls
 from jax._src.interpreters import mlir
 
-from dsl import backends, partitioning
-from dsl.errors import lowering_kernel
-from dsl.pallas_call import KernelSpec, pallas_call_p
+from dsl.core import backends
+from dsl.transforms import partitioning
+from dsl.core.errors import lowering_kernel
+from dsl.core.pallas_call import KernelSpec, pallas_call_p
 
 
 def _lower(ctx, *args, spec: KernelSpec, platform: str):

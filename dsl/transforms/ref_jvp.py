@@ -23,13 +23,13 @@ from jax._src import core
 from jax._src.interpreters import ad
 from jax._src.state import types as state_types
 
-from dsl.dtypes import has_tangent
-from dsl.errors import KernelError, source_info_frame
-from dsl.memory import MemorySpace
-from dsl.primitives import run_scoped, run_scoped_p
-from dsl.semaphores import SemaphoreType
-from dsl.operand_layout import unpack
-from dsl.tpu_primitives import (dma_start_p, dma_wait_p, make_async_copy,
+from dsl.core.dtypes import has_tangent
+from dsl.core.errors import KernelError, source_info_frame
+from dsl.core.memory import MemorySpace
+from dsl.core.primitives import run_scoped, run_scoped_p
+from dsl.core.semaphores import SemaphoreType
+from dsl.core.operand_layout import unpack
+from dsl.tpu.primitives import (dma_start_p, dma_wait_p, make_async_copy,
                                 semaphore_read_p, semaphore_signal_p,
                                 semaphore_wait_p, _view_shape)
 

@@ -8,7 +8,7 @@ that never reach it. So checks are functionalized: `checked_spec` derives a
 kernel that also writes, for each grid point, the error state of its checks
 (JAX's checkify threads it through conds and loops), and once the grid has
 run one host callback raises the first failure, in grid order, as a
-KernelError (dsl/errors.py says how it reaches the caller).
+KernelError (dsl/core/errors.py says how it reaches the caller).
 
 Checked are the run-time checks (`pl.debug_check` and `checkify.check` with
 jax_pallas_enable_runtime_assert on) and every DMA or semaphore wait: the
@@ -32,15 +32,15 @@ from jax._src import linear_util as lu
 from jax._src import api_util
 from jax._src.interpreters import partial_eval as pe
 
-from dsl import checks, host_failures, primitives
-from dsl import tpu_primitives as tp
-from dsl.blockspec import BlockSpec, Element
-from dsl.errors import (KernelCheckError, KernelDeadlockError,
-                        KernelRuntimeError, park, traceback_frame)
-from dsl.jaxpr_walk import sub_jaxprs
-from dsl.operand_layout import pack, unpack
-from dsl.pallas_call import KernelSpec
-from dsl.tracing import program_id
+from dsl.core import checks, host_failures, primitives
+from dsl.tpu import primitives as tp
+from dsl.core.blockspec import BlockSpec, Element
+from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
+                             KernelRuntimeError, park, traceback_frame)
+from dsl.core.jaxpr_walk import sub_jaxprs
+from dsl.core.operand_layout import pack, unpack
+from dsl.core.pallas_call import KernelSpec
+from dsl.core.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
 
 _USER_CHECKS = frozenset({jax_checkify.FailedCheckError})
@@ -464,7 +464,7 @@ def run_checked(spec: KernelSpec, run, args, axis_context,
                 check_blocks: bool = False):
   """Runs `spec` through `run(*args, spec=...)` with its checks (and, with
   `check_blocks`, its block indices read from data), and raises the first
-  failure (dsl/host_failures.py)."""
+  failure (dsl/core/host_failures.py)."""
   new, err_tree = checked_spec(spec, check_blocks=check_blocks)
   outs = run(*args, spec=new)
   n_out = spec.grid_mapping.num_outputs

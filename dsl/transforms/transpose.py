@@ -22,11 +22,11 @@ from jax._src import core
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 
-from dsl.errors import KernelError, source_info_frame
-from dsl.pallas_call import KernelSpec, pallas_call_p, sharded_like
-from dsl.primitives import run_scoped, when
-from dsl.tracing import program_id
-from dsl.dtypes import has_tangent
+from dsl.core.errors import KernelError, source_info_frame
+from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
+from dsl.core.primitives import run_scoped, when
+from dsl.core.tracing import program_id
+from dsl.core.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    point_function, sds, split)
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
@@ -35,7 +35,7 @@ from dsl.transforms.revisits import (first_visit, per_point_sds,
                                     per_point_spec, revisits_consecutively,
                                     scatter_contributions)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
-from dsl.blockspec import Element
+from dsl.core.blockspec import Element
 
 
 # ----------------------------------------------------------- linearize

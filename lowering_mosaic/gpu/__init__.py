@@ -14,8 +14,8 @@ See docs/mosaic-gpu.md.
 from jax._src.lib.mlir import ir
 from jax.interpreters import mlir
 
-from dsl import backends as _backends
-from dsl.inspection import as_lowered, traced_kernels
+from dsl.core import backends as _backends
+from dsl.core.inspection import as_lowered, traced_kernels
 from lowering_mosaic.gpu import rules as _rules  # noqa: F401 (fills TABLE)
 from lowering_mosaic.gpu.host import TABLE
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module

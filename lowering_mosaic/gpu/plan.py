@@ -14,11 +14,11 @@ from jax import lax
 from jax._src import core
 from jax._src.state import primitives as state_primitives
 
-from dsl.blockspec import BlockMapping, Element, squeezed
-from dsl.errors import BackendError
-from dsl.index_maps import varies_along
-from dsl.jaxpr_walk import sub_jaxprs
-from dsl.primitives import run_scoped_p
+from dsl.core.blockspec import BlockMapping, Element, squeezed
+from dsl.core.errors import BackendError
+from dsl.core.index_maps import varies_along
+from dsl.core.jaxpr_walk import sub_jaxprs
+from dsl.core.primitives import run_scoped_p
 from lowering_mosaic.gpu import schedule as S
 from lowering_mosaic.gpu.host import TRITON_HINT
 from lowering_mosaic.gpu.rules import shapes as shape_rules

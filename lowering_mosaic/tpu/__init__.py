@@ -11,7 +11,7 @@ the module in a `tpu_custom_call`, what a TPU runs) and "mosaic_interpret"
 (interpret_launch.py: the module run on the host by
 lowering_mosaic.verification.interpreter).
 """
-from dsl import backends as _backends
+from dsl.core import backends as _backends
 from lowering_mosaic.tpu.constraints import check_tpu_rules
 from lowering_mosaic.tpu.inspection import dump_module, to_mlir, to_modules
 from lowering_mosaic.tpu.interpret_launch import interpret_lowering

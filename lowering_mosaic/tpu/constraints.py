@@ -9,7 +9,7 @@
    to whole tiles) fit in `vmem_limit_bytes` (default 16 MiB).
 3. Scalars in SMEM: a 0-d operand or scratch cannot live in VMEM.
 4. Output blocks: a block already written back is never visited again (the
-   pipeline does not read output blocks from HBM; dsl/revisits.py), where
+   pipeline does not read output blocks from HBM; dsl/core/revisits.py), where
    the index maps can be evaluated at trace time.
 
 A violation raises `KernelError` naming the operand, the rule, the numbers
@@ -22,10 +22,10 @@ import math
 import jax.numpy as jnp
 from jax._src import core
 
-from dsl.blockspec import squeezed
-from dsl.errors import KernelError
-from dsl.revisits import check_output_revisits
-from dsl.semaphores import SemaphoreSpace
+from dsl.core.blockspec import squeezed
+from dsl.core.errors import KernelError
+from dsl.core.revisits import check_output_revisits
+from dsl.core.semaphores import SemaphoreSpace
 from lowering_mosaic import dialect
 
 DEFAULT_VMEM_LIMIT_BYTES = 16 * 1024 * 1024

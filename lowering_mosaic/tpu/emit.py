@@ -9,7 +9,7 @@ import numpy as np
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
 
-from dsl.dtypes import bits, is_bool, is_float, is_unsigned  # noqa: F401
+from dsl.core.dtypes import bits, is_bool, is_float, is_unsigned  # noqa: F401
 from lowering_mosaic import dialect
 from lowering_mosaic.tpu.host import constant
 

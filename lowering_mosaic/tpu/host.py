@@ -2,7 +2,7 @@
 emits MLIR.
 
 `lower_jaxpr(lctx, jaxpr, consts, args)` lowers a jaxpr at the current
-insertion point with `dsl.jaxpr_walk.walk_jaxpr` through the rule table of
+insertion point with `dsl.core.jaxpr_walk.walk_jaxpr` through the rule table of
 `lctx` (`lowering_mosaic.tpu.rules.TABLE`): `_Walk` is the walker's host (MLIR
 constants, source-line locations, named scopes as trace marks), a rule gets
 a `RuleContext` and MLIR values or `RefVal`s for refs.
@@ -21,8 +21,8 @@ from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith
 
-from dsl.errors import BackendError, source_info_frame
-from dsl.jaxpr_walk import LoweringHost, walk_jaxpr
+from dsl.core.errors import BackendError, source_info_frame
+from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
 from lowering_mosaic import dialect
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import hashlib
 import os
 
-from dsl import config
-from dsl.inspection import as_lowered, traced_kernels
+from dsl.core import config
+from dsl.core.inspection import as_lowered, traced_kernels
 from lowering_mosaic.tpu.lowering import build_module, module_text
 
 

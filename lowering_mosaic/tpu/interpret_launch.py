@@ -19,9 +19,10 @@ from jax import lax
 from jax._src import core
 from jax._src.interpreters import mlir
 
-from dsl import checks, host_failures
-from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
-                        KernelError, KernelRaceError, KernelRuntimeError)
+from dsl.core import checks, host_failures
+from dsl.core.errors import (BackendError, KernelCheckError,
+                             KernelDeadlockError, KernelError, KernelRaceError,
+                             KernelRuntimeError)
 from lowering_mosaic.tpu.inspection import dump_module
 from lowering_mosaic.tpu.launch import mesh_axes_from_context, num_devices
 from lowering_mosaic.tpu.lowering import build_module_and_context, module_text

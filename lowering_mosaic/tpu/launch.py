@@ -13,9 +13,9 @@ from jax._src import core, sharding_impls, tpu_custom_call
 from jax._src.interpreters import mlir
 
 from dsl import tpu
-from dsl.errors import BackendError, KernelError
-from dsl.inspection import mesh_axes_of
-from dsl.semaphores import barrier_tag
+from dsl.core.errors import BackendError, KernelError
+from dsl.core.inspection import mesh_axes_of
+from dsl.core.semaphores import barrier_tag
 from lowering_mosaic.tpu.inspection import dump_module
 from lowering_mosaic.tpu.lowering import (build_module_and_context, entry_name,
                                           strip_annotations)
@@ -30,7 +30,7 @@ def mesh_axes_from_context(ctx, spec, on_host: bool = False) -> tuple:
   """((axis, size), ...) of the shard_map mesh the kernel runs in, or ().
 
   Under a sharded `jax.jit` (no shard_map) a kernel partitions itself
-  (dsl/partitioning.py) and each device runs its part alone (`spec.local`).
+  (dsl/transforms/partitioning.py) and each device runs its part alone (`spec.local`).
   """
   ac = ctx.module_context.axis_context
   if spec.local:     # partitioned under a sharded jit: one device, its shards

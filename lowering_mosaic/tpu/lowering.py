@@ -22,7 +22,7 @@ attributes Mosaic reads:
     #tpu.element_window<...>`, dims listed in `dsl.element_dims`).
 
 The kernel jaxpr is lowered equation by equation by the shared
-`dsl.jaxpr_walk.walk_jaxpr` (host.py) through `lowering_mosaic.tpu.rules.TABLE`,
+`dsl.core.jaxpr_walk.walk_jaxpr` (host.py) through `lowering_mosaic.tpu.rules.TABLE`,
 a table keyed by primitive that the modules of rules/ fill. Every operation carries the user's source line as
 its MLIR location, which the interpreter and the race checker report.
 """
@@ -33,9 +33,9 @@ import re
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, func
 
-from dsl.blockspec import Buffered, Element, RevisitMode, squeezed
+from dsl.core.blockspec import Buffered, Element, RevisitMode, squeezed
 from dsl.core.grid_plan import declared_semantics
-from dsl.errors import BackendError
+from dsl.core.errors import BackendError
 from lowering_mosaic import dialect
 from lowering_mosaic.tpu.host import (LoweringContext, RefVal, i32_const,
                                       lower_jaxpr, to_i32)

@@ -13,7 +13,7 @@ from jax import lax
 from jax._src import ad_util, custom_derivatives
 from jax._src.lax import special as lax_special
 
-from dsl.rule_helpers import power_by_squaring
+from dsl.core.rule_helpers import power_by_squaring
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.rules import register

@@ -15,11 +15,11 @@ from jax import tree_util
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 
-from dsl import checks, config
-from dsl import primitives as dsl_primitives
-from dsl import ref_ops
-from dsl.poison import poison_value
-from dsl.errors import source_info_frame
+from dsl.core import checks, config
+from dsl.core import primitives as dsl_primitives
+from dsl.core import ref_ops
+from dsl.core.poison import poison_value
+from dsl.core.errors import source_info_frame
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,

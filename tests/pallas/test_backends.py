@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import dsl as pl
-from dsl import backends, config
+from dsl.core import backends, config
 from tests.pallas.testing import CPU_BACKENDS
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(

@@ -113,7 +113,7 @@ def test_interpret_goal_rows_and_skip_slow_peers(capsys, tmp_path):
 
 
 def test_slow_peer_runs_once():
-  from dsl.timing import measure
+  from dsl.tools.timing import measure
   calls = []
 
   def slow(x):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import dsl as pl
-from dsl import config
+from dsl.core import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -105,7 +105,7 @@ def test_terse_errors_are_one_line():
 
 
 def test_verbose_lowering_error_marks_failing_equation():
-  from dsl.errors import BackendError, eqn_error
+  from dsl.core.errors import BackendError, eqn_error
   def kernel(x_ref, o_ref):
     y = jnp.cumsum(x_ref[...])
     o_ref[...] = y

@@ -1,4 +1,4 @@
-"""Shipped GPU defaults (dsl.gpu_defaults): the lookup over fabricated
+"""Shipped GPU defaults (dsl.tools.gpu_defaults): the lookup over fabricated
 tables, the shipped tables themselves, and kernels/ reading them (configs
 and the backend choice) where a GPU is present or named."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 import kernels
 from benchmarks.suite import SUITE
-from dsl import gpu_defaults
+from dsl.tools import gpu_defaults
 from lowering_triton.aot import kernel_specs
 
 H200 = gpu_defaults.Device("NVIDIA H200", "9.0")

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import dsl as pl
 from dsl import tpu as pltpu
-from dsl.errors import KernelError
+from dsl.core.errors import KernelError
 from lowering_mosaic.verification import promela
 from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden

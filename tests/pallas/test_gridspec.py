@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import pytest
 
 import dsl as pl
-from dsl.gridspec import KernelArgs
+from dsl.core.gridspec import KernelArgs
 from tests.pallas.testing import CPU_BACKENDS
 
 
 def _grid_mapping(n_pf=1, n_scratch=2, grid=(2, 3)):
-  from dsl.pallas_call import build_spec
+  from dsl.core.pallas_call import build_spec
   blk = pl.BlockSpec((8, 128), lambda *a: (0, 0))
 
   def kernel(*refs):
@@ -72,7 +72,7 @@ def test_grid_model_answers_per_operand():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...]
   x = jnp.ones((16, 256))
-  from dsl.pallas_call import build_spec
+  from dsl.core.pallas_call import build_spec
   spec, _ = build_spec(
       kernel, (x,), jax.ShapeDtypeStruct((16, 128), x.dtype), name="k",
       grid=(2, 2), in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
@@ -95,7 +95,7 @@ def test_grid_model_prefetch_maps_have_no_static_answer():
   gm = spec.grid_mapping
   assert gm.ref_origins[0] == "scalar prefetch 0"
   assert gm.ref_origins[-1] == "scratch_shapes[0]"
-  from dsl.pallas_call import build_spec
+  from dsl.core.pallas_call import build_spec
   x = jnp.ones((16, 128))
 
   def kernel(idx_ref, x_ref, o_ref):

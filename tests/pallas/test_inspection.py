@@ -1,4 +1,4 @@
-"""dsl.inspection: the kernels a function makes (inside control flow and
+"""dsl.core.inspection: the kernels a function makes (inside control flow and
 shard_map too), and each as a backend's lowering receives it; the tools
 that show generated code (`to_source`, `to_modules`, `to_gpu_modules`)
 show what the lowering builds."""
@@ -12,8 +12,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import dsl as pl
-from dsl.inspection import as_lowered, kernel_specs, traced_kernels
-from dsl.normalize import needs_normalizing
+from dsl.core.inspection import as_lowered, kernel_specs, traced_kernels
+from dsl.core.normalize import needs_normalizing
 
 
 def _kernel(x_ref, o_ref):

@@ -13,7 +13,7 @@ import lowering_mosaic
 from lowering_mosaic import (KernelDeadlockError, KernelRaceError,
                              KernelSimulationError, interpreter_options)
 from lowering_mosaic.verification import interpreter
-from dsl.errors import KernelRuntimeError, kernel_error_of
+from dsl.core.errors import KernelRuntimeError, kernel_error_of
 
 BACKENDS = ["mosaic_interpret", "interpret"]
 ANY = pl.BlockSpec(memory_space=pl.ANY)

@@ -11,7 +11,7 @@ import dsl as pl
 import lowering_triton
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
-from dsl.errors import KernelError
+from dsl.core.errors import KernelError
 from tests.pallas.testing import array
 
 BACKENDS = ["interpret", "triton_interpret", "mosaic_interpret"]

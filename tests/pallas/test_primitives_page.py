@@ -2,7 +2,7 @@
 (`python -m dsl.tools.primitives_page`) and must match them."""
 from jax import lax
 
-from dsl import backends
+from dsl.core import backends
 from dsl.tools import primitives_page
 
 

@@ -14,8 +14,8 @@ from jax.experimental import pallas as jpl
 import dsl as pl
 import lowering_mosaic
 from dsl import tpu as pltpu
-from dsl.errors import BackendError, KernelError
-from dsl.poison import poison_value
+from dsl.core.errors import BackendError, KernelError
+from dsl.core.poison import poison_value
 
 MI = "mosaic_interpret"
 

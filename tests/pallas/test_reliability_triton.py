@@ -14,7 +14,7 @@ from jax.experimental import pallas as jpl
 
 import dsl as pl
 import lowering_triton
-from dsl.poison import poison_value
+from dsl.core.poison import poison_value
 from lowering_triton.compile import compile_kernel
 BACKEND = "triton_interpret"  # the Triton backend these tests run on the CPU
 

@@ -40,7 +40,7 @@ def blocked_add(x, y, block=128, **kw):
 
 @pytest.fixture
 def verbose_errors():
-  from dsl import config
+  from dsl.core import config
   old = config.verbose_errors()
   jax.config.update("jax_pallas_verbose_errors", True)
   yield
@@ -521,7 +521,7 @@ def test_unsupported_constructs_raise_clear_errors(case):
 
 def test_scan_over_arrays_lowers_as_the_lowering_normalizes_it():
   """`to_source` shows what the lowering builds: a scan over arrays becomes
-  a loop over a scoped buffer there (dsl.normalize), so it lowers."""
+  a loop over a scoped buffer there (dsl.core.normalize), so it lowers."""
   def kernel(x_ref, o_ref):
     o_ref[...] = lax.scan(lambda c, v: (c + v, c), 0, x_ref[...])[1]
   x = jnp.arange(10, dtype=jnp.int32)

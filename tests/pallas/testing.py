@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 
 import dsl as pl
-from dsl import backends
+from dsl.core import backends
 
 # ------------------------------------------------------------------ backends
 

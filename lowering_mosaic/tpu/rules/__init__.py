@@ -11,7 +11,7 @@ the kernel and the user's source line.
 """
 from __future__ import annotations
 
-from dsl.jaxpr_walk import RuleTable
+from dsl.core.jaxpr_walk import RuleTable
 
 # The rule table, keyed by primitive; the modules below fill it.
 TABLE = RuleTable("the Mosaic (TPU) lowering")

@@ -17,9 +17,9 @@ from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, memref, scf
 
-from dsl import primitives as dsl_primitives
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
-from dsl.semaphores import SemaphoreSpace
+from dsl.core import primitives as dsl_primitives
+from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
+from dsl.core.semaphores import SemaphoreSpace
 from lowering_mosaic import dialect
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, constant, i32_const

@@ -10,7 +10,7 @@ from jax._src.lax import lax as lax_internal
 from jax._src.lib import tpu
 from jax._src.lib.mlir.dialects import arith, math
 
-from dsl.rule_helpers import power_by_squaring
+from dsl.core.rule_helpers import power_by_squaring
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import constant
 from lowering_mosaic.tpu.rules import register

@@ -19,7 +19,7 @@ from jax._src.lib.mlir.dialects import arith, memref, vector
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 
-from dsl import ref_ops
+from dsl.core import ref_ops
 from lowering_mosaic import dialect
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, to_i32, to_index

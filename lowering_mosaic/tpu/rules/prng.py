@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 
-from dsl.tpu_prng import prng_random_bits_p, prng_seed_p
+from dsl.tpu.prng import prng_random_bits_p, prng_seed_p
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.rules import register
 

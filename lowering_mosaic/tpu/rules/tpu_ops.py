@@ -36,11 +36,11 @@ from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith
 
-from dsl import primitives as dsl_primitives
-from dsl import tpu_primitives as tp
-from dsl import tpu_vector
-from dsl.semaphores import DeviceIdType
-from dsl.operand_layout import unpack
+from dsl.core import primitives as dsl_primitives
+from dsl.tpu import primitives as tp
+from dsl.tpu import vector as tpu_vector
+from dsl.core.semaphores import DeviceIdType
+from dsl.core.operand_layout import unpack
 from lowering_mosaic import dialect
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, i32_const, to_i32
@@ -320,7 +320,7 @@ def _debug_print(ctx, *args, fmt):
 
 @register(checkify.check_p)
 def _check(ctx, *args, err_tree, debug, **params):
-  """A run-time check (dsl/checks.py says which are) becomes `cf.assert`
+  """A run-time check (dsl/core/checks.py says which are) becomes `cf.assert`
   on the negated error flag, with the check's message."""
   if debug:
     return []       # debug-only checks are dropped, as without checkify

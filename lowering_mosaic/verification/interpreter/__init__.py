@@ -45,7 +45,7 @@ def current_options() -> InterpreterOptions:
   `runtime_checks` from JAX's jax_pallas_poison_buffers and
   jax_pallas_enable_runtime_assert as they are now (a kernel reads them
   when it is lowered, as Pallas does)."""
-  from dsl import config
+  from dsl.core import config
   return dataclasses.replace(
       _set_options(),
       poison_buffers=config.poison_buffers(),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 from jax._src.lib.mlir import ir
 
-from dsl.poison import poison_value
+from dsl.core.poison import poison_value
 from lowering_mosaic import dialect
 
 

@@ -4,7 +4,7 @@ Each simulated device has its own random state, as each TPU core has, kept
 across grid steps: a key and a draw counter (`Device.prng`).
 `tpu.prng_set_seed_32` makes the key from its seeds and `tpu.prng_random_bits`
 draws a vector of words and advances the counter, with the host backends'
-generator (dsl/interpret/prng.py), so a kernel draws here the bits the
+generator (dsl/tpu/prng_state.py), so a kernel draws here the bits the
 interpret backend draws. A draw before any seed is an error: a TPU's state
 is undefined until the kernel seeds it.
 """
@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from dsl.interpret.prng import draw_words, seed_key
+from dsl.tpu.prng_state import draw_words, seed_key
 from lowering_mosaic.verification.interpreter.program import _fail, stateful
 from lowering_mosaic.verification.interpreter.value_ops import (result_dtype,
                                                                 result_shape)

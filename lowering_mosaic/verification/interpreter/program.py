@@ -13,8 +13,8 @@ import dataclasses
 import numpy as np
 from jax._src.lib.mlir import ir
 
-from dsl.jaxpr_walk import RuleTable
-from dsl.poison import poison_value
+from dsl.core.jaxpr_walk import RuleTable
+from dsl.core.poison import poison_value
 from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
                                                              fresh_array)

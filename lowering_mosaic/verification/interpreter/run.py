@@ -13,7 +13,7 @@ an aliased output's old values are read through the aliased input. A return
 to an output block already written back would lose the earlier writes on a
 TPU: it is an error naming the operand, the block and the grid points. The
 part of a block past its array (partial edge blocks, `Element` padding, a block index
-read from data that leaves the array) reads poison on the way in (dsl/poison.py:
+read from data that leaves the array) reads poison on the way in (dsl/core/poison.py:
 NaN for floats; hardware reads garbage there) and is dropped on the way
 out, so no access leaves a buffer; with runtime checks on, a block index
 outside the array is an error naming the operand. Scratch buffers persist
@@ -31,8 +31,8 @@ import numpy as np
 from jax._src import core
 from jax._src.lib.mlir import ir
 
-from dsl.poison import poison_value
-from dsl.revisits import FIX
+from dsl.core.poison import poison_value
+from dsl.core.revisits import FIX
 from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter import (prng)  # noqa: F401  (its ops)
 from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,

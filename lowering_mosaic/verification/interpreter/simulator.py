@@ -72,7 +72,7 @@ class InterpreterOptions:
   max_steps: scheduling rounds before the simulation gives up (a spin
     loop on `semaphore_read` that never ends, for instance).
   poison_buffers: scratch and run_scoped buffers start as poison (NaN,
-    see dsl/poison.py) instead of zeros; JAX's jax_pallas_poison_buffers.
+    see dsl/core/poison.py) instead of zeros; JAX's jax_pallas_poison_buffers.
   runtime_checks: a block index outside its array is an error (without
     it, such a block reads poison and its writes are dropped);
     jax_pallas_enable_runtime_assert.

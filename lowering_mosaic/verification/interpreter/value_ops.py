@@ -13,8 +13,8 @@ import numpy as np
 import scipy.special
 from jax._src.lib.mlir import ir
 
-from dsl.jaxpr_walk import RuleTable
-from dsl.poison import poison_value
+from dsl.core.jaxpr_walk import RuleTable
+from dsl.core.poison import poison_value
 from lowering_mosaic import dialect
 
 VALUE_OPS = RuleTable("the Mosaic interpreter")

@@ -17,7 +17,7 @@ def _safe(name: str) -> str:
 
 
 def dump_directory() -> str:
-  from dsl import config
+  from dsl.core import config
   return config.dump_promela_to()
 
 

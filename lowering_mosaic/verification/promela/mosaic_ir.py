@@ -10,7 +10,7 @@ from typing import Optional
 
 from jax._src.lib.mlir import ir
 
-from dsl.jaxpr_walk import RuleTable
+from dsl.core.jaxpr_walk import RuleTable
 from lowering_mosaic import dialect
 
 
