@@ -8,7 +8,7 @@ import jax
 from jax._src import core
 
 from dsl.core.blockspec import BlockMapping, BlockSpec, squeezed
-from dsl.interpret.execute import discharged_kernel
+from dsl.transforms.discharge import discharged_kernel
 from dsl.core.pallas_call import KernelSpec, build_spec, pallas_call_p
 
 
