@@ -16,7 +16,9 @@ def _existing(name):
   return jax_config.config._value_holders.get(name)
 
 
-def _bool(name: str, default: bool, help: str):
+def bool_option(name: str, default: bool, help: str):
+  """The boolean JAX option `name` (defined here the first time; a JAX
+  version that defines it already keeps its own)."""
   holder = _existing(name)
   if holder is not None or name in jax_config.config.values:
     return holder
@@ -31,7 +33,7 @@ def _string(name: str, default: str, help: str):
   return jax_config.string_state(name, default, help)
 
 
-enable_runtime_assert_option = _bool(
+enable_runtime_assert_option = bool_option(
     "jax_pallas_enable_runtime_assert", False,
     "If set, enables runtime assertions in the kernel via checkify.check. "
     "Otherwise, runtime asserts are ignored unless functionalized using "
@@ -40,7 +42,7 @@ dump_promela_to_option = _string(
     "jax_pallas_dump_promela_to", "",
     "If set, dumps a Promela model of each Mosaic-lowered kernel to this "
     "directory.")
-use_mosaic_gpu_option = _bool(
+use_mosaic_gpu_option = bool_option(
     "jax_pallas_use_mosaic_gpu", False,
     "If True, lower Pallas kernels to the experimental Mosaic GPU dialect, "
     "instead of Triton IR.")
@@ -52,15 +54,15 @@ dump_mlir_to_option = _string(
     "If set, writes each kernel's Mosaic MLIR module (TPU or GPU) to this "
     "directory.")
 # JAX defines jax_pallas_verbose_errors itself; it is read, not redefined.
-verbose_errors_option = _bool(
+verbose_errors_option = bool_option(
     "jax_pallas_verbose_errors", True,
     "If True, print verbose error messages for kernels.")
 # So do these two (registered here only for a JAX that lacks them).
-enable_debug_checks_option = _bool(
+enable_debug_checks_option = bool_option(
     "jax_pallas_enable_debug_checks", False,
     "If set, ``pl.debug_check`` calls are checked at runtime. Otherwise, "
     "they are a noop.")
-poison_buffers_option = _bool(
+poison_buffers_option = bool_option(
     "jax_pallas_poison_buffers", False,
     "If set, scratch buffers and run_scoped allocations start as poison "
     "(NaN for floats) instead of zeros.")
@@ -95,40 +97,41 @@ _late_absl_flags([n for n in jax_config.config._value_holders
                   if n.startswith("jax_pallas_")])
 
 
-def _read(name):
+def read_option(name):
+  """The current value of the JAX option `name`."""
   return jax_config.config._value_holders[name].value
 
 
 def enable_runtime_assert() -> bool:
-  return bool(_read("jax_pallas_enable_runtime_assert"))
+  return bool(read_option("jax_pallas_enable_runtime_assert"))
 
 
 def enable_debug_checks() -> bool:
   """JAX's jax_pallas_enable_debug_checks: `pl.debug_check` is checked."""
-  return bool(_read("jax_pallas_enable_debug_checks"))
+  return bool(read_option("jax_pallas_enable_debug_checks"))
 
 
 def poison_buffers() -> bool:
   """JAX's jax_pallas_poison_buffers: scratch and run_scoped buffers start as
   poison (dsl/core/poison.py) instead of zeros."""
-  return bool(_read("jax_pallas_poison_buffers"))
+  return bool(read_option("jax_pallas_poison_buffers"))
 
 
 def use_mosaic_gpu() -> bool:
-  return bool(_read("jax_pallas_use_mosaic_gpu"))
+  return bool(read_option("jax_pallas_use_mosaic_gpu"))
 
 
 def verbose_errors() -> bool:
-  return bool(_read("jax_pallas_verbose_errors"))
+  return bool(read_option("jax_pallas_verbose_errors"))
 
 
 def dump_promela_to() -> str:
-  return _read("jax_pallas_dump_promela_to") or ""
+  return read_option("jax_pallas_dump_promela_to") or ""
 
 
 def dump_triton_to() -> str:
-  return _read("jax_pallas_dump_triton_to") or ""
+  return read_option("jax_pallas_dump_triton_to") or ""
 
 
 def dump_mlir_to() -> str:
-  return _read("jax_pallas_dump_mlir_to") or ""
+  return read_option("jax_pallas_dump_mlir_to") or ""

@@ -26,7 +26,7 @@ import time
 
 from dsl.core import config, host_failures
 
-profile_option = config._bool(
+profile_option = config.bool_option(
     "dsl_profile", False,
     "If set, the interpret backend runs each kernel as its own program in a "
     "host callback, timed and named in jax.profiler traces (dsl.profile).")
@@ -36,7 +36,7 @@ _LOCK = threading.Lock()
 
 
 def enabled() -> bool:
-  return bool(config._read("dsl_profile"))
+  return bool(config.read_option("dsl_profile"))
 
 
 class Profile:

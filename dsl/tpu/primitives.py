@@ -62,13 +62,13 @@ def _ref_parts(what: str, ref):
   return ref, ()
 
 
-def _view_shape(ref, transforms):
+def view_shape(ref, transforms):
   if transforms:
     return tuple(state_types.TransformedRef(ref, transforms).shape)
   return tuple(core.typeof(ref).shape)
 
 
-def _view_dtype(ref):
+def view_dtype(ref):
   return core.typeof(ref).dtype
 
 
@@ -84,7 +84,7 @@ def _sem_parts(what: str, sem):
         f"tpu.SemaphoreType.DMA / REGULAR, or get_barrier_semaphore()), got a "
         f"{aval.inner_aval.str_short()} ref in {aval.memory_space}",
         user_frame())
-  shape = _view_shape(ref, transforms)
+  shape = view_shape(ref, transforms)
   if shape != ():
     raise KernelError(None, f"{what} must select one semaphore, but it "
                       f"selects an array of shape {shape}; index it, e.g. "
@@ -92,7 +92,7 @@ def _sem_parts(what: str, sem):
   return ref, transforms
 
 
-def _sem_kind(ref) -> str:
+def semaphore_kind(ref) -> str:
   if ref is None:
     return "barrier"
   return core.typeof(ref).memory_space.kind
@@ -225,7 +225,7 @@ def _dma_start_abstract_eval(*avals, layout, device_id_type, device_id_axes,
                           writes=("dst", "dst_sem", "src_sem"))
 
 
-def _nbytes(shape, dtype):
+def nbytes_of(shape, dtype):
   return int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
 
 
@@ -251,7 +251,7 @@ def _dma_start_discharge(ctx, *flat, layout, device_id_type, device_id_axes,
   a = unpack(flat, layout)
   new = [None] * len(flat)
   val = state_discharge.transform_array(a["src"], a["src_t"])
-  nbytes = _nbytes(val.shape, val.dtype)
+  nbytes = nbytes_of(val.shape, val.dtype)
   remote = bool(a["device_id"])
   dst_t = a["dst_t"]
   if remote:
@@ -305,7 +305,7 @@ def _dma_wait_discharge(ctx, *flat, layout, side, device_id_type,
   view = state_discharge.transform_array(ref, t)
   new = [None] * len(flat)
   new[position(layout, "sem")] = _sem_add(a["sem"], a["sem_t"],
-                                          -_nbytes(view.shape, view.dtype))
+                                          -nbytes_of(view.shape, view.dtype))
   return new, []
 
 
@@ -400,8 +400,8 @@ def _barrier_handle(sem):
 # ------------------------------------------------------------ user API
 
 def _check_copy(src, src_t, dst, dst_t, what):
-  s_shape, d_shape = _view_shape(src, src_t), _view_shape(dst, dst_t)
-  s_dt, d_dt = _view_dtype(src), _view_dtype(dst)
+  s_shape, d_shape = view_shape(src, src_t), view_shape(dst, dst_t)
+  s_dt, d_dt = view_dtype(src), view_dtype(dst)
   if s_shape != d_shape or s_dt != d_dt:
     raise KernelError(None, f"{what}: source {s_dt}{list(s_shape)} and "
                       f"destination {d_dt}{list(d_shape)} must have the same "
@@ -525,7 +525,7 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
   dev, axes = _normalize_device_id(device_id, device_id_type)
   flat, layout = pack(sem=ref, sem_t=t, inc=jnp.asarray(inc, jnp.int32),
                        device_id=dev, barrier=_barrier_handle(sem))
-  semaphore_signal_p.bind(*flat, layout=layout, kind=_sem_kind(ref),
+  semaphore_signal_p.bind(*flat, layout=layout, kind=semaphore_kind(ref),
                           device_id_type=device_id_type, device_id_axes=axes,
                           mesh_axes=_current_mesh_axes() if dev else ())
 
@@ -535,14 +535,14 @@ def semaphore_wait(sem, value=1):
   ref, t = _sem_parts("semaphore_wait's semaphore", sem)
   flat, layout = pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32),
                        barrier=_barrier_handle(sem))
-  semaphore_wait_p.bind(*flat, layout=layout, kind=_sem_kind(ref))
+  semaphore_wait_p.bind(*flat, layout=layout, kind=semaphore_kind(ref))
 
 
 def semaphore_read(sem):
   """The current value of `sem` (an int32 scalar)."""
   ref, t = _sem_parts("semaphore_read's semaphore", sem)
   flat, layout = pack(sem=ref, sem_t=t, barrier=_barrier_handle(sem))
-  return semaphore_read_p.bind(*flat, layout=layout, kind=_sem_kind(ref))
+  return semaphore_read_p.bind(*flat, layout=layout, kind=semaphore_kind(ref))
 
 
 # ------------------------------------------------------------ device ids

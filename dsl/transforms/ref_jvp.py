@@ -31,7 +31,7 @@ from dsl.core.semaphores import SemaphoreType
 from dsl.core.operand_layout import unpack
 from dsl.tpu.primitives import (dma_start_p, dma_wait_p, make_async_copy,
                                 semaphore_read_p, semaphore_signal_p,
-                                semaphore_wait_p, _view_shape)
+                                semaphore_wait_p, view_shape)
 
 
 def _is_zero(t) -> bool:
@@ -73,7 +73,7 @@ def _dma_start_jvp(primals, tangents, **params):
     _copy_now(_view(t["src"], p["src_t"]), dst, params["add"])
   elif not params["add"]:
     dtype = core.typeof(t["dst"]).dtype
-    _write_zeros(dst, _view_shape(t["dst"], p["dst_t"]), dtype)
+    _write_zeros(dst, view_shape(t["dst"], p["dst_t"]), dtype)
   return [], []
 
 

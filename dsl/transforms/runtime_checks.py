@@ -172,8 +172,8 @@ def _index_text(transforms, args: list) -> str:
 def _dma_need(a, params):
   side = params["side"]
   ref, t = (a["src"], a["src_t"]) if side == "send" else (a["dst"], a["dst_t"])
-  view = tp._view_shape(ref, t)
-  nbytes = tp._nbytes(view, tp._view_dtype(ref))
+  view = tp.view_shape(ref, t)
+  nbytes = tp.nbytes_of(view, tp.view_dtype(ref))
   what = {"send": "the send of a DMA", "recv": "a remote DMA"}.get(side,
                                                                   "a DMA")
   return jnp.int32(nbytes), f"{what} of {nbytes} bytes"
@@ -199,7 +199,7 @@ def _wait_rule(prim):
           a["sem_t"], args)
       read_flat, read_layout = pack(sem=a["sem"], sem_t=a["sem_t"])
       now = tp.semaphore_read_p.bind(*read_flat, layout=read_layout,
-                                     kind=tp._sem_kind(a["sem"]))
+                                     kind=tp.semaphore_kind(a["sem"]))
       if what is None:
         text = f"the wait for {sem} (now {{}}) to reach {{}}"
         args += [now, need]
