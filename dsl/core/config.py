@@ -78,6 +78,7 @@ def _late_absl_flags(names) -> None:
   cfg = jax_config.config
   if not getattr(cfg, "use_absl", False):
     return            # absl comes later and will see our options
+  # absl is optional for JAX (and for us): imported only when JAX uses it.
   from absl import flags
   define = {bool: flags.DEFINE_bool, str: flags.DEFINE_string}
   for name in names:

@@ -1,7 +1,9 @@
 """Small integer and shape helpers with Pallas's names."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def next_power_of_2(x: int) -> int:
@@ -32,13 +34,11 @@ def broadcast_to(a, shape):
 
 def empty(shape, dtype, *, out_sharding=None):
   """An array of unspecified values (JAX's `lax.empty`)."""
-  from jax import lax
   return lax.empty(shape, dtype, out_sharding=out_sharding)
 
 
 def empty_like(x):
   """A pytree like `x` of arrays of unspecified values."""
-  import jax
   return jax.tree.map(lambda leaf: empty(leaf.shape, leaf.dtype), x)
 
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core, sharding_impls
+from jax._src import core, dispatch, sharding_impls
 from jax.sharding import PartitionSpec
 
 from dsl.core.errors import (BackendError, KernelError, kernel_error_of, park,
@@ -119,7 +119,6 @@ def forget_failed_runs():
   """Drops the runtime tokens of computations that failed with a kernel
   error; JAX would raise the error again at the next
   `jax.effects_barrier()` and at exit."""
-  from jax._src import dispatch
   tokens = getattr(dispatch.runtime_tokens, "output_runtime_tokens", {})
   for device, token in list(tokens.items()):
     try:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
-from jax._src import ad_checkpoint, core, custom_derivatives, pjit
+from jax._src import (ad_checkpoint, core, custom_derivatives, pjit,
+                      source_info_util)
 
 from dsl.core.errors import BackendError
 
@@ -219,7 +220,6 @@ def retrace(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
   source line and name stack, so a jaxpr rewritten this way keeps the
   user's lines. The jaxpr rewrites (normalization, random state threading)
   share this loop."""
-  from jax._src import source_info_util
   env: dict = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
 

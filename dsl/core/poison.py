@@ -27,7 +27,9 @@ the Mosaic interpreter's own poison (a shift or cast out of range) use
 """
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
+
 from dsl.core.semaphores import is_semaphore_aval
 
 
@@ -44,7 +46,6 @@ def poison_value(dtype):
 
 def poison_full(shape, dtype):
   """A jax array of `shape` filled with the poison of `dtype`."""
-  import jax.numpy as jnp
   return jnp.full(shape, poison_value(dtype), dtype)
 
 
@@ -53,7 +54,6 @@ def fresh_buffer(aval, poison: bool, lead: tuple[int, ...] = ()):
   aval `aval` (with `lead` extra leading dims): poison with `poison`
   (jax_pallas_poison_buffers), zeros otherwise; semaphores always start at
   zero."""
-  import jax.numpy as jnp
   inner = getattr(aval, "inner_aval", aval)
   if not hasattr(inner, "shape"):
     raise NotImplementedError(f"cannot allocate a buffer of {aval}")

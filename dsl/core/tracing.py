@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import traceback
 from typing import Any
 
 import jax
@@ -213,7 +214,6 @@ def _raise_trace_error(e, name, gm, where, traced_names, origins):
 
 def _operand_in_traceback(tb, names: dict) -> str | None:
   """Names the kernel ref that the failing statement touched, if any."""
-  import traceback
   for frame, _ in reversed(list(traceback.walk_tb(tb))):
     for value in frame.f_locals.values():
       base = getattr(value, "ref", value)

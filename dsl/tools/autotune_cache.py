@@ -14,6 +14,9 @@ import os
 import tempfile
 from typing import Any
 
+import jax
+import numpy as np
+
 FORMAT = 1
 ENV_VAR = "DSL_AUTOTUNE_CACHE"
 
@@ -35,7 +38,6 @@ def _version(package: str) -> str:
 
 
 def _current_device_kind() -> str:
-  import jax
   d = jax.devices()[0]
   return "cpu" if d.platform == "cpu" else getattr(d, "device_kind", d.platform)
 
@@ -55,7 +57,6 @@ def size_key(dims, dtype=None) -> str:
   key = "x".join(str(int(d)) for d in dims)
   if dtype is not None:
     try:
-      import numpy as np
       name = np.dtype(dtype).name
     except TypeError:
       name = str(dtype)
@@ -83,7 +84,6 @@ def load(path: str | None = None) -> dict:
 
 
 def _default_backend() -> str:
-  import jax
   return {"gpu": "triton", "tpu": "mosaic"}.get(jax.default_backend(),
                                                  "interpret")
 

@@ -25,9 +25,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import os
 import sys
 from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax import tree_util
+from jax._src import core
 
 from dsl.core.compiler_params import tuned_launch
 from dsl.tools import autotune_cache
@@ -57,14 +63,11 @@ def _is_array(x) -> bool:
 
 
 def _short_aval(x) -> str:
-  from jax._src import core
-  import numpy as np
   return core.ShapedArray(tuple(x.shape), np.dtype(x.dtype)).str_short(
       short_dtypes=True)
 
 
 def _key_part(value) -> str:
-  from jax import tree_util
   leaves = tree_util.tree_leaves(value)
   if len(leaves) == 1 and leaves[0] is value:
     return _short_aval(value) if _is_array(value) else repr(value)
@@ -184,7 +187,6 @@ class Autotuned:
 
   # ------------------------------------------------------------ search
   def _search(self, args, kwargs, key, backend) -> Choice:
-    import jax
     with jax.ensure_compile_time_eval():
       dyn, rebuild = _split_arrays(args, kwargs)
       dyn = [_concrete(x) for x in dyn]
@@ -228,14 +230,12 @@ class Autotuned:
 
 
 def _leaves(v):
-  from jax import tree_util
   return tree_util.tree_leaves(v)
 
 
 def _split_arrays(args, kwargs):
   """The array leaves of (args, kwargs), and a function that puts new arrays
   in their places (other leaves stay as they are: static arguments)."""
-  from jax import tree_util
   leaves, tree = tree_util.tree_flatten((args, kwargs))
   where = [i for i, l in enumerate(leaves) if _is_array(l)]
 
@@ -250,8 +250,6 @@ def _split_arrays(args, kwargs):
 def _concrete(x):
   """x itself when concrete; else a deterministic array of its shape and
   dtype (normal floats, zeros otherwise) to time configs on."""
-  import jax
-  import numpy as np
   if not isinstance(x, jax.core.Tracer):
     return x
   dtype = np.dtype(x.dtype)
@@ -267,7 +265,6 @@ def _concrete(x):
 def _as_json(config):
   """config as the cache's JSON reads it back (tuples become lists), or
   None when it does not fit in JSON."""
-  import json
   if config is None:
     return None
   try:

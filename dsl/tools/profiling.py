@@ -24,6 +24,8 @@ import contextlib
 import threading
 import time
 
+import jax
+
 from dsl.core import config, host_failures
 
 profile_option = config.bool_option(
@@ -77,7 +79,6 @@ def profile(trace_dir: str | None = None, *,
   """Times every kernel run on the host inside the block; with `trace_dir`,
   also records a `jax.profiler` trace there (TensorBoard's profile plugin
   reads it; `create_perfetto_trace=True` adds a Perfetto JSON file)."""
-  import jax
   prof = Profile(trace_dir)
   with profile_option(True):
     with _LOCK:
@@ -98,7 +99,6 @@ def profile(trace_dir: str | None = None, *,
 def host_run(kernel: str):
   """Around one run of a kernel on the host: a trace annotation named after
   the kernel, and its wall time for each active profile."""
-  import jax
   t0 = time.perf_counter()
   with jax.profiler.TraceAnnotation(f"{kernel} (dsl kernel)"):
     yield

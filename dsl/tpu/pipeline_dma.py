@@ -44,6 +44,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -363,8 +364,6 @@ class _Blocks(dict):
 
 
 def _scopes(enabled: bool):
-  import contextlib
-  import jax
   return jax.named_scope if enabled else (lambda name: contextlib.nullcontext())
 
 

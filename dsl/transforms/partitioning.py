@@ -31,7 +31,9 @@ import math
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax._src import core, sharding_impls
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
@@ -107,8 +109,6 @@ def _with_grid_offsets(local):
 
 def _grid_offsets(local_grid, chosen):
   """int32[rank]: where this device's part of the grid starts."""
-  import jax.numpy as jnp
-  from jax import lax
   offs = [lax.axis_index(chosen[j]) * g if j in chosen else 0
           for j, g in enumerate(local_grid)]
   return jnp.asarray(offs, jnp.int32)

@@ -19,7 +19,7 @@ to those tangent refs:
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax._src import core
+from jax._src import core, source_info_util
 from jax._src.interpreters import ad
 from jax._src.state import types as state_types
 
@@ -78,7 +78,6 @@ def _dma_start_jvp(primals, tangents, **params):
 
 
 def _line():
-  from jax._src import source_info_util
   return source_info_frame(source_info_util.current())
 
 
