@@ -53,7 +53,8 @@ def test_resolve_by_platform_and_flag():
 def test_records_describe_every_built_in_backend():
   assert set(pl.BACKENDS) <= set(backends.REGISTRY)
   host = [b for b in pl.BACKENDS if backends.REGISTRY[b].on_host]
-  assert tuple(host) == CPU_BACKENDS
+  assert tuple(host) == CPU_BACKENDS == ("interpret", "triton_interpret",
+                                         "mosaic_interpret")
   for name in pl.BACKENDS:
     rec = backends.REGISTRY[name]
     assert rec.name == name and rec.platforms

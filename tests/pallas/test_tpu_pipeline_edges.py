@@ -19,9 +19,9 @@ from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
 from tests.pallas import test_tpu_pipeline as pipeline_tests
 from tests.pallas.test_tpu_pipeline import _inputs
-from tests.pallas.testing import assert_close
+from tests.pallas.testing import CPU_BACKENDS, assert_close
 
-BACKENDS = ["interpret", "triton_interpret", "mosaic_interpret"]
+BACKENDS = CPU_BACKENDS
 f32, bf16 = jnp.float32, jnp.bfloat16
 MATMUL_TOL = {f32: 1e-4}
 ANY = dsl.BlockSpec(memory_space=dsl.ANY)

@@ -16,8 +16,10 @@ from dsl.core import backends
 
 # ------------------------------------------------------------------ backends
 
-# The backends that run on a CPU; every feature test runs on each.
-CPU_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
+# The built-in backends that run on a CPU (the registry's host backends);
+# every feature test runs on each.
+CPU_BACKENDS = tuple(b for b in backends.BACKENDS
+                     if backends.REGISTRY[b].on_host)
 # The CPU backends besides the default "interpret".
 OTHER_CPU_BACKENDS = tuple(b for b in CPU_BACKENDS if b != "interpret")
 
