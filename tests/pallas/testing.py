@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
+from jax.experimental import pallas as jpl
 
 import dsl as pl
 from dsl.core import backends
@@ -117,6 +118,56 @@ def call(kernel, out_shape, *args, backend=None, **kw):
   backend = backend or TRITON_BACKEND[0]
   return jax.jit(lambda *a: pl.pallas_call(kernel, out_shape, backend=backend,
                                            **kw)(*a))(*args)
+
+
+# ------------------------------------------------------- comparing backends
+
+# The name `run_on` and `run_backends` give Pallas's interpret mode
+# (jax.experimental.pallas), the peer every CPU backend is compared with.
+PALLAS = "pallas"
+
+
+def run_on(backend, kernel, out_shape, *args, specs=None, **kw):
+  """The kernel's results on `backend` (a dsl backend, or PALLAS), under
+  jit. `specs(module)` builds the BlockSpec arguments from `dsl` or
+  `jax.experimental.pallas`; `kw` goes to both pallas_calls."""
+  api = jpl if backend == PALLAS else pl
+  extra = specs(api) if specs is not None else {}
+  if backend == PALLAS:
+    call = jpl.pallas_call(kernel, out_shape, interpret=True, **extra, **kw)
+  else:
+    call = pl.pallas_call(kernel, out_shape, backend=backend, **extra, **kw)
+  return jax.jit(call)(*args)
+
+
+def run_backends(backends, kernel, out_shape, *args, pallas=True, specs=None,
+                 **kw) -> dict:
+  """{backend: results} on each of `backends` and, if `pallas`, on PALLAS."""
+  names = tuple(backends) + ((PALLAS,) if pallas else ())
+  return {b: run_on(b, kernel, out_shape, *args, specs=specs, **kw)
+          for b in names}
+
+
+def assert_same(got, want, err_msg="", signed_zeros=False):
+  """Bit-for-bit the same values: NaN where NaN (bfloat16 compared as
+  float32, where numpy sees its NaNs) and, with `signed_zeros`, the same
+  sign of zero."""
+  got, want = np.asarray(got), np.asarray(want)
+  if want.dtype == jnp.bfloat16 or got.dtype == jnp.bfloat16:
+    got, want = got.astype(np.float32), want.astype(np.float32)
+  np.testing.assert_array_equal(got, want, err_msg=err_msg)
+  if signed_zeros and np.issubdtype(want.dtype, np.floating):
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want),
+                                  err_msg=f"{err_msg} (sign of zero)")
+
+
+def assert_all_equal(results, want, signed_zeros=False):
+  """Every backend's results in `results` (run_backends) equal `want`."""
+  for backend, got in results.items():
+    got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_l) == len(want_l), f"backend {backend}"
+    for g, w in zip(got_l, want_l):
+      assert_same(g, w, f"backend {backend}", signed_zeros)
 
 
 def jitted(fn, **kw):
