@@ -3,8 +3,8 @@
 Each case is a kernel written with `dsl` (as a user would, for TPUs),
 lowered to its Mosaic module and checked by SPIN through
 `lowering_mosaic.verify`; the correct ones verify `ok` and each broken
-variant is reported with the kind of its bug. `scripts/promela_corpus.py`
-prints the table of docs/verification.md from the same cases.
+variant is reported with the kind of its bug (test_promela_cases.py);
+`scripts/promela_corpus.py` prints docs/verification.md's table of them.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -397,41 +396,3 @@ CORPUS = [
          functools.partial(ring_all_gather, "leave_early", n=3), "race", 3,
          bug="skips waiting for its last receive"),
 ]
-
-
-# ------------------------------------------------------------ the tests
-
-from lowering_mosaic.verification.promela import spin_available  # noqa: E402
-
-SPIN_OK, SPIN_WHY = spin_available()
-pytestmark = pytest.mark.skipif(not SPIN_OK, reason=SPIN_WHY)
-
-
-def run_case(case: Case, **kw):
-  import lowering_mosaic.verify as verify
-  f, args = case.build()
-  return verify(f, *args, timeout_s=120, **kw)
-
-
-@pytest.mark.parametrize("case", CORPUS, ids=[c.name for c in CORPUS])
-def test_corpus(case):
-  rep = run_case(case)
-  assert rep.kind == case.expected, str(rep)
-  assert rep.num_devices == case.devices
-  assert rep.states > 0
-  if case.expected == "ok":
-    assert not rep.trail and not rep.message
-    return
-  # The counterexample speaks in this file's lines.
-  assert rep.trail, str(rep)
-  assert any(s.line and "test_promela_corpus.py:" in s.line
-             for s in rep.trail), str(rep)
-  assert rep.message.startswith(case.expected), rep.message
-  if case.expected == "deadlock":
-    assert rep.blocked and all("test_promela_corpus.py:" in b.line
-                               for b in rep.blocked)
-
-
-def test_every_kind_is_caught():
-  kinds = {c.expected for c in CORPUS if c.bug}
-  assert kinds == {"race", "deadlock", "semaphore"}
