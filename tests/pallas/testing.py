@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from jax.experimental import pallas as jpl
+from jax.test_util import check_grads
 
 import dsl as pl
 from dsl.core import backends
@@ -168,6 +169,42 @@ def assert_all_equal(results, want, signed_zeros=False):
     assert len(got_l) == len(want_l), f"backend {backend}"
     for g, w in zip(got_l, want_l):
       assert_same(g, w, f"backend {backend}", signed_zeros)
+
+
+# ------------------------------------------------------------ gradients
+
+# check_grads's tolerances for finite differences in float32.
+GRAD_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def uniform_arrays(*shapes, lo=-1.0, hi=1.0, seed=0):
+  """float32 arrays of `shapes`, uniform in [lo, hi)."""
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.uniform(lo, hi, s), jnp.float32) for s in shapes]
+
+
+def _leaves(x):
+  return jax.tree_util.tree_leaves(x)
+
+
+def check_values_and_grads(f, want, args, tol=1e-4):
+  """Values, finite-difference grads, and jvp/vjp against the reference."""
+  f = jax.jit(f)      # one compile per transformation, not per primitive
+  for got, ref in zip(_leaves(f(*args)), _leaves(want(*args))):
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+  check_grads(f, args, order=1, modes=("fwd", "rev"), **GRAD_TOL)
+  tangents = uniform_arrays(*[a.shape for a in args], seed=1)
+  _, t_got = jax.jvp(f, args, tuple(tangents))
+  _, t_want = jax.jvp(want, args, tuple(tangents))
+  for got, ref in zip(_leaves(t_got), _leaves(t_want)):
+    np.testing.assert_allclose(got, ref, rtol=10 * tol, atol=10 * tol)
+  out, pull = jax.vjp(f, *args)
+  _, pull_want = jax.vjp(want, *args)
+  ct = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(out),
+      uniform_arrays(*[o.shape for o in _leaves(out)], seed=2))
+  for got, ref in zip(pull(ct), pull_want(ct)):
+    np.testing.assert_allclose(got, ref, rtol=10 * tol, atol=10 * tol)
 
 
 def jitted(fn, **kw):
