@@ -139,7 +139,8 @@ class BlockMapping:
   @property
   def ref_aval(self) -> state_types.AbstractRef:
     return state_types.AbstractRef(
-        core.ShapedArray(self.kernel_shape, self.array_aval.dtype),
+        core.ShapedArray(self.kernel_shape, self.array_aval.dtype,
+                         weak_type=self.array_aval.weak_type),
         memory_space=self.memory_space)
 
   def element_offsets(self, block_indices):
@@ -259,7 +260,8 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
     index_map = _zeros_index_map(grid_rank, len(prefetch_avals), rank)
   jaxpr = _trace_index_map(kernel, origin, index_map, grid_rank,
                            prefetch_avals, rank, where)
-  return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype),
+  return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype,
+                                               weak_type=aval.weak_type),
                       block_shape, jaxpr, memory_space, whole,
                       spec.pipeline_mode)
 

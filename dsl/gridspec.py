@@ -180,7 +180,7 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
   p_refs = []
   for aval in prefetch_avals:
     p_refs.append(state_types.AbstractRef(
-        core.ShapedArray(aval.shape, aval.dtype),
+        core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type),
         memory_space=MemorySpace.SMEM))
   mappings = []
   for i, (spec, aval) in enumerate(zip(in_leaves, in_avals)):

@@ -259,9 +259,23 @@ backends.register_backend("interpret", _interpret_lowering)
 
 def _leaf_aval(kernel: str, x, what: str, where: str):
   if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
+    # A weakly typed array (one made from a Python scalar) stays weak, as in
+    # JAX and Pallas: the kernel's value of it follows JAX's promotion.
+    weak = bool(getattr(x, "weak_type", False))
+    return core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype),
+                            weak_type=weak)
   raise KernelTypeError(kernel, f"expected an array or jax.ShapeDtypeStruct, "
                         f"got {x!r}", where, operand=what)
+
+
+def as_operand(x):
+  """A pallas_call operand as an array: a Python scalar (bool, int, float,
+  complex) becomes a weakly typed scalar of JAX's default dtype for it, as
+  Pallas takes it (`jnp.asarray`); arrays and numpy scalars pass as they
+  are."""
+  if isinstance(x, (bool, int, float, complex)):
+    return jnp.asarray(x)
+  return x
 
 
 def _check_aliases(name, aliases, in_avals_all, out_avals, where):
@@ -340,9 +354,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     params = compiler_params
     if params is None:
       params = _autotuned_launch_params(backend)
-    flat_args, _ = tree_util.tree_flatten(args)
-    flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
-                 for a in flat_args]
+    args = tree_util.tree_map(as_operand, args)
+    flat_args = tree_util.tree_leaves(args)
     spec, out_tree = build_spec(
         kernel, args, out_shape, name=name, grid=grid, in_specs=in_specs,
         out_specs=out_specs, scratch_shapes=scratch_shapes,
