@@ -235,6 +235,17 @@ class BackendError(KernelError, NotImplementedError):
   """A backend cannot run the kernel (missing, unsupported primitive)."""
 
 
+class KernelWarning(UserWarning):
+  """Something in a kernel is likely wrong but cannot be proven at trace
+  time; the message reads like a KernelError's."""
+
+  def __init__(self, kernel: str, message: str, where: str | None = None,
+               operand: str | None = None):
+    head = f"kernel '{kernel}'" + (f", {operand}" if operand else "")
+    super().__init__(f"{head}: {message}" + (f" (at {where})" if where
+                                             else ""))
+
+
 # ------------------------------------------------------------ host failures
 #
 # A kernel failure found by a host backend (dsl/host_failures.py) is parked
@@ -340,7 +351,7 @@ def eqn_error(cls, kernel: str, eqn, message: str, jaxpr=None,
   return cls(kernel, message, where, operand=operand, detail=detail)
 
 
-__all__ = ["KernelError", "KernelTypeError", "BackendError",
+__all__ = ["KernelError", "KernelTypeError", "KernelWarning", "BackendError",
            "KernelRuntimeError", "KernelCheckError", "KernelDeadlockError",
            "KernelRaceError", "kernel_error_of", "park", "parked", "user_frame",
            "frame_of_traceback", "source_info_frame", "function_location"]

@@ -19,7 +19,8 @@ from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         lowering_kernel, user_frame)
 from dsl.normalize import normalize
 from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
-from dsl.interpret.plan import check_block_indices, check_semantics
+from dsl.interpret.plan import (check_block_indices, check_parallel_carries,
+                               check_semantics)
 from dsl.tracing import kernel_ref_names, trace_kernel
 
 
@@ -365,6 +366,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         cost_estimate=cost_estimate, where=where)
     check_semantics(spec.name, params, len(spec.grid_mapping.grid),
                     where)
+    check_parallel_carries(spec, params, where)
     outs = pallas_call_p.bind(*flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 
