@@ -154,6 +154,12 @@ class BlockMapping:
     return offs
 
 
+def element_padding(bm: BlockMapping) -> dict[int, tuple[int, int]]:
+  """{array dim: (low, high) padding} of the `Element` dims of `bm`."""
+  return {d: tuple(dim.padding) for d, dim in enumerate(bm.block_shape)
+          if isinstance(dim, Element)}
+
+
 def positional_arity(fn) -> int | None:
   """Required positional parameters of `fn`; None if it takes *args."""
   try:

@@ -212,19 +212,23 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
 def _interpret_lowering(ctx, *args, spec):
   from dsl import interpret
   from dsl.transforms import runtime_checks
+  from dsl.transforms.window_checks import has_run_time_windows
   from jax._src import config as jax_config
   fn = functools.partial(interpret.run, spec=spec)
-  # With runtime asserts on, block indices read from data are checked too.
-  check_blocks = (config.enable_runtime_assert()
-                  and bool(runtime_checks.data_dependent_blocks(spec)))
-  if ((check_blocks or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
+  # With runtime asserts on, block indices read from data and windows
+  # placed at run time are checked too.
+  asserts = config.enable_runtime_assert()
+  check_blocks = asserts and bool(runtime_checks.data_dependent_blocks(spec))
+  check_windows = asserts and has_run_time_windows(spec.jaxpr.jaxpr)
+  if ((check_blocks or check_windows
+       or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
       and not runtime_checks.is_checked(spec)):
     # Run-time checks and waits become values; a failure raises from the host.
     axis_context = ctx.module_context.axis_context
 
     def fn(*xs):
       return runtime_checks.run_checked(spec, interpret.run, xs, axis_context,
-                                        check_blocks)
+                                        check_blocks, check_windows)
   from dsl import profiling
   if profiling.enabled():
     fn = _on_host(fn, spec, ctx.module_context.axis_context)

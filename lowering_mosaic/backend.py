@@ -211,7 +211,8 @@ def kernel_error(e: interp.KernelSimulationError, kernel: str) -> KernelError:
 def _run(key, text, per_device, out_shapes, options, kernel):
   prog = cached_program(key, text)
   try:
-    outs, world = simulate(prog, per_device, out_shapes, options)
+    outs, world = simulate(prog, per_device, [s for s, _ in out_shapes],
+                           options, [d for _, d in out_shapes])
   except interp.KernelSimulationError as e:
     interp._LAST_FAILURE.append(e)
     raise kernel_error(e, kernel) from e
@@ -254,7 +255,7 @@ def interpret_lowering(ctx, *args, spec):
   key = hashlib.sha1(text.encode()).hexdigest()
   options = interp.current_options()
   out_avals = spec.grid_mapping.out_avals
-  out_shapes = [tuple(a.shape) for a in out_avals]
+  out_shapes = [(tuple(a.shape), np.dtype(a.dtype)) for a in out_avals]
   n = math.prod(s for _, s in mesh_axes) if mesh_axes else 1
   axis_context = ctx.module_context.axis_context
 

@@ -31,6 +31,7 @@ import numpy as np
 from jax._src import core
 from jax._src.lib.mlir import ir
 
+from dsl import checks
 from dsl.poison import poison_value
 from dsl.revisits import FIX
 from lowering_mosaic import dialect
@@ -163,7 +164,7 @@ class Operand:
 
 
 def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
-                  out_shapes):
+                  out_shapes, out_dtypes=None):
   """Buffers of one device; returns (kernel args, operands)."""
   device = world.devices[dev]
   n_pf = prog.num_prefetch
@@ -195,7 +196,9 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
       if arr is None and k not in hbm:
         # A TPU hands a kernel its outputs uninitialized.
         dtype = _dtype(t)
-        arr = np.full(out_shapes[k - n_in], poison_value(dtype), dtype)
+        poison = poison_value(out_dtypes[k - n_in] if out_dtypes else dtype)
+        arr = np.full(out_shapes[k - n_in], np.array(poison).astype(dtype),
+                      dtype)
     if k not in hbm:
       hbm[k] = device.add(Buffer(f"{name} (HBM)", ("hbm", k), arr,
                                  dialect.ANY, dev))
@@ -272,7 +275,10 @@ def _poison_block(world, op: Operand, line):
   blk = op.block
   world.check_access(blk, ((0,) * blk.array.ndim, blk.array.shape), True,
                      line, "overwritten by the grid pipeline")
-  blk.array[...] = poison_value(blk.array.dtype)
+  # the poison of the operand's dtype (unsigned: all bits set) in the
+  # block's signless type
+  blk.array[...] = np.array(poison_value(op.hbm.array.dtype)).astype(
+      blk.array.dtype)
 
 
 def _copy_out(world, op: Operand, idx, line):
@@ -307,22 +313,26 @@ def _outside(op: Operand, idx) -> tuple | None:
 
 
 def _check_block_index(world, prog, op: Operand, idx, point):
-  """With runtime checks on, a block index outside the array is an error."""
+  """With runtime checks on, a block index outside the array is an error,
+  worded as on every backend (dsl/checks.py)."""
   bad = _outside(op, idx) if world.options.runtime_checks else None
   if bad is None:
     return
-  d, valid = bad
-  name = op.window.origin or _name(prog, prog.num_prefetch + op.index,
-                                   f"operand {op.index}")
-  f = prog.funcs.get(op.window.transform)
+  win = op.window
+  name = win.origin or _name(prog, prog.num_prefetch + op.index,
+                             f"operand {op.index}")
+  f = prog.funcs.get(win.transform)
   line = _first_line(f) if f is not None else None
-  array = core.ShapedArray(op.hbm.array.shape, op.hbm.array.dtype)
+  shape = op.hbm.array.shape
+  array = core.ShapedArray(shape, op.hbm.array.dtype)
+  pads = {d: (win.padding_low[e], win.padding_high[e])
+          for e, d in enumerate(win.element_dims)}
+  message = checks.block_index_message(
+      name, idx, point, array.str_short(),
+      checks.block_limits_text(shape, win.bounds, pads), line)
   raise KernelSimulationError(
-      "bounds", f"kernel '{prog.name}': {name}: block index "
-      f"{tuple(int(i) for i in idx)} at grid point {tuple(point)} is outside "
-      f"the array {array.str_short()} (along dim {d}, {valid}); index maps "
-      "return block indices, not element offsets"
-      + (f" (index map at {line})" if line else ""), (line,) if line else ())
+      "check", f"kernel '{prog.name}': " + checks.check_text(message, line),
+      (line,) if line else ())
 
 
 def _next_output_block(world, prog, dev, op: Operand, idx, point, line):
@@ -386,7 +396,9 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
       else:
         _copy_in(world, op, idx, line)
       op.current, op.since = idx, tuple(point)
-    frame = Frame(world, dev, prog.name)
+      if op.window.transform != TRIVIAL:
+        op.block.block_index = idx
+    frame = Frame(world, dev, prog.name, tuple(int(i) for i in point))
     yield from run_block(frame, main.block, ids + args)
     yield PREEMPT
   for op in operands:
@@ -395,14 +407,15 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
 
 
 def simulate(prog: KernelProgram, per_device_inputs, out_shapes,
-             options: InterpreterOptions):
+             options: InterpreterOptions, out_dtypes=None):
   """Runs the kernel on len(per_device_inputs) devices; returns the outputs
-  of every device (list per device)."""
+  of every device (list per device). `out_dtypes`: the outputs' dtypes
+  (the module's integer types are signless), for their poison."""
   out_shapes = [tuple(s) for s in out_shapes]
   n = len(per_device_inputs)
   world = World(n, options, prog.name)
-  setups = [_setup_device(world, prog, d, per_device_inputs[d], out_shapes)
-            for d in range(n)]
+  setups = [_setup_device(world, prog, d, per_device_inputs[d], out_shapes,
+                          out_dtypes) for d in range(n)]
   with np.errstate(all="ignore"):
     world.run(device_program(world, prog, d, args, ops)
               for d, (args, ops) in enumerate(setups))
