@@ -184,6 +184,17 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
     if platform == "cuda" and config.use_mosaic_gpu():
       name = "mosaic_gpu"
   rule = backends.lowering_rule(name, spec.name, spec.where)
+  if name in ("mosaic", "mosaic_interpret"):
+    # A TPU never reads an output block from HBM: an aliased output read
+    # before it is written starts from its input another way. (Imported
+    # here: dsl.transforms imports this module.)
+    from dsl.transforms import aliased_reads
+    derived = aliased_reads.reading_aliased_outputs(spec)
+    if derived is not None:
+      new, extra = derived
+      bind = lambda *xs: pallas_call_p.bind(*xs, *[xs[i] for i in extra],
+                                            spec=new)
+      return mlir.lower_fun(bind, multiple_results=True)(ctx, *args)
   if name != "interpret":   # the interpret backend runs every JAX primitive
     spec = normalize(spec, values_in_memory=name.startswith("mosaic"))
   with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:

@@ -306,9 +306,20 @@ def first_carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int):
   the kernel's top level, not under `pl.when` or in a loop); or None."""
   if jaxpr is None or not num_scratch:
     return None
+  invars = jaxpr.jaxpr.invars
+  found = first_read_before_write(jaxpr, invars[len(invars) - num_scratch:])
+  if found is None:
+    return None
+  ref, eqn, certain = found
+  return list(invars).index(ref) - (len(invars) - num_scratch), eqn, certain
+
+
+def first_read_before_write(jaxpr: core.ClosedJaxpr, refs):
+  """(ref, eqn, certain) for the first of the kernel refs `refs` that a
+  grid step may read before writing it whole, or None (see
+  `carried_scratch` for what counts as a write)."""
   j = jaxpr.jaxpr
-  first = len(j.invars) - num_scratch
-  pending = set(j.invars[first:])
+  pending = set(refs)
   used = {v for e in j.eqns for v in e.invars if isinstance(v, core.Var)}
   used |= {v for v in j.outvars if isinstance(v, core.Var)}
   for eqn in j.eqns:
@@ -319,7 +330,7 @@ def first_carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int):
         certain = (eqn.invars[0] is ref and eqn.primitive.name in _READS
                    and (eqn.primitive.name == "addupdate"
                         or any(o in used for o in eqn.outvars)))
-        return j.invars.index(ref) - first, eqn, certain
+        return ref, eqn, certain
     if not pending:
       return None
   return None
