@@ -88,7 +88,10 @@ class BlockSpec:
     if self.where is None:
       # skip __post_init__ and the dataclass's generated __init__
       object.__setattr__(self, "where", creation_site(depth=3))
-    if self.block_shape is not None and not isinstance(self.block_shape, tuple):
+    if (self.block_shape is not None and not callable(self.block_shape)
+        and not isinstance(self.block_shape, tuple)):
+      # (a callable block shape is the older argument order: reported with
+      # the kernel's name in resolve_block_spec)
       object.__setattr__(self, "block_shape", tuple(self.block_shape))
 
 
@@ -238,6 +241,14 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
                           operand=origin)
   if spec.where and spec.where != where:
     where = f"{spec.where}; the pallas_call at {where}"
+  if callable(spec.block_shape):
+    shape = spec.index_map
+    raise KernelTypeError(
+        kernel, f"BlockSpec(block_shape, index_map) takes the block shape "
+        f"first, got the function {getattr(spec.block_shape, '__name__', '')!r}"
+        f" as block_shape and {shape!r} as index_map (the argument order of "
+        f"older Pallas versions): write pl.BlockSpec({shape!r}, index_map)",
+        where, operand=origin)
   rank = len(aval.shape)
   memory_space = spec.memory_space
   whole = spec.block_shape is None or memory_space is MemorySpace.ANY

@@ -257,7 +257,10 @@ class KernelWarning(UserWarning):
 _PARKED: collections.OrderedDict[int, KernelError] = collections.OrderedDict()
 _PARKED_LOCK = threading.Lock()
 _MAX_PARKED = 64
-_next_id = iter(range(1, 2**31 - 1))
+_next_id = iter(range(1, 2**23))
+# Ids carry the process that parked the error (a job of several processes
+# exchanges them between processes): id = n * PROCESSES + process index.
+PROCESSES = 256
 
 
 def park(err: KernelError) -> int:
@@ -267,7 +270,7 @@ def park(err: KernelError) -> int:
     if e is not None:
       e.__traceback__ = None
   with _PARKED_LOCK:
-    key = next(_next_id)
+    key = next(_next_id) * PROCESSES + jax.process_index() % PROCESSES
     _PARKED[key] = err
     while len(_PARKED) > _MAX_PARKED:
       _PARKED.popitem(last=False)

@@ -18,7 +18,8 @@ from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         function_location, kernel_error_of, kernel_name,
                         lowering_kernel, user_frame)
 from dsl.normalize import normalize
-from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
+from dsl.gridspec import (GridMapping, GridSpec, is_shape_tuple,
+                          resolve_grid_mapping)
 from dsl.interpret.plan import (check_block_indices, check_parallel_carries,
                                check_semantics)
 from dsl.tracing import kernel_ref_names, trace_kernel
@@ -264,7 +265,8 @@ def _on_host(fn, spec: KernelSpec, axis_context):
     def run(*arrays):
       return [np.asarray(o) for o in jax.block_until_ready(compiled(*arrays))]
     outs, failed = host_failures.call_host(run, shapes, *xs,
-                                           kernel=spec.name)
+                                           kernel=spec.name,
+                                           source=spec.kernel_src)
     host_failures.raise_parked(axis_context, failed)
     return outs
   return on_host
@@ -282,6 +284,16 @@ def _leaf_aval(kernel: str, x, what: str, where: str):
                             weak_type=weak)
   raise KernelTypeError(kernel, f"expected an array or jax.ShapeDtypeStruct, "
                         f"got {x!r}", where, operand=what)
+
+
+def _out_aval(kernel: str, x, i: int, where: str):
+  if is_shape_tuple(x):
+    raise KernelTypeError(
+        kernel, f"out_shape gives each output's shape and dtype: got the "
+        f"shape {tuple(x)} alone; write jax.ShapeDtypeStruct({tuple(x)}, "
+        "dtype) (a tuple or list of them for several outputs)", where,
+        operand=f"out_shape[{i}]")
+  return _leaf_aval(kernel, x, f"out_shape[{i}]", where)
 
 
 def as_operand(x):
@@ -421,9 +433,9 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
   in_tree = tree_util.tree_structure(tuple(args[num_scalar_prefetch:]))
   n_pf_leaves = len(tree_util.tree_leaves(tuple(args[:num_scalar_prefetch])))
   out_leaves, out_tree = tree_util.tree_flatten(
-      out_shape, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-  out_avals = [_leaf_aval(name, o, f"out_shape[{i}]", where)
-               for i, o in enumerate(out_leaves)]
+      out_shape, is_leaf=lambda x: (hasattr(x, "shape") and hasattr(x, "dtype"))
+      or is_shape_tuple(x))
+  out_avals = [_out_aval(name, o, i, where) for i, o in enumerate(out_leaves)]
   try:
     key = (kernel, name, tuple(avals), in_tree, tuple(out_avals), out_tree,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),

@@ -268,7 +268,7 @@ def interpret_lowering(ctx, *args, spec):
     def fn(*xs):
       outs, failed = host_failures.call_host(
           host, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals],
-          *xs, kernel=spec.name)
+          *xs, kernel=spec.name, source=spec.kernel_src)
       host_failures.raise_parked(axis_context, failed)
       return outs
   else:
@@ -288,7 +288,8 @@ def interpret_lowering(ctx, *args, spec):
             (n,) + tuple(x.shape)) for x in xs]
         outs, failed = host_failures.call_host(
             host, [jax.ShapeDtypeStruct((n,) + tuple(a.shape), a.dtype)
-                   for a in out_avals], *gathered, kernel=spec.name)
+                   for a in out_avals], *gathered, kernel=spec.name,
+            source=spec.kernel_src)
         me = lax.axis_index(axis)
         outs = [o[me] for o in outs]
       host_failures.raise_parked(axis_context, failed)

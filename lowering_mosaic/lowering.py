@@ -42,7 +42,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, func
 
 from dsl.blockspec import Buffered, Element, RevisitMode, squeezed
-from dsl.errors import BackendError, source_info_frame
+from dsl import checks, config
+from dsl.errors import BackendError, marked_jaxpr, source_info_frame
 from dsl.interpret.plan import declared_semantics
 from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
 from lowering_mosaic import dialect
@@ -115,12 +116,22 @@ class LoweringContext:
   uses_remote: bool = False
   named_axes: set = dataclasses.field(default_factory=set)  # axis_index'd
   current_line: str | None = None
+  kernel_jaxpr: Any = None      # for jax_pallas_verbose_errors
 
   def error(self, message: str, primitive: str | None = None,
-            line: str | None = None) -> BackendError:
+            line: str | None = None, eqn=None) -> BackendError:
+    """A BackendError naming the kernel and the user's line; with
+    jax_pallas_verbose_errors on, it shows the kernel jaxpr with `eqn`
+    (the failing equation) marked."""
     what = f"primitive '{primitive}': " if primitive else ""
+    detail = None
+    if eqn is not None and self.kernel_jaxpr is not None and \
+        config.verbose_errors():
+      detail = ("The kernel jaxpr, the failing equation marked:\n"
+                + marked_jaxpr(self.kernel_jaxpr, eqn))
     return BackendError(self.kernel, f"{what}{message}",
-                        line or self.current_line or self.where)
+                        line or self.current_line or self.where,
+                        detail=detail)
 
 
 @dataclasses.dataclass
@@ -280,7 +291,7 @@ class _Walk(LoweringHost):
 
   def error(self, message, eqn=None):
     line = source_info_frame(eqn.source_info) if eqn is not None else None
-    return self.lctx.error(message, line=line or self.outer_line)
+    return self.lctx.error(message, line=line or self.outer_line, eqn=eqn)
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn):
@@ -332,6 +343,22 @@ def _param_names(spec) -> list[str]:
   return [f"grid[{d}]" for d in range(len(gm.grid))] + spec.ref_labels()
 
 
+def _check_closed_over(lctx, spec, bm) -> None:
+  """An index map that closes over an array cannot run on a TPU, whose
+  index maps read only grid ids and scalar prefetch (SMEM)."""
+  arrays = [np.shape(c) for c in bm.index_map_jaxpr.consts if np.ndim(c)]
+  if not arrays:
+    return
+  raise lctx.error(
+      f"{bm.origin}: the index map closes over an array (of shape "
+      f"{arrays[0]}); a TPU's index maps read only the grid ids and scalar "
+      "prefetch: pass the array as a scalar-prefetch operand "
+      "(tpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, ...)), whose "
+      "index maps take it after the grid ids (`lambda i, table: (table[i], "
+      "0)`), or run the kernel on backend='interpret'",
+      line=checks.index_map_at(bm))
+
+
 def _lower_transform(lctx, spec, k, bm, prefetch_types) -> str:
   gm = spec.grid_mapping
   name = f"transform_{k}"
@@ -348,6 +375,7 @@ def _lower_transform(lctx, spec, k, bm, prefetch_types) -> str:
           for i, (a, aval) in enumerate(zip(block.arguments[n_grid:],
                                             gm.prefetch_avals))]
     jaxpr = bm.index_map_jaxpr
+    _check_closed_over(lctx, spec, bm)
     outs = [to_i32(o) for o in
             lower_jaxpr(lctx, jaxpr.jaxpr, jaxpr.consts, args + pf)]
     if bm.has_element_dims:
@@ -372,7 +400,8 @@ def build_module_and_context(spec, mesh_axes=()):
   check_tpu_rules(spec)
   ctx = dialect.make_context()
   lctx = LoweringContext(spec.name, spec.where,
-                         tuple(spec.grid_mapping.grid), tuple(mesh_axes))
+                         tuple(spec.grid_mapping.grid), tuple(mesh_axes),
+                         kernel_jaxpr=spec.jaxpr)
   with ctx, ir.Location.unknown():
     module = _build(spec, lctx)
     try:

@@ -445,7 +445,8 @@ def _lowering(ctx, *args, spec):
 
   def call(*xs):
     outs, failed = host_failures.call_host(
-        lambda *arrays: run(gk, arrays), result_shapes, *xs, kernel=spec.name)
+        lambda *arrays: run(gk, arrays), result_shapes, *xs, kernel=spec.name,
+        source=spec.kernel_src)
     host_failures.raise_parked(axis_context, failed)
     return outs
 
