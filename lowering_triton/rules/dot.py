@@ -4,8 +4,7 @@ Operands are permuted to `(batch?, M, K) x (batch?, K, N)`. Padded K lanes
 are zeroed in both operands. Triton's `tl.dot` needs M, N and K of at least
 16 (K of at least 32 for 8-bit operands): smaller dims are grown by
 interleaving zero copies (`x[:, :, None]` broadcast and masked, then
-reshaped), and the result is folded back with a sum over the copies, which
-only adds zeros. Products are summed in the accumulator type (`out_dtype`:
+reshaped), and the result is folded back to the real copy (`_fold`). Products are summed in the accumulator type (`out_dtype`:
 int32 for int8 operands, float32 for floats), as on the GPU's tensor cores,
 and rounded to the result type once. Dtypes without tensor-core dots
 (int32, float64, ...) use an exact broadcast-multiply-sum.
