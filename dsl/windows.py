@@ -55,6 +55,14 @@ def _static_int(i):
   return int(core.concrete_or_error(None, i)) if _static(i) else None
 
 
+def _static_index(i, n: int):
+  """A static integer index into a dim of `n`, a negative one counted from
+  the end as in numpy (`x_ref[-1]`); None for a traced one (which is not
+  counted from the end: a negative value there lies outside)."""
+  v = _static_int(i)
+  return v + n if v is not None and -n <= v < 0 else v
+
+
 def may_leave(indexer, shape) -> bool:
   """Whether an indexer's window may leave a ref of `shape`: it is placed
   by traced values (starts, indices, arrays of indices), or by static ones
@@ -68,8 +76,8 @@ def may_leave(indexer, shape) -> bool:
       if start is None or start < 0 or (
           start + (int(i.size) - 1) * int(i.stride) >= n):
         return True
-    elif _is_array(i) or _static_int(i) is None or not (
-        0 <= _static_int(i) < n):
+    elif _is_array(i) or _static_index(i, n) is None or not (
+        0 <= _static_index(i, n) < n):
       return True
   return False
 
@@ -97,7 +105,8 @@ def _window(x, indexer):
     else:
       start, size = i, 1
       squeeze.append(d)
-    static = _static_int(start)
+    static = (_static_int(start) if isinstance(i, indexing.Slice)
+              else _static_index(start, n))
     if static is not None and 0 <= static <= n - size:
       dims.append((static, static, size))
     else:
@@ -176,10 +185,10 @@ def _padded(x, indexer):
                         np.int32(n + room))
       pads.append((room, room))
       indices.append(indexing.Slice(start, i.size, i.stride))
-    elif not _is_array(i) and _static_int(i) is not None and (
-        0 <= _static_int(i) < n):
+    elif not _is_array(i) and _static_index(i, n) is not None and (
+        0 <= _static_index(i, n) < n):
       pads.append((0, 0))
-      indices.append(np.asarray(_static_int(i), np.int32))
+      indices.append(np.asarray(_static_index(i, n), np.int32))
     else:
       i = _i32(i)
       pads.append((1, 1))

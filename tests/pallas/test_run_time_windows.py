@@ -230,3 +230,12 @@ def test_a_scalar_index_outside_reads_poison(backend):
                      in_specs=[SMEM, None], backend=backend)
   for i in (16, -1, 1000):
     assert np.isnan(np.asarray(f(jnp.array([i], jnp.int32), X))).all()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_static_negative_index_counts_from_the_end(backend):
+  def kernel(x_ref, o_ref):
+    o_ref[...] = jnp.broadcast_to(x_ref[-1] * 2, o_ref.shape)
+  got = pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                       backend=backend)(X)
+  np.testing.assert_array_equal(got, np.broadcast_to(X[-1] * 2, (8, 128)))
