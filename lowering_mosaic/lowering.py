@@ -42,7 +42,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, func
 
 from dsl.blockspec import Buffered, Element, RevisitMode, squeezed
-from dsl import checks, config
+from dsl import config
 from dsl.errors import BackendError, marked_jaxpr, source_info_frame
 from dsl.interpret.plan import declared_semantics
 from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
@@ -343,22 +343,6 @@ def _param_names(spec) -> list[str]:
   return [f"grid[{d}]" for d in range(len(gm.grid))] + spec.ref_labels()
 
 
-def _check_closed_over(lctx, spec, bm) -> None:
-  """An index map that closes over an array cannot run on a TPU, whose
-  index maps read only grid ids and scalar prefetch (SMEM)."""
-  arrays = [np.shape(c) for c in bm.index_map_jaxpr.consts if np.ndim(c)]
-  if not arrays:
-    return
-  raise lctx.error(
-      f"{bm.origin}: the index map closes over an array (of shape "
-      f"{arrays[0]}); a TPU's index maps read only the grid ids and scalar "
-      "prefetch: pass the array as a scalar-prefetch operand "
-      "(tpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, ...)), whose "
-      "index maps take it after the grid ids (`lambda i, table: (table[i], "
-      "0)`), or run the kernel on backend='interpret'",
-      line=checks.index_map_at(bm))
-
-
 def _lower_transform(lctx, spec, k, bm, prefetch_types) -> str:
   gm = spec.grid_mapping
   name = f"transform_{k}"
@@ -375,7 +359,6 @@ def _lower_transform(lctx, spec, k, bm, prefetch_types) -> str:
           for i, (a, aval) in enumerate(zip(block.arguments[n_grid:],
                                             gm.prefetch_avals))]
     jaxpr = bm.index_map_jaxpr
-    _check_closed_over(lctx, spec, bm)
     outs = [to_i32(o) for o in
             lower_jaxpr(lctx, jaxpr.jaxpr, jaxpr.consts, args + pf)]
     if bm.has_element_dims:
