@@ -277,11 +277,14 @@ _PURE_WRITES = ("swap",)
 
 
 def _full_write(eqn, ref, used: set) -> bool:
-  """A store of a whole ref whose old value is not used."""
+  """A store of a whole ref whose old value is not used. (A window of the
+  ref's own shape placed at run time is not one: its lanes outside the
+  ref are dropped.)"""
   if eqn.primitive.name not in _PURE_WRITES or eqn.invars[0] is not ref:
     return False
   val = eqn.invars[1].aval
   return (tuple(val.shape) == tuple(ref.aval.inner_aval.shape)
+          and all(isinstance(i, core.Literal) for i in eqn.invars[2:])
           and not any(o in used for o in eqn.outvars
                       if isinstance(o, core.Var)))
 

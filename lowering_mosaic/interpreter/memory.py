@@ -21,7 +21,7 @@ from lowering_mosaic import dialect
 
 class Buffer:
   __slots__ = ("name", "key", "array", "space", "device", "sem_kind",
-               "block_index")
+               "block_index", "poison")
 
   def __init__(self, name, key, array, space, device, sem_kind=None):
     self.name = name          # for messages: "out_specs[0] block", ...
@@ -30,6 +30,10 @@ class Buffer:
     self.space = space        # "vmem", "smem", "any", "semaphore_mem", ...
     self.device = device
     self.block_index = None   # an operand's block buffer: the block it holds
+    # the poison of the operand's dtype (the module's integers are
+    # signless: an unsigned operand's poison has every bit set), in the
+    # array's dtype; None: that of the array's dtype
+    self.poison = None
     self.sem_kind = sem_kind  # "dma" / "regular" for semaphores
 
   def __repr__(self):
@@ -202,6 +206,21 @@ def describe_box(buf: Buffer, box) -> str:
   starts, sizes = box
   parts = [f"{s}:{s + n}" for s, n in zip(starts, sizes)]
   return f"{buf.name}[{', '.join(parts)}]"
+
+
+def poison_of(buf: Buffer):
+  """What memory nobody defined holds in `buf` (see dsl/poison.py)."""
+  if buf.poison is not None:
+    return buf.poison
+  return np.array(poison_value(buf.array.dtype)).astype(buf.array.dtype)
+
+
+def poison_of_dtype(dtype, array_dtype):
+  """The poison of `dtype` (an operand's own dtype, or None) in
+  `array_dtype` (the buffer's signless one)."""
+  if dtype is None:
+    return None
+  return np.array(poison_value(dtype)).astype(array_dtype)
 
 
 def fresh_array(t, poison: bool = False) -> np.ndarray:

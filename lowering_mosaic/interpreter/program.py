@@ -15,9 +15,9 @@ from jax._src.lib.mlir import ir
 
 from dsl import checks
 from dsl.jaxpr_walk import RuleTable
-from dsl.poison import poison_value
 from lowering_mosaic import dialect
-from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
+from lowering_mosaic.interpreter.memory import (Buffer, MemRef, fresh_array,
+                                                poison_of)
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
                                                    KernelSimulationError, Wait)
 from lowering_mosaic.interpreter.value_ops import (VALUE_OPS, i64_array_attr,
@@ -221,8 +221,7 @@ def _load(frame, ref, idx, shape, strides=None):
   index, part = _access(frame, ref, idx, shape, False, strides, padding=True)
   if part is None:
     return np.array(ref.buf.array[index]).reshape(shape)
-  out = np.full(shape, poison_value(ref.buf.array.dtype),
-                ref.buf.array.dtype)
+  out = np.full(shape, poison_of(ref.buf), ref.buf.array.dtype)
   if index is not None:
     out[part] = np.asarray(ref.buf.array[index]).reshape(out[part].shape)
   return out
@@ -320,7 +319,7 @@ def _memref_load(op, c):
   def fn(frame, ref, *idx):
     index, _ = _access(frame, ref, idx, (1,) * len(idx), False)
     if index is None:       # outside the ref: poison
-      return dtype.type(poison_value(dtype))
+      return dtype.type(poison_of(ref.buf))
     return dtype.type(ref.buf.array[index].reshape(()))
   return fn, list(op.operands), False
 

@@ -32,11 +32,11 @@ from jax._src import core
 from jax._src.lib.mlir import ir
 
 from dsl import checks
-from dsl.poison import poison_value
 from dsl.revisits import FIX
 from lowering_mosaic import dialect
 from lowering_mosaic.interpreter import prng  # noqa: F401  (its ops)
-from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
+from lowering_mosaic.interpreter.memory import (Buffer, MemRef, fresh_array,
+                                                poison_of, poison_of_dtype)
 from lowering_mosaic.interpreter.program import (CFunc, Frame, compile_module,
                                                  run_block, run_to_end)
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
@@ -164,8 +164,11 @@ class Operand:
 
 
 def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
-                  out_shapes, out_dtypes=None):
-  """Buffers of one device; returns (kernel args, operands)."""
+                  out_shapes, dtypes=None):
+  """Buffers of one device; returns (kernel args, operands). `dtypes`: the
+  dtype of every kernel operand (None for semaphores), for its poison."""
+  dtypes = list(dtypes or [])
+  dtype_of = lambda p: dtypes[p] if p < len(dtypes) else None
   device = world.devices[dev]
   n_pf = prog.num_prefetch
   args, operands = [], []
@@ -196,27 +199,32 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
       if arr is None and k not in hbm:
         # A TPU hands a kernel its outputs uninitialized.
         dtype = _dtype(t)
-        poison = poison_value(out_dtypes[k - n_in] if out_dtypes else dtype)
-        arr = np.full(out_shapes[k - n_in], np.array(poison).astype(dtype),
-                      dtype)
+        arr = np.full(out_shapes[k - n_in], poison_of_dtype(
+            dtype_of(n_pf + k) or dtype, dtype), dtype)
     if k not in hbm:
       hbm[k] = device.add(Buffer(f"{name} (HBM)", ("hbm", k), arr,
                                  dialect.ANY, dev))
+      hbm[k].poison = poison_of_dtype(dtype_of(n_pf + k), arr.dtype)
     if win.transform is None:
       operands.append(Operand(k, is_out, win, hbm[k], None))
       args.append(MemRef(hbm[k]))
     else:
       blk = device.add(Buffer(f"{name} block", ("block", k), fresh_array(t),
                               _space(t), dev))
+      blk.poison = poison_of_dtype(dtype_of(n_pf + k), blk.array.dtype)
       operands.append(Operand(k, is_out, win, hbm[k], blk))
       args.append(MemRef(blk))
   for i in range(prog.num_scratch):
     t = prog.arg_types[n_pf + len(prog.windows) + i]
     kind = dialect.semaphore_kind_of(t)
     name = _name(prog, n_pf + len(prog.windows) + i, f"scratch_shapes[{i}]")
-    buf = device.add(Buffer(name, ("scratch", i),
-                            fresh_array(t, world.options.poison_buffers),
-                            _space(t), dev, kind))
+    buf = device.add(Buffer(name, ("scratch", i), fresh_array(t), _space(t),
+                            dev, kind))
+    if not kind:
+      buf.poison = poison_of_dtype(
+          dtype_of(n_pf + len(prog.windows) + i), buf.array.dtype)
+      if world.options.poison_buffers:
+        buf.array[...] = poison_of(buf)
     args.append(MemRef(buf))
   device.add(Buffer("barrier semaphore", "barrier", np.zeros((), np.int64),
                     "semaphore_mem", dev, "regular"))
@@ -256,7 +264,7 @@ def _clip(starts, sizes, shape):
 def _copy_in(world, op: Operand, idx, line):
   starts, sizes = _window_box(op, idx)
   hbm = op.hbm.array
-  full = np.full(sizes, poison_value(hbm.dtype), hbm.dtype)
+  full = np.full(sizes, poison_of(op.hbm), hbm.dtype)
   clipped = _clip(starts, sizes, hbm.shape)
   if clipped is not None:
     src, dst = clipped
@@ -275,10 +283,7 @@ def _poison_block(world, op: Operand, line):
   blk = op.block
   world.check_access(blk, ((0,) * blk.array.ndim, blk.array.shape), True,
                      line, "overwritten by the grid pipeline")
-  # the poison of the operand's dtype (unsigned: all bits set) in the
-  # block's signless type
-  blk.array[...] = np.array(poison_value(op.hbm.array.dtype)).astype(
-      blk.array.dtype)
+  blk.array[...] = poison_of(blk)
 
 
 def _copy_out(world, op: Operand, idx, line):
@@ -407,15 +412,15 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
 
 
 def simulate(prog: KernelProgram, per_device_inputs, out_shapes,
-             options: InterpreterOptions, out_dtypes=None):
+             options: InterpreterOptions, dtypes=None):
   """Runs the kernel on len(per_device_inputs) devices; returns the outputs
-  of every device (list per device). `out_dtypes`: the outputs' dtypes
-  (the module's integer types are signless), for their poison."""
+  of every device (list per device). `dtypes`: every kernel operand's
+  dtype (the module's integer types are signless), for its poison."""
   out_shapes = [tuple(s) for s in out_shapes]
   n = len(per_device_inputs)
   world = World(n, options, prog.name)
   setups = [_setup_device(world, prog, d, per_device_inputs[d], out_shapes,
-                          out_dtypes) for d in range(n)]
+                          dtypes) for d in range(n)]
   with np.errstate(all="ignore"):
     world.run(device_program(world, prog, d, args, ops)
               for d, (args, ops) in enumerate(setups))
