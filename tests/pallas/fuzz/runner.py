@@ -29,6 +29,14 @@ from tests.pallas.fuzz.spec import Case, is_float
 
 BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
 ORACLE = "pallas"
+# Features whose result Pallas's interpret mode gives otherwise by design
+# (docs/pallas-compat.md, "Memory nobody defined"): windows placed at run
+# time (it clamps them), memory nobody wrote (its integer poison is the
+# minimum), atomics through arrays of indices (it keeps one update of
+# repeated ones). Where a case has one, Pallas disagreeing says nothing of
+# the generator, and our backends are held to the reference regardless.
+PALLAS_DIFFERS = frozenset({"window_from_data", "unwritten_rows",
+                            "unwritten_read", "atomic_indices"})
 COUNTED = ("agree", "refused", "disagree", "crash", "skipped", "unchecked")
 
 
@@ -212,7 +220,7 @@ def run_case(case: Case, backends=BACKENDS, skip_known: bool = True,
       on_start(backend)
     result.outcomes[backend] = run_one(case, backend, want, tangents)
   oracle = result.outcomes[ORACLE]
-  if oracle.status == "disagree":
+  if oracle.status == "disagree" and not case.features & PALLAS_DIFFERS:
     for b, o in result.outcomes.items():
       if b != ORACLE and o.status == "disagree":
         result.outcomes[b] = Outcome("unchecked", o.detail)
