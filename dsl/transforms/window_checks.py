@@ -21,7 +21,7 @@ from jax._src.state import primitives as state_primitives
 from jax.extend.core import Primitive
 
 from dsl import ref_ops, windows
-from dsl.checks import window_access
+from dsl.checks import sub_jaxprs, window_access
 
 
 class WindowOutsideRef(jax_checkify.FailedCheckError):
@@ -143,7 +143,6 @@ jax_checkify.error_checks[window_check_p] = _check_rule
 
 def has_run_time_windows(jaxpr: core.Jaxpr) -> bool:
   """Whether a kernel accesses a ref through a window placed at run time."""
-  from dsl.checks import sub_jaxprs
   for eqn in jaxpr.eqns:
     if window_check_eqn(eqn, None) is not None:
       return True
