@@ -21,6 +21,7 @@ import numpy as np
 from jax._src import core
 from jax._src.state import discharge as state_discharge
 
+from dsl.core import windows
 from dsl.core.blockspec import BlockMapping, Element
 from dsl.core.errors import KernelError
 
@@ -144,8 +145,9 @@ def discharged_index_map(jaxpr: core.ClosedJaxpr, grid_rank: int):
   if n == grid_rank:
     return jaxpr
   should = [False] * grid_rank + [True] * (n - grid_rank)
-  return state_discharge.discharge_state(jaxpr, should_discharge=should,
-                                         strip_memory_space=True)
+  with windows.bounded_windows():
+    return state_discharge.discharge_state(jaxpr, should_discharge=should,
+                                           strip_memory_space=True)
 
 
 def block_offsets(bm: BlockMapping, ids, prefetch):

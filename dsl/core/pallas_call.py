@@ -25,9 +25,10 @@ from dsl.core.compiler_params import tuned_params
 from dsl.core.errors import (KernelError, KernelTypeError, api_boundary,
                              function_location, kernel_error_of, kernel_name,
                              user_frame)
-from dsl.core.gridspec import GridMapping, GridSpec, resolve_grid_mapping
+from dsl.core.gridspec import (GridMapping, GridSpec, is_shape_tuple,
+                               resolve_grid_mapping)
 from dsl.core.index_maps import check_block_indices
-from dsl.core.grid_plan import check_semantics
+from dsl.core.grid_plan import check_parallel_carries, check_semantics
 from dsl.core.tracing import kernel_ref_names, trace_kernel
 
 
@@ -173,9 +174,33 @@ def sharded_like(x, aval):
 
 def _leaf_aval(kernel: str, x, what: str, where: str):
   if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
+    # A weakly typed array (one made from a Python scalar) stays weak, as in
+    # JAX and Pallas: the kernel's value of it follows JAX's promotion.
+    weak = bool(getattr(x, "weak_type", False))
+    return core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype),
+                            weak_type=weak)
   raise KernelTypeError(kernel, f"expected an array or jax.ShapeDtypeStruct, "
                         f"got {x!r}", where, operand=what)
+
+
+def _out_aval(kernel: str, x, i: int, where: str):
+  if is_shape_tuple(x):
+    raise KernelTypeError(
+        kernel, f"out_shape gives each output's shape and dtype: got the "
+        f"shape {tuple(x)} alone; write jax.ShapeDtypeStruct({tuple(x)}, "
+        "dtype) (a tuple or list of them for several outputs)", where,
+        operand=f"out_shape[{i}]")
+  return _leaf_aval(kernel, x, f"out_shape[{i}]", where)
+
+
+def as_operand(x):
+  """A pallas_call operand as an array: a Python scalar (bool, int, float,
+  complex) becomes a weakly typed scalar of JAX's default dtype for it, as
+  Pallas takes it (`jnp.asarray`); arrays and numpy scalars pass as they
+  are."""
+  if isinstance(x, (bool, int, float, complex)):
+    return jnp.asarray(x)
+  return x
 
 
 def _check_aliases(name, aliases, in_avals_all, out_avals, where):
@@ -252,9 +277,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     if params is None:
       runs_on = backends.record(backend, name, where)
       params = tuned_params(runs_on.compiler_params_class())
-    flat_args, _ = tree_util.tree_flatten(args)
-    flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
-                 for a in flat_args]
+    args = tree_util.tree_map(as_operand, args)
+    flat_args = tree_util.tree_leaves(args)
     spec, out_tree = build_spec(
         kernel, args, out_shape, name=name, grid=grid, in_specs=in_specs,
         out_specs=out_specs, scratch_shapes=scratch_shapes,
@@ -264,6 +288,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         cost_estimate=cost_estimate, where=where)
     check_semantics(spec.name, params, len(spec.grid_mapping.grid),
                     where)
+    check_parallel_carries(spec, params, where)
     outs = pallas_call_p.bind(*flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 
@@ -288,9 +313,9 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
   in_tree = tree_util.tree_structure(tuple(args[num_scalar_prefetch:]))
   n_pf_leaves = len(tree_util.tree_leaves(tuple(args[:num_scalar_prefetch])))
   out_leaves, out_tree = tree_util.tree_flatten(
-      out_shape, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-  out_avals = [_leaf_aval(name, o, f"out_shape[{i}]", where)
-               for i, o in enumerate(out_leaves)]
+      out_shape, is_leaf=lambda x: (hasattr(x, "shape") and hasattr(x, "dtype"))
+      or is_shape_tuple(x))
+  out_avals = [_out_aval(name, o, i, where) for i, o in enumerate(out_leaves)]
   try:
     key = (kernel, name, tuple(avals), in_tree, tuple(out_avals), out_tree,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),

@@ -19,7 +19,7 @@ from dsl.core import config
 from dsl.core.blockspec import BlockMapping, Element
 from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.core.index_maps import block_offsets
-from dsl.core.poison import fresh_buffer, poison_value
+from dsl.core.poison import fresh_buffer, poison_full, poison_value
 from dsl.transforms.discharge import discharged_kernel
 
 
@@ -253,8 +253,10 @@ def _initial_states(args, spec, plan: Plan):
   for k, op in enumerate(plan.operands[n_in:]):
     bm = op.mapping
     src = next((i for i, o in aliases.items() if o == k), None)
+    # Output memory the kernel never writes is poison, as on hardware
+    # (uninitialized); an aliased output starts from its input.
     init = (jnp.asarray(args[src]).astype(bm.array_aval.dtype) if src is not None
-            else jnp.zeros(bm.array_aval.shape, bm.array_aval.dtype))
+            else poison_full(bm.array_aval.shape, bm.array_aval.dtype))
     init = pad(init, bm)
     out_states.append(to_view(init, bm) if op.mode == "view" else init)
   par_shape = tuple(gm.grid[d] for d in plan.parallel)

@@ -15,22 +15,26 @@ from dsl.core import config, host_failures
 from dsl.tools import profiling
 from dsl.interpret.execute import run
 from dsl.transforms import runtime_checks
+from dsl.transforms.window_checks import has_run_time_windows
 
 
 def interpret_lowering(ctx, *args, spec):
   """The pallas_call lowering rule of backend "interpret"."""
   fn = functools.partial(run, spec=spec)
-  # With runtime asserts on, block indices read from data are checked too.
-  check_blocks = (config.enable_runtime_assert()
-                  and bool(runtime_checks.data_dependent_blocks(spec)))
-  if ((check_blocks or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
+  # With runtime asserts on, block indices read from data and windows
+  # placed at run time are checked too.
+  asserts = config.enable_runtime_assert()
+  check_blocks = asserts and bool(runtime_checks.data_dependent_blocks(spec))
+  check_windows = asserts and has_run_time_windows(spec.jaxpr.jaxpr)
+  if ((check_blocks or check_windows
+       or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
       and not runtime_checks.is_checked(spec)):
     # Run-time checks and waits become values; a failure raises from the host.
     axis_context = ctx.module_context.axis_context
 
     def fn(*xs):
       return runtime_checks.run_checked(spec, run, xs, axis_context,
-                                        check_blocks)
+                                        check_blocks, check_windows)
   if profiling.enabled():
     fn = _on_host(fn, spec, ctx.module_context.axis_context)
   # Inside shard_map the operands vary over manual axes; the interpreter's
@@ -53,7 +57,8 @@ def _on_host(fn, spec, axis_context):
     def run(*arrays):
       return [np.asarray(o) for o in jax.block_until_ready(compiled(*arrays))]
     outs, failed = host_failures.call_host(run, shapes, *xs,
-                                           kernel=spec.name)
+                                           kernel=spec.name,
+                                           source=spec.kernel_src)
     host_failures.raise_parked(axis_context, failed)
     return outs
   return on_host

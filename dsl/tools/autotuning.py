@@ -39,6 +39,7 @@ from dsl.core.compiler_params import tuned_launch
 from dsl.tools import autotune_cache
 from dsl.core import config
 from dsl.core.errors import KernelTypeError, user_frame
+from dsl.tools import processes
 from dsl.tools.timing import measure
 
 ENV_SWITCH = "DSL_AUTOTUNE"
@@ -53,7 +54,8 @@ def searching_enabled() -> bool:
 class Choice:
   """The config used for one key, and where it came from."""
   config: dict
-  source: str                  # "searched", "cached" or "default"
+  source: str      # "searched", "cached", "default", or "shared" (from
+  # process 0 of a job of several processes)
   median_s: float | None = None
   results: tuple = ()          # (config, seconds or error text) per config
 
@@ -168,22 +170,34 @@ class Autotuned:
 
   def choose(self, *args, **kwargs) -> Choice:
     """The config for these arguments: remembered, cached on disk, searched
-    (first call per key) or, with DSL_AUTOTUNE=0, the first config."""
+    (first call per key) or, with DSL_AUTOTUNE=0, the first config. In a
+    job of several processes, process 0 decides and shares its choice, so
+    that every process compiles the same program."""
     key = self.key_of(args, kwargs)
     backend = self.backend_of(kwargs)
     hit = self.choices.get((key, backend))
     if hit is not None:
       return hit
+    mine = []
+
+    def decide():
+      mine.append(self._decide(args, kwargs, key, backend))
+      return self.configs.index(mine[0].config)
+    index = processes.first_process_decides(
+        decide, f"autotune/{self.name}/{key}/{backend}")
+    choice = mine[0] if mine else Choice(self.configs[index], "shared")
+    if choice.source != "default":
+      self.choices[(key, backend)] = choice
+    return choice
+
+  def _decide(self, args, kwargs, key, backend) -> Choice:
     cached = _as_json(autotune_cache.lookup(self.name, key, backend=backend))
     known = [c for c in self.configs if _as_json(c) == cached]
     if cached is not None and known:
-      choice = Choice(known[0], "cached")
-    elif not searching_enabled():
+      return Choice(known[0], "cached")
+    if not searching_enabled():
       return Choice(self.configs[0], "default")
-    else:
-      choice = self._search(args, kwargs, key, backend)
-    self.choices[(key, backend)] = choice
-    return choice
+    return self._search(args, kwargs, key, backend)
 
   # ------------------------------------------------------------ search
   def _search(self, args, kwargs, key, backend) -> Choice:

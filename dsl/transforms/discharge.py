@@ -8,7 +8,7 @@ import functools
 from jax._src import core
 from jax._src.state import discharge as state_discharge
 
-from dsl.core import config
+from dsl.core import config, windows
 from dsl.tpu.prng_state import with_prng_state
 
 
@@ -30,5 +30,6 @@ def _discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
   kept = grid_rank + kept_refs
   should = [False] * kept + [True] * (len(j.invars) - kept)
   closed = core.ClosedJaxpr(j, jaxpr.consts)
-  return state_discharge.discharge_state(closed, should_discharge=should,
-                                         strip_memory_space=True)
+  with windows.bounded_windows():
+    return state_discharge.discharge_state(closed, should_discharge=should,
+                                           strip_memory_space=True)

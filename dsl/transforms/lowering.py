@@ -15,7 +15,7 @@ from jax._src import sharding_impls
 from jax._src.interpreters import mlir
 
 from dsl.core import backends
-from dsl.transforms import partitioning
+from dsl.transforms import aliased_reads, partitioning
 from dsl.core.errors import lowering_kernel
 from dsl.core.pallas_call import KernelSpec, pallas_call_p
 
@@ -29,6 +29,15 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
     return partitioning.lower_partitioned(ctx, *args, spec=spec)
   name = backends.resolve(spec.backend, platform=platform)
   rule = backends.lowering_rule(name, spec.name, spec.where)
+  if backends.record(name).code == "mosaic":
+    # A TPU never reads an output block from HBM: an aliased output read
+    # before it is written starts from its input another way.
+    derived = aliased_reads.reading_aliased_outputs(spec)
+    if derived is not None:
+      new, extra = derived
+      bind = lambda *xs: pallas_call_p.bind(*xs, *[xs[i] for i in extra],
+                                            spec=new)
+      return mlir.lower_fun(bind, multiple_results=True)(ctx, *args)
   spec = backends.prepare(spec, name)
   with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
     if spec.local:

@@ -21,7 +21,8 @@ from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith
 
-from dsl.core.errors import BackendError, source_info_frame
+from dsl.core import config
+from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame
 from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
 from lowering_mosaic import dialect
 
@@ -87,14 +88,24 @@ class LoweringContext:
   uses_remote: bool = False
   named_axes: set = dataclasses.field(default_factory=set)  # axis_index'd
   current_line: str | None = None
+  kernel_jaxpr: Any = None      # for jax_pallas_verbose_errors
   # The RuleTable the walker dispatches through (`lowering_mosaic.tpu.rules`).
   rules: Any = None
 
   def error(self, message: str, primitive: str | None = None,
-            line: str | None = None) -> BackendError:
+            line: str | None = None, eqn=None) -> BackendError:
+    """A BackendError naming the kernel and the user's line; with
+    jax_pallas_verbose_errors on, it shows the kernel jaxpr with `eqn`
+    (the failing equation) marked."""
     what = f"primitive '{primitive}': " if primitive else ""
+    detail = None
+    if eqn is not None and self.kernel_jaxpr is not None and \
+        config.verbose_errors():
+      detail = ("The kernel jaxpr, the failing equation marked:\n"
+                + marked_jaxpr(self.kernel_jaxpr, eqn))
     return BackendError(self.kernel, f"{what}{message}",
-                        line or self.current_line or self.where)
+                        line or self.current_line or self.where,
+                        detail=detail)
 
 
 @dataclasses.dataclass
@@ -254,7 +265,7 @@ class _Walk(LoweringHost):
 
   def error(self, message, eqn=None):
     line = source_info_frame(eqn.source_info) if eqn is not None else None
-    return self.lctx.error(message, line=line or self.outer_line)
+    return self.lctx.error(message, line=line or self.outer_line, eqn=eqn)
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn):
