@@ -6,6 +6,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "examples",
                      "transformer.py")
@@ -25,6 +26,7 @@ CFG = tr.Config(vocab=CORPUS.vocab, seq=16, d_model=32, n_heads=4,
                 n_kv_heads=2, n_layers=1, d_ff=64, batch=4, lr=1e-2)
 
 
+@pytest.mark.slow
 def test_kernel_and_jnp_models_give_the_same_loss_curve():
   batches = CORPUS.batches(4, CFG.batch, CFG.seq, seed=1)
   pk, k_losses, _ = tr.train(CFG, tr.kernel_ops(), batches)

@@ -27,8 +27,9 @@ OTHER_CPU_BACKENDS = tuple(b for b in CPU_BACKENDS if b != "interpret")
 
 # The Triton backend that `call` uses; the GPU tests switch it to "triton".
 TRITON_BACKEND = ["triton_interpret"]
-# The GPU architectures the Triton tests compile for ahead of time.
-TRITON_ARCHS = ("sm_80", "sm_90")
+# The GPU architectures the Triton tests compile for ahead of time, as
+# parameters: Hopper in the default suite, Ampere too with `-m slow`.
+TRITON_ARCHS = ("sm_90", pytest.param("sm_80", marks=pytest.mark.slow))
 
 
 def hypothesis_settings(max_examples, derandomize=True):
