@@ -52,16 +52,22 @@ def gpu_config(kernel: str, dims, dtype, backend: str, *given) -> dict:
   return dict(hit.config) if hit else {}
 
 
+def _code(backend: str) -> str:
+  """What `backend` builds, from its record in the registry."""
+  return backends.record(backend).code
+
+
 def is_triton(backend: str) -> bool:
-  return backend.startswith("triton")
+  return _code(backend) == "triton"
 
 
 def is_mosaic(backend: str) -> bool:
-  return backend.startswith("mosaic")
+  """A Mosaic backend, TPU or GPU."""
+  return _code(backend) in ("mosaic", "mosaic_gpu")
 
 
 def is_mosaic_gpu(backend: str) -> bool:
-  return backend == "mosaic_gpu"
+  return _code(backend) == "mosaic_gpu"
 
 
 GPU_ROWS = 64                   # rows of a warpgroup's wgmma layout
@@ -89,7 +95,7 @@ def gpu_cols(n: int, itemsize: int, rows: int = GPU_ROWS) -> int:
 def is_tpu(backend: str) -> bool:
   """The Mosaic TPU backends (not "mosaic_gpu"), whose blocks follow the
   TPU tiling rule."""
-  return backend in ("mosaic", "mosaic_interpret")
+  return _code(backend) == "mosaic"
 
 
 def pow2_floor(n: int) -> int:
