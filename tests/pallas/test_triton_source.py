@@ -188,6 +188,52 @@ def test_a_step_made_only_of_first_and_last_blocks_peels_both():
   assert_close(jax.jit(f)(x), x[:, :16] + x[:, 48:])
 
 
+def _scaled_accumulate(kernel, x, s):
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((32, 16), jnp.float32), grid=(2, 4),
+      in_specs=[pl.BlockSpec((16,), lambda i, k: (0,)),
+                pl.BlockSpec((16, 16), lambda i, k: (i, k))],
+      out_specs=pl.BlockSpec((16, 16), lambda i, k: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((16, 16), jnp.float32)],
+      backend="triton_interpret")(s, x)
+
+
+@pytest.mark.parametrize("generate_raw", [False, True])
+def test_reads_of_other_refs_and_calls_do_not_keep_the_first_step_in_the_loop(
+    generate_raw):
+  """A step that reads a ref the first-step block does not write (decode
+  attention's sequence length) and computes with jnp functions (calls, in
+  the kernel jaxpr as traced) before the block still peels it; the code is
+  the same whether or not the spec was normalized first."""
+  def kernel(s_ref, x_ref, o_ref, acc_ref):
+    k = pl.program_id(1)
+    scale = s_ref[...]                     # a read before the block
+    half = jnp.remainder(k + 4, 4) // 2    # jnp calls before the block
+
+    @pl.when(k == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)   # PEEL-INIT
+    acc_ref[...] += x_ref[...] * scale[None, :] + half.astype(jnp.float32)
+
+    @pl.when(k == 3)
+    def _():
+      o_ref[...] = acc_ref[...]
+  x = array(3, (32, 64), jnp.float32)
+  s = array(4, (16,), jnp.float32)
+  f = lambda x, s: _scaled_accumulate(kernel, x, s)
+  if generate_raw:
+    (spec,) = [e.params["spec"] for e in jax.make_jaxpr(f)(x, s).eqns
+               if "spec" in e.params]
+    src = lowering_triton.generate(spec).source
+  else:
+    (src,) = lowering_triton.to_source(f, x, s)
+  head, body, after = _loop_parts(src)
+  assert "PEEL-INIT" in head and "first step (k = 0)" in head
+  assert "if " not in body
+  want = (x.reshape(32, 4, 16) * s).sum(1) + 2.0
+  assert_close(jax.jit(f)(x, s), want)
+
+
 def test_blocks_stay_in_the_loop_when_moving_them_would_reorder_effects():
   def kernel(x_ref, o_ref, acc_ref):
     k = pl.program_id(1)
@@ -565,3 +611,4 @@ def test_values_take_names_from_assignments_not_keywords():
   assert "in_specs" not in assigned and "out_specs" not in assigned, src
   assert "y" in assigned, src
   assert re.search(r"x_start = \w+ \* 128", src), src
+
