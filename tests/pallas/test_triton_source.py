@@ -526,8 +526,7 @@ def test_verbose_error_marks_the_failing_equation(verbose_errors):
   assert "sort" in msg.split(">>>")[1][:400]     # the marked equation
 
 
-@pytest.mark.parametrize("case", ["cas_on_padded", "scan_over_xs",
-                                  "array_index", "semaphore", "too_large",
+@pytest.mark.parametrize("case", ["cas_on_padded", "array_index", "semaphore", "too_large",
                                   "interior_pad"])
 def test_unsupported_constructs_raise_clear_errors(case):
   scratch = ()
@@ -538,10 +537,6 @@ def test_unsupported_constructs_raise_clear_errors(case):
       o_ref[...] = x_ref[...]
       plt.atomic_cas(o_ref, x_ref[...], x_ref[...] + 1)
     match = "atomic_cas on a window that needs masking"
-  elif case == "scan_over_xs":
-    def kernel(x_ref, o_ref):
-      o_ref[...] = lax.scan(lambda c, v: (c + v, c), 0, x_ref[...])[1]
-    match = "lax.scan over arrays"
   elif case == "array_index":
     def kernel(x_ref, o_ref):
       o_ref[...] = x_ref[x_ref[...] % 10]
@@ -612,3 +607,28 @@ def test_values_take_names_from_assignments_not_keywords():
   assert "y" in assigned, src
   assert re.search(r"x_start = \w+ \* 128", src), src
 
+
+def test_reshapes_that_only_add_unit_dims_index_with_none():
+  """`jnp.reshape(row_sums, (n, 1))` (what reverse mode makes of a reduction
+  with keepdims) is `x[:, None]`, not `tl.reshape`: Triton lays a reshaped
+  row vector out whole in every thread, and a tile broadcast from it kept
+  that layout (the softmax backward never finished compiling)."""
+  def kernel(x_ref, o_ref):
+    x = x_ref[...]
+    s = jnp.sum(x, axis=1).reshape(x.shape[0], 1)      # (64,) -> (64, 1)
+    c = jnp.sum(x, axis=0).reshape(1, 1, x.shape[1])   # (256,) -> (1, 1, 256)
+    o_ref[...] = x * s + c[0]
+  x = array(5, (128, 256), jnp.float32)
+  f = lambda x: pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+      in_specs=[pl.BlockSpec((64, 256), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((64, 256), lambda i: (i, 0)),
+      backend="triton_interpret")(x)
+  (src,) = lowering_triton.to_source(f, x)
+  assert not re.search(r"tl.reshape\(sum_", src)
+  assert re.search(r"= sum_\w*\[:, None\]", src)
+  assert re.search(r"= sum_\w*\[None, None, :\]", src)
+  blocks = x.reshape(2, 64, 256)
+  want = (blocks * blocks.sum(2, keepdims=True)
+          + blocks.sum(1, keepdims=True)).reshape(x.shape)
+  assert_close(jax.jit(f)(x), want)
