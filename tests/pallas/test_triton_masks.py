@@ -142,7 +142,8 @@ def test_atomic_cas_takes_proven_run_time_windows_and_refuses_others():
 
 def _causal_kernel(x_ref, o_ref):
   """Row block i sums the column windows 0..i: a loop whose trip count
-  depends on the program id (a while loop)."""
+  depends on the program id (a while loop in the jaxpr, a for loop in the
+  source)."""
   i = pl.program_id(0)
   def body(k, acc):
     return acc + x_ref[:, pl.ds(k * 32, 32)]
@@ -163,7 +164,9 @@ def test_loops_bounded_by_program_ids_and_vmapped_kernels_are_unmasked(
   fn = jax.vmap(_causal) if vmapped else _causal
   xs = jnp.stack([x, 2 * x]) if vmapped else x
   (src,) = lowering_triton.to_source(fn, xs)
-  assert "while" in src and "mask=" not in _kernel_source(src)
+  body = _kernel_source(src)
+  assert "for k in tl.range(" in body and "while" not in body
+  assert "mask=" not in body
   got = jax.jit(lambda a: (jax.vmap(_causal, in_axes=(0, None)) if vmapped
                            else _causal)(a, "triton_interpret"))(xs)
   blocks = x.reshape(4, 8, 4, 32)

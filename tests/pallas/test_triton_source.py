@@ -632,3 +632,28 @@ def test_reshapes_that_only_add_unit_dims_index_with_none():
   want = (blocks * blocks.sum(2, keepdims=True)
           + blocks.sum(1, keepdims=True)).reshape(x.shape)
   assert_close(jax.jit(f)(x), want)
+
+
+def test_fori_loops_with_run_time_bounds_become_for_loops():
+  """`fori_loop` with bounds from the program id is a `while` in the jaxpr;
+  it lowers to `for j in tl.range(lo, hi)` (Triton pipelines for loops, not
+  while loops), its window loads unmasked where the range analysis bounds
+  the counter; a loop that does not count up by one stays a `while`."""
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    acc = lax.fori_loop(i, 2 * i + 1,
+                        lambda j, acc: acc + x_ref[pl.ds(j * 8, 8), :],
+                        jnp.zeros((8, 128), jnp.float32))
+    halve = lax.while_loop(lambda c: c[0] > 1, lambda c: (c[0] // 2, c[1] + 1),
+                           (i + 7, 0))[1]
+    o_ref[...] = acc + halve.astype(jnp.float32)
+  x = array(8, (64, 128), jnp.float32)
+  f = lambda x, backend="triton_interpret": pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32), grid=(4,),
+      in_specs=[pl.BlockSpec((64, 128), lambda i: (0, 0))],
+      out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend=backend)(x)
+  (src,) = lowering_triton.to_source(f, x)
+  assert re.search(r"for j in tl\.range\(i, \w+\):", src)
+  assert src.count("while ") == 1
+  assert "mask=" not in src
+  assert_close(jax.jit(f)(x), jax.jit(lambda x: f(x, "interpret"))(x))
