@@ -94,30 +94,57 @@ TRITON_CONFIGS = {
     "dq": (128, 32, 8, 3),
 }
 SMALL_CONFIG = (64, 64, 4, 3)    # head_dim <= 64, or smaller given tiles
+# Shared memory one Hopper program may use (227 KiB): the pipelined tiles of
+# a config must fit, or the kernel does not launch.
+SHARED_BYTES = 227 * 1024
 
 
-def _triton_config(kernel, d):
-  return SMALL_CONFIG if d <= 64 else TRITON_CONFIGS[kernel]
+def _shared_bytes(kernel, bq, bk, d, itemsize, stages) -> int:
+  """The shared memory of a kernel's pipelined tiles: the blocks it keeps
+  once, the blocks it steps through once per stage (what Triton allocates
+  for these kernels, to the byte for the forward)."""
+  kept, stepped = {"fwd": (bq, 2 * bk), "dq": (2 * bq, 2 * bk),
+                   "dkdv": (2 * bk, 2 * bq)}[kernel]
+  return itemsize * d * (kept + stages * stepped)
 
 
-def _triton_params(kernel, backend, d, bq, bk, tuned=None):
+def _triton_config(kernel, d, itemsize=2):
+  """(block_q, block_k, num_warps, num_stages): the table's, with the
+  stepped block (then the kept one) halved until the tiles fit in shared
+  memory (float32 at head_dim 128: the forward's 128 x 128 tiles with 2
+  stages need 320 KiB, 128 x 64 ones 192 KiB)."""
+  bq, bk, warps, stages = SMALL_CONFIG if d <= 64 else TRITON_CONFIGS[kernel]
+  while _shared_bytes(kernel, bq, bk, d, itemsize, stages) > SHARED_BYTES:
+    stepped, kept = (bq, bk) if kernel == "dkdv" else (bk, bq)
+    if max(stepped, kept) <= 16:
+      break
+    if stepped > 16:
+      stepped //= 2
+    else:
+      kept //= 2
+    bq, bk = (stepped, kept) if kernel == "dkdv" else (kept, stepped)
+  return bq, bk, warps, stages
+
+
+def _triton_params(kernel, backend, d, bq, bk, tuned=None, itemsize=2):
   """Launch parameters: the shipped GPU default's (`tuned`, from
   `blocking.gpu_config`) when it has them, else the table above."""
   if tuned and "num_warps" in tuned:
     return blocking.triton_params(backend, num_warps=tuned["num_warps"],
                                   num_stages=tuned.get("num_stages"))
-  cfg = _triton_config(kernel, d)
+  cfg = _triton_config(kernel, d, itemsize)
   if bq * bk < cfg[0] * cfg[1]:
     cfg = SMALL_CONFIG
   return blocking.triton_params(backend, num_warps=cfg[2], num_stages=cfg[3])
 
 
 def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
-                     block_k=None, kernel: str = "fwd"):
-  """(block_q, block_k) of `kernel` ("fwd", "dkdv" or "dq")."""
+                     block_k=None, kernel: str = "fwd", itemsize: int = 2):
+  """(block_q, block_k) of `kernel` ("fwd", "dkdv" or "dq") for operands of
+  `itemsize` bytes."""
   backward = kernel != "fwd"
   if blocking.is_triton(backend):
-    tq, tk = _triton_config(kernel, d)[:2]
+    tq, tk = _triton_config(kernel, d, itemsize)[:2]
     if backend == "triton_interpret":
       # A quarter of the GPU's tiles, so each backward kernel's own shape
       # runs through Triton's interpreter too.
@@ -284,9 +311,10 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
   be = blocking.resolve_backend(backend)
   tuned = blocking.gpu_config("flash_attention", q.shape, q.dtype, be,
                               block_q, block_k)
+  size = q.dtype.itemsize
   bq, bk = attention_blocks(sq, sk, d, be, tuned.get("block_q", block_q),
-                            tuned.get("block_k", block_k))
-  params = _triton_params("fwd", be, d, bq, bk, tuned)
+                            tuned.get("block_k", block_k), itemsize=size)
+  params = _triton_params("fwd", be, d, bq, bk, tuned, size)
   if blocking.is_triton(be):
     return flash_attention_loops.forward(
         q, k, v, q_seg, kv_seg, causal=causal, sm_scale=sm_scale,
@@ -393,11 +421,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
                                 q.dtype, resolved, block_q, block_k)
     bq, bk = attention_blocks(sq, sk, d, resolved,
                               tuned.get("block_q", block_q),
-                              tuned.get("block_k", block_k), kernel)
+                              tuned.get("block_k", block_k), kernel,
+                              q.dtype.itemsize)
     common = dict(sm_scale=sm_scale, causal=causal, has_seg=q_seg is not None,
                   bq=bq, bk=bk, sq=sq, sk=sk)
     return (bq, bk, pl.cdiv(sq, bq), pl.cdiv(sk, bk), common,
-            _triton_params(kernel, resolved, d, bq, bk, tuned))
+            _triton_params(kernel, resolved, d, bq, bk, tuned,
+                           q.dtype.itemsize))
 
   bq, bk, nq, nk, common, params = setup("dkdv")
 

@@ -242,3 +242,23 @@ def test_causal_kernels_do_half_the_work_and_mask_only_the_diagonal(kernel):
   assert 0.5 <= causal / full <= 0.55
   crossing = n * max(bq, bk) // min(bq, bk) if kernel == "dkdv" else n
   assert masked == crossing
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_triton_defaults_fit_shared_memory_by_dtype(d, itemsize):
+  """The code's Triton tiles fit one Hopper program's shared memory for
+  every kernel, dtype and head_dim (the estimate is exact for the forward:
+  the sm_90 binaries' 160 KiB bf16 and 192 KiB f32 at head_dim 128), and
+  keep the table's tiles where they fit."""
+  for kernel in ("fwd", "dkdv", "dq"):
+    bq, bk, warps, stages = flash_mod._triton_config(kernel, d, itemsize)
+    assert flash_mod._shared_bytes(kernel, bq, bk, d, itemsize, stages) <= (
+        flash_mod.SHARED_BYTES)
+    table = (flash_mod.SMALL_CONFIG if d <= 64
+             else flash_mod.TRITON_CONFIGS[kernel])
+    assert (warps, stages) == table[2:]
+    if itemsize == 2 and d <= 128:
+      assert (bq, bk) == table[:2]
+  assert flash_mod._shared_bytes("fwd", 128, 128, 128, 2, 2) == 160 * 1024
+  assert flash_mod._triton_config("fwd", 128, 4)[:2] == (128, 64)

@@ -23,13 +23,7 @@ with warnings.catch_warnings():
 
 # Known failures of a contract, each a finding for the kernel's owner (the
 # test fails loudly, strict, as soon as the kernel is fixed).
-KNOWN = {
-    "kernels.flash_attention.fwd.f32": "the default f32 forward config "
-    "(128x128 tiles, head_dim 128, num_stages=2) needs 320 KiB of shared "
-    "memory: more than an H100/H200 SM has",
-    "kernels.flash_attention_causal.fwd.f32": "the same config as the "
-    "non-causal f32 forward's: 320 KiB of shared memory",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _marks(name):
