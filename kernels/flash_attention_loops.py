@@ -42,6 +42,13 @@ def _loop(lo, hi, body, carry):
   return lax.fori_loop(lo, hi, body, carry)
 
 
+def _div(a, b: int):
+  """`a // b` for `a >= 0`: truncating division on traced values (which the
+  range analysis bounds exactly; jnp's `//` rounds toward minus infinity
+  through a select that widens the interval below 0)."""
+  return a // b if isinstance(a, int) else lax.div(a, jnp.int32(b))
+
+
 def kv_bounds(qi, *, bq, bk, sq, sk, causal, has_seg):
   """(full, needed) for q block `qi`: kv blocks `[0, full)` need no mask,
   `[full, needed)` need one, later blocks are not needed (causal)."""
@@ -50,29 +57,30 @@ def kv_bounds(qi, *, bq, bk, sq, sk, causal, has_seg):
   if causal:
     # key block j is needed while j * bk <= the block's last row, and
     # unmasked while its last key (j + 1) * bk - 1 <= the block's first row.
-    needed = jnp.minimum(nk, (qi * bq + bq + bk - 1) // bk)
-    full = jnp.minimum((qi * bq + 1) // bk, sk // bk)
+    needed = jnp.minimum(nk, _div(qi * bq + bq + bk - 1, bk))
+    full = jnp.minimum(_div(qi * bq + 1, bk), sk // bk)
   else:
     needed, full = nk, sk // bk
   return (0 if has_seg else full), needed
 
 
 def q_bounds(kj, *, bq, bk, sq, sk, causal, has_seg):
-  """((lo, start), (start, whole), (whole', nq)) for kv block `kj`: the
-  masked q blocks below the diagonal-crossing ones end at `start`, the
-  unmasked whole q blocks run from `start`, and a masked tail (a partial
-  last q block) follows. Causal: q blocks before `lo` see none of the
-  block's keys."""
+  """((lo, start), (start, tail), (tail, nq)) for kv block `kj`: masked q
+  blocks from `lo` (the diagonal crosses them), unmasked whole ones from
+  `start`, and a masked partial last q block from `tail`. Causal: q blocks
+  before `lo` see none of the block's keys."""
   nq, whole = pl.cdiv(sq, bq), sq // bq
   if causal:
-    lo = (kj * bk) // bq                        # the first q row >= kj * bk
-    start = jnp.minimum((kj * bk + bk - 1 + bq - 1) // bq, nq)
+    lo = _div(kj * bk, bq)                      # the first q row >= kj * bk
+    start = jnp.minimum(_div(kj * bk + bk - 1 + bq - 1, bq), nq)
   else:
     lo, start = 0, 0
   if has_seg:
     start = nq
   elif sk % bk:                                 # a partial kv block: masked
     start = jnp.where(kj == pl.cdiv(sk, bk) - 1, nq, start)
+  if whole == nq:                               # no partial q block
+    return (lo, start), (start, nq), (nq, nq)
   tail = jnp.maximum(start, whole) if not isinstance(start, int) else max(
       start, whole)
   return (lo, start), (start, tail), (tail, nq)

@@ -15,6 +15,7 @@ A `ValueRef` is a ref kept in registers: a variable holding the whole
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Union
 
 import numpy as np
@@ -68,11 +69,14 @@ def index_sym(idx, size: int) -> Sym:
 
 @dataclasses.dataclass(frozen=True)
 class Axis:
-  """A visible axis of a ref: array coordinate `start + step * k`, k < size."""
+  """A visible axis of a ref: array coordinate `start + step * k`, k < size.
+  A `start` computed at run time is known to be a multiple of `align` (0: it
+  is 0)."""
   dim: int
   start: Sym
   step: int
   size: int
+  align: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +144,13 @@ class UnsupportedIndex(Exception):
   pass
 
 
-def apply_indexer(ref: MemRef, indexer) -> MemRef:
-  """The window `ref[indexer]` (static; emits nothing)."""
+def _start_align(ax: Axis) -> int:
+  return ax.start if isinstance(ax.start, int) else ax.align
+
+
+def apply_indexer(ref: MemRef, indexer, multiples=None) -> MemRef:
+  """The window `ref[indexer]` (static; emits nothing); `multiples[k]`: a
+  number index k's start is known to be a multiple of (default 1)."""
   if not isinstance(indexer, indexing.NDIndexer):
     raise UnsupportedIndex(f"ref transform {type(indexer).__name__} is not "
                            "supported by the Triton backend")
@@ -152,14 +161,18 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
   fixed = list(ref.fixed)
   axes = []
   dynamic = set(ref.dynamic)
-  for ax, idx in zip(ref.axes, indices):
+  multiples = multiples or [1] * len(indices)
+  for ax, idx, mult in zip(ref.axes, indices, multiples):
     start = idx.start if isinstance(idx, indexing.Slice) else idx
     if isinstance(start, TVal) and start.literal is None:
       dynamic.add(ax.dim)
     if isinstance(idx, indexing.Slice):
       start = as_sym(idx.start)
+      if isinstance(start, int):
+        mult = start
+      align = math.gcd(_start_align(ax), mult * ax.step)
       axes.append(Axis(ax.dim, sym_add(ax.start, sym_mul(start, ax.step)),
-                       ax.step * int(idx.stride), int(idx.size)))
+                       ax.step * int(idx.stride), int(idx.size), align))
     elif isinstance(idx, (int, np.integer)) or (
         isinstance(idx, TVal) and idx.shape == ()):
       fixed.append((ax.dim, sym_add(ax.start,

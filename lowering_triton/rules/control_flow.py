@@ -119,7 +119,8 @@ def _counted_for(ctx, k, bound, bconsts, body_jaxpr, init):
     carries.append(TVal(name, v.shape, v.dtype))
   iv = _loop_var_name(ctx, body_jaxpr.jaxpr)
   start = init[k]
-  with ctx.buf.indent(f"for {iv} in tl.range({start.expr}, {bound.expr}):"):
+  header = f"for {iv} in tl.range({start.expr}, {bound.expr}):"
+  with ctx.buf.indent(header), ctx.lowering.in_loop():
     ctx.lowering.reset_comments()
     mark = ctx.lowering.writes_mark()
     loop_args = list(carries)
@@ -151,7 +152,7 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
   go = ctx.fresh("keep_going")
   (pred,) = ctx.lower_closed(cond_jaxpr, cconsts + carries)
   ctx.emit(f"{go} = {_typed(pred)}")
-  with ctx.buf.indent(f"while {go}:"):
+  with ctx.buf.indent(f"while {go}:"), ctx.lowering.in_loop():
     ctx.lowering.reset_comments()
     mark = ctx.lowering.writes_mark()
     new = ctx.lower_closed(body_jaxpr, bconsts + carries)
@@ -227,7 +228,8 @@ def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
   static = unroll is True or (not isinstance(unroll, bool) and
                               int(unroll) > 1 and int(unroll) >= length)
   rng = "tl.static_range" if static else "tl.range"
-  with ctx.buf.indent(f"for {iv} in {rng}(0, {length}):"):
+  header = f"for {iv} in {rng}(0, {length}):"
+  with ctx.buf.indent(header), ctx.lowering.in_loop():
     ctx.lowering.reset_comments()
     loop_args = list(carries)
     if counter is not None:

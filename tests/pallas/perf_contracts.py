@@ -45,6 +45,7 @@ import kernels
 from benchmarks import gpu_triton, peers
 from benchmarks.suite import by_name
 from dsl import autotune_cache, gpu_defaults, ranges, ref_ops
+from dsl import config as dsl_config
 from dsl.blockspec import Element, squeezed
 from lowering_triton import aot
 from lowering_triton.ptx_stats import SM90, Mix, blocks_per_sm
@@ -63,7 +64,8 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 # Hopper's fast path was lost.
 MUST_NOT_GROW = ("selp", "st_global", "st_shared", "st_local",
                  "ld_global_predicated", "ld_local")
-MUST_NOT_DROP = ("wgmma", "cp_async", "cp_async_bulk")
+MUST_NOT_DROP = ("wgmma", "cp_async_bulk")
+# cp.async copies may drop only where TMA copies (cp_async_bulk) replace them.
 INSTRUCTION_SLACK = 1.10
 
 
@@ -271,17 +273,20 @@ def report(kernel: aot.AotKernel) -> KernelReport:
       _whole(kernel.spec))
 
 
-def compile_case(name: str) -> tuple[KernelReport, ...]:
-  """The reports of the kernels of case `name`."""
+def compile_case(name: str, tensor_descriptors: bool = True
+                 ) -> tuple[KernelReport, ...]:
+  """The reports of the kernels of case `name` (with TMA tensor descriptors
+  where the lowering emits them, or none)."""
   case = CASES[name]
-  with _no_autotune_cache(), gpu_defaults.for_device(*DEVICE):
+  with _no_autotune_cache(), gpu_defaults.for_device(*DEVICE), \
+      dsl_config.triton_tensor_descriptors_option(tensor_descriptors):
     jax.clear_caches()   # kernels/ traces are cached per device's defaults
     fn, args = case.build()
     kernels = aot.compile_aot(fn, *args, target=TARGET)
   reports = [report(k) for k in kernels]
   if case.exclude:
     # A backward case's function runs the forward kernels first.
-    fwd = [r.name for r in compiled(case.exclude)]
+    fwd = [r.name for r in compiled(case.exclude, tensor_descriptors)]
     if [r.name for r in reports[:len(fwd)]] == fwd:
       reports = reports[len(fwd):]
   return tuple(reports)
@@ -356,6 +361,10 @@ def baseline_problems(r: KernelReport, base: dict) -> list[str]:
              for k in MUST_NOT_GROW if now[k] > was[k]]
     moved += [f"{k} {now[k]} (baseline {was[k]}: lost)"
               for k in MUST_NOT_DROP if now[k] < was[k]]
+    if now["cp_async"] < was["cp_async"] and not (
+        now["cp_async_bulk"] > was["cp_async_bulk"]):
+      moved.append(f"cp_async {now['cp_async']} (baseline {was['cp_async']}: "
+                   "lost, and no TMA copies took their place)")
     if now["instructions"] > was["instructions"] * INSTRUCTION_SLACK + 4:
       moved.append(f"instructions {now['instructions']} (baseline "
                    f"{was['instructions']})")

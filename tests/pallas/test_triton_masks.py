@@ -14,6 +14,7 @@ import dsl as pl
 import lowering_triton
 from benchmarks.gpu_triton import make_matmul
 from benchmarks.suite.matmul import Matmul
+from dsl import config as dsl_config
 from dsl import triton as plt
 from tests.pallas.testing import array, assert_close
 
@@ -27,15 +28,21 @@ def _kernel_source(src: str) -> str:
 def test_benchmark_matmul_k_loop_loads_without_masks():
   """The K loop of the bf16 4096^3 benchmark matmul (a fori_loop with a
   static trip count over pl.ds(k * bk, bk), K % bk == 0) reads as before
-  masks were added for coordinates computed at run time."""
+  masks were added for coordinates computed at run time (through pointers,
+  and, the default, through tensor descriptors: windows that need no mask)."""
   x = S((4096, 4096), jnp.bfloat16)
-  (src,) = lowering_triton.to_source(make_matmul(pl), x, x)
+  with dsl_config.triton_tensor_descriptors_option(False):
+    (src,) = lowering_triton.to_source(make_matmul(pl), x, x)
   body = _kernel_source(src)
   assert "mask=" not in body and "other=" not in body
   assert ("x = tl.load(x_ptr + x_rows[:, None] * 4096 + x_cols[None, :])"
           in body)
   assert ("y = tl.load(y_ptr + y_rows[:, None] * 4096 + y_cols[None, :])"
           in body)
+  (src,) = lowering_triton.to_source(make_matmul(pl), x, x)
+  body = _kernel_source(src)
+  assert "mask=" not in body and "tl.load(" not in body
+  assert "x = x_desc.load([x_start0, mul])" in body
 
 
 def _loop_kernel(trips, shift=0):

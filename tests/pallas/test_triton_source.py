@@ -432,6 +432,49 @@ def test_gpu_lowering_aliases_and_skips_zeroing_full_writes(fake_gpu_plugin):
   assert grid == (4, 1, 1) and [p[1] for p in params] == [0, 0, 0]
 
 
+def _row_loop_sum(x):
+  def kernel(x_ref, o_ref):
+    o_ref[...] = lax.fori_loop(
+        0, 4, lambda i, acc: acc + x_ref[pl.ds(i * 16, 16), :],
+        jnp.zeros((16, 64), jnp.float32))
+  return pl.pallas_call(kernel, jax.ShapeDtypeStruct((16, 64), jnp.float32),
+                        in_specs=[pl.BlockSpec((64, 64), lambda: (0, 0))],
+                        out_specs=pl.BlockSpec((16, 64), lambda: (0, 0)))(x)
+
+
+@pytest.mark.parametrize("scratch", [True, False])
+def test_gpu_lowering_passes_the_descriptors_scratch_or_drops_descriptors(
+    fake_gpu_plugin, monkeypatch, scratch):
+  """A kernel with tensor descriptors needs a global scratch buffer:
+  jaxlib's TritonKernel gets its size and alignment; a jaxlib whose
+  TritonKernel takes no scratch gets the kernel without descriptors."""
+  import lowering_triton.launch
+  monkeypatch.setattr(lowering_triton.launch, "_KERNELS", {})
+  if not scratch:
+    plain = fake_gpu_plugin.TritonKernel
+
+    def no_scratch(*args):
+      if len(args) == 9:
+        raise TypeError("TritonKernel(): incompatible constructor arguments")
+      return plain(*args)
+    monkeypatch.setattr(gpu_triton_lib(), "TritonKernel", no_scratch)
+  x = jnp.zeros((64, 64), jnp.float32)
+  jax.jit(lambda x: _row_loop_sum(x)).trace(x).lower(
+      lowering_platforms=("cuda",))
+  (kernel_args,) = fake_gpu_plugin.kernels
+  ptx = kernel_args[4]
+  if scratch:
+    assert len(kernel_args) == 9 and kernel_args[7] >= 128   # one descriptor
+    assert "cp.async.bulk.tensor" in ptx
+  else:
+    assert len(kernel_args) == 7 and "cp.async.bulk" not in ptx
+
+
+def gpu_triton_lib():
+  from jax._src.lib import gpu_triton
+  return gpu_triton
+
+
 def test_gpu_backend_on_cpu_is_a_clear_error():
   x = jnp.arange(256.)
   with pytest.raises(pl.BackendError, match="runs on CUDA GPUs"):
