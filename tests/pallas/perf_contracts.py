@@ -133,6 +133,8 @@ def _kernels(name, dtype, backward=False):
       "flash_attention_causal": (lambda q, k, v: kernels.flash_attention(
           q, k, v, causal=True, backend="triton"),
           (S((4, 2048, 16, 128), dtype),) * 3),
+      "flash_attention_d64": (lambda q, k, v: kernels.flash_attention(
+          q, k, v, backend="triton"), (S((4, 2048, 16, 64), dtype),) * 3),
       "decode_attention": (lambda q, k, v, n: kernels.decode_attention(
           q, k, v, n, backend="triton"),
           (S((8, 32, 128), dtype), S((8, 4096, 8, 128), dtype),
@@ -161,7 +163,8 @@ def _all_cases() -> list[Case]:
       out.append(Case(f"suite.{name}.{tag}",
                       functools.partial(_suite, name, dtype), not slow))
     for name in ("softmax", "layer_norm", "rms_norm", "matmul",
-                 "flash_attention", "flash_attention_causal"):
+                 "flash_attention", "flash_attention_causal",
+                 "flash_attention_d64"):
       fwd = f"kernels.{name}.fwd.{tag}"
       out.append(Case(fwd, functools.partial(_kernels, name, dtype), slow))
       out.append(Case(f"kernels.{name}.bwd.{tag}", functools.partial(
