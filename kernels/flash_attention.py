@@ -135,7 +135,11 @@ def _triton_params(kernel, backend, d, bq, bk, tuned=None, itemsize=2):
   cfg = _triton_config(kernel, d, itemsize)
   if bq * bk < cfg[0] * cfg[1]:
     cfg = SMALL_CONFIG
-  return blocking.triton_params(backend, num_warps=cfg[2], num_stages=cfg[3])
+  stages = cfg[3]
+  while stages > 1 and _shared_bytes(kernel, bq, bk, d, itemsize,
+                                     stages) > SHARED_BYTES:
+    stages -= 1     # blocks the caller chose: fewer stages, to fit
+  return blocking.triton_params(backend, num_warps=cfg[2], num_stages=stages)
 
 
 def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
@@ -301,9 +305,12 @@ def _q_major_specs(hm, bq, bk, d, g, q_seg, kv_seg):
 
 
 def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
-            backend=None, block_q=None, block_k=None):
+            backend=None, block_q=None, block_k=None, loops=None):
   """The forward kernel: returns (out, lse) with lse of shape (b, h, sq)
-  ((b, h, 1, sq) on the Mosaic TPU backends: see "layouts")."""
+  ((b, h, 1, sq) on the Mosaic TPU backends: see "layouts"). `loops`
+  (default: on Triton) runs the in-kernel loops of
+  `flash_attention_loops`; False, the grid kernel, which reverse mode can
+  differentiate (the loops' trip counts depend on the program id)."""
   b, sq, h, d = q.shape
   sk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
@@ -315,7 +322,7 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
   bq, bk = attention_blocks(sq, sk, d, be, tuned.get("block_q", block_q),
                             tuned.get("block_k", block_k), itemsize=size)
   params = _triton_params("fwd", be, d, bq, bk, tuned, size)
-  if blocking.is_triton(be):
+  if blocking.is_triton(be) if loops is None else loops:
     return flash_attention_loops.forward(
         q, k, v, q_seg, kv_seg, causal=causal, sm_scale=sm_scale,
         backend=backend, bq=bq, bk=bk, compiler_params=params)

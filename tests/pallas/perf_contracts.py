@@ -42,7 +42,7 @@ import triton
 
 import dsl
 import kernels
-from benchmarks import gpu_triton, peers
+from benchmarks import gpu_triton, grad_vs_hand, peers
 from benchmarks.suite import by_name
 from dsl import autotune_cache, gpu_defaults, ranges, ref_ops
 from dsl import config as dsl_config
@@ -152,8 +152,26 @@ def _kernels(name, dtype, backward=False):
   return fn, args
 
 
+# Automatic reverse mode: jax.grad through a kernel's forward alone, whose
+# backward kernels (linear, recording, transposed) dsl derives: the cases of
+# benchmarks/grad_vs_hand.py (float32), with row tiles that compile in
+# seconds.
+GRAD_SIZES = {"softmax": dict(block_rows=16), "layer_norm": dict(block_rows=16),
+              "matmul": {}, "flash_attention": dict(seq=256, heads=2,
+                                                    head_dim=64, block=64)}
+
+
+def derived_backward(name):
+  """The automatic gradient of grad_vs_hand's case `name` on Triton, and
+  abstract args."""
+  _, fns, args = grad_vs_hand.gradients(name, "triton", **GRAD_SIZES[name])
+  return fns["auto"], tuple(S(a.shape, a.dtype) for a in args)
+
+
 def _all_cases() -> list[Case]:
-  out = []
+  out = [Case(f"grad.{name}.auto.f32", functools.partial(
+      derived_backward, name), slow=name == "flash_attention")
+         for name in GRAD_SIZES]
   for dtype, tag in ((BF16, "bf16"), (F32, "f32")):
     slow = dtype == F32
     for which in ("matmul", "softmax", "layer_norm"):

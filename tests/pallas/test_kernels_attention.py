@@ -262,3 +262,18 @@ def test_triton_defaults_fit_shared_memory_by_dtype(d, itemsize):
       assert (bq, bk) == table[:2]
   assert flash_mod._shared_bytes("fwd", 128, 128, 128, 2, 2) == 160 * 1024
   assert flash_mod._triton_config("fwd", 128, 4)[:2] == (128, 64)
+
+
+def test_triton_launch_fits_shared_memory_with_blocks_the_caller_chose():
+  """Blocks given by the caller are kept; the pipeline gets fewer stages
+  where three would not fit (float32, 128 x 128 tiles, head_dim 64: the
+  dK/dV and dQ kernels' 256 KiB)."""
+  for kernel in ("fwd", "dkdv", "dq"):
+    params = flash_mod._triton_params(kernel, "triton", 64, 128, 128,
+                                      itemsize=4)
+    assert flash_mod._shared_bytes(kernel, 128, 128, 64, 4,
+                                   params.num_stages) <= flash_mod.SHARED_BYTES
+  assert flash_mod._triton_params("dkdv", "triton", 64, 128, 128,
+                                  itemsize=4).num_stages == 2
+  assert flash_mod._triton_params("fwd", "triton", 64, 128, 128,
+                                  itemsize=2).num_stages == 3
