@@ -34,7 +34,7 @@ from dsl.tracing import num_programs, program_id
 from dsl import config
 enable_debug_checks = config.enable_debug_checks_option
 enable_poison_buffers = config.poison_buffers_option
-from dsl import triton, tpu
+from dsl import mosaic_gpu, triton, tpu
 from dsl import transforms as _transforms  # registers jvp/vmap/vjp rules
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "debug_print", "ds", "dslice", "kernel", "load", "loop", "max_contiguous",
     "multiple_of", "num_programs", "pallas_call", "CostEstimate", "pallas_call_p",
     "program_id", "run_scoped", "squeezed", "store", "tpu", "triton", "when",
+    "mosaic_gpu",
     "BlockDim", "Buffered", "RevisitMode", "CompilerParams", "DeviceIdType",
     "semaphore_read", "semaphore_signal", "semaphore_wait", "align_to",
     "broadcast_to", "next_power_of_2", "strides_from_shape",

@@ -9,6 +9,9 @@ Each backend wants different blocks:
   program (registers and shared memory).
 - `mosaic` / `mosaic_interpret` want blocks whose last two dims are multiples
   of (8, 128) or the full array dims.
+- `mosaic_gpu` wants tiles of 64-row multiples (the warpgroup's wgmma
+  register layout, which row reductions use; TMA zero-fills rows past the
+  array) that fit shared memory (227 KiB per CTA, with double buffering).
 """
 from __future__ import annotations
 
@@ -54,6 +57,32 @@ def is_triton(backend: str) -> bool:
 
 def is_mosaic(backend: str) -> bool:
   return backend.startswith("mosaic")
+
+
+def is_mosaic_gpu(backend: str) -> bool:
+  return backend == "mosaic_gpu"
+
+
+GPU_ROWS = 64                   # rows of a warpgroup's wgmma layout
+GPU_ROW_BLOCK_BYTES = 96 * 1024  # one (rows, cols) block of a row kernel
+
+
+def gpu_rows(n: int, target: int = GPU_ROWS) -> int:
+  """Rows of a mosaic_gpu block: a multiple of 64, at most `target` (or
+  64), at least 64 even past a shorter array (TMA zero-fills those rows)."""
+  rows = max(GPU_ROWS, -(-n // GPU_ROWS) * GPU_ROWS)
+  return max(GPU_ROWS, min(rows, target) // GPU_ROWS * GPU_ROWS)
+
+
+def gpu_cols(n: int, itemsize: int, rows: int = GPU_ROWS) -> int:
+  """Columns of a mosaic_gpu row-kernel block: the whole row when a block
+  of `rows` such rows stays within GPU_ROW_BLOCK_BYTES and TMA can move it
+  (at most 256 columns, or whole 128-byte swizzle spans), else the widest
+  power of two that does."""
+  span = 128 // itemsize
+  if rows * n * itemsize <= GPU_ROW_BLOCK_BYTES and (n <= 256 or n % span == 0):
+    return n
+  return max(span, pow2_floor(GPU_ROW_BLOCK_BYTES // (rows * itemsize)))
 
 
 def is_tpu(backend: str) -> bool:

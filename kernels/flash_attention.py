@@ -153,6 +153,12 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
       # A quarter of the GPU's tiles, so each backward kernel's own shape
       # runs through Triton's interpreter too.
       tq, tk = (t // 4 for t in TRITON_CONFIGS[kernel][:2])
+  elif blocking.is_mosaic_gpu(backend):
+    # 64 query rows per consumer warpgroup (the wgmma layout's rows), two
+    # consumers per CTA sharing 64-key K/V blocks (their f32 accumulators
+    # and q copies share the CTA's shared memory with the K/V ring).
+    return block_q or blocking.gpu_rows(sq, 64), \
+        block_k or blocking.gpu_rows(sk, 64)
   elif blocking.is_mosaic(backend):
     tq, tk = 512, 512
   else:
@@ -262,10 +268,12 @@ def _seg_args(hm, q_seg, kv_seg, q_index, kv_index, bq, bk):
 
 # ---------------------------------------------------------------- forward
 
-def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
+def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk,
+                copy_q):
   q_ref, k_ref, v_ref = refs[:3]
   qs_ref, ks_ref = refs[3:5] if has_seg else (None, None)
-  o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc = refs[-6:]
+  o_ref, lse_ref, m_sc, l_sc, acc_sc, q_sc = (
+      refs[-6:] if copy_q else (*refs[-5:], None))
   qi, kj = pl.program_id(2), pl.program_id(3)
 
   @pl.when(kj == 0)
@@ -273,14 +281,16 @@ def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     m_sc[...] = jnp.full_like(m_sc, NEG)
     l_sc[...] = jnp.zeros_like(l_sc)
     acc_sc[...] = jnp.zeros_like(acc_sc)
-    q_sc[...] = q_ref[...]      # the q block stays on chip across kv steps
+    if copy_q:
+      q_sc[...] = q_ref[...]    # the q block stays on chip across kv steps
 
   def tile():
     mask = tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
                      **_segments(qs_ref, ks_ref))
     m, l, acc = forward_update(
-        q_sc[...], k_ref[...], zero_rows(v_ref[...], kj, bk, sk), m_sc[...],
-        l_sc[...], acc_sc[...], mask, sm_scale)
+        (q_sc if copy_q else q_ref)[...], k_ref[...],
+        zero_rows(v_ref[...], kj, bk, sk), m_sc[...], l_sc[...], acc_sc[...],
+        mask, sm_scale)
     m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
@@ -330,9 +340,12 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
   q_spec, kv_spec, lse_spec, seg_args, seg_specs = _q_major_specs(
       hm, bq, bk, d, g, q_seg, kv_seg)
   q, k, v = _to_layout(hm, q, k, v)
+  # On "mosaic_gpu" the q block, which does not move along the kv steps,
+  # is loaded once and stays in shared memory: no copy of it.
+  copy_q = not blocking.is_mosaic_gpu(be)
   kernel = functools.partial(_fwd_kernel, sm_scale=sm_scale, causal=causal,
                              has_seg=q_seg is not None, bq=bq, bk=bk, sq=sq,
-                             sk=sk, nk=nk)
+                             sk=sk, nk=nk, copy_q=copy_q)
   o, lse = pl.pallas_call(
       kernel,
       (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -342,8 +355,8 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
       out_specs=(q_spec, lse_spec),
       scratch_shapes=[pltpu.VMEM((bq,), jnp.float32),
                       pltpu.VMEM((bq,), jnp.float32),
-                      pltpu.VMEM((bq, d), jnp.float32),
-                      pltpu.VMEM((bq, d), q.dtype)],
+                      pltpu.VMEM((bq, d), jnp.float32)]
+      + ([pltpu.VMEM((bq, d), q.dtype)] if copy_q else []),
       compiler_params=params, backend=backend,
       name="flash_attention_fwd")(q, k, v, *seg_args)
   return _to_layout(hm, o)[0], lse

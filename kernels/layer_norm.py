@@ -36,7 +36,10 @@ def reference(x, weight, bias, eps: float = 1e-5):
 def row_block(rows: int, width: int, backend: str, block_rows=None) -> int:
   """Rows per block for a normalization over rows of `width` elements."""
   if block_rows is not None:
-    return min(block_rows, rows)
+    return min(block_rows, rows) if not blocking.is_mosaic_gpu(backend) \
+        else block_rows
+  if blocking.is_mosaic_gpu(backend):
+    return blocking.gpu_rows(rows)
   if blocking.is_triton(backend):
     target = max(1, min(16, 2048 // max(width, 1)))   # one row per program
   elif blocking.is_mosaic(backend):

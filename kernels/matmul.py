@@ -69,6 +69,15 @@ def block_sizes(m: int, n: int, k: int, backend: str, dtype=jnp.float32):
       t = (32, 32, 32)
     return tuple(min(blocking.pow2_floor(max(d, 1)), b)
                  for d, b in zip((m, n, k), t))
+  if blocking.is_mosaic_gpu(backend):
+    # 64-row blocks: two consumer warpgroups take a 128-row CTA tile (the
+    # f32 accumulators of both, the outputs and a 4-deep ring fit in shared
+    # memory); N at most 256; K one 128-byte swizzle span; K blocks
+    # dividing K (TMA zero-fills partial M and N blocks, not masked K ones:
+    # see _mm_kernel).
+    span = 128 // jnp.dtype(dtype).itemsize
+    bk = blocking.divisor_block(k, span, span)
+    return blocking.gpu_rows(m, 64), min(n, 128), bk
   if blocking.is_mosaic(backend):
     bm = blocking.block_for(m, backend, interpret=0, triton=0, mosaic=512,
                             mosaic_multiple=8)
@@ -141,7 +150,8 @@ def matmul_2d(a, b, bias=None, *, activation=None, trans_a=False,
   tuned = blocking.gpu_config("matmul", (m, k, n), a.dtype, be, blocks)
   bm, bn, bk = (blocks or tuned.get("block_sizes")
                 or block_sizes(m, n, k, be, out_dtype))
-  bm, bn, bk = min(bm, m), min(bn, n), min(bk, k)
+  bm, bn, bk = (bm if blocking.is_mosaic_gpu(be) else min(bm, m)), \
+      min(bn, n), min(bk, k)
   nk = pl.cdiv(k, bk)
   a_spec = (pl.BlockSpec((bk, bm), lambda i, j, kk: (kk, i)) if trans_a else
             pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)))

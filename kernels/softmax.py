@@ -35,7 +35,11 @@ def reference(x, axis=-1):
   return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
 
 
-def _blocks(rows: int, cols: int, backend: str, block_rows, block_cols):
+def _blocks(rows: int, cols: int, backend: str, block_rows, block_cols,
+            itemsize: int = 4):
+  if blocking.is_mosaic_gpu(backend):
+    bc = block_cols or blocking.gpu_cols(cols, itemsize)
+    return block_rows or blocking.gpu_rows(rows), min(bc, cols)
   bc = block_cols or blocking.block_for(cols, backend, interpret=1 << 16,
                                         triton=16384, mosaic=2048,
                                         mosaic_multiple=128)
@@ -136,7 +140,7 @@ def softmax_2d(x, *, backend=None, block_rows=None, block_cols=None):
   tuned = blocking.gpu_config("softmax", x.shape, x.dtype, be, block_rows,
                               block_cols)
   br, bc = _blocks(rows, cols, be, tuned.get("block_rows", block_rows),
-                   tuned.get("block_cols", block_cols))
+                   tuned.get("block_cols", block_cols), x.dtype.itemsize)
   nr, nc = pl.cdiv(rows, br), pl.cdiv(cols, bc)
   out = jax.ShapeDtypeStruct(x.shape, x.dtype)
   if nc == 1:
@@ -165,7 +169,8 @@ def softmax_bwd_2d(y, dy, *, backend=None, block_rows=None, block_cols=None):
   tuned = blocking.gpu_config("softmax", y.shape, y.dtype, be, block_rows,
                               block_cols)
   br, bc = _blocks(rows, cols, be, tuned.get("block_rows", block_rows),
-                   tuned.get("block_cols", block_cols))
+                   tuned.get("block_cols", block_cols),
+                   max(y.dtype.itemsize, dy.dtype.itemsize))
   nr, nc = pl.cdiv(rows, br), pl.cdiv(cols, bc)
   out = jax.ShapeDtypeStruct(y.shape, dy.dtype)
   if nc == 1:

@@ -8,14 +8,16 @@ decides how its elements are spread over the 128 threads), or a shared-memory
 from __future__ import annotations
 
 import contextlib
-import math
 import dataclasses
 from typing import Any
 
 import numpy as np
 from jax._src import core
+from jax._src.lib import mosaic_gpu_dialect as mgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, vector
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl import dtypes
@@ -52,9 +54,19 @@ def elem_type(v) -> ir.Type:
   return ir.VectorType(v.type).element_type if is_vector(v) else v.type
 
 
+def phys(shape) -> tuple[int, ...]:
+  """The physical shape of a value of logical shape `shape`: its unit dims
+  dropped. Lowered vectors never have unit dims (the library has no
+  register layout for (n, 1) tiles): keepdims results, (1, n) rows and
+  their broadcasts are (n,) vectors, and shapes of one element scalars."""
+  return tuple(int(d) for d in shape if int(d) != 1)
+
+
 def typed(shape, dtype) -> ir.Type:
+  """The lowered type of a value of logical shape `shape`."""
   t = dtype if isinstance(dtype, ir.Type) else ir_type(dtype)
-  return ir.VectorType.get(list(shape), t) if shape else t
+  p = phys(shape)
+  return ir.VectorType.get(list(p), t) if p else t
 
 
 def scalar_constant(value, dtype) -> ir.Value:
@@ -71,79 +83,82 @@ def scalar_constant(value, dtype) -> ir.Value:
 
 
 def constant(value, shape, dtype) -> ir.Value:
-  """A scalar or a splat vector; a vector of distinct values cannot be
-  distributed over a warpgroup by the library."""
+  """A scalar or a splat vector of logical shape `shape`; a vector of
+  distinct values cannot be distributed over a warpgroup by the library."""
   arr = np.asarray(value)
   if arr.size and not np.all(arr == arr.reshape(-1)[0]):
     raise ValueError("array constants with distinct elements are not "
                      "supported (only splats); compute them with iota")
   s = scalar_constant(arr.reshape(-1)[0] if arr.size else 0, dtype)
-  return broadcast_to(s, tuple(shape))
+  return broadcast_to(s, phys(shape))
 
 
-def broadcast_to(v, shape: tuple[int, ...]) -> ir.Value:
-  """A scalar `v` splatted to `shape` (vectors are returned unchanged)."""
-  if not shape or is_vector(v):
+def broadcast_to(v, pshape: tuple[int, ...]) -> ir.Value:
+  """A scalar `v` splatted to the physical shape `pshape` (vectors are
+  returned unchanged)."""
+  if not pshape or is_vector(v):
     return v
-  return vector.broadcast(ir.VectorType.get(list(shape), v.type), v)
+  return vector.broadcast(ir.VectorType.get(list(pshape), v.type), v)
 
 
-def reshape(x, shape, dtype) -> ir.Value:
-  """`x` with its elements laid out as `shape` (same element count)."""
-  shape = tuple(shape)
-  if shape_of(x) == shape:
+def phys_position(shape) -> list:
+  """For each logical dim of `shape`, its index in the physical shape
+  (None for unit dims)."""
+  out, k = [], 0
+  for d in shape:
+    out.append(None if int(d) == 1 else k)
+    k += int(d) != 1
+  return out
+
+
+def reshape(x, in_shape, shape, dtype) -> ir.Value:
+  """`x` (logical shape `in_shape`) laid out as `shape` (same size)."""
+  pin, pout = phys(in_shape), phys(shape)
+  if pin == pout:
     return x
   if not is_vector(x):
-    return broadcast_to(x, shape)
-  if not shape:
-    return vector.extract(x, [], [0] * len(shape_of(x)))
-  # Look through an earlier reshape (the unit dims of keepdims results
-  # come and go): the library has no register layout for (n, 1) vectors.
-  op = getattr(getattr(x, "owner", None), "opview", None)
-  if op is not None and op.operation.name == "vector.shape_cast":
-    src = op.operands[0]
-    if shape_of(src) == shape:
-      return src
+    return broadcast_to(x, pout)
+  if not pout:
+    return vector.extract(x, [], [0] * len(pin))
   return vector.shape_cast(typed(shape, dtype), x)
 
 
-def broadcast_in_dim(x, shape, dims, dtype) -> ir.Value:
-  """`x` broadcast to `shape`, its dim i becoming dim `dims[i]`; unit dims
-  that grow are dropped first (the library broadcasts along new dims)."""
-  from jax._src.lib import mosaic_gpu_dialect as mgpu
-  shape = tuple(shape)
+def broadcast_in_dim(x, in_shape, shape, dims, dtype) -> ir.Value:
+  """`x` (logical shape `in_shape`) broadcast to `shape`, its dim i
+  becoming dim `dims[i]`."""
+  pin, pout = phys(in_shape), phys(shape)
   if not is_vector(x):
-    return broadcast_to(x, shape)
-  in_shape = shape_of(x)
-  if math.prod(in_shape) == math.prod(shape):   # only unit dims are added
-    return reshape(x, shape, dtype)
-  keep = [i for i, d in enumerate(in_shape)
-          if not (d == 1 and shape[dims[i]] != 1)]
-  kept = [in_shape[i] for i in keep]
-  if len(keep) != len(in_shape):
-    x = reshape(x, kept, dtype)
-  if not kept:
-    return broadcast_to(x, shape)
-  if tuple(kept) == shape:
+    return broadcast_to(x, pout)
+  if pin == pout:            # only unit dims come or go
     return x
-  return mgpu.broadcast_in_dim(typed(shape, dtype), x,
-                               [dims[i] for i in keep])
+  pos = phys_position(shape)
+  pdims = [pos[dims[i]] for i, d in enumerate(in_shape) if int(d) != 1]
+  if len(pout) == 2 and pout[0] % 64 == 0 and len(pdims) == 1:
+    # A row or column vector across a tile: the wgmma layouts, which the
+    # tile's reductions use too (layout inference alone may find none).
+    vec = fa.WGMMA_ROW_LAYOUT if pdims == [0] else fa.WGMMA_COL_LAYOUT
+    x = mgpu.layout_cast(x, layouts.to_layout_attr(vec))
+  return mgpu.broadcast_in_dim(typed(shape, dtype), x, pdims)
 
 
-def to_shape(x, shape, dtype) -> ir.Value:
-  """`x` broadcast numpy-style (size-1 and leading dims) to `shape`."""
-  shape = tuple(shape)
-  if not is_vector(x):
-    return broadcast_to(x, shape)
-  in_shape = shape_of(x)
-  if in_shape == shape:
-    return x
+def to_shape(x, in_shape, shape, dtype) -> ir.Value:
+  """`x` (logical `in_shape`) broadcast numpy-style to `shape`."""
   offset = len(shape) - len(in_shape)
-  return broadcast_in_dim(x, shape, list(range(offset, len(shape))), dtype)
+  return broadcast_in_dim(x, in_shape, shape,
+                          list(range(offset, len(shape))), dtype)
 
 
 def i32(v: int) -> ir.Value:
   return scalar_constant(v, np.int32)
+
+
+def decode(flat: ir.Value, sizes: list[int]) -> list[ir.Value]:
+  """Row-major coordinates of `flat` (i32) in a grid of `sizes`."""
+  coords = []
+  for n in reversed(sizes):
+    coords.append(arith.remui(flat, i32(n)) if n > 1 else i32(0))
+    flat = arith.divui(flat, i32(n)) if n > 1 else flat
+  return coords[::-1]
 
 
 def index_cast_i32(v) -> ir.Value:
@@ -185,6 +200,8 @@ class GpuHost(LoweringHost):
     self.kernel = kernel
     self.where = where
     self.scoped = {}        # id(run_scoped equation) -> its SMEM buffers
+    # (byte offset, bytes) of the shared scratch of cross-warp reductions
+    self.reduction_scratch = None
 
   def literal(self, atom):
     return self._constant(atom.val, atom.aval)

@@ -1,21 +1,21 @@
 """A KernelSpec as a Mosaic GPU module (warpgroup semantics).
 
-One CTA of one warpgroup (128 threads) runs one point of the parallel grid
-dims (flattened into the CUDA grid's x axis) and loops over the sequential
-dims:
+A CTA runs `consumers` points of the parallel grid dims (flattened into
+the CUDA grid's x axis; one point unless the schedule is warp-specialized)
+and loops over the sequential dims. Its schedule (schedule.py, chosen by
+plan.py) is one of:
 
-  - input blocks that stay put along the sequential dims are copied GMEM ->
-    SMEM with TMA once, before the loop (`arrive_expect_tx` with their
-    bytes on an mbarrier, then `wait`);
-  - input blocks that move are double-buffered: step s runs on slot s % 2
-    while TMA fills the other slot with step s + 1's blocks (one mbarrier
-    per slot; block indices come from the index maps, lowered as scalar
-    code);
-  - the kernel body runs on the SMEM blocks (vector code; layout inference
-    spreads each vector over the warpgroup's registers);
-  - output blocks go SMEM -> GMEM with TMA: after every step for blocks that
-    move along the sequential dims, once after the loop for blocks revisited
-    along them (those stay on chip: the accumulator pattern).
+  - one warpgroup: input blocks that stay put along the sequential dims are
+    copied GMEM -> SMEM with TMA once, before the loop (`arrive_expect_tx`
+    with their bytes on an mbarrier, then `wait`); blocks that move are
+    double-buffered (step s runs on slot s % 2 while TMA fills the other
+    slot with step s + 1's blocks), or copied at each step when only one
+    slot fits; the body runs on the SMEM blocks; output blocks go SMEM ->
+    GMEM with TMA after every step for blocks that move along the
+    sequential dims, once after the loop for blocks revisited along them
+    (those stay on chip: the accumulator pattern);
+  - warp-specialized (specialized.py): a producer warpgroup fills a ring of
+    slots, consumer warpgroups run the body.
 
 The module is the library's: `core._lower_as_gpu_kernel` builds the launch,
 `core.lower_mgpu_module` runs layout inference and lowers the dialect.
@@ -32,14 +32,16 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, gpu, nvvm, scf
 from jax.experimental.mosaic import gpu as mgpu_lib
 from jax.experimental.mosaic.gpu import core as mgpu_core
+from jax.experimental.mosaic.gpu import launch_context as mgpu_lc
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 import jax
 
 from dsl.errors import BackendError
 from dsl.jaxpr_walk import walk_jaxpr
-from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, i32,
+from lowering_mosaic.gpu import specialized
+from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, decode, i32,
                                       index_cast_i32)
-from lowering_mosaic.gpu.plan import (MBARRIER_BYTES, SMEM_ALIGN, WARPGROUP,
+from lowering_mosaic.gpu.plan import (MBARRIER_BYTES, SMEM_ALIGN, SWIZZLE,
                                       GpuPlan, make_gpu_plan)
 
 
@@ -54,37 +56,40 @@ class GpuModule:
   out_shapes: tuple
 
 
-def _decode(flat: ir.Value, sizes: list[int]) -> list[ir.Value]:
-  """Row-major coordinates of `flat` (i32) in a grid of `sizes`."""
-  coords = []
-  for n in reversed(sizes):
-    coords.append(arith.remui(flat, i32(n)) if n > 1 else i32(0))
-    flat = arith.divui(flat, i32(n)) if n > 1 else flat
-  return coords[::-1]
-
-
 def _copies(block, buf, offsets):
   """(SMEM view, GMEM offsets, box) of each TMA copy of `block`."""
   copies = block.copies()
   if len(copies) == 1:
     return [(buf, offsets, list(block.slice_lengths))]
-  d = block.first_dim
+  d, bd = block.array_split_dim, block.split_dim
   out = []
   for start, n in copies:
     offs = list(offsets)
     offs[d] = arith.addi(offs[d], i32(start))
     lengths = list(block.slice_lengths)
     lengths[d] = n
-    out.append((mgpu_utils.memref_slice(buf, slice(start, start + n)), offs,
-                lengths))
+    window = (slice(None),) * bd + (slice(start, start + n),)
+    out.append((mgpu_utils.memref_slice(buf, window), offs, lengths))
   return out
 
 
-class _Emitter:
-  def __init__(self, spec, plan: GpuPlan, host: GpuHost, where):
+def _tiled(view, tiling):
+  """`view` with the tiling and swizzle its TMA copies and loads use."""
+  attrs = [mgpu_lc.TileTransform(tiling).to_attr(),
+           mgpu.SwizzleTransformAttr.get(SWIZZLE)]
+  return mgpu.with_transforms(view, ir.ArrayAttr.get(attrs))
+
+
+class Emitter:
+  """Emits one CTA of a kernel: the pieces every schedule uses."""
+
+  def __init__(self, spec, plan: GpuPlan, host: GpuHost, where, offsets):
     self.spec, self.plan, self.host = spec, plan, host
     self.where = where     # positions of the buffers in the SMEM tree
+    self.offsets = offsets  # their byte offsets
     self.prefetch = []     # the scalar-prefetch operands, read in GMEM
+
+  # ---------------------------------------------------------- pieces
 
   def block_offsets(self, block, ids) -> list[ir.Value]:
     """Element offsets (i32) of `block` at grid point `ids`."""
@@ -99,36 +104,52 @@ class _Emitter:
       offs.append(arith.muli(i, i32(int(n))) if n != 1 else i)
     return offs
 
-  def issue(self, blocks, gmem, dests, barrier, ids, predicate=None):
-    """Starts the TMA copies of `blocks` into `dests` on `barrier`; with a
-    `predicate` (i1) they happen only where it holds (the barrier still
-    completes a phase, with no bytes, where it does not)."""
-    nbytes = sum(b.nbytes for b in blocks)
-    tx = i32(nbytes)
+  def view(self, block, slot=None, replica=None) -> ir.Value:
+    """The kernel's ref of `block` in shared memory: ring slot `slot` (an
+    index value) of replica `replica` (a consumer's)."""
+    v = self.smem[block]
+    if block.slots > 1:
+      v = mgpu_utils.memref_slice(v, slot)
+    if block.replicas > 1:
+      v = mgpu_utils.memref_slice(v, replica)
+    return _tiled(v, block.tiling) if block.tiling else v
+
+  def copy(self, block, dest, ids, barrier, predicate=None):
+    """TMA of `block` at grid point `ids` into `dest`, completing on
+    `barrier` (only where `predicate`, an i1, holds, if given)."""
+    offsets = self.block_offsets(block, ids)
+    for view, offs, lengths in _copies(block, dest, offsets):
+      mgpu.async_load(source=self.gmem[block], destination=view,
+                      barrier=barrier.as_barrier_memref(), indices=offs,
+                      slice_lengths=lengths,
+                      collective=ir.ArrayAttr.get([]), predicate=predicate)
+
+  def issue(self, items, barrier, predicate=None):
+    """Arms `barrier` with the bytes of `items` ((block, dest view, grid
+    ids)) and starts their TMA copies; with a `predicate` (i1) they happen
+    only where it holds (the barrier still completes a phase, with no
+    bytes, where it does not)."""
+    tx = i32(sum(b.nbytes for b, _, _ in items))
     if predicate is not None:
       tx = arith.select(predicate, tx, i32(0))
     barrier.arrive_expect_tx(tx)
-    for b in blocks:
-      offsets = self.block_offsets(b, ids)
-      for dest, offs, lengths in _copies(b, dests[b], offsets):
-        mgpu.async_load(source=gmem[b], destination=dest,
-                        barrier=barrier.as_barrier_memref(), indices=offs,
-                        slice_lengths=lengths,
-                        collective=ir.ArrayAttr.get([]), predicate=predicate)
+    for b, dest, ids in items:
+      self.copy(b, dest, ids, barrier, predicate)
 
-  def load(self, blocks, gmem, smem, barrier, ids):
-    if blocks:
-      self.issue(blocks, gmem, smem, barrier, ids)
+  def load(self, items, barrier):
+    if items:
+      self.issue(items, barrier)
       barrier.wait()
 
-  def store(self, blocks, gmem, smem, ids):
-    if not blocks:
+  def store(self, items):
+    """TMA of `items` ((block, source view, grid ids)) to global memory,
+    waited for."""
+    if not items:
       return
     mgpu_utils.commit_shared()
-    for b in blocks:
-      for src, offs, lengths in _copies(b, smem[b],
-                                        self.block_offsets(b, ids)):
-        mgpu.async_store(source=src, destination=gmem[b], indices=offs,
+    for b, src, ids in items:
+      for view, offs, lengths in _copies(b, src, self.block_offsets(b, ids)):
+        mgpu.async_store(source=view, destination=self.gmem[b], indices=offs,
                          slice_lengths=lengths)
     nvvm.cp_async_bulk_wait_group(0)
     mgpu_utils.warpgroup_barrier()
@@ -137,85 +158,122 @@ class _Emitter:
     j = self.spec.jaxpr
     walk_jaxpr(self.host, j.jaxpr, j.consts, list(ids) + list(refs))
 
+  def refs(self, views, replica=None):
+    """The kernel's refs: prefetch, blocks (`views` for blocks in shared
+    memory), scratch; run_scoped buffers go to the host."""
+    per = lambda buf: (mgpu_utils.memref_slice(buf, replica)
+                       if self.plan.schedule.consumers > 1 else buf)
+    for key, bufs in self.scoped:
+      self.host.scoped[key] = [per(b) for b in bufs]
+    return (self.prefetch
+            + [views.get(b, self.gmem[b]) for b in self.plan.blocks]
+            + [per(s) for s in self.scratch])
+
+  def ids_at(self, par, seq_coords, replica: int | ir.Value = 0):
+    """Grid ids from the CTA's parallel coordinates (the split dim's scaled
+    by the consumers, plus `replica`) and sequential coordinates."""
+    plan = self.plan
+    sched = plan.schedule
+    ids = [None] * len(plan.grid)
+    for d, v in zip(plan.parallel, par):
+      if d == sched.split_dim:
+        r = replica if isinstance(replica, ir.Value) else i32(replica)
+        v = arith.addi(arith.muli(v, i32(sched.consumers)), r)
+      ids[d] = v
+    for d, v in zip(plan.sequential, seq_coords):
+      ids[d] = v
+    return ids
+
+  # ---------------------------------------------------------- the CTA
+
   def __call__(self, launch_ctx, *args):
     *gmem_refs, smem_tree = args
     plan = self.plan
     n_pf = len(plan.prefetch)
     self.prefetch, gmem_refs = list(gmem_refs[:n_pf]), gmem_refs[n_pf:]
+    self.gmem = dict(zip(plan.blocks, gmem_refs))
     on_chip = [b for b in plan.blocks if not b.in_gmem]
     buffers = [smem_tree[i] for i in self.where]
-    smem = dict(zip(on_chip, buffers[:len(on_chip)]))
-    scratch = buffers[len(on_chip):len(on_chip) + len(plan.scratch)]
-    rest = buffers[len(on_chip) + len(plan.scratch):]
+    self.smem = dict(zip(on_chip, buffers[:len(on_chip)]))
+    rest = buffers[len(on_chip):]
+    self.scratch, rest = rest[:len(plan.scratch)], rest[len(plan.scratch):]
+    self.scoped = []
     for key, bufs in plan.scoped:
-      self.host.scoped[key], rest = rest[:len(bufs)], rest[len(bufs):]
-    barriers = smem_tree[-1]
-    gmem = dict(zip(plan.blocks, gmem_refs))
-    ins = [b for b in on_chip if not b.is_output]
-    outs = [b for b in on_chip if b.is_output]
-    grid = plan.grid
+      self.scoped.append((key, rest[:len(bufs)]))
+      rest = rest[len(bufs):]
+    if plan.reduction_bytes:
+      self.host.reduction_scratch = (self.offsets[-1], plan.reduction_bytes)
+    self.barriers = smem_tree[-1]
+    sched = plan.schedule
     flat = index_cast_i32(gpu.block_id(gpu.Dimension.x))
-    par = _decode(flat, [grid[d] for d in plan.parallel])
-
-    def ids_at(seq_coords):
-      ids = [None] * len(grid)
-      for d, v in zip(plan.parallel, par):
-        ids[d] = v
-      for d, v in zip(plan.sequential, seq_coords):
-        ids[d] = v
-      return ids
-
-    def refs(views):
-      return (self.prefetch
-              + [views.get(b, smem.get(b, gmem[b])) for b in plan.blocks]
-              + scratch)
-
-    if not any(b.slots > 1 for b in ins):
-      self._unpipelined(ins, outs, gmem, smem, barriers[0], ids_at, refs)
+    sizes = [plan.grid[d] // (sched.consumers if d == sched.split_dim else 1)
+             for d in plan.parallel]
+    self.par = decode(flat, sizes)
+    if sched.warp_specialized:
+      specialized.emit(self)
+    elif any(b.slots > 1 for b in on_chip):
+      self._double_buffered()
     else:
-      self._pipelined(ins, outs, gmem, smem, barriers, ids_at, refs)
+      self._one_slot()
 
-  def _unpipelined(self, ins, outs, gmem, smem, barrier, ids_at, refs):
-    """No input block moves along the sequential dims: load once, run
-    every step on the same blocks; outputs that move are stored every step,
-    the others once."""
+  def _seq_ids(self, s):
+    sizes = [self.plan.grid[d] for d in self.plan.sequential]
+    return self.ids_at(self.par, decode(s, sizes))
+
+  def _last_ids(self):
+    return self.ids_at(self.par, [i32(self.plan.grid[d] - 1)
+                                  for d in self.plan.sequential])
+
+  def _one_slot(self):
+    """One slot per block: blocks that stay put are loaded once, blocks
+    that move at each step (the copy waited for before the body runs);
+    outputs that move are stored every step, the others once."""
     plan = self.plan
-    seq_sizes = [plan.grid[d] for d in plan.sequential]
-    first = ids_at([i32(0)] * len(seq_sizes))
-    self.load(ins, gmem, smem, barrier, first)
+    ins = [b for b in plan.blocks if not b.in_gmem and not b.is_output]
+    outs = [b for b in plan.blocks if not b.in_gmem and b.is_output]
+    views = {b: self.view(b) for b in ins + outs}
+    first = self._seq_ids(i32(0))
+    self.load([(b, views[b], first) for b in ins if not b.moves],
+              self.barriers[2])
+    moving = [b for b in ins if b.moves]
     if plan.steps > 1:
       loop = scf.ForOp(*(arith.constant(ir.IndexType.get(), v)
                          for v in (0, plan.steps, 1)))
       with ir.InsertionPoint(loop.body):
-        step = index_cast_i32(loop.induction_variable)
-        ids = ids_at(_decode(step, seq_sizes))
-        self.body(ids, refs({}))
-        self.store([b for b in outs if b.moves], gmem, smem, ids)
+        ids = self._seq_ids(index_cast_i32(loop.induction_variable))
+        self.load([(b, views[b], ids) for b in moving], self.barriers[0])
+        self.body(ids, self.refs(views))
+        mgpu_utils.warpgroup_barrier()   # the slot is refilled next step
+        self.store([(b, views[b], ids) for b in outs if b.moves])
         scf.yield_([])
-      last = ids_at([i32(n - 1) for n in seq_sizes])
       outs = [b for b in outs if not b.moves]
+      last = self._last_ids()
     else:
-      self.body(first, refs({}))
+      self.load([(b, views[b], first) for b in moving], self.barriers[0])
+      self.body(first, self.refs(views))
       last = first
-    self.store(outs, gmem, smem, last)
+    self.store([(b, views[b], last) for b in outs])
 
-  def _pipelined(self, ins, outs, gmem, smem, barriers, ids_at, refs):
-    """Inputs that move along the sequential dims rotate through
-    PIPELINE_DEPTH slots: step s computes on slot s % 2 while TMA fills
-    the other slot with step s + 1's blocks (barrier per slot)."""
+  def _double_buffered(self):
+    """Inputs that move along the sequential dims rotate through two
+    slots: step s computes on slot s % 2 while TMA fills the other slot
+    with step s + 1's blocks (barrier per slot)."""
     plan = self.plan
     steps = plan.steps
-    seq_sizes = [plan.grid[d] for d in plan.sequential]
-    fixed = [b for b in ins if b.slots == 1]
+    ins = [b for b in plan.blocks if not b.in_gmem and not b.is_output]
+    outs = [b for b in plan.blocks if not b.in_gmem and b.is_output]
     piped = [b for b in ins if b.slots > 1]
-    first = ids_at([i32(0)] * len(seq_sizes))
-    self.load(fixed, gmem, smem, barriers[2], first)
+    fixed = {b: self.view(b) for b in ins if b.slots == 1}
+    out_views = {b: self.view(b) for b in outs}
+    first = self._seq_ids(i32(0))
+    self.load([(b, v, first) for b, v in fixed.items()], self.barriers[2])
     idx = ir.IndexType.get()
 
     def views(slot):
-      return {b: mgpu_utils.memref_slice(smem[b], slot) for b in piped}
+      return {b: self.view(b, slot) for b in piped}
 
-    self.issue(piped, gmem, views(arith.constant(idx, 0)), barriers[0], first)
+    self.issue([(b, v, first) for b, v in
+                views(arith.constant(idx, 0)).items()], self.barriers[0])
     loop = scf.ForOp(*(arith.constant(idx, v) for v in (0, steps, 1)))
     with ir.InsertionPoint(loop.body):
       s = index_cast_i32(loop.induction_variable)
@@ -223,36 +281,50 @@ class _Emitter:
       other = arith.subi(i32(1), slot)
       nxt = arith.addi(s, i32(1))
       more = arith.cmpi(arith.CmpIPredicate.ult, nxt, i32(steps))
-      nxt = arith.minui(nxt, i32(steps - 1))
-      self.issue(piped, gmem, views(arith.index_cast(idx, other)),
-                 barriers[other], ids_at(_decode(nxt, seq_sizes)), more)
-      barriers[slot].wait()
-      ids = ids_at(_decode(s, seq_sizes))
-      self.body(ids, refs(views(arith.index_cast(idx, slot))))
+      nxt_ids = self._seq_ids(arith.minui(nxt, i32(steps - 1)))
+      self.issue([(b, v, nxt_ids) for b, v in
+                  views(arith.index_cast(idx, other)).items()],
+                 self.barriers[other], more)
+      self.barriers[slot].wait()
+      ids = self._seq_ids(s)
+      cur = views(arith.index_cast(idx, slot))
+      self.body(ids, self.refs({**fixed, **out_views, **cur}))
       mgpu_utils.warpgroup_barrier()   # the slot is refilled next step
-      self.store([b for b in outs if b.moves], gmem, smem, ids)
+      self.store([(b, out_views[b], ids) for b in outs if b.moves])
       scf.yield_([])
-    barriers[steps % 2].wait()         # the last, empty, prefetch
-    last = ids_at([i32(n - 1) for n in seq_sizes])
-    self.store([b for b in outs if not b.moves], gmem, smem, last)
+    self.barriers[steps % 2].wait()    # the last, empty, prefetch
+    last = self._last_ids()
+    self.store([(b, out_views[b], last) for b in outs if not b.moves])
 
 
 def _aligned(buffers):
   """`buffers` with uint8 padding so each starts on SMEM_ALIGN bytes (the
-  library packs the tree back to back); returns (tree, real positions)."""
-  tree, where, offset = [], [], 0
+  library packs the tree back to back); returns (tree, positions of the
+  buffers in it, their byte offsets)."""
+  tree, where, starts, offset = [], [], [], 0
   for sd in buffers:
     if offset % SMEM_ALIGN:
       pad = SMEM_ALIGN - offset % SMEM_ALIGN
       tree.append(jax.ShapeDtypeStruct((pad,), np.uint8))
       offset += pad
     where.append(len(tree))
+    starts.append(offset)
     tree.append(sd)
     offset += math.prod(sd.shape) * np.dtype(sd.dtype).itemsize
   if offset % MBARRIER_BYTES:
     pad = MBARRIER_BYTES - offset % MBARRIER_BYTES
     tree.append(jax.ShapeDtypeStruct((pad,), np.uint8))
-  return tree, where
+  return tree, where, starts
+
+
+def _barriers(plan: GpuPlan):
+  sched = plan.schedule
+  if sched.warp_specialized:     # full, empty (one arrival per consumer)
+    return [mgpu_core.TMABarrier(sched.depth),
+            mgpu_core.Barrier(arrival_count=sched.consumers,
+                              num_barriers=sched.depth),
+            mgpu_core.TMABarrier(1)]
+  return [mgpu_core.TMABarrier(3)]   # two pipeline slots, fixed blocks
 
 
 def _shapes(plan: GpuPlan):
@@ -262,13 +334,10 @@ def _shapes(plan: GpuPlan):
                for b in plan.blocks if not b.is_output)
   outs = tuple(sds(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
                for b in plan.blocks if b.is_output)
-  smem = [sds(b.buffer_shape, b.mapping.array_aval.dtype) for b in plan.blocks
-          if not b.in_gmem]
-  smem += [sds(s, d) for s, d in plan.scratch]
-  smem += [sds(s, d) for _, bufs in plan.scoped for s, d in bufs]
-  tree, where = _aligned(smem)
-  tree.append(mgpu_core.TMABarrier(3))   # two pipeline slots, fixed blocks
-  return ins, outs, tree, where
+  tree, where, starts = _aligned([sds(s, d) for s, d in plan.smem_buffers()])
+  barriers = _barriers(plan)
+  tree.append(barriers[0] if len(barriers) == 1 else tuple(barriers))
+  return ins, outs, tree, where, starts
 
 
 def build_gpu_module(spec) -> GpuModule:
@@ -276,12 +345,13 @@ def build_gpu_module(spec) -> GpuModule:
   by `jax.interpreters.mlir.make_ir_context()` (as lowering rules do)."""
   plan = make_gpu_plan(spec)
   host = GpuHost(spec.name, spec.where)
-  ins, outs, smem, where = _shapes(plan)
+  ins, outs, smem, where, starts = _shapes(plan)
   semantics = mgpu_lib.LoweringSemantics.Warpgroup
   try:
     module, out_shapes, _, launch_ctx = mgpu_core._lower_as_gpu_kernel(
-        _Emitter(spec, plan, host, where), (max(plan.cuda_grid, 1), 1, 1),
-        (1, 1, 1), (WARPGROUP, 1, 1), ins, outs, (), smem, semantics,
+        Emitter(spec, plan, host, where, starts),
+        (max(plan.cuda_grid, 1), 1, 1), (1, 1, 1),
+        (plan.schedule.threads, 1, 1), ins, outs, (), smem, semantics,
         module_name=f"{spec.name}_mosaic_gpu", kernel_name=spec.name)
   except BackendError:
     raise
@@ -297,5 +367,3 @@ def build_gpu_module(spec) -> GpuModule:
                        "layouts for or lower the kernel" + TRITON_HINT + ": "
                        f"{type(e).__name__}: {e}", spec.where) from e
   return GpuModule(module, text, plan, tuple(out_shapes))
-
-

@@ -1,6 +1,8 @@
 """Sample kernels for backend "mosaic_gpu", with jnp references: the CPU
 tests check how they lower, the GPU tests and scripts/mosaic_gpu_export.py
 check their numerics on a Hopper GPU."""
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -26,7 +28,9 @@ def _matmul_kernel(x_ref, y_ref, o_ref):
                         preferred_element_type=jnp.float32)
 
 
-def matmul(x, y, bm=128, bn=128, bk=64):
+def matmul(x, y, bm=128, bn=128, bk=64, **schedule):
+  """`schedule`: overrides of the lowering's choice (pipeline_depth,
+  warp_specialize, num_consumers)."""
   m, k = x.shape
   n = y.shape[1]
   return pl.pallas_call(
@@ -35,6 +39,7 @@ def matmul(x, y, bm=128, bn=128, bk=64):
       in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
                 pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
       out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+      compiler_params=pl.mosaic_gpu.CompilerParams(**schedule),
       backend="mosaic_gpu")(x, y)
 
 
@@ -45,6 +50,7 @@ def _softmax_kernel(x_ref, o_ref):
 
 
 def softmax(x):
+  """A (64, C) block per row block: C > 256 moves as one tiled TMA copy."""
   spec = pl.BlockSpec((64, x.shape[1]), lambda i: (i, 0))
   return pl.pallas_call(_softmax_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
                         grid=(x.shape[0] // 64,), in_specs=[spec],
@@ -97,7 +103,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref):
     o_ref[...] = (acc_ref[...] / l_ref[...][:, None]).astype(o_ref.dtype)
 
 
-def flash_attention(q, k, v, bq=64, bk=64):
+def flash_attention(q, k, v, bq=64, bk=64, **schedule):
   n, d = q.shape
   return pl.pallas_call(
       _flash_kernel, jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -109,8 +115,8 @@ def flash_attention(q, k, v, bq=64, bk=64):
       scratch_shapes=[pl.tpu.VMEM((bq,), jnp.float32),
                       pl.tpu.VMEM((bq,), jnp.float32),
                       pl.tpu.VMEM((bq, d), jnp.float32)],
-      compiler_params=pl.tpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary")),
+      compiler_params=pl.mosaic_gpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary"), **schedule),
       backend="mosaic_gpu")(q, k, v)
 
 
@@ -124,6 +130,33 @@ def _inputs(seed, *shapes_dtypes):
   return [jax.random.normal(k, s, jnp.float32).astype(d)
           for k, (s, d) in zip(keys, shapes_dtypes)]
 
+
+def _mm_ref(x, y):
+  return jnp.dot(x, y, preferred_element_type=jnp.float32)
+
+
+def _mm_inputs():
+  return _inputs(1, ((512, 512), jnp.bfloat16), ((512, 512), jnp.bfloat16))
+
+
+def _flash_ref(q, k, v):
+  return _ref_attention(q, k, v, 0.125)
+
+
+def _flash_inputs():
+  return _inputs(4, ((512, 128), jnp.bfloat16), ((1024, 128), jnp.bfloat16),
+                 ((1024, 128), jnp.bfloat16))
+
+
+# The schedules the lowering can emit, on a GPU: name -> overrides
+# (warp-specialized by default: a producer and two consumers; see
+# docs/mosaic-gpu.md).
+SCHEDULES = {
+    "one_warpgroup": dict(warp_specialize=False),
+    "one_slot": dict(pipeline_depth=1),
+    "depth4_one_consumer": dict(pipeline_depth=4, num_consumers=1),
+    "depth2_two_consumers": dict(pipeline_depth=2, num_consumers=2),
+}
 
 # name -> (kernel, jnp reference, inputs, atol)
 CASES = {
@@ -149,4 +182,15 @@ CASES = {
         lambda: _inputs(4, ((256, 128), jnp.bfloat16),
                         ((512, 128), jnp.bfloat16),
                         ((512, 128), jnp.bfloat16)), 5e-2),
+    "wide_softmax_bf16": (softmax,
+                          lambda x: jax.nn.softmax(x.astype(jnp.float32),
+                                                   axis=-1).astype(x.dtype),
+                          lambda: _inputs(5, ((256, 512), jnp.bfloat16)),
+                          1e-2),
 }
+for _name, _params in SCHEDULES.items():
+  CASES[f"matmul_bf16_{_name}"] = (
+      functools.partial(matmul, **_params), _mm_ref, _mm_inputs, 1e-1)
+  CASES[f"flash_attention_bf16_{_name}"] = (
+      functools.partial(flash_attention, **_params), _flash_ref,
+      _flash_inputs, 5e-2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
+from jax._src import ad_util, custom_derivatives
 from jax._src.lib.mlir.dialects import arith, math as mlir_math
 
 from dsl import dtypes, primitives
@@ -16,7 +17,7 @@ from lowering_mosaic.gpu.host import TABLE, constant, shape_of, to_shape, typed
 
 def _same_shape(ctx, args):
   shape = tuple(ctx.avals_out[0].shape)
-  return [to_shape(a, shape, aval.dtype)
+  return [to_shape(a, aval.shape, shape, aval.dtype)
           for a, aval in zip(args, ctx.avals_in[-len(args):])]
 
 
@@ -61,6 +62,8 @@ def _binary_rule(prim):
 
 for _p in _BINARY:
   TABLE.register(_p)(_binary_rule(_p))
+# The sum of two cotangents, from JAX's transposition (derived kernels).
+TABLE.register(ad_util.add_jaxvals_p)(_binary_rule(lax.add_p))
 
 _UNARY_FLOAT = {
     lax.exp_p: mlir_math.exp, lax.exp2_p: mlir_math.exp2,
@@ -180,13 +183,13 @@ def _select_n(ctx, which, *cases, **_):
   if len(cases) != 2:
     raise ctx.error("select_n with more than two cases is not supported")
   shape = tuple(ctx.avals_out[0].shape)
-  which = to_shape(which, shape, ctx.avals_in[0].dtype)
+  which = to_shape(which, ctx.avals_in[0].shape, shape, ctx.avals_in[0].dtype)
   if not dtypes.is_bool(ctx.avals_in[0].dtype):
     aval = ctx.avals_in[0]
     which = arith.cmpi(arith.CmpIPredicate.ne, which,
                        constant(0, shape, aval.dtype))
-  false_case, true_case = (to_shape(c, shape, ctx.avals_out[0].dtype)
-                           for c in cases)
+  false_case, true_case = (to_shape(c, aval.shape, shape, aval.dtype)
+                           for c, aval in zip(cases, ctx.avals_in[1:]))
   return arith.select(which, true_case, false_case)
 
 
@@ -232,9 +235,12 @@ def _bitcast(ctx, x, *, new_dtype):
   return arith.bitcast(typed(shape_of(x), new_dtype), x)
 
 
-@TABLE.register(primitives.multiple_of_p, primitives.max_contiguous_p)
-def _identity(ctx, x, **_):
-  return x
+@TABLE.register(primitives.multiple_of_p, primitives.max_contiguous_p,
+                lax.copy_p, custom_derivatives.stop_gradient_p,
+                lax.optimization_barrier_p)
+def _identity(ctx, *xs, **_):
+  return xs[0] if len(xs) == 1 and not ctx.eqn.primitive.multiple_results \
+      else list(xs)
 
 
 @TABLE.register(getattr(lax, "square_p", None))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from jax import tree_util
 from jax._src.lib import mosaic_gpu_dialect as mgpu
 from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import memref
+from jax._src.lib.mlir.dialects import arith, memref
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -20,7 +20,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl import dtypes, ref_ops
 from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_to,
-                                      is_vector, to_index)
+                                      is_vector, phys, to_index)
 
 
 def _static(x):
@@ -62,17 +62,33 @@ def window(ctx, ref: ir.Value, transforms) -> ir.Value:
   return ref
 
 
+def _squeezed(ref: ir.Value) -> ir.Value:
+  """`ref` without its unit dims (a view): lowered values have none."""
+  shape = ir.MemRefType(ref.type).shape
+  if 1 in shape:
+    ref = mgpu_utils.memref_slice(ref, tuple(0 if n == 1 else slice(None)
+                                             for n in shape))
+  return ref
+
+
+def _zeros(ref):
+  idx = arith.constant(ir.IndexType.get(), 0)
+  return [idx] * len(ir.MemRefType(ref.type).shape)
+
+
 def load(ref: ir.Value) -> ir.Value:
-  if not ir.MemRefType(ref.type).shape:
-    return memref.load(ref, [])
-  return mgpu.vector_load(ref)
+  """A whole-warpgroup read of `ref` (a scalar if it holds one element)."""
+  if not phys(ir.MemRefType(ref.type).shape):
+    return memref.load(ref, _zeros(ref))
+  return mgpu.vector_load(_squeezed(ref))
 
 
 def store(ref: ir.Value, val: ir.Value) -> None:
-  shape = tuple(ir.MemRefType(ref.type).shape)
-  if not shape:
-    memref.store(val, ref, [])
+  if not phys(ir.MemRefType(ref.type).shape):
+    memref.store(val, ref, _zeros(ref))
     return
+  ref = _squeezed(ref)
+  shape = tuple(ir.MemRefType(ref.type).shape)
   val = broadcast_to(val, shape)
   if len(shape) == 1 and shape[0] % 128 and shape[0] % 64 == 0:
     # A row vector of a 64-row tile (softmax statistics): the wgmma row
@@ -100,10 +116,9 @@ def _swap(ctx, ref, val, *idx, tree):
 
 @TABLE.register(state_primitives.addupdate_p)
 def _addupdate(ctx, ref, val, *idx, tree):
-  from jax._src.lib.mlir.dialects import arith
   view = window(ctx, ref, _unflatten(tree, idx))
   old = load(view)
-  val = broadcast_to(val, tuple(ctx.avals_in[1].shape)) if is_vector(old) \
+  val = broadcast_to(val, phys(ctx.avals_in[1].shape)) if is_vector(old) \
       else val
   add = arith.addf if dtypes.is_float(ctx.avals_in[1].dtype) else arith.addi
   store(view, add(old, val))

@@ -1,0 +1,176 @@
+"""The warp-specialized CTA: a producer warpgroup and consumer warpgroups.
+
+The CTA has `consumers + 1` warpgroups. The last one is the producer: it
+gives registers up (`setmaxnreg.dec`) and runs its `Role` of the schedule's
+protocol (schedule.py): the blocks loaded once, then, per sequential step
+s, wait until ring slot s % depth is empty, arm its full barrier with the
+step's bytes, and issue the step's TMA copies into it. The others are the
+consumers (consumer c is warpgroup c): they take registers
+(`setmaxnreg.inc`) and run theirs: wait for the slot to be full, run the
+kernel body on grid point c of the CTA's `consumers` points along the
+split dim, release the slot (one arrival per warpgroup on its empty
+barrier), store the output blocks that move; after the loop the others.
+
+Each op of a role is emitted by one entry of `_EMIT` (keyed by op kind),
+so the emitted module follows the protocol that protocol_model.py checks.
+"""
+from __future__ import annotations
+
+from jax._src.lib import mosaic_gpu_dialect as mgpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, nvvm, scf
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+from lowering_mosaic.gpu.host import decode, i32, index_cast_i32
+
+
+class _Step:
+  """Where a role is: the sequential step `s` (i32; None outside the
+  loop), its ring slot, and which warpgroup runs it."""
+
+  def __init__(self, em, consumer, s=None):
+    self.em, self.consumer, self.s = em, consumer, s
+    depth = em.plan.schedule.depth
+    self.slot = arith.remui(s, i32(depth)) if s is not None else None
+    self.round = (arith.divui(s, i32(depth)) if s is not None else None)
+
+  def slot_index(self):
+    return arith.index_cast(ir.IndexType.get(), self.slot)
+
+  def parity(self, kind: str) -> ir.Value:
+    i1 = ir.IntegerType.get_signless(1)
+    if kind == "first":
+      return arith.constant(i1, 0)
+    bit = arith.trunci(i1, arith.andi(self.round, i32(1)))
+    return arith.xori(bit, arith.constant(i1, 1)) if kind == "flipped" else bit
+
+  def barrier(self, name: str):
+    full, empty, fixed = self.em.barriers
+    if name == "fixed":
+      return fixed
+    return (full if name == "full" else empty)[self.slot]
+
+  def ids(self, replica):
+    """Grid ids of this step (step 0 outside the loop) for `replica`."""
+    em = self.em
+    sizes = [em.plan.grid[d] for d in em.plan.sequential]
+    seq = (decode(self.s, sizes) if self.s is not None
+           else [i32(0)] * len(sizes))
+    return em.ids_at(em.par, seq, replica)
+
+
+def _inputs(em, which):
+  """The input blocks of the ring (those that move along the sequential
+  dims, however deep the ring) or the fixed ones (loaded once)."""
+  ins = [b for b in em.plan.blocks if not b.in_gmem and not b.is_output]
+  return [b for b in ins if b.moves == (which == "ring")]
+
+
+def _copy_items(st: _Step, which: str):
+  """(block, destination, grid ids) of the producer's copies: every
+  replica of each block (one per consumer that needs its own)."""
+  em = st.em
+  slot = st.slot_index() if which == "ring" else None
+  items = []
+  for b in _inputs(em, which):
+    for r in range(b.replicas):
+      items.append((b, em.view(b, slot, r if b.replicas > 1 else None),
+                    st.ids(r)))
+  return items
+
+
+def _wait(st, op):
+  mgpu.wait(st.barrier(op.barrier).as_barrier_memref(), st.parity(op.parity))
+
+
+def _arrive(st, op):
+  st.barrier(op.barrier).arrive()
+
+
+def _expect_tx(st, op):
+  nbytes = sum(b.nbytes * b.replicas for b in _inputs(st.em, op.blocks))
+  st.barrier(op.barrier).arrive_expect_tx(i32(nbytes))
+
+
+def _copy(st, op):
+  em = st.em
+  barrier = st.barrier(op.barrier)
+  for b, dest, ids in _copy_items(st, op.blocks):
+    em.copy(b, dest, ids, barrier)
+
+
+def _consumer_views(st):
+  em = st.em
+  c = arith.index_cast(ir.IndexType.get(), st.consumer)
+  slot = st.slot_index() if st.s is not None else None
+  out = {}
+  for b in em.plan.blocks:
+    if not b.in_gmem and (slot is not None or b.slots == 1):
+      rep = c if b.replicas > 1 else None
+      out[b] = em.view(b, slot if b.slots > 1 else None, rep)
+  return out, c
+
+
+def _compute(st, op):
+  em = st.em
+  views, c = _consumer_views(st)
+  em.body(st.ids(st.consumer), em.refs(views, c))
+
+
+def _store(st, op):
+  em = st.em
+  views, _ = _consumer_views(st)
+  outs = [b for b in em.plan.blocks if b.is_output and not b.in_gmem
+          and b.moves == (op.blocks == "moving")]
+  if op.blocks == "staying":
+    ids = em.ids_at(em.par, [i32(em.plan.grid[d] - 1)
+                             for d in em.plan.sequential], st.consumer)
+  else:
+    ids = st.ids(st.consumer)
+  em.store([(b, views[b], ids) for b in outs])
+
+
+_EMIT = {"wait": _wait, "arrive": _arrive, "expect_tx": _expect_tx,
+         "copy": _copy, "compute": _compute, "store": _store}
+
+
+def _run(em, role, consumer):
+  """Emits `role`'s ops: before, in a loop over the sequential steps,
+  after."""
+  for op in role.before:
+    _EMIT[op.kind](_Step(em, consumer), op)
+  if role.loop:
+    idx = ir.IndexType.get()
+    loop = scf.ForOp(*(arith.constant(idx, v)
+                       for v in (0, em.plan.steps, 1)))
+    with ir.InsertionPoint(loop.body):
+      st = _Step(em, consumer, index_cast_i32(loop.induction_variable))
+      for op in role.loop:
+        _EMIT[op.kind](st, op)
+      scf.yield_([])
+  for op in role.after:
+    _EMIT[op.kind](_Step(em, consumer), op)
+
+
+def _registers(n: int, action: str):
+  nvvm.setmaxregister(n, getattr(nvvm.SetMaxRegisterAction, action))
+
+
+def emit(em):
+  """The CTA of a warp-specialized kernel: warpgroup `consumers` is the
+  producer, the others consumers."""
+  sched = em.plan.schedule
+  wg = mgpu_utils.warpgroup_idx(sync=True)
+  is_producer = arith.cmpi(arith.CmpIPredicate.eq, wg, i32(sched.consumers))
+  which = arith.index_cast(ir.IndexType.get(),
+                           arith.extui(ir.IntegerType.get_signless(32),
+                                       is_producer))
+  switch = scf.IndexSwitchOp([], which, [0])
+  with ir.InsertionPoint(switch.case_blocks[0]):        # consumers
+    _registers(sched.consumer_registers, "increase")
+    _run(em, sched.consumer, wg)
+    scf.yield_([])
+  with ir.InsertionPoint(switch.default_block):         # the producer
+    _registers(sched.producer_registers, "decrease")
+    _run(em, sched.producer, None)
+    scf.yield_([])
