@@ -9,6 +9,7 @@ from typing import Any
 import jax
 from jax._src import core
 
+from dsl.normalize import normalize
 from dsl.pallas_call import pallas_call_p
 from lowering_triton.compile import compile_kernel
 from lowering_triton.kernel import generate
@@ -58,11 +59,13 @@ def _walk(jaxpr: core.Jaxpr, out: list) -> None:
 
 
 def kernel_specs(f, *args, **kwargs) -> list:
-  """The KernelSpecs of the pallas_calls `f(*args)` makes, in program order."""
+  """The KernelSpecs of the pallas_calls `f(*args)` makes, in program order,
+  normalized as the Triton lowering normalizes them (`dsl.normalize`: the
+  primitives JAX's transformations leave in derived kernels rewritten)."""
   closed = jax.make_jaxpr(f)(*args, **kwargs)
   out: list = []
   _walk(closed.jaxpr, out)
-  return out
+  return [normalize(spec) for spec in out]
 
 
 def to_source(f, *args, **kwargs) -> list[str]:
