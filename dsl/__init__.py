@@ -18,7 +18,7 @@ from dsl.semaphores import DeviceIdType
 from dsl.tpu_primitives import semaphore_read, semaphore_signal, semaphore_wait
 from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
                         KernelError, KernelRuntimeError, KernelTypeError,
-                        kernel_error_of)
+                        KernelWarning, kernel_error_of)
 from dsl.gridspec import GridMapping, GridSpec, PrefetchScalarGridSpec
 from dsl.kernel import kernel
 from dsl.autotuning import autotune
@@ -42,7 +42,7 @@ __all__ = [
     "autotune", "profile",
     "Element", "GridMapping", "GridSpec", "KernelCheckError",
     "KernelDeadlockError", "KernelError", "KernelRuntimeError", "KernelSpec",
-    "KernelTypeError", "kernel_error_of", "MemoryRef", "MemorySpace", "PrefetchScalarGridSpec",
+    "KernelTypeError", "KernelWarning", "kernel_error_of", "MemoryRef", "MemorySpace", "PrefetchScalarGridSpec",
     "Slice", "Squeezed", "TransformedRef", "cdiv", "debug_check",
     "debug_print", "ds", "dslice", "kernel", "load", "loop", "max_contiguous",
     "multiple_of", "num_programs", "pallas_call", "CostEstimate", "pallas_call_p",

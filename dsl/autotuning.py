@@ -31,6 +31,8 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from dsl import processes
+
 ENV_SWITCH = "DSL_AUTOTUNE"
 LAUNCH_KEYS = ("num_warps", "num_stages")
 
@@ -61,7 +63,8 @@ def searching_enabled() -> bool:
 class Choice:
   """The config used for one key, and where it came from."""
   config: dict
-  source: str                  # "searched", "cached" or "default"
+  source: str      # "searched", "cached", "default", or "shared" (from
+  # process 0 of a job of several processes)
   median_s: float | None = None
   results: tuple = ()          # (config, seconds or error text) per config
 
@@ -181,23 +184,35 @@ class Autotuned:
 
   def choose(self, *args, **kwargs) -> Choice:
     """The config for these arguments: remembered, cached on disk, searched
-    (first call per key) or, with DSL_AUTOTUNE=0, the first config."""
-    from dsl import autotune_cache
+    (first call per key) or, with DSL_AUTOTUNE=0, the first config. In a
+    job of several processes, process 0 decides and shares its choice, so
+    that every process compiles the same program."""
     key = self.key_of(args, kwargs)
     backend = self.backend_of(kwargs)
     hit = self.choices.get((key, backend))
     if hit is not None:
       return hit
+    mine = []
+
+    def decide():
+      mine.append(self._decide(args, kwargs, key, backend))
+      return self.configs.index(mine[0].config)
+    index = processes.first_process_decides(
+        decide, f"autotune/{self.name}/{key}/{backend}")
+    choice = mine[0] if mine else Choice(self.configs[index], "shared")
+    if choice.source != "default":
+      self.choices[(key, backend)] = choice
+    return choice
+
+  def _decide(self, args, kwargs, key, backend) -> Choice:
+    from dsl import autotune_cache
     cached = _as_json(autotune_cache.lookup(self.name, key, backend=backend))
     known = [c for c in self.configs if _as_json(c) == cached]
     if cached is not None and known:
-      choice = Choice(known[0], "cached")
-    elif not searching_enabled():
+      return Choice(known[0], "cached")
+    if not searching_enabled():
       return Choice(self.configs[0], "default")
-    else:
-      choice = self._search(args, kwargs, key, backend)
-    self.choices[(key, backend)] = choice
-    return choice
+    return self._search(args, kwargs, key, backend)
 
   # ------------------------------------------------------------ search
   def _search(self, args, kwargs, key, backend) -> Choice:

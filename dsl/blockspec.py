@@ -88,7 +88,10 @@ class BlockSpec:
     if self.where is None:
       # skip __post_init__ and the dataclass's generated __init__
       object.__setattr__(self, "where", creation_site(depth=3))
-    if self.block_shape is not None and not isinstance(self.block_shape, tuple):
+    if (self.block_shape is not None and not callable(self.block_shape)
+        and not isinstance(self.block_shape, tuple)):
+      # (a callable block shape is the older argument order: reported with
+      # the kernel's name in resolve_block_spec)
       object.__setattr__(self, "block_shape", tuple(self.block_shape))
 
 
@@ -139,7 +142,8 @@ class BlockMapping:
   @property
   def ref_aval(self) -> state_types.AbstractRef:
     return state_types.AbstractRef(
-        core.ShapedArray(self.kernel_shape, self.array_aval.dtype),
+        core.ShapedArray(self.kernel_shape, self.array_aval.dtype,
+                         weak_type=self.array_aval.weak_type),
         memory_space=self.memory_space)
 
   def element_offsets(self, block_indices):
@@ -151,6 +155,12 @@ class BlockMapping:
       else:
         offs.append(idx * _dim_size(d))
     return offs
+
+
+def element_padding(bm: BlockMapping) -> dict[int, tuple[int, int]]:
+  """{array dim: (low, high) padding} of the `Element` dims of `bm`."""
+  return {d: tuple(dim.padding) for d, dim in enumerate(bm.block_shape)
+          if isinstance(dim, Element)}
 
 
 def positional_arity(fn) -> int | None:
@@ -231,6 +241,14 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
                           operand=origin)
   if spec.where and spec.where != where:
     where = f"{spec.where}; the pallas_call at {where}"
+  if callable(spec.block_shape):
+    shape = spec.index_map
+    raise KernelTypeError(
+        kernel, f"BlockSpec(block_shape, index_map) takes the block shape "
+        f"first, got the function {getattr(spec.block_shape, '__name__', '')!r}"
+        f" as block_shape and {shape!r} as index_map (the argument order of "
+        f"older Pallas versions): write pl.BlockSpec({shape!r}, index_map)",
+        where, operand=origin)
   rank = len(aval.shape)
   memory_space = spec.memory_space
   whole = spec.block_shape is None or memory_space is MemorySpace.ANY
@@ -259,7 +277,8 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
     index_map = _zeros_index_map(grid_rank, len(prefetch_avals), rank)
   jaxpr = _trace_index_map(kernel, origin, index_map, grid_rank,
                            prefetch_avals, rank, where)
-  return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype),
+  return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype,
+                                               weak_type=aval.weak_type),
                       block_shape, jaxpr, memory_space, whole,
                       spec.pipeline_mode)
 

@@ -48,6 +48,80 @@ def split_check_text(text: str) -> tuple[str, str | None]:
   return (m.group(1), m.group(2)) if m else (text.strip(), None)
 
 
+# ------------------------------------------------------------ windows
+#
+# A window placed at run time that leaves its ref fails the same check on
+# every backend, with the same words: `window_access` is the part the
+# kernel knows (the access, the window with `{}` for values computed at run
+# time, the ref's shape), `window_message` adds where it ran.
+
+WINDOW_FIX = ("keep pl.ds starts and indices computed at run time inside "
+              "the ref, or mask the access (pl.load/pl.store with mask=)")
+
+
+def window_access(verb: str, ref: str, window: str, shape) -> str:
+  """`out-of-bounds load from x_ref[{}:{}, :] (a window placed at run time)
+  outside its ref of shape (16, 128)`."""
+  return (f"out-of-bounds {verb} {ref}[{window}] (a window placed at run "
+          f"time) outside its ref of shape {tuple(int(n) for n in shape)}")
+
+
+def window_message(access: str, block_index=None, point=None) -> str:
+  """The message of the failed check: `access` with its values, the block
+  index of the ref (None for scratch and whole arrays), the grid point
+  (tuples, or text a backend fills in later)."""
+  where = []
+  if block_index is not None:
+    where.append(f"block index {_tuple_text(block_index)}")
+  if point is not None:
+    where.append(f"grid point {_tuple_text(point)}")
+  at = f" at {' and '.join(where)}" if where else ""
+  return f"{access}{at}; {WINDOW_FIX}"
+
+
+def _tuple_text(values) -> str:
+  if isinstance(values, str):
+    return values
+  return str(tuple(int(v) for v in values))
+
+
+# A block index read from data that puts its block outside the array, with
+# runtime asserts on: the same words on every backend.
+
+def block_limits_text(shape, block_sizes, element_padding=None) -> str:
+  """`dim 0: block indices below 4; dim 1: ...` for an array of `shape` in
+  blocks of `block_sizes`; `element_padding`: {dim: (low, high)} for
+  `Element` dims, whose index maps return element offsets."""
+  parts = []
+  for d, (n, b) in enumerate(zip(shape, block_sizes)):
+    if n == 0:
+      continue
+    if element_padding and d in element_padding:
+      lo, hi = element_padding[d]
+      parts.append(f"dim {d}: element offsets below {n + lo + hi}")
+    else:
+      parts.append(f"dim {d}: block indices below {-(-n // b)}")
+  return "; ".join(parts)
+
+
+def index_map_at(bm) -> str | None:
+  """`file:line` of a block mapping's index map, or None."""
+  info = getattr(bm.index_map_jaxpr.jaxpr, "debug_info", None)
+  src = getattr(info, "func_src_info", None) or ""
+  return src.split(" at ")[-1] if " at " in src else None
+
+
+def block_index_message(origin: str, block_index, point, array: str,
+                        limits: str, index_map_at: str | None) -> str:
+  """`in_specs[0]: block index (9, 0) at grid point (1, 1) is outside the
+  array float32[32,128] (dim 0: block indices below 4); ...`. `block_index`
+  and `point` are tuples, or text (`{block}`) a backend fills in later."""
+  at = f" (index map at {index_map_at})" if index_map_at else ""
+  return (f"{origin}: block index {_tuple_text(block_index)} at grid point "
+          f"{_tuple_text(point)} is outside the array {array} ({limits}); "
+          f"index maps return block indices, not element offsets{at}")
+
+
 def debug_check(condition, message: str = "debug_check failed", *fmt_args,
                 **fmt_kwargs) -> None:
   """Checks `condition` inside a kernel when jax_pallas_enable_debug_checks

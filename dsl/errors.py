@@ -235,6 +235,17 @@ class BackendError(KernelError, NotImplementedError):
   """A backend cannot run the kernel (missing, unsupported primitive)."""
 
 
+class KernelWarning(UserWarning):
+  """Something in a kernel is likely wrong but cannot be proven at trace
+  time; the message reads like a KernelError's."""
+
+  def __init__(self, kernel: str, message: str, where: str | None = None,
+               operand: str | None = None):
+    head = f"kernel '{kernel}'" + (f", {operand}" if operand else "")
+    super().__init__(f"{head}: {message}" + (f" (at {where})" if where
+                                             else ""))
+
+
 # ------------------------------------------------------------ host failures
 #
 # A kernel failure found by a host backend (dsl/host_failures.py) is parked
@@ -246,7 +257,10 @@ class BackendError(KernelError, NotImplementedError):
 _PARKED: collections.OrderedDict[int, KernelError] = collections.OrderedDict()
 _PARKED_LOCK = threading.Lock()
 _MAX_PARKED = 64
-_next_id = iter(range(1, 2**31 - 1))
+_next_id = iter(range(1, 2**23))
+# Ids carry the process that parked the error (a job of several processes
+# exchanges them between processes): id = n * PROCESSES + process index.
+PROCESSES = 256
 
 
 def park(err: KernelError) -> int:
@@ -256,7 +270,7 @@ def park(err: KernelError) -> int:
     if e is not None:
       e.__traceback__ = None
   with _PARKED_LOCK:
-    key = next(_next_id)
+    key = next(_next_id) * PROCESSES + jax.process_index() % PROCESSES
     _PARKED[key] = err
     while len(_PARKED) > _MAX_PARKED:
       _PARKED.popitem(last=False)
@@ -340,7 +354,7 @@ def eqn_error(cls, kernel: str, eqn, message: str, jaxpr=None,
   return cls(kernel, message, where, operand=operand, detail=detail)
 
 
-__all__ = ["KernelError", "KernelTypeError", "BackendError",
+__all__ = ["KernelError", "KernelTypeError", "KernelWarning", "BackendError",
            "KernelRuntimeError", "KernelCheckError", "KernelDeadlockError",
            "KernelRaceError", "kernel_error_of", "park", "parked", "user_frame",
            "frame_of_traceback", "source_info_frame", "function_location"]

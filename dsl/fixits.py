@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import math
 import re
 from typing import Any, Callable
+
+import numpy as np
+from jax import errors as jax_errors
 
 _GRID_NAMES = "ijklmn"
 
@@ -113,11 +117,71 @@ def _wrong_shape(m, exc, ctx: HintContext) -> str | None:
               f"no BlockSpec (no `in_specs` means the whole array). A "
               f"BlockSpec that gives {other} blocks of {ref_shape}: "
               f"{obm.origin} = {fit}.")
-  return None
+  return _shape_fix(name or "the ref", _expected_shape(exc) or ref_shape,
+                    value_shape)
+
+
+def _expected_shape(exc) -> tuple[int, ...] | None:
+  m = re.search(r"Expected shape: (\([\d, ]*\))", str(exc))
+  return _shape_tuple(m.group(1)) if m else None
+
+
+def _shape_fix(name: str, want, got) -> str:
+  """What to do about a value of shape `got` stored where `want` goes."""
+  text = (f"the value stored into {name} has shape {got}, but the window it "
+          f"is stored into has shape {want}: ")
+  if math.prod(want) == math.prod(got):
+    return text + f"reshape it first (`.reshape({want})`)"
+  try:
+    np.broadcast_shapes(got, want)
+    fits = np.broadcast_shapes(got, want) == tuple(want)
+  except ValueError:
+    fits = False
+  if fits:
+    return text + (f"broadcast it first (`jnp.broadcast_to(value, {want})`): "
+                   "a store does not broadcast" + (
+                       "; or, if a reduction dropped an axis, keep it with "
+                       "`keepdims=True`" if len(got) < len(want) else ""))
+  if len(got) < len(want):
+    return text + ("a reduction drops the axis it reduces: keep it with "
+                   "`keepdims=True`, or store into a window of the value's "
+                   f"shape (`{name}[0] = ...`)")
+  return text + ("store into a window of the value's shape "
+                 f"(`{name}[pl.ds(start, {got[0] if got else 1}), ...] = "
+                 "...`), or give the BlockSpec the value's block shape")
+
+
+_ERRORS_PAGE = "https://docs.jax.dev/en/latest/errors.html#jax.errors."
+
+
+def _traced_condition(m, exc, ctx: HintContext) -> str:
+  ctx.operand = None
+  first = str(exc).strip().splitlines()[0]
+  return ("a Python `if`, `while`, `and`/`or`/`not` or `bool()` needs the "
+          "truth of a value that is known only when the kernel runs (it is "
+          "traced): run a block of code under `@pl.when(cond)`, pick between "
+          "two computations with `jax.lax.cond(cond, f, g, ...)`, or pick "
+          "values with `jnp.where(cond, a, b)` "
+          f"(JAX: {first} See {_ERRORS_PAGE}{type(exc).__name__})")
+
+
+def _traced_integer(m, exc, ctx: HintContext) -> str:
+  ctx.operand = None
+  first = str(exc).strip().splitlines()[0]
+  return ("a Python int (for `range`, a list index, a shape) is needed of a "
+          "value known only when the kernel runs (it is traced): loop with "
+          "`jax.lax.fori_loop(0, n, body, carry)` (or `pl.loop`), index refs "
+          "with the traced value itself (`x_ref[i]`, `x_ref[pl.ds(i, 8)]`), "
+          "and keep shapes static "
+          f"(JAX: {first} See {_ERRORS_PAGE}{type(exc).__name__})")
 
 
 # (exception types, pattern on str(exc), rule(match, exc, ctx) -> str | None)
 RULES: list[tuple[tuple[type, ...], re.Pattern, Callable]] = [
+    ((jax_errors.TracerBoolConversionError,), re.compile(""),
+     _traced_condition),
+    ((jax_errors.TracerIntegerConversionError,
+      jax_errors.ConcretizationTypeError), re.compile(""), _traced_integer),
     ((AttributeError,), re.compile(r"'AbstractRef' object has no attribute"),
      _ref_as_value),
     ((TypeError,), re.compile(r"DynamicJaxprTracer|AbstractRef"),

@@ -128,7 +128,29 @@ def _is_spec_leaf(x):
   return x is None or isinstance(x, BlockSpec)
 
 
-def normalize_grid(kernel: str, grid, where: str) -> tuple[int, ...]:
+def is_shape_tuple(x) -> bool:
+  """A tuple or list of ints: a shape given where a shape and a dtype
+  (a ShapeDtypeStruct, a scratch shape) belong."""
+  return (isinstance(x, (tuple, list)) and len(x) > 0
+          and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+                  for d in x))
+
+
+def _zero_size_text(in_avals, out_avals) -> str:
+  """Why a grid may have come out empty: the operands of size zero."""
+  found = [f"{kind}[{k}] has shape {tuple(a.shape)}"
+           for kind, avals in (("argument", in_avals), ("out_shape", out_avals))
+           for k, a in enumerate(avals) if 0 in tuple(a.shape)]
+  if not found:
+    return ""
+  return (f": {'; '.join(found)}, and a grid computed from a zero-size dim "
+          "(pl.cdiv(0, 8) == 0) has no steps. Skip the call for empty "
+          "inputs (return an empty array of the output's shape), or give the "
+          "grid at least one step")
+
+
+def normalize_grid(kernel: str, grid, where: str,
+                   zero_size: str = "") -> tuple[int, ...]:
   if grid is None:
     grid = ()
   if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
@@ -147,7 +169,8 @@ def normalize_grid(kernel: str, grid, where: str) -> tuple[int, ...]:
           where, operand="grid")
     if g <= 0:
       raise KernelError(kernel, f"grid[{i}] must be a positive integer, got "
-                        f"{int(g)}", where, operand="grid")
+                        f"{int(g)}" + (zero_size if g == 0 else ""), where,
+                        operand="grid")
     out.append(int(g))
   return tuple(out)
 
@@ -172,7 +195,9 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                          out_tree, where: str) -> GridMapping:
   """Checks user specs against the operands and resolves them."""
   names = grid_names(kernel, grid, where)
-  grid = normalize_grid(kernel, grid, where)
+  grid = normalize_grid(kernel, grid, where,
+                        _zero_size_text(list(prefetch_avals) + list(in_avals),
+                                        out_avals))
   in_leaves = _flatten_specs(kernel, in_specs, len(in_avals), "in_specs",
                              where, "inputs")
   out_leaves = _flatten_specs(kernel, out_specs, len(out_avals), "out_specs",
@@ -180,7 +205,7 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
   p_refs = []
   for aval in prefetch_avals:
     p_refs.append(state_types.AbstractRef(
-        core.ShapedArray(aval.shape, aval.dtype),
+        core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type),
         memory_space=MemorySpace.SMEM))
   mappings = []
   for i, (spec, aval) in enumerate(zip(in_leaves, in_avals)):
@@ -191,7 +216,8 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                                        len(grid), p_refs, where))
   scratch_leaves, scratch_tree = tree_util.tree_flatten(
       list(scratch_shapes or ()),
-      is_leaf=lambda x: hasattr(x, "get_ref_aval") or hasattr(x, "dtype"))
+      is_leaf=lambda x: (hasattr(x, "get_ref_aval") or hasattr(x, "dtype")
+                         or is_shape_tuple(x)))
   scratch_avals = tuple(scratch_aval(kernel, i, s)
                         for i, s in enumerate(scratch_leaves))
   return GridMapping(grid, tuple(mappings), len(in_avals), len(out_avals),

@@ -20,8 +20,10 @@ with the same text and which `dsl.errors.kernel_error_of` maps back to it.
 """
 from __future__ import annotations
 
+import _thread
 import atexit
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,17 +32,21 @@ from jax import lax
 from jax._src import core, sharding_impls
 from jax.sharding import PartitionSpec
 
-from dsl.errors import BackendError, KernelError, kernel_error_of, park, parked
+from dsl.errors import (PROCESSES, BackendError, KernelError,
+                        KernelRuntimeError, kernel_error_of, park, parked)
 
 
-def call_host(fn, result_shapes, *args, kernel: str):
+def call_host(fn, result_shapes, *args, kernel: str,
+              source: str | None = None):
   """`jax.pure_callback(fn, result_shapes, *args)`, plus the id of the
-  KernelError that `fn` raised (0 if none); outputs are zeros then."""
+  KernelError that `fn` raised (0 if none); outputs are zeros then.
+  `kernel`, `source`: the kernel's name and where it is defined (for
+  `dsl.profile`)."""
   from dsl import profiling
 
   def host(*arrays):
     try:
-      with profiling.host_run(kernel):
+      with profiling.host_run(kernel, source):
         outs = fn(*arrays)
       return [*outs, np.int32(0)]
     except KernelError as e:
@@ -62,9 +68,64 @@ def _raise_if_failed(failed):
   """Raises the parked error of the first nonzero id in `failed`."""
   ids = np.asarray(failed).reshape(-1)
   found = ids[ids != 0]
-  err = parked(int(found[0])) if len(found) else None
-  if err is not None:
-    raise err.with_traceback(None)
+  if not len(found):
+    return
+  err = parked(int(found[0]))
+  if err is None:      # parked in another process of the job
+    raise KernelRuntimeError(
+        f"<a kernel of process {int(found[0]) % PROCESSES}>",
+        "failed on a device of that process of the job, which raises the "
+        "error with the kernel's name and line")
+  raise err.with_traceback(_user_traceback(err))
+
+
+_WHERE = re.compile(r"^(.+):(\d+)(?:$|[ ;])")
+
+
+class _Catch:
+  """Keeps the traceback of the exception raised in its `with` block."""
+
+  def __init__(self):
+    self.traceback = None
+    self.done = _thread.allocate_lock()
+    self.done.acquire()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, value, traceback):
+    self.traceback = traceback
+    self.done.release()
+    return True
+
+
+def _user_traceback(err: KernelError):
+  """A traceback of one frame, the user's line of `err`, or None.
+
+  XLA reports an exception raised in a host callback under `jax.jit` as
+  `CpuCallback error calling callback:` and a traceback that runs from the
+  innermost frame of the exception's traceback up its callers: the user's
+  call, then JAX's frames down to the callback. Raised with this traceback,
+  whose one frame stands at the kernel's line and has no caller (it ran as
+  the first frame of a thread of its own), the error reads: the user's
+  line, then `KernelCheckError: kernel ...`."""
+  m = _WHERE.match(err.where or "")
+  if m is None or int(m.group(2)) < 2:
+    return None
+  filename, line = m.group(1), int(m.group(2))
+  name = re.sub(r"\W", "_", err.kernel)
+  name = name if name.isidentifier() else "kernel"
+  # `raise` and the implicit return both on the user's line
+  source = "\n" * (line - 2) + f"def {name}():\n with _catch: raise _err\n"
+  catch = _Catch()
+  namespace = {"_err": err, "_catch": catch}
+  try:
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102
+    _thread.start_new_thread(namespace[name], ())
+  except Exception:  # noqa: BLE001 - then the error goes without it
+    return None
+  catch.done.acquire()
+  return catch.traceback
 
 
 def manual_axes(axis_context) -> tuple[tuple[str, int], ...]:

@@ -44,7 +44,7 @@ class MemoryRef:
 
 def scratch_aval(kernel: str, index: int, shape: Any) -> state_types.AbstractRef:
   """The ref aval of `scratch_shapes[index]`."""
-  from dsl.errors import KernelError, user_frame
+  from dsl.errors import KernelError, KernelTypeError, user_frame
   if hasattr(shape, "get_ref_aval"):
     return shape.get_ref_aval()
   if isinstance(shape, state_types.AbstractRef):
@@ -52,6 +52,13 @@ def scratch_aval(kernel: str, index: int, shape: Any) -> state_types.AbstractRef
   if hasattr(shape, "shape") and hasattr(shape, "dtype"):
     return state_types.AbstractRef(
         core.ShapedArray(tuple(shape.shape), jnp.dtype(shape.dtype)))
+  if isinstance(shape, (tuple, list)) and all(
+      isinstance(d, int) for d in shape):
+    raise KernelTypeError(
+        kernel, f"a scratch buffer needs a memory space and a dtype besides "
+        f"its shape: got the shape {tuple(shape)} alone; write "
+        f"tpu.VMEM({tuple(shape)}, jnp.float32) (or the dtype it holds)",
+        user_frame(), operand=f"scratch_shapes[{index}]")
   raise KernelError(kernel, f"expected a scratch shape such as "
                     f"tpu.VMEM((8, 128), jnp.float32), got {shape!r}",
                     user_frame(), operand=f"scratch_shapes[{index}]")

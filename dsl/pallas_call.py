@@ -18,8 +18,10 @@ from dsl.errors import (KernelError, KernelTypeError, api_boundary,
                         function_location, kernel_error_of, kernel_name,
                         lowering_kernel, user_frame)
 from dsl.normalize import normalize
-from dsl.gridspec import GridMapping, GridSpec, resolve_grid_mapping
-from dsl.interpret.plan import check_block_indices, check_semantics
+from dsl.gridspec import (GridMapping, GridSpec, is_shape_tuple,
+                          resolve_grid_mapping)
+from dsl.interpret.plan import (check_block_indices, check_parallel_carries,
+                               check_semantics)
 from dsl.tracing import kernel_ref_names, trace_kernel
 
 
@@ -178,6 +180,17 @@ def _lower(ctx, *args, spec: KernelSpec, platform: str):
     return partitioning.lower_partitioned(ctx, *args, spec=spec)
   name = spec.backend or backends.platform_default(platform)
   rule = backends.lowering_rule(name, spec.name, spec.where)
+  if name in ("mosaic", "mosaic_interpret"):
+    # A TPU never reads an output block from HBM: an aliased output read
+    # before it is written starts from its input another way. (Imported
+    # here: dsl.transforms imports this module.)
+    from dsl.transforms import aliased_reads
+    derived = aliased_reads.reading_aliased_outputs(spec)
+    if derived is not None:
+      new, extra = derived
+      bind = lambda *xs: pallas_call_p.bind(*xs, *[xs[i] for i in extra],
+                                            spec=new)
+      return mlir.lower_fun(bind, multiple_results=True)(ctx, *args)
   if name != "interpret":   # the interpret backend runs every JAX primitive
     spec = normalize(spec, values_in_memory=name.startswith("mosaic"))
   with lowering_kernel(spec.name), _named(ctx, spec.name) as ctx:
@@ -206,19 +219,23 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
 def _interpret_lowering(ctx, *args, spec):
   from dsl import interpret
   from dsl.transforms import runtime_checks
+  from dsl.transforms.window_checks import has_run_time_windows
   from jax._src import config as jax_config
   fn = functools.partial(interpret.run, spec=spec)
-  # With runtime asserts on, block indices read from data are checked too.
-  check_blocks = (config.enable_runtime_assert()
-                  and bool(runtime_checks.data_dependent_blocks(spec)))
-  if ((check_blocks or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
+  # With runtime asserts on, block indices read from data and windows
+  # placed at run time are checked too.
+  asserts = config.enable_runtime_assert()
+  check_blocks = asserts and bool(runtime_checks.data_dependent_blocks(spec))
+  check_windows = asserts and has_run_time_windows(spec.jaxpr.jaxpr)
+  if ((check_blocks or check_windows
+       or runtime_checks.needs_checks(spec.jaxpr.jaxpr))
       and not runtime_checks.is_checked(spec)):
     # Run-time checks and waits become values; a failure raises from the host.
     axis_context = ctx.module_context.axis_context
 
     def fn(*xs):
       return runtime_checks.run_checked(spec, interpret.run, xs, axis_context,
-                                        check_blocks)
+                                        check_blocks, check_windows)
   from dsl import profiling
   if profiling.enabled():
     fn = _on_host(fn, spec, ctx.module_context.axis_context)
@@ -243,7 +260,8 @@ def _on_host(fn, spec: KernelSpec, axis_context):
     def run(*arrays):
       return [np.asarray(o) for o in jax.block_until_ready(compiled(*arrays))]
     outs, failed = host_failures.call_host(run, shapes, *xs,
-                                           kernel=spec.name)
+                                           kernel=spec.name,
+                                           source=spec.kernel_src)
     host_failures.raise_parked(axis_context, failed)
     return outs
   return on_host
@@ -254,9 +272,33 @@ backends.register_backend("interpret", _interpret_lowering)
 
 def _leaf_aval(kernel: str, x, what: str, where: str):
   if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype))
+    # A weakly typed array (one made from a Python scalar) stays weak, as in
+    # JAX and Pallas: the kernel's value of it follows JAX's promotion.
+    weak = bool(getattr(x, "weak_type", False))
+    return core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype),
+                            weak_type=weak)
   raise KernelTypeError(kernel, f"expected an array or jax.ShapeDtypeStruct, "
                         f"got {x!r}", where, operand=what)
+
+
+def _out_aval(kernel: str, x, i: int, where: str):
+  if is_shape_tuple(x):
+    raise KernelTypeError(
+        kernel, f"out_shape gives each output's shape and dtype: got the "
+        f"shape {tuple(x)} alone; write jax.ShapeDtypeStruct({tuple(x)}, "
+        "dtype) (a tuple or list of them for several outputs)", where,
+        operand=f"out_shape[{i}]")
+  return _leaf_aval(kernel, x, f"out_shape[{i}]", where)
+
+
+def as_operand(x):
+  """A pallas_call operand as an array: a Python scalar (bool, int, float,
+  complex) becomes a weakly typed scalar of JAX's default dtype for it, as
+  Pallas takes it (`jnp.asarray`); arrays and numpy scalars pass as they
+  are."""
+  if isinstance(x, (bool, int, float, complex)):
+    return jnp.asarray(x)
+  return x
 
 
 def _check_aliases(name, aliases, in_avals_all, out_avals, where):
@@ -335,9 +377,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     params = compiler_params
     if params is None:
       params = _autotuned_launch_params(backend)
-    flat_args, _ = tree_util.tree_flatten(args)
-    flat_args = [jnp.asarray(a) if not hasattr(a, "dtype") else a
-                 for a in flat_args]
+    args = tree_util.tree_map(as_operand, args)
+    flat_args = tree_util.tree_leaves(args)
     spec, out_tree = build_spec(
         kernel, args, out_shape, name=name, grid=grid, in_specs=in_specs,
         out_specs=out_specs, scratch_shapes=scratch_shapes,
@@ -347,6 +388,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         cost_estimate=cost_estimate, where=where)
     check_semantics(spec.name, params, len(spec.grid_mapping.grid),
                     where)
+    check_parallel_carries(spec, params, where)
     outs = pallas_call_p.bind(*flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 
@@ -386,9 +428,9 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
   in_tree = tree_util.tree_structure(tuple(args[num_scalar_prefetch:]))
   n_pf_leaves = len(tree_util.tree_leaves(tuple(args[:num_scalar_prefetch])))
   out_leaves, out_tree = tree_util.tree_flatten(
-      out_shape, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-  out_avals = [_leaf_aval(name, o, f"out_shape[{i}]", where)
-               for i, o in enumerate(out_leaves)]
+      out_shape, is_leaf=lambda x: (hasattr(x, "shape") and hasattr(x, "dtype"))
+      or is_shape_tuple(x))
+  out_avals = [_out_aval(name, o, i, where) for i, o in enumerate(out_leaves)]
   try:
     key = (kernel, name, tuple(avals), in_tree, tuple(out_avals), out_tree,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),

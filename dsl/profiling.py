@@ -44,15 +44,25 @@ class Profile:
 
   def __init__(self, trace_dir: str | None = None):
     self.trace_dir = trace_dir
-    self.times: dict[str, list[float]] = collections.defaultdict(list)
+    # (kernel name, where the kernel is defined) -> wall times
+    self.times: dict[tuple, list[float]] = collections.defaultdict(list)
 
-  def record(self, kernel: str, seconds: float) -> None:
+  def record(self, kernel: str, seconds: float,
+             source: str | None = None) -> None:
     with _LOCK:
-      self.times[kernel].append(seconds)
+      self.times[(kernel, source)].append(seconds)
 
   def as_dict(self) -> dict[str, dict]:
-    return {k: {"calls": len(v), "total_s": sum(v),
-                "mean_s": sum(v) / len(v)} for k, v in self.times.items()}
+    """Per kernel: calls, total and mean seconds. Kernels are told apart by
+    where they are defined: two that share a name are listed as
+    `name (file:line)`."""
+    names = collections.Counter(name for name, _ in self.times)
+    out = {}
+    for (name, source), v in self.times.items():
+      label = f"{name} ({source})" if names[name] > 1 and source else name
+      out[label] = {"calls": len(v), "total_s": sum(v),
+                    "mean_s": sum(v) / len(v)}
+    return out
 
   def summary(self) -> str:
     rows = sorted(self.as_dict().items(), key=lambda kv: -kv[1]["total_s"])
@@ -95,9 +105,10 @@ def profile(trace_dir: str | None = None, *,
 
 
 @contextlib.contextmanager
-def host_run(kernel: str):
-  """Around one run of a kernel on the host: a trace annotation named after
-  the kernel, and its wall time for each active profile."""
+def host_run(kernel: str, source: str | None = None):
+  """Around one run of a kernel on the host (defined at `source`): a trace
+  annotation named after the kernel, and its wall time for each active
+  profile."""
   import jax
   t0 = time.perf_counter()
   with jax.profiler.TraceAnnotation(f"{kernel} (dsl kernel)"):
@@ -106,4 +117,4 @@ def host_run(kernel: str):
   with _LOCK:
     active = list(_ACTIVE)
   for p in active:
-    p.record(kernel, seconds)
+    p.record(kernel, seconds, source)

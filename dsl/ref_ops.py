@@ -14,13 +14,13 @@ from jax import tree_util
 from jax._src import ad_util, core
 from jax._src.interpreters import ad
 from jax._src.state import discharge as state_discharge
-from jax._src.state import indexing
 from jax._src.state import types as state_types
 from jax._src.state.primitives import get_ref_and_transforms
 from jax.extend.core import Primitive
 
 from dsl.errors import KernelError, KernelTypeError, user_frame
-from dsl.poison import poison_full, poison_value
+from dsl import windows
+from dsl.poison import poison_full
 
 
 def _ref_effects(ref_aval, write: bool):
@@ -36,41 +36,11 @@ def _indexed_aval(ref_or_view, idx):
   return ref, transforms, tuple(view.shape), view.dtype
 
 
-# ------------------------------------------------- masked slices past the end
-
-def _pad_for_slices(x, transforms):
-  """Pads `x` at the end of each dim by the extent of the slice taken from it.
-
-  A dynamic slice that runs past the end of an array is moved back inside it
-  (`lax.dynamic_slice` clamps its start); a masked access must instead see the
-  elements at the positions it names, the mask deciding which count. With the
-  padding (poison: what lies past the array is unspecified) the slice never
-  moves. Returns the padded array and the transforms re-targeted at it.
-  """
-  if not transforms or not isinstance(transforms[0], indexing.NDIndexer):
-    return x, transforms
-  first = transforms[0]
-  pads = [(0, (idx.size - 1) * idx.stride + 1)
-          if isinstance(idx, indexing.Slice) and isinstance(idx.size, int)
-          else (0, 0) for idx in first.indices]
-  if all(p == (0, 0) for p in pads):
-    return x, transforms
-  x = jnp.pad(x, pads, constant_values=poison_value(x.dtype))
-  first = indexing.NDIndexer(first.indices, tuple(x.shape),
-                             first.int_indexer_shape)
-  return x, (first, *transforms[1:])
-
-
-def _unpad(x_new, shape):
-  return x_new[tuple(slice(0, n) for n in shape)]
-
-
 def _masked_swap(x, transforms, new_of_old):
-  """Writes `new_of_old(old)` through `transforms`; returns (x_new, old)."""
-  xp, tp = _pad_for_slices(x, transforms)
-  old = state_discharge.transform_array(xp, tp)
-  _, x_new = state_discharge.transform_swap_array(xp, tp, new_of_old(old))
-  return _unpad(x_new, x.shape), old
+  """Writes `new_of_old(old)` through `transforms`; returns (x_new, old).
+  Lanes of the window outside `x` read poison and are not written."""
+  old, x_new = windows.update(x, transforms, new_of_old)
+  return x_new, old
 
 
 # ------------------------------------------------------------------- load
@@ -93,9 +63,7 @@ def _split_args(args, tree, n_extra):
 @state_discharge.register_discharge_rule(masked_load_p)
 def _load_discharge(ctx, x, *args, tree, has_mask, has_other, out_aval, **_):
   transforms, extra = _split_args(args, tree, has_mask + has_other)
-  if has_mask:
-    x, transforms = _pad_for_slices(x, transforms)
-  y = state_discharge.transform_array(x, transforms)
+  y = windows.read(x, transforms)
   extra = list(extra)
   mask = extra.pop(0) if has_mask else None
   other = extra.pop(0) if has_other else None
@@ -154,7 +122,7 @@ def _store_discharge(ctx, x, *args, tree, has_mask, **_):
   transforms, extra = _split_args(args, tree, 1 + has_mask)
   val = extra[0]
   if not has_mask:
-    _, x_new = state_discharge.transform_swap_array(x, transforms, val)
+    x_new, _ = _masked_swap(x, transforms, lambda old: val)
     return (x_new,) + (None,) * len(args), []
   x_new, _ = _masked_swap(x, transforms,
                           lambda old: jnp.where(extra[1], val, old))
@@ -266,17 +234,8 @@ def _atomic_abstract_eval(ref_aval, *args, tree, has_mask, op, out_aval):
 @state_discharge.register_discharge_rule(atomic_rmw_p)
 def _atomic_discharge(ctx, x, *args, tree, has_mask, op, out_aval):
   transforms, extra = _split_args(args, tree, 1 + has_mask)
-  val = extra[0]
-
-  def new_of_old(old):
-    new = _ATOMIC_COMBINE[op](old, val).astype(old.dtype)
-    return jnp.where(extra[1], new, old) if has_mask else new
-  if has_mask:
-    x_new, old = _masked_swap(x, transforms, new_of_old)
-  else:
-    old = state_discharge.transform_array(x, transforms)
-    _, x_new = state_discharge.transform_swap_array(x, transforms,
-                                                    new_of_old(old))
+  old, x_new = windows.atomic_update(x, transforms, _ATOMIC_COMBINE[op],
+                                     extra[0], extra[1] if has_mask else None)
   return (x_new,) + (None,) * len(args), old
 
 

@@ -208,10 +208,28 @@ def kernel_error(e: interp.KernelSimulationError, kernel: str) -> KernelError:
   return cls(kernel, message, where, operand=device)
 
 
-def _run(key, text, per_device, out_shapes, options, kernel):
+def operand_dtypes(spec) -> list:
+  """The dtype of every kernel operand (prefetch, inputs, outputs, scratch;
+  None for semaphores), for the interpreter's poison."""
+  gm = spec.grid_mapping
+  avals = ([a.inner_aval for a in gm.prefetch_avals]
+           + [bm.array_aval for bm in gm.block_mappings]
+           + [getattr(a, "inner_aval", a) for a in gm.scratch_avals])
+  out = []
+  for a in avals:
+    try:
+      out.append(np.dtype(a.dtype))
+    except TypeError:        # a semaphore
+      out.append(None)
+  return out
+
+
+def _run(key, text, per_device, layout, options, kernel):
+  """`layout`: (the outputs' shapes, every operand's dtype)."""
+  shapes, dtypes = layout
   prog = cached_program(key, text)
   try:
-    outs, world = simulate(prog, per_device, out_shapes, options)
+    outs, world = simulate(prog, per_device, shapes, options, dtypes)
   except interp.KernelSimulationError as e:
     interp._LAST_FAILURE.append(e)
     raise kernel_error(e, kernel) from e
@@ -219,7 +237,7 @@ def _run(key, text, per_device, out_shapes, options, kernel):
   return outs
 
 
-def _shared_run(key, text, gathered, n, out_shapes, options, kernel):
+def _shared_run(key, text, gathered, n, layout, options, kernel):
   launch_key = (key, _digest(gathered), options)
   with _SHARED_LOCK:
     entry = _SHARED.get(launch_key)
@@ -229,7 +247,7 @@ def _shared_run(key, text, gathered, n, out_shapes, options, kernel):
   if owner:
     try:
       per_device = [[g[d] for g in gathered] for d in range(n)]
-      entry.result = _run(key, text, per_device, out_shapes, options, kernel)
+      entry.result = _run(key, text, per_device, layout, options, kernel)
     except BaseException as e:    # every device's callback reports it
       entry.error = e
     finally:
@@ -254,20 +272,20 @@ def interpret_lowering(ctx, *args, spec):
   key = hashlib.sha1(text.encode()).hexdigest()
   options = interp.current_options()
   out_avals = spec.grid_mapping.out_avals
-  out_shapes = [tuple(a.shape) for a in out_avals]
+  layout = ([tuple(a.shape) for a in out_avals], operand_dtypes(spec))
   n = math.prod(s for _, s in mesh_axes) if mesh_axes else 1
   axis_context = ctx.module_context.axis_context
 
   if n == 1:
     def host(*arrays):
-      outs = _run(key, text, [[np.asarray(a) for a in arrays]], out_shapes,
+      outs = _run(key, text, [[np.asarray(a) for a in arrays]], layout,
                   options, spec.name)
       return [np.asarray(o, a.dtype) for o, a in zip(outs[0], out_avals)]
 
     def fn(*xs):
       outs, failed = host_failures.call_host(
           host, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in out_avals],
-          *xs, kernel=spec.name)
+          *xs, kernel=spec.name, source=spec.kernel_src)
       host_failures.raise_parked(axis_context, failed)
       return outs
   else:
@@ -276,7 +294,7 @@ def interpret_lowering(ctx, *args, spec):
 
     def host(*gathered):
       gathered = [np.asarray(g) for g in gathered]
-      outs = _shared_run(key, text, gathered, n, out_shapes, options,
+      outs = _shared_run(key, text, gathered, n, layout, options,
                          spec.name)
       return [np.stack([np.asarray(outs[d][k], a.dtype) for d in range(n)])
               for k, a in enumerate(out_avals)]
@@ -287,7 +305,8 @@ def interpret_lowering(ctx, *args, spec):
             (n,) + tuple(x.shape)) for x in xs]
         outs, failed = host_failures.call_host(
             host, [jax.ShapeDtypeStruct((n,) + tuple(a.shape), a.dtype)
-                   for a in out_avals], *gathered, kernel=spec.name)
+                   for a in out_avals], *gathered, kernel=spec.name,
+            source=spec.kernel_src)
         me = lax.axis_index(axis)
         outs = [o[me] for o in outs]
       host_failures.raise_parked(axis_context, failed)

@@ -42,7 +42,8 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, func
 
 from dsl.blockspec import Buffered, Element, RevisitMode, squeezed
-from dsl.errors import BackendError, source_info_frame
+from dsl import config
+from dsl.errors import BackendError, marked_jaxpr, source_info_frame
 from dsl.interpret.plan import declared_semantics
 from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
 from lowering_mosaic import dialect
@@ -115,12 +116,22 @@ class LoweringContext:
   uses_remote: bool = False
   named_axes: set = dataclasses.field(default_factory=set)  # axis_index'd
   current_line: str | None = None
+  kernel_jaxpr: Any = None      # for jax_pallas_verbose_errors
 
   def error(self, message: str, primitive: str | None = None,
-            line: str | None = None) -> BackendError:
+            line: str | None = None, eqn=None) -> BackendError:
+    """A BackendError naming the kernel and the user's line; with
+    jax_pallas_verbose_errors on, it shows the kernel jaxpr with `eqn`
+    (the failing equation) marked."""
     what = f"primitive '{primitive}': " if primitive else ""
+    detail = None
+    if eqn is not None and self.kernel_jaxpr is not None and \
+        config.verbose_errors():
+      detail = ("The kernel jaxpr, the failing equation marked:\n"
+                + marked_jaxpr(self.kernel_jaxpr, eqn))
     return BackendError(self.kernel, f"{what}{message}",
-                        line or self.current_line or self.where)
+                        line or self.current_line or self.where,
+                        detail=detail)
 
 
 @dataclasses.dataclass
@@ -280,7 +291,7 @@ class _Walk(LoweringHost):
 
   def error(self, message, eqn=None):
     line = source_info_frame(eqn.source_info) if eqn is not None else None
-    return self.lctx.error(message, line=line or self.outer_line)
+    return self.lctx.error(message, line=line or self.outer_line, eqn=eqn)
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn):
@@ -372,7 +383,8 @@ def build_module_and_context(spec, mesh_axes=()):
   check_tpu_rules(spec)
   ctx = dialect.make_context()
   lctx = LoweringContext(spec.name, spec.where,
-                         tuple(spec.grid_mapping.grid), tuple(mesh_axes))
+                         tuple(spec.grid_mapping.grid), tuple(mesh_axes),
+                         kernel_jaxpr=spec.jaxpr)
   with ctx, ir.Location.unknown():
     module = _build(spec, lctx)
     try:

@@ -20,9 +20,11 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
+from dsl import checks
 from dsl.blockspec import squeezed
-from dsl.errors import KernelError
+from dsl.errors import BackendError, KernelError
 from dsl.revisits import check_output_revisits
 from dsl.semaphores import SemaphoreSpace
 from lowering_mosaic import dialect
@@ -192,6 +194,21 @@ def _windowed_without_grid(gm):
                and not has_trivial_window(bm)), None)
 
 
+def _check_closed_over(spec, bm) -> None:
+  """An index map that closes over an array cannot run on a TPU, whose
+  index maps read only grid ids and scalar prefetch (SMEM)."""
+  arrays = [np.shape(c) for c in bm.index_map_jaxpr.consts if np.ndim(c)]
+  if arrays:
+    raise BackendError(
+        spec.name, f"{bm.origin}: the index map closes over an array (of "
+        f"shape {arrays[0]}); a TPU's index maps read only the grid ids and "
+        "scalar prefetch: pass the array as a scalar-prefetch operand "
+        "(tpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, ...)), whose "
+        "index maps take it after the grid ids (`lambda i, table: "
+        "(table[i], 0)`), or run the kernel on backend='interpret'",
+        checks.index_map_at(bm) or spec.where)
+
+
 def check_tpu_rules(spec) -> None:
   """Raises KernelError for the first TPU rule `spec` breaks."""
   gm = spec.grid_mapping
@@ -203,6 +220,7 @@ def check_tpu_rules(spec) -> None:
         "a window of it; give the call grid=(1,) (or a block of the whole "
         "array at index 0)", spec.where, operand=bm.origin)
   for bm in gm.block_mappings:
+    _check_closed_over(spec, bm)
     space = dialect.block_space(bm)
     if space == dialect.VMEM and len(bm.kernel_shape) == 0:
       raise KernelError(

@@ -222,8 +222,9 @@ def main(argv=None) -> int:
       "  python -m lowering_mosaic.verify kernels.collectives:all_gather "
       "f32[32,128] --axis x=4\n"
       "  python -m lowering_mosaic.verify kernel.pml\n"
-      "exit status: 0 ok, 1 a race, deadlock or semaphore error, 2 the "
-      "search hit a bound")
+      "exit status: 0 ok, 1 a race, deadlock, semaphore or other error in "
+      "the kernel, 2 the search hit a bound (or bad arguments), 3 SPIN is "
+      "not installed (Debian/Ubuntu: apt-get install spin)")
   ap.add_argument("target", help="a .pml file, or module:function (also "
                   "path/to/file.py:function) calling pallas_call")
   ap.add_argument("shapes", nargs="*", help="argument shapes for "

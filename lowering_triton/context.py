@@ -94,6 +94,8 @@ class Lowering(LoweringHost):
     self.helpers: dict[str, str] = {}     # name -> source of a @triton.jit helper
     self.uses_asserts = False
     self.has_side_effects = False
+    # The grid point being emitted (a Sym per grid dim), for check messages.
+    self.grid_point: tuple = ()
     self._last_comment: tuple | None = None
     self._eqn_stack: list = []
     self._hints: dict[int, dict[int, str]] = {}   # id(jaxpr) -> name hints

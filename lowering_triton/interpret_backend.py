@@ -27,7 +27,9 @@ from dsl import checks
 from dsl import host_failures
 from dsl import config
 from dsl.errors import BackendError, KernelCheckError, KernelRuntimeError
+from dsl.poison import poison_value
 from lowering_triton import dtypes, interpret_memory, loader
+from lowering_triton.check_values import fill_in
 from lowering_triton.kernel import GeneratedKernel, generate
 
 _LOCK = threading.RLock()
@@ -328,23 +330,41 @@ def user_line(source: str, lineno: int) -> str | None:
   return None
 
 
-def _generated_lineno(gk: GeneratedKernel, exc: BaseException) -> int | None:
+def _generated_frame(gk: GeneratedKernel, exc: BaseException):
+  """(frame, line number) of the generated kernel where `exc` was raised,
+  or (None, None)."""
   filename = loader.filename_of(gk.source, gk.fn_name)
-  found = None
+  found = (None, None)
   e = exc
   while e is not None:
     for frame, lineno in traceback.walk_tb(e.__traceback__):
       if frame.f_code.co_filename == filename:
-        found = lineno
+        found = (frame, lineno)
     e = e.__cause__ or e.__context__
-    if found is not None:
+    if found[0] is not None:
       break
   return found
 
 
+def _generated_lineno(gk: GeneratedKernel, exc: BaseException) -> int | None:
+  return _generated_frame(gk, exc)[1]
+
+
+def _failed_check(gk: GeneratedKernel, e: AssertionError) -> KernelCheckError:
+  """The KernelCheckError of a failed `tl.device_assert`, with the values
+  its line names filled in (lowering_triton/check_values.py)."""
+  frame, lineno = _generated_frame(gk, e)
+  lines = gk.source.splitlines()
+  line = lines[lineno - 1] if lineno and lineno <= len(lines) else ""
+  message, where = checks.split_check_text(str(e))
+  message = fill_in(message, line, frame)
+  return KernelCheckError(gk.name, message, where or gk.where)
+
+
 def _buffers(gk: GeneratedKernel, arrays) -> tuple[dict, list[np.ndarray]]:
-  """Kernel parameter name -> numpy buffer, and the output buffers (zeros,
-  or a copy of the aliased input)."""
+  """Kernel parameter name -> numpy buffer, and the output buffers (poison,
+  what the memory a kernel never writes holds, or a copy of the aliased
+  input)."""
   operands = [np.array(a, copy=True, order="C") for a in arrays]
   n_pf = sum(p.kind == "prefetch" for p in gk.params)
   aliases = {o: i for i, o in gk.aliases}
@@ -352,7 +372,8 @@ def _buffers(gk: GeneratedKernel, arrays) -> tuple[dict, list[np.ndarray]]:
   for p in gk.params:
     if p.kind == "output":
       src = aliases.get(p.index)
-      outs.append(np.zeros(p.shape, p.dtype) if src is None else
+      outs.append(np.full(p.shape, poison_value(p.dtype), p.dtype)
+                  if src is None else
                   np.array(operands[src], dtype=p.dtype, copy=True, order="C"))
   by_kind = {"prefetch": operands[:n_pf], "input": operands[n_pf:],
              "const": [np.ascontiguousarray(c) for c in gk.consts],
@@ -398,8 +419,7 @@ def run(gk: GeneratedKernel, arrays) -> list[np.ndarray]:
             ti.interpreter_builder.set_grid_idx(x, y, z)
             fn(**kwargs)
     except AssertionError as e:     # a failed tl.device_assert: a check
-      message, where = checks.split_check_text(str(e))
-      raise KernelCheckError(gk.name, message, where or gk.where) from None
+      raise _failed_check(gk, e) from None
     except Exception as e:
       lineno = _generated_lineno(gk, e)
       where = user_line(gk.source, lineno) if lineno else None
@@ -425,7 +445,8 @@ def _lowering(ctx, *args, spec):
 
   def call(*xs):
     outs, failed = host_failures.call_host(
-        lambda *arrays: run(gk, arrays), result_shapes, *xs, kernel=spec.name)
+        lambda *arrays: run(gk, arrays), result_shapes, *xs, kernel=spec.name,
+        source=spec.kernel_src)
     host_failures.raise_parked(axis_context, failed)
     return outs
 

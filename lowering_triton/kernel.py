@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 from jax._src import core
 
-from dsl import config
-from dsl.blockspec import Element, squeezed
+from dsl import checks, config
+from dsl.blockspec import Element, element_padding, squeezed
 from dsl.errors import BackendError
 from dsl.ranges import analyze_kernel
 from lowering_triton import dtypes
@@ -28,10 +28,10 @@ from lowering_triton.context import Lowering
 from lowering_triton.grid import GridPlan, plan_grid
 from lowering_triton.naming import grid_names, operand_names
 from lowering_triton.peel import peel
-from lowering_triton.refs import Axis, MemRef, row_major_strides
+from lowering_triton.check_values import check_values_comment
+from lowering_triton.refs import Axis, MemRef, as_sym, row_major_strides
 from lowering_triton.rules import TABLE
 from lowering_triton.values import TVal, literal_value, pow2
-from lowering_triton.zero_init import zero_outputs
 
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
@@ -66,7 +66,6 @@ class GeneratedKernel:
   num_ctas: int
   enable_fp_fusion: bool
   debug: bool                     # compiled with device asserts
-  zero_outputs: tuple[bool, ...]  # outputs to zero before the launch
   aliases: tuple[tuple[int, int], ...]
   has_side_effects: bool
   where: str
@@ -135,9 +134,10 @@ def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
   a = bm.array_aval
   rank = len(a.shape)
   if bm.whole_array:
-    return [0] * rank, [None] * rank
+    return [0] * rank, [None] * rank, ()
   outs = lowering.lower_closed(bm.index_map_jaxpr,
                                list(grid_ids) + list(prefetch_refs))
+  block = tuple(as_sym(o) for o in outs[:rank])
   from_data = _reads_data(bm, len(grid_ids))
   starts, inside = [], []
   for d, (dim, idx, n) in enumerate(zip(bm.block_shape, outs[:rank], a.shape)):
@@ -161,24 +161,25 @@ def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
     if lo:
       expr = f"{expr} - {lo}"
     starts.append(lowering.bind_raw(expr, f"{base}_start{word}"))
-  return starts, inside
+  return starts, inside, block
 
 
-def _check_blocks_inside(lowering: Lowering, bm, inside) -> None:
+def _check_blocks_inside(lowering: Lowering, bm, inside, block) -> None:
   """With jax_pallas_enable_runtime_assert on, a block index read from data
-  that lies outside the array fails a run-time check."""
+  that lies outside the array fails a run-time check, worded as on every
+  backend (the values come from the comment, see interpret_backend)."""
   conds = [c for c in inside if c is not None]
   if not conds or not config.enable_runtime_assert():
     return
-  dims = [d for d, c in enumerate(inside) if c is not None]
-  shape = tuple(int(n) for n in bm.array_aval.shape)
-  blocks = tuple(-(-n // s) for n, s in zip(shape, bm.block_sizes))
-  message = (f"{bm.origin}: the index map returned a block index outside the "
-             f"array {shape} on dim {', '.join(map(str, dims))} (valid block "
-             f"indices: below {tuple(blocks[d] for d in dims)}); index maps "
-             "return block indices, not element offsets")
+  message = checks.block_index_message(
+      bm.origin, "{block}", "{point}", bm.array_aval.str_short(),
+      checks.block_limits_text(bm.array_aval.shape, bm.block_sizes,
+                               element_padding(bm)),
+      checks.index_map_at(bm))
   cond = " & ".join(f"({c})" for c in conds)
-  lowering.buf.line(f"tl.device_assert({cond}, {message!r})")
+  message = checks.check_text(message, checks.index_map_at(bm))
+  lowering.buf.line(f"tl.device_assert({cond}, {message!r})  "
+                    + check_values_comment(lowering, (), block))
   lowering.uses_asserts = True
   lowering.has_side_effects = True
 
@@ -188,8 +189,9 @@ def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
   a = bm.array_aval
   shape = tuple(int(n) for n in a.shape)
   wide = a.size * np.dtype(a.dtype).itemsize >= 2 ** 31
-  starts, inside = _block_starts(lowering, bm, base, grid_ids, prefetch_refs)
-  _check_blocks_inside(lowering, bm, inside)
+  starts, inside, block = _block_starts(lowering, bm, base, grid_ids,
+                                        prefetch_refs)
+  _check_blocks_inside(lowering, bm, inside, block)
   from_data = not bm.whole_array and _reads_data(bm, len(grid_ids))
   fixed, axes, upper, lower = [], [], [], []
   for d, (dim, n) in enumerate(zip(bm.block_shape, shape)):
@@ -214,7 +216,7 @@ def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
                 if c is not None and dim is not squeezed)
   return MemRef(base, ptr, np.dtype(a.dtype), shape, row_major_strides(shape),
                 tuple(fixed), tuple(axes), tuple(upper), tuple(lower), wide,
-                bm.origin, valid)
+                bm.origin, valid, block=block)
 
 
 def _prefetch_ref(aval, base: str, ptr: str) -> MemRef:
@@ -283,6 +285,8 @@ def _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids) -> None:
                    zip(gm.prefetch_avals, stem_of.prefetch, ptrs)]
   scratch_refs = [_scratch(lowering, aval, stem, k) for k, (aval, stem) in
                   enumerate(zip(gm.scratch_avals, stem_of.scratch))]
+  for ref, label in zip(scratch_refs, gm.split(spec.ref_labels()).scratch):
+    ref.origin = label
   loops = list(plan.sequential)
   if loops:
     buf.comment("sequential grid dims run in order inside each program: "
@@ -333,7 +337,7 @@ def _generate(spec) -> GeneratedKernel:
       grid=tuple(gm.grid), grid_plan=plan, num_warps=int(num_warps),
       num_stages=int(num_stages), num_ctas=int(num_ctas),
       enable_fp_fusion=bool(fp_fusion), debug=lowering.uses_asserts,
-      zero_outputs=zero_outputs(spec), aliases=tuple(spec.input_output_aliases),
+      aliases=tuple(spec.input_output_aliases),
       has_side_effects=lowering.has_side_effects, where=spec.where)
 
 
@@ -411,13 +415,16 @@ def _emit_step(lowering, spec, gm, stems, ptrs, id_vals, jaxpr, consts, *,
   """Emits the block refs at grid point `id_vals` and `jaxpr` on them."""
   buf = lowering.buf
   n_pf = gm.num_scalar_prefetch
+  lowering.grid_point = tuple(as_sym(v) for v in id_vals)
+  labels = spec.ref_labels()
   block_refs = []
   for i, bm in enumerate(gm.block_mappings):
     stem = stems[n_pf + i]
     if describe:
       buf.comment(_describe_block(bm, stem))
-    block_refs.append(_block_ref(lowering, bm, stem, ptrs[n_pf + i],
-                                 id_vals, prefetch_refs))
+    block_refs.append(dataclasses.replace(
+        _block_ref(lowering, bm, stem, ptrs[n_pf + i], id_vals,
+                   prefetch_refs), origin=labels[n_pf + i]))
   if describe:
     buf.comment(f"kernel body ({spec.kernel_src})")
   lowering.reset_comments()
@@ -471,9 +478,6 @@ def _module_source(spec, gm, plan: GridPlan, fn_name: str, params, stems,
   with tail.indent(f"def launch({', '.join(args)}):"):
     tail.line('"""Launches the kernel on buffers that have a data_ptr() (such '
               'as torch tensors).')
-    tail.line()
-    tail.line("Outputs must be zero-initialized when the kernel reads them "
-              "before writing.")
     tail.line('"""')
     tail.line(f"{fn_name}[GRID]({', '.join(args)}, num_warps=NUM_WARPS, "
               "num_stages=NUM_STAGES)")

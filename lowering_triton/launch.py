@@ -9,7 +9,6 @@ cached by source, parameters and compute capability.
 """
 from __future__ import annotations
 
-import math
 import threading
 import zlib
 
@@ -115,12 +114,10 @@ def _custom_call_target(lib) -> str:
 
 
 def kernel_call_proto(lib, gk: GeneratedKernel, kernel) -> bytes:
-  params = []
-  for p in gk.params:
-    zero = 0
-    if p.kind == "output" and gk.zero_outputs[p.index]:
-      zero = math.prod(p.shape) * np.dtype(p.dtype).itemsize
-    params.append(lib.create_array_parameter(zero, POINTER_ALIGNMENT))
+  # No buffer is zeroed first: output memory a kernel never writes holds
+  # whatever it held (poison on the host backends).
+  params = [lib.create_array_parameter(0, POINTER_ALIGNMENT)
+            for _ in gk.params]
   call = lib.TritonKernelCall(kernel, *gk.launch_grid, params)
   return zlib.compress(call.to_proto(gk.fn_name, b""))
 

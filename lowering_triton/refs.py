@@ -68,11 +68,14 @@ def index_sym(idx, size: int) -> Sym:
 
 @dataclasses.dataclass(frozen=True)
 class Axis:
-  """A visible axis of a ref: array coordinate `start + step * k`, k < size."""
+  """A visible axis of a ref: array coordinate `start + step * k`, k < size;
+  with `lanes` (the source of an int32 vector of `size` indices, from an
+  array of indices), `start + step * lanes[k]` instead."""
   dim: int
   start: Sym
   step: int
   size: int
+  lanes: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +96,17 @@ class MemRef:
   dynamic: tuple[int, ...] = ()  # array dims an indexer put a coordinate
   # computed at run time on: bounded to the array (masked), and checked
   # with jax_pallas_enable_runtime_assert on, where not proven inside
+  limits: tuple[tuple[int, Sym, Sym, bool], ...] = ()  # (array dim, lo,
+  # hi, whole): the ref's extent on a dim a run-time coordinate was put on
+  # (the block, or a window of it when not `whole`): lanes outside [lo, hi)
+  # read poison and write nothing
+  block: tuple[Sym, ...] = ()    # the block index, for messages
+  narrowed: tuple[int, ...] = ()  # array dims a window narrowed the block on
   proven: tuple[tuple[int, int], ...] = ()  # (array dim, 0: lower / 1:
   # upper bound) of those that the range analysis (dsl.ranges) proves
+  # inside the array
+  proven_block: tuple[tuple[int, int], ...] = ()  # the same, inside the
+  # operand's block
 
   def inside_masks(self, dim: int) -> tuple[bool, bool]:
     """(upper, lower): whether a coordinate on array dim `dim` needs a mask
@@ -105,10 +117,26 @@ class MemRef:
     return (not self.check_upper[dim] and (dim, 1) not in self.proven,
             not self.check_lower[dim] and (dim, 0) not in self.proven)
 
+  def limit_bounds(self, dim: int) -> list[tuple[str, Sym]]:
+    """The bounds ("lo" / "hi", value) that keep a coordinate on `dim`
+    inside the ref's extent (see `limits`), but those the range analysis
+    proves (inside the block, for a limit that is the whole block)."""
+    out = []
+    for d, lo, hi, whole in self.limits:
+      if d != dim:
+        continue
+      if lo != 0 and not (whole and (dim, 0) in self.proven_block):
+        out.append(("lo", lo))
+      if hi != self.array_shape[dim] and not (
+          whole and (dim, 1) in self.proven_block):
+        out.append(("hi", hi))
+    return out
+
   @property
   def unproven(self) -> tuple[int, ...]:
     """The array dims with a run-time coordinate not proven inside."""
-    return tuple(d for d in self.dynamic if any(self.inside_masks(d)))
+    return tuple(d for d in self.dynamic
+                 if any(self.inside_masks(d)) or self.limit_bounds(d))
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -149,27 +177,66 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
   if len(indices) != len(ref.axes):
     raise UnsupportedIndex(f"{len(indices)} indices for a ref of rank "
                            f"{len(ref.axes)}")
+  _check_array_indices(indices)
   fixed = list(ref.fixed)
   axes = []
   dynamic = set(ref.dynamic)
+  limits = list(ref.limits)
+  narrowed = set(ref.narrowed)
   for ax, idx in zip(ref.axes, indices):
+    if ax.lanes is not None:
+      raise UnsupportedIndex("indexing a window of an array of indices again "
+                             "is not supported by the Triton backend")
     start = idx.start if isinstance(idx, indexing.Slice) else idx
     if isinstance(start, TVal) and start.literal is None:
       dynamic.add(ax.dim)
+      hi = sym_add(ax.start, ax.step * ax.size)
+      if (ax.start, hi) != (0, ref.array_shape[ax.dim]):
+        limits.append((ax.dim, ax.start, hi, ax.dim not in ref.narrowed))
     if isinstance(idx, indexing.Slice):
       start = as_sym(idx.start)
+      if (start, int(idx.size), int(idx.stride)) != (0, ax.size, 1):
+        narrowed.add(ax.dim)
       axes.append(Axis(ax.dim, sym_add(ax.start, sym_mul(start, ax.step)),
                        ax.step * int(idx.stride), int(idx.size)))
     elif isinstance(idx, (int, np.integer)) or (
         isinstance(idx, TVal) and idx.shape == ()):
       fixed.append((ax.dim, sym_add(ax.start,
                                     sym_mul(index_sym(idx, ax.size), ax.step))))
-    else:
-      raise UnsupportedIndex("indexing a ref with an array of indices is not "
-                             "supported by the Triton backend; use scalar "
-                             "indices or pl.ds slices")
+    else:                     # a vector of indices: a block of pointers
+      dynamic.add(ax.dim)
+      narrowed.add(ax.dim)
+      hi = sym_add(ax.start, ax.step * ax.size)
+      if (ax.start, hi) != (0, ref.array_shape[ax.dim]):
+        limits.append((ax.dim, ax.start, hi, ax.dim not in ref.narrowed))
+      lanes = idx.expr if idx.dtype == np.int32 else \
+          f"{paren(idx.expr)}.to(tl.int32)"
+      axes.append(Axis(ax.dim, ax.start, ax.step, int(idx.shape[0]), lanes))
   return dataclasses.replace(ref, fixed=tuple(sorted(fixed, key=lambda f: f[0])),
-                             axes=tuple(axes), dynamic=tuple(sorted(dynamic)))
+                             axes=tuple(axes), dynamic=tuple(sorted(dynamic)),
+                             limits=tuple(limits),
+                             narrowed=tuple(sorted(narrowed)))
+
+
+def _check_array_indices(indices) -> None:
+  """Arrays of indices the Triton backend takes: one vector, among integer
+  indices next to each other (so that its lanes stay at its dim, as numpy
+  places them)."""
+  arrays = [k for k, i in enumerate(indices)
+            if isinstance(i, TVal) and i.shape]
+  if not arrays:
+    return
+  if len(arrays) > 1 or len(indices[arrays[0]].shape) != 1:
+    raise UnsupportedIndex("the Triton backend takes one vector of indices "
+                           "per ref access (a block of pointers); index the "
+                           "other dims with scalars or pl.ds slices")
+  ints = [k for k, i in enumerate(indices)
+          if not isinstance(i, indexing.Slice)]
+  if ints != list(range(ints[0], ints[-1] + 1)):
+    raise UnsupportedIndex("a vector of indices separated from the other "
+                           "integer indices by a slice moves its dim to the "
+                           "front (numpy's rule), which the Triton backend "
+                           "does not do; put the integer indices together")
 
 
 def _axis_word(j: int, rank: int) -> str:
@@ -192,8 +259,14 @@ def _bounds(coord: str, n: int, upper: bool, lower: bool) -> list[str]:
       [f"{coord} >= 0"] if lower else [])
 
 
+def _limits(coord: str, ref: MemRef, dim: int) -> list[str]:
+  """`coord` inside the ref's extent on `dim` (see MemRef.limits)."""
+  return [f"{coord} >= {paren(v)}" if side == "lo" else f"{coord} < {paren(v)}"
+          for side, v in ref.limit_bounds(dim)]
+
+
 def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
-                 check: str | None = None):
+                 check: str | None = None, comment: str | None = None):
   """Emits the pointers and mask of `ref`; returns (pointer expr, mask expr).
 
   Coordinates computed at run time (`ref.dynamic`) are masked to the array,
@@ -206,8 +279,9 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
   terms, masks, inside = [], [], []
   for j, ax in enumerate(ref.axes):
     p = pow2(ax.size)
-    lanes = f"tl.arange(0, {p})"
-    coord = sym_add(ax.start, lanes if ax.step == 1 else f"{lanes} * {ax.step}")
+    lanes = ax.lanes or f"tl.arange(0, {p})"
+    coord = sym_add(ax.start, lanes if ax.step == 1 else
+                    f"{paren(lanes)} * {ax.step}")
     coord = str(coord)
     if ref.wide:
       coord = f"({coord}).to(tl.int64)"
@@ -221,6 +295,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
     masks += _bounds(f"{name}{b}", n, ref.check_upper[ax.dim],
                      ref.check_lower[ax.dim])
     inside += _bounds(f"{name}{b}", n, *ref.inside_masks(ax.dim))
+    inside += _limits(f"{name}{b}", ref, ax.dim)
   for d, c in ref.fixed:
     if isinstance(c, int):
       if c:
@@ -232,6 +307,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
       n = ref.array_shape[d]
       masks += _bounds(paren(c), n, ref.check_upper[d], ref.check_lower[d])
       inside += _bounds(paren(c), n, *ref.inside_masks(d))
+      inside += _limits(paren(c), ref, d)
   ptr = ref.ptr if not terms else f"{ref.ptr} + " + " + ".join(terms)
   masks.extend(ref.valid)
   if extra_mask is not None:
@@ -240,7 +316,8 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
     ok = " & ".join(f"({m})" for m in inside)
     if masks:
       ok = f"~({' & '.join(f'({m})' for m in masks)}) | ({ok})"
-    ctx.emit(f"tl.device_assert({ok}, {check!r})")
+    ctx.emit(f"tl.device_assert({ok}, {check!r})"
+             + (f"  {comment}" if comment else ""))
   masks.extend(inside)
   if not masks:
     return ptr, None

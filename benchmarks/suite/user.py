@@ -167,8 +167,30 @@ class UserKernel(KernelBench):
     return super().tolerance(self.specs[0].dtype)
 
 
+def check_arity(fn, n: int, flag: str, target: str) -> None:
+  """A usage error when `fn` cannot take `n` positional arrays."""
+  params = [p for name, p in _parameters(fn).items()
+            if name not in ("pl", "backend")]
+  if any(p.kind is p.VAR_POSITIONAL for p in params):
+    return
+  positional = [p for p in params
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  required = [p for p in positional if p.default is p.empty]
+  if not len(required) <= n <= len(positional):
+    names = ", ".join(p.name for p in positional) or "none"
+    raise UsageError(
+        f"--inputs gives {n} array{'s' * (n != 1)} but {flag} {target} takes "
+        f"{len(required)}" + (f" to {len(positional)}" if len(positional) !=
+                              len(required) else "")
+        + f" positional argument{'s' * (len(positional) != 1)} ({names})")
+
+
 def load_user_kernel(target: str, inputs: str, reference: str | None):
   fn = load_function(target, "--kernel")
   ref = load_function(reference, "--reference") if reference else None
-  return UserKernel(target, fn, parse_inputs(inputs), ref, reference)
+  specs = parse_inputs(inputs)
+  check_arity(fn, len(specs), "--kernel", target)
+  if ref is not None:
+    check_arity(ref, len(specs), "--reference", reference)
+  return UserKernel(target, fn, specs, ref, reference)
 

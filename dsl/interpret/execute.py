@@ -17,11 +17,11 @@ from jax import lax
 from jax._src import core
 from jax._src.state import discharge as state_discharge
 
-from dsl import config
+from dsl import config, windows
 from dsl.blockspec import BlockMapping, Element
 from dsl.interpret.plan import OperandPlan, Plan, make_plan
 from dsl.interpret.prng import with_prng_state
-from dsl.poison import fresh_buffer, poison_value
+from dsl.poison import fresh_buffer, poison_full, poison_value
 
 
 def _consts(j):
@@ -46,8 +46,9 @@ def _discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
   kept = grid_rank + kept_refs
   should = [False] * kept + [True] * (len(j.invars) - kept)
   closed = core.ClosedJaxpr(j, jaxpr.consts)
-  return state_discharge.discharge_state(closed, should_discharge=should,
-                                         strip_memory_space=True)
+  with windows.bounded_windows():
+    return state_discharge.discharge_state(closed, should_discharge=should,
+                                           strip_memory_space=True)
 
 
 def _eval(jaxpr, *args):
@@ -171,8 +172,9 @@ def discharged_index_map(jaxpr: core.ClosedJaxpr, grid_rank: int):
   if n == grid_rank:
     return jaxpr
   should = [False] * grid_rank + [True] * (n - grid_rank)
-  return state_discharge.discharge_state(jaxpr, should_discharge=should,
-                                         strip_memory_space=True)
+  with windows.bounded_windows():
+    return state_discharge.discharge_state(jaxpr, should_discharge=should,
+                                           strip_memory_space=True)
 
 
 def block_offsets(bm: BlockMapping, ids, prefetch):
@@ -293,8 +295,10 @@ def _initial_states(args, spec, plan: Plan):
   for k, op in enumerate(plan.operands[n_in:]):
     bm = op.mapping
     src = next((i for i, o in aliases.items() if o == k), None)
+    # Output memory the kernel never writes is poison, as on hardware
+    # (uninitialized); an aliased output starts from its input.
     init = (jnp.asarray(args[src]).astype(bm.array_aval.dtype) if src is not None
-            else jnp.zeros(bm.array_aval.shape, bm.array_aval.dtype))
+            else poison_full(bm.array_aval.shape, bm.array_aval.dtype))
     init = pad(init, bm)
     out_states.append(to_view(init, bm) if op.mode == "view" else init)
   par_shape = tuple(gm.grid[d] for d in plan.parallel)

@@ -227,15 +227,64 @@ def check_semantics(kernel: str, compiler_params, grid_rank: int,
                         operand="compiler_params")
 
 
+def check_parallel_carries(spec, compiler_params, where: str) -> None:
+  """A grid dim declared "parallel" may not carry scratch from one step to
+  the next: its steps run at once (vectorized on the CPU, as separate
+  programs on a GPU, split over cores on a TPU). When a scratch buffer is
+  read at a step before it is written and no grid dim runs in order (none
+  revisits output blocks or is declared "arbitrary"), the carry is along
+  the "parallel" dims: a KernelError where the kernel certainly reads it
+  first, a KernelWarning where it may (a read under `pl.when` or in a loop
+  before any write)."""
+  gm = spec.grid_mapping
+  rank = len(gm.grid)
+  sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
+  if sem is None:
+    return
+  found = first_carried_scratch(spec.jaxpr, len(gm.scratch_avals))
+  if found is None:
+    return
+  forced = tuple(d for d in range(rank) if sem[d] == "arbitrary")
+  if any(gm.grid[d] > 1 for d in _plan_cached(gm, forced).sequential):
+    return
+  dims = [d - gm.num_hidden_axes for d in range(gm.num_hidden_axes, rank)
+          if gm.grid[d] > 1]
+  if not dims:
+    return
+  k, eqn, certain = found
+  from dsl.errors import KernelError, KernelWarning, source_info_frame
+  name = spec.ref_labels()[-len(gm.scratch_avals) + k]
+  what = (f"grid dim {dims[0]} is" if len(dims) == 1 else
+          f"grid dims {', '.join(map(str, dims))} are")
+  reads = "reads" if certain else "may read"
+  message = (f"{what} declared \"parallel\", but the kernel {reads} "
+             f"{name} at each step before writing it, so {name} would carry "
+             "a value from one step to the next, and parallel steps run at "
+             "once (vectorized on the CPU, as separate programs on a GPU, "
+             "split over cores on a TPU) and do not see each other's "
+             "writes. Fix: declare the dim that carries it \"arbitrary\" in "
+             f"dimension_semantics, or write all of {name} at each step "
+             "before reading it")
+  line = source_info_frame(eqn.source_info) or where
+  if certain:
+    raise KernelError(spec.name, message, line, operand="compiler_params")
+  import warnings
+  warnings.warn(KernelWarning(spec.name, message, line,
+                              operand="compiler_params"), stacklevel=3)
+
+
 _PURE_WRITES = ("swap",)
 
 
 def _full_write(eqn, ref, used: set) -> bool:
-  """A store of a whole ref whose old value is not used."""
+  """A store of a whole ref whose old value is not used. (A window of the
+  ref's own shape placed at run time is not one: its lanes outside the
+  ref are dropped.)"""
   if eqn.primitive.name not in _PURE_WRITES or eqn.invars[0] is not ref:
     return False
   val = eqn.invars[1].aval
   return (tuple(val.shape) == tuple(ref.aval.inner_aval.shape)
+          and all(isinstance(i, core.Literal) for i in eqn.invars[2:])
           and not any(o in used for o in eqn.outvars
                       if isinstance(o, core.Var)))
 
@@ -247,10 +296,33 @@ def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
   any other use of the ref (a load, an accumulate, a partial store, a use
   inside `pl.when`, a loop, a DMA) before it counts as a read.
   """
+  return first_carried_scratch(jaxpr, num_scratch) is not None
+
+
+_READS = ("get", "addupdate")
+
+
+def first_carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int):
+  """(k, eqn, certain) for the first scratch ref `k` that a grid step may
+  read before writing it (see `carried_scratch`), the equation that uses it
+  first, and whether that use certainly reads it (a load or accumulate at
+  the kernel's top level, not under `pl.when` or in a loop); or None."""
   if jaxpr is None or not num_scratch:
-    return False
+    return None
+  invars = jaxpr.jaxpr.invars
+  found = first_read_before_write(jaxpr, invars[len(invars) - num_scratch:])
+  if found is None:
+    return None
+  ref, eqn, certain = found
+  return list(invars).index(ref) - (len(invars) - num_scratch), eqn, certain
+
+
+def first_read_before_write(jaxpr: core.ClosedJaxpr, refs):
+  """(ref, eqn, certain) for the first of the kernel refs `refs` that a
+  grid step may read before writing it whole, or None (see
+  `carried_scratch` for what counts as a write)."""
   j = jaxpr.jaxpr
-  pending = set(j.invars[len(j.invars) - num_scratch:])
+  pending = set(refs)
   used = {v for e in j.eqns for v in e.invars if isinstance(v, core.Var)}
   used |= {v for v in j.outvars if isinstance(v, core.Var)}
   for eqn in j.eqns:
@@ -258,10 +330,13 @@ def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
                 if isinstance(v, core.Var) and v in pending]:
       pending.discard(ref)
       if not _full_write(eqn, ref, used):
-        return True
+        certain = (eqn.invars[0] is ref and eqn.primitive.name in _READS
+                   and (eqn.primitive.name == "addupdate"
+                        or any(o in used for o in eqn.outvars)))
+        return ref, eqn, certain
     if not pending:
-      return False
-  return False
+      return None
+  return None
 
 
 @functools.lru_cache(maxsize=256)

@@ -112,3 +112,25 @@ def scatter_contributions(contribs, bm, grid, prefetch):
                         indices_are_sorted=False, unique_indices=False)
   return acc[tuple(slice(f, f + n)
                    for f, n in zip(front, bm.array_aval.shape))]
+
+
+def zero_unvisited(x, bm, grid):
+  """`x`, an array like `bm`'s, with 0 where no grid point's block of `bm`
+  reaches (a derived kernel's output there is memory it never wrote:
+  poison, where a cotangent must be 0). Index maps that read scalar
+  prefetch are not evaluated here (their cotangents are summed from
+  per-point contributions instead)."""
+  if bm.whole_array or not bm.block_shape:
+    return x
+  idx = evaluate_index_map(bm, tuple(grid))
+  if idx is None:
+    return x
+  shape = tuple(bm.array_aval.shape)
+  covered = np.zeros(shape, bool)
+  for block in np.unique(idx.reshape(-1, idx.shape[-1]), axis=0):
+    starts = bm.element_offsets([int(b) for b in block])
+    covered[tuple(slice(max(int(s), 0), max(int(s) + b, 0))
+                  for s, b in zip(starts, bm.block_sizes))] = True
+  if covered.all():
+    return x
+  return jnp.where(covered, x, jnp.zeros((), x.dtype))

@@ -34,12 +34,13 @@ from jax._src.interpreters import partial_eval as pe
 
 from dsl import checks, host_failures, primitives
 from dsl import tpu_primitives as tp
-from dsl.blockspec import BlockSpec, Element
+from dsl.blockspec import BlockSpec, Element, element_padding
 from dsl.errors import (KernelCheckError, KernelDeadlockError,
                         KernelRuntimeError, park, traceback_frame)
 from dsl.pallas_call import KernelSpec
 from dsl.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
+from dsl.transforms.window_checks import WindowOutsideRef, window_check_eqn
 
 _USER_CHECKS = frozenset({jax_checkify.FailedCheckError})
 
@@ -114,29 +115,37 @@ def _inner_names(eqn, key, inner: core.Jaxpr, names: dict) -> dict:
   return out
 
 
-def _prepare_param(eqn, key, value, names, keep_debug):
+def _prepare_param(eqn, key, value, names, keep_debug, check_windows):
   if isinstance(value, tuple) and any(
       isinstance(x, (core.Jaxpr, core.ClosedJaxpr)) for x in value):
-    return tuple(_prepare_param(eqn, key, x, names, keep_debug) for x in value)
+    return tuple(_prepare_param(eqn, key, x, names, keep_debug,
+                                check_windows) for x in value)
   if isinstance(value, core.ClosedJaxpr):
     inner = _inner_names(eqn, key, value.jaxpr, names)
-    return core.ClosedJaxpr(_prepare(value.jaxpr, inner, keep_debug),
-                            value.consts)
+    return core.ClosedJaxpr(_prepare(value.jaxpr, inner, keep_debug,
+                                     check_windows), value.consts)
   if isinstance(value, core.Jaxpr):
-    return _prepare(value, _inner_names(eqn, key, value, names), keep_debug)
+    return _prepare(value, _inner_names(eqn, key, value, names), keep_debug,
+                    check_windows)
   return value
 
 
-def _prepare(jaxpr: core.Jaxpr, names: dict, keep_debug: bool) -> core.Jaxpr:
-  """Drops debug-only checks (unless `keep_debug`) and names the semaphore
-  of every wait (an `origin` param that only the wait checks read)."""
+def _prepare(jaxpr: core.Jaxpr, names: dict, keep_debug: bool,
+             check_windows: bool = False) -> core.Jaxpr:
+  """Drops debug-only checks (unless `keep_debug`), names the semaphore of
+  every wait (an `origin` param that only the wait checks read) and, with
+  `check_windows`, checks every window placed at run time."""
   eqns = []
   for eqn in jaxpr.eqns:
     if (eqn.primitive is checks.check_p and eqn.params["debug"]
         and not keep_debug):
       continue
-    params = {k: _prepare_param(eqn, k, v, names, keep_debug)
+    params = {k: _prepare_param(eqn, k, v, names, keep_debug, check_windows)
               for k, v in eqn.params.items()}
+    if check_windows and (check := window_check_eqn(
+        eqn, names.get(eqn.invars[0]) if eqn.invars and isinstance(
+            eqn.invars[0], core.Var) else None)) is not None:
+      eqns.append(check)
     if _waits_on_a_semaphore(eqn):
       sem = tp.unpack(eqn.invars, eqn.params["layout"])["sem"]
       params["origin"] = names.get(sem) if isinstance(sem, core.Var) else None
@@ -254,24 +263,23 @@ def data_dependent_blocks(spec: KernelSpec) -> list:
           and _uses_prefetch(bm.index_map_jaxpr, len(gm.grid))]
 
 
-def _index_map_location(bm) -> str:
-  info = getattr(bm.index_map_jaxpr.jaxpr, "debug_info", None)
-  src = getattr(info, "func_src_info", None) or ""
-  return f" (index map at {src.split(' at ')[-1]})" if " at " in src else ""
-
-
 def _block_limits(bm):
-  """Per dim: (the first illegal index, its text) or None (unchecked)."""
+  """Per dim: the first illegal index, or None (unchecked)."""
   out = []
   for dim, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes):
     if n == 0:
       out.append(None)
     elif isinstance(dim, Element):
       lo, hi = dim.padding
-      out.append((n + lo + hi, f"element offsets below {n + lo + hi}"))
+      out.append(n + lo + hi)
     else:
-      out.append((-(-n // b), f"block indices below {-(-n // b)}"))
+      out.append(-(-n // b))
   return out
+
+
+def _placeholders(n: int) -> str:
+  """`({}, {})`: a tuple of `n` values to format in."""
+  return f"({', '.join(['{}'] * n)}{',' if n == 1 else ''})"
 
 
 def _block_index_errors(ctx, error, spec: KernelSpec, ids, pf):
@@ -281,19 +289,17 @@ def _block_index_errors(ctx, error, spec: KernelSpec, ids, pf):
     j = bm.index_map_jaxpr
     idx = core.eval_jaxpr(j.jaxpr, j.consts, *ids, *pf)[:len(bm.block_shape)]
     idx = [jnp.asarray(i, jnp.int32) for i in idx]
-    bad, valid = jnp.bool_(False), []
-    for d, (i, lim) in enumerate(zip(idx, _block_limits(bm))):
+    bad = jnp.bool_(False)
+    for i, lim in zip(idx, _block_limits(bm)):
       if lim is not None:
-        bad = bad | (i < 0) | (i >= lim[0])
-        valid.append(f"dim {d}: {lim[1]}")
+        bad = bad | (i < 0) | (i >= lim)
     rank, n_grid = len(idx), len(ids)
-    point = (f" at grid point ({', '.join(['{}'] * n_grid)}"
-             f"{',' if n_grid == 1 else ''})" if n_grid else "")
-    fmt = (f"{bm.origin}: block index ({', '.join(['{}'] * rank)}"
-           f"{',' if rank == 1 else ''}){point} is outside the array "
-           f"{bm.array_aval.str_short()} ({'; '.join(valid)}); index maps "
-           f"return block indices, not element offsets"
-           f"{_index_map_location(bm)}")
+    fmt = checks.block_index_message(
+        bm.origin, _placeholders(rank), _placeholders(n_grid),
+        bm.array_aval.str_short(),
+        checks.block_limits_text(bm.array_aval.shape, bm.block_sizes,
+                                 element_padding(bm)),
+        checks.index_map_at(bm))
     # The failure's line is the index map's.
     tb = next((e.source_info.traceback for e in j.jaxpr.eqns
                if e.source_info is not None), None)
@@ -343,31 +349,57 @@ def _error_block_spec(aval, n_grid: int) -> BlockSpec:
                    lambda *a: (*a[:n_grid], *(0,) * rank))
 
 
+def _blocked(gm):
+  """The block mappings whose block index a message gives: those with a
+  BlockSpec (not whole arrays)."""
+  return [bm for bm in gm.block_mappings if not bm.whole_array]
+
+
+def _all_block_indices(gm, ids, pf):
+  """Every blocked operand's block index at grid point `ids`, flat."""
+  out = []
+  for bm in _blocked(gm):
+    j = bm.index_map_jaxpr
+    idx = core.eval_jaxpr(j.jaxpr, j.consts, *ids, *pf)[:len(bm.block_shape)]
+    out += [jnp.asarray(i, jnp.int32) for i in idx]
+  return jnp.stack(out) if out else jnp.zeros((1,), jnp.int32)
+
+
 @functools.lru_cache(maxsize=256)
 def checked_spec(spec: KernelSpec, keep_debug: bool = False,
-                 enabled_errors=_USER_CHECKS, check_blocks: bool = False):
+                 enabled_errors=_USER_CHECKS, check_blocks: bool = False,
+                 check_windows: bool = False):
   """The kernel that also writes the error state of its checks, one block per
   grid point: `(spec', error treedef)`; the error outputs follow the
   kernel's own outputs. `keep_debug`: debug-only checks count too (for
   `checkify.checkify`); `enabled_errors`: the checkify error kinds;
-  `check_blocks`: block indices read from data are checked too."""
+  `check_blocks`: block indices read from data are checked too;
+  `check_windows`: so are windows placed at run time, and a last output
+  holds every blocked operand's block index at each grid point (for the
+  message)."""
   gm = spec.grid_mapping
   n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   names = dict(zip(spec.jaxpr.jaxpr.invars, _operand_names(spec)))
-  jaxpr = core.ClosedJaxpr(_prepare(spec.jaxpr.jaxpr, names, keep_debug),
-                           spec.jaxpr.consts)
+  jaxpr = core.ClosedJaxpr(_prepare(spec.jaxpr.jaxpr, names, keep_debug,
+                                    check_windows), spec.jaxpr.consts)
   err_tree, err_avals = _error_structure(spec, jaxpr, enabled_errors,
                                          check_blocks)
   n_err = len(err_avals)
+  n_blocks = sum(len(bm.block_shape) for bm in _blocked(gm)) or 1
+  if check_windows:
+    err_avals = list(err_avals) + [core.ShapedArray((n_blocks,), jnp.int32)]
 
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
-    pf, ins, outs, errs, scr = split(refs, n_pf, n_in, n_out, n_err, n_scr)
+    pf, ins, outs, errs, scr = split(refs, n_pf, n_in, n_out,
+                                     len(err_avals), n_scr)
     err = _checkify_kernel(spec, jaxpr, enabled_errors, check_blocks,
                            (*ids, *pf, *ins, *outs, *scr))
     for ref, leaf in zip(errs, tree_util.tree_leaves(err)):
       ref[...] = jnp.asarray(leaf, ref.dtype)
+    if check_windows:
+      errs[-1][...] = _all_block_indices(gm, ids, pf)
 
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in gm.in_mappings])
@@ -415,14 +447,39 @@ def _values_text(exc) -> str | None:
     return ", ".join(map(str, args))
 
 
-def kernel_failure(kernel: str, point, exc, device=None) -> KernelRuntimeError:
-  """The KernelError for a failed check `exc` at grid `point`."""
+def _block_index_of(spec: KernelSpec, ref: str | None, blocks):
+  """The block index of the operand named `ref` in the flat `blocks` of a
+  grid point (`_all_block_indices`), or None (scratch, whole arrays)."""
+  if blocks is None or ref is None:
+    return None
+  gm = spec.grid_mapping
+  labels = gm.split(spec.ref_labels())
+  offset = 0
+  for label, bm in zip(labels.inputs + labels.outputs, gm.block_mappings):
+    if bm.whole_array:
+      continue
+    rank = len(bm.block_shape)
+    if label == ref:
+      return [int(b) for b in np.asarray(blocks)[offset:offset + rank]]
+    offset += rank
+  return None
+
+
+def kernel_failure(kernel: str, point, exc, device=None, spec=None,
+                   blocks=None) -> KernelRuntimeError:
+  """The KernelError for a failed check `exc` at grid `point`; `blocks`:
+  the operands' block indices there (windows placed at run time)."""
   where = traceback_frame(getattr(exc, "traceback_info", None))
   detail = []
   if isinstance(exc, NeverFinishingWait):
     cls, message = KernelDeadlockError, _values_text(exc) or exc.fmt_string
+  elif isinstance(exc, WindowOutsideRef):
+    cls = KernelCheckError
+    message = checks.window_message(
+        _values_text(exc) or exc.fmt_string,
+        _block_index_of(spec, exc.ref, blocks) if spec else None, point)
   elif isinstance(exc, BlockOutsideArray):
-    cls, message = KernelRuntimeError, _values_text(exc) or exc.fmt_string
+    cls, message = KernelCheckError, _values_text(exc) or exc.fmt_string
   elif isinstance(exc, jax_checkify.FailedCheckError):
     # The first line is the message as written, as every backend gives it;
     # the values of its `{}` fields follow.
@@ -432,7 +489,7 @@ def kernel_failure(kernel: str, point, exc, device=None) -> KernelRuntimeError:
       detail.append(f"  with its values: {values}")
   else:
     cls, message = KernelRuntimeError, str(exc)
-  if point and not isinstance(exc, BlockOutsideArray):   # it says where
+  if point and not isinstance(exc, (BlockOutsideArray, WindowOutsideRef)):
     detail.append(f"  at grid point {point}")
   if device is not None:
     detail.append(f"  on device {device}" + (
@@ -442,13 +499,15 @@ def kernel_failure(kernel: str, point, exc, device=None) -> KernelRuntimeError:
   return cls(kernel, message, where, detail="\n".join(detail) or None)
 
 
-def _park_first_failure(kernel, err_tree, *leaves, device=None):
+def _park_first_failure(kernel, err_tree, *leaves, device=None, spec=None,
+                        blocks=None):
   found = _first_failure(err_tree, leaves)
   if found is None:
     return np.int32(0)
   point, exc = found
   dev = None if device is None else int(np.asarray(device))
-  return np.int32(park(kernel_failure(kernel, point, exc, dev)))
+  at = None if blocks is None else np.asarray(blocks)[point]
+  return np.int32(park(kernel_failure(kernel, point, exc, dev, spec, at)))
 
 
 def _device_id(axes):
@@ -461,21 +520,26 @@ def _device_id(axes):
 
 
 def run_checked(spec: KernelSpec, run, args, axis_context,
-                check_blocks: bool = False):
+                check_blocks: bool = False, check_windows: bool = False):
   """Runs `spec` through `run(*args, spec=...)` with its checks (and, with
-  `check_blocks`, its block indices read from data), and raises the first
-  failure (dsl/host_failures.py)."""
-  new, err_tree = checked_spec(spec, check_blocks=check_blocks)
+  `check_blocks`, its block indices read from data; with `check_windows`,
+  its windows placed at run time), and raises the first failure
+  (dsl/host_failures.py)."""
+  new, err_tree = checked_spec(spec, check_blocks=check_blocks,
+                               check_windows=check_windows)
   outs = run(*args, spec=new)
   n_out = spec.grid_mapping.num_outputs
   axes = host_failures.manual_axes(axis_context)
   extra = (_device_id(axes),) if axes else ()
 
   def find(*leaves):
+    device = blocks = None
     if axes:
       *leaves, device = leaves
-      return _park_first_failure(spec.name, err_tree, *leaves, device=device)
-    return _park_first_failure(spec.name, err_tree, *leaves)
+    if check_windows:
+      *leaves, blocks = leaves
+    return _park_first_failure(spec.name, err_tree, *leaves, device=device,
+                               spec=spec, blocks=blocks)
 
   failed = jax.pure_callback(find, jax.ShapeDtypeStruct((), jnp.int32),
                              *outs[n_out:], *extra, vmap_method="sequential")

@@ -34,7 +34,7 @@ from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
 from dsl.transforms.revisits import (first_visit, per_point_sds,
                                     per_point_spec, revisits_consecutively,
-                                    scatter_contributions)
+                                    scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 
 
@@ -465,7 +465,7 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   ct_in_maps = [bm for bm, nz in zip(gm.in_mappings, in_nz) if nz]
   ct_ins = [scatter_contributions(c, bm, gm.grid,
                                   primals[:gm.num_scalar_prefetch])
-            if kind == "per_point" else c
+            if kind == "per_point" else zero_unvisited(c, bm, gm.grid)
             for c, bm, kind in zip(ct_ins, ct_in_maps, kinds)]
   # Aliased inputs also receive the cotangent of the output's initial value.
   final_by_out = dict(zip([o for o, f in enumerate(out_f) if f], ct_out_final))

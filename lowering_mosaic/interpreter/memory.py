@@ -20,7 +20,8 @@ from lowering_mosaic import dialect
 
 
 class Buffer:
-  __slots__ = ("name", "key", "array", "space", "device", "sem_kind")
+  __slots__ = ("name", "key", "array", "space", "device", "sem_kind",
+               "block_index", "poison")
 
   def __init__(self, name, key, array, space, device, sem_kind=None):
     self.name = name          # for messages: "out_specs[0] block", ...
@@ -28,6 +29,11 @@ class Buffer:
     self.array = array        # numpy array (semaphores: int64 counters)
     self.space = space        # "vmem", "smem", "any", "semaphore_mem", ...
     self.device = device
+    self.block_index = None   # an operand's block buffer: the block it holds
+    # the poison of the operand's dtype (the module's integers are
+    # signless: an unsigned operand's poison has every bit set), in the
+    # array's dtype; None: that of the array's dtype
+    self.poison = None
     self.sem_kind = sem_kind  # "dma" / "regular" for semaphores
 
   def __repr__(self):
@@ -135,6 +141,26 @@ class MemRef:
     index, box = self.access(idx, clipped, strides)   # IndexError if still out
     return index, box, tuple(part)
 
+  def access_clipped(self, idx, shape, strides=None):
+    """(numpy index, box, part) of the lanes of an access that lie inside
+    the view (`part`: where they lie in the access), or None when none
+    does: a window placed at run time reads poison and writes nothing
+    outside its ref."""
+    idx = [int(i) for i in idx]
+    strides = list(strides) if strides else [1] * len(idx)
+    starts, counts, part = [], [], []
+    for k, d in enumerate(self.dims):
+      n, i, s = shape[k], idx[k], strides[k]
+      first = max(0, -(-(-i) // s)) if i < 0 else 0
+      stop = min(n, max(0, -(-(self.sizes[d] - i) // s)))
+      if stop <= first:
+        return None
+      starts.append(i + first * s)
+      counts.append(stop - first)
+      part.append(slice(first, stop))
+    index, box = self.access(starts, counts, strides)
+    return index, box, tuple(part)
+
   def whole_index(self):
     index = []
     vis = set(self.dims)
@@ -180,6 +206,21 @@ def describe_box(buf: Buffer, box) -> str:
   starts, sizes = box
   parts = [f"{s}:{s + n}" for s, n in zip(starts, sizes)]
   return f"{buf.name}[{', '.join(parts)}]"
+
+
+def poison_of(buf: Buffer):
+  """What memory nobody defined holds in `buf` (see dsl/poison.py)."""
+  if buf.poison is not None:
+    return buf.poison
+  return np.array(poison_value(buf.array.dtype)).astype(buf.array.dtype)
+
+
+def poison_of_dtype(dtype, array_dtype):
+  """The poison of `dtype` (an operand's own dtype, or None) in
+  `array_dtype` (the buffer's signless one)."""
+  if dtype is None:
+    return None
+  return np.array(poison_value(dtype)).astype(array_dtype)
 
 
 def fresh_array(t, poison: bool = False) -> np.ndarray:

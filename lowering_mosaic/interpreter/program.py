@@ -13,10 +13,11 @@ import dataclasses
 import numpy as np
 from jax._src.lib.mlir import ir
 
+from dsl import checks
 from dsl.jaxpr_walk import RuleTable
-from dsl.poison import poison_value
 from lowering_mosaic import dialect
-from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
+from lowering_mosaic.interpreter.memory import (Buffer, MemRef, fresh_array,
+                                                poison_of)
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
                                                    KernelSimulationError, Wait)
 from lowering_mosaic.interpreter.value_ops import (VALUE_OPS, i64_array_attr,
@@ -47,15 +48,16 @@ class CFunc:
 
 
 class Frame:
-  """The state of one device running one function."""
-  __slots__ = ("env", "device", "world", "line", "kernel")
+  """The state of one device running one function (at grid `point`)."""
+  __slots__ = ("env", "device", "world", "line", "kernel", "point")
 
-  def __init__(self, world, device: int, kernel: str):
+  def __init__(self, world, device: int, kernel: str, point=None):
     self.env = {}
     self.world = world
     self.device = device
     self.line = None
     self.kernel = kernel
+    self.point = point
 
 
 TERMINATORS = {"scf.yield", "func.return", "tpu.yield", "scf.condition"}
@@ -172,29 +174,56 @@ def _fail(frame, message):
 
 def _access(frame, ref: MemRef, idx, shape, write, strides=None,
             padding=False):
-  """The numpy index of an access, and with `padding` the part of the
-  access inside the buffer (None: all of it; the rest is tile padding)."""
+  """(numpy index, part) of an access: `part` is where the lanes `index`
+  selects lie in the access (None: all of it; the rest is tile padding,
+  or past the ref); `index` is None when no lane lies inside. An access
+  that leaves its ref (a window placed at run time) fails a check with
+  runtime checks on, else keeps only its lanes inside the ref."""
   try:
     if padding:
       index, box, part = ref.access_padded(idx, shape, strides)
     else:
       (index, box), part = ref.access(idx, shape, strides), None
-  except IndexError as e:
-    _fail(frame, f"out-of-bounds {'store to' if write else 'load from'} "
-          f"{ref.buf.name}: {e}")
+  except IndexError:
+    if frame.world.options.runtime_checks:
+      _window_outside(frame, ref, idx, shape, strides, write)
+    clipped = ref.access_clipped(idx, shape, strides)
+    if clipped is None:
+      return None, ()
+    index, box, part = clipped
   frame.world.check_access(ref.buf, box, write, frame.line)
-  return (index, part) if padding else index
+  return index, part
+
+
+def _window_outside(frame, ref: MemRef, idx, shape, strides, write):
+  """The failed check of a window that leaves its ref, worded as on every
+  backend (dsl/checks.py)."""
+  strides = list(strides) if strides else [1] * len(idx)
+  parts = []
+  for k, d in enumerate(ref.dims):
+    i, n, s = int(idx[k]), shape[k], strides[k]
+    stop = i + (n - 1) * s + 1
+    parts.append(":" if (i, stop, s) == (0, ref.sizes[d], 1) else
+                 f"{i}:{stop}" + (f":{s}" if s != 1 else ""))
+  name = ref.buf.name.removesuffix(" block")
+  access = checks.window_access("store to" if write else "load from", name,
+                                ", ".join(parts), ref.shape)
+  message = checks.window_message(access, ref.buf.block_index, frame.point)
+  raise KernelSimulationError(
+      "check", f"kernel '{frame.kernel}': "
+      + checks.check_text(message, frame.line), (frame.line,))
 
 
 def _load(frame, ref, idx, shape, strides=None):
   """A vector load; lanes in the tile padding past the buffer read poison,
-  as block padding does (masked loads past an array's end read them)."""
+  as block padding does (masked loads past an array's end read them), and
+  so do lanes of a window placed at run time outside its ref."""
   index, part = _access(frame, ref, idx, shape, False, strides, padding=True)
   if part is None:
     return np.array(ref.buf.array[index]).reshape(shape)
-  out = np.full(shape, poison_value(ref.buf.array.dtype),
-                ref.buf.array.dtype)
-  out[part] = np.asarray(ref.buf.array[index]).reshape(out[part].shape)
+  out = np.full(shape, poison_of(ref.buf), ref.buf.array.dtype)
+  if index is not None:
+    out[part] = np.asarray(ref.buf.array[index]).reshape(out[part].shape)
   return out
 
 
@@ -219,20 +248,22 @@ def _strided_load(op, c):
 
 def _store(frame, ref, idx, val, strides=None, mask=None):
   val = np.asarray(val)
-  if mask is not None:      # lanes masked off may lie in the tile padding
-    index, part = _access(frame, ref, idx, val.shape, True, strides,
-                          padding=True)
-    if part is not None:
+  padded = mask is not None   # lanes masked off may lie in the tile padding
+  index, part = _access(frame, ref, idx, val.shape, True, strides,
+                        padding=padded)
+  if index is None:
+    return
+  if part is not None:
+    if mask is not None:
       mask = np.broadcast_to(np.asarray(mask), val.shape)
       outside = mask.copy()
       outside[part] = False
-      if outside.any():
+      if outside.any() and _in_view(ref, idx, val.shape, strides):
         _fail(frame, f"out-of-bounds store to {ref.buf.name}: "
               f"{int(outside.sum())} lane(s) the mask keeps lie past its "
               f"end {ref.shape}")
-      val, mask = val[part], mask[part]
-  else:
-    index = _access(frame, ref, idx, val.shape, True, strides)
+      mask = mask[part]
+    val = val[part]
   target = ref.buf.array
   view_shape = target[index].shape
   val = val.reshape(view_shape)
@@ -240,6 +271,17 @@ def _store(frame, ref, idx, val, strides=None, mask=None):
     old = target[index]
     val = np.where(np.asarray(mask).reshape(view_shape), val, old)
   target[index] = val
+
+
+def _in_view(ref, idx, shape, strides) -> bool:
+  """Whether an access starts inside its view and leaves it only through
+  the tile padding at the buffer's end (not a window placed at run time
+  outside its ref)."""
+  try:
+    ref.access_padded(idx, shape, strides)
+    return True
+  except IndexError:
+    return False
 
 
 @stateful("vector.store")
@@ -275,7 +317,9 @@ def _memref_load(op, c):
   dtype = result_dtype(op)
 
   def fn(frame, ref, *idx):
-    index = _access(frame, ref, idx, (1,) * len(idx), False)
+    index, _ = _access(frame, ref, idx, (1,) * len(idx), False)
+    if index is None:       # outside the ref: poison
+      return dtype.type(poison_of(ref.buf))
     return dtype.type(ref.buf.array[index].reshape(()))
   return fn, list(op.operands), False
 
@@ -283,8 +327,9 @@ def _memref_load(op, c):
 @stateful("memref.store")
 def _memref_store(op, c):
   def fn(frame, val, ref, *idx):
-    index = _access(frame, ref, idx, (1,) * len(idx), True)
-    ref.buf.array[index] = val
+    index, _ = _access(frame, ref, idx, (1,) * len(idx), True)
+    if index is not None:   # outside the ref: dropped
+      ref.buf.array[index] = val
   return fn, list(op.operands), False
 
 

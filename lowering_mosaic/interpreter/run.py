@@ -31,11 +31,12 @@ import numpy as np
 from jax._src import core
 from jax._src.lib.mlir import ir
 
-from dsl.poison import poison_value
+from dsl import checks
 from dsl.revisits import FIX
 from lowering_mosaic import dialect
 from lowering_mosaic.interpreter import prng  # noqa: F401  (its ops)
-from lowering_mosaic.interpreter.memory import Buffer, MemRef, fresh_array
+from lowering_mosaic.interpreter.memory import (Buffer, MemRef, fresh_array,
+                                                poison_of, poison_of_dtype)
 from lowering_mosaic.interpreter.program import (CFunc, Frame, compile_module,
                                                  run_block, run_to_end)
 from lowering_mosaic.interpreter.simulator import (PREEMPT,
@@ -163,8 +164,11 @@ class Operand:
 
 
 def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
-                  out_shapes):
-  """Buffers of one device; returns (kernel args, operands)."""
+                  out_shapes, dtypes=None):
+  """Buffers of one device; returns (kernel args, operands). `dtypes`: the
+  dtype of every kernel operand (None for semaphores), for its poison."""
+  dtypes = list(dtypes or [])
+  dtype_of = lambda p: dtypes[p] if p < len(dtypes) else None
   device = world.devices[dev]
   n_pf = prog.num_prefetch
   args, operands = [], []
@@ -195,25 +199,32 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
       if arr is None and k not in hbm:
         # A TPU hands a kernel its outputs uninitialized.
         dtype = _dtype(t)
-        arr = np.full(out_shapes[k - n_in], poison_value(dtype), dtype)
+        arr = np.full(out_shapes[k - n_in], poison_of_dtype(
+            dtype_of(n_pf + k) or dtype, dtype), dtype)
     if k not in hbm:
       hbm[k] = device.add(Buffer(f"{name} (HBM)", ("hbm", k), arr,
                                  dialect.ANY, dev))
+      hbm[k].poison = poison_of_dtype(dtype_of(n_pf + k), arr.dtype)
     if win.transform is None:
       operands.append(Operand(k, is_out, win, hbm[k], None))
       args.append(MemRef(hbm[k]))
     else:
       blk = device.add(Buffer(f"{name} block", ("block", k), fresh_array(t),
                               _space(t), dev))
+      blk.poison = poison_of_dtype(dtype_of(n_pf + k), blk.array.dtype)
       operands.append(Operand(k, is_out, win, hbm[k], blk))
       args.append(MemRef(blk))
   for i in range(prog.num_scratch):
     t = prog.arg_types[n_pf + len(prog.windows) + i]
     kind = dialect.semaphore_kind_of(t)
     name = _name(prog, n_pf + len(prog.windows) + i, f"scratch_shapes[{i}]")
-    buf = device.add(Buffer(name, ("scratch", i),
-                            fresh_array(t, world.options.poison_buffers),
-                            _space(t), dev, kind))
+    buf = device.add(Buffer(name, ("scratch", i), fresh_array(t), _space(t),
+                            dev, kind))
+    if not kind:
+      buf.poison = poison_of_dtype(
+          dtype_of(n_pf + len(prog.windows) + i), buf.array.dtype)
+      if world.options.poison_buffers:
+        buf.array[...] = poison_of(buf)
     args.append(MemRef(buf))
   device.add(Buffer("barrier semaphore", "barrier", np.zeros((), np.int64),
                     "semaphore_mem", dev, "regular"))
@@ -253,7 +264,7 @@ def _clip(starts, sizes, shape):
 def _copy_in(world, op: Operand, idx, line):
   starts, sizes = _window_box(op, idx)
   hbm = op.hbm.array
-  full = np.full(sizes, poison_value(hbm.dtype), hbm.dtype)
+  full = np.full(sizes, poison_of(op.hbm), hbm.dtype)
   clipped = _clip(starts, sizes, hbm.shape)
   if clipped is not None:
     src, dst = clipped
@@ -272,7 +283,7 @@ def _poison_block(world, op: Operand, line):
   blk = op.block
   world.check_access(blk, ((0,) * blk.array.ndim, blk.array.shape), True,
                      line, "overwritten by the grid pipeline")
-  blk.array[...] = poison_value(blk.array.dtype)
+  blk.array[...] = poison_of(blk)
 
 
 def _copy_out(world, op: Operand, idx, line):
@@ -307,22 +318,26 @@ def _outside(op: Operand, idx) -> tuple | None:
 
 
 def _check_block_index(world, prog, op: Operand, idx, point):
-  """With runtime checks on, a block index outside the array is an error."""
+  """With runtime checks on, a block index outside the array is an error,
+  worded as on every backend (dsl/checks.py)."""
   bad = _outside(op, idx) if world.options.runtime_checks else None
   if bad is None:
     return
-  d, valid = bad
-  name = op.window.origin or _name(prog, prog.num_prefetch + op.index,
-                                   f"operand {op.index}")
-  f = prog.funcs.get(op.window.transform)
+  win = op.window
+  name = win.origin or _name(prog, prog.num_prefetch + op.index,
+                             f"operand {op.index}")
+  f = prog.funcs.get(win.transform)
   line = _first_line(f) if f is not None else None
-  array = core.ShapedArray(op.hbm.array.shape, op.hbm.array.dtype)
+  shape = op.hbm.array.shape
+  array = core.ShapedArray(shape, op.hbm.array.dtype)
+  pads = {d: (win.padding_low[e], win.padding_high[e])
+          for e, d in enumerate(win.element_dims)}
+  message = checks.block_index_message(
+      name, idx, point, array.str_short(),
+      checks.block_limits_text(shape, win.bounds, pads), line)
   raise KernelSimulationError(
-      "bounds", f"kernel '{prog.name}': {name}: block index "
-      f"{tuple(int(i) for i in idx)} at grid point {tuple(point)} is outside "
-      f"the array {array.str_short()} (along dim {d}, {valid}); index maps "
-      "return block indices, not element offsets"
-      + (f" (index map at {line})" if line else ""), (line,) if line else ())
+      "check", f"kernel '{prog.name}': " + checks.check_text(message, line),
+      (line,) if line else ())
 
 
 def _next_output_block(world, prog, dev, op: Operand, idx, point, line):
@@ -386,7 +401,9 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
       else:
         _copy_in(world, op, idx, line)
       op.current, op.since = idx, tuple(point)
-    frame = Frame(world, dev, prog.name)
+      if op.window.transform != TRIVIAL:
+        op.block.block_index = idx
+    frame = Frame(world, dev, prog.name, tuple(int(i) for i in point))
     yield from run_block(frame, main.block, ids + args)
     yield PREEMPT
   for op in operands:
@@ -395,14 +412,15 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
 
 
 def simulate(prog: KernelProgram, per_device_inputs, out_shapes,
-             options: InterpreterOptions):
+             options: InterpreterOptions, dtypes=None):
   """Runs the kernel on len(per_device_inputs) devices; returns the outputs
-  of every device (list per device)."""
+  of every device (list per device). `dtypes`: every kernel operand's
+  dtype (the module's integer types are signless), for its poison."""
   out_shapes = [tuple(s) for s in out_shapes]
   n = len(per_device_inputs)
   world = World(n, options, prog.name)
-  setups = [_setup_device(world, prog, d, per_device_inputs[d], out_shapes)
-            for d in range(n)]
+  setups = [_setup_device(world, prog, d, per_device_inputs[d], out_shapes,
+                          dtypes) for d in range(n)]
   with np.errstate(all="ignore"):
     world.run(device_program(world, prog, d, args, ops)
               for d, (args, ops) in enumerate(setups))

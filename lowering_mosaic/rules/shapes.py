@@ -163,8 +163,16 @@ def _dot_general(ctx, lhs, rhs, *, dimension_numbers, precision=None,
     wide = jnp.promote_types(la.dtype, ra.dtype)
     lhs = emit.convert(lhs, la.shape, la.dtype, wide)
     rhs = emit.convert(rhs, ra.shape, ra.dtype, wide)
-  acc = emit.zeros(out.shape, out.dtype)
+  # The MXU accumulates in 32 bits: a narrower result (a bf16 or int8 dot
+  # without preferred_element_type) is accumulated there and rounded once,
+  # as XLA computes it.
+  acc_dtype = out.dtype
+  if jnp.dtype(out.dtype).itemsize < 4:
+    acc_dtype = (jnp.float32 if jnp.issubdtype(out.dtype, jnp.floating)
+                 else jnp.int32)
+  acc = emit.zeros(out.shape, acc_dtype)
   dn = dot_dimension_numbers(list(lc), list(rc), list(lb), list(rb),
                              len(la.shape), len(ra.shape))
-  return tpu.MatmulOp(emit.vtype(out.shape, out.dtype), lhs, rhs, acc, False,
-                      dimension_numbers=dn).result
+  result = tpu.MatmulOp(emit.vtype(out.shape, acc_dtype), lhs, rhs, acc, False,
+                        dimension_numbers=dn).result
+  return emit.convert(result, out.shape, acc_dtype, out.dtype)

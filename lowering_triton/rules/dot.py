@@ -4,8 +4,7 @@ Operands are permuted to `(batch?, M, K) x (batch?, K, N)`. Padded K lanes
 are zeroed in both operands. Triton's `tl.dot` needs M, N and K of at least
 16 (K of at least 32 for 8-bit operands): smaller dims are grown by
 interleaving zero copies (`x[:, :, None]` broadcast and masked, then
-reshaped), and the result is folded back with a sum over the copies, which
-only adds zeros. Products are summed in the accumulator type (`out_dtype`:
+reshaped), and the result is folded back to the real copy (`_fold`). Products are summed in the accumulator type (`out_dtype`:
 int32 for int8 operands, float32 for floats), as on the GPU's tensor cores,
 and rounded to the result type once. Dtypes without tensor-core dots
 (int32, float64, ...) use an exact broadcast-multiply-sum.
@@ -177,12 +176,22 @@ def _tc_dot(ctx, a3: TVal, b3: TVal, m: int, n: int, k: int, acc, precision):
   expr = f"tl.dot({lhs}, {rhs}, {', '.join(kwargs)})"
   if fm > 1 or fn > 1:
     batch = tuple(padded(a3.shape[:-2]))
-    raw = ctx.bind_raw(expr, "dot_padded")
-    expr = raw
+    expr = ctx.bind_raw(expr, "dot_padded")
     if fm > 1:
-      expr = (f"tl.sum(tl.reshape({expr}, {batch + (pm, fm, pn * fn)}), "
-              f"axis={len(batch) + 1})")
+      expr = _fold(expr, batch + (pm, fm, pn * fn), len(batch) + 1, acc)
     if fn > 1:
-      expr = (f"tl.sum(tl.reshape({expr}, {batch + (pm, pn, fn)}), "
-              f"axis={len(batch) + 2})")
+      expr = _fold(expr, batch + (pm, pn, fn), len(batch) + 2, acc)
   return expr
+
+
+def _fold(expr: str, shape: tuple, axis: int, acc) -> str:
+  """The first of the copies along `axis` of `expr` reshaped to `shape`:
+  the others multiplied zeros with the other operand, which gives NaN
+  where it holds inf or NaN, so they are replaced by -0.0 (0 for
+  integers), which adds nothing to any value, before the copies are
+  summed."""
+  rank = len(shape)
+  zero = "-0.0" if dtypes.is_float(acc) else "0"
+  first = f"tl.arange(0, {shape[axis]}){bcast(axis, rank)} == 0"
+  return (f"tl.sum(tl.where({first}, tl.reshape({expr}, {shape}), {zero}), "
+          f"axis={axis})")

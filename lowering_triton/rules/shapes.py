@@ -122,6 +122,13 @@ def reshape_value(ctx, x: TVal, new_shape, hint: str) -> TVal:
     return _literal_full(ctx, x, new_shape, hint)
   if new_shape == x.shape:
     return x
+  if x.shape == ():
+    # Triton reshapes tensors only: a scalar is broadcast to its new shape
+    # (of one element).
+    return ctx.bind(f"tl.broadcast_to({x.expr}, {padded(new_shape)})",
+                    new_shape, x.dtype, hint)
+  if new_shape == ():
+    return _only_element(ctx, x, hint)
   if _layout_compatible(x.shape, new_shape):
     if padded(new_shape) == padded(x.shape):
       return TVal(x.expr, new_shape, x.dtype)
@@ -152,6 +159,26 @@ def reshape_value(ctx, x: TVal, new_shape, hint: str) -> TVal:
   if was_bool:
     expr = f"{expr} != 0"
   return ctx.bind(expr, new_shape, x.dtype, hint)
+
+
+def _only_element(ctx, x: TVal, hint: str) -> TVal:
+  """The scalar a one-element tensor holds: Triton has no reshape to a
+  scalar, so it is reduced away (a `tl.reduce` of one element returns it
+  unchanged; NaN, -0.0 and integers included)."""
+  src, was_bool = _gatherable(ctx, x)
+  for axis in reversed(range(len(x.shape))):
+    src = f"tl.reduce({src}, {axis}, {_first_combine(ctx)})"
+  expr = f"{paren(src)} != 0" if was_bool else src
+  return ctx.bind(expr, (), x.dtype, hint)
+
+
+_FIRST_COMBINE = '''@triton.jit
+def _first_combine(a, b):
+    return a'''
+
+
+def _first_combine(ctx) -> str:
+  return ctx.lowering.need_helper("_first_combine", _FIRST_COMBINE)
 
 
 @register(lax.reshape_p)

@@ -21,6 +21,7 @@ from dsl import ref_ops
 from dsl.poison import poison_value
 from dsl.errors import source_info_frame
 from lowering_triton import dtypes
+from lowering_triton.check_values import check_values_comment
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
                                   apply_indexer, as_sym, bcast, emit_address,
@@ -54,23 +55,68 @@ def _with_proven(ctx, view: MemRef) -> MemRef:
     return view
   proven = tuple((d, side) for d in view.dynamic
                  for side, ok in enumerate(access.proven(d)) if ok)
-  return dataclasses.replace(view, proven=proven)
+  proven_block = tuple((d, side) for d in view.dynamic
+                       for side, ok in enumerate(access.in_block(d)) if ok)
+  return dataclasses.replace(view, proven=proven, proven_block=proven_block)
 
 
-def _address(ctx, view: MemRef, verb: str, extra_mask: str | None = None):
+def _address(ctx, view: MemRef, verb: str, extra_mask: str | None = None,
+             transforms=()):
   """`emit_address` of `view`; with jax_pallas_enable_runtime_assert on, a
-  lane whose coordinate, computed at run time, leaves the array fails a
-  check naming the operand."""
-  check = None
+  lane whose coordinate, computed at run time, leaves the ref fails a
+  check worded as on every backend (dsl/checks.py)."""
+  check = comment = None
   if view.unproven and config.enable_runtime_assert():
-    where = source_info_frame(ctx.eqn.source_info) or ctx.lowering.where
-    check = checks.check_text(
-        f"out-of-bounds {verb} {view.origin or view.base}: an index or "
-        f"pl.ds window computed at run time leaves the array "
-        f"{tuple(view.array_shape)}", where)
-    ctx.lowering.uses_asserts = True
-    ctx.lowering.has_side_effects = True
-  return emit_address(ctx, view, extra_mask=extra_mask, check=check)
+    check, comment = _window_check(ctx, view.origin or view.base, verb,
+                                   transforms, view.block)
+  return emit_address(ctx, view, extra_mask=extra_mask, check=check,
+                      comment=comment)
+
+
+def _window_text(indexer, values: list) -> str:
+  """The window of `indexer` in numpy notation, `{}` for the values
+  computed at run time (their source appended to `values`)."""
+  parts = []
+  for i, n in zip(indexer.indices, indexer.shape):
+    if isinstance(i, indexing.Slice):
+      size, stride = int(i.size), int(i.stride)
+      stop = (size - 1) * stride + 1
+      step = "" if stride == 1 else f":{stride}"
+      start = as_sym(i.start)
+      if isinstance(start, int):
+        parts.append(":" if (start, stop) == (0, n) else
+                     f"{start}:{start + stop}{step}")
+      else:
+        values += [start, f"{paren(start)} + {stop}"]
+        parts.append("{}:{}" + step)
+    elif isinstance(i, TVal) and i.shape:
+      values += [f"tl.min({i.expr})", f"tl.max({i.expr})"]
+      parts.append("indices {} to {}")
+    else:                     # a window of one, as the Mosaic backend sees
+      sym = as_sym(i)
+      if isinstance(sym, int):
+        parts.append(f"{sym}:{sym + 1}")
+      else:
+        values += [sym, f"{paren(sym)} + 1"]
+        parts.append("{}:{}")
+  return ", ".join(parts)
+
+
+def _window_check(ctx, name: str, verb: str, transforms, block):
+  """(message, comment) of the check of a window placed at run time."""
+  indexer = next((t for t in transforms
+                  if isinstance(t, indexing.NDIndexer)), None)
+  values: list = []
+  window = _window_text(indexer, values) if indexer is not None else "..."
+  shape = indexer.shape if indexer is not None else ()
+  access = checks.window_access(verb, name, window, shape)
+  message = checks.window_message(access, "{block}" if block else None,
+                                  "{point}")
+  where = source_info_frame(ctx.eqn.source_info) or ctx.lowering.where
+  ctx.lowering.uses_asserts = True
+  ctx.lowering.has_side_effects = True
+  return (checks.check_text(message, where),
+          check_values_comment(ctx.lowering, values, block))
 
 
 def poison(dtype) -> str:
@@ -127,7 +173,8 @@ def _current(vref: ValueRef) -> TVal:
 
 
 def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
-  """`x[indexer]` for a value (gathers along the sliced axes)."""
+  """`x[indexer]` for a value (gathers along the sliced axes); lanes of a
+  window placed at run time outside the ref read poison."""
   if not isinstance(indexer, indexing.NDIndexer):
     raise ctx.error(f"ref transform {type(indexer).__name__} is not supported "
                     "by the Triton backend")
@@ -143,11 +190,19 @@ def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
       pos = lanes(size) if st == 1 else f"{lanes(size)} * {st}"
       if s != 0:
         pos = f"{pos} + {paren(s)}"
+      if not isinstance(s, int):
+        pos = ctx.bind_raw(pos, f"{hint}_pos")
       x = take(ctx, x, axis, clamp(pos, 0, n - 1), size, hint)
+      if not isinstance(s, int):
+        x = _poison_outside(ctx, x, f"({pos} >= 0) & ({pos} < {n})",
+                            bcast(axis, len(x.shape)), hint)
     elif isinstance(idx, TVal) and idx.shape == () or isinstance(idx, int):
       s = index_sym(idx, n)
       x = take(ctx, x, axis, clamp(f"tl.full((1,), {s}, tl.int32)", 0, n - 1),
                1, hint)
+      if not isinstance(s, int):
+        x = _poison_outside(ctx, x, f"({paren(s)} >= 0) & ({paren(s)} < {n})",
+                            "", hint)
       drop.append(axis)
     else:
       raise ctx.error("indexing a scratch ref with an array of indices is not "
@@ -158,7 +213,38 @@ def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
   return x
 
 
+def _poison_outside(ctx, x: TVal, inside: str, b: str, hint: str) -> TVal:
+  """`x` with poison where `inside` (lanes along one axis, placed by `b`)
+  is false."""
+  return ctx.bind(f"tl.where(({inside}){b}, {x.expr}, {poison(x.dtype)})",
+                  x.shape, x.dtype, hint)
+
+
+def _check_value_window(ctx, vref: ValueRef, verb: str, transforms) -> None:
+  """With jax_pallas_enable_runtime_assert on, a window of a scratch ref
+  placed at run time that leaves it fails a check (as on every backend)."""
+  indexer = next(iter(transforms), None)
+  if (not config.enable_runtime_assert()
+      or not isinstance(indexer, indexing.NDIndexer)):
+    return
+  inside = []
+  for idx, n in zip(indexer.indices, vref.shape):
+    if isinstance(idx, indexing.Slice):
+      s = as_sym(idx.start)
+      if not isinstance(s, int):
+        last = (int(idx.size) - 1) * int(idx.stride)
+        inside.append(f"({paren(s)} >= 0) & ({paren(s)} + {last} < {n})")
+    elif not isinstance(index_sym(idx, n), int):
+      s = paren(index_sym(idx, n))
+      inside.append(f"({s} >= 0) & ({s} < {n})")
+  if inside:
+    check, comment = _window_check(ctx, vref.origin or vref.var, verb,
+                                   [indexer], ())
+    ctx.emit(f"tl.device_assert({' & '.join(inside)}, {check!r})  {comment}")
+
+
 def value_read(ctx, vref: ValueRef, transforms, hint: str) -> TVal:
+  _check_value_window(ctx, vref, "load from", transforms)
   x = _current(vref)
   for t in transforms:
     x = _index_value(ctx, x, t, hint)
@@ -219,6 +305,7 @@ def value_write(ctx, vref: ValueRef, transforms, v: TVal,
   if indexer is not None and not isinstance(indexer, indexing.NDIndexer):
     raise ctx.error(f"ref transform {type(indexer).__name__} is not supported "
                     "by the Triton backend")
+  _check_value_window(ctx, vref, "store to", transforms)
   cur = _current(vref)
   if indexer is None or _is_full(indexer, cur.shape):
     new = v.expr
@@ -245,7 +332,7 @@ def _get(ctx, ref, *flat, tree, **params):
   if isinstance(ref, ValueRef):
     return value_read(ctx, ref, transforms, ctx.hint(ref.var))
   view = _view(ctx, ref, transforms)
-  ptr, mask = _address(ctx, view, "load from")
+  ptr, mask = _address(ctx, view, "load from", transforms=transforms)
   return _load(ctx, view, ptr, mask, ctx.hint(view.base))
 
 
@@ -257,7 +344,7 @@ def _swap(ctx, ref, val, *flat, tree, **params):
     value_write(ctx, ref, transforms, val)
     return old
   view = _view(ctx, ref, transforms)
-  ptr, mask = _address(ctx, view, "store to")
+  ptr, mask = _address(ctx, view, "store to", transforms=transforms)
   old = None
   if ctx.out_used(0):
     ptr = _shared_ptr(ctx, ptr, view)
@@ -277,7 +364,7 @@ def _addupdate(ctx, ref, val, *flat, tree, **params):
     value_write(ctx, ref, transforms, new)
     return []
   view = _view(ctx, ref, transforms)
-  ptr, mask = _address(ctx, view, "update of")
+  ptr, mask = _address(ctx, view, "update of", transforms=transforms)
   ptr = _shared_ptr(ctx, ptr, view)
   cur = _load(ctx, view, ptr, mask, "cur")
   new = ctx.finish(f"{ctx.compute(cur)} + {paren(ctx.compute(val))}",
@@ -320,7 +407,7 @@ def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
                     val.shape, val.dtype, ctx.hint("load"))
   view = _view(ctx, ref, transforms)
   ptr, m = _address(ctx, view, "load from", mask.expr if mask is not None
-                    else None)
+                    else None, transforms)
   fill = None
   if other is not None and mask is not None:
     fill = other.expr
@@ -343,7 +430,7 @@ def _masked_store(ctx, ref, *args, tree, has_mask, eviction_policy=None,
     return []
   view = _view(ctx, ref, transforms)
   ptr, m = _address(ctx, view, "store to", mask.expr if mask is not None
-                    else None)
+                    else None, transforms)
   _store(ctx, ptr, ctx.value(val), m, _hints(eviction_policy=eviction_policy),
          base=view.ptr)
   return []
@@ -383,7 +470,7 @@ def _atomic_rmw(ctx, ref, *args, tree, has_mask, op, out_aval, **params):
     return old
   view = _view(ctx, ref, transforms)
   ptr, m = _address(ctx, view, "atomic update of",
-                    mask.expr if mask is not None else None)
+                    mask.expr if mask is not None else None, transforms)
   ctx.lowering.before_read(view.ptr)
   ctx.lowering.wrote(view.ptr)
   call = f"tl.{_ATOMIC_NAMES[op]}({ptr}, {ctx.value(val)}"
@@ -439,7 +526,7 @@ def fresh_buffer(shape, dtype) -> str:
 
 @register(dsl_primitives.run_scoped_p)
 def _run_scoped(ctx, *consts, jaxpr, num_consts, **params):
-  refs = [new_value_ref(ctx, v.aval, "scoped", "run_scoped")
-          for v in jaxpr.invars[num_consts:]]
+  refs = [new_value_ref(ctx, v.aval, "scoped", f"run_scoped buffer {k}")
+          for k, v in enumerate(jaxpr.invars[num_consts:])]
   return ctx.lower_closed(jaxpr, list(consts) + refs)
 

@@ -68,6 +68,11 @@ def test_dsl_kernel_from_a_file_without_reference(capsys, tmp_path):
      "--sizes does not apply to --kernel"),
     (["--kernel", SCALE, "--inputs", "f32[8]", "--dtype", "bfloat16"],
      "--dtype does not apply to --kernel"),
+    (["--kernel", SCALE, "--inputs", "f32[8], f32[8]"],
+     "--inputs gives 2 arrays but --kernel " + SCALE + " takes 1 positional "
+     "argument (x)"),
+    (["--kernel", "tests/pallas/bench_user_kernel.py:add", "--inputs",
+      "f32[8]"], "--inputs gives 1 array but --kernel"),
 ])
 def test_bad_user_kernel_arguments(capsys, argv, message):
   rc, out, err = run_cli(capsys, *argv)

@@ -1,9 +1,12 @@
 """Output blocks on the Mosaic backends follow a TPU's grid pipeline: an
 output block is never read from HBM (it starts as poison on
-`mosaic_interpret`, as stale data on a TPU), aliased outputs included, and a
-return to an output block already written back is an error: at trace time
-where the index maps are static, at run time on `mosaic_interpret` where
-they read scalar prefetch. Pallas's TPU interpret mode is the oracle."""
+`mosaic_interpret`, as stale data on a TPU), and a return to an output
+block already written back is an error: at trace time where the index maps
+are static, at run time on `mosaic_interpret` where they read scalar
+prefetch. Pallas's TPU interpret mode is the oracle. An aliased output that
+the kernel may read (or write in part) before writing it whole starts from
+its input, as on every backend (the Mosaic lowering copies the input's
+block in: dsl/transforms/aliased_reads.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,11 +51,12 @@ def _aliased(kernel, x):
                         input_output_aliases={0: 0}, backend=MI)(x)
 
 
-def test_aliased_output_block_is_not_read_in():
+def test_aliased_output_block_written_in_part_keeps_its_input():
   x = jnp.arange(16 * 128, dtype=F32).reshape(16, 128)
   got = np.asarray(_aliased(_half_write, x))
   np.testing.assert_array_equal(got[:, :64], np.asarray(x)[:, :64] * 2)
-  assert np.isnan(got[:, 64:]).all()
+  # (Pallas's TPU interpreter writes stale data back there, a TPU too)
+  np.testing.assert_array_equal(got[:, 64:], np.asarray(x)[:, 64:])
 
 
 def test_aliased_output_reads_the_input_ref():

@@ -101,3 +101,30 @@ def test_empty_profile_says_where_to_look():
   with pl.profile() as prof:
     pass
   assert "jax.profiler trace" in prof.summary()
+
+
+def _make_doubler():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2.0
+  return kernel
+
+
+def _make_negater():
+  def kernel(x_ref, o_ref):
+    o_ref[...] = -x_ref[...]
+  return kernel
+
+
+def test_kernels_that_share_a_name_are_told_apart():
+  out = jax.ShapeDtypeStruct((1024,), jnp.float32)
+  double = pl.pallas_call(_make_doubler(), out, backend="interpret")
+  negate = pl.pallas_call(_make_negater(), out, backend="interpret")
+  with pl.profile() as prof:
+    jax.jit(lambda x: double(x) + negate(negate(x)))(X).block_until_ready()
+  stats = prof.as_dict()
+  assert len(stats) == 2, stats
+  by_line = {k.split(":")[-1].rstrip(")"): v["calls"] for k, v in
+             stats.items()}
+  assert all(k.startswith("kernel (") for k in stats), stats
+  assert by_line[str(_make_doubler.__code__.co_firstlineno + 1)] == 1
+  assert by_line[str(_make_negater.__code__.co_firstlineno + 1)] == 2

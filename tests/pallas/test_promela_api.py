@@ -292,6 +292,18 @@ def test_cli_help_shows_how_to_pass_an_axis(capsys):
           "f32[32,128] --axis x=4") in out
   with pytest.raises(ValueError, match="write NAME=SIZE"):
     verify.parse_axis("4")
+  # every exit status, SPIN missing included
+  assert "0 ok, 1 a race" in out and "2 the search hit a bound" in out
+  assert "3 SPIN is not installed" in out
+
+
+def test_cli_exits_with_3_without_spin(capsys, monkeypatch):
+  from lowering_mosaic.promela import spin
+  monkeypatch.setattr(spin, "find_spin", lambda: None)
+  code = verify.main(["tests.pallas.test_promela_api:cli_all_gather",
+                      "f32[16,128]"])
+  err = capsys.readouterr().err
+  assert code == 3 and "spin" in err.lower(), err
 
 
 @needs_spin

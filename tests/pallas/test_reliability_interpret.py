@@ -172,16 +172,19 @@ def test_masked_atomic_add_through_a_slice_past_the_end():
   from dsl import triton as plt
   n, bs = 100, 64
 
-  def kernel(x_ref, o_ref):
+  def kernel(x_ref, zeros_ref, o_ref):
     i = pl.program_id(0)
     offs = i * bs + jnp.arange(bs)
     x = plt.load(x_ref.at[pl.ds(i * bs, bs)], mask=offs < n, other=0.)
     plt.atomic_add(o_ref, pl.ds(i * bs, bs), x, mask=offs < n)
 
+  # The output accumulates into the zeros it is aliased to (output memory
+  # a kernel never writes is poison).
   x = jnp.arange(n, dtype=jnp.float32)
   call = pl.pallas_call(kernel, jax.ShapeDtypeStruct((n,), jnp.float32),
-                        grid=(pl.cdiv(n, bs),), backend="interpret")
-  np.testing.assert_array_equal(jax.jit(call)(x), x)
+                        grid=(pl.cdiv(n, bs),), input_output_aliases={1: 0},
+                        backend="interpret")
+  np.testing.assert_array_equal(jax.jit(call)(x, jnp.zeros_like(x)), x)
 
 
 def test_scratch_accumulator_over_a_reduction_axis_keeps_the_rows_parallel():
@@ -277,14 +280,11 @@ def test_block_indices_from_data_never_leave_the_buffer(jit):
   got = np.asarray((jax.jit(f) if jit else f)(idx, x))
   np.testing.assert_array_equal(got[24:], x[:8] + 1)
   np.testing.assert_array_equal(got[8:16], x[16:24] + 1)
-  np.testing.assert_array_equal(got[:8], 0)       # written by no step
-  np.testing.assert_array_equal(got[16:24], 0)
-  # mosaic_interpret: the same blocks written; the others keep the poison
-  # a TPU's uninitialized output memory stands for
+  # written by no step: the poison uninitialized output memory stands for,
+  # on every host backend
+  assert np.isnan(got[:8]).all() and np.isnan(got[16:24]).all()
   mosaic = np.asarray(_blocks_from_data("mosaic_interpret", idx, x))
-  np.testing.assert_array_equal(mosaic[8:16], got[8:16])
-  np.testing.assert_array_equal(mosaic[24:], got[24:])
-  assert np.isnan(mosaic[:8]).all() and np.isnan(mosaic[16:24]).all()
+  np.testing.assert_array_equal(mosaic, got)
 
 
 @pytest.mark.parametrize("backend", ["interpret", "mosaic_interpret"])

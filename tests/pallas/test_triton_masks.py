@@ -89,7 +89,7 @@ def test_an_unproven_window_past_the_end_still_reads_poison():
   assert np.isnan(np.asarray(got)).all()
   with pl.config.enable_runtime_assert_option(True):
     with pytest.raises((jax.errors.JaxRuntimeError, pl.KernelError),
-                       match="computed at run time leaves the array"):
+                       match="a window placed at run time"):
       jax.block_until_ready(
           jax.jit(lambda x: _loop_kernel(5)(x, "triton_interpret"))(x))
 
@@ -191,3 +191,39 @@ def test_windows_inside_a_partial_edge_block_keep_the_blocks_mask():
   assert "x_offs < 100" in body and "x_offs >= 0" not in body
   got = jax.jit(lambda x: f(x, "triton_interpret"))(x)
   assert_close(got, x * 2.0)
+
+
+def _row_window_kernel(trips):
+  """Row windows placed at run time inside an (8, 128) block of a (16, 128)
+  array: the block, not the array, is the ref they must stay in."""
+  def kernel(x_ref, o_ref):
+    def body(i, acc):
+      return acc + x_ref[pl.ds(i * 4, 4), :]
+    o_ref[...] = lax.fori_loop(0, trips, body,
+                               jnp.zeros((4, 128), jnp.float32))
+
+  def f(x, backend="triton"):
+    return pl.pallas_call(
+        kernel, S((8, 128), jnp.float32), grid=(2,),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((4, 128), lambda i: (i, 0)),
+        backend=backend)(x)
+  return f
+
+
+@pytest.mark.parametrize("trips", [2, 3])
+def test_windows_proven_inside_the_block_drop_its_limits(trips):
+  """A window proven inside its block needs no mask at the block's end;
+  one that may run past it keeps the mask, and reads poison there, never
+  the next block's rows."""
+  x = S((16, 128), jnp.float32)
+  (src,) = lowering_triton.to_source(_row_window_kernel(trips), x)
+  assert ("mask=" in _kernel_source(src)) == (trips == 3)
+  xv = array(0, (16, 128), jnp.float32)
+  got = np.asarray(jax.jit(
+      lambda x: _row_window_kernel(trips)(x, "triton_interpret"))(xv))
+  if trips == 2:
+    want = xv.reshape(2, 2, 4, 128).sum(1).reshape(8, 128)
+    assert_close(got, want)
+  else:
+    assert np.isnan(got).all()

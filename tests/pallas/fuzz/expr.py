@@ -64,7 +64,9 @@ class Expr:
       if e.op in ("leaf", "const", "bcast"):
         continue
       src = e.args[0].dtype if e.args else e.dtype
-      name = e.op if e.op != "reduce" else f"reduce_{e.attr[0]}"
+      name = e.op if e.op not in ("reduce", "scalar") else \
+          f"{e.op}_{e.attr[0]}" + ("_reshaped" if e.op == "scalar" and
+                                    e.attr[1] else "")
       out.add(f"op:{name}")
       out.add(f"op:{name}:{src}")
       if e.op == "cast":
@@ -87,7 +89,7 @@ class Expr:
     return [e.dtype for e in self.walk() if e.args and not e.exact]
 
 
-CROSS = ("reduce", "dot", "roll")
+CROSS = ("reduce", "dot", "roll", "scalar")
 
 
 # ---- evaluation: the same code inside a kernel (xp = jax.numpy, on traced
@@ -156,6 +158,19 @@ def _reduce(xp, x, attr):
   return f(x, axis=axis, keepdims=True)
 
 
+def _scalar(xp, x, attr):
+  """A reduction over every axis, as a scalar or reshaped to ones."""
+  kind, keep = attr
+  if kind == "first":           # one element, reshaped to a scalar
+    r = xp.reshape(x[(slice(0, 1),) * x.ndim], ())
+  elif kind == "sum":
+    wide = np.float32 if is_float(str(x.dtype)) else np.int32
+    r = xp.sum(x.astype(wide), dtype=wide).astype(x.dtype)
+  else:
+    r = (xp.max if kind == "max" else xp.min)(x)
+  return xp.reshape(r, (1,) * x.ndim) if keep else r
+
+
 def _sigmoid(xp, x):
   if xp is jnp:
     return jax.nn.sigmoid(x)
@@ -206,6 +221,7 @@ OTHER: dict[str, Callable] = {
     "reduce": lambda xp, e, x: _reduce(xp, x, e.attr),
     "dot": lambda xp, e, x: _dot(xp, x, e.attr),
     "roll": lambda xp, e, x: xp.roll(x, e.attr[0], axis=e.attr[1]),
+    "scalar": lambda xp, e, x: _scalar(xp, x, e.attr),
 }
 
 
@@ -301,6 +317,7 @@ class ExprGen:
       makers.append(self._cast)
     if "reduce" in self.allow:
       makers.append(self._reduce)
+      makers.append(self._scalar)
     if "dot" in self.allow and len(self.shape) == 2 and dtype != "bool":
       makers.append(self._dot)
     if "roll" in self.allow and self.shape:
@@ -411,6 +428,20 @@ class ExprGen:
     if exact and not ok:
       return None
     return Expr("reduce", (a,), (kind, axis), keep, dtype, ok)
+
+  def _scalar(self, dtype, depth, exact):
+    """A reduction of a whole block (or its first element) to a scalar,
+    kept as one or reshaped to ones; broadcast back by its user."""
+    if not self.shape or dtype == "bool":
+      return None
+    kind = self.choice(["sum", "max", "min", "first"])
+    a = self._bcast(self.gen(dtype, depth, exact))
+    ok = a.exact and (kind != "sum" or not is_float(dtype))
+    if exact and not ok:
+      return None
+    keep = bool(self.rng.integers(2))
+    shape = (1,) * len(self.shape) if keep else ()
+    return Expr("scalar", (a,), (kind, keep), shape, dtype, ok)
 
   def _dot(self, dtype, depth, exact):
     dot_dtype = self.choice(["float32", "bfloat16", "float16", "int8"])

@@ -13,6 +13,7 @@ from typing import Callable
 from tests.pallas.fuzz import family_accumulate as acc
 from tests.pallas.fuzz import family_map
 from tests.pallas.fuzz import family_memory as mem
+from tests.pallas.fuzz import family_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ FAMILIES: dict[str, Family] = {
     "carry": Family(acc.generate_carry, acc.body_carry, 1, 0.4),
     "tail": Family(mem.generate_tail, mem.body_tail, 1.5, 0.0),
     "dma": Family(mem.generate_dma, mem.body_dma, 0.7, 1.0),
+    "window": Family(family_window.generate, family_window.body, 1.2, 0.0),
 }
 
 

@@ -196,14 +196,16 @@ def generate_matmul(d: Draw, seed: int, index: int, tpu: bool) -> Case:
     bm, bk, bn = (d.pick([16, 16, 32, 8]) for _ in range(3))
   m, k, n = extent(d, gi, bm), extent(d, gk, bk), extent(d, gj, bn)
   trans = d.chance(0.3)
+  # 16-bit dots whose operands hold inf, NaN, -0.0 and their largest values
+  special = dt in ("float16", "bfloat16") and d.chance(0.3)
   x = Operand((m, k), dt, (Dim("blocked", bm, "axis", 0),
-                           Dim("blocked", bk, "axis", 2)))
+                           Dim("blocked", bk, "axis", 2)), special=special)
   if trans:
     y = Operand((n, k), dt, (Dim("blocked", bn, "axis", 1),
-                             Dim("blocked", bk, "axis", 2)))
+                             Dim("blocked", bk, "axis", 2)), special=special)
   else:
     y = Operand((k, n), dt, (Dim("blocked", bk, "axis", 2),
-                             Dim("blocked", bn, "axis", 1)))
+                             Dim("blocked", bn, "axis", 1)), special=special)
   out = Operand((m, n), out_dtype, (Dim("blocked", bm, "axis", 0),
                                     Dim("blocked", bn, "axis", 1)))
   grid = (gi, gj, gk)
@@ -225,6 +227,7 @@ def generate_matmul(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   tags |= epilogue.tags(loop_leaves(grid, (2,)), unit_leaves(grid)) \
       if epilogue is not None else set()
   tags |= {"partial_in"} if masks else set()
+  tags |= {"dot_special_values"} if special else set()
   semantics = ("parallel", "parallel", "arbitrary") if d.chance(0.5) else None
   return Case(seed, index, "matmul", grid, (x, y), (out,),
               tuple(body.items()), None, semantics, (),
@@ -279,12 +282,19 @@ def generate_carry(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   masks = ((0, d.pick(["where", "masked_load"])),) if is_partial(
       x, grid, None) else ()
   sem = ("parallel", "arbitrary") if cols else ("arbitrary",)
-  body = dict(expr=expr, axis=ia, masks=masks,
+  # A dim declared "parallel" that carries the scratch: the kernel reads it
+  # before writing it at every step, which every dsl backend refuses when
+  # the kernel is traced (a KernelError naming the dim and the scratch).
+  parallel_carry = d.chance(0.2)
+  if parallel_carry:
+    sem = ("parallel",) * len(grid)
+  body = dict(expr=expr, axis=ia, masks=masks, read_first=parallel_carry,
               scratch=(("vmem", (1, bn), acc),))
   body["tol"] = (tolerance([expr] + [_rounding(acc)] * gi, out_dtype),)
   tags = {"carry", "scratch_carried"} | expr.tags(loop_leaves(grid, (ia,)),
                                                   unit_leaves(grid))
   tags |= {"partial_in"} if masks else set()
+  tags |= {"parallel_carry"} if parallel_carry else set()
   return Case(seed, index, "carry", grid, (x,), (out,), tuple(body.items()),
               None, sem, (), frozenset(_tags(tags, (x,), (out,), grid, tpu)))
 
@@ -292,6 +302,10 @@ def generate_carry(d: Draw, seed: int, index: int, tpu: bool) -> Case:
 def body_carry(case: Case, ctx) -> None:
   p = case.param
   env = load_inputs(case, ctx, dict(p("masks")))
+  if p("read_first"):        # the carry, read before anything writes it
+    c = ctx.scratch_get(0)
+    ctx.scratch_set(0, c + ctx.xp.sum(ctx.eval(p("expr"), env), axis=0,
+                                      keepdims=True, dtype=c.dtype))
   ctx.when(ctx.pid(p("axis")) == 0,
            lambda: ctx.scratch_set(0, ctx.xp.zeros(ctx.scratch_get(0).shape,
                                                    ctx.scratch_get(0).dtype)))

@@ -23,7 +23,7 @@ from tests.pallas.fuzz.spec import (DTYPES, Case, Operand, fill_value,
                                     is_float, is_int, valid_mask)
 
 MODES = ("plain", "plain", "plain", "fori", "cond", "when", "masked_store",
-         "readback")
+         "readback", "readfirst")
 
 
 def _operands(d: Draw, grid, tpu: bool, pf: bool, whole: bool):
@@ -117,6 +117,12 @@ def _mode_params(d: Draw, mode, gen, leaves, kshape, exprs, ins, outs,
     back = ExprGen(d.rng, {**leaves, "o": (kshape, out, exprs[0].exact)},
                    kshape, {"cast", "iota"}, 2)
     return mode, dict(again=back.full(out))
+  if mode == "readfirst":
+    # the output block read before anything is written to it: its input
+    # where it is aliased, poison (memory nobody wrote) where it is not
+    first = ExprGen(d.rng, {**leaves, "o": (kshape, out, True)}, kshape,
+                    {"cast", "iota"}, 2)
+    return mode, dict(again=first.full(out))
   return mode, {}
 
 
@@ -175,6 +181,11 @@ def generate(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   if mode == "masked_store" and extra["mask"].op == "bcast":
     features.add("masked_store_scalar_mask")
   features |= {"alias"} if aliases else set()
+  if mode == "readfirst":
+    features.add("aliased_read_first" if aliases else "unwritten_read")
+  jvp = (any(is_float(op.dtype) for op in outs)
+         and any(is_float(op.dtype) for op in ins) and d.chance(0.25))
+  features |= {"jvp"} if jvp else set()
   features |= {"prefetch"} if pf else set()
   for e in all_exprs:
     features |= e.tags(loop_leaves(grid, extra=("t",)), unit_leaves(grid))
@@ -184,7 +195,7 @@ def generate(d: Draw, seed: int, index: int, tpu: bool) -> Case:
               rows=rows, tol=tuple(tolerance(all_exprs, op.dtype)
                                    for op in outs),
               none_squeeze=d.chance(0.5), no_specs=whole and d.chance(0.5),
-              **extra)
+              jvp=jvp, **extra)
   return Case(seed, index, "map", grid, tuple(ins), tuple(outs),
               tuple(body.items()), prefetch, None, aliases,
               frozenset(features))
@@ -231,6 +242,8 @@ def body(case: Case, ctx) -> None:
                      ctx.xp.logical_not(mask))
   elif mode == "readback":
     ctx.store(0, ctx.eval(first, env))
+    ctx.store(0, ctx.eval(p("again"), {**env, "o": ctx.read_out(0)}))
+  elif mode == "readfirst":
     ctx.store(0, ctx.eval(p("again"), {**env, "o": ctx.read_out(0)}))
   else:
     raise ValueError(mode)

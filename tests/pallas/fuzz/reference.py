@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tests.pallas.fuzz.family_window import apply_scalar
 from tests.pallas.fuzz.expr import dt, evaluate
 from tests.pallas.fuzz.spec import (Case, grid_points, make_inputs, poison,
                                     read_block, write_block)
@@ -133,6 +134,22 @@ class RefCtx:
                "and": lambda a, b: a & b, "or": lambda a, b: a | b,
                "xor": lambda a, b: a ^ b}[op]
     arr[idx] = np.asarray(combine(arr[idx], new)).astype(arr.dtype)
+
+  def atomic_indexed(self, op, j, idx, v, mask):
+    """Every lane applies, in lane order; indices outside are dropped."""
+    arr = self.outs[j]
+    idx = np.asarray(idx)
+    keep = (idx >= 0) & (idx < arr.shape[0])
+    if mask is not None:
+      keep &= np.asarray(mask)
+    v = np.broadcast_to(np.asarray(v).astype(arr.dtype), idx.shape)
+    ufunc = {"add": np.add, "max": np.maximum, "min": np.minimum,
+             "and": np.bitwise_and, "or": np.bitwise_or,
+             "xor": np.bitwise_xor}[op]
+    ufunc.at(arr, idx[keep], v[keep])
+
+  def with_scalar(self, name, v, k):
+    return apply_scalar(np, name, v, self.inputs[k])
 
   def scratch_get(self, s):
     return self.scratch[s].copy()

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests.pallas.fuzz.family_window import apply_scalar
 from tests.pallas.fuzz.expr import evaluate
 from tests.pallas.fuzz.spec import Case, Operand, index_map_fn
 
@@ -41,6 +42,8 @@ def block_spec(mods: Mods, case: Case, op: Operand):
   pl = mods.pl
   if op.space == "any":
     return pl.BlockSpec(memory_space=pl.ANY)
+  if op.space == "scalar":       # a Python scalar: in SMEM, as TPUs keep it
+    return pl.BlockSpec(memory_space=mods.tpu.SMEM)
   if op.dims is None:
     return pl.BlockSpec()
   squeeze = None if case.param("none_squeeze", True) else pl.squeezed
@@ -102,7 +105,9 @@ def build_call(case: Case, mods: Mods, **backend_kw):
     f = pl.pallas_call(kernel, out_shape, grid_spec=grid_spec, **kw)
   else:
     f = pl.pallas_call(kernel, out_shape, **specs, **kw)
-  args = [jnp.asarray(a) for a in make_inputs(case)]
+  # Python scalars stay Python scalars (weakly typed operands)
+  args = [a if isinstance(a, (int, float)) else jnp.asarray(a)
+          for a in make_inputs(case)]
   if n_pf:
     args.insert(0, jnp.asarray(np.asarray(case.prefetch, np.int32)))
   return f, args
@@ -167,6 +172,13 @@ class KernelCtx:
     pl = self.mods.pl
     idx = tuple(pl.ds(s, z) for s, z in zip(starts, sizes))
     getattr(self.mods.triton, f"atomic_{op}")(self.outs[j], idx, v, mask=mask)
+
+  def atomic_indexed(self, op, j, idx, v, mask):
+    getattr(self.mods.triton, f"atomic_{op}")(self.outs[j], (idx,), v,
+                                              mask=mask)
+
+  def with_scalar(self, name, v, k):
+    return apply_scalar(jnp, name, v, self.ins[k][...])
 
   # scratch
   def scratch_get(self, s):

@@ -58,7 +58,11 @@ class Operand:
   dtype: str
   dims: tuple[Dim, ...] | None = None  # None: the whole array
   space: str = "block"                 # "block" | "any" (memory_space=ANY)
+  #   | "smem" (a scalar-prefetch-like table in SMEM) | "scalar" (a Python
+  #   scalar operand, weakly typed)
   nan: bool = False                    # inputs: a few NaNs among the values
+  special: bool = False                # inputs: inf, -inf, NaN, -0.0 and
+  #   the largest values whose products an f32 accumulator holds
 
   @property
   def kshape(self) -> tuple[int, ...]:
@@ -70,7 +74,8 @@ class Operand:
   def __str__(self):
     cut = "whole" if self.dims is None else \
         "(" + ", ".join(str(d) for d in self.dims) + ")"
-    extra = (" ANY" if self.space == "any" else "") + (" nan" if self.nan else "")
+    extra = (f" {self.space.upper()}" if self.space != "block" else "") + (
+        " nan" if self.nan else "") + (" special" if self.special else "")
     return f"{self.dtype}{list(self.shape)} {cut}{extra}"
 
 
@@ -209,11 +214,15 @@ def np_valid(op: Operand, ids, grid, pf) -> np.ndarray:
 # ---- numpy blocks for the reference
 
 def poison(dtype: str):
+  """What memory nobody defined holds on every backend (docs/interpret.md,
+  "Semantics"): NaN, the signed minimum plus one, the unsigned maximum,
+  True. (Pallas's interpret mode holds the minimum for integers.)"""
   if is_float(dtype):
     return np.nan
   if dtype == "bool":
     return True
-  return np.iinfo(np.dtype(dtype)).min
+  info = np.iinfo(np.dtype(dtype))
+  return int(info.max) if info.min == 0 else int(info.min) + 1
 
 
 def _windows(op: Operand, ids, grid, pf):
@@ -248,7 +257,19 @@ def grid_points(grid):
 
 # ---- input data
 
-def make_input(rng: np.random.Generator, op: Operand) -> np.ndarray:
+def make_input(rng: np.random.Generator, op: Operand, n: int = 0):
+  """Random data for input `op`; `n`: the size of the output an array of
+  indices (`space="index"`) points into."""
+  if op.space == "scalar":        # a Python scalar operand
+    if op.dtype == "int32":
+      return int(rng.integers(0, 7))
+    return float(rng.choice([0.5, -1.5, 2.0, 3.0]))
+  if op.space == "index":         # repeats, and a few outside [0, n)
+    idx = rng.integers(0, n, op.shape)
+    idx[rng.random(op.shape) < 0.3] = rng.integers(0, 2)
+    out = rng.random(op.shape) < 0.08
+    idx[out] = rng.choice([-1, n, n + 5, -(n + 3)], int(out.sum()))
+    return idx.astype(np.int32)
   dt = np.dtype(jnp.dtype(op.dtype))
   if op.dtype == "bool":
     return rng.integers(0, 2, op.shape).astype(bool)
@@ -262,9 +283,16 @@ def make_input(rng: np.random.Generator, op: Operand) -> np.ndarray:
   if op.nan and x.size:
     flat = x.reshape(-1)
     flat[rng.integers(0, flat.size, max(1, flat.size // 16))] = np.nan
+  if op.special and x.size:
+    # f16's largest value squared fits f32; bf16's would overflow the
+    # accumulator, where sums of +inf and -inf depend on the order
+    big = 65504.0 if op.dtype == "float16" else 2.0 ** 40
+    flat = x.reshape(-1)
+    for v in (np.inf, -np.inf, np.nan, -0.0, big, -big):
+      flat[rng.integers(0, flat.size, max(1, flat.size // 32))] = v
   return x.astype(dt)
 
 
-def make_inputs(case: Case) -> list[np.ndarray]:
+def make_inputs(case: Case) -> list:
   rng = np.random.default_rng([case.seed, case.index, 7])
-  return [make_input(rng, op) for op in case.inputs]
+  return [make_input(rng, op, case.param("n", 0)) for op in case.inputs]

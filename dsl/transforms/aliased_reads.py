@@ -1,0 +1,96 @@
+"""Aliased outputs that a kernel reads before writing, on the Mosaic backends.
+
+With `input_output_aliases`, an output starts as its input, and a kernel may
+read the output's block before writing it (`o_ref[...] = o_ref[...] * 2 +
+1`). The interpret and Triton backends read the block from the output's
+memory, which holds the input. A TPU's grid pipeline never reads an output
+block from HBM: the block's VMEM buffer holds stale data when the block
+starts. So for the Mosaic backends (`mosaic`, `mosaic_interpret`) such a
+kernel is rewritten: it also takes the aliased input once more, blocked as
+the output, and copies that block into the output block at the first step
+of each run of visits to it (`first_visit`), before the kernel's body. A TPU
+then computes what every other backend computes; a kernel that writes its
+aliased outputs before reading them is left as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from jax._src import core
+
+from dsl.interpret.plan import first_read_before_write
+from dsl.memory import MemorySpace
+from dsl.pallas_call import KernelSpec
+from dsl.primitives import when
+from dsl.tracing import program_id
+from dsl.transforms.common import block_spec_of, derived_spec, sds, split
+from dsl.transforms.revisits import first_visit
+
+
+_IN_HBM = (MemorySpace.ANY, MemorySpace.HBM)
+
+
+def _read_first(spec: KernelSpec) -> list[tuple[int, int]]:
+  """(operand index, output index) of the aliased outputs with a block
+  (not `ANY` memory) that the kernel may read before writing."""
+  gm = spec.grid_mapping
+  outs = gm.split(spec.jaxpr.jaxpr.invars).outputs
+  found = []
+  for operand, o in spec.input_output_aliases:
+    bm = gm.out_mappings[o]
+    if operand < gm.num_scalar_prefetch or bm.memory_space in _IN_HBM:
+      continue              # the kernel addresses the aliased memory itself
+    if first_read_before_write(spec.jaxpr, [outs[o]]) is not None:
+      found.append((operand, o))
+  return found
+
+
+@functools.lru_cache(maxsize=256)
+def reading_aliased_outputs(spec: KernelSpec):
+  """`(spec', operands)`: the kernel that starts each block of an aliased
+  output it reads before writing from the aliased input, and the operand
+  indices to pass once more after the kernel's own operands; None when
+  the kernel needs no such rewrite."""
+  if spec.meta and spec.meta[0] == "aliased_reads":
+    return None
+  pairs = _read_first(spec)
+  if not pairs:
+    return None
+  gm = spec.grid_mapping
+  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
+  n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
+  grid = tuple(int(g) for g in gm.grid)
+
+  def body(*refs):
+    ids = [program_id(d) for d in range(n_grid)]
+    pf, ins, starts, outs, scr = split(refs, n_pf, n_in, len(pairs), n_out,
+                                       n_scr)
+    for (_, o), start in zip(pairs, starts):
+      @when(first_visit(gm.out_mappings[o], grid, ids, lambda i: i, pf))
+      def _(o=o, start=start):
+        outs[o][...] = start[...]
+    core.eval_jaxpr(spec.jaxpr.jaxpr, spec.jaxpr.consts, *ids, *pf, *ins,
+                    *outs, *scr)
+
+  operand_avals = [a.inner_aval for a in gm.prefetch_avals] + [
+      bm.array_aval for bm in gm.in_mappings]
+  args = [sds(a) for a in operand_avals] + [
+      sds(operand_avals[i]) for i, _ in pairs]
+  spec_of = lambda bm: block_spec_of(bm, n_grid)
+  new = derived_spec(
+      spec, body, args, [sds(bm.array_aval) for bm in gm.out_mappings],
+      grid=gm.grid,
+      in_specs=([spec_of(bm) for bm in gm.in_mappings]
+                + [spec_of(gm.out_mappings[o]) for _, o in pairs]),
+      out_specs=[spec_of(bm) for bm in gm.out_mappings],
+      scratch=list(gm.scratch_avals), aliases=dict(spec.input_output_aliases),
+      suffix="", meta=("aliased_reads", spec))
+  labels = gm.split(spec.ref_labels())
+  names = (list(labels.prefetch + labels.inputs)
+           + [f"{labels.outputs[o]} (its aliased input)" for _, o in pairs]
+           + list(labels.outputs + labels.scratch))
+  new = new.replace(local=spec.local, ref_names=tuple(names),
+                    grid_mapping=dataclasses.replace(
+                        new.grid_mapping, num_hidden_axes=gm.num_hidden_axes))
+  return new, tuple(i for i, _ in pairs)

@@ -1,0 +1,151 @@
+"""Run-time checks of ref windows placed at run time (interpret backend).
+
+With jax_pallas_enable_runtime_assert on, a window whose start or indices
+are computed at run time (`x_ref[pl.ds(i, 8)]`, `o_ref[idx]`) and that
+leaves its ref is a KernelCheckError, worded the same on every backend
+(`dsl.checks.window_message`): the access, the window with its run-time
+values, the ref, the block index and the grid point. The checked kernel
+(runtime_checks.py) puts a `window_check` equation before each such access,
+naming the ref; its checkify rule asserts that every lane the access uses
+lies inside the ref.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import tree_util
+from jax._src import checkify as jax_checkify
+from jax._src import core
+from jax._src.state import indexing
+from jax._src.state import primitives as state_primitives
+from jax.extend.core import Primitive
+
+from dsl import ref_ops, windows
+from dsl.checks import sub_jaxprs, window_access
+
+
+class WindowOutsideRef(jax_checkify.FailedCheckError):
+  """A window placed at run time that leaves its ref (`ref`: the ref's
+  name in messages)."""
+
+  def __init__(self, traceback_info, fmt_string, *a, ref=None, **k):
+    super().__init__(traceback_info, fmt_string, *a, **k)
+    self.ref = ref
+
+  def tree_flatten(self):
+    return ((self.args, self.kwargs),
+            (self.traceback_info, self.fmt_string, self.ref))
+
+  @classmethod
+  def tree_unflatten(cls, metadata, payload):
+    tb, fmt, ref = metadata
+    args, kwargs = payload
+    return cls(tb, fmt, *args, ref=ref, **kwargs)
+
+
+window_check_p = Primitive("window_check")
+window_check_p.multiple_results = True
+window_check_p.def_impl(lambda *args, **params: [])
+window_check_p.def_abstract_eval(lambda *avals, **params: [])
+
+
+# primitive -> (the verb of messages, where its index leaves start, whether
+# a mask follows its index leaves and values).
+def _masked_layout(eqn):
+  n_idx = eqn.params["tree"].num_leaves
+  n_val = 1 if eqn.primitive is not ref_ops.masked_load_p else 0
+  mask = (eqn.invars[1 + n_idx + n_val] if eqn.params.get("has_mask")
+          else None)
+  return 1, mask
+
+
+_ACCESSES = {
+    state_primitives.get_p: ("load from", lambda e: (1, None)),
+    state_primitives.swap_p: ("store to", lambda e: (2, None)),
+    state_primitives.addupdate_p: ("update of", lambda e: (2, None)),
+    ref_ops.masked_load_p: ("load from", _masked_layout),
+    ref_ops.masked_store_p: ("store to", _masked_layout),
+    ref_ops.atomic_rmw_p: ("atomic update of", _masked_layout),
+}
+
+
+def window_check_eqn(eqn, name: str | None):
+  """A `window_check` equation for the ref access `eqn` when its window is
+  placed by values computed at run time, else None."""
+  if eqn.primitive not in _ACCESSES:
+    return None
+  verb, layout = _ACCESSES[eqn.primitive]
+  first, mask = layout(eqn)
+  tree = eqn.params["tree"]
+  leaves = eqn.invars[first:first + tree.num_leaves]
+  if all(isinstance(v, core.Literal) for v in leaves):
+    return None       # static windows are checked when the kernel is traced
+  ref = eqn.invars[0]
+  shape = tuple(ref.aval.inner_aval.shape)
+  params = dict(tree=tree, shape=shape, verb=verb, ref=name or "a ref",
+                has_mask=mask is not None)
+  return core.new_jaxpr_eqn(list(leaves) + ([mask] if mask is not None
+                                            else []),
+                            [], window_check_p, params, set(),
+                            eqn.source_info, eqn.ctx)
+
+
+def _indexer_parts(indexer, values: list) -> str:
+  """The window in numpy notation, with `{}` for values computed at run
+  time (appended to `values`)."""
+  parts = []
+  for i, n in zip(indexer.indices, indexer.shape):
+    if isinstance(i, indexing.Slice):
+      stop_off = (int(i.size) - 1) * int(i.stride) + 1
+      step = "" if int(i.stride) == 1 else f":{int(i.stride)}"
+      if isinstance(i.start, (int, np.integer)):
+        start = int(i.start)
+        parts.append(":" if (start, stop_off) == (0, n) else
+                     f"{start}:{start + stop_off}{step}")
+      else:
+        s = jnp.asarray(i.start, jnp.int32)
+        values += [s, s + stop_off]
+        parts.append("{}:{}" + step)
+    elif np.ndim(i) == 0:     # a window of one, as the Mosaic backend sees
+      if isinstance(i, (int, np.integer)):
+        parts.append(f"{int(i)}:{int(i) + 1}")
+      else:
+        s = jnp.asarray(i, jnp.int32)
+        values += [s, s + 1]
+        parts.append("{}:{}")
+    else:
+      a = jnp.asarray(i, jnp.int32)
+      values += [jnp.min(a), jnp.max(a)]
+      parts.append("indices {} to {}")
+  return ", ".join(parts)
+
+
+def _check_rule(ctx, error, enabled_errors, *args, tree, shape, verb, ref,
+                has_mask):
+  leaves = args[:tree.num_leaves]
+  transforms = [t for t in tree_util.tree_unflatten(tree, list(leaves))
+                if t is not None]
+  if not transforms or not isinstance(transforms[0], indexing.NDIndexer):
+    return error, []
+  # The first indexer places the window; later ones narrow it.
+  bad = ~windows.lanes_inside(shape, transforms[0])
+  if has_mask and len(transforms) == 1:
+    bad = bad & jnp.broadcast_to(args[tree.num_leaves], bad.shape)
+  values: list = []
+  window = _indexer_parts(transforms[0], values)
+  fmt = window_access(verb, ref, window, shape)
+  exc = WindowOutsideRef(jax_checkify.get_traceback(), fmt, *values, ref=ref)
+  return jax_checkify.assert_func(ctx, error, jnp.any(bad), exc), []
+
+
+jax_checkify.error_checks[window_check_p] = _check_rule
+
+
+def has_run_time_windows(jaxpr: core.Jaxpr) -> bool:
+  """Whether a kernel accesses a ref through a window placed at run time."""
+  for eqn in jaxpr.eqns:
+    if window_check_eqn(eqn, None) is not None:
+      return True
+    if any(has_run_time_windows(j) for j in sub_jaxprs(eqn.params)):
+      return True
+  return False
