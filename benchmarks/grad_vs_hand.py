@@ -2,7 +2,7 @@
 
     python -m benchmarks.grad_vs_hand [--backend interpret] [--repeats 7]
                                       [--kernels softmax,layer_norm,...]
-                                      [--small]
+                                      [--small] [--aot sm_90]
 
 For each kernel of `kernels/` that has a hand-written backward pass
 (`custom_vjp`), times `jax.grad` of a loss through it (forward kernel plus
@@ -12,6 +12,12 @@ recording kernels). Both use the same block sizes and the same cotangent;
 the gradients are checked to agree before timing. Samples are taken in
 alternating rounds (`dsl.tools.timing.run_interleaved`, the benchmark timer), so
 the ratio is fair on a shared machine; `--stat min` is steadier on a loaded one.
+
+`--aot sm_90` runs no kernel: it compiles both gradients' Triton kernels
+ahead of time for that architecture (no GPU needed) and prints, per
+kernel, the compile time, launch grid, registers, shared memory, programs
+per SM and hot-loop instructions: the compile path of `--backend triton`,
+and the structure its timings will depend on.
 """
 from __future__ import annotations
 
@@ -20,12 +26,16 @@ import functools
 import importlib
 import math
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsl.tools import timing
+from lowering_triton import aot
+from lowering_triton.kernel import generate
+from lowering_triton.ptx_stats import blocks_per_sm
 
 _mod = lambda name: importlib.import_module(f"kernels.{name}")
 
@@ -74,27 +84,35 @@ def flash_attention_case(backend, batch=1, seq=512, heads=4, head_dim=64,
                            backend=backend, block_q=block, block_k=block)
 
   def auto(q, k, v):
+    # The grid kernel: reverse mode cannot differentiate the Triton loops,
+    # whose trip counts depend on the program id.
     return fa.forward(q, k, v, causal=True, sm_scale=scale, backend=backend,
-                      block_q=block, block_k=block)[0]
+                      block_q=block, block_k=block, loops=False)[0]
   return (f"flash_attention causal {batch}x{seq}x{heads}x{head_dim}", hand,
           auto, (q, k, v), ct)
 
 
+def matmul_case(backend, m=1024, k=1024, n=1024, blocks=(64, 64, 32)):
+  mm = _mod("matmul")
+  x, y = _rand(0, (m, k), (k, n))
+  (ct,) = _rand(1, (m, n))
+  hand = functools.partial(mm.matmul, backend=backend, block_sizes=blocks)
+  auto = functools.partial(mm.matmul_2d, backend=backend, blocks=blocks)
+  return f"matmul {m}x{k}x{n}", hand, auto, (x, y), ct
+
+
 CASES = {"softmax": softmax_case, "layer_norm": layer_norm_case,
-         "flash_attention": flash_attention_case}
+         "matmul": matmul_case, "flash_attention": flash_attention_case}
 # `--small`: seconds-long smoke runs (the tests use them).
 SMALL = {"softmax": dict(rows=16, cols=128, block_rows=8),
          "layer_norm": dict(rows=16, cols=128, block_rows=8),
+         "matmul": dict(m=32, k=32, n=32, blocks=(16, 16, 16)),
          "flash_attention": dict(seq=32, heads=1, head_dim=32, block=16)}
 
 
 def measure(name: str, backend: str, repeats: int, small: bool = False,
             stat: str = "median") -> dict:
-  label, hand, auto, args, ct = CASES[name](
-      backend, **(SMALL[name] if small else {}))
-  argnums = tuple(range(len(args)))
-  fns = {"hand": jax.grad(_loss(hand, ct), argnums),
-         "auto": jax.grad(_loss(auto, ct), argnums)}
+  label, fns, args = gradients(name, backend, small)
   prepared = {k: timing.prepare(f, args, slow_s=30.0) for k, f in fns.items()}
   for g_hand, g_auto in zip(prepared["hand"].stats.output,
                             prepared["auto"].stats.output):
@@ -103,6 +121,42 @@ def measure(name: str, backend: str, repeats: int, small: bool = False,
   return {"case": label, "hand_s": stats["hand"].value(stat),
           "auto_s": stats["auto"].value(stat),
           "spread": max(stats["hand"].spread, stats["auto"].spread)}
+
+
+def gradients(name: str, backend: str, small: bool = False, **sizes):
+  """(label, {"hand": grad fn, "auto": grad fn}, args) of case `name` (at
+  its `--small` sizes, or `sizes`)."""
+  label, hand, auto, args, ct = CASES[name](
+      backend, **(SMALL[name] if small else sizes))
+  argnums = tuple(range(len(args)))
+  return label, {"hand": jax.grad(_loss(hand, ct), argnums),
+                 "auto": jax.grad(_loss(auto, ct), argnums)}, args
+
+
+def compile_report(name: str, target: str, small: bool = False) -> list[str]:
+  """Lines describing both gradients' Triton kernels compiled for `target`
+  (see the module docstring)."""
+  label, fns, args = gradients(name, "triton", small)
+  out = []
+  for side, fn in fns.items():
+    t0 = time.perf_counter()
+    compiled = aot.compile_aot(fn, *args, target=target)
+    out.append(f"{label} {side}: {len(compiled)} kernels compiled for "
+               f"{target} in {time.perf_counter() - t0:.1f} s")
+    for k in compiled:
+      st = k.stats()
+      hot = [lp.mix.instructions for lp in st.hot_loops]
+      grid = k.spec.grid_mapping.grid
+      launch = generate(k.spec).launch_grid
+      out.append(
+          f"  {k.name:36} grid {str(tuple(grid)):16} launch "
+          f"{str(launch):14} w{k.num_warps} s{k.num_stages} "
+          f"{st.registers} regs {k.shared // 1024} KiB "
+          f"{blocks_per_sm(st.registers, k.num_warps, k.shared)}/SM "
+          + (f"hot loops {hot} instr" if hot else
+             f"{st.kernel.instructions} instr, no loop")
+          + (" SPILLS" if st.spills else ""))
+  return out
 
 
 def main(argv=None) -> int:
@@ -116,11 +170,19 @@ def main(argv=None) -> int:
                  help="min is steadier on a loaded machine")
   p.add_argument("--small", action="store_true", help="tiny sizes (a smoke "
                  "test; the figures mean little)")
+  p.add_argument("--aot", metavar="TARGET", help="compile the Triton "
+                 "kernels of both gradients for TARGET (e.g. sm_90) and "
+                 "describe them, running nothing (no GPU needed)")
   args = p.parse_args(argv)
   names = [n for n in args.kernels.split(",") if n]
   unknown = [n for n in names if n not in CASES]
   if unknown:
     p.error(f"unknown kernels {unknown}; choose from {', '.join(CASES)}")
+  if args.aot:
+    for name in names:
+      print("\n".join(compile_report(name, args.aot, args.small)),
+            flush=True)
+    return 0
   print(f"jax.grad, backend={args.backend}, {args.stat} of {args.repeats} "
         f"samples, {jax.devices()[0].platform}")
   print(f"{'case':44} {'hand (ms)':>10} {'auto (ms)':>10} {'auto/hand':>9}")

@@ -32,10 +32,11 @@ from jax import lax
 
 import dsl as pl
 from dsl import tpu as pltpu
-from kernels import blocking
+from kernels import blocking, flash_attention_loops
+from kernels.attention_tiles import (NEG, dkdv_update, dq_update,
+                                     forward_result, forward_update,
+                                     tile_mask, zero_rows)
 
-NEG = -1e30     # a finite -inf: exp(NEG - NEG) stays 1, never NaN
-LOG2E = math.log2(math.e)
 
 
 # ---------------------------------------------------------------- reference
@@ -93,30 +94,61 @@ TRITON_CONFIGS = {
     "dq": (128, 32, 8, 3),
 }
 SMALL_CONFIG = (64, 64, 4, 3)    # head_dim <= 64, or smaller given tiles
+# Shared memory one Hopper program may use (227 KiB): the pipelined tiles of
+# a config must fit, or the kernel does not launch.
+SHARED_BYTES = 227 * 1024
 
 
-def _triton_config(kernel, d):
-  return SMALL_CONFIG if d <= 64 else TRITON_CONFIGS[kernel]
+def _shared_bytes(kernel, bq, bk, d, itemsize, stages) -> int:
+  """The shared memory of a kernel's pipelined tiles: the blocks it keeps
+  once, the blocks it steps through once per stage (what Triton allocates
+  for these kernels, to the byte for the forward)."""
+  kept, stepped = {"fwd": (bq, 2 * bk), "dq": (2 * bq, 2 * bk),
+                   "dkdv": (2 * bk, 2 * bq)}[kernel]
+  return itemsize * d * (kept + stages * stepped)
 
 
-def _triton_params(kernel, backend, d, bq, bk, tuned=None):
+def _triton_config(kernel, d, itemsize=2):
+  """(block_q, block_k, num_warps, num_stages): the table's, with the
+  stepped block (then the kept one) halved until the tiles fit in shared
+  memory (float32 at head_dim 128: the forward's 128 x 128 tiles with 2
+  stages need 320 KiB, 128 x 64 ones 192 KiB)."""
+  bq, bk, warps, stages = SMALL_CONFIG if d <= 64 else TRITON_CONFIGS[kernel]
+  while _shared_bytes(kernel, bq, bk, d, itemsize, stages) > SHARED_BYTES:
+    stepped, kept = (bq, bk) if kernel == "dkdv" else (bk, bq)
+    if max(stepped, kept) <= 16:
+      break
+    if stepped > 16:
+      stepped //= 2
+    else:
+      kept //= 2
+    bq, bk = (stepped, kept) if kernel == "dkdv" else (kept, stepped)
+  return bq, bk, warps, stages
+
+
+def _triton_params(kernel, backend, d, bq, bk, tuned=None, itemsize=2):
   """Launch parameters: the shipped GPU default's (`tuned`, from
   `blocking.gpu_config`) when it has them, else the table above."""
   if tuned and "num_warps" in tuned:
     return blocking.triton_params(backend, num_warps=tuned["num_warps"],
                                   num_stages=tuned.get("num_stages"))
-  cfg = _triton_config(kernel, d)
+  cfg = _triton_config(kernel, d, itemsize)
   if bq * bk < cfg[0] * cfg[1]:
     cfg = SMALL_CONFIG
-  return blocking.triton_params(backend, num_warps=cfg[2], num_stages=cfg[3])
+  stages = cfg[3]
+  while stages > 1 and _shared_bytes(kernel, bq, bk, d, itemsize,
+                                     stages) > SHARED_BYTES:
+    stages -= 1     # blocks the caller chose: fewer stages, to fit
+  return blocking.triton_params(backend, num_warps=cfg[2], num_stages=stages)
 
 
 def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
-                     block_k=None, kernel: str = "fwd"):
-  """(block_q, block_k) of `kernel` ("fwd", "dkdv" or "dq")."""
+                     block_k=None, kernel: str = "fwd", itemsize: int = 2):
+  """(block_q, block_k) of `kernel` ("fwd", "dkdv" or "dq") for operands of
+  `itemsize` bytes."""
   backward = kernel != "fwd"
   if blocking.is_triton(backend):
-    tq, tk = _triton_config(kernel, d)[:2]
+    tq, tk = _triton_config(kernel, d, itemsize)[:2]
     if backend == "triton_interpret":
       # A quarter of the GPU's tiles, so each backward kernel's own shape
       # runs through Triton's interpreter too.
@@ -145,41 +177,6 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
   return min(bq, sq), min(bk, sk)
 
 
-def _tile_mask(qi, kj, *, bq, bk, sq, sk, causal, qs_ref, ks_ref,
-               mask_q=False, kv_major=False):
-  """The bool mask of the tile at q block qi, kv block kj, or None: of shape
-  (bq, bk), or (bk, bq) with `kv_major` (the dK/dV kernel's transposed
-  tiles)."""
-  mask = None
-
-  def conj(a, b):
-    return b if a is None else a & b
-
-  shape, qdim = ((bk, bq), 1) if kv_major else ((bq, bk), 0)
-  qpos = qi * bq + lax.broadcasted_iota(jnp.int32, shape, qdim)
-  kpos = kj * bk + lax.broadcasted_iota(jnp.int32, shape, 1 - qdim)
-  if sk % bk:
-    mask = conj(mask, kpos < sk)
-  if mask_q and sq % bq:
-    mask = conj(mask, qpos < sq)
-  if causal:
-    mask = conj(mask, qpos >= kpos)
-  if qs_ref is not None:
-    qs, ks = _rows(qs_ref), _rows(ks_ref)
-    mask = conj(mask, ks[:, None] == qs[None, :] if kv_major
-                else qs[:, None] == ks[None, :])
-  return mask
-
-
-def _zero_rows(x, block, size: int, n: int):
-  """`x` (rows of block `block` of `size` rows) with the rows past `n`, which
-  hold poison, set to zero; `x` itself when blocks divide `n`."""
-  if n % size == 0:
-    return x
-  ids = block * size + jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-  return jnp.where(ids < n, x, jnp.zeros_like(x))
-
-
 def _tile_needed(qi, kj, *, bq, bk, causal):
   """False for tiles entirely above the causal diagonal."""
   if not causal:
@@ -192,16 +189,6 @@ def _run_if(cond, fn):
     fn()
   else:
     pl.when(cond)(fn)
-
-
-def _dot_nt(a, b):   # a @ b.T
-  return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                         preferred_element_type=jnp.float32)
-
-
-def _dot(a, b):
-  return lax.dot_general(a, b, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
 
 
 # ---------------------------------------------------------------- layouts
@@ -227,6 +214,13 @@ def _rows(ref):
 
 def _set_rows(ref, x):
   ref[...] = x.reshape(ref.shape)
+
+
+def _segments(qs_ref, ks_ref) -> dict:
+  """`tile_mask`'s segment ids of a tile, from its segment-id blocks."""
+  if qs_ref is None:
+    return {}
+  return dict(qs=_rows(qs_ref), ks=_rows(ks_ref))
 
 
 def _to_layout(hm, *xs):
@@ -291,31 +285,21 @@ def _fwd_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk,
       q_sc[...] = q_ref[...]    # the q block stays on chip across kv steps
 
   def tile():
-    q = (q_sc if copy_q else q_ref)[...]
-    k, v = k_ref[...], _zero_rows(v_ref[...], kj, bk, sk)
-    s = _dot_nt(q, k) * (sm_scale * LOG2E)     # scores in base 2
-    mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
-                      qs_ref=qs_ref, ks_ref=ks_ref)
-    if mask is not None:
-      s = jnp.where(mask, s, NEG)
-    m_prev = m_sc[...]
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    p = jnp.exp2(s - m_new[:, None])
-    if mask is not None:
-      p = jnp.where(mask, p, 0.0)
-    alpha = jnp.exp2(m_prev - m_new)
-    l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1)
-    acc_sc[...] = acc_sc[...] * alpha[:, None] + _dot(p.astype(v.dtype), v)
-    m_sc[...] = m_new
+    mask = tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
+                     **_segments(qs_ref, ks_ref))
+    m, l, acc = forward_update(
+        (q_sc if copy_q else q_ref)[...], k_ref[...],
+        zero_rows(v_ref[...], kj, bk, sk), m_sc[...], l_sc[...], acc_sc[...],
+        mask, sm_scale)
+    m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
 
   @pl.when(kj == nk - 1)
   def _():
-    l = l_sc[...]
-    l = jnp.where(l == 0.0, 1.0, l)     # rows that see no key output 0
-    o_ref[...] = (acc_sc[...] / l[:, None]).astype(o_ref.dtype)
-    _set_rows(lse_ref, m_sc[...] / LOG2E + jnp.log(l))   # back to base e
+    o, lse = forward_result(m_sc[...], l_sc[...], acc_sc[...])
+    o_ref[...] = o.astype(o_ref.dtype)
+    _set_rows(lse_ref, lse)
 
 
 def _q_major_specs(hm, bq, bk, d, g, q_seg, kv_seg):
@@ -331,9 +315,12 @@ def _q_major_specs(hm, bq, bk, d, g, q_seg, kv_seg):
 
 
 def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
-            backend=None, block_q=None, block_k=None):
+            backend=None, block_q=None, block_k=None, loops=None):
   """The forward kernel: returns (out, lse) with lse of shape (b, h, sq)
-  ((b, h, 1, sq) on the Mosaic TPU backends: see "layouts")."""
+  ((b, h, 1, sq) on the Mosaic TPU backends: see "layouts"). `loops`
+  (default: on Triton) runs the in-kernel loops of
+  `flash_attention_loops`; False, the grid kernel, which reverse mode can
+  differentiate (the loops' trip counts depend on the program id)."""
   b, sq, h, d = q.shape
   sk, hkv = k.shape[1], k.shape[2]
   g = h // hkv
@@ -341,8 +328,14 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
   be = blocking.resolve_backend(backend)
   tuned = blocking.gpu_config("flash_attention", q.shape, q.dtype, be,
                               block_q, block_k)
+  size = q.dtype.itemsize
   bq, bk = attention_blocks(sq, sk, d, be, tuned.get("block_q", block_q),
-                            tuned.get("block_k", block_k))
+                            tuned.get("block_k", block_k), itemsize=size)
+  params = _triton_params("fwd", be, d, bq, bk, tuned, size)
+  if blocking.is_triton(be) if loops is None else loops:
+    return flash_attention_loops.forward(
+        q, k, v, q_seg, kv_seg, causal=causal, sm_scale=sm_scale,
+        backend=backend, bq=bq, bk=bk, compiler_params=params)
   nq, nk = pl.cdiv(sq, bq), pl.cdiv(sk, bk)
   q_spec, kv_spec, lse_spec, seg_args, seg_specs = _q_major_specs(
       hm, bq, bk, d, g, q_seg, kv_seg)
@@ -364,8 +357,8 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
                       pltpu.VMEM((bq,), jnp.float32),
                       pltpu.VMEM((bq, d), jnp.float32)]
       + ([pltpu.VMEM((bq, d), q.dtype)] if copy_q else []),
-      compiler_params=_triton_params("fwd", be, d, bq, bk, tuned),
-      backend=backend, name="flash_attention_fwd")(q, k, v, *seg_args)
+      compiler_params=params, backend=backend,
+      name="flash_attention_fwd")(q, k, v, *seg_args)
   return _to_layout(hm, o)[0], lse
 
 
@@ -374,18 +367,6 @@ def forward(q, k, v, q_seg=None, kv_seg=None, *, causal=False, sm_scale,
 def _delta_kernel(o_ref, do_ref, delta_ref):
   _set_rows(delta_ref, jnp.sum(o_ref[...].astype(jnp.float32)
                                * do_ref[...].astype(jnp.float32), axis=1))
-
-
-def _probs(q, k, lse, mask, sm_scale, kv_major=False):
-  """A tile's probabilities recomputed from the log-sum-exp, in base 2 as in
-  the forward: (bq, bk), or (bk, bq) with `kv_major` (then `q`, `k` come
-  swapped: the kv block first)."""
-  s = _dot_nt(q, k) * (sm_scale * LOG2E)
-  lse2 = lse * LOG2E
-  p = jnp.exp2(s - (lse2[None, :] if kv_major else lse2[:, None]))
-  if mask is not None:
-    p = jnp.where(mask, p, 0.0)
-  return p
 
 
 def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
@@ -403,16 +384,14 @@ def _dkdv_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nq, nt):
     dv_sc[...] = jnp.zeros_like(dv_sc)
 
   def tile():
-    q, k, v = _zero_rows(q_ref[...], qi, bq, sq), k_ref[...], v_ref[...]
-    do = _zero_rows(do_ref[...], qi, bq, sq)
-    delta = _zero_rows(_rows(delta_ref), qi, bq, sq)
-    mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
-                      qs_ref=qs_ref, ks_ref=ks_ref, mask_q=True,
-                      kv_major=True)
-    p_t = _probs(k, q, _rows(lse_ref), mask, sm_scale, kv_major=True)
-    dv_sc[...] += _dot(p_t.astype(do.dtype), do)
-    ds_t = p_t * (_dot_nt(v, do) - delta[None, :])
-    dk_sc[...] += _dot(ds_t.astype(q.dtype), q) * sm_scale
+    mask = tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
+                     mask_q=True, kv_major=True, **_segments(qs_ref, ks_ref))
+    dk, dv = dkdv_update(
+        zero_rows(q_ref[...], qi, bq, sq), k_ref[...], v_ref[...],
+        zero_rows(do_ref[...], qi, bq, sq), _rows(lse_ref),
+        zero_rows(_rows(delta_ref), qi, bq, sq), mask, sm_scale)
+    dk_sc[...] += dk
+    dv_sc[...] += dv
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
 
@@ -433,14 +412,12 @@ def _dq_kernel(*refs, sm_scale, causal, has_seg, bq, bk, sq, sk, nk):
     dq_sc[...] = jnp.zeros_like(dq_sc)
 
   def tile():
-    q, do = q_ref[...], do_ref[...]
-    k = _zero_rows(k_ref[...], kj, bk, sk)
-    v = _zero_rows(v_ref[...], kj, bk, sk)
-    mask = _tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
-                      qs_ref=qs_ref, ks_ref=ks_ref)
-    p = _probs(q, k, _rows(lse_ref), mask, sm_scale)
-    ds = p * (_dot_nt(do, v) - _rows(delta_ref)[:, None])
-    dq_sc[...] += _dot(ds.astype(k.dtype), k) * sm_scale
+    mask = tile_mask(qi, kj, bq=bq, bk=bk, sq=sq, sk=sk, causal=causal,
+                     **_segments(qs_ref, ks_ref))
+    dq_sc[...] += dq_update(
+        q_ref[...], zero_rows(k_ref[...], kj, bk, sk),
+        zero_rows(v_ref[...], kj, bk, sk), do_ref[...], _rows(lse_ref),
+        _rows(delta_ref), mask, sm_scale)
 
   _run_if(_tile_needed(qi, kj, bq=bq, bk=bk, causal=causal), tile)
 
@@ -464,11 +441,13 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
                                 q.dtype, resolved, block_q, block_k)
     bq, bk = attention_blocks(sq, sk, d, resolved,
                               tuned.get("block_q", block_q),
-                              tuned.get("block_k", block_k), kernel)
+                              tuned.get("block_k", block_k), kernel,
+                              q.dtype.itemsize)
     common = dict(sm_scale=sm_scale, causal=causal, has_seg=q_seg is not None,
                   bq=bq, bk=bk, sq=sq, sk=sk)
     return (bq, bk, pl.cdiv(sq, bq), pl.cdiv(sk, bk), common,
-            _triton_params(kernel, resolved, d, bq, bk, tuned))
+            _triton_params(kernel, resolved, d, bq, bk, tuned,
+                           q.dtype.itemsize))
 
   bq, bk, nq, nk, common, params = setup("dkdv")
 
@@ -480,7 +459,29 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
       grid=(b, h, nq), in_specs=[q3, q3],
       out_specs=_row_spec(hm, bq, lambda b_, h_, i: (b_, h_, i)),
       backend=backend, name="flash_attention_bwd_delta")(o, do)
+  if blocking.is_triton(resolved):
+    kw = dict(causal=causal, sm_scale=sm_scale, backend=backend)
+    dk, dv = flash_attention_loops.backward_dkdv(
+        q, k, v, do, lse, delta, q_seg, kv_seg, bq=bq, bk=bk,
+        compiler_params=params, **kw)
+    bq, bk, _, _, _, params = setup("dq")
+    dq = flash_attention_loops.backward_dq(
+        q, k, v, do, lse, delta, q_seg, kv_seg, bq=bq, bk=bk,
+        compiler_params=params, **kw)
+    return dq, dk, dv
+  dq, dk, dv = _grid_backward(q, k, v, q_seg, kv_seg, do, lse, delta,
+                              dims=(b, h, hkv, d), hm=hm, backend=backend,
+                              setup=setup)
+  return _to_layout(hm, dq, dk, dv)
 
+
+def _grid_backward(q, k, v, q_seg, kv_seg, do, lse, delta, *, dims, hm,
+                   backend, setup):
+  """dK/dV and dQ as grid kernels (the backends other than Triton), in the
+  kernels' layout; `dims` = (batch, heads, kv_heads, head_dim)."""
+  b, h, hkv, d = dims
+  g = h // hkv
+  bq, bk, nq, nk, common, params = setup("dkdv")
   # dK, dV: grid (b, kv_heads, kv_blocks, group * q_blocks).
   nt = g * nq
   q_index = lambda b_, hk, j, t: (b_, hk * g + t // nq, t % nq)
@@ -519,7 +520,7 @@ def backward(q, k, v, q_seg, kv_seg, o, lse, do, *, causal, sm_scale,
       compiler_params=params, backend=backend,
       name="flash_attention_bwd_dq")(
           q, k, v, do, lse, delta, *seg_args)
-  return _to_layout(hm, dq, dk, dv)
+  return dq, dk, dv
 
 
 # ---------------------------------------------------------------- autodiff

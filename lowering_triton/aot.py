@@ -35,12 +35,9 @@ class AotKernel:
 
 
 def kernel_specs(f, *args, **kwargs) -> list:
-  """The KernelSpecs of the pallas_calls `f(*args)` makes, in program order."""
-  return [spec for spec, _ in traced_kernels(f, *args, **kwargs)]
-
-
-def _lowered_specs(f, *args, **kwargs) -> list:
-  """The KernelSpecs of `f(*args)` as the Triton lowering receives them."""
+  """The KernelSpecs of the pallas_calls `f(*args)` makes, in program order,
+  as the Triton lowering receives them (normalized: the primitives JAX's
+  transformations leave in derived kernels rewritten)."""
   return [as_lowered(spec, "triton", mesh_axes)
           for spec, mesh_axes in traced_kernels(f, *args, **kwargs)]
 
@@ -48,7 +45,7 @@ def _lowered_specs(f, *args, **kwargs) -> list:
 def to_source(f, *args, **kwargs) -> list[str]:
   """The generated Triton source of each pallas_call in `f(*args)`."""
   return [generate(spec).source
-          for spec in _lowered_specs(f, *args, **kwargs)]
+          for spec in kernel_specs(f, *args, **kwargs)]
 
 
 def parse_target(target) -> int:
@@ -66,7 +63,7 @@ def compile_aot(f, *args, target="sm_90", **kwargs) -> list[AotKernel]:
   """Compiles the kernels of `f(*args)` for a CUDA arch; no GPU needed."""
   arch = parse_target(target)
   result = []
-  for spec in _lowered_specs(f, *args, **kwargs):
+  for spec in kernel_specs(f, *args, **kwargs):
     gk = generate(spec)
     compiled = compile_kernel(gk, arch)
     md = compiled.metadata

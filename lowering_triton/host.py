@@ -104,6 +104,28 @@ class Lowering(LoweringHost):
     self._written: set[str] = set()
     self._writes = 0
     self.read_operands: set[str] = set()
+    # Loops the code being emitted sits in, and the tensor descriptors the
+    # kernel makes at its top: (pointer, box) -> (name, source) (tma.py).
+    self.loop_depth = 0
+    self.tensor_descriptors = True
+    self.descriptors: dict[tuple, tuple[str, str]] = {}
+    self._producers: dict[int, dict] = {}   # id(jaxpr) -> var -> eqn
+
+  @contextlib.contextmanager
+  def in_loop(self):
+    """Marks the code emitted inside as a loop body."""
+    self.loop_depth += 1
+    try:
+      yield
+    finally:
+      self.loop_depth -= 1
+
+  def producers(self, jaxpr) -> dict:
+    """The equation computing each variable of `jaxpr` (cached)."""
+    if id(jaxpr) not in self._producers:
+      self._producers[id(jaxpr)] = {v: e for e in jaxpr.eqns
+                                    for v in e.outvars}
+    return self._producers[id(jaxpr)]
 
   # ---------------------------------------------------------------- emission
 
@@ -276,7 +298,7 @@ class Lowering(LoweringHost):
       self._hints[id(jaxpr)] = {
           k: n for k, n in self._name_hints(jaxpr).items()
           if source_info_frame(jaxpr.eqns[k].source_info) not in outer}
-    return RuleContext(self, eqn, used, self._hints[id(jaxpr)].get(i))
+    return RuleContext(self, eqn, used, self._hints[id(jaxpr)].get(i), jaxpr)
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn):
@@ -325,9 +347,11 @@ class Lowering(LoweringHost):
 class RuleContext:
   """What a lowering rule sees: its equation and the emission helpers."""
 
-  def __init__(self, lowering: Lowering, eqn, used: set, hint: str | None):
+  def __init__(self, lowering: Lowering, eqn, used: set, hint: str | None,
+               jaxpr=None):
     self.lowering = lowering
     self.eqn = eqn
+    self.jaxpr = jaxpr          # the jaxpr `eqn` belongs to
     self._used = used
     self._hint = hint
 

@@ -361,22 +361,36 @@ def _failed_check(gk: GeneratedKernel, e: AssertionError) -> KernelCheckError:
   return KernelCheckError(gk.name, message, where or gk.where)
 
 
+BUFFER_ALIGNMENT = 64   # as XLA's buffers: tensor descriptors need 16
+
+
+def _aligned_copy(a, dtype=None) -> np.ndarray:
+  """A C-contiguous copy of `a` whose data starts at a multiple of
+  BUFFER_ALIGNMENT bytes."""
+  a = np.asarray(a, dtype)
+  raw = np.empty(a.nbytes + BUFFER_ALIGNMENT, np.uint8)
+  skip = (-raw.ctypes.data) % BUFFER_ALIGNMENT
+  out = raw[skip:skip + a.nbytes].view(a.dtype).reshape(a.shape)
+  out[...] = a
+  return out
+
+
 def _buffers(gk: GeneratedKernel, arrays) -> tuple[dict, list[np.ndarray]]:
   """Kernel parameter name -> numpy buffer, and the output buffers (poison,
   what the memory a kernel never writes holds, or a copy of the aliased
-  input)."""
-  operands = [np.array(a, copy=True, order="C") for a in arrays]
+  input), each aligned as XLA's buffers are."""
+  operands = [_aligned_copy(a) for a in arrays]
   n_pf = sum(p.kind == "prefetch" for p in gk.params)
   aliases = {o: i for i, o in gk.aliases}
   outs = []
   for p in gk.params:
     if p.kind == "output":
       src = aliases.get(p.index)
-      outs.append(np.full(p.shape, poison_value(p.dtype), p.dtype)
-                  if src is None else
-                  np.array(operands[src], dtype=p.dtype, copy=True, order="C"))
+      outs.append(_aligned_copy(
+          np.full(p.shape, poison_value(p.dtype), p.dtype) if src is None
+          else operands[src], p.dtype))
   by_kind = {"prefetch": operands[:n_pf], "input": operands[n_pf:],
-             "const": [np.ascontiguousarray(c) for c in gk.consts],
+             "const": [_aligned_copy(c) for c in gk.consts],
              "output": outs}
   return {p.name: by_kind[p.kind][p.index] for p in gk.params}, outs
 

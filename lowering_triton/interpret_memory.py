@@ -99,24 +99,25 @@ def _handle(ti, data, like):
 
 
 def _masked_load(original, ti):
-  def create_masked_load(self, ptrs, mask, other, *rest):
+  def create_masked_load(self, ptrs, mask, other, *rest, **kw):
+    # (tensor descriptor loads pass their hints by keyword)
     itemsize = ti._get_np_dtype(ptrs.get_element_ty()).itemsize
     p, m = _checked_mask(ptrs.data, None if mask is None else mask.data,
                          itemsize, "load")
     if other is not None:
       other = _handle(ti, np.broadcast_to(other.data, p.shape), other)
     return original(self, _handle(ti, p, ptrs), ti.TensorHandle(m, _int1()),
-                    other, *rest)
+                    other, *rest, **kw)
   return create_masked_load
 
 
 def _masked_store(original, ti):
-  def create_masked_store(self, ptrs, value, mask, *rest):
+  def create_masked_store(self, ptrs, value, mask, *rest, **kw):
     p, m = _checked_mask(ptrs.data, None if mask is None else mask.data,
                          value.data.dtype.itemsize, "store")
     value = _handle(ti, np.broadcast_to(value.data, p.shape), value)
     return original(self, _handle(ti, p, ptrs), value,
-                    ti.TensorHandle(m, _int1()), *rest)
+                    ti.TensorHandle(m, _int1()), *rest, **kw)
   return create_masked_store
 
 

@@ -55,6 +55,10 @@ def compute_capability(lib) -> int:
   return int(lib.get_compute_capability(0))
 
 
+class ScratchUnsupported(BackendError):
+  """This jaxlib's TritonKernel takes no global scratch buffer."""
+
+
 def _triton_kernel(lib, gk: GeneratedKernel, compiled, arch: int):
   md = compiled.metadata
   name = md.name
@@ -81,10 +85,11 @@ def _triton_kernel(lib, gk: GeneratedKernel, compiled, arch: int):
       return lib.TritonKernel(*args)
     except TypeError as e:
       errors.append(str(e))
-  raise BackendError(gk.name, "this jaxlib's TritonKernel does not accept the "
-                     "compiled kernel" + (" (it needs a global scratch buffer)"
-                                          if scratch else "") + ": "
-                     + "; ".join(errors), gk.where)
+  error = ScratchUnsupported if scratch else BackendError
+  raise error(gk.name, "this jaxlib's TritonKernel does not accept the "
+              "compiled kernel" + (" (it needs a global scratch buffer)"
+                                   if scratch else "") + ": "
+              + "; ".join(errors), gk.where)
 
 
 def kernel_for(lib, gk: GeneratedKernel, arch: int):
@@ -132,7 +137,13 @@ def _lowering(ctx, *args, spec):
   lib = _library(spec.name, spec.where)
   gk = generate(spec)
   arch = compute_capability(lib)
-  kernel = kernel_for(lib, gk, arch)
+  try:
+    kernel = kernel_for(lib, gk, arch)
+  except ScratchUnsupported:
+    # Tensor descriptors live in a global scratch buffer that only newer
+    # jaxlibs allocate: load through pointers instead.
+    gk = generate(spec, tensor_descriptors=False)
+    kernel = kernel_for(lib, gk, arch)
   opaque = kernel_call_proto(lib, gk, kernel)
   consts = [mlir.ir_constant(np.asarray(c)) for c in gk.consts]
   avals_in = list(ctx.avals_in) + [core.ShapedArray(c.shape, c.dtype)

@@ -15,7 +15,8 @@ dots. `peel(...)` splits the step's jaxpr into
 
 so the loop reads like a hand-written one. A block moves only where that
 keeps the step's order of effects: a prologue block may be preceded in the
-step only by pure equations, an epilogue block followed only by pure
+step only by pure equations and reads of refs it does not write (decode
+attention reads the sequence length before zeroing its scratch), an epilogue block followed only by pure
 equations or other epilogue blocks, and each moved block may use only the
 kernel's operands (refs, grid ids) and values computed from them by pure
 equations in the same region, never a value of the loop body.
@@ -27,6 +28,7 @@ import dataclasses
 import numpy as np
 from jax import lax
 from jax._src import core
+from jax._src.state import types as state_types
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +66,33 @@ def _step_guard(eqn, step_var, producers) -> int | None:
 
 
 def _pure(eqn) -> bool:
-  return not eqn.effects and not any(
-      isinstance(p, (core.Jaxpr, core.ClosedJaxpr)) for p in eqn.params.values())
+  """No effects (JAX reports a sub-jaxpr's ref effects on its equation)."""
+  return not eqn.effects
+
+
+def _refs(eqn, kinds) -> set:
+  return {ef.input for ef in eqn.effects if isinstance(ef, kinds)}
+
+
+def _reads_only(eqn) -> bool:
+  return bool(eqn.effects) and all(
+      isinstance(ef, state_types.ReadEffect) for ef in eqn.effects)
+
+
+def _leading_region(eqns, step_var, producers) -> int:
+  """How many leading eqns may run before the first step's blocks: pure
+  ones, `j == 0` blocks, and reads of refs that no such block writes."""
+  lead, read = 0, set()
+  for e in eqns:
+    if _step_guard(e, step_var, producers) == 0:
+      if _refs(e, (state_types.WriteEffect, state_types.AccumEffect)) & read:
+        break
+    elif _reads_only(e):
+      read |= _refs(e, state_types.ReadEffect)
+    elif not _pure(e):
+      break
+    lead += 1
+  return lead
 
 
 def _uses(eqn, available: set) -> bool:
@@ -95,12 +122,9 @@ def peel(jaxpr: core.Jaxpr, step_var, trip: int) -> Peeled:
   eqns = list(jaxpr.eqns)
   operands = set(jaxpr.invars) | set(jaxpr.constvars)
 
-  # Leading region: pure eqns and `j == 0` blocks, up to the first other
-  # effect.
-  lead = 0
-  while lead < len(eqns) and (
-      _pure(eqns[lead]) or _step_guard(eqns[lead], step_var, producers) == 0):
-    lead += 1
+  # Leading region: pure eqns, reads and `j == 0` blocks, up to the first
+  # other effect.
+  lead = _leading_region(eqns, step_var, producers)
   pro_eqns, pro_blocks = _moved(eqns[:lead], step_var, 0, producers, operands)
 
   # Trailing region: pure eqns and `j == trip - 1` blocks after the last

@@ -15,6 +15,7 @@ A `ValueRef` is a ref kept in registers: a variable holding the whole
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Union
 
 import numpy as np
@@ -70,12 +71,14 @@ def index_sym(idx, size: int) -> Sym:
 class Axis:
   """A visible axis of a ref: array coordinate `start + step * k`, k < size;
   with `lanes` (the source of an int32 vector of `size` indices, from an
-  array of indices), `start + step * lanes[k]` instead."""
+  array of indices), `start + step * lanes[k]` instead. A `start` computed
+  at run time is known to be a multiple of `align` (0: it is 0)."""
   dim: int
   start: Sym
   step: int
   size: int
   lanes: str | None = None
+  align: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +171,13 @@ class UnsupportedIndex(Exception):
   pass
 
 
-def apply_indexer(ref: MemRef, indexer) -> MemRef:
-  """The window `ref[indexer]` (static; emits nothing)."""
+def _start_align(ax: Axis) -> int:
+  return ax.start if isinstance(ax.start, int) else ax.align
+
+
+def apply_indexer(ref: MemRef, indexer, multiples=None) -> MemRef:
+  """The window `ref[indexer]` (static; emits nothing); `multiples[k]`: a
+  number index k's start is known to be a multiple of (default 1)."""
   if not isinstance(indexer, indexing.NDIndexer):
     raise UnsupportedIndex(f"ref transform {type(indexer).__name__} is not "
                            "supported by the Triton backend")
@@ -183,7 +191,8 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
   dynamic = set(ref.dynamic)
   limits = list(ref.limits)
   narrowed = set(ref.narrowed)
-  for ax, idx in zip(ref.axes, indices):
+  multiples = multiples or [1] * len(indices)
+  for ax, idx, mult in zip(ref.axes, indices, multiples):
     if ax.lanes is not None:
       raise UnsupportedIndex("indexing a window of an array of indices again "
                              "is not supported by the Triton backend")
@@ -197,8 +206,12 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
       start = as_sym(idx.start)
       if (start, int(idx.size), int(idx.stride)) != (0, ax.size, 1):
         narrowed.add(ax.dim)
+      if isinstance(start, int):
+        mult = start
+      align = math.gcd(_start_align(ax), mult * ax.step)
       axes.append(Axis(ax.dim, sym_add(ax.start, sym_mul(start, ax.step)),
-                       ax.step * int(idx.stride), int(idx.size)))
+                       ax.step * int(idx.stride), int(idx.size),
+                       align=align))
     elif isinstance(idx, (int, np.integer)) or (
         isinstance(idx, TVal) and idx.shape == ()):
       fixed.append((ax.dim, sym_add(ax.start,
@@ -211,7 +224,8 @@ def apply_indexer(ref: MemRef, indexer) -> MemRef:
         limits.append((ax.dim, ax.start, hi, ax.dim not in ref.narrowed))
       lanes = idx.expr if idx.dtype == np.int32 else \
           f"{paren(idx.expr)}.to(tl.int32)"
-      axes.append(Axis(ax.dim, ax.start, ax.step, int(idx.shape[0]), lanes))
+      axes.append(Axis(ax.dim, ax.start, ax.step, int(idx.shape[0]),
+                       lanes=lanes))
   return dataclasses.replace(ref, fixed=tuple(sorted(fixed, key=lambda f: f[0])),
                              axes=tuple(axes), dynamic=tuple(sorted(dynamic)),
                              limits=tuple(limits),

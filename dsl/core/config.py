@@ -46,6 +46,10 @@ use_mosaic_gpu_option = bool_option(
     "jax_pallas_use_mosaic_gpu", False,
     "If True, lower Pallas kernels to the experimental Mosaic GPU dialect, "
     "instead of Triton IR.")
+triton_tensor_descriptors_option = bool_option(
+    "jax_pallas_triton_tensor_descriptors", True,
+    "If True, the Triton backend loads whole, aligned tiles inside loops "
+    "through tensor descriptors (TMA copies on sm_90 and newer).")
 dump_triton_to_option = _string(
     "jax_pallas_dump_triton_to", "",
     "If set, writes each generated Triton kernel's source to this directory.")
@@ -128,6 +132,10 @@ def verbose_errors() -> bool:
 
 def dump_promela_to() -> str:
   return read_option("jax_pallas_dump_promela_to") or ""
+
+
+def triton_tensor_descriptors() -> bool:
+  return bool(read_option("jax_pallas_triton_tensor_descriptors"))
 
 
 def dump_triton_to() -> str:

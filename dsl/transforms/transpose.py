@@ -15,8 +15,11 @@ replays the forward pass and saves that entry state for every grid point.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src import core
 from jax._src.interpreters import ad
@@ -284,19 +287,45 @@ def _staged(raw_ids, in_refs, ct_in_refs, ct_out_refs, run):
   with_vmem_copies(refs, [True] * len(refs), writes, on_buffers)
 
 
+# The most bytes of per-point contributions kept for a cotangent whose
+# blocks the forward revisits along a parallel grid dim (a layer norm's
+# weight, read by every row block): below it each point writes its own
+# block and the dim stays parallel; above it the blocks accumulate in place
+# and the dim runs in order.
+PER_POINT_BYTES = 64 << 20
+
+
+def _revisited_along_parallel(gm, bm, sequential) -> bool:
+  """Whether some parallel dim of the forward grid (of size > 1) keeps the
+  block index of `bm` fixed: accumulating in place would make it run in
+  order (on a GPU: one program walking the whole dim)."""
+  idx, grid = gm.block_indices(bm), gm.grid
+  if idx is None:
+    return False
+  return any(n > 1 and d not in sequential
+             and bool(np.all(idx == np.take(idx, [0], axis=d)))
+             for d, n in enumerate(grid))
+
+
 def _ct_in_kinds(gm, in_nz, sequential) -> list[str]:
   """How each input cotangent is summed over the grid: "staged" (an operand
   in HBM, staged whole through VMEM at every point), "inplace" (blocks
   revisited only over consecutive steps of the transposed grid, and no two
   blocks overlapping: zeroed at the first, accumulated in the block) or
   "per_point" (each point's contribution written to its own block, summed
-  outside the kernel)."""
+  outside the kernel; also for blocks revisited along a parallel dim, up to
+  PER_POINT_BYTES, so that dim stays parallel)."""
   kinds = []
   for bm, nz in zip(gm.in_mappings, in_nz):
     if not nz:
       continue
+    per_point_bytes = (math.prod(gm.grid) * math.prod(bm.kernel_shape)
+                       * np.dtype(bm.array_aval.dtype).itemsize)
     if in_hbm(bm.ref_aval):
       kinds.append("staged")
+    elif (_revisited_along_parallel(gm, bm, sequential)
+          and per_point_bytes <= PER_POINT_BYTES):
+      kinds.append("per_point")
     elif not bm.has_element_dims and revisits_consecutively(
         bm, gm.grid, sequential):     # Element windows may overlap
       kinds.append("inplace")

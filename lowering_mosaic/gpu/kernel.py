@@ -39,8 +39,9 @@ import jax
 from dsl.core.errors import BackendError
 from dsl.core.jaxpr_walk import walk_jaxpr
 from lowering_mosaic.gpu import specialized
-from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, decode, i32,
-                                      index_cast_i32)
+from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, constant,
+                                      decode, i32, index_cast_i32)
+from lowering_mosaic.gpu.rules import memory as memory_rules
 from lowering_mosaic.gpu.plan import (MBARRIER_BYTES, SMEM_ALIGN, SWIZZLE,
                                       GpuPlan, make_gpu_plan)
 
@@ -154,20 +155,59 @@ class Emitter:
     nvvm.cp_async_bulk_wait_group(0)
     mgpu_utils.warpgroup_barrier()
 
-  def body(self, ids, refs):
-    j = self.spec.jaxpr
-    walk_jaxpr(self.host, j.jaxpr, j.consts, list(ids) + list(refs))
+  def body(self, ids, refs, carry=()) -> list:
+    """Runs the kernel body at grid point `ids` on `refs`, the carried
+    refs' places taken by their values `carry`; returns their new values
+    (plan.body: accumulators.py)."""
+    body = self.plan.body
+    args = list(refs)
+    for pos, value in zip(body.carried, carry):
+      args[pos] = value
+    return walk_jaxpr(self.host, body.jaxpr.jaxpr, body.jaxpr.consts,
+                      list(ids) + args)
+
+  def initial_carry(self) -> list:
+    """The carried refs' values before the first step: zeros."""
+    invars = self.plan.body.jaxpr.jaxpr.invars
+    rank = len(self.plan.grid)
+    return [constant(0, invars[rank + p].aval.shape,
+                     invars[rank + p].aval.dtype)
+            for p in self.plan.carried]
+
+  def steps_loop(self, carry, step) -> list:
+    """An `scf.for` over the sequential steps carrying `carry`:
+    `step(s, carry)` (s: the step, i32) emits one step and returns the new
+    carry; returns the carry after the last step."""
+    idx = ir.IndexType.get()
+    loop = scf.ForOp(*(arith.constant(idx, v)
+                       for v in (0, self.plan.steps, 1)), list(carry))
+    with ir.InsertionPoint(loop.body):
+      new = step(index_cast_i32(loop.induction_variable),
+                 list(loop.inner_iter_args))
+      scf.yield_(list(new))
+    return list(loop.results)
+
+  def write_back(self, carry, views):
+    """The final values of the carried output blocks into their
+    shared-memory `views` (their TMA stores follow)."""
+    first = len(self.plan.prefetch)
+    for pos, value in zip(self.plan.carried, carry):
+      if first <= pos < first + len(self.plan.blocks):
+        memory_rules.store(views[self.plan.blocks[pos - first]], value)
 
   def refs(self, views, replica=None):
     """The kernel's refs: prefetch, blocks (`views` for blocks in shared
-    memory), scratch; run_scoped buffers go to the host."""
+    memory), scratch (None for scratch carried in registers); run_scoped
+    buffers go to the host."""
     per = lambda buf: (mgpu_utils.memref_slice(buf, replica)
                        if self.plan.schedule.consumers > 1 else buf)
     for key, bufs in self.scoped:
       self.host.scoped[key] = [per(b) for b in bufs]
+    scratch = dict(zip(self.plan.smem_scratch(), self.scratch))
     return (self.prefetch
             + [views.get(b, self.gmem[b]) for b in self.plan.blocks]
-            + [per(s) for s in self.scratch])
+            + [per(scratch[i]) if i in scratch else None
+               for i in range(len(self.plan.scratch))])
 
   def ids_at(self, par, seq_coords, replica: int | ir.Value = 0):
     """Grid ids from the CTA's parallel coordinates (the split dim's scaled
@@ -196,7 +236,8 @@ class Emitter:
     buffers = [smem_tree[i] for i in self.where]
     self.smem = dict(zip(on_chip, buffers[:len(on_chip)]))
     rest = buffers[len(on_chip):]
-    self.scratch, rest = rest[:len(plan.scratch)], rest[len(plan.scratch):]
+    n_scratch = len(plan.smem_scratch())
+    self.scratch, rest = rest[:n_scratch], rest[n_scratch:]
     self.scoped = []
     for key, bufs in plan.scoped:
       self.scoped.append((key, rest[:len(bufs)]))
@@ -237,15 +278,14 @@ class Emitter:
               self.barriers[2])
     moving = [b for b in ins if b.moves]
     if plan.steps > 1:
-      loop = scf.ForOp(*(arith.constant(ir.IndexType.get(), v)
-                         for v in (0, plan.steps, 1)))
-      with ir.InsertionPoint(loop.body):
-        ids = self._seq_ids(index_cast_i32(loop.induction_variable))
+      def step(s, carry):
+        ids = self._seq_ids(s)
         self.load([(b, views[b], ids) for b in moving], self.barriers[0])
-        self.body(ids, self.refs(views))
+        carry = self.body(ids, self.refs(views), carry)
         mgpu_utils.warpgroup_barrier()   # the slot is refilled next step
         self.store([(b, views[b], ids) for b in outs if b.moves])
-        scf.yield_([])
+        return carry
+      self.write_back(self.steps_loop(self.initial_carry(), step), views)
       outs = [b for b in outs if not b.moves]
       last = self._last_ids()
     else:
@@ -274,9 +314,7 @@ class Emitter:
 
     self.issue([(b, v, first) for b, v in
                 views(arith.constant(idx, 0)).items()], self.barriers[0])
-    loop = scf.ForOp(*(arith.constant(idx, v) for v in (0, steps, 1)))
-    with ir.InsertionPoint(loop.body):
-      s = index_cast_i32(loop.induction_variable)
+    def step(s, carry):
       slot = arith.remui(s, i32(2))
       other = arith.subi(i32(1), slot)
       nxt = arith.addi(s, i32(1))
@@ -288,10 +326,12 @@ class Emitter:
       self.barriers[slot].wait()
       ids = self._seq_ids(s)
       cur = views(arith.index_cast(idx, slot))
-      self.body(ids, self.refs({**fixed, **out_views, **cur}))
+      carry = self.body(ids, self.refs({**fixed, **out_views, **cur}), carry)
       mgpu_utils.warpgroup_barrier()   # the slot is refilled next step
       self.store([(b, out_views[b], ids) for b in outs if b.moves])
-      scf.yield_([])
+      return carry
+
+    self.write_back(self.steps_loop(self.initial_carry(), step), out_views)
     self.barriers[steps % 2].wait()    # the last, empty, prefetch
     last = self._last_ids()
     self.store([(b, out_views[b], last) for b in outs if not b.moves])

@@ -19,6 +19,7 @@ from dsl.core.errors import BackendError
 from dsl.core.index_maps import varies_along
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.primitives import run_scoped_p
+from lowering_mosaic.gpu import accumulators as A
 from lowering_mosaic.gpu import schedule as S
 from lowering_mosaic.gpu.host import TRITON_HINT
 from lowering_mosaic.gpu.rules import shapes as shape_rules
@@ -102,6 +103,7 @@ class GpuPlan:
   scoped: tuple = ()
   schedule: S.Schedule = S.single(1, 1)
   reduction_bytes: int = 0          # scratch of reductions across warps
+  body: A.Body | None = None        # the jaxpr each step runs (carries)
 
   @property
   def cuda_grid(self) -> int:
@@ -112,15 +114,33 @@ class GpuPlan:
   def steps(self) -> int:
     return math.prod(self.grid[d] for d in self.sequential)
 
+  @property
+  def carried(self) -> tuple[int, ...]:
+    """Positions, among the kernel's refs (prefetch, blocks, scratch), of
+    the refs the loop carries in registers."""
+    return self.body.carried if self.body else ()
+
+  def smem_scratch(self) -> list[int]:
+    """Indices of the scratch buffers in shared memory (not carried)."""
+    return smem_scratch(self.scratch, self.carried,
+                        len(self.prefetch) + len(self.blocks))
+
   def smem_buffers(self) -> list[tuple[tuple[int, ...], np.dtype]]:
-    return smem_buffers(self.blocks, self.scratch, self.scoped,
+    scratch = [self.scratch[i] for i in self.smem_scratch()]
+    return smem_buffers(self.blocks, scratch, self.scoped,
                         self.schedule.consumers, self.reduction_bytes)
+
+
+def smem_scratch(scratch, carried, first: int) -> list[int]:
+  """Indices of the scratch buffers that are not carried in registers
+  (`first`: the position of the first scratch ref among the kernel's)."""
+  return [i for i in range(len(scratch)) if first + i not in carried]
 
 
 def smem_buffers(blocks, scratch, scoped, consumers, reduction_bytes):
   """(shape, dtype) of every shared-memory buffer, in the order of the
-  CTA's shared-memory tree: blocks, scratch, run_scoped buffers (one copy
-  per consumer warpgroup), the reduction scratch."""
+  CTA's shared-memory tree: blocks, scratch in shared memory, run_scoped
+  buffers (one copy per consumer warpgroup), the reduction scratch."""
   rep = (consumers,) if consumers > 1 else ()
   out = [(b.buffer_shape, np.dtype(b.dtype)) for b in blocks if not b.in_gmem]
   out += [(rep + tuple(s), d) for s, d in scratch]
@@ -232,7 +252,7 @@ def dot_staging(eqn, producers):
   one's, when they are computed in registers or have another type; the
   input type is the one rules/dot.py picks."""
   (lc, _), _ = eqn.params["dimension_numbers"]
-  a, b = eqn.invars
+  a, b = eqn.invars[:2]          # dot_general, dot_accumulate (+ acc)
   narrow = [np.dtype(v.aval.dtype) for v in (a, b)
             if np.dtype(v.aval.dtype).itemsize <= 2]
   b_in_ref = isinstance(b, core.Var) and _read_from_ref(b, producers)
@@ -258,7 +278,7 @@ def scoped_allocations(spec, jaxpr) -> list:
       body, n = eqn.params["jaxpr"], eqn.params["num_consts"]
       out.append((id(eqn), tuple(_scratch_of(spec, v.aval, "run_scoped")
                                  for v in body.invars[n:])))
-    elif eqn.primitive is lax.dot_general_p:
+    elif eqn.primitive in (lax.dot_general_p, A.dot_accumulate_p):
       staged = dot_staging(eqn, producers)
       if staged:
         out.append((id(eqn), staged))
@@ -383,7 +403,8 @@ def _laid_out(blocks, depth, consumers, split):
 
 
 def _fits(plan, blocks, sched) -> bool:
-  buffers = smem_buffers(blocks, plan.scratch, plan.scoped, sched.consumers,
+  scratch = [plan.scratch[i] for i in plan.smem_scratch()]
+  buffers = smem_buffers(blocks, scratch, plan.scoped, sched.consumers,
                          plan.reduction_bytes)
   return smem_total(buffers, sched) <= SMEM_LIMIT
 
@@ -457,6 +478,33 @@ def choose_schedule(spec, plan: GpuPlan):
   return sched, blocks        # too big: make_gpu_plan says so
 
 
+# Registers per consumer thread the carried accumulators may take: what
+# two consumers get (schedule.py) less 64 for the body's own values.
+CARRY_REGISTERS = 232 - 64
+
+
+def _carried_body(spec, blocks, scratch, n_prefetch, steps) -> A.Body:
+  """The body with the refs that stay across the sequential steps (output
+  blocks that do not move, scratch) carried in registers where
+  `accumulators.carriable` says it is sound, within CARRY_REGISTERS."""
+  jaxpr, rank = spec.jaxpr, len(spec.grid_mapping.grid)
+  if steps <= 1:
+    return A.carried_body(jaxpr, [], rank)
+  candidates = [(n_prefetch + k, b.kernel_shape, b.dtype)
+                for k, b in enumerate(blocks)
+                if b.is_output and not b.moves and not b.in_gmem]
+  first = n_prefetch + len(blocks)
+  candidates += [(first + i, s, d) for i, (s, d) in enumerate(scratch)]
+  refs, registers = [], 0
+  for pos, shape, dtype in candidates:
+    need = -(-math.prod(shape) * np.dtype(dtype).itemsize // (WARPGROUP * 4))
+    if registers + need <= CARRY_REGISTERS and A.carriable(
+        jaxpr.jaxpr, rank + pos):
+      refs.append(pos)
+      registers += need
+  return A.carried_body(jaxpr, refs, rank)
+
+
 def make_gpu_plan(spec) -> GpuPlan:
   gm = spec.grid_mapping
   plan = gm.plan(spec.compiler_params, spec.jaxpr)
@@ -468,14 +516,16 @@ def make_gpu_plan(spec) -> GpuPlan:
                          len(grid)))
   scratch = tuple(_scratch_of(spec, ref, f"scratch_shapes[{i}]")
                   for i, ref in enumerate(gm.scratch_avals))
-  scoped = tuple(scoped_allocations(spec, spec.jaxpr.jaxpr))
-  reduction = REDUCTION_SCRATCH if crosses_warps(spec.jaxpr.jaxpr) else 0
+  prefetch = tuple(getattr(r, "inner_aval", r) for r in gm.prefetch_avals)
+  steps = math.prod(grid[d] for d in plan.sequential)
+  body = _carried_body(spec, blocks, scratch, len(prefetch), steps)
+  scoped = tuple(scoped_allocations(spec, body.jaxpr.jaxpr))
+  reduction = REDUCTION_SCRATCH if crosses_warps(body.jaxpr.jaxpr) else 0
   if math.prod(grid[d] for d in plan.parallel) >= 2 ** 31:
     raise _err(spec, "the parallel grid has more than 2**31 - 1 points")
-  prefetch = tuple(getattr(r, "inner_aval", r) for r in gm.prefetch_avals)
   base = GpuPlan(grid, tuple(plan.parallel), tuple(plan.sequential),
                  tuple(blocks), scratch, 0, prefetch, scoped,
-                 reduction_bytes=reduction)
+                 reduction_bytes=reduction, body=body)
   sched, blocks = choose_schedule(spec, base)
   out = dataclasses.replace(base, blocks=tuple(blocks), schedule=sched)
   smem = smem_total(out.smem_buffers(), sched)

@@ -26,10 +26,12 @@ from lowering_mosaic.gpu.host import decode, i32, index_cast_i32
 
 class _Step:
   """Where a role is: the sequential step `s` (i32; None outside the
-  loop), its ring slot, and which warpgroup runs it."""
+  loop), its ring slot, which warpgroup runs it, and the values of the
+  refs the consumers carry in registers (`carry`, updated by compute)."""
 
-  def __init__(self, em, consumer, s=None):
+  def __init__(self, em, consumer, s=None, carry=()):
     self.em, self.consumer, self.s = em, consumer, s
+    self.carry = list(carry)
     depth = em.plan.schedule.depth
     self.slot = arith.remui(s, i32(depth)) if s is not None else None
     self.round = (arith.divui(s, i32(depth)) if s is not None else None)
@@ -114,7 +116,7 @@ def _consumer_views(st):
 def _compute(st, op):
   em = st.em
   views, c = _consumer_views(st)
-  em.body(st.ids(st.consumer), em.refs(views, c))
+  st.carry = em.body(st.ids(st.consumer), em.refs(views, c), st.carry)
 
 
 def _store(st, op):
@@ -123,6 +125,7 @@ def _store(st, op):
   outs = [b for b in em.plan.blocks if b.is_output and not b.in_gmem
           and b.moves == (op.blocks == "moving")]
   if op.blocks == "staying":
+    em.write_back(st.carry, views)
     ids = em.ids_at(em.par, [i32(em.plan.grid[d] - 1)
                              for d in em.plan.sequential], st.consumer)
   else:
@@ -135,21 +138,23 @@ _EMIT = {"wait": _wait, "arrive": _arrive, "expect_tx": _expect_tx,
 
 
 def _run(em, role, consumer):
-  """Emits `role`'s ops: before, in a loop over the sequential steps,
-  after."""
+  """Emits `role`'s ops: before, in a loop over the sequential steps
+  (carrying the consumers' accumulators), after."""
   for op in role.before:
     _EMIT[op.kind](_Step(em, consumer), op)
+  computes = any(op.kind == "compute" for op in role.loop)
+  carry = em.initial_carry() if computes else []
+
+  def step(s, carry):
+    st = _Step(em, consumer, s, carry)
+    for op in role.loop:
+      _EMIT[op.kind](st, op)
+    return st.carry
+
   if role.loop:
-    idx = ir.IndexType.get()
-    loop = scf.ForOp(*(arith.constant(idx, v)
-                       for v in (0, em.plan.steps, 1)))
-    with ir.InsertionPoint(loop.body):
-      st = _Step(em, consumer, index_cast_i32(loop.induction_variable))
-      for op in role.loop:
-        _EMIT[op.kind](st, op)
-      scf.yield_([])
+    carry = em.steps_loop(carry, step)
   for op in role.after:
-    _EMIT[op.kind](_Step(em, consumer), op)
+    _EMIT[op.kind](_Step(em, consumer, carry=carry), op)
 
 
 def _registers(n: int, action: str):

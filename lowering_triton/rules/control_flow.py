@@ -1,6 +1,7 @@
 """Control flow: `cond` (and `pl.when`) as `if`/`elif`, `while` as a Triton
-`while` on a loop-carried flag, `scan` from `fori_loop` as a `for` loop, and
-calls (`jit`, custom derivatives, remat) inlined.
+`while` on a loop-carried flag (or a `for` loop when it counts up to a fixed
+bound: `fori_loop` with bounds known at run time), `scan` from `fori_loop`
+as a `for` loop, and calls (`jit`, custom derivatives, remat) inlined.
 
 Values that flow out of a branch or around a loop get a name that every
 branch and iteration assigns, so Triton sees a well-typed `scf.if`/`scf.for`.
@@ -75,12 +76,74 @@ def _cond(ctx, index, *ops, branches, **params):
   return outs
 
 
+def _counted(cond_jaxpr, body_jaxpr, cconsts, body_nconsts, init):
+  """(k, bound) when the loop counts carry k up by one while `carry_k <
+  bound` for an int32 bound that stays fixed (a literal, a condition
+  constant, or a carry the body passes through): what `fori_loop` makes of
+  bounds known only at run time. Else None."""
+  cond, body = cond_jaxpr.jaxpr, body_jaxpr.jaxpr
+  k = _counter_index(body, body_nconsts, len(init), init)
+  if k is None or init[k].dtype != np.int32 or len(cond.eqns) != 1:
+    return None
+  (eqn,) = cond.eqns
+  n_cc = len(cconsts)
+  if (eqn.primitive is not lax.lt_p or list(eqn.outvars) != list(cond.outvars)
+      or eqn.invars[0] is not cond.invars[n_cc + k]):
+    return None
+  b = eqn.invars[1]
+  if isinstance(b, core.Literal):
+    from lowering_triton.values import literal_value
+    bound = literal_value(int(np.asarray(b.val)), np.int32)
+  elif b in cond.invars[:n_cc]:
+    bound = cconsts[cond.invars.index(b)]
+  else:
+    j = cond.invars.index(b) - n_cc if b in cond.invars[n_cc:] else None
+    if j is None or body.outvars[j] is not body.invars[body_nconsts + j]:
+      return None
+    bound = init[j]
+  if not isinstance(bound, TVal) or bound.shape or bound.dtype != np.int32:
+    return None
+  return k, bound
+
+
+def _counted_for(ctx, k, bound, bconsts, body_jaxpr, init):
+  """`for i in tl.range(start, bound)`: a loop Triton pipelines (it does not
+  pipeline `while` loops)."""
+  carries = []
+  for n, v in enumerate(init):
+    if n == k:
+      carries.append(None)
+      continue
+    name = ctx.fresh("carry")
+    ctx.emit(f"{name} = {_typed(v)}")
+    carries.append(TVal(name, v.shape, v.dtype))
+  iv = _loop_var_name(ctx, body_jaxpr.jaxpr)
+  start = init[k]
+  header = f"for {iv} in tl.range({start.expr}, {bound.expr}):"
+  with ctx.buf.indent(header), ctx.lowering.in_loop():
+    ctx.lowering.reset_comments()
+    mark = ctx.lowering.writes_mark()
+    loop_args = list(carries)
+    loop_args[k] = TVal(iv, (), np.dtype(np.int32))
+    new = ctx.lower_closed(body_jaxpr, bconsts + loop_args)
+    _assign(ctx, [c for c in carries if c is not None],
+            [v for n, v in enumerate(new) if n != k])
+    ctx.lowering.end_of_loop_body(mark)
+  ctx.lowering.reset_comments()
+  carries[k] = ctx.bind(f"tl.maximum({start.expr}, {bound.expr})", (),
+                        np.dtype(np.int32), "index_end")
+  return carries
+
+
 @register(lax.while_p)
 def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
            **params):
   cconsts = list(args[:cond_nconsts])
   bconsts = list(args[cond_nconsts:cond_nconsts + body_nconsts])
   init = args[cond_nconsts + body_nconsts:]
+  counted = _counted(cond_jaxpr, body_jaxpr, cconsts, body_nconsts, init)
+  if counted is not None:
+    return _counted_for(ctx, *counted, bconsts, body_jaxpr, init)
   carries = []
   for v in init:
     name = ctx.fresh("carry")
@@ -89,7 +152,7 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
   go = ctx.fresh("keep_going")
   (pred,) = ctx.lower_closed(cond_jaxpr, cconsts + carries)
   ctx.emit(f"{go} = {_typed(pred)}")
-  with ctx.buf.indent(f"while {go}:"):
+  with ctx.buf.indent(f"while {go}:"), ctx.lowering.in_loop():
     ctx.lowering.reset_comments()
     mark = ctx.lowering.writes_mark()
     new = ctx.lower_closed(body_jaxpr, bconsts + carries)
@@ -165,7 +228,8 @@ def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
   static = unroll is True or (not isinstance(unroll, bool) and
                               int(unroll) > 1 and int(unroll) >= length)
   rng = "tl.static_range" if static else "tl.range"
-  with ctx.buf.indent(f"for {iv} in {rng}(0, {length}):"):
+  header = f"for {iv} in {rng}(0, {length}):"
+  with ctx.buf.indent(header), ctx.lowering.in_loop():
     ctx.lowering.reset_comments()
     loop_args = list(carries)
     if counter is not None:

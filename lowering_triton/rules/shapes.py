@@ -116,6 +116,21 @@ def _layout_compatible(a, b) -> bool:
   return all(pow2(d) == d for d in a[1:]) and all(pow2(d) == d for d in b[1:])
 
 
+def _unit_dims_inserted(old, new) -> str | None:
+  """The indexing (`[:, None]`) that makes `new` from `old` by inserting
+  unit dims, or None when the reshape does more than that."""
+  sel, i = [], 0
+  for d in new:
+    if i < len(old) and d == old[i]:
+      sel.append(":")
+      i += 1
+    elif d == 1:
+      sel.append("None")
+    else:
+      return None
+  return "[" + ", ".join(sel) + "]" if i == len(old) else None
+
+
 def reshape_value(ctx, x: TVal, new_shape, hint: str) -> TVal:
   new_shape = tuple(int(d) for d in new_shape)
   if x.literal is not None:
@@ -129,6 +144,13 @@ def reshape_value(ctx, x: TVal, new_shape, hint: str) -> TVal:
                     new_shape, x.dtype, hint)
   if new_shape == ():
     return _only_element(ctx, x, hint)
+  inserted = _unit_dims_inserted(x.shape, new_shape) if x.shape else None
+  if inserted is not None:
+    # `x[:, None]` rather than `tl.reshape`: Triton gives a reshaped row
+    # vector a layout that every thread holds whole, and a later broadcast
+    # to a tile keeps it (a (64, 1024) tile in each thread's registers:
+    # hours of LLVM, then spills).
+    return ctx.bind(f"{paren(x.expr)}{inserted}", new_shape, x.dtype, hint)
   if _layout_compatible(x.shape, new_shape):
     if padded(new_shape) == padded(x.shape):
       return TVal(x.expr, new_shape, x.dtype)

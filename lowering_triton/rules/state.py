@@ -20,7 +20,7 @@ from dsl.core import primitives as dsl_primitives
 from dsl.core import ref_ops
 from dsl.core.poison import poison_value
 from dsl.core.errors import source_info_frame
-from lowering_triton import dtypes
+from lowering_triton import dtypes, tma
 from lowering_triton.check_values import check_values_comment
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
@@ -38,10 +38,10 @@ def _transforms(ctx, tree, flat):
     raise ctx.error(f"cannot read the ref indexers: {e}")
 
 
-def _view(ctx, ref: MemRef, transforms) -> MemRef:
+def _view(ctx, ref: MemRef, transforms, multiples=None) -> MemRef:
   try:
-    for t in transforms:
-      ref = apply_indexer(ref, t)
+    for k, t in enumerate(transforms):
+      ref = apply_indexer(ref, t, multiples[k] if multiples else None)
   except UnsupportedIndex as e:
     raise ctx.error(str(e))
   return _with_proven(ctx, ref)
@@ -331,7 +331,11 @@ def _get(ctx, ref, *flat, tree, **params):
   transforms = _transforms(ctx, tree, flat)
   if isinstance(ref, ValueRef):
     return value_read(ctx, ref, transforms, ctx.hint(ref.var))
-  view = _view(ctx, ref, transforms)
+  view = _view(ctx, ref, transforms,
+               tma.index_multiples(ctx, tree, ctx.eqn.invars[1:]))
+  loaded = tma.load(ctx, view, ctx.hint(view.base))
+  if loaded is not None:
+    return loaded
   ptr, mask = _address(ctx, view, "load from", transforms=transforms)
   return _load(ctx, view, ptr, mask, ctx.hint(view.base))
 

@@ -42,9 +42,10 @@ import triton
 
 import dsl
 import kernels
-from benchmarks import gpu_triton, peers
+from benchmarks import gpu_triton, grad_vs_hand, peers
 from benchmarks.suite import by_name
 from dsl.tools import autotune_cache, gpu_defaults
+from dsl.core import config as dsl_config
 from dsl.core import ranges, ref_ops
 from dsl.core.blockspec import Element, squeezed
 from lowering_triton import aot
@@ -64,7 +65,8 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 # Hopper's fast path was lost.
 MUST_NOT_GROW = ("selp", "st_global", "st_shared", "st_local",
                  "ld_global_predicated", "ld_local")
-MUST_NOT_DROP = ("wgmma", "cp_async", "cp_async_bulk")
+MUST_NOT_DROP = ("wgmma", "cp_async_bulk")
+# cp.async copies may drop only where TMA copies (cp_async_bulk) replace them.
 INSTRUCTION_SLACK = 1.10
 
 
@@ -129,6 +131,11 @@ def _kernels(name, dtype, backward=False):
                  (S((4096, 4096), dtype),) * 2),
       "flash_attention": (lambda q, k, v: kernels.flash_attention(
           q, k, v, backend="triton"), (S((4, 2048, 16, 128), dtype),) * 3),
+      "flash_attention_causal": (lambda q, k, v: kernels.flash_attention(
+          q, k, v, causal=True, backend="triton"),
+          (S((4, 2048, 16, 128), dtype),) * 3),
+      "flash_attention_d64": (lambda q, k, v: kernels.flash_attention(
+          q, k, v, backend="triton"), (S((4, 2048, 16, 64), dtype),) * 3),
       "decode_attention": (lambda q, k, v, n: kernels.decode_attention(
           q, k, v, n, backend="triton"),
           (S((8, 32, 128), dtype), S((8, 4096, 8, 128), dtype),
@@ -146,8 +153,26 @@ def _kernels(name, dtype, backward=False):
   return fn, args
 
 
+# Automatic reverse mode: jax.grad through a kernel's forward alone, whose
+# backward kernels (linear, recording, transposed) dsl derives: the cases of
+# benchmarks/grad_vs_hand.py (float32), with row tiles that compile in
+# seconds.
+GRAD_SIZES = {"softmax": dict(block_rows=16), "layer_norm": dict(block_rows=16),
+              "matmul": {}, "flash_attention": dict(seq=256, heads=2,
+                                                    head_dim=64, block=64)}
+
+
+def derived_backward(name):
+  """The automatic gradient of grad_vs_hand's case `name` on Triton, and
+  abstract args."""
+  _, fns, args = grad_vs_hand.gradients(name, "triton", **GRAD_SIZES[name])
+  return fns["auto"], tuple(S(a.shape, a.dtype) for a in args)
+
+
 def _all_cases() -> list[Case]:
-  out = []
+  out = [Case(f"grad.{name}.auto.f32", functools.partial(
+      derived_backward, name), slow=name == "flash_attention")
+         for name in GRAD_SIZES]
   for dtype, tag in ((BF16, "bf16"), (F32, "f32")):
     slow = dtype == F32
     for which in ("matmul", "softmax", "layer_norm"):
@@ -157,7 +182,8 @@ def _all_cases() -> list[Case]:
       out.append(Case(f"suite.{name}.{tag}",
                       functools.partial(_suite, name, dtype), not slow))
     for name in ("softmax", "layer_norm", "rms_norm", "matmul",
-                 "flash_attention"):
+                 "flash_attention", "flash_attention_causal",
+                 "flash_attention_d64"):
       fwd = f"kernels.{name}.fwd.{tag}"
       out.append(Case(fwd, functools.partial(_kernels, name, dtype), slow))
       out.append(Case(f"kernels.{name}.bwd.{tag}", functools.partial(
@@ -269,17 +295,20 @@ def report(kernel: aot.AotKernel) -> KernelReport:
       _whole(kernel.spec))
 
 
-def compile_case(name: str) -> tuple[KernelReport, ...]:
-  """The reports of the kernels of case `name`."""
+def compile_case(name: str, tensor_descriptors: bool = True
+                 ) -> tuple[KernelReport, ...]:
+  """The reports of the kernels of case `name` (with TMA tensor descriptors
+  where the lowering emits them, or none)."""
   case = CASES[name]
-  with _no_autotune_cache(), gpu_defaults.for_device(*DEVICE):
+  with _no_autotune_cache(), gpu_defaults.for_device(*DEVICE), \
+      dsl_config.triton_tensor_descriptors_option(tensor_descriptors):
     jax.clear_caches()   # kernels/ traces are cached per device's defaults
     fn, args = case.build()
     kernels = aot.compile_aot(fn, *args, target=TARGET)
   reports = [report(k) for k in kernels]
   if case.exclude:
     # A backward case's function runs the forward kernels first.
-    fwd = [r.name for r in compiled(case.exclude)]
+    fwd = [r.name for r in compiled(case.exclude, tensor_descriptors)]
     if [r.name for r in reports[:len(fwd)]] == fwd:
       reports = reports[len(fwd):]
   return tuple(reports)
@@ -354,6 +383,10 @@ def baseline_problems(r: KernelReport, base: dict) -> list[str]:
              for k in MUST_NOT_GROW if now[k] > was[k]]
     moved += [f"{k} {now[k]} (baseline {was[k]}: lost)"
               for k in MUST_NOT_DROP if now[k] < was[k]]
+    if now["cp_async"] < was["cp_async"] and not (
+        now["cp_async_bulk"] > was["cp_async_bulk"]):
+      moved.append(f"cp_async {now['cp_async']} (baseline {was['cp_async']}: "
+                   "lost, and no TMA copies took their place)")
     if now["instructions"] > was["instructions"] * INSTRUCTION_SLACK + 4:
       moved.append(f"instructions {now['instructions']} (baseline "
                    f"{was['instructions']})")

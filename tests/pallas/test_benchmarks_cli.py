@@ -244,8 +244,24 @@ def test_sharding_rows(capsys, tmp_path):
 def test_grad_vs_hand_compares_gradients_and_prints_a_row(capsys):
   from benchmarks import grad_vs_hand
   assert grad_vs_hand.main(["--small", "--repeats", "1", "--kernels",
-                            "softmax,layer_norm"]) == 0
+                            "softmax,layer_norm,matmul"]) == 0
   out = capsys.readouterr().out
   assert "softmax 16x128" in out and "layer_norm 16x128" in out
+  assert "matmul 32x32x32" in out
   with pytest.raises(SystemExit):
     grad_vs_hand.main(["--kernels", "nope"])
+
+
+def test_grad_vs_hand_aot_compiles_both_gradients_for_sm90(capsys):
+  """--aot: the compile path of --backend triton, no GPU: every Triton
+  kernel of both gradients, with its registers and shared memory."""
+  from benchmarks import grad_vs_hand
+  assert grad_vs_hand.main(["--small", "--aot", "sm_90", "--kernels",
+                            "softmax"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  heads = [l for l in lines if "kernels compiled for sm_90" in l]
+  assert [h.split(":")[0] for h in heads] == ["softmax 16x128 hand",
+                                              "softmax 16x128 auto"]
+  assert any("_transpose" in l and "regs" in l and "/SM" in l
+             for l in lines)
+  assert not any("SPILLS" in l for l in lines)

@@ -2,10 +2,12 @@
 seed: random kernels run on every CPU backend, on Pallas's interpret mode and
 on a numpy reference; no backend may disagree or crash. Combinations listed
 in tests/pallas/fuzz/known_failures.py are skipped and counted."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tests.pallas.fuzz import driver
+from tests.pallas.fuzz.expr import dt, safe_cast
 from tests.pallas.fuzz.families import generate_case
 from tests.pallas.fuzz.runner import ORACLE, mismatch
 
@@ -110,3 +112,14 @@ def test_an_output_revisited_after_write_back_is_a_refusal_on_mosaic():
       raise AssertionError("the revisit was not refused")
     assert outcome.status == "refused", outcome
     assert "visited again" in outcome.detail, outcome
+
+
+def test_the_reference_clips_float_to_int_casts_as_the_kernels_do():
+  """A bfloat16 value cast to int32 is clipped to bounds in bfloat16 (as
+  JAX's weak typing gives them to the kernels), in numpy as in jnp: seed
+  616:135 once disagreed by -1e9 against -998244352."""
+  x = np.array([-3e9, 5.0, 3e9], dtype=dt("bfloat16"))
+  want = np.asarray(safe_cast(jnp.asarray(x), "int32", jnp))
+  got = safe_cast(x, "int32", np)
+  np.testing.assert_array_equal(got, want)
+  assert got[0] == -998244352

@@ -4,6 +4,7 @@ and the backend choice) where a GPU is present or named."""
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import kernels
 from benchmarks.suite import SUITE
 from dsl.tools import gpu_defaults
 from lowering_triton.aot import kernel_specs
+from lowering_triton.kernel import generate
 from tests.pallas.testing import CPU_BACKENDS
 
 H200 = gpu_defaults.Device("NVIDIA H200", "9.0")
@@ -308,7 +310,8 @@ def test_flash_attention_forward_and_backward_entries(kernel_table):
   fwd, dq, dkdv = (specs[f"flash_attention_{n}"]
                    for n in ("fwd", "bwd_dq", "bwd_dkdv"))
   assert fwd.grid_mapping.in_mappings[0].block_shape[1] == 32
-  assert fwd.grid_mapping.in_mappings[1].block_shape[1] == 16
+  # Triton walks the 128 keys in a loop of 16-key windows
+  assert re.search(r"for \w+ in tl\.range\(0, 8\):", generate(fwd).source)
   assert _launch(fwd) == (2, 2)
   assert _launch(dq) == (8, 4)
   assert dq.grid_mapping.in_mappings[0].block_shape[1] == 16
@@ -381,3 +384,28 @@ def test_shipped_hopper_triton_configs_compile_for_sm_90_within_shared_memory():
           config["num_warps"], config["num_stages"]), key
       compiled += 1
   assert compiled >= 8
+
+
+@pytest.mark.parametrize("d,dtype,want", [
+    (64, "bfloat16", {"fwd": (128, 64, 4, 3), "dkdv": (64, 64, 4, 3),
+                      "dq": (64, 64, 4, 3)}),
+    (128, "bfloat16", {"fwd": (128, 128, 8, 2), "dkdv": (32, 128, 8, 3),
+                       "dq": (128, 32, 8, 3)}),
+    (128, "float32", {"fwd": (128, 64, 8, 2), "dkdv": (32, 128, 8, 3),
+                      "dq": (128, 32, 8, 3)}),
+])
+def test_shipped_hopper_attention_configs(d, dtype, want):
+  """Hopper GPUs get a shipped config for each flash attention kernel at
+  head_dim 64 and 128 (bf16; f32 forward at 128), measured or marked as an
+  unmeasured heuristic; causal attention takes the same entries."""
+  names = {"fwd": "kernels.flash_attention",
+           "dkdv": "kernels.flash_attention.dkdv",
+           "dq": "kernels.flash_attention.dq"}
+  for kernel, (bq, bk, warps, stages) in want.items():
+    hit = gpu_defaults.lookup(names[kernel], (4, 2048, 16, d), dtype,
+                              "triton", device=H200)
+    assert hit is not None and hit.where == "hopper family", (kernel, d)
+    assert hit.config == {"block_q": bq, "block_k": bk, "num_warps": warps,
+                          "num_stages": stages}, (kernel, d, dtype)
+    assert hit.source.startswith(("NVIDIA", "unmeasured heuristic")), (
+        kernel, hit.source)

@@ -172,3 +172,108 @@ def test_vmap_of_forward_and_gradient():
   assert_close(jax.vmap(fn)(q), jax.vmap(ref)(q), tol=2e-5)
   grad = lambda f: jax.vmap(jax.grad(lambda q: jnp.sum(f(q) ** 2)))
   assert_close(grad(fn)(q), grad(ref)(q), tol=1e-4)
+
+
+# ------------------------------------------------------- causal block skipping
+
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
+def test_causal_never_reads_kv_blocks_above_the_diagonal(backend):
+  """Keys and values past the first q block's diagonal block hold NaN: had
+  the first q block read them (even masked: 0 * NaN), its rows would be
+  NaN. On Triton the loop bounds stop before them; the grid kernels skip
+  the tile."""
+  q, k, v, _ = _inputs(1, 64, 64, 2, 1, 16, jnp.float32, 11)
+  poison = jnp.arange(64)[None, :, None, None] >= 16
+  kp, vp = (jnp.where(poison, jnp.nan, x) for x in (k, v))
+  got = jax.jit(lambda q, k, v: kernels.flash_attention(
+      q, k, v, causal=True, backend=backend, block_q=16, block_k=16))(
+          q, kp, vp)
+  want = flash_mod.reference(q, k, v, causal=True)
+  assert_close(got[:, :16], want[:, :16], tol=2e-5)
+
+
+def test_causal_backward_never_reads_q_blocks_above_the_diagonal():
+  """q and dO rows of the first q block hold NaN: the dK/dV of later kv
+  blocks, which no row of that block sees, and the dQ of later rows stay
+  those of the clean reference (the dK/dV loops start at the diagonal)."""
+  q, k, v, do = _inputs(1, 64, 64, 4, 2, 16, jnp.float32, 12)
+  poison = jnp.arange(64)[None, :, None, None] < 16
+  qp, dop = (jnp.where(poison, jnp.nan, x) for x in (q, do))
+  fn = lambda q, k, v: kernels.flash_attention(
+      q, k, v, causal=True, backend="triton_interpret", block_q=16,
+      block_k=16)
+  got = jax.jit(lambda *a: vjp_with(fn, a, dop))(qp, k, v)
+  want = vjp_with(lambda q, k, v: flash_mod.reference(q, k, v, causal=True),
+                  (q, k, v), do)
+  for g, w in zip(got, want):
+    assert_close(g[:, 16:], w[:, 16:], tol=1e-4)
+
+
+def _trips(bounds, n, **kw):
+  """(tiles computed, tiles masked) over the programs 0..n-1 whose loops
+  `bounds` gives: kv_bounds' (full, needed), or q_bounds' (masked,
+  unmasked, masked) ranges."""
+  total = masked = 0
+  for i in range(n):
+    b = bounds(i, **kw)
+    loops = ([(b[0], True), (b[1], False), (b[2], True)]
+             if isinstance(b[0], tuple) else
+             [((0, b[0]), False), ((b[0], b[1]), True)])
+    for (lo, hi), is_masked in loops:
+      trips = max(0, int(hi) - int(lo))
+      total += trips
+      masked += trips if is_masked else 0
+  return total, masked
+
+
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv"])
+def test_causal_kernels_do_half_the_work_and_mask_only_the_diagonal(kernel):
+  """At the benchmark's sequence (2048) and the Hopper tiles, causal
+  programs compute about half the tiles of non-causal ones, and only the
+  tiles the diagonal crosses are masked."""
+  loops = importlib.import_module("kernels.flash_attention_loops")
+  bq, bk = (128, 128) if kernel == "fwd" else (32, 128)
+  bounds, n = ((loops.kv_bounds, 2048 // bq) if kernel == "fwd"
+               else (loops.q_bounds, 2048 // bk))
+  kw = dict(bq=bq, bk=bk, sq=2048, sk=2048, has_seg=False)
+  causal, masked = _trips(bounds, n, causal=True, **kw)
+  full, none_masked = _trips(bounds, n, causal=False, **kw)
+  assert full == (2048 // bq) * (2048 // bk) and none_masked == 0
+  assert 0.5 <= causal / full <= 0.55
+  crossing = n * max(bq, bk) // min(bq, bk) if kernel == "dkdv" else n
+  assert masked == crossing
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_triton_defaults_fit_shared_memory_by_dtype(d, itemsize):
+  """The code's Triton tiles fit one Hopper program's shared memory for
+  every kernel, dtype and head_dim (the estimate is exact for the forward:
+  the sm_90 binaries' 160 KiB bf16 and 192 KiB f32 at head_dim 128), and
+  keep the table's tiles where they fit."""
+  for kernel in ("fwd", "dkdv", "dq"):
+    bq, bk, warps, stages = flash_mod._triton_config(kernel, d, itemsize)
+    assert flash_mod._shared_bytes(kernel, bq, bk, d, itemsize, stages) <= (
+        flash_mod.SHARED_BYTES)
+    table = (flash_mod.SMALL_CONFIG if d <= 64
+             else flash_mod.TRITON_CONFIGS[kernel])
+    assert (warps, stages) == table[2:]
+    if itemsize == 2 and d <= 128:
+      assert (bq, bk) == table[:2]
+  assert flash_mod._shared_bytes("fwd", 128, 128, 128, 2, 2) == 160 * 1024
+  assert flash_mod._triton_config("fwd", 128, 4)[:2] == (128, 64)
+
+
+def test_triton_launch_fits_shared_memory_with_blocks_the_caller_chose():
+  """Blocks given by the caller are kept; the pipeline gets fewer stages
+  where three would not fit (float32, 128 x 128 tiles, head_dim 64: the
+  dK/dV and dQ kernels' 256 KiB)."""
+  for kernel in ("fwd", "dkdv", "dq"):
+    params = flash_mod._triton_params(kernel, "triton", 64, 128, 128,
+                                      itemsize=4)
+    assert flash_mod._shared_bytes(kernel, 128, 128, 64, 4,
+                                   params.num_stages) <= flash_mod.SHARED_BYTES
+  assert flash_mod._triton_params("dkdv", "triton", 64, 128, 128,
+                                  itemsize=4).num_stages == 2
+  assert flash_mod._triton_params("fwd", "triton", 64, 128, 128,
+                                  itemsize=2).num_stages == 3

@@ -14,6 +14,7 @@ import dsl as pl
 import lowering_triton
 from benchmarks.gpu_triton import make_matmul
 from benchmarks.suite.matmul import Matmul
+from dsl.core import config as dsl_config
 from dsl import triton as plt
 from tests.pallas.testing import array, assert_close
 
@@ -27,15 +28,21 @@ def _kernel_source(src: str) -> str:
 def test_benchmark_matmul_k_loop_loads_without_masks():
   """The K loop of the bf16 4096^3 benchmark matmul (a fori_loop with a
   static trip count over pl.ds(k * bk, bk), K % bk == 0) reads as before
-  masks were added for coordinates computed at run time."""
+  masks were added for coordinates computed at run time (through pointers,
+  and, the default, through tensor descriptors: windows that need no mask)."""
   x = S((4096, 4096), jnp.bfloat16)
-  (src,) = lowering_triton.to_source(make_matmul(pl), x, x)
+  with dsl_config.triton_tensor_descriptors_option(False):
+    (src,) = lowering_triton.to_source(make_matmul(pl), x, x)
   body = _kernel_source(src)
   assert "mask=" not in body and "other=" not in body
   assert ("x = tl.load(x_ptr + x_rows[:, None] * 4096 + x_cols[None, :])"
           in body)
   assert ("y = tl.load(y_ptr + y_rows[:, None] * 4096 + y_cols[None, :])"
           in body)
+  (src,) = lowering_triton.to_source(make_matmul(pl), x, x)
+  body = _kernel_source(src)
+  assert "mask=" not in body and "tl.load(" not in body
+  assert "x = x_desc.load([x_start0, mul])" in body
 
 
 def _loop_kernel(trips, shift=0):
@@ -142,7 +149,8 @@ def test_atomic_cas_takes_proven_run_time_windows_and_refuses_others():
 
 def _causal_kernel(x_ref, o_ref):
   """Row block i sums the column windows 0..i: a loop whose trip count
-  depends on the program id (a while loop)."""
+  depends on the program id (a while loop in the jaxpr, a for loop in the
+  source)."""
   i = pl.program_id(0)
   def body(k, acc):
     return acc + x_ref[:, pl.ds(k * 32, 32)]
@@ -163,7 +171,9 @@ def test_loops_bounded_by_program_ids_and_vmapped_kernels_are_unmasked(
   fn = jax.vmap(_causal) if vmapped else _causal
   xs = jnp.stack([x, 2 * x]) if vmapped else x
   (src,) = lowering_triton.to_source(fn, xs)
-  assert "while" in src and "mask=" not in _kernel_source(src)
+  body = _kernel_source(src)
+  assert "for k in tl.range(" in body and "while" not in body
+  assert "mask=" not in body
   got = jax.jit(lambda a: (jax.vmap(_causal, in_axes=(0, None)) if vmapped
                            else _causal)(a, "triton_interpret"))(xs)
   blocks = x.reshape(4, 8, 4, 32)

@@ -189,6 +189,52 @@ def test_a_step_made_only_of_first_and_last_blocks_peels_both():
   assert_close(jax.jit(f)(x), x[:, :16] + x[:, 48:])
 
 
+def _scaled_accumulate(kernel, x, s):
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((32, 16), jnp.float32), grid=(2, 4),
+      in_specs=[pl.BlockSpec((16,), lambda i, k: (0,)),
+                pl.BlockSpec((16, 16), lambda i, k: (i, k))],
+      out_specs=pl.BlockSpec((16, 16), lambda i, k: (i, 0)),
+      scratch_shapes=[pltpu.VMEM((16, 16), jnp.float32)],
+      backend="triton_interpret")(s, x)
+
+
+@pytest.mark.parametrize("generate_raw", [False, True])
+def test_reads_of_other_refs_and_calls_do_not_keep_the_first_step_in_the_loop(
+    generate_raw):
+  """A step that reads a ref the first-step block does not write (decode
+  attention's sequence length) and computes with jnp functions (calls, in
+  the kernel jaxpr as traced) before the block still peels it; the code is
+  the same whether or not the spec was normalized first."""
+  def kernel(s_ref, x_ref, o_ref, acc_ref):
+    k = pl.program_id(1)
+    scale = s_ref[...]                     # a read before the block
+    half = jnp.remainder(k + 4, 4) // 2    # jnp calls before the block
+
+    @pl.when(k == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)   # PEEL-INIT
+    acc_ref[...] += x_ref[...] * scale[None, :] + half.astype(jnp.float32)
+
+    @pl.when(k == 3)
+    def _():
+      o_ref[...] = acc_ref[...]
+  x = array(3, (32, 64), jnp.float32)
+  s = array(4, (16,), jnp.float32)
+  f = lambda x, s: _scaled_accumulate(kernel, x, s)
+  if generate_raw:
+    (spec,) = [e.params["spec"] for e in jax.make_jaxpr(f)(x, s).eqns
+               if "spec" in e.params]
+    src = lowering_triton.generate(spec).source
+  else:
+    (src,) = lowering_triton.to_source(f, x, s)
+  head, body, after = _loop_parts(src)
+  assert "PEEL-INIT" in head and "first step (k = 0)" in head
+  assert "if " not in body
+  want = (x.reshape(32, 4, 16) * s).sum(1) + 2.0
+  assert_close(jax.jit(f)(x, s), want)
+
+
 def test_blocks_stay_in_the_loop_when_moving_them_would_reorder_effects():
   def kernel(x_ref, o_ref, acc_ref):
     k = pl.program_id(1)
@@ -389,6 +435,49 @@ def test_gpu_lowering_aliases_outputs(fake_gpu_plugin):
   assert grid == (4, 1, 1) and [p[1] for p in params] == [0, 0, 0]
 
 
+def _row_loop_sum(x):
+  def kernel(x_ref, o_ref):
+    o_ref[...] = lax.fori_loop(
+        0, 4, lambda i, acc: acc + x_ref[pl.ds(i * 16, 16), :],
+        jnp.zeros((16, 64), jnp.float32))
+  return pl.pallas_call(kernel, jax.ShapeDtypeStruct((16, 64), jnp.float32),
+                        in_specs=[pl.BlockSpec((64, 64), lambda: (0, 0))],
+                        out_specs=pl.BlockSpec((16, 64), lambda: (0, 0)))(x)
+
+
+@pytest.mark.parametrize("scratch", [True, False])
+def test_gpu_lowering_passes_the_descriptors_scratch_or_drops_descriptors(
+    fake_gpu_plugin, monkeypatch, scratch):
+  """A kernel with tensor descriptors needs a global scratch buffer:
+  jaxlib's TritonKernel gets its size and alignment; a jaxlib whose
+  TritonKernel takes no scratch gets the kernel without descriptors."""
+  import lowering_triton.launch
+  monkeypatch.setattr(lowering_triton.launch, "_KERNELS", {})
+  if not scratch:
+    plain = fake_gpu_plugin.TritonKernel
+
+    def no_scratch(*args):
+      if len(args) == 9:
+        raise TypeError("TritonKernel(): incompatible constructor arguments")
+      return plain(*args)
+    monkeypatch.setattr(gpu_triton_lib(), "TritonKernel", no_scratch)
+  x = jnp.zeros((64, 64), jnp.float32)
+  jax.jit(lambda x: _row_loop_sum(x)).trace(x).lower(
+      lowering_platforms=("cuda",))
+  (kernel_args,) = fake_gpu_plugin.kernels
+  ptx = kernel_args[4]
+  if scratch:
+    assert len(kernel_args) == 9 and kernel_args[7] >= 128   # one descriptor
+    assert "cp.async.bulk.tensor" in ptx
+  else:
+    assert len(kernel_args) == 7 and "cp.async.bulk" not in ptx
+
+
+def gpu_triton_lib():
+  from jax._src.lib import gpu_triton
+  return gpu_triton
+
+
 def test_gpu_backend_on_cpu_is_a_clear_error():
   x = jnp.arange(256.)
   with pytest.raises(pl.BackendError, match="runs on CUDA GPUs"):
@@ -578,3 +667,54 @@ def test_values_take_names_from_assignments_not_keywords():
   assert "in_specs" not in assigned and "out_specs" not in assigned, src
   assert "y" in assigned, src
   assert re.search(r"x_start = \w+ \* 128", src), src
+
+
+def test_reshapes_that_only_add_unit_dims_index_with_none():
+  """`jnp.reshape(row_sums, (n, 1))` (what reverse mode makes of a reduction
+  with keepdims) is `x[:, None]`, not `tl.reshape`: Triton lays a reshaped
+  row vector out whole in every thread, and a tile broadcast from it kept
+  that layout (the softmax backward never finished compiling)."""
+  def kernel(x_ref, o_ref):
+    x = x_ref[...]
+    s = jnp.sum(x, axis=1).reshape(x.shape[0], 1)      # (64,) -> (64, 1)
+    c = jnp.sum(x, axis=0).reshape(1, 1, x.shape[1])   # (256,) -> (1, 1, 256)
+    o_ref[...] = x * s + c[0]
+  x = array(5, (128, 256), jnp.float32)
+  f = lambda x: pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(2,),
+      in_specs=[pl.BlockSpec((64, 256), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((64, 256), lambda i: (i, 0)),
+      backend="triton_interpret")(x)
+  (src,) = lowering_triton.to_source(f, x)
+  assert not re.search(r"tl.reshape\(sum_", src)
+  assert re.search(r"= sum_\w*\[:, None\]", src)
+  assert re.search(r"= sum_\w*\[None, None, :\]", src)
+  blocks = x.reshape(2, 64, 256)
+  want = (blocks * blocks.sum(2, keepdims=True)
+          + blocks.sum(1, keepdims=True)).reshape(x.shape)
+  assert_close(jax.jit(f)(x), want)
+
+
+def test_fori_loops_with_run_time_bounds_become_for_loops():
+  """`fori_loop` with bounds from the program id is a `while` in the jaxpr;
+  it lowers to `for j in tl.range(lo, hi)` (Triton pipelines for loops, not
+  while loops), its window loads unmasked where the range analysis bounds
+  the counter; a loop that does not count up by one stays a `while`."""
+  def kernel(x_ref, o_ref):
+    i = pl.program_id(0)
+    acc = lax.fori_loop(i, 2 * i + 1,
+                        lambda j, acc: acc + x_ref[pl.ds(j * 8, 8), :],
+                        jnp.zeros((8, 128), jnp.float32))
+    halve = lax.while_loop(lambda c: c[0] > 1, lambda c: (c[0] // 2, c[1] + 1),
+                           (i + 7, 0))[1]
+    o_ref[...] = acc + halve.astype(jnp.float32)
+  x = array(8, (64, 128), jnp.float32)
+  f = lambda x, backend="triton_interpret": pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32), grid=(4,),
+      in_specs=[pl.BlockSpec((64, 128), lambda i: (0, 0))],
+      out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend=backend)(x)
+  (src,) = lowering_triton.to_source(f, x)
+  assert re.search(r"for j in tl\.range\(i, \w+\):", src)
+  assert src.count("while ") == 1
+  assert "mask=" not in src
+  assert_close(jax.jit(f)(x), jax.jit(lambda x: f(x, "interpret"))(x))

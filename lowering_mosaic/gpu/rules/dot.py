@@ -19,6 +19,7 @@ from jax._src.lib.mlir.dialects import nvvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes
+from lowering_mosaic.gpu.accumulators import dot_accumulate_p
 from lowering_mosaic.gpu.host import TABLE, TRITON_HINT, constant
 from lowering_mosaic.gpu.rules.elementwise import convert
 
@@ -94,7 +95,7 @@ def _input_dtype(ctx, lhs, rhs, precision) -> np.dtype:
   memory, or bfloat16 when a float32 right operand is computed in
   registers. Rounding float32 operands is what JAX's default precision
   lets GPU dots do; asked for more, the lowering refuses."""
-  a_dt, b_dt = (np.dtype(a.dtype) for a in ctx.avals_in)
+  a_dt, b_dt = (np.dtype(a.dtype) for a in ctx.avals_in[:2])
   bad = [d for d in (a_dt, b_dt) if d.name not in WGMMA_INPUTS]
   narrow = {d for d in (a_dt, b_dt) if d.itemsize <= 2}
   if bad or len(narrow) > 1:
@@ -118,7 +119,7 @@ def _operands(ctx, lhs, rhs, a_t, dtype):
   a wgmma of `dtype` inputs, staging operands computed in registers (or of
   another type) through the buffers the plan reserved for this equation
   (plan.dot_staging)."""
-  a_aval, b_aval = ctx.avals_in
+  a_aval, b_aval = ctx.avals_in[:2]
   staged = list(ctx.host.scoped.get(id(ctx.eqn), ()))
 
   def in_smem(value, aval):
@@ -141,8 +142,21 @@ def _operands(ctx, lhs, rhs, a_t, dtype):
 @TABLE.register(lax.dot_general_p)
 def _dot_general(ctx, lhs, rhs, *, dimension_numbers, preferred_element_type,
                  precision=None, **_):
+  return _wgmma(ctx, lhs, rhs, None, dimension_numbers, precision)
+
+
+@TABLE.register(dot_accumulate_p)
+def _dot_accumulate(ctx, lhs, rhs, acc, *, dimension_numbers,
+                    precision=None, **_):
+  """`acc + dot(lhs, rhs)` (accumulators.py): the wgmma accumulates into
+  `acc` (a float32 tile in registers, a loop's carried accumulator)."""
+  return _wgmma(ctx, lhs, rhs, acc, dimension_numbers, precision)
+
+
+def _wgmma(ctx, lhs, rhs, acc, dimension_numbers, precision):
+  """One wgmma of `lhs` and `rhs` into `acc` (zeros if None)."""
   (lc, rc), (lb, rb) = dimension_numbers
-  a_aval, b_aval = ctx.avals_in
+  a_aval, b_aval = ctx.avals_in[:2]
   out_aval = ctx.avals_out[0]
   if lb or rb or len(a_aval.shape) != 2 or len(b_aval.shape) != 2:
     raise ctx.error("only 2-D dots without batch dimensions lower to wgmma"
@@ -163,7 +177,8 @@ def _dot_general(ctx, lhs, rhs, *, dimension_numbers, preferred_element_type,
     b_ref = mgpu_utils.memref_transpose(b_ref, (1, 0))
   if a_t:
     a = mgpu_utils.memref_transpose(a, (1, 0))
-  acc = constant(0.0, (m, n), np.float32)
+  if acc is None:
+    acc = constant(0.0, (m, n), np.float32)
   out = mgpu.wgmma(acc, a, b_ref)
   nvvm.wgmma_commit_group_sync_aligned()
   nvvm.wgmma_wait_group_sync_aligned(0)

@@ -31,6 +31,19 @@ def _reshape_rule(ctx, x, *_dyn, **_):
                  ctx.avals_out[0].dtype)
 
 
+def _zeros(v) -> bool:
+  """Whether `v` is a splat of 0.0 (a wgmma that accumulates into
+  nothing: its result is the product alone)."""
+  op = getattr(getattr(v, "owner", None), "opview", None)
+  if op is None or op.operation.name != "vector.broadcast":
+    return False
+  src = getattr(getattr(op.operands[0], "owner", None), "opview", None)
+  if src is None or src.operation.name != "arith.constant":
+    return False
+  value = src.attributes["value"]
+  return isinstance(value, ir.FloatAttr) and value.value == 0.0
+
+
 def _transposed_product(ctx, x):
   """`x` transposed, if it is a wgmma's result whose operands both sit in
   shared memory: (A B)^T = B^T A^T, one wgmma on transposed views; else
@@ -39,7 +52,7 @@ def _transposed_product(ctx, x):
   if op is None or op.operation.name != "mosaic_gpu.wgmma":
     return None
   acc, a, b = op.operands
-  if not is_ref(a):
+  if not is_ref(a) or not _zeros(acc):
     return None
   m, n = ir.VectorType(x.type).shape
   if n % 64 or m > 256 or m % 8:

@@ -116,6 +116,9 @@ def safe_cast(x, dtype: str, xp=jnp):
   if is_float(str(x.dtype)) and is_int(dtype):
     lo, hi = (-1e9, 1e9) if dtype == "int32" else (
         np.iinfo(dt(dtype)).min, np.iinfo(dt(dtype)).max)
+    # The bounds in x's own type, as JAX's weak typing gives them to the
+    # kernels (numpy would clip a bfloat16 value in float64).
+    lo, hi = xp.asarray(lo, x.dtype), xp.asarray(hi, x.dtype)
     x = xp.where(xp.isnan(x), xp.zeros_like(x), xp.clip(x, lo, hi))
   return x.astype(dt(dtype))
 

@@ -1,0 +1,367 @@
+"""Accumulators in registers on backend "mosaic_gpu" (lowering_mosaic/gpu/
+accumulators.py): refs that keep their value across the sequential steps
+(a matmul's output block, attention's running statistics and output) are
+carried by the loop over steps (`scf.for` iter_args) instead of being read
+from and written to shared memory at every step, and `acc + dot(a, b)`
+becomes one wgmma accumulating into `acc`. Checked on the modules the
+lowering builds, and numerically: the rewritten body, run on the CPU step
+by step with its carry as the emitted loop runs it, gives what the
+kernel's jnp reference, Pallas's interpreter and our interpret backend
+give."""
+import functools
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import core
+from jax._src.state import discharge as state_discharge
+from jax._src.state import types as state_types
+from jax.experimental import pallas as jpl
+from jax.experimental.pallas import tpu as jpltpu
+
+import dsl as pl
+from dsl import tpu as pltpu
+from dsl.core.index_maps import evaluate_index_map
+from dsl.core.normalize import normalize
+from lowering_mosaic.gpu import accumulators as A
+from lowering_mosaic.gpu import to_gpu_modules
+from lowering_mosaic.gpu.plan import make_gpu_plan
+from dsl.core.inspection import kernel_specs
+from tests.pallas.mosaic_gpu_kernels import (_flash_kernel, _matmul_kernel,
+                                             _ref_attention, flash_attention,
+                                             matmul)
+from tests.pallas import mosaic_twins
+from tests.pallas.test_mosaic_gpu_schedule import _block, _count, _roles
+
+BF = lambda *s: jnp.ones(s, jnp.bfloat16)
+# The sample kernels run by Pallas (jax.experimental.pallas), the peer.
+TWIN = mosaic_twins.twin("tests.pallas.mosaic_gpu_kernels")
+
+
+def _normal(seed, *shapes, dtype=jnp.bfloat16):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return [jax.random.normal(k, s, jnp.float32).astype(dtype)
+          for k, s in zip(keys, shapes)]
+
+
+def _spec_and_plan(f, *args):
+  (spec, _), = kernel_specs(jax.make_jaxpr(f)(*args).jaxpr)
+  spec = normalize(spec, values_in_memory=True)
+  return spec, make_gpu_plan(spec)
+
+
+def _module(f, *args):
+  (m,) = to_gpu_modules(f, *args)
+  return m
+
+
+def _loop(region: str) -> str:
+  """The loop over sequential steps in a warpgroup's region."""
+  return _block(region, region.index("scf.for"))
+
+
+# ------------------------------------------------------------ the CPU run
+
+def steps_on_cpu(spec, plan, *arrays):
+  """What the emitted loop computes, on the CPU: at each point of the
+  parallel grid dims, `plan.body` at every sequential step, the carried
+  values threaded from step to step (zeros first), the other refs' blocks
+  as arrays (inputs sliced by their index maps); output blocks stored
+  where the lowering stores them: the moving ones after every step, the
+  others after the loop (a carried one: its final carried value)."""
+  gm = spec.grid_mapping
+  grid = tuple(int(g) for g in gm.grid)
+  body = plan.body
+  pure = state_discharge.discharge_state(body.jaxpr, should_discharge=True)
+  rank = len(grid)
+  n_in = gm.num_inputs
+  outs = [np.zeros(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
+          for b in plan.blocks[n_in:]]
+  idx = [evaluate_index_map(b.mapping, grid) for b in plan.blocks]
+
+  def window(k, ids):
+    b = plan.blocks[k]
+    start = idx[k][tuple(ids)] * np.asarray(b.mapping.block_sizes)
+    return tuple(slice(s, s + n) for s, n in zip(start,
+                                                 b.mapping.block_sizes))
+
+  seq_sizes = [grid[d] for d in plan.sequential]
+  for par in np.ndindex(*[grid[d] for d in plan.parallel]):
+    refs = [None] * len(plan.blocks) + [np.zeros(s, d)
+                                         for s, d in plan.scratch]
+    for k, b in enumerate(plan.blocks[n_in:], n_in):
+      refs[k] = np.zeros(b.kernel_shape, b.dtype)
+    carry = [np.zeros(body.jaxpr.jaxpr.invars[rank + p].aval.shape,
+                      body.jaxpr.jaxpr.invars[rank + p].aval.dtype)
+             for p in body.carried]
+    ids = [0] * rank
+    for d, v in zip(plan.parallel, par):
+      ids[d] = v
+    for seq in np.ndindex(*seq_sizes):
+      for d, v in zip(plan.sequential, seq):
+        ids[d] = v
+      for k, b in enumerate(plan.blocks[:n_in]):
+        refs[k] = arrays[k][window(k, ids)].reshape(b.kernel_shape)
+      args = list(refs)
+      for p, v in zip(body.carried, carry):
+        args[p] = v
+      res = core.eval_jaxpr(pure.jaxpr, pure.consts,
+                            *[np.int32(i) for i in ids], *args)
+      carry = list(res[:len(body.carried)])
+      ref_vals = iter(res[len(body.carried):])
+      for i, a in enumerate(args):
+        if i not in body.carried:
+          refs[i] = np.asarray(next(ref_vals))
+      for k, b in enumerate(plan.blocks[n_in:], n_in):
+        if b.moves:
+          outs[k - n_in][window(k, ids)] = refs[k].reshape(
+              b.mapping.block_sizes)
+    for k, b in enumerate(plan.blocks[n_in:], n_in):
+      if not b.moves:
+        value = (carry[body.carried.index(k)] if k in body.carried
+                 else refs[k])
+        outs[k - n_in][window(k, ids)] = np.asarray(value).reshape(
+            b.mapping.block_sizes)
+  return outs
+
+
+# ------------------------------------------------------------ matmul
+
+def _pallas_matmul(x, y, bm, bn, bk):
+  m, k = x.shape
+  n = y.shape[1]
+  return jpl.pallas_call(
+      TWIN._matmul_kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
+      grid=(m // bm, n // bn, k // bk),
+      in_specs=[jpl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                jpl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
+      out_specs=jpl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+      interpret=True)(x, y)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape,blocks", [
+    ((256, 128, 256), (128, 128, 64)),
+    ((128, 256, 128), (64, 128, 32)),
+])
+def test_carried_matmul_body_computes_the_product(shape, blocks, dtype):
+  m, k, n = shape
+  x, y = _normal(0, (m, k), (k, n), dtype=dtype)
+  f = functools.partial(matmul, bm=blocks[0], bn=blocks[1], bk=blocks[2])
+  spec, plan = _spec_and_plan(f, x, y)
+  assert plan.carried == (2,)            # the output block
+  (got,) = steps_on_cpu(spec, plan, x, y)
+  want = jnp.dot(x, y, preferred_element_type=jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(got, _pallas_matmul(x, y, *blocks),
+                             rtol=1e-2, atol=1e-2)
+  ours = pl.pallas_call(
+      _matmul_kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
+      grid=(m // blocks[0], n // blocks[1], k // blocks[2]),
+      in_specs=[pl.BlockSpec(blocks[::2], lambda i, j, kk: (i, kk)),
+                pl.BlockSpec(blocks[2:0:-1], lambda i, j, kk: (kk, j))],
+      out_specs=pl.BlockSpec(blocks[:2], lambda i, j, kk: (i, j)),
+      backend="interpret")(x, y)
+  np.testing.assert_allclose(got, ours, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("params", [{}, dict(warp_specialize=False),
+                                    dict(pipeline_depth=1, num_consumers=1)])
+def test_matmul_loop_carries_the_accumulator(params):
+  """The consumer's loop carries the f32 output tile; the wgmma
+  accumulates into it; nothing of it goes through shared memory inside
+  the loop; it is stored once, after the loop, then copied out."""
+  m = _module(functools.partial(matmul, **params), BF(512, 256),
+              BF(256, 256))
+  text = m.dialect_text
+  region = (_roles(text)[0] if m.plan.schedule.warp_specialized
+            else text)
+  loop = _loop(region)
+  header = loop.splitlines()[0]
+  assert re.search(r"iter_args\(%\w+ = %\w+\) -> \(vector<128x128xf32>\)",
+                   header), header
+  assert _count(loop, "mosaic_gpu.vector_store") == 0
+  assert "-> vector<128x128xf32>\n" not in "".join(
+      l + "\n" for l in loop.splitlines() if "vector_load" in l)
+  acc = re.search(r"mosaic_gpu.wgmma accumulator\((%\w+) :", loop).group(1)
+  # The accumulator is the carried value (through the k == 0 switch).
+  switch = re.search(re.escape(acc) + r" = scf.index_switch", loop)
+  assert switch, acc
+  yielded = re.findall(r"scf.yield (%[\w#]+) : vector<128x128xf32>\n",
+                       loop)[-1]
+  assert re.search(re.escape(yielded) + r" = mosaic_gpu.wgmma", loop)
+  after = region[region.index(loop) + len(loop):]
+  assert after.index("mosaic_gpu.vector_store") < after.index(
+      "mosaic_gpu.async_store")
+
+
+# ------------------------------------------------------------ attention
+
+def _flash_inputs(seed, sq=256, sk=256, d=128):
+  return _normal(seed, (sq, d), (sk, d), (sk, d))
+
+
+def test_flash_attention_carries_its_statistics_and_output():
+  q, k, v = _flash_inputs(1, 512, 1024)
+  m = _module(flash_attention, q, k, v)
+  plan = m.plan
+  # m, l and acc scratch are carried; none has a shared-memory buffer.
+  assert plan.carried == (4, 5, 6)
+  assert plan.smem_scratch() == []
+  consumer, _ = _roles(m.dialect_text)
+  loop = _loop(consumer)
+  assert re.search(r"-> \(vector<64xf32>, vector<64xf32>, "
+                   r"vector<64x128xf32>\)", loop.splitlines()[0])
+  # The only store in the loop is the output block's, at the last step.
+  assert _count(loop, "mosaic_gpu.vector_store") == 1
+  loads = [l for l in loop.splitlines() if "vector_load" in l]
+  assert loads and all("xf32" not in l for l in loads)
+  # p @ v accumulates into the rescaled accumulator.
+  accs = re.findall(r"mosaic_gpu.wgmma accumulator\((%\w+) :", loop)
+  assert len(accs) == 2
+  assert re.search(re.escape(accs[1]) + r" = arith.mulf", loop)
+
+
+def _flash_call(api, vmem, kernel, q, k, v, **kw):
+  """The sample flash kernel through `api` (dsl or Pallas). A new function
+  each call: Pallas reuses a kernel's trace across grids of the same block
+  shapes (its `num_programs` then is the first grid's)."""
+  spec = lambda f: api.BlockSpec((64, 128), f)
+  return api.pallas_call(
+      lambda *refs: kernel(*refs), jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(q.shape[0] // 64, k.shape[0] // 64),
+      in_specs=[spec(lambda i, j: (i, 0)), spec(lambda i, j: (j, 0)),
+                spec(lambda i, j: (j, 0))],
+      out_specs=spec(lambda i, j: (i, 0)),
+      scratch_shapes=[vmem((64,), jnp.float32), vmem((64,), jnp.float32),
+                      vmem((64, 128), jnp.float32)], **kw)(q, k, v)
+
+
+@pytest.mark.parametrize("sq,sk", [(256, 256), (128, 512)])
+def test_carried_flash_body_computes_attention(sq, sk):
+  q, k, v = _flash_inputs(2, sq, sk)
+  spec, plan = _spec_and_plan(flash_attention, q, k, v)
+  assert plan.carried == (4, 5, 6)
+  (got,) = steps_on_cpu(spec, plan, q, k, v)
+  got = np.asarray(got, np.float32)
+  want = _ref_attention(q, k, v, 0.125)
+  np.testing.assert_allclose(got, np.asarray(want, np.float32), atol=3e-2)
+  pallas = _flash_call(jpl, jpltpu.VMEM, TWIN._flash_kernel, q, k, v,
+                       interpret=True)
+  np.testing.assert_allclose(got, np.asarray(pallas, np.float32), atol=2e-2)
+  ours = _flash_call(pl, pltpu.VMEM, _flash_kernel, q, k, v,
+                     backend="interpret")
+  np.testing.assert_allclose(got, np.asarray(ours, np.float32), atol=2e-2)
+
+
+# ------------------------------------------------------------ what stays
+
+def _acc_call(kernel, steps=4, scratch=(), out_block=(64, 128)):
+  def f(x, y):
+    return pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct((64, 128), jnp.float32),
+        grid=(steps,),
+        in_specs=[pl.BlockSpec((64, 64), lambda s: (0, s)),
+                  pl.BlockSpec((64, 128), lambda s: (s, 0))],
+        out_specs=pl.BlockSpec(out_block, lambda s: (0, 0)),
+        scratch_shapes=list(scratch), backend="mosaic_gpu")(x, y)
+  return f, BF(64, 64 * steps), BF(64 * steps, 128)
+
+
+def _mm(x_ref, y_ref):
+  return jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+
+def _windowed(x_ref, y_ref, o_ref):
+  @pl.when(pl.program_id(0) == 0)
+  def _():
+    o_ref[...] = jnp.zeros_like(o_ref)
+  o_ref[:, :64] += x_ref[...].astype(jnp.float32)
+  o_ref[:, 64:] += x_ref[...].astype(jnp.float32) * 2.0
+
+
+def _in_a_loop(x_ref, y_ref, o_ref, acc_ref):
+  @pl.when(pl.program_id(0) == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+
+  def add(i, c):
+    acc_ref[...] += x_ref[...].astype(jnp.float32)
+    return c
+  jax.lax.fori_loop(0, 2, add, 0)
+  o_ref[:, :64] = acc_ref[...]
+  o_ref[:, 64:] = acc_ref[...]
+
+
+def _write_only(x_ref, y_ref, o_ref):
+  o_ref[...] = _mm(x_ref, y_ref)       # the last step's product stays
+
+
+@pytest.mark.parametrize("kernel,scratch,carried", [
+    (_windowed, (), ()),                 # windows of the ref: shared memory
+    (_in_a_loop, (pltpu.VMEM((64, 64), jnp.float32),), ()),   # a loop's ref
+    (_write_only, (), ()),               # never read: stored in place
+])
+def test_refs_not_read_whole_stay_in_shared_memory(kernel, scratch, carried):
+  f, x, y = _acc_call(kernel, scratch=scratch)
+  spec, plan = _spec_and_plan(f, x, y)
+  assert plan.carried == carried
+  assert isinstance(plan.body.jaxpr.jaxpr.invars[-1].aval,
+                    state_types.AbstractRef)
+  _module(f, x, y)                     # and the kernel still builds
+
+
+def test_one_step_kernels_carry_nothing():
+  f, x, y = _acc_call(lambda x_ref, y_ref, o_ref: o_ref.__setitem__(
+      ..., o_ref[...] * 0.0 + _mm(x_ref, y_ref)), steps=1)
+  assert _spec_and_plan(f, x, y)[1].carried == ()
+
+
+def _prims(jaxpr):
+  return [e.primitive for e in jaxpr.eqns]
+
+
+def test_a_dot_never_moves_past_a_write():
+  """x + dot(a, b) fuses unless a write sits between the dot and the add
+  (the wgmma reads its operands from shared memory when it runs)."""
+  def fused(x_ref, y_ref, o_ref):
+    p = _mm(x_ref, y_ref)
+    o_ref[...] = o_ref[...] + p
+
+  def kept(x_ref, y_ref, o_ref):
+    p = _mm(x_ref, y_ref)
+    x_ref[...] = jnp.zeros_like(x_ref)  # overwrites the dot's operand
+    o_ref[...] = o_ref[...] + p
+
+  for kernel, want in ((fused, True), (kept, False)):
+    f, x, y = _acc_call(kernel, steps=1)
+    spec, plan = _spec_and_plan(f, x, y)
+    prims = _prims(plan.body.jaxpr.jaxpr)
+    assert (A.dot_accumulate_p in prims) == want
+    assert (jax.lax.dot_general_p in prims) != want
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_library_attention_kernels_carry_their_accumulators(causal):
+  """The library's flash attention forward and backward kernels on
+  mosaic_gpu carry their scratch accumulators (m, l, acc; dK, dV; dQ)."""
+  fa = importlib.import_module("kernels.flash_attention")
+  q = BF(1, 256, 2, 128)
+  specs = [s for s, _ in kernel_specs(jax.make_jaxpr(jax.grad(
+      lambda q, k, v: jnp.sum(fa.flash_attention(
+          q, k, v, causal=causal, backend="mosaic_gpu").astype(
+              jnp.float32)), (0, 1, 2)))(q, q, q).jaxpr)]
+  carried = {}
+  for spec in specs:
+    plan = make_gpu_plan(normalize(spec, values_in_memory=True))
+    carried[spec.name] = plan.carried
+    n = len(plan.prefetch) + len(plan.blocks)
+    # every scratch accumulator is carried: none in shared memory
+    assert plan.smem_scratch() == [], spec.name
+    assert all(p >= n for p in plan.carried), spec.name
+  assert len(carried["flash_attention_fwd"]) == 3
+  assert len(carried["flash_attention_bwd_dkdv"]) == 2
+  assert len(carried["flash_attention_bwd_dq"]) == 1
