@@ -3,6 +3,7 @@ says the truth about dsl having it."""
 import importlib
 import pathlib
 import re
+import types
 
 import pytest
 
@@ -19,11 +20,17 @@ _ROW = re.compile(r"^\| `([A-Za-z0-9_]+)` \| ([a-z ]+) \|(.*)\|$")
 
 
 def public_names(module_name: str) -> set[str]:
-  # The submodules are attributes of the package once imported.
+  """The public names of `module_name`, with the submodules the page has a
+  section for (they are attributes of the package once imported); other
+  submodules (`ops`, which a benchmark may have imported in this process)
+  are not part of the API the page lists."""
   for sub in MODULES:
     importlib.import_module(sub)
   module = importlib.import_module(module_name)
-  return {n for n in dir(module) if not n.startswith("_")}
+  return {n for n in dir(module) if not n.startswith("_") and not (
+      isinstance(getattr(module, n), types.ModuleType)
+      and getattr(module, n).__name__.startswith(module_name + ".")
+      and getattr(module, n).__name__ not in MODULES)}
 
 
 def page_tables() -> dict[str, dict[str, tuple[str, str]]]:

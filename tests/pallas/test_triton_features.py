@@ -1,6 +1,7 @@
 """The feature suite (test_features.py) ahead of time on the Triton backend:
-every kernel that its triton_interpret cases lower compiles for sm_90 (and
-sm_80 with `-m slow`). (The suite itself checks their values under triton_interpret.)"""
+every kernel that its triton_interpret cases lower compiles for sm_90 (the
+first case of each test in the default suite; every case, and sm_80, with
+`-m slow`). (The suite itself checks their values under triton_interpret.)"""
 import pytest
 
 import lowering_triton
@@ -11,7 +12,7 @@ from tests.pallas.testing import TRITON_ARCHS, default_backend, test_cases
 
 @pytest.mark.parametrize("arch", TRITON_ARCHS)
 @pytest.mark.parametrize("name,kwargs", list(test_cases(
-    features, backend="triton_interpret")))
+    features, backend="triton_interpret", slow_after_first=True)))
 def test_feature_kernels_compile_ahead_of_time(name, kwargs, arch):
   # Recorded as lowered for triton_interpret, run on interpret (fast).
   with default_backend("triton_interpret", run_on="interpret") as lowered:

@@ -548,9 +548,11 @@ _FP8_SM80_UNCHECKED = {jnp.dtype(jnp.float8_e5m2)}
 
 
 @pytest.mark.parametrize("arch", TRITON_ARCHS)
-@pytest.mark.parametrize("name,kwargs", list(test_cases(sys.modules[__name__])))
+@pytest.mark.parametrize("name,kwargs", list(test_cases(
+    sys.modules[__name__], slow_after_first=True)))
 def test_kernels_compile_ahead_of_time(name, kwargs, arch):
-  """Every kernel above also compiles for sm_90 (and sm_80 with -m slow;
+  """Every kernel above also compiles for sm_90 (the first case of each
+  test in the default suite, every case and sm_80 too with -m slow;
   float8_e4m3fn needs sm_89+: on sm_80 it is a clear BackendError)."""
   with default_backend() as lowered:
     globals()[name](**kwargs)

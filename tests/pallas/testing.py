@@ -291,20 +291,25 @@ def case_id(name, kw) -> str:
                                for v in kw.values()) + "]"
 
 
-def test_cases(module, skip=(), backend=None):
+def test_cases(module, skip=(), backend=None, slow_after_first=False):
   """(name, kwargs) pytest params for the test functions of `module`; with
-  `backend`, only the cases run on `backend`, once per other argument."""
+  `backend`, only the cases run on `backend`, once per other argument; with
+  `slow_after_first`, each function's cases after its first are marked
+  slow (the default suite takes one of each)."""
   for name, fn in inspect.getmembers(module, inspect.isfunction):
     if not name.startswith("test_") or name in skip or \
         getattr(fn, "__test__", True) is False:
       continue
     if "capfd" in inspect.signature(fn).parameters:
       continue
+    first = True
     for kw in parametrize_cases(fn):
       if backend is not None:
         if kw.pop("backend", backend) != backend:
           continue
-      yield pytest.param(name, kw, id=case_id(name, kw))
+      marks = (pytest.mark.slow,) if slow_after_first and not first else ()
+      first = False
+      yield pytest.param(name, kw, id=case_id(name, kw), marks=marks)
 
 
 test_cases.__test__ = False   # a helper, not a test
