@@ -10,12 +10,12 @@ The cache is one JSON file, `$DSL_AUTOTUNE_CACHE` or
          "<kernel>/<backend>/<size key>": {"config": {...}, "median_s": ...,
                                            "candidates": 18, "tuned_at": ...}}}}
 
-The cache itself (lookup, store, keys) lives in `dsl.autotune_cache`, so that
+The cache itself (lookup, store, keys) lives in `dsl.tools.autotune_cache`, so that
 kernels read it with no dependency on benchmarks/: `kernels/` looks up
 `kernels.<name>` for its size and backend whenever the caller passes no block
 sizes (`kernels.blocking.tuned`).
 
-    from dsl.autotune_cache import lookup, size_key
+    from dsl.tools.autotune_cache import lookup, size_key
     cfg = lookup("kernels.matmul", size_key((m, k, n), x.dtype),
                  backend="interpret")
     # -> {"block_sizes": [512, 512, 1024]} or None
@@ -27,8 +27,8 @@ import random
 import time
 
 # The cache's API, used through this module by the CLI and its tests.
-from dsl.autotune_cache import (cache_path, device_key, lookup,  # noqa: F401
-                                size_key, store)
+from dsl.tools.autotune_cache import (cache_path, device_key, lookup, size_key,
+                                      store)
 
 
 def candidates(bench, size, dtype, backend: str, platform: str,
@@ -61,7 +61,7 @@ def search(bench, size, dtype, backend: str, platform: str, *,
   result, in the order timed."""
   from benchmarks import peers, sizes
   from benchmarks.report import fmt_config
-  from dsl.timing import measure
+  from dsl.tools.timing import measure
   inputs = bench.inputs(size, dtype)
   results = []
   start = time.perf_counter()

@@ -415,7 +415,7 @@ def report_notes(args, meta, rows, skipped, peak_notes=()) -> list[str]:
 
 def shipped_notes(args, rows) -> list[str]:
   """Where the GPU rows' configs and the kernels' backends came from (the
-  shipped defaults, dsl/data/gpu_*.json)."""
+  shipped defaults, dsl/tools/data/gpu_*.json)."""
   from benchmarks import report
   lines = []
   for row in rows:
@@ -430,7 +430,7 @@ def shipped_notes(args, rows) -> list[str]:
       lines.append(f"  {c.label}: backend {choice.backend}, the kernel's "
                    f"choice for backend=None here ({choice.where})")
   if lines:
-    lines.insert(0, "GPU defaults shipped in dsl/data/gpu_configs.json and "
+    lines.insert(0, "GPU defaults shipped in dsl/tools/data/gpu_configs.json and "
                  "gpu_backends.json:")
   return lines
 

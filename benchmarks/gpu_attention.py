@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import peak
-from dsl.timing import time_queued
+from dsl.tools.timing import time_queued
 
 
 def copy_bandwidth(nbytes=peak.GPU_COPY_BYTES):
@@ -27,7 +27,9 @@ def copy_bandwidth(nbytes=peak.GPU_COPY_BYTES):
   return peak.copy_rate(nbytes, peak.time_copy(nbytes))
 
 
-def _try(name, fn, *args):
+def timed_or_reason(name, fn, *args):
+  """(seconds, None) of `fn(*args)` timed queued, or (None, why it cannot
+  run here)."""
   try:
     return time_queued(fn, *args), None
   except Exception as e:  # a peer that cannot run here is reported as such
@@ -58,13 +60,13 @@ def attention_rows(seqs, batch=4, heads=16, dim=128, causal=False,
     flops = 4 * batch * heads * s * s * dim * (0.5 if causal else 1.0)
     for mode, wrap, mult in (("fwd", lambda f: f, 1.0),
                              ("fwd+bwd", loss, 3.5)):
-      t_peer, perr = _try("pallas", wrap(peer), q, k, v)
-      t_cudnn, cerr = _try("cudnn", wrap(cudnn), q, k, v)
+      t_peer, perr = timed_or_reason("pallas", wrap(peer), q, k, v)
+      t_cudnn, cerr = timed_or_reason("cudnn", wrap(cudnn), q, k, v)
       row = {"kernel": "flash_attention", "mode": mode, "seq": s,
              "pallas_ms": t_peer and t_peer * 1e3, "pallas_note": perr,
              "cudnn_ms": t_cudnn and t_cudnn * 1e3, "cudnn_note": cerr}
       for b, fn in mine.items():
-        t, err = _try(b, wrap(fn), q, k, v)
+        t, err = timed_or_reason(b, wrap(fn), q, k, v)
         pre = "" if b == "triton" else f"{b}_"
         row.update({
             f"{pre}ours_ms": t and t * 1e3, f"{pre}error": err,
@@ -90,7 +92,7 @@ def rowwise_rows(bw, shape=(8192, 8192)):
   same_size_copy = copy_bandwidth(x.size * x.dtype.itemsize)
   rows = []
   for name, fn in cases.items():
-    t, err = _try(name, jax.jit(fn), x)
+    t, err = timed_or_reason(name, jax.jit(fn), x)
     gbs = t and 2 * x.size * x.dtype.itemsize / t
     rows.append({"kernel": name, "shape": shape, "ms": t and t * 1e3,
                  "GB/s": gbs and gbs / 1e9,

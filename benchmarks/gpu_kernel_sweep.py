@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 import kernels
 import lowering_triton.kernel as tk
-from dsl import gpu_defaults
-from dsl.timing import time_queued
+from dsl.tools import gpu_defaults
+from dsl.tools.timing import time_queued
 from kernels.flash_attention import TRITON_CONFIGS
 
 TILES = ((64, 32), (64, 64), (128, 32), (128, 64), (64, 128), (128, 128))

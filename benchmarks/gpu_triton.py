@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from benchmarks import peak
-from dsl.timing import time_queued
+from dsl.tools.timing import time_queued
 
 # ------------------------------------------------------------------ kernels
 

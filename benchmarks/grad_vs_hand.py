@@ -10,7 +10,7 @@ the hand-written backward kernels) and through its forward kernel alone,
 whose backward pass the DSL derives (linear, transposed and, where needed,
 recording kernels). Both use the same block sizes and the same cotangent;
 the gradients are checked to agree before timing. Samples are taken in
-alternating rounds (`dsl.timing.run_interleaved`, the benchmark timer), so
+alternating rounds (`dsl.tools.timing.run_interleaved`, the benchmark timer), so
 the ratio is fair on a shared machine; `--stat min` is steadier on a loaded one.
 
 `--aot sm_90` runs no kernel: it compiles both gradients' Triton kernels
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsl import timing
+from dsl.tools import timing
 from lowering_triton import aot
 from lowering_triton.kernel import generate
 from lowering_triton.ptx_stats import blocks_per_sm

@@ -6,7 +6,7 @@
 Each case jits the kernel and its reference (and, for differentiable kernels,
 `jax.grad` of `sum(out * cotangent)` through both: the "grad" columns time
 forward plus backward), then times them in
-interleaved rounds of calls queued back to back (`dsl.timing`) and
+interleaved rounds of calls queued back to back (`dsl.tools.timing`) and
 reports the ratio kernel / reference of the medians (below 1 = the kernel is
 faster). The forward figures for the common kernels
 also come out of the benchmark CLI (`python -m benchmarks --kernels
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from dsl.timing import prepare, run_interleaved
+from dsl.tools.timing import prepare, run_interleaved
 
 REF = kernels.REFERENCES
 

@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dsl.timing import measure, time_queued
+from dsl.tools.timing import measure, time_queued
 
 # bytes copied (each read once and written once) and the matmul size
 COPY_BYTES = {"cpu": 64 << 20}

@@ -29,7 +29,7 @@ def _triton_params(module, config):
 def dsl_fn(bench, backend, size, dtype, config):
   import dsl
   kw = {"backend": backend}
-  if backend in ("triton", "triton_interpret"):
+  if dsl.core.backends.REGISTRY[backend].code == "triton":
     params = _triton_params(dsl.triton, config)
     if params is not None:
       kw["compiler_params"] = params

@@ -7,9 +7,9 @@ import os
 
 import jax
 
-DSL_BACKENDS = ("interpret", "triton", "triton_interpret", "mosaic",
-                "mosaic_interpret", "mosaic_gpu")
-HOST_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
+from dsl.core import backends
+
+DSL_BACKENDS = backends.BACKENDS
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,7 +49,7 @@ def describe() -> dict:
 
 
 def default_backend() -> str:
-  return {"gpu": "triton", "tpu": "mosaic"}.get(platform(), "interpret")
+  return backends.platform_default(platform())
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,7 +65,6 @@ def backend_unavailable(name: str) -> str | None:
     return ("backend 'mosaic_gpu' needs an NVIDIA Hopper GPU; this machine has "
             "none (try interpret)")
   try:
-    from dsl import backends
     backends.lowering_rule(name, "benchmarks", None)
   except Exception as e:  # BackendError, or a lowering package half-built
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -78,7 +77,7 @@ def backend_unavailable(name: str) -> str | None:
 
 def pallas_mode(backend: str) -> str:
   """How jax.experimental.pallas runs the peer of a dsl backend's row."""
-  if backend in HOST_BACKENDS:
+  if backends.REGISTRY[backend].on_host:
     return "interpret"
   return {"triton": "triton", "mosaic": "mosaic",
           "mosaic_gpu": "mosaic_gpu"}[backend]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from benchmarks import autotune, peers, platform_info, sizes
 from benchmarks import peak as peak_mod
 from benchmarks.suite import max_rel_err
-from dsl.timing import Stats, prepare, run_interleaved
+from dsl.tools.timing import Stats, prepare, run_interleaved
 
 # --skip-slow-peers: Pallas's interpret mode copies whole buffers at every grid
 # point; beyond this many bytes moved (points x operand bytes) it takes seconds.

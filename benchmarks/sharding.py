@@ -3,7 +3,7 @@ sharded `jax.jit`, beside the same kernel inside `jax.shard_map` and the
 replicated run, on 8 host devices (CPU) or the devices there are.
 
     sharded     jax.jit(kernel) on inputs sharded over the rows: each device
-                runs the kernel on its rows (dsl/partitioning.py)
+                runs the kernel on its rows (dsl/transforms/partitioning.py)
     shard_map   the same kernel, for one device's rows, in jax.shard_map
     replicated  jax.jit(kernel) on replicated inputs: every device runs the
                 whole kernel
@@ -107,8 +107,10 @@ def run(args) -> int:
   import jax.numpy as jnp
   from benchmarks.sizes import parse_sizes
   from benchmarks.suite import by_name
+  from dsl.core import backends as dsl_backends
   backends = (args.backends.split(",") if args.backends
-              else ["interpret", "triton_interpret", "mosaic_interpret"])
+              else [b for b in dsl_backends.BACKENDS
+                    if dsl_backends.REGISTRY[b].on_host])
   kernels = args.kernels.split(",") if args.kernels else ["softmax",
                                                            "layer_norm"]
   sizes = parse_sizes(args.sizes) if args.sizes else [(1024, 1024)]

@@ -7,31 +7,35 @@ over a grid of blocks described by BlockSpecs.
 """
 from jax._src.state.types import TransformedRef
 
-from dsl import refs as _refs  # installs the static index checks
-from dsl.backends import BACKENDS
-from dsl.blockspec import (BlockDim, BlockMapping, BlockSpec, Blocked, Buffered,
-                           Element, RevisitMode, Squeezed, squeezed)
-from dsl.compiler_params import CompilerParams
-from dsl.helpers import (align_to, broadcast_to, empty, empty_like,
-                         next_power_of_2, no_block_spec, strides_from_shape)
-from dsl.semaphores import DeviceIdType
-from dsl.tpu_primitives import semaphore_read, semaphore_signal, semaphore_wait
-from dsl.errors import (BackendError, KernelCheckError, KernelDeadlockError,
-                        KernelError, KernelRuntimeError, KernelTypeError,
-                        KernelWarning, kernel_error_of)
-from dsl.gridspec import GridMapping, GridSpec, PrefetchScalarGridSpec
+from dsl.core import refs as _refs  # installs the static index checks
+from dsl.core.backends import BACKENDS
+from dsl.core.blockspec import (BlockDim, BlockMapping, BlockSpec, Blocked,
+                                Buffered, Element, RevisitMode, Squeezed,
+                                squeezed)
+from dsl.core.compiler_params import CompilerParams
+from dsl.core.helpers import (align_to, broadcast_to, empty, empty_like,
+                              next_power_of_2, no_block_spec,
+                              strides_from_shape)
+from dsl.core.semaphores import DeviceIdType
+from dsl.tpu.primitives import semaphore_read, semaphore_signal, semaphore_wait
+from dsl.core.errors import (BackendError, KernelCheckError,
+                             KernelDeadlockError, KernelError,
+                             KernelRuntimeError, KernelTypeError,
+                             KernelWarning, kernel_error_of)
+from dsl.core.gridspec import GridMapping, GridSpec, PrefetchScalarGridSpec
 from dsl.kernel import kernel
-from dsl.autotuning import autotune
-from dsl.profiling import profile
-from dsl.memory import ANY, MemoryRef, MemorySpace
-from dsl.pallas_call import CostEstimate, KernelSpec, pallas_call, pallas_call_p
-from dsl.primitives import (cdiv, debug_print, loop, max_contiguous,
-                            multiple_of, run_scoped, when)
-from dsl.checks import debug_check
-from dsl.ref_ops import load, store, atomic_add, atomic_cas
-from dsl.refs import Slice, ds, dslice
-from dsl.tracing import num_programs, program_id
-from dsl import config
+from dsl.tools.autotuning import autotune
+from dsl.tools.profiling import profile
+from dsl.core.memory import ANY, MemoryRef, MemorySpace
+from dsl.core.pallas_call import (CostEstimate, KernelSpec, pallas_call,
+                                  pallas_call_p)
+from dsl.core.primitives import (cdiv, debug_print, loop, max_contiguous,
+                                 multiple_of, run_scoped, when)
+from dsl.core.checks import debug_check
+from dsl.core.ref_ops import load, store, atomic_add, atomic_cas
+from dsl.core.refs import Slice, ds, dslice
+from dsl.core.tracing import num_programs, program_id
+from dsl.core import config
 enable_debug_checks = config.enable_debug_checks_option
 enable_poison_buffers = config.poison_buffers_option
 from dsl import mosaic_gpu, triton, tpu

@@ -4,7 +4,7 @@ Two forms, as in Pallas: the grid form (`out_shape`, `grid`, `in_specs`,
 `out_specs`; dsl's own, whose arguments may be callables of the inputs) and
 JAX 0.11's mesh form (`pl.kernel(body, out_type, mesh=...)`): the body gets
 whole-array refs in `ANY` memory for every input and output plus its scratch,
-and runs once per core of the mesh (see dsl.tpu_mesh).
+and runs once per core of the mesh (see dsl.tpu.mesh).
 """
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ from typing import Any
 
 from jax import tree_util
 
-from dsl.errors import KernelError, api_boundary, kernel_name, user_frame
-from dsl.pallas_call import pallas_call
+from dsl.core.errors import KernelError, api_boundary, kernel_name, user_frame
+from dsl.core.pallas_call import pallas_call
+from dsl import tpu
+from dsl.core.blockspec import BlockSpec
+from dsl.tpu.mesh import check_mesh
 
 _UNSET = object()
 
@@ -112,9 +115,6 @@ def _mesh_kernel(fn, *, mesh, out_shape, scratch, input_output_aliases,
                  cost_estimate, where):
   """The mesh form: a `pallas_call` over the mesh's named parallel grid with
   every operand in `ANY` memory."""
-  from dsl import tpu
-  from dsl.blockspec import BlockSpec
-  from dsl.tpu_mesh import check_mesh
   kname = name or kernel_name(fn)
   mesh = check_mesh(kname, mesh, where)
   whole = BlockSpec(memory_space=tpu.ANY)

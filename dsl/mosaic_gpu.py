@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dsl.compiler_params import CompilerParams as BaseCompilerParams
+from dsl.core.compiler_params import CompilerParams as BaseCompilerParams
 
 
 @dataclasses.dataclass(frozen=True)

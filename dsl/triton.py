@@ -6,11 +6,11 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from dsl.compiler_params import CompilerParams as BaseCompilerParams
-from dsl.primitives import max_contiguous, multiple_of
-from dsl.ref_ops import (atomic_add, atomic_and, atomic_cas, atomic_max,
-                         atomic_min, atomic_or, atomic_xchg, atomic_xor, load,
-                         store)
+from dsl.core.compiler_params import CompilerParams as BaseCompilerParams
+from dsl.core.primitives import max_contiguous, multiple_of
+from dsl.core.ref_ops import (atomic_add, atomic_and, atomic_cas, atomic_max,
+                              atomic_min, atomic_or, atomic_xchg, atomic_xor,
+                              load, store)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,24 +17,25 @@ from __future__ import annotations
 
 import jax
 
-from dsl import backends, config, gpu_defaults
+from dsl.core import backends, config
+from dsl.tools import gpu_defaults
 
 
 def resolve_backend(backend: str | None) -> str:
   """The backend a `backend=None` kernel will run on, for choosing blocks."""
-  return backend or backends.platform_default()
+  return backends.resolve(backend)
 
 
 def choose_backend(kernel: str, backend: str | None) -> str | None:
   """The backend `kernels.<kernel>` passes to its pallas_calls: `backend`
   when the caller gives one; on a GPU with None, the shipped choice for this
-  kernel and device (`dsl/data/gpu_backends.json`), or `mosaic_gpu` when
-  `jax_pallas_use_mosaic_gpu` asks for it; None elsewhere (pallas_call picks
-  the platform's backend)."""
+  kernel and device (`dsl/tools/data/gpu_backends.json`), or `mosaic_gpu` when
+  `jax_pallas_use_mosaic_gpu` asks for it (`dsl.core.backends.resolve`); None
+  elsewhere (pallas_call picks the platform's backend)."""
   if backend is not None or jax.default_backend() != "gpu":
     return backend
   if config.use_mosaic_gpu():
-    return "mosaic_gpu"
+    return backends.resolve(None)
   choice = gpu_defaults.backend_for(f"kernels.{kernel}")
   return choice.backend if choice else None
 
@@ -42,7 +43,7 @@ def choose_backend(kernel: str, backend: str | None) -> str | None:
 def gpu_config(kernel: str, dims, dtype, backend: str, *given) -> dict:
   """The shipped default config of `kernels.<kernel>` (or one of its
   kernels, e.g. "flash_attention.dq") at this size on this GPU
-  (`dsl/data/gpu_configs.json`: block sizes, num_warps, num_stages), or {}
+  (`dsl/tools/data/gpu_configs.json`: block sizes, num_warps, num_stages), or {}
   where the kernel's own choice applies: a CPU backend, no GPU, no entry, or
   block sizes the caller gave (`given`, any not None)."""
   if any(g is not None for g in given):
@@ -51,16 +52,22 @@ def gpu_config(kernel: str, dims, dtype, backend: str, *given) -> dict:
   return dict(hit.config) if hit else {}
 
 
+def _code(backend: str) -> str:
+  """What `backend` builds, from its record in the registry."""
+  return backends.record(backend).code
+
+
 def is_triton(backend: str) -> bool:
-  return backend.startswith("triton")
+  return _code(backend) == "triton"
 
 
 def is_mosaic(backend: str) -> bool:
-  return backend.startswith("mosaic")
+  """A Mosaic backend, TPU or GPU."""
+  return _code(backend) in ("mosaic", "mosaic_gpu")
 
 
 def is_mosaic_gpu(backend: str) -> bool:
-  return backend == "mosaic_gpu"
+  return _code(backend) == "mosaic_gpu"
 
 
 GPU_ROWS = 64                   # rows of a warpgroup's wgmma layout
@@ -88,7 +95,7 @@ def gpu_cols(n: int, itemsize: int, rows: int = GPU_ROWS) -> int:
 def is_tpu(backend: str) -> bool:
   """The Mosaic TPU backends (not "mosaic_gpu"), whose blocks follow the
   TPU tiling rule."""
-  return backend in ("mosaic", "mosaic_interpret")
+  return _code(backend) == "mosaic"
 
 
 def pow2_floor(n: int) -> int:
@@ -129,7 +136,7 @@ def block_for(n: int, backend: str, *, interpret: int, triton: int,
 def tuned(kernel: str, dims, dtype, backend: str | None) -> dict:
   """The autotuning cache's winner for `kernels.<kernel>` at this size on this
   device and backend (`python -m benchmarks --autotune` fills it), or {}."""
-  from dsl import autotune_cache
+  from dsl.tools import autotune_cache
   try:
     cfg = autotune_cache.lookup(f"kernels.{kernel}",
                                 autotune_cache.size_key(dims, dtype),

@@ -80,7 +80,7 @@ def reference(q, k, v, *, causal=False, segment_ids=None, sm_scale=None):
 # ---------------------------------------------------------------- blocks
 
 # Triton configs (block_q, block_k, num_warps, num_stages) for head_dim > 64,
-# where the shipped GPU defaults (dsl/data/gpu_configs.json, entries
+# where the shipped GPU defaults (dsl/tools/data/gpu_configs.json, entries
 # kernels.flash_attention[.dkdv|.dq]) have none for the device. The
 # forward's was measured on an H100 with `python -m
 # benchmarks.gpu_kernel_sweep`. In the backward each kernel keeps one block

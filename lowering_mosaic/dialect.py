@@ -14,8 +14,8 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 
-from dsl.memory import MemorySpace
-from dsl.semaphores import SemaphoreSpace
+from dsl.core.memory import MemorySpace
+from dsl.core.semaphores import SemaphoreSpace
 
 # Memory-space attribute names of the tpu dialect.
 VMEM, SMEM, ANY, HBM, SEMAPHORE_MEM = "vmem", "smem", "any", "hbm", "semaphore_mem"

@@ -7,7 +7,7 @@
 
 `f(*args)` is traced (args may be arrays or `jax.ShapeDtypeStruct`s), every
 `pallas_call` in it is lowered to its Mosaic module, the module becomes a
-Promela model (lowering_mosaic/promela/) and SPIN searches all of its
+Promela model (lowering_mosaic/verification/promela/) and SPIN searches all of its
 interleavings. Command line:
 
     python -m lowering_mosaic.verify kernel.pml
@@ -26,11 +26,11 @@ import sys
 import types
 from typing import Optional
 
-from dsl.targets import load_function
-from lowering_mosaic.promela import Options, to_promela
-from lowering_mosaic.promela.report import Report, Reports
-from lowering_mosaic.promela.spin import (SpinNotFoundError, require_spin,
-                                          run_spin)
+from dsl.tools.targets import load_function
+from lowering_mosaic.verification.promela import Options, to_promela
+from lowering_mosaic.verification.promela.report import Report, Reports
+from lowering_mosaic.verification.promela.spin import (SpinNotFoundError,
+                                                       require_spin, run_spin)
 
 __all__ = ["verify", "verify_module", "verify_promela", "main",
            "SpinNotFoundError"]
@@ -102,7 +102,7 @@ def verify(f, *args, num_devices: Optional[int] = None,
   `SpinNotFoundError` (saying `apt-get install spin`) without SPIN.
   """
   require_spin()
-  from lowering_mosaic.inspection import to_modules
+  from lowering_mosaic.tpu.inspection import to_modules
   modules = to_modules(f, *args, **kwargs)
   if not modules:
     raise ValueError("verify: the function calls no pallas_call")
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
       args = [parse_shape(s) for s in a.shapes]
       fn, args = _target(fn, a.axis, a.num_devices, args)
       if a.emit:
-        from lowering_mosaic.inspection import to_modules
+        from lowering_mosaic.tpu.inspection import to_modules
         for m in to_modules(fn, *args):
           print(to_promela(m, a.num_devices, _options(
               a.queue, not a.no_entry_check, 4, 16)))

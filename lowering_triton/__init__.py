@@ -12,17 +12,20 @@ Importing this package registers two backends with dsl:
 ``compile_aot(f, *args, target="sm_90")`` compiles them ahead of time for a
 CUDA architecture without a GPU. See docs/triton.md.
 """
-from dsl.errors import hide_package_frames as _hide
+from dsl.core.errors import hide_package_frames as _hide
 
 _hide(__file__)   # JAX's traceback filtering leaves our frames out
-from dsl import backends as _backends
+from dsl.core import backends as _backends
 from lowering_triton.kernel import GeneratedKernel, generate
 from lowering_triton.aot import AotKernel, compile_aot, kernel_specs, to_source
-from lowering_triton import interpret_backend as _interpret_backend
+from lowering_triton import interpret_launch as _interpret_backend
 from lowering_triton import launch as _launch
 
-_backends.register_backend("triton_interpret", _interpret_backend._lowering)
-_backends.register_backend("triton", _launch._lowering)
+from lowering_triton.rules import TABLE as _TABLE
+
+_backends.register_backend("triton_interpret", _interpret_backend._lowering,
+                           rules=_TABLE)
+_backends.register_backend("triton", _launch._lowering, rules=_TABLE)
 
 __all__ = ["AotKernel", "GeneratedKernel", "compile_aot", "generate",
            "kernel_specs", "to_source"]

@@ -6,11 +6,7 @@ import dataclasses
 import re
 from typing import Any
 
-import jax
-from jax._src import core
-
-from dsl.normalize import normalize
-from dsl.pallas_call import pallas_call_p
+from dsl.core.inspection import as_lowered, traced_kernels
 from lowering_triton.compile import compile_kernel
 from lowering_triton.kernel import generate
 from lowering_triton.ptx_stats import PtxStats, ptx_stats
@@ -38,39 +34,18 @@ class AotKernel:
     return ptx_stats(self.ptx, self.cubin)
 
 
-def _sub_jaxprs(value):
-  if isinstance(value, core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, core.Jaxpr):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      yield from _sub_jaxprs(v)
-
-
-def _walk(jaxpr: core.Jaxpr, out: list) -> None:
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is pallas_call_p:
-      out.append(eqn.params["spec"])
-      continue
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        _walk(sub, out)
-
-
 def kernel_specs(f, *args, **kwargs) -> list:
   """The KernelSpecs of the pallas_calls `f(*args)` makes, in program order,
-  normalized as the Triton lowering normalizes them (`dsl.normalize`: the
-  primitives JAX's transformations leave in derived kernels rewritten)."""
-  closed = jax.make_jaxpr(f)(*args, **kwargs)
-  out: list = []
-  _walk(closed.jaxpr, out)
-  return [normalize(spec) for spec in out]
+  as the Triton lowering receives them (normalized: the primitives JAX's
+  transformations leave in derived kernels rewritten)."""
+  return [as_lowered(spec, "triton", mesh_axes)
+          for spec, mesh_axes in traced_kernels(f, *args, **kwargs)]
 
 
 def to_source(f, *args, **kwargs) -> list[str]:
   """The generated Triton source of each pallas_call in `f(*args)`."""
-  return [generate(spec).source for spec in kernel_specs(f, *args, **kwargs)]
+  return [generate(spec).source
+          for spec in kernel_specs(f, *args, **kwargs)]
 
 
 def parse_target(target) -> int:

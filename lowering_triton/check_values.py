@@ -2,7 +2,7 @@
 
 A `tl.device_assert` carries a fixed message; the checks that every backend
 words the same (a window placed at run time that leaves its ref, a block
-index read from data outside its array: dsl/checks.py) also give the values
+index read from data outside its array: dsl/core/checks.py) also give the values
 they failed on, the block index and the grid point. The generated line
 names the source expressions of those values in a comment,
 

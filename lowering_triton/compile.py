@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import threading
 
-from dsl.errors import BackendError
+from dsl.core.errors import BackendError
 from lowering_triton import loader
 
 _CACHE: dict = {}
@@ -37,7 +37,7 @@ def _def_line(source: str, fn_name: str) -> int:
 
 
 def _user_line_of_error(gk, err) -> tuple[int | None, str | None]:
-  from lowering_triton.interpret_backend import user_line
+  from lowering_triton.interpret_launch import user_line
   node = getattr(err, "node", None)
   lineno = getattr(node, "lineno", None)
   if lineno is None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsl.dtypes import is_bool, is_float, is_int, is_unsigned  # noqa: F401
-from dsl.errors import BackendError
+from dsl.core.dtypes import (is_bool, is_float, is_int, is_unsigned)  # noqa: F401
+from dsl.core.errors import BackendError
 
 # numpy dtype name -> (Triton language attribute, signature spelling)
 _TABLE = {

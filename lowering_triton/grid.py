@@ -6,8 +6,8 @@ each program, so an output block and the scratch buffers stay with one
 program. The other (parallel) dims become program ids: up to three map to
 `tl.program_id(0..2)` directly, the last parallel dim on axis 0; more, or
 sizes beyond CUDA's limits on the y and z axes, are flattened onto
-`tl.program_id(0)` in row-major order. Which dims are parallel is decided
-from the index maps, as the interpret backend does.
+`tl.program_id(0)` in row-major order. Which dims are parallel is the grid's
+execution plan (`GridMapping.plan`), as on every backend.
 
 Either way the programs start in the grid's row-major order (the last dim
 fastest, as the interpret backend walks it): the GPU schedules axis 0
@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-from dsl.interpret.plan import make_plan
 
 MAX_GRID_X = 2 ** 31 - 1
 MAX_GRID_YZ = 65535
@@ -48,7 +46,7 @@ class GridPlan:
 def plan_grid(spec) -> GridPlan:
   grid_mapping = spec.grid_mapping
   grid = tuple(int(g) for g in grid_mapping.grid)
-  plan = make_plan(grid_mapping, spec.compiler_params, spec.jaxpr)
+  plan = grid_mapping.plan(spec.compiler_params, spec.jaxpr)
   parallel = tuple(d for d in plan.parallel if grid[d] > 1)
   sequential = tuple(d for d in range(len(grid))
                      if d not in parallel and grid[d] > 1)

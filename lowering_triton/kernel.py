@@ -1,4 +1,4 @@
-"""From a `dsl.pallas_call.KernelSpec` to the source of one `@triton.jit`
+"""From a `dsl.core.pallas_call.KernelSpec` to the source of one `@triton.jit`
 function (plus its launch metadata): `generate(spec)`.
 
 The generated module reads top to bottom like a hand-written kernel: a
@@ -16,15 +16,15 @@ import os
 from typing import Any
 
 import numpy as np
-from jax._src import core
 
-from dsl import checks, config
-from dsl.blockspec import Element, element_padding, squeezed
-from dsl.errors import BackendError
-from dsl.ranges import analyze_kernel
+from dsl.core import checks, config
+from dsl.core.blockspec import Element, element_padding, squeezed
+from dsl.core.errors import BackendError
+from dsl.core.index_maps import reads_prefetch
+from dsl.core.ranges import analyze_kernel
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
-from lowering_triton.context import Lowering
+from lowering_triton.host import Lowering
 from lowering_triton.grid import GridPlan, plan_grid
 from lowering_triton.naming import grid_names, operand_names
 from lowering_triton.peel import peel
@@ -119,14 +119,6 @@ def _describe_block(bm, name: str) -> str:
   return text
 
 
-def _reads_data(bm, n_grid: int) -> bool:
-  """Whether the index map of `bm` reads scalar-prefetch refs."""
-  jaxpr = bm.index_map_jaxpr.jaxpr
-  refs = set(jaxpr.invars[n_grid:])
-  return any(v in refs for e in jaxpr.eqns for v in e.invars
-             if not isinstance(v, core.Literal))
-
-
 def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
   """Per array dim: the block's first element (a Sym), and for the dims
   whose block index is read from data, the condition that it lies inside
@@ -138,7 +130,7 @@ def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
   outs = lowering.lower_closed(bm.index_map_jaxpr,
                                list(grid_ids) + list(prefetch_refs))
   block = tuple(as_sym(o) for o in outs[:rank])
-  from_data = _reads_data(bm, len(grid_ids))
+  from_data = reads_prefetch(bm.index_map_jaxpr, len(grid_ids))
   starts, inside = [], []
   for d, (dim, idx, n) in enumerate(zip(bm.block_shape, outs[:rank], a.shape)):
     size = 1 if dim is squeezed else (
@@ -192,7 +184,8 @@ def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
   starts, inside, block = _block_starts(lowering, bm, base, grid_ids,
                                         prefetch_refs)
   _check_blocks_inside(lowering, bm, inside, block)
-  from_data = not bm.whole_array and _reads_data(bm, len(grid_ids))
+  from_data = (not bm.whole_array
+               and reads_prefetch(bm.index_map_jaxpr, len(grid_ids)))
   fixed, axes, upper, lower = [], [], [], []
   for d, (dim, n) in enumerate(zip(bm.block_shape, shape)):
     if bm.whole_array:

@@ -17,7 +17,7 @@ import numpy as np
 from jax._src import core
 from jax._src.interpreters import mlir
 
-from dsl.errors import BackendError
+from dsl.core.errors import BackendError
 from lowering_triton.compile import cache_key, compile_kernel
 from lowering_triton.kernel import GeneratedKernel, generate
 

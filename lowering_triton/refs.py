@@ -106,7 +106,7 @@ class MemRef:
   block: tuple[Sym, ...] = ()    # the block index, for messages
   narrowed: tuple[int, ...] = ()  # array dims a window narrowed the block on
   proven: tuple[tuple[int, int], ...] = ()  # (array dim, 0: lower / 1:
-  # upper bound) of those that the range analysis (dsl.ranges) proves
+  # upper bound) of those that the range analysis (dsl.core.ranges) proves
   # inside the array
   proven_block: tuple[tuple[int, int], ...] = ()  # the same, inside the
   # operand's block

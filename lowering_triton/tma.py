@@ -38,7 +38,7 @@ from jax import lax, tree_util
 from jax._src import core
 from jax._src.state import indexing
 
-from dsl import primitives as dsl_primitives
+from dsl.core import primitives as dsl_primitives
 from lowering_triton.refs import MemRef, has_padding_or_bounds
 from lowering_triton.values import TVal
 

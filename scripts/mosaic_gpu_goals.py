@@ -106,13 +106,14 @@ def lower_only() -> int:
 
 
 def measure(json_path=None) -> int:
-  from benchmarks.gpu_attention import _try, copy_bandwidth
+  from benchmarks.gpu_attention import timed_or_reason, copy_bandwidth
   bw = copy_bandwidth()
   print(f"1 GiB copy: {bw / 1e9:.0f} GB/s ({jax.devices()[0].device_kind})")
   rows = []
   for name, ours, peer, args, work, unit in cases():
-    t, err = _try(name, jax.jit(ours), *args)
-    tp, perr = (_try(name, jax.jit(peer), *args) if peer else (None, None))
+    t, err = timed_or_reason(name, jax.jit(ours), *args)
+    tp, perr = (timed_or_reason(name, jax.jit(peer), *args) if peer
+                else (None, None))
     rate = t and work / t / (1e12 if unit == "TFLOP/s" else 1e9)
     ratio = (tp / t if tp and t else None) if peer else (
         t and work / t / bw)

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                  f"({', '.join(plan.NAMES)})")
   p.add_argument("--skip", help="comma-separated phases to leave out")
   p.add_argument("--update-defaults", action=argparse.BooleanOptionalAction,
-                 default=True, help="refresh dsl/data/gpu_configs.json and "
+                 default=True, help="refresh dsl/tools/data/gpu_configs.json and "
                  "gpu_backends.json from this run's winners (default: on)")
   p.add_argument("--results", default=record.RESULTS, metavar="DIR",
                  help="where records go (default benchmarks/results)")

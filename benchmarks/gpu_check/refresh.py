@@ -1,6 +1,6 @@
 """The shipped GPU defaults refreshed from a GPU check's record: the winning
-configs (`dsl/data/gpu_configs.json`) and each kernel's faster backend
-(`dsl/data/gpu_backends.json`), as entries of the record's device kind.
+configs (`dsl/tools/data/gpu_configs.json`) and each kernel's faster backend
+(`dsl/tools/data/gpu_backends.json`), as entries of the record's device kind.
 
 Winners come from rows that timed several configs of one kernel and size in
 the same run: the tune phase (`--autotune` from the shipped default, which
@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import math
 
-from dsl import gpu_defaults
+from dsl.tools import gpu_defaults
 
 MARGIN = 0.03
 

@@ -96,7 +96,7 @@ def render(rec: dict, previous: dict | None, slower: list[dict],
   if not refreshed:
     lines.append("Shipped defaults: not refreshed (--no-update-defaults).")
   else:
-    lines.append(f"Shipped defaults (dsl/data/gpu_*.json): "
+    lines.append(f"Shipped defaults (dsl/tools/data/gpu_*.json): "
                  f"{len(changes) or 'no'} change(s)")
     lines += [f"  {ch}" for ch in changes]
   lines += ["", f"record: {path}", "", table(rec)]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.errors import UsageError
-from dsl import gpu_defaults
+from dsl.tools import gpu_defaults
 
 Size = tuple[int, ...]
 Config = dict[str, Any]
@@ -68,7 +68,7 @@ class KernelBench:
   def shipped(self, size: Size, backend: str, dtype
               ) -> gpu_defaults.Default | None:
     """The shipped GPU default of this kernel at this size on this machine's
-    GPU (dsl/data/gpu_configs.json), or None."""
+    GPU (dsl/tools/data/gpu_configs.json), or None."""
     return gpu_defaults.lookup(self.name, size, dtype, backend)
 
   def shown_config(self, size: Size, backend: str, dtype, config: Config

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from benchmarks.suite.base import KernelBench, random_inputs
 from benchmarks.suite.rowwise import LN_EPS
-from dsl import gpu_defaults
+from dsl.core import backends
+from dsl.tools import gpu_defaults
 
 NAMES = ("softmax", "layer_norm", "rms_norm", "matmul", "flash_attention")
 
@@ -125,15 +126,20 @@ _SHAPES = {
 }
 
 
+def _triton(backend) -> bool:
+  """Whether `backend` builds Triton kernels (one GPU program per block)."""
+  return backends.REGISTRY[backend].code == "triton"
+
+
 def _rows_space(size, backend):
   rows = size[0]
-  opts = (1, 2, 4, 8) if backend.startswith("triton") else (16, 64, 256, 1024)
+  opts = (1, 2, 4, 8) if _triton(backend) else (16, 64, 256, 1024)
   return [{"block_rows": r} for r in opts if r <= rows]
 
 
 def _matmul_space(size, backend):
   m, k, n = size
-  if backend.startswith("triton"):
+  if _triton(backend):
     cands = [(bm, bn, bk) for bm in (32, 64, 128) for bn in (32, 64, 128)
              for bk in (32, 64)]
   else:
@@ -144,7 +150,7 @@ def _matmul_space(size, backend):
 
 def _flash_space(size, backend):
   s = size[1]
-  opts = (32, 64, 128) if backend.startswith("triton") else (128, 256, 512)
+  opts = (32, 64, 128) if _triton(backend) else (128, 256, 512)
   return [{"block_q": bq, "block_k": bk} for bq in opts for bk in opts
           if bq <= s and bk <= s]
 

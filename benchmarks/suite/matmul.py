@@ -14,7 +14,7 @@ from benchmarks.suite.base import (KernelBench, pow2_at_most, random_inputs,
 
 VARIANTS = ("grid_k", "loop_k")
 # Triton tiles (bm, bn) searched by --autotune: the measured winners on Hopper
-# (128x256 bf16, 32x128 f32; dsl/data/gpu_configs.json) and their neighbours.
+# (128x256 bf16, 32x128 f32; dsl/tools/data/gpu_configs.json) and their neighbours.
 TRITON_TILES = ((32, 128), (64, 64), (64, 128), (128, 64), (128, 128),
                 (128, 256), (256, 128))
 TRITON_LAUNCH = ((4, 3), (4, 4), (8, 3))     # (num_warps, num_stages)

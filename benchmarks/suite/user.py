@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.errors import UsageError
-from dsl import targets
+from dsl.tools import targets
 from benchmarks.suite.base import KernelBench
 
 _DTYPES = {"f64": "float64", "f32": "float32", "f16": "float16",

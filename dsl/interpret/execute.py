@@ -7,7 +7,6 @@ per-point dynamic slices; output blocks are written back in place.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -15,40 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import core
-from jax._src.state import discharge as state_discharge
 
-from dsl import config, windows
-from dsl.blockspec import BlockMapping, Element
-from dsl.interpret.plan import OperandPlan, Plan, make_plan
-from dsl.interpret.prng import with_prng_state
-from dsl.poison import fresh_buffer, poison_full, poison_value
+from dsl.core import config
+from dsl.core.blockspec import BlockMapping, Element
+from dsl.core.grid_plan import OperandPlan, Plan
+from dsl.core.index_maps import block_offsets
+from dsl.core.poison import fresh_buffer, poison_full, poison_value
+from dsl.transforms.discharge import discharged_kernel
 
 
 def _consts(j):
   return list(getattr(j, "consts", ()) or ())
-
-
-def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
-                      kept_refs: int = 0):
-  """The kernel as a function of values; its first `kept_refs` refs after
-  the grid ids (scalar prefetch) may stay refs. Cached; what run_scoped
-  allocations start as (jax_pallas_poison_buffers) is part of the key."""
-  return _discharged_kernel(jaxpr, grid_rank, kept_refs,
-                            config.poison_buffers())
-
-
-@functools.lru_cache(maxsize=256)
-def _discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
-                       kept_refs: int, poison_buffers: bool):
-  del poison_buffers     # read by run_scoped's discharge rule
-  jaxpr = with_prng_state(jaxpr)      # the random state, if it draws
-  j = jaxpr.jaxpr
-  kept = grid_rank + kept_refs
-  should = [False] * kept + [True] * (len(j.invars) - kept)
-  closed = core.ClosedJaxpr(j, jaxpr.consts)
-  with windows.bounded_windows():
-    return state_discharge.discharge_state(closed, should_discharge=should,
-                                           strip_memory_space=True)
 
 
 def _eval(jaxpr, *args):
@@ -163,24 +139,6 @@ def write_view_block(view, block, op: OperandPlan, plan: Plan, seq_coords):
     return block
   return lax.dynamic_update_slice(
       view, block, [jnp.asarray(s, jnp.int32) for s in starts])
-
-
-@functools.lru_cache(maxsize=1024)
-def discharged_index_map(jaxpr: core.ClosedJaxpr, grid_rank: int):
-  """The index map as a pure function of grid ids and prefetch values."""
-  n = len(jaxpr.jaxpr.invars)
-  if n == grid_rank:
-    return jaxpr
-  should = [False] * grid_rank + [True] * (n - grid_rank)
-  with windows.bounded_windows():
-    return state_discharge.discharge_state(jaxpr, should_discharge=should,
-                                           strip_memory_space=True)
-
-
-def block_offsets(bm: BlockMapping, ids, prefetch):
-  dj = discharged_index_map(bm.index_map_jaxpr, len(ids))
-  idx = _eval(dj, *ids, *prefetch)[:len(bm.block_shape)]
-  return [jnp.asarray(o, jnp.int32) for o in bm.element_offsets(idx)]
 
 
 def _window_inside(full, bm: BlockMapping, offsets):
@@ -399,7 +357,7 @@ def _run_sequential(step, grid, seq, out_states, scratch):
 def run(*args, spec):
   """Evaluates the pallas_call described by `spec` on `args`."""
   gm = spec.grid_mapping
-  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
+  plan = gm.plan(spec.compiler_params, spec.jaxpr)
   prefetch, in_states, out_states, scratch = _initial_states(args, spec, plan)
   step = _step_fn(spec, plan, prefetch, in_states)
   out_states, _ = _run_sequential(step, gm.grid, plan.sequential, out_states,

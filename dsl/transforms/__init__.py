@@ -1,4 +1,5 @@
-"""Transformation rules of pallas_call_p: jvp, linearize/transpose, vmap,
-checkify. Importing this package registers them with JAX."""
-from dsl.transforms import (checkify_rule, jvp, ref_jvp, transpose,  # noqa: F401
-                            vmap)
+"""The rules of pallas_call_p: jvp, linearize/transpose, vmap, checkify and
+the MLIR lowering (which partitions under a sharded jit). Importing this
+package registers them with JAX."""
+from dsl.transforms import (checkify_rule, jvp, lowering, ref_jvp,  # noqa: F401
+                            transpose, vmap)

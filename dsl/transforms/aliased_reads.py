@@ -19,11 +19,11 @@ import functools
 
 from jax._src import core
 
-from dsl.interpret.plan import first_read_before_write
-from dsl.memory import MemorySpace
-from dsl.pallas_call import KernelSpec
-from dsl.primitives import when
-from dsl.tracing import program_id
+from dsl.core.grid_plan import first_read_before_write
+from dsl.core.memory import MemorySpace
+from dsl.core.pallas_call import KernelSpec
+from dsl.core.primitives import when
+from dsl.core.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
 from dsl.transforms.revisits import first_visit
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import tree_util
 from jax._src import checkify as jax_checkify
 
-from dsl.pallas_call import KernelSpec, pallas_call_p
+from dsl.core.pallas_call import KernelSpec, pallas_call_p
 from dsl.transforms import runtime_checks
 
 

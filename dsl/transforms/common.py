@@ -7,9 +7,9 @@ from typing import Callable, Sequence
 import jax
 from jax._src import core
 
-from dsl.blockspec import BlockMapping, BlockSpec, squeezed
-from dsl.interpret.execute import discharged_kernel
-from dsl.pallas_call import KernelSpec, build_spec, pallas_call_p
+from dsl.core.blockspec import BlockMapping, BlockSpec, squeezed
+from dsl.transforms.discharge import discharged_kernel
+from dsl.core.pallas_call import KernelSpec, build_spec, pallas_call_p
 
 
 def block_spec_of(bm: BlockMapping, n_grid: int,

@@ -9,10 +9,10 @@ from __future__ import annotations
 from jax._src import core
 from jax._src.interpreters import ad
 
-from dsl.errors import KernelError
-from dsl.pallas_call import KernelSpec, pallas_call_p
-from dsl.tracing import program_id
-from dsl.dtypes import has_tangent
+from dsl.core.errors import KernelError
+from dsl.core.pallas_call import KernelSpec, pallas_call_p
+from dsl.core.tracing import program_id
+from dsl.core.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    sds, split)
 

@@ -19,18 +19,19 @@ to those tangent refs:
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax._src import core
+from jax._src import core, source_info_util
 from jax._src.interpreters import ad
 from jax._src.state import types as state_types
 
-from dsl.dtypes import has_tangent
-from dsl.errors import KernelError, source_info_frame
-from dsl.memory import MemorySpace
-from dsl.primitives import run_scoped, run_scoped_p
-from dsl.semaphores import SemaphoreType
-from dsl.tpu_primitives import (dma_start_p, dma_wait_p, make_async_copy,
+from dsl.core.dtypes import has_tangent
+from dsl.core.errors import KernelError, source_info_frame
+from dsl.core.memory import MemorySpace
+from dsl.core.primitives import run_scoped, run_scoped_p
+from dsl.core.semaphores import SemaphoreType
+from dsl.core.operand_layout import unpack
+from dsl.tpu.primitives import (dma_start_p, dma_wait_p, make_async_copy,
                                 semaphore_read_p, semaphore_signal_p,
-                                semaphore_wait_p, unpack, _view_shape)
+                                semaphore_wait_p, view_shape)
 
 
 def _is_zero(t) -> bool:
@@ -72,12 +73,11 @@ def _dma_start_jvp(primals, tangents, **params):
     _copy_now(_view(t["src"], p["src_t"]), dst, params["add"])
   elif not params["add"]:
     dtype = core.typeof(t["dst"]).dtype
-    _write_zeros(dst, _view_shape(t["dst"], p["dst_t"]), dtype)
+    _write_zeros(dst, view_shape(t["dst"], p["dst_t"]), dtype)
   return [], []
 
 
 def _line():
-  from jax._src import source_info_util
   return source_info_frame(source_info_util.current())
 
 

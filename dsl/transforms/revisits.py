@@ -24,10 +24,9 @@ import numpy as np
 from jax import lax
 from jax._src import core
 
-from dsl.blockspec import BlockSpec
-from dsl.interpret.execute import block_offsets
-from dsl.interpret.plan import evaluate_index_map
-from dsl.revisits import first_revisit
+from dsl.core.blockspec import BlockSpec
+from dsl.core.index_maps import block_offsets, evaluate_index_map
+from dsl.core.revisits import first_revisit
 
 
 def _pad(shape) -> int:

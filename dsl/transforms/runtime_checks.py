@@ -8,7 +8,7 @@ that never reach it. So checks are functionalized: `checked_spec` derives a
 kernel that also writes, for each grid point, the error state of its checks
 (JAX's checkify threads it through conds and loops), and once the grid has
 run one host callback raises the first failure, in grid order, as a
-KernelError (dsl/errors.py says how it reaches the caller).
+KernelError (dsl/core/errors.py says how it reaches the caller).
 
 Checked are the run-time checks (`pl.debug_check` and `checkify.check` with
 jax_pallas_enable_runtime_assert on) and every DMA or semaphore wait: the
@@ -32,13 +32,15 @@ from jax._src import linear_util as lu
 from jax._src import api_util
 from jax._src.interpreters import partial_eval as pe
 
-from dsl import checks, host_failures, primitives
-from dsl import tpu_primitives as tp
-from dsl.blockspec import BlockSpec, Element, element_padding
-from dsl.errors import (KernelCheckError, KernelDeadlockError,
-                        KernelRuntimeError, park, traceback_frame)
-from dsl.pallas_call import KernelSpec
-from dsl.tracing import program_id
+from dsl.core import checks, host_failures, primitives
+from dsl.tpu import primitives as tp
+from dsl.core.blockspec import BlockSpec, Element, element_padding
+from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
+                             KernelRuntimeError, park, traceback_frame)
+from dsl.core.jaxpr_walk import sub_jaxprs
+from dsl.core.operand_layout import pack, unpack
+from dsl.core.pallas_call import KernelSpec
+from dsl.core.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
 from dsl.transforms.window_checks import WindowOutsideRef, window_check_eqn
 
@@ -59,7 +61,7 @@ class BlockOutsideArray(jax_checkify.FailedCheckError):
 
 def _waits_on_a_semaphore(eqn) -> bool:
   return (eqn.primitive in _WAIT_NEEDS
-          and tp.unpack(eqn.invars, eqn.params["layout"])["sem"] is not None)
+          and unpack(eqn.invars, eqn.params["layout"])["sem"] is not None)
 
 
 def is_checked(spec: KernelSpec) -> bool:
@@ -77,7 +79,7 @@ def needs_checks(jaxpr: core.Jaxpr, include_debug: bool = False) -> bool:
     if _waits_on_a_semaphore(eqn):
       return True
     if any(needs_checks(j, include_debug)
-           for j in checks.sub_jaxprs(eqn.params)):
+           for j in sub_jaxprs(eqn.params)):
       return True
   return False
 
@@ -147,7 +149,7 @@ def _prepare(jaxpr: core.Jaxpr, names: dict, keep_debug: bool,
             eqn.invars[0], core.Var) else None)) is not None:
       eqns.append(check)
     if _waits_on_a_semaphore(eqn):
-      sem = tp.unpack(eqn.invars, eqn.params["layout"])["sem"]
+      sem = unpack(eqn.invars, eqn.params["layout"])["sem"]
       params["origin"] = names.get(sem) if isinstance(sem, core.Var) else None
     eqns.append(eqn.replace(params=params))
   effects = pe.make_jaxpr_effects(jaxpr.constvars, jaxpr.invars,
@@ -179,8 +181,8 @@ def _index_text(transforms, args: list) -> str:
 def _dma_need(a, params):
   side = params["side"]
   ref, t = (a["src"], a["src_t"]) if side == "send" else (a["dst"], a["dst_t"])
-  view = tp._view_shape(ref, t)
-  nbytes = tp._nbytes(view, tp._view_dtype(ref))
+  view = tp.view_shape(ref, t)
+  nbytes = tp.nbytes_of(view, tp.view_dtype(ref))
   what = {"send": "the send of a DMA", "recv": "a remote DMA"}.get(side,
                                                                   "a DMA")
   return jnp.int32(nbytes), f"{what} of {nbytes} bytes"
@@ -198,15 +200,15 @@ def _wait_rule(prim):
   need_of = _WAIT_NEEDS[prim]
 
   def rule(ctx, error, enabled_errors, *flat, origin=None, **params):
-    a = tp.unpack(flat, params["layout"])
+    a = unpack(flat, params["layout"])
     if a["sem"] is not None:
       need, what = need_of(a, params)
       args = []
       sem = f"semaphore {origin or 'of the kernel'}" + _index_text(
           a["sem_t"], args)
-      read_flat, read_layout = tp._pack(sem=a["sem"], sem_t=a["sem_t"])
+      read_flat, read_layout = pack(sem=a["sem"], sem_t=a["sem_t"])
       now = tp.semaphore_read_p.bind(*read_flat, layout=read_layout,
-                                     kind=tp._sem_kind(a["sem"]))
+                                     kind=tp.semaphore_kind(a["sem"]))
       if what is None:
         text = f"the wait for {sem} (now {{}}) to reach {{}}"
         args += [now, need]
@@ -256,11 +258,9 @@ jax_checkify.error_checks[primitives.run_scoped_p] = _run_scoped_rule
 
 def data_dependent_blocks(spec: KernelSpec) -> list:
   """The block mappings whose index maps read scalar-prefetch data."""
-  from dsl.interpret.plan import _uses_prefetch
   gm = spec.grid_mapping
   return [bm for bm in gm.block_mappings
-          if not bm.whole_array and bm.block_shape
-          and _uses_prefetch(bm.index_map_jaxpr, len(gm.grid))]
+          if not bm.whole_array and bm.block_shape and gm.reads_prefetch(bm)]
 
 
 def _block_limits(bm):
@@ -524,7 +524,7 @@ def run_checked(spec: KernelSpec, run, args, axis_context,
   """Runs `spec` through `run(*args, spec=...)` with its checks (and, with
   `check_blocks`, its block indices read from data; with `check_windows`,
   its windows placed at run time), and raises the first failure
-  (dsl/host_failures.py)."""
+  (dsl/core/host_failures.py)."""
   new, err_tree = checked_spec(spec, check_blocks=check_blocks,
                                check_windows=check_windows)
   outs = run(*args, spec=new)

@@ -11,11 +11,11 @@ arrays these derived kernels can take.
 """
 from __future__ import annotations
 
-from dsl.memory import MemorySpace
-from dsl.primitives import run_scoped
-from dsl.semaphores import SemaphoreType, is_semaphore_aval
-from dsl.tpu_pipeline import backend_copies_blocks
-from dsl.tpu_primitives import make_async_copy
+from dsl.core.memory import MemorySpace
+from dsl.core.primitives import run_scoped
+from dsl.core.semaphores import SemaphoreType, is_semaphore_aval
+from dsl.tpu.pipeline_blocks import backend_copies_blocks
+from dsl.tpu.primitives import make_async_copy
 
 
 def in_hbm(aval) -> bool:

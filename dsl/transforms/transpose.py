@@ -25,12 +25,11 @@ from jax._src import core
 from jax._src.interpreters import ad
 from jax._src.interpreters import partial_eval as pe
 
-from dsl.errors import KernelError, source_info_frame
-from dsl.interpret.plan import evaluate_index_map, make_plan
-from dsl.pallas_call import KernelSpec, pallas_call_p, sharded_like
-from dsl.primitives import run_scoped, when
-from dsl.tracing import program_id
-from dsl.dtypes import has_tangent
+from dsl.core.errors import KernelError, source_info_frame
+from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
+from dsl.core.primitives import run_scoped, when
+from dsl.core.tracing import program_id
+from dsl.core.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    point_function, sds, split)
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
@@ -39,6 +38,7 @@ from dsl.transforms.revisits import (first_visit, per_point_sds,
                                     per_point_spec, revisits_consecutively,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
+from dsl.core.blockspec import Element
 
 
 # ----------------------------------------------------------- linearize
@@ -207,7 +207,6 @@ def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
 
 def _overhangs(bm) -> bool:
   """Whether a block of `bm` may lie partly past its array."""
-  from dsl.blockspec import Element
   return not bm.whole_array and any(
       isinstance(d, Element) or (b and n % b)
       for d, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes))
@@ -220,7 +219,6 @@ def _zero_past_array(x, bm, ids, pf_refs):
   that does not exist is 0, and a primal value there is garbage on hardware
   (poison on the CPU) that `0 * garbage` would carry into the cotangents of
   the array."""
-  from dsl.blockspec import Element
   if not _overhangs(bm):
     return x
   dims = list(zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes))
@@ -297,11 +295,11 @@ def _staged(raw_ids, in_refs, ct_in_refs, ct_out_refs, run):
 PER_POINT_BYTES = 64 << 20
 
 
-def _revisited_along_parallel(bm, grid, sequential) -> bool:
+def _revisited_along_parallel(gm, bm, sequential) -> bool:
   """Whether some parallel dim of the forward grid (of size > 1) keeps the
   block index of `bm` fixed: accumulating in place would make it run in
   order (on a GPU: one program walking the whole dim)."""
-  idx = evaluate_index_map(bm, tuple(grid))
+  idx, grid = gm.block_indices(bm), gm.grid
   if idx is None:
     return False
   return any(n > 1 and d not in sequential
@@ -325,7 +323,7 @@ def _ct_in_kinds(gm, in_nz, sequential) -> list[str]:
                        * np.dtype(bm.array_aval.dtype).itemsize)
     if in_hbm(bm.ref_aval):
       kinds.append("staged")
-    elif (_revisited_along_parallel(bm, gm.grid, sequential)
+    elif (_revisited_along_parallel(gm, bm, sequential)
           and per_point_bytes <= PER_POINT_BYTES):
       kinds.append("per_point")
     elif not bm.has_element_dims and revisits_consecutively(
@@ -353,7 +351,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
   n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
-  sequential = set(make_plan(gm, spec.compiler_params, spec.jaxpr).sequential)
+  sequential = set(gm.plan(spec.compiler_params, spec.jaxpr).sequential)
   F = point_function(spec, prefetch_refs=True)
 
   def rev(ids):

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src.interpreters import batching
 
-from dsl.memory import MemorySpace
-from dsl.pallas_call import KernelSpec, pallas_call_p
-from dsl.tracing import program_id
+from dsl.core.memory import MemorySpace
+from dsl.core.pallas_call import KernelSpec, pallas_call_p
+from dsl.core.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, eval_ref_jaxpr, sds
 
 

@@ -3,7 +3,7 @@
 With jax_pallas_enable_runtime_assert on, a window whose start or indices
 are computed at run time (`x_ref[pl.ds(i, 8)]`, `o_ref[idx]`) and that
 leaves its ref is a KernelCheckError, worded the same on every backend
-(`dsl.checks.window_message`): the access, the window with its run-time
+(`dsl.core.checks.window_message`): the access, the window with its run-time
 values, the ref, the block index and the grid point. The checked kernel
 (runtime_checks.py) puts a `window_check` equation before each such access,
 naming the ref; its checkify rule asserts that every lane the access uses
@@ -20,8 +20,9 @@ from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 from jax.extend.core import Primitive
 
-from dsl import ref_ops, windows
-from dsl.checks import sub_jaxprs, window_access
+from dsl.core import ref_ops, windows
+from dsl.core.checks import window_access
+from dsl.core.jaxpr_walk import sub_jaxprs
 
 
 class WindowOutsideRef(jax_checkify.FailedCheckError):

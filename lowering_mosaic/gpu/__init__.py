@@ -11,27 +11,27 @@ mbarriers, `wgmma`). Importing the package registers backend "mosaic_gpu";
 
 See docs/mosaic-gpu.md.
 """
+from jax._src.lib.mlir import ir
+from jax.interpreters import mlir
+
+from dsl.core import backends as _backends
+from dsl.core.inspection import as_lowered, traced_kernels
 from lowering_mosaic.gpu import rules as _rules  # noqa: F401 (fills TABLE)
 from lowering_mosaic.gpu.host import TABLE
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
 from lowering_mosaic.gpu.plan import GpuPlan, make_gpu_plan
-from lowering_mosaic.gpu import backend as _backend  # noqa: F401
+from lowering_mosaic.gpu.launch import dump_gpu_module, mosaic_gpu_lowering
+
+_backends.register_backend("mosaic_gpu", mosaic_gpu_lowering, rules=TABLE)
 
 
 def to_gpu_modules(f, *args, **kwargs) -> list[GpuModule]:
   """The Mosaic GPU modules of the pallas_calls in `f(*args)`, built in a
   context of JAX's (a bare `ir.Context()` lacks the dialects)."""
-  import jax
-  from jax._src.lib.mlir import ir
-  from jax.interpreters import mlir
-  from lowering_mosaic.inspection import kernel_specs
-  from dsl.normalize import normalize
-  from lowering_mosaic.gpu.backend import dump_gpu_module
-  closed = jax.make_jaxpr(f)(*args, **kwargs)
   out = []
   with mlir.make_ir_context(), ir.Location.unknown():
-    for spec, _ in kernel_specs(closed.jaxpr):
-      spec = normalize(spec, values_in_memory=True)   # as lowering does
+    for spec, mesh_axes in traced_kernels(f, *args, **kwargs):
+      spec = as_lowered(spec, "mosaic_gpu", mesh_axes)
       out.append(build_gpu_module(spec))
       dump_gpu_module(spec, out[-1])
   return out

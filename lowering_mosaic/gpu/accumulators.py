@@ -37,8 +37,7 @@ from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 from jax._src.state import types as state_types
 
-from dsl.checks import sub_jaxprs
-from dsl.jaxpr_walk import used_vars
+from dsl.core.jaxpr_walk import sub_jaxprs, used_vars
 
 # dot_accumulate(a, b, acc; dot_general's params) = acc + dot_general(a, b)
 dot_accumulate_p = core.Primitive("dot_accumulate")

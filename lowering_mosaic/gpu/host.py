@@ -20,9 +20,9 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from dsl import dtypes
-from dsl.errors import BackendError, source_info_frame
-from dsl.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
+from dsl.core import dtypes
+from dsl.core.errors import BackendError, source_info_frame
+from dsl.core.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
 
 TABLE = RuleTable("the Mosaic GPU backend")
 

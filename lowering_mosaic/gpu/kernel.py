@@ -36,8 +36,8 @@ from jax.experimental.mosaic.gpu import launch_context as mgpu_lc
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 import jax
 
-from dsl.errors import BackendError
-from dsl.jaxpr_walk import walk_jaxpr
+from dsl.core.errors import BackendError
+from dsl.core.jaxpr_walk import walk_jaxpr
 from lowering_mosaic.gpu import specialized
 from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, constant,
                                       decode, i32, index_cast_i32)

@@ -14,10 +14,11 @@ from jax import lax
 from jax._src import core
 from jax._src.state import primitives as state_primitives
 
-from dsl.blockspec import BlockMapping, Element, squeezed
-from dsl.checks import sub_jaxprs
-from dsl.errors import BackendError
-from dsl.interpret.plan import evaluate_index_map, make_plan
+from dsl.core.blockspec import BlockMapping, Element, squeezed
+from dsl.core.errors import BackendError
+from dsl.core.index_maps import varies_along
+from dsl.core.jaxpr_walk import sub_jaxprs
+from dsl.core.primitives import run_scoped_p
 from lowering_mosaic.gpu import accumulators as A
 from lowering_mosaic.gpu import schedule as S
 from lowering_mosaic.gpu.host import TRITON_HINT
@@ -270,7 +271,6 @@ def scoped_allocations(spec, jaxpr) -> list:
   included) that needs shared memory of its own: run_scoped buffers, and
   the staging buffers of dot operands computed in registers (see
   `dot_staging`; the right operand's buffer, then the left one's)."""
-  from dsl.primitives import run_scoped_p
   out = []
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
   for eqn in jaxpr.eqns:
@@ -350,8 +350,7 @@ def _block(spec, bm, is_output, idx, sequential, grid_rank) -> Block:
   if idx is None:
     moves = bool(sequential) and bool(dims & set(sequential))
   else:
-    moves = any(idx.shape[d] > 1 and np.any(np.diff(idx, axis=d) != 0)
-                for d in sequential)
+    moves = any(varies_along(idx, d) for d in sequential)
   kernel_shape = tuple(bm.kernel_shape)
   return Block(bm, is_output, kernel_shape, lengths, moves, grid_dims=dims,
                tiling=tiling_of(kernel_shape, bm.array_aval.dtype))
@@ -508,11 +507,11 @@ def _carried_body(spec, blocks, scratch, n_prefetch, steps) -> A.Body:
 
 def make_gpu_plan(spec) -> GpuPlan:
   gm = spec.grid_mapping
-  plan = make_plan(gm, spec.compiler_params, spec.jaxpr)
+  plan = gm.plan(spec.compiler_params, spec.jaxpr)
   grid = tuple(int(g) for g in gm.grid)
   blocks = []
   for k, bm in enumerate(gm.block_mappings):
-    idx = evaluate_index_map(bm, grid)
+    idx = gm.block_indices(bm)
     blocks.append(_block(spec, bm, k >= gm.num_inputs, idx, plan.sequential,
                          len(grid)))
   scratch = tuple(_scratch_of(spec, ref, f"scratch_shapes[{i}]")

@@ -41,9 +41,9 @@ import subprocess
 import tempfile
 
 from lowering_mosaic.gpu.schedule import Op, Role, Schedule
-from lowering_mosaic.promela import run_spin
-from lowering_mosaic.promela.report import Report
-from lowering_mosaic.promela.spin import require_spin
+from lowering_mosaic.verification.promela import run_spin
+from lowering_mosaic.verification.promela.report import Report
+from lowering_mosaic.verification.promela.spin import require_spin
 
 
 @dataclasses.dataclass(frozen=True)

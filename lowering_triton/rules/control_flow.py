@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jax._src import ad_checkpoint, core
 
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
+from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
 from lowering_triton.rules import register
 from lowering_triton.values import TVal
 

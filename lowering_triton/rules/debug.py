@@ -4,7 +4,7 @@ hints, `debug_print` as `tl.device_print`, run-time checks (`debug_check`,
 
 dsl marks the checks of a kernel as run-time (`debug=False`) or debug-only
 from jax_pallas_enable_runtime_assert and jax_pallas_enable_debug_checks
-(dsl/checks.py); only run-time checks produce an assert.
+(dsl/core/checks.py); only run-time checks produce an assert.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import re
 from jax import tree_util
 from jax._src import checkify as jax_checkify
 
-from dsl import checks
-from dsl import primitives as dsl_primitives
-from dsl.errors import source_info_frame
+from dsl.core import checks
+from dsl.core import primitives as dsl_primitives
+from dsl.core.errors import source_info_frame
 from lowering_triton import dtypes
 from lowering_triton.rules import register
 

@@ -1,5 +1,5 @@
 """Elementwise primitives: arithmetic, math functions, comparisons, bitwise
-operations, `select_n`, `clamp` and casts.
+operations, `select_n` and `clamp` (casts: integer.py).
 
 Float16/bfloat16/fp8 operands are computed in float32 and rounded back to
 their dtype after each operation (as XLA does on CPU, and as Triton's math
@@ -13,7 +13,7 @@ from jax import lax
 from jax._src import ad_util, custom_derivatives
 from jax._src.lax import special as lax_special
 
-from dsl.rule_helpers import power_by_squaring
+from dsl.core.rule_helpers import power_by_squaring
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.rules import register
@@ -307,41 +307,6 @@ def _clamp(ctx, lo, x, hi, **params):
   expr = (f"tl.minimum(tl.maximum({ctx.compute(x)}, {ctx.compute(lo)}{nan}), "
           f"{ctx.compute(hi)}{nan})")
   return result(ctx, expr, cd, "clamp")
-
-
-# ------------------------------------------------------------- casts
-
-@register(lax.convert_element_type_p)
-def _convert(ctx, x, new_dtype, **params):
-  new_dtype = np.dtype(new_dtype)
-  if x.literal is not None:
-    return literal_value(x.literal, new_dtype)
-  if x.dtype == new_dtype:
-    return x
-  if new_dtype == np.bool_:
-    expr = f"{paren(ctx.compute(x))} != 0"
-  elif dtypes.is_float(x.dtype) and dtypes.is_int(new_dtype):
-    from lowering_triton.rules.integer import float_to_int
-    expr = float_to_int(ctx, x, new_dtype)
-  else:
-    expr = f"{paren(x.expr)}.to({dtypes.tl_type(new_dtype)})"
-  if x.dtype == np.bool_:
-    # Left unbound: `lax.cond` turns its bool into an int index this way,
-    # and the `if` reads the bool itself.
-    return TVal(paren(expr), x.shape, new_dtype, bool_source=x)
-  return ctx.bind(expr, x.shape, new_dtype,
-                  ctx.hint(f"{x.expr}_{new_dtype.name}" if x.expr.isidentifier()
-                           else "cast"))
-
-
-@register(lax.bitcast_convert_type_p)
-def _bitcast(ctx, x, new_dtype, **params):
-  new_dtype = np.dtype(new_dtype)
-  if np.dtype(x.dtype).itemsize != new_dtype.itemsize:
-    raise ctx.error(f"bitcast from {x.dtype} to {new_dtype} changes the width;"
-                    " the Triton backend supports same-width bitcasts only")
-  expr = f"{paren(x.expr)}.to({dtypes.tl_type(new_dtype)}, bitcast=True)"
-  return ctx.bind(expr, x.shape, new_dtype, ctx.hint("bitcast"))
 
 
 @register(lax.reduce_precision_p)

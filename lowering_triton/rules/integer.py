@@ -7,7 +7,9 @@ written out with jax.numpy's answers on the CPU (XLA's):
   and the result picked with `tl.where`, so no lane divides by zero;
 - shifts by a negative amount or by the width or more give 0 (left and
   logical right shifts) or the sign (arithmetic right shifts);
-- float -> int casts saturate at the type's bounds and turn NaN into 0.
+- float -> int casts saturate at the type's bounds and turn NaN into 0
+  (every cast's rule is here: `convert_element_type`,
+  `bitcast_convert_type`).
 
 Operands that are constants in the valid range get the plain operator.
 """
@@ -183,3 +185,35 @@ def float_to_int(ctx, x: TVal, dtype) -> str:
   return (f"tl.where({xf} >= {hi!r}, {_const(ctx, info.max, dtype)}, "
           f"tl.where({xf} <= {lo!r}, {_const(ctx, info.min, dtype)}, "
           f"{inside}))")
+
+
+@register(lax.convert_element_type_p)
+def _convert(ctx, x, new_dtype, **params):
+  new_dtype = np.dtype(new_dtype)
+  if x.literal is not None:
+    return literal_value(x.literal, new_dtype)
+  if x.dtype == new_dtype:
+    return x
+  if new_dtype == np.bool_:
+    expr = f"{paren(ctx.compute(x))} != 0"
+  elif dtypes.is_float(x.dtype) and dtypes.is_int(new_dtype):
+    expr = float_to_int(ctx, x, new_dtype)
+  else:
+    expr = f"{paren(x.expr)}.to({dtypes.tl_type(new_dtype)})"
+  if x.dtype == np.bool_:
+    # Left unbound: `lax.cond` turns its bool into an int index this way,
+    # and the `if` reads the bool itself.
+    return TVal(paren(expr), x.shape, new_dtype, bool_source=x)
+  return ctx.bind(expr, x.shape, new_dtype,
+                  ctx.hint(f"{x.expr}_{new_dtype.name}" if x.expr.isidentifier()
+                           else "cast"))
+
+
+@register(lax.bitcast_convert_type_p)
+def _bitcast(ctx, x, new_dtype, **params):
+  new_dtype = np.dtype(new_dtype)
+  if np.dtype(x.dtype).itemsize != new_dtype.itemsize:
+    raise ctx.error(f"bitcast from {x.dtype} to {new_dtype} changes the width;"
+                    " the Triton backend supports same-width bitcasts only")
+  expr = f"{paren(x.expr)}.to({dtypes.tl_type(new_dtype)}, bitcast=True)"
+  return ctx.bind(expr, x.shape, new_dtype, ctx.hint("bitcast"))

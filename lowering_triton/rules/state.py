@@ -15,11 +15,11 @@ from jax import tree_util
 from jax._src.state import indexing
 from jax._src.state import primitives as state_primitives
 
-from dsl import checks, config
-from dsl import primitives as dsl_primitives
-from dsl import ref_ops
-from dsl.poison import poison_value
-from dsl.errors import source_info_frame
+from dsl.core import checks, config
+from dsl.core import primitives as dsl_primitives
+from dsl.core import ref_ops
+from dsl.core.poison import poison_value
+from dsl.core.errors import source_info_frame
 from lowering_triton import dtypes, tma
 from lowering_triton.check_values import check_values_comment
 from lowering_triton.codegen import paren
@@ -64,7 +64,7 @@ def _address(ctx, view: MemRef, verb: str, extra_mask: str | None = None,
              transforms=()):
   """`emit_address` of `view`; with jax_pallas_enable_runtime_assert on, a
   lane whose coordinate, computed at run time, leaves the ref fails a
-  check worded as on every backend (dsl/checks.py)."""
+  check worded as on every backend (dsl/core/checks.py)."""
   check = comment = None
   if view.unproven and config.enable_runtime_assert():
     check, comment = _window_check(ctx, view.origin or view.base, verb,

@@ -93,7 +93,7 @@ def _autotune(jax, pl, rank):
   """Each process's cache file names another winner; process 0's wins."""
   import hashlib
   import jax.numpy as jnp
-  from dsl import autotune_cache
+  from dsl.tools import autotune_cache
 
   @pl.autotune(configs=[{"block": 256}, {"block": 512}, {"block": 1024}],
                key=["x"], name="multiprocess_add")

@@ -44,14 +44,15 @@ import dsl
 import kernels
 from benchmarks import gpu_triton, grad_vs_hand, peers
 from benchmarks.suite import by_name
-from dsl import autotune_cache, gpu_defaults, ranges, ref_ops
-from dsl import config as dsl_config
-from dsl.blockspec import Element, squeezed
+from dsl.tools import autotune_cache, gpu_defaults
+from dsl.core import config as dsl_config
+from dsl.core import ranges, ref_ops
+from dsl.core.blockspec import Element, squeezed
 from lowering_triton import aot
 from lowering_triton.ptx_stats import SM90, Mix, blocks_per_sm
 
 TARGET = "sm_90"
-# The GPU whose shipped defaults (dsl/data/gpu_configs.json) the kernels are
+# The GPU whose shipped defaults (dsl/tools/data/gpu_configs.json) the kernels are
 # compiled at: the configs a user of that GPU runs.
 DEVICE = ("NVIDIA H200", "9.0")
 BASELINES = os.path.join(os.path.dirname(__file__), "data",

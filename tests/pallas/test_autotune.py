@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from dsl import autotune_cache, autotuning
+from dsl.tools import autotune_cache, autotuning
 
 CONFIGS = [{"block": 128}, {"block": 256}, {"block": 512}]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -217,7 +217,7 @@ def test_launch_keywords_reach_the_automatic_backend_on_a_gpu(cache,
 
 
 def test_platform_default_backend_by_platform(monkeypatch):
-  from dsl import backends
+  from dsl.core import backends
   assert [backends.platform_default(p) for p in
           ("cpu", "gpu", "cuda", "rocm", "tpu")] == [
               "interpret", "triton", "triton", "triton", "mosaic"]

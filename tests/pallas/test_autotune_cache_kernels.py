@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from dsl import autotune_cache
+from dsl.tools import autotune_cache
 
 
 def _block_rows_of_softmax(x):

@@ -13,24 +13,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import autotune, cli, sizes
+from benchmarks import autotune, sizes
 from benchmarks.errors import UsageError
 from benchmarks.progress import Progress
+# The CLI runner and the per-test autotune cache (an autouse fixture).
+from tests.pallas.cli_testing import private_autotune_cache  # noqa: F401
+from tests.pallas.cli_testing import run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
 FAST = ["--repeats", "1", "--progress", "never"]
 
-
-@pytest.fixture(autouse=True)
-def _private_autotune_cache(tmp_path, monkeypatch):
-  monkeypatch.setenv("DSL_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
-
-
-def run_cli(capsys, *argv):
-  rc = cli.main(list(argv))
-  out, err = capsys.readouterr()
-  return rc, out, err
 
 
 def test_list(capsys):
@@ -113,7 +106,7 @@ def test_interpret_goal_rows_and_skip_slow_peers(capsys, tmp_path):
 
 
 def test_slow_peer_runs_once():
-  from dsl.timing import measure
+  from dsl.tools.timing import measure
   calls = []
 
   def slow(x):

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import autotune, cli, platform_info, report
 from benchmarks.runner import Cell, Row
 from benchmarks.suite import Add, by_name
-from dsl import gpu_defaults
+from dsl.tools import gpu_defaults
 
 H200 = ("NVIDIA H200", "9.0")
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 # The CLI runner and the per-test autotune cache (an autouse fixture).
-from tests.pallas.test_benchmarks_cli import (  # noqa: F401
-    _private_autotune_cache, run_cli)
+from tests.pallas.cli_testing import private_autotune_cache  # noqa: F401
+from tests.pallas.cli_testing import run_cli
 
 FAST = ["--repeats", "1"]
 SCALE = "tests.pallas.bench_user_kernel:scale"

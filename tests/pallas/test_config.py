@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import dsl as pl
-from dsl import config
+from dsl.core import config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,7 +25,7 @@ OPTIONS = {
 }
 
 PRINT = ("import jax, dsl; from dsl import config; "
-         "{parse}print(repr(config._read('{name}')))")
+         "{parse}print(repr(config.read_option('{name}')))")
 
 
 def _run(code, env=None, argv=()):
@@ -54,10 +54,10 @@ def test_option_from_absl_flag(name):
 @pytest.mark.parametrize("name", sorted(OPTIONS))
 def test_option_from_config_update(name):
   _, _, expected = OPTIONS[name]
-  old = config._read(name)
+  old = config.read_option(name)
   try:
     jax.config.update(name, expected)
-    assert config._read(name) == expected
+    assert config.read_option(name) == expected
   finally:
     jax.config.update(name, old)
 
@@ -105,7 +105,7 @@ def test_terse_errors_are_one_line():
 
 
 def test_verbose_lowering_error_marks_failing_equation():
-  from dsl.errors import BackendError, eqn_error
+  from dsl.core.errors import BackendError, eqn_error
   def kernel(x_ref, o_ref):
     y = jnp.cumsum(x_ref[...])
     o_ref[...] = y
@@ -150,7 +150,7 @@ def test_absl_flags_parsed_before_import_dsl():
   names = sorted(OPTIONS)
   code = ("import jax; jax.config.parse_flags_with_absl(); import dsl; "
           "from dsl import config; "
-          f"print(repr([config._read(n) for n in {names!r}]))")
+          f"print(repr([config.read_option(n) for n in {names!r}]))")
   argv = [f"--{n}={OPTIONS[n][1]}" for n in names]
   assert _run(code, argv=argv) == repr([OPTIONS[n][2] for n in names])
 
@@ -161,5 +161,5 @@ def test_config_with_absl_before_import_dsl():
   code = ("import sys, jax; jax.config.config_with_absl(); import dsl; "
           "from absl import flags; flags.FLAGS(sys.argv); "
           "jax.config.complete_absl_config(flags); from dsl import config; "
-          "print(repr(config._read('jax_pallas_enable_runtime_assert')))")
+          "print(repr(config.read_option('jax_pallas_enable_runtime_assert')))")
   assert _run(code, argv=["--jax_pallas_enable_runtime_assert=true"]) == "True"

@@ -57,7 +57,7 @@ def test_the_pages_with_runnable_blocks():
                          ids=[os.path.relpath(p, ROOT) for p in RUNNABLE])
 def test_runnable_blocks_run(path, tmp_path, monkeypatch):
   if path.endswith("verification.md"):
-    from lowering_mosaic import promela
+    from lowering_mosaic.verification import promela
     ok, why = promela.spin_available()
     if not ok:
       pytest.skip(why)
@@ -121,7 +121,7 @@ def _without_times(line: str) -> str:
                                      ("ring_shift_broken", 1)])
 def test_verification_example_output_is_real(fn, code, tmp_path, monkeypatch,
                                              capsys):
-  from lowering_mosaic import promela
+  from lowering_mosaic.verification import promela
   import lowering_mosaic.verify as verify
   ok, why = promela.spin_available()
   if not ok:

@@ -222,8 +222,8 @@ def test_printed_traceback_is_short(tmp_path):
   files = [l for l in lines if l.lstrip().startswith("File ")]
   assert len(files) == 2 and all(str(script) in f for f in files), out
   assert "direct cause" not in out and "During handling" not in out, out
-  first = next(l for l in lines if l.startswith("dsl.errors.KernelError"))
-  assert first == (f"dsl.errors.KernelError: kernel 'kernel', x_ref "
+  first = next(l for l in lines if l.startswith("dsl.core.errors.KernelError"))
+  assert first == (f"dsl.core.errors.KernelError: kernel 'kernel', x_ref "
                    f"(in_specs[0]): x_ref is a ref, not a value: read it with "
                    f"`x_ref[...]` (AttributeError: 'AbstractRef' object has no "
                    f"attribute '_add') (at {script}:4)"), out

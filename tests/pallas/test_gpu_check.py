@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from benchmarks.gpu_check import cli, plan, record, refresh, summary
-from dsl import gpu_defaults
+from dsl.tools import gpu_defaults
 
 H200 = "NVIDIA H200"
 

@@ -1,4 +1,4 @@
-"""Shipped GPU defaults (dsl.gpu_defaults): the lookup over fabricated
+"""Shipped GPU defaults (dsl.tools.gpu_defaults): the lookup over fabricated
 tables, the shipped tables themselves, and kernels/ reading them (configs
 and the backend choice) where a GPU is present or named."""
 from __future__ import annotations
@@ -12,9 +12,10 @@ import pytest
 
 import kernels
 from benchmarks.suite import SUITE
-from dsl import gpu_defaults
+from dsl.tools import gpu_defaults
 from lowering_triton.aot import kernel_specs
 from lowering_triton.kernel import generate
+from tests.pallas.testing import CPU_BACKENDS
 
 H200 = gpu_defaults.Device("NVIDIA H200", "9.0")
 H100 = gpu_defaults.Device("NVIDIA H100 80GB HBM3", "9.0")
@@ -90,7 +91,7 @@ def test_no_gpu_cpu_backends_and_the_switch_give_none(tables, monkeypatch):
   assert gpu_defaults.lookup("matmul", (4096,) * 3, "bfloat16",
                              "triton") is None
   assert gpu_defaults.backend_for("kernels.matmul") is None
-  for backend in ("interpret", "triton_interpret", "mosaic_interpret"):
+  for backend in CPU_BACKENDS:
     assert _bm((4096,) * 3, backend=backend) is None
   monkeypatch.setenv(gpu_defaults.ENV_SWITCH, "0")
   assert _bm((4096,) * 3) is None

@@ -2,7 +2,7 @@
 
 The derived kernels (jvp, linear, transposed) hold primitives that JAX's own
 transformations introduce (`empty2`, `one_minus_square`, calls, `select_n`
-with several cases); `dsl.normalize` rewrites them before the Triton and
+with several cases); `dsl.core.normalize` rewrites them before the Triton and
 Mosaic lowerings, so `check_grads` holds on each backend. Shapes are
 TPU-legal (8 x 128 blocks) so that `mosaic_interpret` runs them too.
 """
@@ -17,7 +17,7 @@ from jax._src import core as jax_core
 from jax.test_util import check_grads
 
 import dsl as pl
-from dsl.normalize import DECOMPOSITIONS, normalize_closed
+from dsl.core.normalize import DECOMPOSITIONS, normalize_closed
 from tests.pallas.testing import CPU_BACKENDS
 
 

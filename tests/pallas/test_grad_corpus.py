@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.test_util import check_grads
 
 import dsl as pl
 from dsl import tpu as pltpu
@@ -30,38 +29,8 @@ from dsl import triton as plt
      "flash_attention", "layer_norm", "matmul", "rms_norm", "softmax",
      "decode_attention", "paged_attention"))
 from tests.pallas.testing import CPU_BACKENDS
-
-TOL = dict(atol=2e-2, rtol=2e-2)
-
-
-def _data(*shapes, lo=-1.0, hi=1.0, seed=0):
-  rng = np.random.default_rng(seed)
-  return [jnp.asarray(rng.uniform(lo, hi, s), jnp.float32) for s in shapes]
-
-
-def _leaves(x):
-  return jax.tree_util.tree_leaves(x)
-
-
-def _check(f, want, args, tol=1e-4):
-  """Values, finite-difference grads, and jvp/vjp against the reference."""
-  f = jax.jit(f)      # one compile per transformation, not per primitive
-  for got, ref in zip(_leaves(f(*args)), _leaves(want(*args))):
-    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
-  check_grads(f, args, order=1, modes=("fwd", "rev"), **TOL)
-  tangents = _data(*[a.shape for a in args], seed=1)
-  _, t_got = jax.jvp(f, args, tuple(tangents))
-  _, t_want = jax.jvp(want, args, tuple(tangents))
-  for got, ref in zip(_leaves(t_got), _leaves(t_want)):
-    np.testing.assert_allclose(got, ref, rtol=10 * tol, atol=10 * tol)
-  out, pull = jax.vjp(f, *args)
-  _, pull_want = jax.vjp(want, *args)
-  ct = jax.tree_util.tree_unflatten(
-      jax.tree_util.tree_structure(out),
-      _data(*[o.shape for o in _leaves(out)], seed=2))
-  for got, ref in zip(pull(ct), pull_want(ct)):
-    np.testing.assert_allclose(got, ref, rtol=10 * tol, atol=10 * tol)
-
+from tests.pallas.testing import check_values_and_grads as _check
+from tests.pallas.testing import uniform_arrays as _data
 
 # ------------------------------------------------- kernels/ forward kernels
 
@@ -331,10 +300,11 @@ def test_vmap_and_grad_of_vmap(case, backend):
   batch = [jnp.stack([a, a[::-1] * 0.5]) for a in args]
   got = jax.vmap(f)(*batch)
   for b in range(2):
-    for g, w in zip(_leaves(got), _leaves(want(*[x[b] for x in batch]))):
+    want_b = want(*[x[b] for x in batch])
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want_b)):
       np.testing.assert_allclose(g[b], w, rtol=1e-4, atol=1e-4)
   loss = lambda fn: (lambda *xs: sum(jnp.sum(o ** 2) for o in
-                                     _leaves(jax.vmap(fn)(*xs))))
+                                     jax.tree.leaves(jax.vmap(fn)(*xs))))
   for g, w in zip(jax.grad(loss(f), tuple(range(len(batch))))(*batch),
                   jax.grad(loss(want), tuple(range(len(batch))))(*batch)):
     np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3)

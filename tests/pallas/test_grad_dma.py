@@ -21,12 +21,13 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import dsl as pl
 from dsl import tpu as pltpu
-from dsl.errors import KernelError
-from lowering_mosaic import promela
+from dsl.core.errors import KernelError
+from lowering_mosaic.verification import promela
 from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
-from tests.pallas import test_tpu_pipeline as pipe
-from tests.pallas.test_grad_corpus import _check, _data
+from tests.pallas import tpu_pipeline_kernels as pipe
+from tests.pallas.testing import check_values_and_grads as _check
+from tests.pallas.testing import uniform_arrays as _data
 
 BACKENDS = ["interpret", "mosaic_interpret"]
 f32 = jnp.float32

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from dsl.blockspec import Element
+from dsl.core.blockspec import Element
 from dsl.transforms import revisits
 from tests.pallas.testing import CPU_BACKENDS, matmul_call
 

@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as jpltpu
 
 import dsl as pl
 from dsl import tpu as pltpu
-from dsl.errors import BackendError, KernelError
+from dsl.core.errors import BackendError, KernelError
 from tests.pallas.testing import array
 
 HOST = ["interpret", "mosaic_interpret"]

@@ -12,8 +12,8 @@ from dsl import tpu as pltpu
 import lowering_mosaic
 from lowering_mosaic import (KernelDeadlockError, KernelRaceError,
                              KernelSimulationError, interpreter_options)
-from lowering_mosaic import interpreter
-from dsl.errors import KernelRuntimeError, kernel_error_of
+from lowering_mosaic.verification import interpreter
+from dsl.core.errors import KernelRuntimeError, kernel_error_of
 
 BACKENDS = ["mosaic_interpret", "interpret"]
 ANY = pl.BlockSpec(memory_space=pl.ANY)

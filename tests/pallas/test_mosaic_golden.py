@@ -14,9 +14,9 @@ from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
 
 import dsl
-from dsl import backends
+from dsl.core import backends
 from dsl import tpu as dtpu
-from dsl.poison import poison_value
+from dsl.core.poison import poison_value
 from tests.pallas import mosaic_golden as golden
 from tests.pallas.mosaic_corpus import CASES
 

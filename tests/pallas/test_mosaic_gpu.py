@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from dsl.errors import BackendError
+from dsl.core.errors import BackendError
 from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu.plan import SMEM_LIMIT
 from tests.pallas.mosaic_gpu_kernels import (add, attention_tile as attention,
@@ -536,7 +536,7 @@ def _outcome(exc):
 def build_only():
   """backend "mosaic_gpu" builds the module, then stops (a CPU cannot run
   it); lowering for CPU is allowed for that purpose."""
-  from dsl import backends
+  from dsl.core import backends
   from lowering_mosaic.gpu.kernel import build_gpu_module
   real = backends.lowering_rule("mosaic_gpu", "<test>", None)
 

@@ -24,12 +24,12 @@ from jax.experimental.pallas import tpu as jpltpu
 
 import dsl as pl
 from dsl import tpu as pltpu
-from dsl.interpret.plan import evaluate_index_map
-from dsl.normalize import normalize
+from dsl.core.index_maps import evaluate_index_map
+from dsl.core.normalize import normalize
 from lowering_mosaic.gpu import accumulators as A
 from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu.plan import make_gpu_plan
-from lowering_mosaic.inspection import kernel_specs
+from dsl.core.inspection import kernel_specs
 from tests.pallas.mosaic_gpu_kernels import (_flash_kernel, _matmul_kernel,
                                              _ref_attention, flash_attention,
                                              matmul)

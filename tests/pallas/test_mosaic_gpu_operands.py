@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from dsl.errors import BackendError
+from dsl.core.errors import BackendError
 from tests.pallas import mosaic_gpu_kernels as mgpu_samples
 from lowering_mosaic.gpu.plan import REDUCTION_SCRATCH
 from tests.pallas.mosaic_gpu_kernels import matmul

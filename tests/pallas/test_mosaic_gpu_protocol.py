@@ -8,7 +8,7 @@ before every consumer released it. Bugs seeded into the schedule's roles
 import jax.numpy as jnp
 import pytest
 
-from lowering_mosaic import promela
+from lowering_mosaic.verification import promela
 from lowering_mosaic.gpu import protocol_model as PM
 from lowering_mosaic.gpu import to_gpu_modules
 from tests.pallas.mosaic_gpu_kernels import flash_attention, matmul

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import dsl as pl
-from dsl.errors import BackendError
+from dsl.core.errors import BackendError
 from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu import plan as gpu_plan
 from lowering_mosaic.gpu import schedule as S

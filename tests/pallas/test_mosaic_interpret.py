@@ -73,7 +73,7 @@ def test_out_of_bounds_access_is_reported_with_its_line():
                      grid=(2,), in_specs=[pl.BlockSpec((8, 128), lambda i: (0, 0))],
                      out_specs=pl.BlockSpec((8, 128), lambda i: (0, 0)),
                      backend=MI)
-  from lowering_mosaic import interpreter
+  from lowering_mosaic.verification import interpreter
   # a window placed at run time outside its ref reads poison (NaN) ...
   assert np.isnan(np.asarray(f(jnp.ones((8, 128))))).all()
   # ... and with runtime asserts it is an error naming the line

@@ -11,7 +11,7 @@ import pytest
 import dsl as pl
 from dsl import tpu as pltpu
 from dsl import triton as plt
-from dsl.errors import BackendError, KernelError
+from dsl.core.errors import BackendError, KernelError
 import lowering_mosaic
 from tests.pallas.testing import matmul_call
 

@@ -10,11 +10,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dsl as pl
-from dsl import host_failures
+from dsl.core import host_failures
 from dsl import tpu as pltpu
 import lowering_mosaic
 from lowering_mosaic import KernelRaceError, interpreter_options
-from lowering_mosaic import interpreter
+from lowering_mosaic.verification import interpreter
 from tests.pallas.testing import assert_close
 
 N = 4
@@ -282,7 +282,7 @@ def test_barrier_corpus_kernels_run(backend, case, scale):
 
 
 def _with_backend(f, backend, x):
-  from dsl import backends
+  from dsl.core import backends
   saved = backends.DEFAULT_FOR_PLATFORM["cpu"]
   backends.DEFAULT_FOR_PLATFORM["cpu"] = backend
   try:

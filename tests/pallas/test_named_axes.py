@@ -11,10 +11,10 @@ import dsl as pl
 import lowering_triton
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
-from dsl.errors import KernelError
-from tests.pallas.testing import array
+from dsl.core.errors import KernelError
+from tests.pallas.testing import CPU_BACKENDS, array
 
-BACKENDS = ["interpret", "triton_interpret", "mosaic_interpret"]
+BACKENDS = CPU_BACKENDS
 GRID = (("i", 4), ("j", 2))
 SPEC = pl.BlockSpec((8, 128), lambda i, j: (i, j))
 

@@ -11,7 +11,7 @@ import pytest
 from jax.experimental import pallas as jpl
 
 import dsl as pl
-from dsl.poison import poison_value
+from dsl.core.poison import poison_value
 from tests.pallas import mosaic_golden
 from tests.pallas.testing import CPU_BACKENDS
 

@@ -169,7 +169,7 @@ def test_helpers_match_pallas():
   assert isinstance(dsl.triton.CompilerParams(), dsl.CompilerParams)
   assert dsl.DeviceIdType.LOGICAL is dtpu.DeviceIdType.LOGICAL
   with dsl.enable_debug_checks(True):
-    from dsl import config
+    from dsl.core import config
     assert config.enable_debug_checks()
 
 

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import dsl as pl
 from dsl import tpu as pltpu
-from dsl import config, partitioning
+from dsl.core import config, sharding
 from tests.pallas.testing import assert_close, matmul_call
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
@@ -26,7 +26,7 @@ def verbose():
   """Gathers are logged with jax_pallas_verbose_errors."""
   old = config.verbose_errors()
   jax.config.update("jax_pallas_verbose_errors", True)
-  partitioning._LOGGED.clear()
+  sharding.forget_logged()
   jax.clear_caches()      # the reason is logged when a kernel is compiled
   yield
   jax.config.update("jax_pallas_verbose_errors", old)
@@ -151,12 +151,12 @@ def test_reduced_dim_is_gathered_and_logged(axis_type, caplog, verbose):
   x, y = _mm_operands()
   xs, ys = _put(x, mesh, P(None, "x")), _put(y, mesh, P("x"))
   f = _matmul("interpret")
-  with caplog.at_level(logging.WARNING, logger="dsl.partitioning"):
+  with caplog.at_level(logging.WARNING, logger="dsl.transforms.partitioning"):
     assert _gathers(f, xs, ys) != []
     out = jax.jit(f)(xs, ys)
     jax.jit(lambda a, b: f(a, b) + 0)(xs, ys)
   msgs = [r.getMessage() for r in caplog.records
-          if r.name == "dsl.partitioning"]
+          if r.name == "dsl.transforms.partitioning"]
   gathered = [m for m in msgs if "in_specs[0] is gathered along dim 1" in m]
   assert len(gathered) == 1, msgs
   assert "revisits output blocks" in gathered[0]
@@ -194,7 +194,7 @@ def test_shards_smaller_than_a_block_are_gathered(caplog, verbose):
   x, y = _xy((32, 128))    # 4 blocks of 8 rows over 8 devices
   xs, ys = _put(x, mesh, P("x")), _put(y, mesh, P("x"))
   f = _rows("interpret", 32, 128)
-  with caplog.at_level(logging.WARNING, logger="dsl.partitioning"):
+  with caplog.at_level(logging.WARNING, logger="dsl.transforms.partitioning"):
     out = jax.jit(f)(xs, ys)
   assert any("whole" in r.getMessage() for r in caplog.records)
   assert_close(out, x * 2 + jnp.sin(y))
@@ -259,23 +259,23 @@ def test_sharding_rule_names_grid_factors():
   f = _matmul("interpret")
   jaxpr = jax.make_jaxpr(f)(x, y)
   spec = jaxpr.eqns[0].params["spec"]
-  layout = partitioning.layout_of(spec)
+  layout = sharding.layout_of(spec)
   assert layout.partitionable == (0, 1)
   assert layout.dims == ((0, None), (None, 1), (0, 1))
-  rule = str(partitioning.sharding_rule(layout))
+  rule = str(sharding.sharding_rule(layout))
   assert "g0" in rule and "g1" in rule and "g2" not in rule
 
 
 def test_gathers_are_quiet_without_verbose_errors(caplog):
   jax.config.update("jax_pallas_verbose_errors", False)
-  partitioning._LOGGED.clear()
+  sharding.forget_logged()
   jax.clear_caches()
   mesh = _mesh(AxisType.Auto)
   x, y = _mm_operands()
   xs, ys = _put(x, mesh, P(None, "x")), _put(y, mesh, P("x"))
-  with caplog.at_level(logging.WARNING, logger="dsl.partitioning"):
+  with caplog.at_level(logging.WARNING, logger="dsl.transforms.partitioning"):
     out = jax.jit(_matmul("interpret"))(xs, ys)
-  assert not [r for r in caplog.records if r.name == "dsl.partitioning"]
+  assert not [r for r in caplog.records if r.name == "dsl.transforms.partitioning"]
   assert_close(out, x @ y, tol=1e-3)
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import lowering_triton.kernel
-from dsl import ranges
+from dsl.core import ranges
 from lowering_triton.ptx_stats import blocks_per_sm, ptx_stats
 from tests.pallas import perf_contracts
 from tests.pallas.perf_contracts import CASES

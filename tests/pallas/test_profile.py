@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dsl as pl
-from dsl import host_failures, profiling
+from dsl.core import host_failures
+from dsl.tools import profiling
 
 SPEC = pl.BlockSpec((256,), lambda i: (i,))
 

@@ -15,10 +15,10 @@ import dsl as pl
 from dsl import tpu as pltpu
 import lowering_mosaic
 import lowering_mosaic.verify as verify
-from lowering_mosaic import promela
-from lowering_mosaic.inspection import to_modules
-from lowering_mosaic.promela import spin as spin_mod
-from tests.pallas import test_promela_corpus as corpus
+from lowering_mosaic.verification import promela
+from lowering_mosaic.tpu.inspection import to_modules
+from lowering_mosaic.verification.promela import spin as spin_mod
+from tests.pallas import promela_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
@@ -77,8 +77,8 @@ def test_race_report_names_the_kernel_lines():
   read_line = first + next(k for k, l in enumerate(src) if "BUG: reads" in l)
   start_line = first + next(k for k, l in enumerate(src) if "copy.start()" in l)
   assert rep.kind == "race"
-  assert rep.error_line.endswith(f"test_promela_corpus.py:{read_line}")
-  assert f"test_promela_corpus.py:{start_line}" in rep.message
+  assert rep.error_line.endswith(f"/promela_corpus.py:{read_line}")
+  assert f"/promela_corpus.py:{start_line}" in rep.message
   lines = [s.line for s in rep.trail]
   assert lines[0].endswith(f":{start_line}") and lines[-1].endswith(
       f":{read_line}")
@@ -197,10 +197,10 @@ def test_maybe_dump_takes_the_mesh_size(promela_dir):
 
 @pytest.mark.parametrize("backend", ["mosaic_interpret", "mosaic"])
 def test_lowering_through_the_mosaic_path_dumps(promela_dir, backend):
-  from lowering_mosaic import backend as mosaic_backend
+  from lowering_mosaic.tpu import launch as mosaic_backend
   if "maybe_dump" not in inspect.getsource(mosaic_backend):
     pytest.skip("the Mosaic backends do not call "
-                "lowering_mosaic.promela.maybe_dump yet")
+                "lowering_mosaic.verification.promela.maybe_dump yet")
 
   def kernel(x_hbm, o_ref, buf, sem):
     c = pltpu.make_async_copy(x_hbm, buf, sem)
@@ -231,7 +231,7 @@ def test_a_dumped_model_verifies_on_its_own(promela_dir):
   path = promela.maybe_dump(module, "early")
   rep = verify.verify_promela(path)
   assert rep.kind == "race"
-  assert rep.error_line and "test_promela_corpus.py:" in rep.error_line
+  assert rep.error_line and "/promela_corpus.py:" in rep.error_line
   assert rep.kernel == "_copy_kernel"
 
 
@@ -252,7 +252,7 @@ def test_cli_on_a_pml_file(promela_dir):
   path = promela.maybe_dump(module, "wrong")
   r = _cli(path)
   assert r.returncode == 1, r.stdout + r.stderr
-  assert "deadlock" in r.stdout and "test_promela_corpus.py:" in r.stdout
+  assert "deadlock" in r.stdout and "/promela_corpus.py:" in r.stdout
 
 
 @needs_spin
@@ -266,7 +266,7 @@ def test_cli_on_a_function(capsys, fn, shape, code, kind):
   out = capsys.readouterr().out
   assert f": {kind} (" in out
   if kind == "race":
-    assert "test_promela_corpus.py:" in out and "trail:" in out
+    assert "/promela_corpus.py:" in out and "trail:" in out
 
 
 @needs_spin
@@ -298,7 +298,7 @@ def test_cli_help_shows_how_to_pass_an_axis(capsys):
 
 
 def test_cli_exits_with_3_without_spin(capsys, monkeypatch):
-  from lowering_mosaic.promela import spin
+  from lowering_mosaic.verification.promela import spin
   monkeypatch.setattr(spin, "find_spin", lambda: None)
   code = verify.main(["tests.pallas.test_promela_api:cli_all_gather",
                       "f32[16,128]"])

@@ -16,10 +16,11 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib import tpu
 from jax._src.lib.mlir import ir
 
-from lowering_mosaic.promela import Options, extract, run_spin, spin_available
-from lowering_mosaic.promela import model as M
-from lowering_mosaic.promela.builder import build
-from lowering_mosaic.promela.trail import ModelInfo
+from lowering_mosaic.verification.promela import (Options, extract, run_spin,
+                                                  spin_available)
+from lowering_mosaic.verification.promela import model as M
+from lowering_mosaic.verification.promela.builder import build
+from lowering_mosaic.verification.promela.trail import ModelInfo
 
 SPIN_OK, SPIN_WHY = spin_available()
 needs_spin = pytest.mark.skipif(not SPIN_OK, reason=SPIN_WHY)
@@ -239,7 +240,7 @@ def test_cell_layout_follows_the_windows():
 
 def test_unknown_ops_on_semaphores_are_refused(tmp_path):
   import jax
-  from lowering_mosaic.promela import ModelError, maybe_dump
+  from lowering_mosaic.verification.promela import ModelError, maybe_dump
   text = kernel(f"""
     %c0 = arith.constant 0 : i32
     %s = tpu.memref_slice %sem[%c0] : memref<2x!tpu.dma_semaphore, {SEMS}> -> memref<1x!tpu.dma_semaphore, {SEMS}>

@@ -1,4 +1,4 @@
-"""The range analysis (dsl.ranges, dsl.range_rules, dsl.intervals): sound
+"""The range analysis (dsl.core.ranges, dsl.core.range_rules, dsl.core.intervals): sound
 intervals (every concrete value lies inside; property tests), loops with
 static and traced bounds, and the per-access coordinates of kernels."""
 import jax
@@ -10,9 +10,9 @@ from jax import lax
 from jax._src import core
 
 import dsl as pl
-from dsl import intervals as iv
-from dsl import ranges
-from dsl.intervals import Interval
+from dsl.core import intervals as iv
+from dsl.core import ranges
+from dsl.core.intervals import Interval
 from lowering_triton import aot
 from tests.pallas.testing import hypothesis_settings
 

@@ -12,7 +12,7 @@ from jax.experimental.pallas import tpu as jpltpu
 
 import dsl as pl
 from dsl import tpu as pltpu
-from dsl.errors import KernelError, kernel_error_of
+from dsl.core.errors import KernelError, kernel_error_of
 
 HOST_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
 
@@ -129,8 +129,8 @@ def test_scratch_carries_across_steps_whose_output_block_changes(
 
 
 def test_scratch_written_first_at_each_step_keeps_the_grid_parallel():
-  from dsl.interpret.plan import make_plan
-  from dsl.pallas_call import build_spec
+  from dsl.core.grid_plan import make_plan
+  from dsl.core.pallas_call import build_spec
   x = jnp.ones((32, 128), jnp.float32)
   call = _running_sum(pl, scratch_written_first_kernel, None,
                       backend="interpret")
@@ -188,8 +188,8 @@ def test_masked_atomic_add_through_a_slice_past_the_end():
 
 
 def test_scratch_accumulator_over_a_reduction_axis_keeps_the_rows_parallel():
-  from dsl.interpret.plan import make_plan
-  from dsl.pallas_call import build_spec
+  from dsl.core.grid_plan import make_plan
+  from dsl.core.pallas_call import build_spec
 
   def kernel(x_ref, o_ref, acc_ref):
     @pl.when(pl.program_id(1) == 0)

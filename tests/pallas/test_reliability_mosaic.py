@@ -14,8 +14,9 @@ from jax.experimental import pallas as jpl
 import dsl as pl
 import lowering_mosaic
 from dsl import tpu as pltpu
-from dsl.errors import BackendError, KernelError
-from dsl.poison import poison_value
+from dsl.core.errors import BackendError, KernelError
+from dsl.core.poison import poison_value
+from tests.pallas.testing import PALLAS, assert_same, run_on
 
 MI = "mosaic_interpret"
 
@@ -25,19 +26,9 @@ def _rows(dtype):
   return 32 // jnp.dtype(dtype).itemsize
 
 
-def _call(kernel, out, *args, backend=MI, **kw):
-  if backend == "pallas":
-    return jpl.pallas_call(kernel, out, interpret=True, **kw)(*args)
-  return pl.pallas_call(kernel, out, backend=backend, **kw)(*args)
-
-
 def _same(got, want):
   """Equal, NaN where NaN, and the same sign of zero."""
-  got, want = np.asarray(got), np.asarray(want)
-  np.testing.assert_array_equal(got, want)
-  if np.issubdtype(want.dtype, np.floating) or want.dtype.kind == "V":
-    np.testing.assert_array_equal(np.signbit(got.astype(np.float32)),
-                                  np.signbit(want.astype(np.float32)))
+  assert_same(got, want, signed_zeros=True)
 
 
 def _elementwise(fn, *xs, backend=MI):
@@ -54,8 +45,8 @@ def _elementwise_all(fns, *xs, backend=MI):
     vals = [r[...] for r in refs[:len(xs)]]
     for fn, o_ref in zip(fns, refs[len(xs):]):
       o_ref[...] = fn(*vals)
-  gots = _call(kernel, [jax.ShapeDtypeStruct(w.shape, w.dtype)
-                        for w in wants], *xs, backend=backend)
+  gots = run_on(backend, kernel, [jax.ShapeDtypeStruct(w.shape, w.dtype)
+                                  for w in wants], *xs)
   return gots, wants
 
 
@@ -78,7 +69,7 @@ def test_arg_reductions_return_the_first_nan(dtype):
   fns = [lambda v, op=op, axis=axis: jnp.broadcast_to(
       jnp.expand_dims(op(v, axis=axis), axis).astype(jnp.int32), v.shape)
       for op in (jnp.argmax, jnp.argmin) for axis in (0, 1)]
-  for backend in (MI, "pallas"):
+  for backend in (MI, PALLAS):
     _all_same(fns, x, backend=backend)
 
 
@@ -90,7 +81,7 @@ def test_max_min_propagate_nan():
   assert np.isnan(mx[[1, 2, 3, 9], 0]).all()
   assert np.isnan(mn[[1, 2, 3, 9], 0]).all()
   fns = reductions + [jnp.maximum, jnp.minimum, lax.max, lax.min]
-  for backend in (MI, "pallas"):
+  for backend in (MI, PALLAS):
     _all_same(fns, x, x[::-1], backend=backend)
 
 
@@ -220,7 +211,7 @@ def test_signed_zeros_in_maximum_minimum_and_reductions(dtype):
          lambda u, v: jnp.broadcast_to(jnp.max(u, 1, keepdims=True), shape),
          lambda u, v: jnp.broadcast_to(jnp.min(v, 1, keepdims=True), shape)]
   _all_same(fns, a, b)
-  _all_same(fns[:2], a, b, backend="pallas")
+  _all_same(fns[:2], a, b, backend=PALLAS)
 
 
 # ------------------------------------------------------------ poison
@@ -229,18 +220,18 @@ def _row_sums(backend, x):
   def kernel(x_ref, o_ref):
     o_ref[...] = jnp.broadcast_to(jnp.sum(x_ref[...], axis=1, keepdims=True),
                                   o_ref.shape)
-  api = jpl if backend == "pallas" else pl
-  return _call(kernel, jax.ShapeDtypeStruct((8, 256), x.dtype), x,
-               backend=backend, grid=(2,),
-               in_specs=[api.BlockSpec((8, 256), lambda i: (0, i))],
-               out_specs=api.BlockSpec((8, 128), lambda i: (0, i)))
+  def specs(api):
+    return dict(in_specs=[api.BlockSpec((8, 256), lambda i: (0, i))],
+                out_specs=api.BlockSpec((8, 128), lambda i: (0, i)))
+  return run_on(backend, kernel, jax.ShapeDtypeStruct((8, 256), x.dtype), x,
+                grid=(2,), specs=specs)
 
 
 def test_edge_block_padding_reads_poison():
   """A kernel that wrongly reduces over the padding of the edge block gets
   NaN, as in Pallas's interpret mode (hardware reads garbage there)."""
   x = jnp.ones((8, 300), jnp.float32)
-  for backend in (MI, "pallas"):
+  for backend in (MI, PALLAS):
     got = _row_sums(backend, x)
     np.testing.assert_array_equal(got[:, 0], 256.0)
     assert np.isnan(got[:, 128]).all()
@@ -319,9 +310,9 @@ def test_negative_static_row_index_counts_from_the_end():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[-1] + x_ref[-3] * 2 + x_ref[1, -2:][None].sum(1)
   want = x[2] + x[0] * 2 + x[1, -2:].sum(0)
-  for backend in (MI, "interpret", "pallas"):
-    got = _call(kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), x,
-                backend=backend)
+  for backend in (MI, "interpret", PALLAS):
+    got = run_on(backend, kernel,
+                 jax.ShapeDtypeStruct((16, 128), jnp.float32), x)
     np.testing.assert_array_equal(got, want, err_msg=backend)
 
 
@@ -346,11 +337,10 @@ def test_masked_window_past_the_end_of_a_whole_array_ref():
   from jax.experimental.pallas import triton as jpl_triton
   n, block = 200, 128
   x = jnp.arange(8 * n, dtype=jnp.float32).reshape(8, n)
-  for backend in (MI, "interpret", "pallas"):
-    api, masked = (jpl, jpl_triton) if backend == "pallas" else (pl, pl.triton)
-    got = _call(_tail_kernel(api, masked, n, block),
-                jax.ShapeDtypeStruct((8, n), jnp.float32), x,
-                backend=backend, grid=(2,))
+  for backend in (MI, "interpret", PALLAS):
+    api, masked = (jpl, jpl_triton) if backend == PALLAS else (pl, pl.triton)
+    got = run_on(backend, _tail_kernel(api, masked, n, block),
+                 jax.ShapeDtypeStruct((8, n), jnp.float32), x, grid=(2,))
     np.testing.assert_array_equal(got, x * 2 + 1, err_msg=backend)
 
 
@@ -387,7 +377,7 @@ def test_masked_store_of_narrow_elements_is_a_clear_error():
 def test_a_module_that_does_not_verify_names_the_reason(monkeypatch):
   """The one-line message carries MLIR's first error, not only its
   "Verification failed:" header."""
-  from lowering_mosaic.rules import memory
+  from lowering_mosaic.tpu.rules import memory
   monkeypatch.setattr(memory, "_element_bits", lambda ref: 32)
 
   def kernel(x_ref, o_ref):

@@ -13,8 +13,8 @@ from jax.experimental import pallas as jpl
 import dsl as pl
 from dsl import tpu as pltpu
 from dsl import triton as plt
-from dsl.errors import KernelCheckError, kernel_error_of
-from dsl.poison import poison_value
+from dsl.core.errors import KernelCheckError, kernel_error_of
+from dsl.core.poison import poison_value
 
 HOST = ("interpret", "triton_interpret", "mosaic_interpret")
 S = jax.ShapeDtypeStruct

@@ -13,8 +13,9 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import dsl as pl
 from dsl import tpu as pltpu
 from dsl import triton as plt
-from dsl.errors import (KernelCheckError, KernelDeadlockError, KernelError,
-                        KernelRuntimeError, KernelTypeError, kernel_error_of)
+from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
+                             KernelError, KernelRuntimeError, KernelTypeError,
+                             kernel_error_of)
 
 HOST = ["interpret", "triton_interpret", "mosaic_interpret"]
 TPU_HOST = ["interpret", "mosaic_interpret"]

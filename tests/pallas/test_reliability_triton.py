@@ -14,40 +14,15 @@ from jax.experimental import pallas as jpl
 
 import dsl as pl
 import lowering_triton
-from dsl.poison import poison_value
+from dsl.core.poison import poison_value
 from lowering_triton.compile import compile_kernel
+from tests.pallas.testing import assert_all_equal, run_backends
+
 BACKEND = "triton_interpret"  # the Triton backend these tests run on the CPU
+# The backends each kernel runs on (and Pallas, where it runs the kernel).
+COMPARED = (BACKEND, "interpret")
 
 S = jax.ShapeDtypeStruct
-
-
-def _specs(module, specs):
-  return specs(module) if specs is not None else {}
-
-
-def run_backends(kernel, out_shape, *args, specs=None, pallas=True, **kw):
-  """The kernel's results on triton_interpret, interpret and (if `pallas`)
-  jax.experimental.pallas's interpret mode. `specs(module)` builds the
-  BlockSpec arguments from `dsl` or `jax.experimental.pallas`."""
-  results = {}
-  for backend in (BACKEND, "interpret"):
-    call = pl.pallas_call(kernel, out_shape, backend=backend,
-                          **_specs(pl, specs), **kw)
-    results[backend] = jax.jit(call)(*args)
-  if pallas:
-    call = jpl.pallas_call(kernel, out_shape, interpret=True,
-                           **_specs(jpl, specs), **kw)
-    results["pallas"] = jax.jit(call)(*args)
-  return results
-
-
-def assert_all_equal(results, want):
-  for backend, got in results.items():
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-      g, w = np.asarray(g), np.asarray(w)
-      if g.dtype == jnp.bfloat16:      # numpy does not see bf16 NaNs
-        g, w = g.astype(np.float32), w.astype(np.float32)
-      np.testing.assert_array_equal(g, w, err_msg=f"backend {backend}")
 
 
 def _kernel_specs(f, *args):
@@ -69,7 +44,7 @@ def test_dot_multiplies_in_the_result_type(in_dtype, out_dtype, value):
     o_ref[...] = jnp.dot(x_ref[...], y_ref[...],
                          preferred_element_type=o_ref.dtype)
 
-  got = run_backends(kernel, S((16, 16), out_dtype), x, y)
+  got = run_backends(COMPARED, kernel, S((16, 16), out_dtype), x, y)
   if jnp.issubdtype(in_dtype, jnp.integer):
     assert_all_equal(got, jnp.dot(x, y, preferred_element_type=out_dtype))
     return
@@ -125,7 +100,7 @@ def test_reductions_propagate_nan(name, shape, dtype):
   def kernel(x_ref, o_ref):
     o_ref[...] = fn(x_ref[...])
 
-  got = run_backends(kernel, S(want.shape, want.dtype), x)
+  got = run_backends(COMPARED, kernel, S(want.shape, want.dtype), x)
   assert_all_equal(got, want)
 
 
@@ -145,7 +120,8 @@ def test_elementwise_extremes_propagate_nan_and_order_signed_zeros():
   want = jnp.stack([1 / jnp.maximum(a, b), 1 / jnp.minimum(a, b),
                     jnp.clip(a, -0.5, 0.5), 1 / jnp.max(jnp.stack([a, b]), 0),
                     1 / jnp.min(jnp.stack([a, b]), 0)])
-  assert_all_equal(run_backends(kernel, S((5, 8), jnp.float32), a, b), want)
+  assert_all_equal(
+      run_backends(COMPARED, kernel, S((5, 8), jnp.float32), a, b), want)
 
 
 def test_nan_combine_helpers_match_their_numpy_fast_path(monkeypatch):
@@ -194,7 +170,7 @@ def test_integer_division_by_zero_and_overflow_as_jnp(dtype):
       o_ref[k] = op(x_ref[...], y_ref[...])
 
   want = jnp.stack([jax.jit(op)(x, y) for op in ops])
-  assert_all_equal(run_backends(kernel, S((4, 8), dtype), x, y), want)
+  assert_all_equal(run_backends(COMPARED, kernel, S((4, 8), dtype), x, y), want)
 
 
 _SPECIAL = [np.nan, np.inf, -np.inf, 3e9, -3e9, 1e20, 300.7, -1.5]
@@ -210,7 +186,7 @@ def test_float_to_int_casts_saturate_as_jnp(src, dst):
     o_ref[...] = x_ref[...].astype(dst)
 
   want = jax.jit(lambda v: v.astype(dst))(x)
-  assert_all_equal(run_backends(kernel, S(x.shape, dst), x), want)
+  assert_all_equal(run_backends(COMPARED, kernel, S(x.shape, dst), x), want)
 
 
 INT_DTYPES = [jnp.int8, jnp.int16, jnp.int32, jnp.uint8, jnp.uint16,
@@ -246,8 +222,8 @@ def test_integer_bit_operations_as_jnp(dtype):
       o_ref[k] = BIT_OPS[name](x_ref[...], s_ref[...]).astype(o_ref.dtype)
 
   want = jnp.stack([jax.jit(BIT_OPS[n])(x, s).astype(dtype) for n in names])
-  assert_all_equal(run_backends(kernel, S((len(names), 8), dtype), x, s),
-                   want)
+  assert_all_equal(
+      run_backends(COMPARED, kernel, S((len(names), 8), dtype), x, s), want)
 
 
 def test_bool_not():
@@ -256,7 +232,7 @@ def test_bool_not():
   def kernel(x_ref, o_ref):
     o_ref[...] = ~x_ref[...]
 
-  assert_all_equal(run_backends(kernel, S((4,), jnp.bool_), x), ~x)
+  assert_all_equal(run_backends(COMPARED, kernel, S((4,), jnp.bool_), x), ~x)
 
 
 # ------------------------------------------------------------------ indices
@@ -273,7 +249,8 @@ def test_negative_static_indices_count_from_the_end():
 
   want = jnp.zeros((4, 8)).at[0].set(x[-1]).at[1, :2].set(x[1:-1, -3])
   want = want.at[-1].set(x[-2]).at[-2, -1].set(x[-4, -8])
-  assert_all_equal(run_backends(kernel, S((4, 8), jnp.float32), x), want)
+  assert_all_equal(
+      run_backends(COMPARED, kernel, S((4, 8), jnp.float32), x), want)
 
 
 def test_negative_static_indices_on_scratch():
@@ -289,7 +266,7 @@ def test_negative_static_indices_on_scratch():
     pl.run_scoped(body, pl.tpu.VMEM((4, 8), jnp.float32))
 
   want = x.at[-1].set(7.0).at[0, -1].set(9.0).at[1].set(7.0)
-  got = run_backends(kernel, S((4, 8), jnp.float32), x, pallas=False)
+  got = run_backends(COMPARED, kernel, S((4, 8), jnp.float32), x, pallas=False)
   assert_all_equal(got, want)
 
 

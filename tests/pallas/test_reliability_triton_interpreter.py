@@ -1,6 +1,7 @@
 """triton_interpret reliability: Triton's own CPU interpreter (loop
 indices, constants, comparisons, memory accesses bounded to the run's
-buffers). Helpers come from test_reliability_triton.py."""
+buffers). Kernels are compared through
+tests.pallas.testing's harness."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,9 +9,11 @@ import pytest
 from jax import lax
 
 import dsl as pl
-from tests.pallas.test_reliability_triton import (BACKEND, S,
-                                                  assert_all_equal,
-                                                  run_backends)
+from tests.pallas.testing import assert_all_equal, run_backends
+
+BACKEND = "triton_interpret"
+COMPARED = (BACKEND, "interpret")
+S = jax.ShapeDtypeStruct
 
 
 # ------------------------------------------------------------------ interpreter
@@ -33,8 +36,8 @@ def test_loop_indices_stay_tensors_after_library_calls():
     return dict(grid=(2, 3), in_specs=[m.BlockSpec((1, 8), lambda i, j: (i, j))],
                 out_specs=m.BlockSpec((1, 8), lambda i, j: (i, 0)))
   want = jnp.broadcast_to(x.sum(axis=1, keepdims=True) + 1.5, (2, 8))
-  assert_all_equal(run_backends(kernel, S((2, 8), jnp.float32), x,
-                                specs=specs, pallas=False), want)
+  assert_all_equal(run_backends(COMPARED, kernel, S((2, 8), jnp.float32),
+                                x, specs=specs, pallas=False), want)
 
 
 def test_scalar_comparison_broadcast_into_a_store_mask():
@@ -52,8 +55,8 @@ def test_scalar_comparison_broadcast_into_a_store_mask():
     return dict(grid=(3, 3), out_specs=m.BlockSpec(
         (None, None, 8), lambda i, j: (i, j, 0)))
   want = jnp.zeros((3, 3, 8)).at[jnp.arange(3), jnp.arange(3), :5].set(1.0)
-  got = run_backends(kernel, S((3, 3, 8), jnp.float32), specs=specs,
-                     pallas=False)
+  got = run_backends(COMPARED, kernel, S((3, 3, 8), jnp.float32),
+                     specs=specs, pallas=False)
   assert_all_equal(got, want)
 
 
@@ -72,8 +75,8 @@ def test_bf16_masked_load_past_the_array_with_other():
     return dict(grid=(2,), in_specs=[m.BlockSpec((4,), lambda i: (i,))],
                 out_specs=m.BlockSpec((4,), lambda i: (i,)))
   want = jnp.array([1.0, -2.0, 0.5, 7.0, 4.0, -1.0, 9.0, 7.0], jnp.bfloat16)
-  got = run_backends(kernel, S((8,), jnp.bfloat16), x, specs=specs,
-                     pallas=False)
+  got = run_backends(COMPARED, kernel, S((8,), jnp.bfloat16), x,
+                     specs=specs, pallas=False)
   assert_all_equal({BACKEND: got[BACKEND]}, want)
 
 

@@ -1,4 +1,4 @@
-"""Recipes the lowerings share (dsl/rule_helpers.py), and the rules built on
+"""Recipes the lowerings share (dsl/core/rule_helpers.py), and the rules built on
 them on every CPU backend."""
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from dsl.rule_helpers import power_by_squaring
+from dsl.core.rule_helpers import power_by_squaring
 from tests.pallas.testing import CPU_BACKENDS
 
 

@@ -11,105 +11,29 @@ import numpy as np
 import pytest
 from jax._src import tpu_info
 from jax.experimental import pallas as jpl
-from jax.experimental.pallas import tpu as jpltpu
 
 import dsl
 from dsl import tpu as dtpu
-from lowering_mosaic import interpreter_options, promela
+from lowering_mosaic import interpreter_options
+from lowering_mosaic.verification import promela
 from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
-from tests.pallas.testing import assert_close
+from tests.pallas.testing import CPU_BACKENDS, assert_close
+from tests.pallas.tpu_pipeline_kernels import (ELEMENTWISE, MATMULS, TPU,
+                                               any_call, elementwise,
+                                               elementwise_case, inputs,
+                                               matmul, matmul_case)
 
-BACKENDS = ["interpret", "triton_interpret", "mosaic_interpret"]
-TPU = {dsl: dtpu, jpl: jpltpu}
-f32, bf16 = jnp.float32, jnp.bfloat16
+BACKENDS = CPU_BACKENDS
+f32 = jnp.float32
 # sums over k = 256 in another order than jnp.dot's
 MATMUL_TOL = {f32: 1e-4}
-
-
-def _call(pl, kernel, out_shape, n_in, backend, scratch_shapes=()):
-  any_spec = pl.BlockSpec(memory_space=pl.ANY)
-  # Pallas: its TPU interpret mode, or its TPU lowering for "mosaic"
-  kw = ({"backend": backend} if pl is dsl else {} if backend == "mosaic"
-        else {"interpret": jpltpu.InterpretParams(detect_races=True)})
-  return pl.pallas_call(kernel, out_shape, in_specs=[any_spec] * n_in,
-                        out_specs=any_spec, scratch_shapes=scratch_shapes,
-                        **kw)
-
-
-def matmul(pl, x, y, *, bm, bk, bn, backend=None, **pipeline_kw):
-  """x @ y: the output block (i, j) accumulates over l in its buffer."""
-  def inner(x_ref, y_ref, o_ref):
-    @pl.when(pl.program_id(2) == 0)
-    def _():
-      o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-    o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                          preferred_element_type=jnp.float32)
-
-  def kernel(x_hbm, y_hbm, o_hbm):
-    m, k = x_hbm.shape
-    n = y_hbm.shape[1]
-    TPU[pl].emit_pipeline(
-        inner, grid=(m // bm, n // bn, k // bk),
-        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, l: (i, l)),
-                  pl.BlockSpec((bk, bn), lambda i, j, l: (l, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j, l: (i, j)),
-        **pipeline_kw)(x_hbm, y_hbm, o_hbm)
-
-  out = jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), jnp.float32)
-  return _call(pl, kernel, out, 2, backend)(x, y)
-
-
-def elementwise(pl, x, y, *, bm, bn, backend=None):
-  """2 x + y, with the blocks visited in reverse column order."""
-  def inner(x_ref, y_ref, o_ref):
-    o_ref[...] = x_ref[...] * 2 + y_ref[...]
-
-  def kernel(x_hbm, y_hbm, o_hbm):
-    m, n = x_hbm.shape
-    nj = n // bn
-    spec = pl.BlockSpec((bm, bn), lambda i, j: (i, nj - 1 - j))
-    TPU[pl].emit_pipeline(inner, grid=(m // bm, nj), in_specs=[spec, spec],
-                          out_specs=[spec])(x_hbm, y_hbm, o_hbm)
-
-  return _call(pl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 2,
-               backend)(x, y)
-
-
-def _inputs(shapes, dtype):
-  keys = jax.random.split(jax.random.key(0), len(shapes))
-  return [jax.random.normal(k, s, jnp.float32).astype(dtype)
-          for k, s in zip(keys, shapes)]
-
-
-MATMULS = {   # name -> (m, k, n), (bm, bk, bn), dtype
-    "f32_2x2x2": ((16, 256, 256), (8, 128, 128), f32),
-    "bf16_2x3x1": ((32, 384, 128), (16, 128, 128), bf16),
-    "f32_one_step": ((8, 128, 128), (8, 128, 128), f32),
-}
-ELEMENTWISE = {   # name -> shape, block, dtype
-    "f32_3x2": ((24, 256), (8, 128), f32),
-    "bf16_1x4": ((16, 512), (16, 128), bf16),
-}
-
-
-def _matmul_case(name, table=None):
-  (m, k, n), (bm, bk, bn), dtype = (table or MATMULS)[name]
-  x, y = _inputs([(m, k), (k, n)], dtype)
-  want = jnp.dot(x, y, precision="highest", preferred_element_type=f32)
-  return x, y, dict(bm=bm, bk=bk, bn=bn), want
-
-
-def _elementwise_case(name, table=None):
-  shape, (bm, bn), dtype = (table or ELEMENTWISE)[name]
-  x, y = _inputs([shape, shape], dtype)
-  return x, y, dict(bm=bm, bn=bn), x * 2 + y
 
 
 @pytest.mark.parametrize("case", sorted(MATMULS))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matmul_with_accumulator(backend, case):
-  x, y, blocks, want = _matmul_case(case)
+  x, y, blocks, want = matmul_case(case)
   got = matmul(dsl, x, y, backend=backend, **blocks)
   assert_close(got, want, x.dtype, MATMUL_TOL)
 
@@ -117,7 +41,7 @@ def test_matmul_with_accumulator(backend, case):
 @pytest.mark.parametrize("case", sorted(ELEMENTWISE))
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_elementwise(backend, case):
-  x, y, blocks, want = _elementwise_case(case)
+  x, y, blocks, want = elementwise_case(case)
   got = elementwise(dsl, x, y, backend=backend, **blocks)
   assert got.dtype == x.dtype
   assert_close(got, want, x.dtype)
@@ -136,8 +60,8 @@ def pallas_tpu_interpret(monkeypatch):
                                        ("elementwise", "f32_3x2"),
                                        ("elementwise", "bf16_1x4")])
 def test_like_pallas_interpret(kind, case, pallas_tpu_interpret):
-  fn, make = ((matmul, _matmul_case) if kind == "matmul"
-              else (elementwise, _elementwise_case))
+  fn, make = ((matmul, matmul_case) if kind == "matmul"
+              else (elementwise, elementwise_case))
   x, y, blocks, want = make(case)
   theirs = fn(jpl, x, y, **blocks)
   assert_close(theirs, want, x.dtype, MATMUL_TOL)
@@ -147,13 +71,13 @@ def test_like_pallas_interpret(kind, case, pallas_tpu_interpret):
 
 @pytest.mark.parametrize("backend", ["interpret", "mosaic_interpret"])
 def test_single_buffered(backend):
-  x, y, blocks, want = _matmul_case("f32_2x2x2")
+  x, y, blocks, want = matmul_case("f32_2x2x2")
   assert_close(matmul(dsl, x, y, backend=backend, no_pipelining=True,
                       **blocks), want, tol=MATMUL_TOL)
 
 
 def test_correct_in_any_dma_order():
-  x, y, blocks, want = _matmul_case("f32_2x2x2")
+  x, y, blocks, want = matmul_case("f32_2x2x2")
   for seed in range(3):
     for p in (0.05, 0.9):
       with interpreter_options(seed=seed, dma_completion_prob=p):
@@ -175,12 +99,12 @@ def _revisited(pl, x, backend=None):
         in_specs=[pl.BlockSpec((8, 128), lambda i, l: (i, l))],
         out_specs=[pl.BlockSpec((8, 128), lambda i, l: (i, 0))])(x_hbm, o_hbm)
   out = jax.ShapeDtypeStruct((x.shape[0], 128), x.dtype)
-  return _call(pl, kernel, out, 1, backend)(x)
+  return any_call(pl, kernel, out, 1, backend)(x)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_revisited_output_keeps_its_buffer(backend):
-  x, = _inputs([(24, 384)], f32)
+  x, = inputs([(24, 384)], f32)
   assert_close(_revisited(dsl, x, backend), x[:, :128] + 1)
 
 
@@ -202,8 +126,8 @@ def test_squeezed_dims_and_scratch(backend):
         out_specs=[dsl.BlockSpec((None, 8, 128), lambda i: (3 - i, 0, 0))],
     )(x_hbm, o_hbm, scratches=[acc])
 
-  x, = _inputs([(4, 8, 128)], f32)
-  got = _call(dsl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1,
+  x, = inputs([(4, 8, 128)], f32)
+  got = any_call(dsl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1,
               backend, [dtpu.VMEM((8, 128), f32)])(x)
   assert_close(got, (jnp.cumsum(x, axis=0) * 4)[::-1])
 
@@ -220,7 +144,7 @@ def test_operands_in_vmem_are_views(backend):
     dtpu.emit_pipeline(inner, grid=(2,), in_specs=[spec, spec],
                        out_specs=spec)(x_vmem, y_hbm, o_vmem)
 
-  x, y = _inputs([(16, 128), (16, 128)], f32)
+  x, y = inputs([(16, 128), (16, 128)], f32)
   whole = dsl.BlockSpec((16, 128), lambda: (0, 0))
   got = dsl.pallas_call(
       kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -238,10 +162,10 @@ def test_lowers_for_tpu(kind):
   """The module verifies (`golden.decode` checks), copies every block with
   DMAs into VMEM and never loads from HBM."""
   if kind == "matmul":
-    x, y, blocks, _ = _matmul_case("f32_2x2x2")
+    x, y, blocks, _ = matmul_case("f32_2x2x2")
     f = functools.partial(matmul, dsl, backend="mosaic", **blocks)
   else:
-    x, y, blocks, _ = _elementwise_case("bf16_1x4")
+    x, y, blocks, _ = elementwise_case("bf16_1x4")
     f = functools.partial(elementwise, dsl, backend="mosaic", **blocks)
   call, = golden.lower_tpu(f, x, y)
   ops = _ops(call.module)
@@ -256,7 +180,7 @@ def test_lowers_for_tpu(kind):
 
 def test_triton_addresses_hbm_directly():
   """On Triton the operands stay views: no DMA in the kernel's jaxpr."""
-  x, y, blocks, _ = _elementwise_case("f32_3x2")
+  x, y, blocks, _ = elementwise_case("f32_3x2")
   jaxpr = str(jax.make_jaxpr(functools.partial(
       elementwise, dsl, backend="triton_interpret", **blocks))(x, y))
   assert "dma_start" not in jaxpr
@@ -274,16 +198,16 @@ def test_spin_finds_no_race_or_deadlock(kind):
   waits for each block before the body reads it and for each write-back
   before its buffer is written again."""
   if kind in ("matmul", "single_buffered"):
-    x, y, blocks, _ = _matmul_case("f32_2x2x2")
+    x, y, blocks, _ = matmul_case("f32_2x2x2")
     args = (x, y)
     f = functools.partial(matmul, dsl, backend="mosaic",
                           no_pipelining=kind == "single_buffered", **blocks)
   elif kind == "elementwise":
-    x, y, blocks, _ = _elementwise_case("f32_3x2")
+    x, y, blocks, _ = elementwise_case("f32_3x2")
     args = (x, y)
     f = functools.partial(elementwise, dsl, backend="mosaic", **blocks)
   else:
-    args = tuple(_inputs([(24, 384)], f32))
+    args = tuple(inputs([(24, 384)], f32))
     f = functools.partial(_revisited, dsl, backend="mosaic")
   report = verify(f, *args)
   assert report.kind == "ok", str(report)
@@ -300,13 +224,13 @@ def _add_bias(pl, x, b, backend=None):
         inner, grid=(x_hbm.shape[0] // 8, 1),
         in_specs=[spec, pl.BlockSpec((8, 128), lambda i, j: (0, 0))],
         out_specs=spec)(x_hbm, b_hbm, o_hbm)
-  return _call(pl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 2,
+  return any_call(pl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 2,
                backend)(x, b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_unchanging_block_is_fetched_once(backend):
-  x, b = _inputs([(32, 128), (8, 128)], f32)
+  x, b = inputs([(32, 128), (8, 128)], f32)
   assert_close(_add_bias(dsl, x, b, backend), x + jnp.tile(b, (4, 1)))
   if backend == "mosaic_interpret":
     call, = golden.lower_tpu(functools.partial(_add_bias, dsl,
@@ -335,7 +259,7 @@ def _traced_grid(x, n, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_traced_grid_size(backend):
-  x, = _inputs([(32, 128)], f32)
+  x, = inputs([(32, 128)], f32)
   assert_close(_traced_grid(x, 3, backend)[:24], x[:24] * 2)
   jax.block_until_ready(_traced_grid(x, 0, backend))   # no DMA left behind
 
@@ -343,7 +267,7 @@ def test_traced_grid_size(backend):
 def test_views_differentiate_on_triton():
   """Where blocks are views (Triton), the kernel differentiates as any
   kernel on refs."""
-  x, y = _inputs([(24, 256), (24, 256)], f32)
+  x, y = inputs([(24, 256), (24, 256)], f32)
   loss = lambda x, y: jnp.sum(elementwise(
       dsl, x, y, bm=8, bn=128, backend="triton_interpret") ** 2)
   gx, gy = jax.grad(loss, argnums=(0, 1))(x, y)
@@ -366,9 +290,9 @@ def test_uninitialized_accumulator_reads_poison(backend):
         in_specs=[dsl.BlockSpec((8, 128), lambda l: (0, l))],
         out_specs=[dsl.BlockSpec((8, 128), lambda l: (0, 0))])(x_hbm, o_hbm)
 
-  x, = _inputs([(8, 256)], f32)
+  x, = inputs([(8, 256)], f32)
   with jax_config.jax_pallas_poison_buffers(True):
-    got = _call(dsl, kernel, jax.ShapeDtypeStruct((8, 128), f32), 1,
+    got = any_call(dsl, kernel, jax.ShapeDtypeStruct((8, 128), f32), 1,
                 backend)(x)
   assert np.isnan(np.asarray(got)).all()
 
@@ -386,7 +310,7 @@ def test_body_prologue_runs_before_each_body(backend):
     dtpu.emit_pipeline(inner, grid=(3,), in_specs=[spec], out_specs=spec)(
         x_hbm, o_hbm, scratches=[s_ref], body_prologue=prologue)
 
-  x, = _inputs([(24, 128)], f32)
-  got = _call(dsl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1,
+  x, = inputs([(24, 128)], f32)
+  got = any_call(dsl, kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1,
               backend, [dtpu.VMEM((8, 128), f32)])(x)
   assert_close(got, x + jnp.repeat(jnp.arange(3.), 8)[:, None])

@@ -13,14 +13,15 @@ from jax import lax
 
 import dsl
 from dsl import tpu as dtpu
-from lowering_mosaic import interpreter_options, promela
+from lowering_mosaic import interpreter_options
+from lowering_mosaic.verification import promela
 from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
-from tests.pallas import test_tpu_pipeline as pipeline_tests
-from tests.pallas.test_tpu_pipeline import _inputs
-from tests.pallas.testing import assert_close
+from tests.pallas import tpu_pipeline_kernels as shared
+from tests.pallas.tpu_pipeline_kernels import inputs
+from tests.pallas.testing import CPU_BACKENDS, assert_close
 
-BACKENDS = ["interpret", "triton_interpret", "mosaic_interpret"]
+BACKENDS = CPU_BACKENDS
 f32, bf16 = jnp.float32, jnp.bfloat16
 MATMUL_TOL = {f32: 1e-4}
 ANY = dsl.BlockSpec(memory_space=dsl.ANY)
@@ -98,8 +99,8 @@ ELEMENTWISE = {   # name -> shape, block, dtype
 }
 
 
-_matmul_case = functools.partial(pipeline_tests._matmul_case, table=MATMULS)
-_elementwise_case = functools.partial(pipeline_tests._elementwise_case,
+_matmul_case = functools.partial(shared.matmul_case, table=MATMULS)
+_elementwise_case = functools.partial(shared.elementwise_case,
                                       table=ELEMENTWISE)
 
 
@@ -152,7 +153,7 @@ def test_past_the_array_reads_poison(backend):
         out_specs=[dsl.BlockSpec((None, 8, 128), lambda i: (i, 0, 0))],
     )(x_hbm, o_hbm)
 
-  x, = _inputs([(20, 128)], f32)
+  x, = inputs([(20, 128)], f32)
   got = np.asarray(_call(kernel, jax.ShapeDtypeStruct((3, 8, 128), f32), 1,
                          backend)(x)).reshape(24, 128)
   np.testing.assert_array_equal(got[:20], np.asarray(x))
@@ -173,7 +174,7 @@ def test_squeezed_and_element_dims_with_edges(backend):
     dtpu.emit_pipeline(inner, grid=(2, 2, _cdiv(m, 8), _cdiv(n, 128)),
                        in_specs=[spec], out_specs=[spec])(x_hbm, o_hbm)
 
-  x, = _inputs([(2, 4, 20, 200)], f32)
+  x, = inputs([(2, 4, 20, 200)], f32)
   got = _call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), 1, backend)(x)
   assert_close(got, x + 1)
 
@@ -250,11 +251,11 @@ def test_like_pallas_interpret(kind, monkeypatch):
   monkeypatch.setitem(tpu_info.registry, "cpu", lambda: (
       tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)))
   if kind == "elementwise":
-    x, y = _inputs([(200, 256), (200, 256)], f32)
+    x, y = inputs([(200, 256), (200, 256)], f32)
     ours = elementwise(x, y, bm=128, bn=128, backend="mosaic_interpret")
     theirs = _pallas(kind, x, y, bm=128, bn=128)
   else:
-    x, y = _inputs([(200, 256), (256, 128)], f32)
+    x, y = inputs([(200, 256), (256, 128)], f32)
     ours = matmul(x, y, bm=128, bk=128, bn=128, backend="mosaic_interpret")
     theirs = _pallas(kind, x, y, bm=128, bn=128, bk=128)
   assert_close(ours, theirs, f32, MATMUL_TOL)
@@ -280,7 +281,7 @@ def test_lowers_for_tpu(shape, windows):
   copy its in-bounds part rounded up to whole (8, 128) tiles, as a TPU's
   DMAs need (an array in HBM is stored padded to tiles), and no poison is
   written."""
-  x, y = _inputs([shape, shape], f32)
+  x, y = inputs([shape, shape], f32)
   call, = golden.lower_tpu(functools.partial(
       elementwise, bm=128, bn=128, backend="mosaic"), x, y)
   assert _dma_windows(call.module) == windows
@@ -302,10 +303,10 @@ def test_spin_finds_no_race_or_deadlock(kind):
   """SPIN explores every order of the DMAs of the TPU module, whose edge
   blocks are started and waited for in branches."""
   if kind == "matmul":
-    x, y = _inputs([(12, 200), (200, 136)], f32)
+    x, y = inputs([(12, 200), (200, 136)], f32)
     f = functools.partial(matmul, bm=8, bk=128, bn=128, backend="mosaic")
   else:
-    x, y = _inputs([(20, 300), (20, 300)], f32)
+    x, y = inputs([(20, 300), (20, 300)], f32)
     f = functools.partial(elementwise, bm=8, bn=128, backend="mosaic")
   report = verify(f, x, y)
   assert report.kind == "ok", str(report)

@@ -15,7 +15,7 @@ import jax.extend.random as jex_random
 
 import dsl
 from dsl import tpu as pltpu
-from dsl.interpret import prng as host_prng
+from dsl.tpu import prng_state as host_prng
 
 HOST = ["interpret", "mosaic_interpret"]
 

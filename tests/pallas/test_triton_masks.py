@@ -14,7 +14,7 @@ import dsl as pl
 import lowering_triton
 from benchmarks.gpu_triton import make_matmul
 from benchmarks.suite.matmul import Matmul
-from dsl import config as dsl_config
+from dsl.core import config as dsl_config
 from dsl import triton as plt
 from tests.pallas.testing import array, assert_close
 

@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -39,7 +40,7 @@ def blocked_add(x, y, block=128, **kw):
 
 @pytest.fixture
 def verbose_errors():
-  from dsl import config
+  from dsl.core import config
   old = config.verbose_errors()
   jax.config.update("jax_pallas_verbose_errors", True)
   yield
@@ -571,7 +572,8 @@ def test_verbose_error_marks_the_failing_equation(verbose_errors):
   assert "sort" in msg.split(">>>")[1][:400]     # the marked equation
 
 
-@pytest.mark.parametrize("case", ["cas_on_padded", "array_index", "semaphore", "too_large",
+@pytest.mark.parametrize("case", ["cas_on_padded",
+                                  "array_index", "semaphore", "too_large",
                                   "interior_pad"])
 def test_unsupported_constructs_raise_clear_errors(case):
   scratch = ()
@@ -607,6 +609,19 @@ def test_unsupported_constructs_raise_clear_errors(case):
     lowering_triton.to_source(lambda x: pl.pallas_call(
         kernel, shape, scratch_shapes=scratch)(x), x)
   assert "kernel 'kernel'" in str(e.value)
+
+
+def test_scan_over_arrays_lowers_as_the_lowering_normalizes_it():
+  """`to_source` shows what the lowering builds: a scan over arrays becomes
+  a loop over a scoped buffer there (dsl.core.normalize), so it lowers."""
+  def kernel(x_ref, o_ref):
+    o_ref[...] = lax.scan(lambda c, v: (c + v, c), 0, x_ref[...])[1]
+  x = jnp.arange(10, dtype=jnp.int32)
+  f = lambda x: pl.pallas_call(kernel, jax.ShapeDtypeStruct((10,), jnp.int32),
+                               backend="triton_interpret")(x)
+  (src,) = lowering_triton.to_source(f, x)
+  assert "for " in src
+  np.testing.assert_array_equal(f(x), jnp.cumsum(x) - x)
 
 
 def test_float32_dot_precision_follows_jax_config():

@@ -13,7 +13,7 @@ import dsl as pl
 import kernels
 import lowering_triton
 from benchmarks import gpu_triton
-from dsl import config
+from dsl.core import config
 from lowering_triton import aot
 from tests.pallas.testing import array, assert_close
 

@@ -10,14 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
+from jax.experimental import pallas as jpl
+from jax.test_util import check_grads
 
 import dsl as pl
-from dsl import backends
+from dsl.core import backends
 
 # ------------------------------------------------------------------ backends
 
-# The backends that run on a CPU; every feature test runs on each.
-CPU_BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
+# The built-in backends that run on a CPU (the registry's host backends);
+# every feature test runs on each.
+CPU_BACKENDS = tuple(b for b in backends.BACKENDS
+                     if backends.REGISTRY[b].on_host)
 # The CPU backends besides the default "interpret".
 OTHER_CPU_BACKENDS = tuple(b for b in CPU_BACKENDS if b != "interpret")
 
@@ -116,6 +120,92 @@ def call(kernel, out_shape, *args, backend=None, **kw):
   backend = backend or TRITON_BACKEND[0]
   return jax.jit(lambda *a: pl.pallas_call(kernel, out_shape, backend=backend,
                                            **kw)(*a))(*args)
+
+
+# ------------------------------------------------------- comparing backends
+
+# The name `run_on` and `run_backends` give Pallas's interpret mode
+# (jax.experimental.pallas), the peer every CPU backend is compared with.
+PALLAS = "pallas"
+
+
+def run_on(backend, kernel, out_shape, *args, specs=None, **kw):
+  """The kernel's results on `backend` (a dsl backend, or PALLAS), under
+  jit. `specs(module)` builds the BlockSpec arguments from `dsl` or
+  `jax.experimental.pallas`; `kw` goes to both pallas_calls."""
+  api = jpl if backend == PALLAS else pl
+  extra = specs(api) if specs is not None else {}
+  if backend == PALLAS:
+    call = jpl.pallas_call(kernel, out_shape, interpret=True, **extra, **kw)
+  else:
+    call = pl.pallas_call(kernel, out_shape, backend=backend, **extra, **kw)
+  return jax.jit(call)(*args)
+
+
+def run_backends(backends, kernel, out_shape, *args, pallas=True, specs=None,
+                 **kw) -> dict:
+  """{backend: results} on each of `backends` and, if `pallas`, on PALLAS."""
+  names = tuple(backends) + ((PALLAS,) if pallas else ())
+  return {b: run_on(b, kernel, out_shape, *args, specs=specs, **kw)
+          for b in names}
+
+
+def assert_same(got, want, err_msg="", signed_zeros=False):
+  """Bit-for-bit the same values: NaN where NaN (bfloat16 compared as
+  float32, where numpy sees its NaNs) and, with `signed_zeros`, the same
+  sign of zero."""
+  got, want = np.asarray(got), np.asarray(want)
+  if want.dtype == jnp.bfloat16 or got.dtype == jnp.bfloat16:
+    got, want = got.astype(np.float32), want.astype(np.float32)
+  np.testing.assert_array_equal(got, want, err_msg=err_msg)
+  if signed_zeros and np.issubdtype(want.dtype, np.floating):
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want),
+                                  err_msg=f"{err_msg} (sign of zero)")
+
+
+def assert_all_equal(results, want, signed_zeros=False):
+  """Every backend's results in `results` (run_backends) equal `want`."""
+  for backend, got in results.items():
+    got_l, want_l = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_l) == len(want_l), f"backend {backend}"
+    for g, w in zip(got_l, want_l):
+      assert_same(g, w, f"backend {backend}", signed_zeros)
+
+
+# ------------------------------------------------------------ gradients
+
+# check_grads's tolerances for finite differences in float32.
+GRAD_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def uniform_arrays(*shapes, lo=-1.0, hi=1.0, seed=0):
+  """float32 arrays of `shapes`, uniform in [lo, hi)."""
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.uniform(lo, hi, s), jnp.float32) for s in shapes]
+
+
+def _leaves(x):
+  return jax.tree_util.tree_leaves(x)
+
+
+def check_values_and_grads(f, want, args, tol=1e-4):
+  """Values, finite-difference grads, and jvp/vjp against the reference."""
+  f = jax.jit(f)      # one compile per transformation, not per primitive
+  for got, ref in zip(_leaves(f(*args)), _leaves(want(*args))):
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+  check_grads(f, args, order=1, modes=("fwd", "rev"), **GRAD_TOL)
+  tangents = uniform_arrays(*[a.shape for a in args], seed=1)
+  _, t_got = jax.jvp(f, args, tuple(tangents))
+  _, t_want = jax.jvp(want, args, tuple(tangents))
+  for got, ref in zip(_leaves(t_got), _leaves(t_want)):
+    np.testing.assert_allclose(got, ref, rtol=10 * tol, atol=10 * tol)
+  out, pull = jax.vjp(f, *args)
+  _, pull_want = jax.vjp(want, *args)
+  ct = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(out),
+      uniform_arrays(*[o.shape for o in _leaves(out)], seed=2))
+  for got, ref in zip(pull(ct), pull_want(ct)):
+    np.testing.assert_allclose(got, ref, rtol=10 * tol, atol=10 * tol)
 
 
 def jitted(fn, **kw):

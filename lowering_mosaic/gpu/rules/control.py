@@ -8,9 +8,9 @@ from jax import lax
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, scf
 
-from dsl.jaxpr_walk import CALL_PRIMITIVES, call_body
-from dsl.normalize import scan_layout
-from dsl.primitives import run_scoped_p
+from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
+from dsl.core.normalize import scan_layout
+from dsl.core.primitives import run_scoped_p
 from lowering_mosaic.gpu.host import TABLE, TRITON_HINT, index_cast_i32, typed
 
 

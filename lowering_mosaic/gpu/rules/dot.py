@@ -18,7 +18,7 @@ from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import nvvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from dsl import dtypes
+from dsl.core import dtypes
 from lowering_mosaic.gpu.accumulators import dot_accumulate_p
 from lowering_mosaic.gpu.host import TABLE, TRITON_HINT, constant
 from lowering_mosaic.gpu.rules.elementwise import convert

@@ -10,8 +10,8 @@ from jax import lax
 from jax._src import ad_util, custom_derivatives
 from jax._src.lib.mlir.dialects import arith, math as mlir_math
 
-from dsl import dtypes, primitives
-from dsl.rule_helpers import power_by_squaring
+from dsl.core import dtypes, primitives
+from dsl.core.rule_helpers import power_by_squaring
 from lowering_mosaic.gpu.host import TABLE, constant, shape_of, to_shape, typed
 
 

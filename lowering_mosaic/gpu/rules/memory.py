@@ -18,7 +18,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from dsl import dtypes, ref_ops
+from dsl.core import dtypes, ref_ops
 from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_to,
                                       is_vector, phys, to_index)
 

@@ -12,7 +12,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from dsl import dtypes
+from dsl.core import dtypes
 from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_in_dim,
                                       constant, ir_type, is_ref, is_vector, phys,
                                       phys_position, reshape, typed)

@@ -1,0 +1,295 @@
+"""The execution plan of a grid, which every backend honours.
+
+From the index maps, evaluated on every grid point at trace time, it decides
+which grid dimensions are *parallel* (every output block belongs to exactly one
+point of those dimensions, so they run as one vectorized computation) and which
+are *sequential* (they revisit output blocks, so they run as a loop, in grid
+order). It also decides, per operand, how blocks are fetched: as a `view`
+(a reshape of the array whose block axes follow grid axes one to one; no
+gather) or by `gather` (a dynamic slice per grid point).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import warnings
+
+import numpy as np
+from jax._src import core
+
+from dsl.core.blockspec import BlockMapping
+from dsl.core.errors import KernelError, KernelWarning, source_info_frame
+from dsl.core.index_maps import (blocks_per_dim, evaluate_index_map,
+                                 varies_along)
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandPlan:
+  mapping: BlockMapping
+  mode: str                      # "view" or "gather"
+  sources: tuple = ()            # view: per array dim ("grid", d) | ("const", c)
+  par_dims: tuple[int, ...] = ()  # view: parallel grid dims it is batched over
+  # gather: block indices not known at trace time (read from data, or too
+  # many grid points to analyse), so not checked there: every access is
+  # kept inside the buffer at run time.
+  from_data: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  grid: tuple[int, ...]
+  parallel: tuple[int, ...]
+  sequential: tuple[int, ...]
+  operands: tuple[OperandPlan, ...]   # inputs then outputs
+
+
+def _owned_by_one_point(idx: np.ndarray, parallel: tuple[int, ...]) -> bool:
+  """True when each block is touched by a single point of the parallel dims."""
+  grid = idx.shape[:-1]
+  par_coord = np.zeros(grid, np.int64)
+  for d in parallel:
+    par_coord = par_coord * grid[d] + np.indices(grid)[d]
+  rows = idx.reshape(-1, idx.shape[-1])
+  pairs = np.concatenate([par_coord.reshape(-1, 1), rows], axis=1)
+  n_blocks = len(np.unique(rows, axis=0)) if rows.shape[1] else 1
+  n_pairs = len(np.unique(pairs, axis=0))
+  return n_blocks == n_pairs
+
+
+def _subsets_largest_first(dims: tuple[int, ...]):
+  for size in range(len(dims), 0, -1):
+    yield from itertools.combinations(dims, size)
+
+
+def _view_sources(bm: BlockMapping, idx, grid):
+  if idx is None or bm.has_element_dims or 0 in bm.block_sizes:
+    return None
+  coords = np.indices(grid) if grid else np.zeros((0,))
+  sources, used = [], set()
+  for j, nb in enumerate(blocks_per_dim(bm)):
+    col = idx[..., j]
+    if col.size and col.min() < 0 or col.size and col.max() >= nb:
+      return None
+    flat = col.reshape(-1)
+    if flat.size == 0 or np.all(flat == flat[0]):
+      sources.append(("const", int(flat[0]) if flat.size else 0))
+      continue
+    match = [d for d in range(len(grid)) if d not in used
+             and np.array_equal(col, coords[d])]
+    if not match:
+      return None
+    used.add(match[0])
+    sources.append(("grid", match[0]))
+  return tuple(sources)
+
+
+_SEMANTICS = ("parallel", "arbitrary", "core_parallel")
+
+
+def declared_semantics(compiler_params, grid_rank: int,
+                       num_hidden_axes: int = 0) -> tuple[str, ...] | None:
+  """`dimension_semantics` per grid dim, lower case, or None when not given
+  (`check_semantics` has checked it at trace time).
+
+  Grid axes added by vmap lead the grid and are parallel.
+  """
+  sem = getattr(compiler_params, "dimension_semantics", None)
+  if sem is None:
+    return None
+  sem = [str(getattr(s, "value", s)).lower() for s in sem]
+  if num_hidden_axes and len(sem) == grid_rank - num_hidden_axes:
+    sem = ["parallel"] * num_hidden_axes + sem
+  return tuple(sem) if len(sem) == grid_rank else None
+
+
+def check_semantics(kernel: str, compiler_params, grid_rank: int,
+                    where: str) -> None:
+  """Raises KernelError when `dimension_semantics` does not fit the grid."""
+  sem = getattr(compiler_params, "dimension_semantics", None)
+  if sem is None:
+    return
+  sem = [str(getattr(s, "value", s)).lower() for s in sem]
+  if len(sem) != grid_rank:
+    raise KernelError(kernel, f"dimension_semantics has {len(sem)} entries "
+                      f"but the grid has rank {grid_rank}", where,
+                      operand="compiler_params")
+  for s in sem:
+    if s not in _SEMANTICS:
+      raise KernelError(kernel, f"dimension_semantics entry {s!r} must be "
+                        "'parallel' or 'arbitrary'", where,
+                        operand="compiler_params")
+
+
+def check_parallel_carries(spec, compiler_params, where: str) -> None:
+  """A grid dim declared "parallel" may not carry scratch from one step to
+  the next: its steps run at once (vectorized on the CPU, as separate
+  programs on a GPU, split over cores on a TPU). When a scratch buffer is
+  read at a step before it is written and no grid dim runs in order (none
+  revisits output blocks or is declared "arbitrary"), the carry is along
+  the "parallel" dims: a KernelError where the kernel certainly reads it
+  first, a KernelWarning where it may (a read under `pl.when` or in a loop
+  before any write)."""
+  gm = spec.grid_mapping
+  rank = len(gm.grid)
+  sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
+  if sem is None:
+    return
+  found = first_carried_scratch(spec.jaxpr, len(gm.scratch_avals))
+  if found is None:
+    return
+  forced = tuple(d for d in range(rank) if sem[d] == "arbitrary")
+  if any(gm.grid[d] > 1 for d in _plan_cached(gm, forced).sequential):
+    return
+  dims = [d - gm.num_hidden_axes for d in range(gm.num_hidden_axes, rank)
+          if gm.grid[d] > 1]
+  if not dims:
+    return
+  k, eqn, certain = found
+  name = spec.ref_labels()[-len(gm.scratch_avals) + k]
+  what = (f"grid dim {dims[0]} is" if len(dims) == 1 else
+          f"grid dims {', '.join(map(str, dims))} are")
+  reads = "reads" if certain else "may read"
+  message = (f"{what} declared \"parallel\", but the kernel {reads} "
+             f"{name} at each step before writing it, so {name} would carry "
+             "a value from one step to the next, and parallel steps run at "
+             "once (vectorized on the CPU, as separate programs on a GPU, "
+             "split over cores on a TPU) and do not see each other's "
+             "writes. Fix: declare the dim that carries it \"arbitrary\" in "
+             f"dimension_semantics, or write all of {name} at each step "
+             "before reading it")
+  line = source_info_frame(eqn.source_info) or where
+  if certain:
+    raise KernelError(spec.name, message, line, operand="compiler_params")
+  warnings.warn(KernelWarning(spec.name, message, line,
+                              operand="compiler_params"), stacklevel=3)
+
+
+_PURE_WRITES = ("swap",)
+
+
+def _full_write(eqn, ref, used: set) -> bool:
+  """A store of a whole ref whose old value is not used. (A window of the
+  ref's own shape placed at run time is not one: its lanes outside the
+  ref are dropped.)"""
+  if eqn.primitive.name not in _PURE_WRITES or eqn.invars[0] is not ref:
+    return False
+  val = eqn.invars[1].aval
+  return (tuple(val.shape) == tuple(ref.aval.inner_aval.shape)
+          and all(isinstance(i, core.Literal) for i in eqn.invars[2:])
+          and not any(o in used for o in eqn.outvars
+                      if isinstance(o, core.Var)))
+
+
+def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
+  """True when a scratch ref may be read at a grid step before it is written.
+
+  Conservative: only a top-level store of the whole ref counts as a write;
+  any other use of the ref (a load, an accumulate, a partial store, a use
+  inside `pl.when`, a loop, a DMA) before it counts as a read.
+  """
+  return first_carried_scratch(jaxpr, num_scratch) is not None
+
+
+_READS = ("get", "addupdate")
+
+
+def first_carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int):
+  """(k, eqn, certain) for the first scratch ref `k` that a grid step may
+  read before writing it (see `carried_scratch`), the equation that uses it
+  first, and whether that use certainly reads it (a load or accumulate at
+  the kernel's top level, not under `pl.when` or in a loop); or None."""
+  if jaxpr is None or not num_scratch:
+    return None
+  invars = jaxpr.jaxpr.invars
+  found = first_read_before_write(jaxpr, invars[len(invars) - num_scratch:])
+  if found is None:
+    return None
+  ref, eqn, certain = found
+  return list(invars).index(ref) - (len(invars) - num_scratch), eqn, certain
+
+
+def first_read_before_write(jaxpr: core.ClosedJaxpr, refs):
+  """(ref, eqn, certain) for the first of the kernel refs `refs` that a
+  grid step may read before writing it whole, or None (see
+  `carried_scratch` for what counts as a write)."""
+  j = jaxpr.jaxpr
+  pending = set(refs)
+  used = {v for e in j.eqns for v in e.invars if isinstance(v, core.Var)}
+  used |= {v for v in j.outvars if isinstance(v, core.Var)}
+  for eqn in j.eqns:
+    for ref in [v for v in eqn.invars
+                if isinstance(v, core.Var) and v in pending]:
+      pending.discard(ref)
+      if not _full_write(eqn, ref, used):
+        certain = (eqn.invars[0] is ref and eqn.primitive.name in _READS
+                   and (eqn.primitive.name == "addupdate"
+                        or any(o in used for o in eqn.outvars)))
+        return ref, eqn, certain
+    if not pending:
+      return None
+  return None
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_cached(gm, forced: tuple[int, ...]) -> Plan:
+  return make_plan_uncached(gm, forced)
+
+
+def make_plan(gm, compiler_params=None,
+              jaxpr: core.ClosedJaxpr | None = None) -> Plan:
+  """The plan of a kernel's grid.
+
+  `compiler_params` and the kernel's `jaxpr` tell which dims carry state
+  across steps. An `arbitrary` dim always runs in order. A kernel that reads
+  scratch before writing it carries state from step to step: when the index
+  maps leave a dim sequential (a reduction axis), the scratch is taken to
+  carry along it (the accumulator pattern, reset under `pl.when` when the
+  axis starts over) and the other dims stay parallel; when they leave none,
+  every dim not declared `parallel` runs in order.
+  """
+  rank = len(gm.grid)
+  sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
+  forced = tuple(d for d in range(rank) if sem and sem[d] == "arbitrary")
+  plan = _plan_cached(gm, forced)
+  if (any(gm.grid[d] > 1 for d in plan.sequential)
+      or not carried_scratch(jaxpr, len(gm.scratch_avals))):
+    return plan
+  declared_parallel = {d for d in range(rank)
+                       if sem and sem[d] in ("parallel", "core_parallel")}
+  carried = tuple(d for d in range(gm.num_hidden_axes, rank)
+                  if d not in declared_parallel)
+  return _plan_cached(gm, tuple(sorted(set(forced) | set(carried))))
+
+
+def make_plan_uncached(gm,
+                       forced: tuple[int, ...] = ()) -> Plan:
+  grid = gm.grid
+  idxs = [evaluate_index_map(bm, grid) for bm in gm.block_mappings]
+  out_idxs = idxs[gm.num_inputs:]
+  parallel: tuple[int, ...] = ()
+  if all(i is not None for i in out_idxs):
+    cand = tuple(d for d in range(len(grid)) if d not in forced
+                 and all(varies_along(i, d) for i in out_idxs))
+    if not out_idxs:
+      cand = tuple(d for d in range(len(grid)) if d not in forced)
+    # The largest subset of the candidates whose points own their blocks.
+    for subset in _subsets_largest_first(cand):
+      if all(_owned_by_one_point(i, subset) for i in out_idxs):
+        parallel = subset
+        break
+  sequential = tuple(d for d in range(len(grid)) if d not in parallel)
+  plans = []
+  for bm, idx in zip(gm.block_mappings, idxs):
+    sources = _view_sources(bm, idx, grid)
+    if sources is None:
+      plans.append(OperandPlan(bm, "gather", from_data=idx is None))
+      continue
+    par = tuple(d for d in parallel
+                if ("grid", d) in sources)
+    plans.append(OperandPlan(bm, "view", sources, par))
+  # An output in view mode must be batched over every parallel dim.
+  for k, p in enumerate(plans[gm.num_inputs:], gm.num_inputs):
+    if p.mode == "view" and len(p.par_dims) != len(parallel):
+      plans[k] = OperandPlan(p.mapping, "gather", from_data=idxs[k] is None)
+  return Plan(grid, parallel, sequential, tuple(plans))

@@ -1,0 +1,315 @@
+"""GridSpec (what users write) and GridMapping (what backends consume)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+from jax import tree_util
+from jax._src import core
+from jax._src.state import types as state_types
+
+from dsl.core.blockspec import BlockMapping, BlockSpec, resolve_block_spec
+from dsl.core.errors import KernelError, KernelTypeError
+from dsl.core.index_maps import (evaluate_index_map, reads_prefetch,
+                                 varies_along)
+from dsl.core.grid_plan import Plan, make_plan
+from dsl.core.memory import MemorySpace, scratch_aval
+from dsl.core.named_axes import grid_names as names_of
+
+
+@dataclasses.dataclass(frozen=True)
+class GridSpec:
+  """The grid, the operands' BlockSpecs and the scratch buffers of a kernel."""
+  grid: Any = ()
+  in_specs: Any = None
+  out_specs: Any = None
+  scratch_shapes: Any = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchScalarGridSpec(GridSpec):
+  """A GridSpec whose first `num_scalar_prefetch` operands go to SMEM first
+  and are passed to every index map after the grid indices."""
+  num_scalar_prefetch: int = 0
+
+  def __init__(self, num_scalar_prefetch, grid=(), in_specs=None,
+               out_specs=None, scratch_shapes=()):
+    object.__setattr__(self, "num_scalar_prefetch", num_scalar_prefetch)
+    object.__setattr__(self, "grid", grid)
+    object.__setattr__(self, "in_specs", in_specs)
+    object.__setattr__(self, "out_specs", out_specs)
+    object.__setattr__(self, "scratch_shapes", scratch_shapes)
+
+
+class KernelArgs(NamedTuple):
+  """A kernel's operands by role, in the order every backend passes them:
+  grid indices (when present), scalar prefetch, inputs, outputs, scratch."""
+  ids: tuple
+  prefetch: tuple
+  inputs: tuple
+  outputs: tuple
+  scratch: tuple
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GridMapping:
+  """The resolved grid: one BlockMapping per input then per output."""
+  grid: tuple[int, ...]
+  block_mappings: tuple[BlockMapping, ...]
+  num_inputs: int
+  num_outputs: int
+  num_scalar_prefetch: int = 0
+  prefetch_avals: tuple[state_types.AbstractRef, ...] = ()
+  scratch_avals: tuple[state_types.AbstractRef, ...] = ()
+  in_tree: Any = None
+  out_tree: Any = None
+  scratch_tree: Any = None
+  # grid axes added by vmap: they are not visible to the kernel's numbering.
+  num_hidden_axes: int = 0
+  # the axis names of a grid given as (("i", 4), ...): None per unnamed dim,
+  # None when no dim is named (dsl.core.named_axes)
+  grid_names: tuple | None = None
+
+  def __post_init__(self):
+    self.check_invariants()
+
+  def check_invariants(self) -> None:
+    """Raises ValueError when the mapping is inconsistent (an internal
+    error: user specs are checked, with messages naming the operand, when
+    they are resolved)."""
+    rank = len(self.grid)
+    problems = []
+    if any(not isinstance(g, (int, np.integer)) or g < 0 for g in self.grid):
+      problems.append(f"grid {self.grid} is not of non-negative ints")
+    if len(self.block_mappings) != self.num_inputs + self.num_outputs:
+      problems.append(f"{len(self.block_mappings)} block mappings for "
+                      f"{self.num_inputs} inputs and {self.num_outputs} "
+                      "outputs")
+    if len(self.prefetch_avals) != self.num_scalar_prefetch:
+      problems.append(f"{len(self.prefetch_avals)} prefetch avals for "
+                      f"{self.num_scalar_prefetch} scalar-prefetch operands")
+    if not 0 <= self.num_hidden_axes <= rank:
+      problems.append(f"{self.num_hidden_axes} hidden axes in a grid of "
+                      f"rank {rank}")
+    if self.grid_names is not None and len(self.grid_names) != rank:
+      problems.append(f"{len(self.grid_names)} grid names for rank {rank}")
+    for bm in self.block_mappings:
+      j = bm.index_map_jaxpr.jaxpr
+      if len(j.invars) != rank + self.num_scalar_prefetch:
+        problems.append(f"{bm.origin}: the index map takes {len(j.invars)} "
+                        f"arguments, not {rank} grid ids + "
+                        f"{self.num_scalar_prefetch} prefetch refs")
+      array_rank = len(bm.array_aval.shape)
+      if not len(j.outvars) == len(bm.block_shape) == array_rank:
+        problems.append(f"{bm.origin}: {len(j.outvars)} block indices, "
+                        f"{len(bm.block_shape)} block dims, array rank "
+                        f"{array_rank}")
+    if problems:
+      raise ValueError("inconsistent GridMapping: " + "; ".join(problems))
+
+  @property
+  def in_mappings(self) -> tuple[BlockMapping, ...]:
+    return self.block_mappings[:self.num_inputs]
+
+  @property
+  def out_mappings(self) -> tuple[BlockMapping, ...]:
+    return self.block_mappings[self.num_inputs:]
+
+  @property
+  def out_avals(self) -> tuple[core.ShapedArray, ...]:
+    return tuple(bm.array_aval for bm in self.out_mappings)
+
+  @property
+  def num_refs(self) -> int:
+    """How many refs the kernel takes (grid indices not counted)."""
+    return (self.num_scalar_prefetch + self.num_inputs + self.num_outputs
+            + len(self.scratch_avals))
+
+  @property
+  def ref_avals(self) -> tuple[state_types.AbstractRef, ...]:
+    """The kernel's refs, in order: prefetch, block refs, scratch."""
+    return (tuple(self.prefetch_avals)
+            + tuple(bm.ref_aval for bm in self.block_mappings)
+            + tuple(self.scratch_avals))
+
+  @property
+  def ref_origins(self) -> tuple[str, ...]:
+    """Where each kernel ref comes from, for messages: `scalar prefetch
+    0`, `in_specs[1]`, `out_specs[0]`, `scratch_shapes[2]`."""
+    return (tuple(f"scalar prefetch {i}"
+                  for i in range(self.num_scalar_prefetch))
+            + tuple(bm.origin for bm in self.block_mappings)
+            + tuple(f"scratch_shapes[{i}]"
+                    for i in range(len(self.scratch_avals))))
+
+  def block_indices(self, bm: BlockMapping) -> np.ndarray | None:
+    """The block indices of `bm` at every grid point, an int array of shape
+    (*grid, rank), read-only; None when its index map reads scalar-prefetch
+    data or the grid is too large to analyse."""
+    return evaluate_index_map(bm, tuple(int(g) for g in self.grid))
+
+  def reads_prefetch(self, bm: BlockMapping) -> bool:
+    """Whether the index map of `bm` reads scalar-prefetch data."""
+    return reads_prefetch(bm.index_map_jaxpr, len(self.grid))
+
+  def moves_along(self, bm: BlockMapping, d: int) -> bool | None:
+    """Whether the block of `bm` changes along grid dim `d`; None when the
+    index map has no static answer."""
+    idx = self.block_indices(bm)
+    return None if idx is None else varies_along(idx, d)
+
+  def plan(self, compiler_params=None, jaxpr=None) -> Plan:
+    """The execution plan: parallel and sequential grid dims, and how each
+    operand's blocks are fetched (see `make_plan`)."""
+    return make_plan(self, compiler_params, jaxpr)
+
+  def split(self, seq: Sequence[Any]) -> KernelArgs:
+    """`seq` laid out as the kernel's operands, by role. `seq` holds one
+    entry per ref, optionally preceded by one per grid dimension (the
+    layout of the kernel jaxpr's invars)."""
+    n_ids = len(seq) - self.num_refs
+    if n_ids not in (0, len(self.grid)):
+      raise ValueError(f"{len(seq)} operands for a kernel with a "
+                       f"{len(self.grid)}-D grid and {self.num_refs} refs")
+    sizes = (n_ids, self.num_scalar_prefetch, self.num_inputs,
+             self.num_outputs, len(self.scratch_avals))
+    parts, start = [], 0
+    for n in sizes:
+      parts.append(tuple(seq[start:start + n]))
+      start += n
+    return KernelArgs(*parts)
+
+  def split_operands(self, seq: Sequence[Any]) -> KernelArgs:
+    """The pallas_call's operands `seq` (scalar prefetch, then inputs) by
+    role; `ids`, `outputs` and `scratch` are empty."""
+    if len(seq) != self.num_scalar_prefetch + self.num_inputs:
+      raise ValueError(f"{len(seq)} operands for a kernel with "
+                       f"{self.num_scalar_prefetch} scalar prefetch and "
+                       f"{self.num_inputs} inputs")
+    n = self.num_scalar_prefetch
+    return KernelArgs((), tuple(seq[:n]), tuple(seq[n:]), (), ())
+
+  def unflatten_kernel_refs(self, refs: Sequence[Any]) -> list[Any]:
+    """The kernel's positional arguments, in the pytree shape of the specs."""
+    _, prefetch, ins, outs, scratch = self.split(refs)
+    args = list(prefetch)
+    args += list(tree_util.tree_unflatten(self.in_tree, ins))
+    out = tree_util.tree_unflatten(self.out_tree, outs)
+    args += list(out) if isinstance(out, (tuple, list)) else [out]
+    sc = (tree_util.tree_unflatten(self.scratch_tree, scratch)
+          if self.scratch_tree is not None else list(scratch))
+    args += list(sc) if isinstance(sc, (tuple, list)) else [sc]
+    return args
+
+
+def _is_spec_leaf(x):
+  return x is None or isinstance(x, BlockSpec)
+
+
+def is_shape_tuple(x) -> bool:
+  """A tuple or list of ints: a shape given where a shape and a dtype
+  (a ShapeDtypeStruct, a scratch shape) belong."""
+  return (isinstance(x, (tuple, list)) and len(x) > 0
+          and all(isinstance(d, (int, np.integer)) and not isinstance(d, bool)
+                  for d in x))
+
+
+def _zero_size_text(in_avals, out_avals) -> str:
+  """Why a grid may have come out empty: the operands of size zero."""
+  found = [f"{kind}[{k}] has shape {tuple(a.shape)}"
+           for kind, avals in (("argument", in_avals), ("out_shape", out_avals))
+           for k, a in enumerate(avals) if 0 in tuple(a.shape)]
+  if not found:
+    return ""
+  return (f": {'; '.join(found)}, and a grid computed from a zero-size dim "
+          "(pl.cdiv(0, 8) == 0) has no steps. Skip the call for empty "
+          "inputs (return an empty array of the output's shape), or give the "
+          "grid at least one step")
+
+
+def normalize_grid(kernel: str, grid, where: str,
+                   zero_size: str = "") -> tuple[int, ...]:
+  if grid is None:
+    grid = ()
+  if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
+    grid = (grid,)
+  if not isinstance(grid, (tuple, list)):
+    raise KernelTypeError(kernel, f"grid must be a tuple of positive integers, "
+                          f"got {grid!r}", where, operand="grid")
+  out = []
+  for i, g in enumerate(grid):
+    if (isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], str)):
+      g = g[1]   # a named grid axis ("i", 4), as Pallas takes it
+    if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
+      raise KernelTypeError(
+          kernel, f"grid[{i}] must be a positive integer, got {g!r} "
+          f"({type(g).__name__}); traced grid sizes are not supported",
+          where, operand="grid")
+    if g <= 0:
+      raise KernelError(kernel, f"grid[{i}] must be a positive integer, got "
+                        f"{int(g)}" + (zero_size if g == 0 else ""), where,
+                        operand="grid")
+    out.append(int(g))
+  return tuple(out)
+
+
+def _flatten_specs(kernel, specs, n, what, where, tree_desc):
+  if specs is None:
+    return [None] * n
+  if isinstance(specs, BlockSpec):
+    specs = [specs] if n == 1 or tree_desc == "single" else specs
+  leaves = tree_util.tree_leaves(specs, is_leaf=_is_spec_leaf)
+  if isinstance(specs, BlockSpec):
+    leaves = [specs]
+  if len(leaves) != n:
+    raise KernelError(kernel, f"{what} has {len(leaves)} BlockSpecs but there "
+                      f"are {n} {tree_desc}", where, operand=what)
+  return leaves
+
+
+def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
+                         scratch_shapes, num_scalar_prefetch: int,
+                         prefetch_avals, in_avals, in_tree, out_avals,
+                         out_tree, where: str) -> GridMapping:
+  """Checks user specs against the operands and resolves them."""
+  names = grid_names(kernel, grid, where)
+  grid = normalize_grid(kernel, grid, where,
+                        _zero_size_text(list(prefetch_avals) + list(in_avals),
+                                        out_avals))
+  in_leaves = _flatten_specs(kernel, in_specs, len(in_avals), "in_specs",
+                             where, "inputs")
+  out_leaves = _flatten_specs(kernel, out_specs, len(out_avals), "out_specs",
+                              where, "outputs in out_shape")
+  p_refs = []
+  for aval in prefetch_avals:
+    p_refs.append(state_types.AbstractRef(
+        core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type),
+        memory_space=MemorySpace.SMEM))
+  mappings = []
+  for i, (spec, aval) in enumerate(zip(in_leaves, in_avals)):
+    mappings.append(resolve_block_spec(kernel, f"in_specs[{i}]", spec, aval,
+                                       len(grid), p_refs, where))
+  for i, (spec, aval) in enumerate(zip(out_leaves, out_avals)):
+    mappings.append(resolve_block_spec(kernel, f"out_specs[{i}]", spec, aval,
+                                       len(grid), p_refs, where))
+  scratch_leaves, scratch_tree = tree_util.tree_flatten(
+      list(scratch_shapes or ()),
+      is_leaf=lambda x: (hasattr(x, "get_ref_aval") or hasattr(x, "dtype")
+                         or is_shape_tuple(x)))
+  scratch_avals = tuple(scratch_aval(kernel, i, s)
+                        for i, s in enumerate(scratch_leaves))
+  return GridMapping(grid, tuple(mappings), len(in_avals), len(out_avals),
+                     num_scalar_prefetch, tuple(p_refs), scratch_avals,
+                     in_tree, out_tree, scratch_tree, grid_names=names)
+
+
+def grid_names(kernel: str, grid, where: str) -> tuple | None:
+  """The names of a grid's axes (None where a dim has none), or None; a name
+  given twice is an error."""
+  names = names_of(grid)
+  given = [n for n in names or () if n is not None]
+  if len(set(given)) != len(given):
+    raise KernelError(kernel, f"grid axis names must differ, got {names}",
+                      where, operand="grid")
+  return names

@@ -1,0 +1,303 @@
+"""Rewrites kernel jaxprs into the primitives every lowering handles.
+
+JAX's own transformations leave primitives in derived kernels (jvp, linear,
+transposed and recording kernels) that a user never writes: `empty2`
+allocations from scan's transpose, `one_minus_square` from tanh's derivative,
+`select_n` with three or more cases, `copy`, and calls (`jit`, `eval_jaxpr`,
+`custom_jvp_call`, `custom_vjp_call`). Before a kernel goes to a compiled or
+host lowering (Triton, Mosaic), `normalize` re-traces its jaxpr, replacing
+each primitive of `DECOMPOSITIONS` with plain lax operations, inlining calls
+and recursing into the jaxprs of control flow and `run_scoped`. Every new
+equation keeps the source line of the equation it replaces.
+
+Primitives not in the table pass through unchanged, so a kernel that holds
+none of them comes back equal (and `normalize` returns the same spec).
+
+For the Mosaic (TPU) lowering, `normalize(spec, values_in_memory=True)` also
+rewrites `dynamic_slice` and `dynamic_update_slice` on values (what the
+reverse mode of a loop over ref rows makes of `x_ref[pl.ds(i, 1), :]` once the
+per-point function is discharged) into a round trip through a `run_scoped`
+VMEM buffer: store the value whole, then load (or store) the window at its
+dynamic start. A TPU slices and updates vectors in registers only at static
+offsets, but loads and stores VMEM at dynamic offsets on its untiled and
+second-minor dims, which is what these windows use; doing it here keeps one
+lowering path (`run_scoped` -> `tpu.region` + `memref.alloca`, ref loads and
+stores) instead of a second one inside the Mosaic rules. Starts are clamped
+as `dynamic_slice` clamps them, and a dim the window covers whole gets the
+static start 0: the row slices of a transposed row loop thus have static lane
+offsets (a window narrower than the last dim at a traced start would need a
+dynamic lane offset, which a TPU does not have).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import numpy as np
+
+from jax import lax
+from jax._src import core
+from jax._src.state import indexing
+from jax._src.state import types as state_types
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lax import lax as lax_internal
+import jax.extend.linear_util as lu
+
+from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
+from dsl.core.memory import MemorySpace
+from dsl.core.primitives import run_scoped
+
+# primitive -> fn(*operands, **params) -> result(s), written with lax ops.
+DECOMPOSITIONS: dict[Any, Callable] = {}
+
+
+def _decomposes(*primitives):
+  def register(fn):
+    for p in primitives:
+      DECOMPOSITIONS[p] = fn
+    return fn
+  return register
+
+
+@_decomposes(lax_internal.empty_p)
+def _empty(*, shape, dtype, out_sharding=None):
+  return lax.full(shape, 0, dtype)
+
+
+@_decomposes(lax_internal.empty2_p)
+def _empty2(*, dtype, memory_space=None):
+  return lax.full((), 0, dtype)
+
+
+@_decomposes(lax_internal.one_minus_square_p)
+def _one_minus_square(x):
+  return lax.sub(lax.full_like(x, 1), lax.mul(x, x))
+
+
+@_decomposes(lax_internal.copy_p)
+def _copy(x):
+  return x
+
+
+@_decomposes(lax.select_n_p)
+def _select_n(which, *cases):
+  """`select_n` with a boolean or two cases stays; more cases become a
+  binary tree of two-case selects on the bits of `which`."""
+  if len(cases) <= 2:
+    return lax.select_n(which, *cases)
+  half = 1 << (len(cases) - 1).bit_length() - 1
+  low = _select_n(which, *cases[:half])
+  rest = cases[half:]
+  shifted = lax.sub(which, lax.full_like(which, half))
+  high = rest[0] if len(rest) == 1 else _select_n(
+      lax.max(shifted, lax.full_like(shifted, 0)), *rest)
+  return lax.select(lax.lt(which, lax.full_like(which, half)), low, high)
+
+
+# Rewrites used only where vectors cannot be sliced at dynamic offsets (Mosaic).
+VALUES_IN_MEMORY: dict[Any, Callable] = {}
+
+
+def _window(shape, starts, sizes):
+  """The ref indexer of a `dynamic_slice` window, starts clamped as
+  `dynamic_slice` clamps them; whole dims get the static start 0."""
+  index = []
+  for dim, start, size in zip(shape, starts, sizes):
+    if size == dim:
+      index.append(indexing.Slice(0, size))
+      continue
+    start = lax.convert_element_type(start, np.int32)
+    start = lax.clamp(np.int32(0), start, np.int32(dim - size))
+    index.append(indexing.Slice(start, size))
+  return tuple(index)
+
+
+def _dynamic_slice(x, *starts, slice_sizes):
+  def scoped(ref):
+    ref[...] = x
+    return ref[_window(x.shape, starts, slice_sizes)]
+  return run_scoped(scoped, _buffer(x.shape, x.dtype))
+
+
+def _dynamic_update_slice(x, update, *starts):
+  def scoped(ref):
+    ref[...] = x
+    ref[_window(x.shape, starts, update.shape)] = update
+    return ref[...]
+  return run_scoped(scoped, _buffer(x.shape, x.dtype))
+
+
+VALUES_IN_MEMORY[lax.dynamic_slice_p] = _dynamic_slice
+VALUES_IN_MEMORY[lax.dynamic_update_slice_p] = _dynamic_update_slice
+
+
+def _pad(x, padding_value, *, padding_config):
+  """`lax.pad` without interior padding (the transpose of a static slice)
+  as a buffer round trip: fill with the padding value, store `x` (trimmed
+  where a padding is negative) at its static offsets."""
+  if any(interior for _, _, interior in padding_config):
+    return lax.pad_p.bind(x, padding_value, padding_config=padding_config)
+  lo = [max(0, -l) for l, _, _ in padding_config]
+  hi = [n - max(0, -h) for n, (_, h, _) in zip(x.shape, padding_config)]
+  x = lax.slice(x, lo, hi)
+  shape = tuple(n + max(0, l) + max(0, h)
+                for n, (l, h, _) in zip(x.shape, padding_config))
+  window = tuple(indexing.Slice(max(0, l), n)
+                 for n, (l, _, _) in zip(x.shape, padding_config))
+
+  def scoped(ref):
+    ref[...] = lax.full(shape, padding_value, x.dtype)
+    ref[window] = x
+    return ref[...]
+  return run_scoped(scoped, _buffer(shape, x.dtype))
+
+
+VALUES_IN_MEMORY[lax.pad_p] = _pad
+
+
+def scan_layout(params: dict) -> tuple[int, int, int, int]:
+  """(consts, carry, xs, ys) counts of a scan equation."""
+  n_consts, n_carry, n_xs = (len(p) for p in params["ft_in"].unpack())
+  return n_consts, n_carry, n_xs, len(params["ft_out"].unpack()[1])
+
+
+@_decomposes(lax.scan_p)
+def _scan(*args, jaxpr, length, reverse, **params):
+  """A scan over stacked arrays (what JAX's transposition makes of a loop
+  with per-iteration residuals) becomes a loop over refs: xs and ys live in
+  `run_scoped` buffers indexed by the iteration. Scans without xs/ys (what
+  `fori_loop` makes) stay scans."""
+  n_consts, n_carry, n_xs, n_ys = scan_layout(params)
+  body = normalize_closed(jaxpr)
+  if not n_xs and not n_ys:
+    return lax.scan_p.bind(*args, jaxpr=body, length=length, reverse=reverse,
+                           **params)
+  consts = list(args[:n_consts])
+  init = list(args[n_consts:n_consts + n_carry])
+  xs = list(args[n_consts + n_carry:])
+  buffers = ([_buffer(x.shape, x.dtype) for x in xs] +
+             [_buffer((length, *a.shape), a.dtype)
+              for a in body.out_avals[n_carry:]])
+
+  def scoped(*refs):
+    xs_refs, ys_refs = refs[:n_xs], refs[n_xs:]
+    for ref, x in zip(xs_refs, xs):
+      ref[...] = x
+
+    def step(k, carry):
+      i = (length - 1 - k) if reverse else k
+      outs = core.jaxpr_as_fun(body)(*consts, *carry,
+                                     *[ref[i] for ref in xs_refs])
+      for ref, y in zip(ys_refs, outs[n_carry:]):
+        ref[i] = y
+      return list(outs[:n_carry])
+
+    carry = lax.fori_loop(0, length, step, init)
+    return list(carry) + [ref[...] for ref in ys_refs]
+
+  return run_scoped(scoped, *buffers)
+
+
+def _buffer(shape, dtype):
+  return state_types.AbstractRef(core.ShapedArray(tuple(shape), dtype),
+                                 memory_space=MemorySpace.VMEM)
+
+
+def _sub_jaxpr_params(params: dict) -> bool:
+  return any(True for _ in sub_jaxprs(params))
+
+
+def _normalized_param(value):
+  if isinstance(value, core.ClosedJaxpr):
+    return normalize_closed(value)
+  if isinstance(value, core.Jaxpr):
+    closed = normalize_closed(core.ClosedJaxpr(value, ()))
+    if closed.consts:
+      return None          # an open jaxpr must stay closed over nothing
+    return closed.jaxpr
+  if isinstance(value, tuple) and value and isinstance(
+      value[0], (core.Jaxpr, core.ClosedJaxpr)):
+    new = tuple(_normalized_param(v) for v in value)
+    return None if any(v is None for v in new) else new
+  return value
+
+
+def _bind(eqn, invals):
+  params = eqn.params
+  if _sub_jaxpr_params(params):
+    new = {k: _normalized_param(v) for k, v in params.items()}
+    if all(v is not None for v in new.values()):
+      params = new
+  return eqn.primitive.bind(*invals, **params)
+
+
+def _eval_eqn(eqn, invals):
+  if eqn.primitive in CALL_PRIMITIVES:
+    body = call_body(eqn.params, invals)
+    return _eval(*body) if body is not None else _bind(eqn, invals)
+  if eqn.primitive in _RULES.get():
+    return _RULES.get()[eqn.primitive](*invals, **eqn.params)
+  return _bind(eqn, invals)
+
+
+def _eval(jaxpr: core.Jaxpr, consts, args) -> list:
+  return retrace(jaxpr, consts, args, _eval_eqn)
+
+
+def needs_normalizing(jaxpr: core.Jaxpr) -> bool:
+  return any(_rewritten(eqn) or eqn.primitive in CALL_PRIMITIVES
+             or any(needs_normalizing(j) for j in sub_jaxprs(eqn.params))
+             for eqn in jaxpr.eqns)
+
+
+def _rewritten(eqn) -> bool:
+  if eqn.primitive is lax.scan_p:
+    _, _, n_xs, n_ys = scan_layout(eqn.params)
+    return bool(n_xs or n_ys)
+  if eqn.primitive is lax.select_n_p:
+    return len(eqn.invars) > 3
+  return eqn.primitive in _RULES.get()
+
+
+# The rewrites in force: DECOMPOSITIONS, plus VALUES_IN_MEMORY for Mosaic.
+_RULES = contextvars.ContextVar("normalize_rules", default=DECOMPOSITIONS)
+
+
+@contextlib.contextmanager
+def _rules(values_in_memory: bool):
+  token = _RULES.set({**DECOMPOSITIONS, **VALUES_IN_MEMORY}
+                     if values_in_memory else DECOMPOSITIONS)
+  try:
+    yield
+  finally:
+    _RULES.reset(token)
+
+
+def normalize_closed(closed: core.ClosedJaxpr, *,
+                     values_in_memory: bool | None = None) -> core.ClosedJaxpr:
+  """`closed` rewritten; `values_in_memory` (default: as the enclosing call)
+  also rewrites slices of values into buffer round trips."""
+  if values_in_memory is not None:
+    with _rules(values_in_memory):
+      return normalize_closed(closed)
+  if not needs_normalizing(closed.jaxpr):
+    return closed
+  fn = lu.wrap_init(lambda *args: _eval(closed.jaxpr, closed.consts, args),
+                    debug_info=closed.jaxpr.debug_info)
+  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+      fn, [v.aval for v in closed.jaxpr.invars])
+  return core.ClosedJaxpr(jaxpr, consts)
+
+
+@functools.lru_cache(maxsize=256)
+def normalize(spec, values_in_memory: bool = False):
+  """`spec` with its kernel jaxpr in the primitives every lowering handles;
+  `values_in_memory` for lowerings that cannot slice vectors at dynamic
+  offsets (Mosaic)."""
+  jaxpr = normalize_closed(spec.jaxpr, values_in_memory=values_in_memory)
+  if jaxpr is spec.jaxpr:
+    return spec
+  return dataclasses.replace(spec, jaxpr=jaxpr)

@@ -1,0 +1,347 @@
+"""The range analysis of a kernel: which coordinates can leave their array.
+
+`analyze_kernel(spec)` runs an interval analysis over the kernel jaxpr
+(rules in `dsl.core.range_rules`, arithmetic in `dsl.core.intervals`): program ids lie
+in 0..grid-1, index maps give the blocks' positions, loops with bounds known
+at trace time give their counters' ranges, and arithmetic carries them to
+every ref access. For each load, store and atomic it records, per array dim
+of the accessed operand, the interval of every coordinate the access can
+touch (`Access`), so a lowering can leave out the masks and checks of the
+coordinates it proves inside (`Access.proven`) and keep them for the rest.
+
+The analysis is sound, not exact: a value it cannot follow (read from
+memory, a float converted to an int, arithmetic that may wrap around) is
+anywhere in its dtype's range, and then nothing built from it is proven.
+It is backend-neutral: backends ask it, it knows none of them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+from jax._src import core
+from jax._src.state import indexing
+
+from dsl.core import intervals as iv
+from dsl.core.blockspec import Element, squeezed
+from dsl.core.errors import BackendError
+from dsl.core.intervals import Interval
+from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
+from dsl.core.range_rules import RANGE_RULES
+
+MaybeInterval = Interval | None
+
+
+def _add(a: MaybeInterval, b: MaybeInterval) -> MaybeInterval:
+  return None if a is None or b is None else a + b
+
+
+def _scale(a: MaybeInterval, k: int) -> MaybeInterval:
+  return None if a is None else a.scale(k)
+
+
+# ------------------------------------------------------------------ windows
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """A visible axis of a ref: array coordinates start + step * k, k < size.
+  `offset` is `start` counted from the first element of the operand's block
+  (None: unknown)."""
+  dim: int
+  start: MaybeInterval
+  offset: MaybeInterval
+  step: int
+  size: int
+
+  def extent(self, base: MaybeInterval) -> MaybeInterval:
+    return _add(base, Interval(0, self.step * max(self.size - 1, 0)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """Where the elements of a kernel ref lie in its operand's array: per
+  array dim, a visible axis or a fixed coordinate (a squeezed block dim or
+  an integer index)."""
+  origin: str                    # "in_specs[0]", "scratch_shapes[1]", ...
+  array_shape: tuple[int, ...]
+  block_sizes: tuple[int, ...]   # per array dim (squeezed: 1)
+  axes: tuple[Axis, ...]
+  fixed: tuple[tuple[int, MaybeInterval, MaybeInterval], ...] = ()
+  # (array dim, coordinate, coordinate counted from the block's start)
+
+  @classmethod
+  def whole(cls, shape, origin: str) -> "Window":
+    """A ref that is its whole array (scratch, scalar prefetch)."""
+    shape = tuple(int(n) for n in shape)
+    zero = Interval(0, 0)
+    return cls(origin, shape, shape,
+               tuple(Axis(d, zero, zero, 1, n) for d, n in enumerate(shape)))
+
+  def index(self, indexer) -> "Window | None":
+    """The window `ref[indexer]`, None when the indexer is not understood."""
+    if not isinstance(indexer, indexing.NDIndexer) or \
+        len(indexer.indices) != len(self.axes):
+      return None
+    axes, fixed = [], list(self.fixed)
+    for ax, idx in zip(self.axes, indexer.indices):
+      if isinstance(idx, indexing.Slice):
+        start = _index_interval(idx.start, None)
+        if start is None or not isinstance(idx.size, (int, np.integer)):
+          return None
+        delta = start.scale(ax.step)
+        axes.append(Axis(ax.dim, _add(ax.start, delta), _add(ax.offset, delta),
+                         ax.step * int(idx.stride), int(idx.size)))
+      else:
+        at = _index_interval(idx, ax.size)
+        if at is None:
+          return None
+        delta = at.scale(ax.step)
+        fixed.append((ax.dim, _add(ax.start, delta), _add(ax.offset, delta)))
+    return dataclasses.replace(self, axes=tuple(axes), fixed=tuple(fixed))
+
+  def extents(self) -> dict[int, tuple[MaybeInterval, MaybeInterval]]:
+    """Per array dim: (coordinates, coordinates counted from the block's
+    start) of every element of the window."""
+    out = {d: (c, o) for d, c, o in self.fixed}
+    for ax in self.axes:
+      out[ax.dim] = (ax.extent(ax.start), ax.extent(ax.offset))
+    return out
+
+
+def _index_interval(idx, size: int | None) -> MaybeInterval:
+  """The coordinates an index (a Slice start, or an integer index into an
+  axis of `size` elements) can take. A static negative integer index counts
+  from the end; a constant one computed in the kernel may be folded to one
+  by a backend, so it counts both ways."""
+  if isinstance(idx, (int, np.integer)):
+    idx = int(idx)
+    return Interval.const(idx + size if idx < 0 and size is not None else idx)
+  if not isinstance(idx, Interval):
+    return None
+  if size is not None and idx.is_const and idx.lo < 0:
+    return Interval(idx.lo, idx.lo + size)
+  return idx
+
+
+# ----------------------------------------------------------------- accesses
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+  """Every coordinate one load/store/atomic equation can touch, per array
+  dim of its operand: `coords` in the array, `offsets` counted from the
+  first element of the block (None: unknown)."""
+  origin: str
+  array_shape: tuple[int, ...]
+  block_sizes: tuple[int, ...]
+  coords: tuple[MaybeInterval, ...]
+  offsets: tuple[MaybeInterval, ...]
+
+  @classmethod
+  def of(cls, window: Window) -> "Access":
+    ext = window.extents()
+    rank = len(window.array_shape)
+    return cls(window.origin, window.array_shape, window.block_sizes,
+               tuple(ext.get(d, (None, None))[0] for d in range(rank)),
+               tuple(ext.get(d, (None, None))[1] for d in range(rank)))
+
+  def join(self, other: "Access") -> "Access":
+    if (self.origin, self.array_shape) != (other.origin, other.array_shape):
+      unknown = (None,) * len(self.array_shape)
+      return dataclasses.replace(self, coords=unknown, offsets=unknown)
+    j = lambda a, b: None if a is None or b is None else a.join(b)
+    return dataclasses.replace(
+        self, coords=tuple(map(j, self.coords, other.coords)),
+        offsets=tuple(map(j, self.offsets, other.offsets)))
+
+  def in_array(self, dim: int) -> tuple[bool, bool]:
+    """(no coordinate below 0, none at or past the end) on `dim`."""
+    return _inside(self.coords[dim], self.array_shape[dim])
+
+  def in_block(self, dim: int) -> tuple[bool, bool]:
+    """The same within the operand's block (of `block_sizes[dim]`)."""
+    return _inside(self.offsets[dim], self.block_sizes[dim])
+
+  def proven(self, dim: int) -> tuple[bool, bool]:
+    """(lower, upper): whether every coordinate on `dim` is proven at or
+    above 0, below the end. Inside the block counts as inside the array: a
+    backend already guards the block itself (masks a partial edge block or
+    one whose index, read from data, lies outside the array)."""
+    a, b = self.in_array(dim), self.in_block(dim)
+    return a[0] or b[0], a[1] or b[1]
+
+
+def _inside(coords: MaybeInterval, n: int) -> tuple[bool, bool]:
+  if coords is None:
+    return False, False
+  return coords.lo >= 0, coords.hi <= n - 1
+
+
+class KernelRanges:
+  """The analysis's result: an `Access` per ref-accessing equation."""
+
+  def __init__(self):
+    self._accesses: dict[int, tuple[Any, Access]] = {}
+
+  def record(self, eqn, access: Access) -> None:
+    old = self._accesses.get(id(eqn))
+    self._accesses[id(eqn)] = (eqn, access if old is None
+                               else old[1].join(access))
+
+  def access(self, eqn) -> Access | None:
+    """The coordinates `eqn` can touch; None when it was never reached (or
+    accesses a ref the analysis cannot follow)."""
+    hit = self._accesses.get(id(eqn))
+    return hit[1] if hit is not None and hit[0] is eqn else None
+
+  def items(self) -> list[tuple[Any, Access]]:
+    return list(self._accesses.values())
+
+
+# --------------------------------------------------------------- the walk
+
+class _Context:
+  """What a rule of `RANGE_RULES` sees."""
+
+  def __init__(self, host: "_RangeHost", eqn):
+    self.host, self.eqn, self.primitive = host, eqn, eqn.primitive
+
+  def dtype(self, k: int = 0):
+    aval = self.eqn.outvars[k].aval
+    return getattr(aval, "dtype", None) if not _is_ref(aval) else None
+
+  def top(self, k: int = 0) -> MaybeInterval:
+    dtype = self.dtype(k)
+    return None if dtype is None else iv.dtype_range(dtype)
+
+  def walk(self, jaxpr: core.Jaxpr, consts: Sequence, args: Sequence) -> list:
+    return walk_jaxpr(self.host, jaxpr, consts, args)
+
+  def walk_closed(self, closed, args: Sequence) -> list:
+    if isinstance(closed, core.ClosedJaxpr):
+      return self.walk(closed.jaxpr, closed.consts, args)
+    return self.walk(closed, (), args)
+
+  def access(self, ref, transforms) -> None:
+    """Records the coordinates `ref[transforms...]` touches."""
+    if not isinstance(ref, Window):
+      return
+    for t in transforms:
+      ref = ref.index(t)
+      if ref is None:
+        return
+    self.host.result.record(self.eqn, Access.of(ref))
+
+  def new_buffer(self, aval, origin: str) -> Window | None:
+    inner = getattr(aval, "inner_aval", aval)
+    shape = getattr(inner, "shape", None)
+    return None if shape is None else Window.whole(shape, origin)
+
+
+def _is_ref(aval) -> bool:
+  return hasattr(aval, "inner_aval")
+
+
+def _concrete_interval(value) -> MaybeInterval:
+  try:
+    arr = np.asarray(value)
+  except Exception:  # noqa: BLE001 - not a concrete array: unknown
+    return None
+  if arr.size == 0 or not iv.is_integer(arr.dtype):
+    return None
+  return Interval(int(arr.min()), int(arr.max()))
+
+
+class _RangeHost(LoweringHost):
+  rules = RANGE_RULES
+
+  def __init__(self, kernel: str, where: str):
+    self.kernel, self.where = kernel, where
+    self.result = KernelRanges()
+
+  def literal(self, atom):
+    return _concrete_interval(atom.val)
+
+  def constvar(self, var, value):
+    if value is None or isinstance(value, (Interval, Window)):
+      return value
+    return _concrete_interval(value)
+
+  def rule_context(self, eqn, used, position):
+    return _Context(self, eqn)
+
+  def error(self, message, eqn=None):
+    return BackendError(self.kernel, message, self.where)
+
+
+# ------------------------------------------------------------- the kernel
+
+def _grid_intervals(grid) -> list[Interval] | None:
+  if any(int(g) <= 0 for g in grid):
+    return None                  # the kernel never runs
+  return [Interval(0, int(g) - 1) for g in grid]
+
+
+def _block_window(host: _RangeHost, bm, ids, prefetch) -> Window:
+  """Where the block of `bm` lies, over every grid point."""
+  shape = tuple(int(n) for n in bm.array_aval.shape)
+  if bm.whole_array:
+    return Window.whole(shape, bm.origin)
+  jaxpr = bm.index_map_jaxpr
+  n_pf = len(jaxpr.jaxpr.invars) - len(ids)
+  index = walk_jaxpr(host, jaxpr.jaxpr, jaxpr.consts,
+                     list(ids) + list(prefetch[:n_pf]))
+  zero = Interval(0, 0)
+  axes, fixed = [], []
+  for d, (dim, size) in enumerate(zip(bm.block_shape, bm.block_sizes)):
+    idx = index[d] if isinstance(index[d], Interval) else None
+    if isinstance(dim, Element):
+      start = _add(idx, Interval.const(-dim.padding[0]))
+    else:
+      start = _scale(idx, int(size))
+    if dim is squeezed:
+      fixed.append((d, start, zero))
+    else:
+      axes.append(Axis(d, start, zero, 1, int(size)))
+  return Window(bm.origin, shape, tuple(int(s) for s in bm.block_sizes),
+                tuple(axes), tuple(fixed))
+
+
+def _analyze(spec) -> KernelRanges:
+  host = _RangeHost(spec.name, spec.where)
+  gm = spec.grid_mapping
+  ids = _grid_intervals(gm.grid)
+  if ids is None:
+    return host.result
+  prefetch = [Window.whole(getattr(a, "inner_aval", a).shape,
+                           f"scalar prefetch {k}")
+              for k, a in enumerate(gm.prefetch_avals)]
+  blocks = [_block_window(host, bm, ids, prefetch)
+            for bm in gm.block_mappings]
+  scratch = [Window.whole(getattr(a, "inner_aval", a).shape,
+                          f"scratch_shapes[{k}]")
+             for k, a in enumerate(gm.scratch_avals)]
+  args = ids + prefetch + blocks + scratch
+  jaxpr = spec.jaxpr
+  walk_jaxpr(host, jaxpr.jaxpr, jaxpr.consts, args)
+  return host.result
+
+
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def analyze_kernel(spec) -> KernelRanges:
+  """The coordinates every ref access of `spec` can touch (cached per
+  spec)."""
+  hit = _CACHE.get(spec)
+  if hit is None:
+    hit = _CACHE[spec] = _analyze(spec)
+  return hit
+
+
+def analyze_jaxpr(jaxpr: core.ClosedJaxpr, args: Sequence) -> list:
+  """The intervals of `jaxpr`'s outputs for arguments in the intervals
+  `args` (None: unknown); for tests and tools."""
+  host = _RangeHost("jaxpr", "<analysis>")
+  return walk_jaxpr(host, jaxpr.jaxpr, jaxpr.consts, list(args))

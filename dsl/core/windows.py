@@ -1,0 +1,349 @@
+"""Ref windows whose place is computed at run time, on the interpret backend.
+
+`x_ref[pl.ds(i, 8), :]` with `i` read from data may leave the ref. JAX's own
+discharge of `get`/`swap` clamps the window back inside (`dynamic_slice`),
+so the kernel would read and write rows it never addressed. Here, as on
+every backend (docs/interpret.md, "Windows computed at run time"), the lanes
+of a window that lie outside its ref read poison and write nothing.
+
+A window of unit-stride slices and scalar indices (the common case) is read
+as JAX reads it, at the start clamped inside the ref, and then shifted by
+how far the clamp moved it, poison filling the lanes it pushed out: work in
+the size of the window, so a loop that reads or writes a row per iteration
+costs what it cost before. Windows of strided slices or arrays of indices
+pad the ref with poison on both sides instead, and move their indices into
+the padding where they leave the ref.
+
+The discharge rules of JAX's `get`, `swap` and `addupdate` follow these
+semantics while `bounded_windows()` is active (the interpret backend's
+discharge); elsewhere (Pallas's own interpreter in the same process) they
+are JAX's.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax, tree_util
+from jax._src import core
+from jax._src.state import discharge as state_discharge
+from jax._src.state import indexing
+from jax._src.state import primitives as state_primitives
+
+from dsl.core.poison import poison_value
+
+# ------------------------------------------------------------ index kinds
+
+
+def _static(i) -> bool:
+  if isinstance(i, (int, np.integer)):
+    return True
+  try:
+    core.concrete_or_error(None, i)
+    return True
+  except Exception:  # noqa: BLE001 - a traced value
+    return False
+
+
+def _is_array(i) -> bool:
+  return not isinstance(i, indexing.Slice) and np.ndim(i) > 0
+
+
+def _static_int(i):
+  return int(core.concrete_or_error(None, i)) if _static(i) else None
+
+
+def _static_index(i, n: int):
+  """A static integer index into a dim of `n`, a negative one counted from
+  the end as in numpy (`x_ref[-1]`); None for a traced one (which is not
+  counted from the end: a negative value there lies outside)."""
+  v = _static_int(i)
+  return v + n if v is not None and -n <= v < 0 else v
+
+
+def may_leave(indexer, shape) -> bool:
+  """Whether an indexer's window may leave a ref of `shape`: it is placed
+  by traced values (starts, indices, arrays of indices), or by static ones
+  outside the ref (which kernels get past the trace-time checks only in
+  derived kernels)."""
+  if not isinstance(indexer, indexing.NDIndexer):
+    return False
+  for i, n in zip(indexer.indices, shape):
+    if isinstance(i, indexing.Slice):
+      start = _static_int(i.start)
+      if start is None or start < 0 or (
+          start + (int(i.size) - 1) * int(i.stride) >= n):
+        return True
+    elif _is_array(i) or _static_index(i, n) is None or not (
+        0 <= _static_index(i, n) < n):
+      return True
+  return False
+
+
+def _fast(indexer) -> bool:
+  """Unit-stride slices and scalar indices only."""
+  return all((isinstance(i, indexing.Slice) and i.stride == 1)
+             or (not isinstance(i, indexing.Slice) and not _is_array(i))
+             for i in indexer.indices)
+
+
+def _i32(x):
+  return lax.convert_element_type(x, np.int32)
+
+
+# ------------------------------------------------------------ unit strides
+
+def _window(x, indexer):
+  """(start, clamped start, size) per dim, and the dims a scalar index
+  squeezes."""
+  dims, squeeze = [], []
+  for d, (i, n) in enumerate(zip(indexer.indices, x.shape)):
+    if isinstance(i, indexing.Slice):
+      start, size = i.start, int(i.size)
+    else:
+      start, size = i, 1
+      squeeze.append(d)
+    static = (_static_int(start) if isinstance(i, indexing.Slice)
+              else _static_index(start, n))
+    if static is not None and 0 <= static <= n - size:
+      dims.append((static, static, size))
+    else:
+      start = _i32(start)
+      dims.append((start, lax.clamp(np.int32(0), start,
+                                    np.int32(max(n - size, 0))), size))
+  return dims, tuple(squeeze)
+
+
+def _shift(w, axis: int, off, fill):
+  """`w` moved along `axis` so that lane j holds lane j + off; the lanes
+  that come from outside hold `fill`."""
+  k = w.shape[axis]
+  pads = [(0, 0, 0)] * w.ndim
+  pads[axis] = (k, k, 0)
+  padded = lax.pad(w, jnp.asarray(fill, w.dtype), pads)
+  starts = [np.int32(0)] * w.ndim
+  starts[axis] = lax.clamp(np.int32(0), off + np.int32(k), np.int32(2 * k))
+  return lax.dynamic_slice(padded, starts, w.shape)
+
+
+def _lanes_inside(start, size: int, n: int):
+  pos = start + jnp.arange(size, dtype=np.int32)
+  return (pos >= 0) & (pos < n)
+
+
+def _read_fast(x, indexer):
+  dims, squeeze = _window(x, indexer)
+  w = lax.dynamic_slice(x, [c for _, c, _ in dims], [k for _, _, k in dims])
+  poison = poison_value(x.dtype)
+  for d, (start, clamped, _) in enumerate(dims):
+    if start is not clamped:
+      w = _shift(w, d, start - clamped, poison)
+  return lax.squeeze(w, squeeze) if squeeze else w
+
+
+def _write_fast(x, indexer, val):
+  dims, squeeze = _window(x, indexer)
+  sizes = [k for _, _, k in dims]
+  val = jnp.broadcast_to(jnp.asarray(val, x.dtype),
+                         [k for d, k in enumerate(sizes) if d not in squeeze])
+  val = lax.expand_dims(val, squeeze) if squeeze else val
+  starts = [c for _, c, _ in dims]
+  if all(s is c for s, c, _ in dims):
+    return lax.dynamic_update_slice(x, val, starts)
+  old = lax.dynamic_slice(x, starts, sizes)
+  keep = jnp.bool_(True)
+  for d, (start, clamped, k) in enumerate(dims):
+    if start is clamped:
+      continue
+    off = start - clamped
+    val = _shift(val, d, -off, 0)
+    shape = [1] * x.ndim
+    shape[d] = k
+    keep = keep & _lanes_inside(clamped - start, k, k).reshape(shape)
+  return lax.dynamic_update_slice(x, jnp.where(keep, val, old), starts)
+
+
+# ------------------------------------------------------------ padded
+
+def _padded(x, indexer):
+  """`x` padded with poison around the dims placed at run time, and the
+  indexer moved into the padded array (indices outside the ref pointing
+  into the padding)."""
+  pads, indices = [], []
+  for i, n in zip(indexer.indices, x.shape):
+    if isinstance(i, indexing.Slice):
+      start = _static_int(i.start)
+      if start is not None and 0 <= start and (
+          start + (int(i.size) - 1) * int(i.stride) < n):
+        pads.append((0, 0))
+        indices.append(i)
+        continue
+      room = (int(i.size) - 1) * int(i.stride) + 1
+      start = lax.clamp(np.int32(0), _i32(i.start) + np.int32(room),
+                        np.int32(n + room))
+      pads.append((room, room))
+      indices.append(indexing.Slice(start, i.size, i.stride))
+    elif not _is_array(i) and _static_index(i, n) is not None and (
+        0 <= _static_index(i, n) < n):
+      pads.append((0, 0))
+      indices.append(np.asarray(_static_index(i, n), np.int32))
+    else:
+      i = _i32(i)
+      pads.append((1, 1))
+      indices.append(jnp.where((i >= 0) & (i < n), i + 1, 0).astype(
+          np.int32))
+  padded = jnp.pad(x, pads, constant_values=poison_value(x.dtype))
+  moved = indexing.NDIndexer(tuple(indices), tuple(padded.shape),
+                             indexer.int_indexer_shape, validate=False)
+  return padded, moved, pads
+
+
+def _unpad(x, pads, shape):
+  return x[tuple(slice(lo, lo + n) for (lo, _), n in zip(pads, shape))]
+
+
+# ------------------------------------------------------------ one indexer
+
+def read_one(x, t):
+  """`x` through transform `t`; a window placed at run time reads poison
+  where it leaves `x`."""
+  if not may_leave(t, x.shape):
+    return state_discharge.transform_array(x, [t])
+  if _fast(t):
+    return _read_fast(x, t)
+  padded, moved, _ = _padded(x, t)
+  return state_discharge.transform_array(padded, [moved])
+
+
+def write_one(x, t, val):
+  """`x` with `val` written through transform `t`; lanes of a window placed
+  at run time that leave `x` are dropped."""
+  if not may_leave(t, x.shape):
+    return state_discharge.transform_swap_array(x, [t], val)[1]
+  if _fast(t):
+    return _write_fast(x, t, val)
+  padded, moved, pads = _padded(x, t)
+  _, new = state_discharge.transform_swap_array(padded, [moved], val)
+  return _unpad(new, pads, x.shape)
+
+
+def read(x, transforms):
+  for t in transforms or ():
+    if t is not None:
+      x = read_one(x, t)
+  return x
+
+
+def update(x, transforms, new_of_old):
+  """(old, x'): `old` is `x` read through `transforms`, and `x'` is `x`
+  with `new_of_old(old)` written through them."""
+  transforms = [t for t in transforms or () if t is not None]
+  if not transforms:
+    return x, new_of_old(x)
+  inner = read_one(x, transforms[0])
+  old, new_inner = update(inner, transforms[1:], new_of_old)
+  return old, write_one(x, transforms[0], new_inner)
+
+
+def _has_arrays(transforms) -> bool:
+  return any(isinstance(t, indexing.NDIndexer)
+             and any(_is_array(i) for i in t.indices) for t in transforms)
+
+
+def atomic_update(x, transforms, combine, val, mask=None):
+  """(old, x') for an atomic read-modify-write of `combine(old, val)`
+  through `transforms` (lanes where `mask` is False keep their value). An
+  array of indices may name one element several times: the lanes then
+  apply one after another, in lane order, each seeing the value the lanes
+  before it left, as the GPU's atomics serialize them."""
+  transforms = [t for t in transforms or () if t is not None]
+  if not _has_arrays(transforms):
+    def new_of_old(old):
+      new = combine(old, val).astype(old.dtype)
+      return new if mask is None else jnp.where(mask, new, old)
+    return update(x, transforms, new_of_old)
+  if len(transforms) != 1:
+    raise NotImplementedError("an atomic through an array of indices on a "
+                              "view of a ref (x.at[...][idx])")
+  (t,) = transforms
+  padded, moved, pads = _padded(x, t)
+  # The flat position in `padded` of each lane (the padding's for the lanes
+  # outside the ref, which `_padded` points there).
+  pos = state_discharge.transform_array(
+      jnp.arange(padded.size, dtype=np.int32).reshape(padded.shape), [moved])
+  inside = lanes_inside(x.shape, t)
+  shape = pos.shape
+  keep = inside if mask is None else inside & jnp.broadcast_to(mask, shape)
+  vals = jnp.broadcast_to(jnp.asarray(val, x.dtype), shape).reshape(-1)
+  pos, keep = pos.reshape(-1), keep.reshape(-1)
+
+  def lane(k, carry):
+    flat, olds = carry
+    cur = lax.dynamic_index_in_dim(flat, pos[k], keepdims=False)
+    new = jnp.where(keep[k], combine(cur, vals[k]).astype(flat.dtype), cur)
+    flat = lax.dynamic_update_index_in_dim(flat, new, pos[k], 0)
+    return flat, lax.dynamic_update_index_in_dim(olds, cur, k, 0)
+
+  flat, olds = lax.fori_loop(0, pos.size, lane,
+                             (padded.reshape(-1), jnp.zeros_like(vals)))
+  olds = jnp.where(inside.reshape(-1), olds, poison_value(x.dtype))
+  return olds.reshape(shape), _unpad(flat.reshape(padded.shape), pads,
+                                     x.shape)
+
+
+def lanes_inside(shape, indexer):
+  """Per lane of `ref[indexer]` (a ref of `shape`), whether it lies inside
+  the ref, as a bool array of the window's shape."""
+  return read_one(jnp.ones(shape, jnp.int8), indexer) == 1
+
+
+# ------------------------------------------------------------ JAX's rules
+
+_BOUNDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "dsl_bounded_windows", default=False)
+
+
+@contextlib.contextmanager
+def bounded_windows():
+  """Discharges JAX's ref reads and writes with these semantics."""
+  token = _BOUNDED.set(True)
+  try:
+    yield
+  finally:
+    _BOUNDED.reset(token)
+
+
+def _tree_transforms(tree, idx):
+  return tree_util.tree_unflatten(tree, list(idx))
+
+
+def _get(ctx, x, *idx, tree):
+  return (None,) * (1 + len(idx)), read(x, _tree_transforms(tree, idx))
+
+
+def _swap(ctx, x, val, *idx, tree):
+  old, new = update(x, _tree_transforms(tree, idx), lambda old: val)
+  return (new, None) + (None,) * len(idx), old
+
+
+def _addupdate(ctx, x, val, *idx, tree):
+  _, new = update(x, _tree_transforms(tree, idx), lambda old: old + val)
+  return (new, None) + (None,) * len(idx), []
+
+
+def _install():
+  ours = {state_primitives.get_p: _get, state_primitives.swap_p: _swap,
+          state_primitives.addupdate_p: _addupdate}
+  for prim, rule in ours.items():
+    theirs = state_discharge._discharge_rules[prim]
+
+    def dispatch(ctx, *args, _theirs=theirs, _rule=rule, **params):
+      if _BOUNDED.get() and ctx.strip_memory_space:
+        return _rule(ctx, *args, **params)
+      return _theirs(ctx, *args, **params)
+    state_discharge._discharge_rules[prim] = dispatch
+
+
+_install()

@@ -1,0 +1,57 @@
+"""The "mosaic_gpu" backend: the module in Mosaic GPU's custom call.
+
+The custom call (`mosaic_gpu_v2`) is the one jaxlib's library emits for its
+own kernels (`core._mosaic_gpu_lowering_rule`): the module is serialized
+into the call's backend config, and XLA's Mosaic GPU plugin compiles it to
+PTX/cubin when the computation is compiled for a GPU.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+from jax.experimental.mosaic.gpu import core as mgpu_core
+
+from dsl.core.errors import BackendError
+from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
+
+
+def dump_gpu_module(spec, built: GpuModule) -> str | None:
+  """Writes the dialect-level module and the lowered one to
+  `jax_pallas_dump_mlir_to` if set; returns the first path."""
+  from dsl.core import config
+  directory = config.dump_mlir_to()
+  if not directory:
+    return None
+  lowered = built.module.operation.get_asm(enable_debug_info=True)
+  digest = hashlib.sha1(built.dialect_text.encode()).hexdigest()[:8]
+  os.makedirs(directory, exist_ok=True)
+  head = (f"// kernel {spec.name} defined at {spec.kernel_src}, called at "
+          f"{spec.where}\n// Mosaic GPU, grid {built.plan.grid}: parallel "
+          f"dims {built.plan.parallel} -> CUDA grid {built.plan.cuda_grid}, "
+          f"sequential dims {built.plan.sequential} -> {built.plan.steps} "
+          f"steps per CTA, {built.plan.smem_bytes} bytes of shared memory\n")
+  first = os.path.join(directory, f"{spec.name}-{digest}.mosaic_gpu.mlir")
+  with open(first, "w") as fh:
+    fh.write(head + "// stage: mosaic_gpu dialect, before layout inference\n")
+    fh.write(built.dialect_text)
+  with open(os.path.join(directory, f"{spec.name}-{digest}.mosaic_gpu."
+                         "lowered.mlir"), "w") as fh:
+    fh.write(head + "// stage: layouts inferred, dialect lowered\n")
+    fh.write(lowered)
+  return first
+
+
+def mosaic_gpu_lowering(ctx, *args, spec):
+  platforms = tuple(ctx.module_context.platforms or ())
+  if "cuda" not in platforms:
+    raise BackendError(
+        spec.name, "backend 'mosaic_gpu' lowers for NVIDIA GPUs (cuda), but "
+        f"this computation is lowered for {', '.join(platforms) or 'none'}; "
+        "use backend='interpret' elsewhere", spec.where)
+  built = build_gpu_module(spec)
+  dump_gpu_module(spec, built)
+  return mgpu_core._mosaic_gpu_lowering_rule(
+      ctx, *args, module=built.module, out_types=built.out_shapes,
+      inout_types=(), input_output_aliases=tuple(spec.input_output_aliases))
+

@@ -1,0 +1,291 @@
+"""The Mosaic lowering's host: what its rules see and how the shared walker
+emits MLIR.
+
+`lower_jaxpr(lctx, jaxpr, consts, args)` lowers a jaxpr at the current
+insertion point with `dsl.core.jaxpr_walk.walk_jaxpr` through the rule table of
+`lctx` (`lowering_mosaic.tpu.rules.TABLE`): `_Walk` is the walker's host (MLIR
+constants, source-line locations, named scopes as trace marks), a rule gets
+a `RuleContext` and MLIR values or `RefVal`s for refs.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core
+from jax._src.lib import tpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith
+
+from dsl.core import config
+from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame
+from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
+from lowering_mosaic import dialect
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroSize:
+  """A value of a zero-size array. MLIR vectors cannot have a zero dim, so
+  it has no MLIR value; only the primitives of ZERO_SIZE_PRIMITIVES (the
+  slices and concatenation that `jnp.roll` by 0 or by the axis length
+  makes) take or make one, and any other primitive on one is an error."""
+  aval: Any
+
+
+ZERO_SIZE_PRIMITIVES = frozenset({lax.slice_p, lax.split_p,
+                                  lax.concatenate_p})
+
+
+def has_zero_size(aval) -> bool:
+  return (hasattr(aval, "shape") and not hasattr(aval, "inner_aval")
+          and 0 in tuple(aval.shape))
+
+
+@dataclasses.dataclass
+class RefVal:
+  """A ref in the kernel: its memref value and what it is."""
+  value: ir.Value
+  aval: Any                 # AbstractRef
+  space: str                # dialect.VMEM / SMEM / ANY / SEMAPHORE_MEM
+  name: str = ""            # "x_ref (in_specs[0])"-style, for messages
+  # memref dims the kernel does not see (a BlockSpec's squeezed dims): the
+  # memref keeps them as 1s, and every access indexes them with 0
+  hidden: tuple = ()
+
+  @property
+  def shape(self):
+    """The shape the kernel sees."""
+    return tuple(self.aval.inner_aval.shape)
+
+  @property
+  def memref_shape(self):
+    shape = list(self.shape)
+    for d in self.hidden:
+      shape.insert(d, 1)
+    return tuple(shape)
+
+  @property
+  def dtype(self):
+    return self.aval.inner_aval.dtype
+
+  @property
+  def is_semaphore(self):
+    return self.space == dialect.SEMAPHORE_MEM
+
+
+@dataclasses.dataclass
+class LoweringContext:
+  """One kernel being lowered."""
+  kernel: str
+  where: str                    # the pallas_call site
+  grid: tuple[int, ...]
+  mesh_axes: tuple = ()         # ((name, size), ...) when inside shard_map
+  uses_barrier: bool = False
+  uses_remote: bool = False
+  named_axes: set = dataclasses.field(default_factory=set)  # axis_index'd
+  current_line: str | None = None
+  kernel_jaxpr: Any = None      # for jax_pallas_verbose_errors
+  # The RuleTable the walker dispatches through (`lowering_mosaic.tpu.rules`).
+  rules: Any = None
+
+  def error(self, message: str, primitive: str | None = None,
+            line: str | None = None, eqn=None) -> BackendError:
+    """A BackendError naming the kernel and the user's line; with
+    jax_pallas_verbose_errors on, it shows the kernel jaxpr with `eqn`
+    (the failing equation) marked."""
+    what = f"primitive '{primitive}': " if primitive else ""
+    detail = None
+    if eqn is not None and self.kernel_jaxpr is not None and \
+        config.verbose_errors():
+      detail = ("The kernel jaxpr, the failing equation marked:\n"
+                + marked_jaxpr(self.kernel_jaxpr, eqn))
+    return BackendError(self.kernel, f"{what}{message}",
+                        line or self.current_line or self.where,
+                        detail=detail)
+
+
+@dataclasses.dataclass
+class RuleContext:
+  """What a lowering rule sees of its equation."""
+  lctx: LoweringContext
+  eqn: Any
+  avals_in: list
+  avals_out: list
+  outs_used: list = dataclasses.field(default_factory=list)
+
+  @property
+  def primitive(self) -> str:
+    return self.eqn.primitive.name
+
+  def error(self, message: str) -> BackendError:
+    return self.lctx.error(message, self.primitive)
+
+  def lower_sub(self, jaxpr: core.Jaxpr, consts, args):
+    return lower_jaxpr(self.lctx, jaxpr, consts, args)
+
+
+# ------------------------------------------------------------ constants
+
+def scalar_attr(value, dtype) -> ir.Attribute:
+  dtype = jnp.dtype(dtype)
+  t = dialect.element_type(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return ir.FloatAttr.get(t, float(value))
+  if dtype == jnp.bool_:
+    return ir.IntegerAttr.get(t, int(bool(value)))
+  v = int(value)
+  bits = dtype.itemsize * 8
+  if jnp.issubdtype(dtype, jnp.unsignedinteger) and v >= 1 << (bits - 1):
+    v -= 1 << bits           # signless: store the bit pattern
+  return ir.IntegerAttr.get(t, v)
+
+
+def constant(value, shape, dtype) -> ir.Value:
+  """An arith.constant (a splat or dense vector for shape != ())."""
+  shape = tuple(shape)
+  dtype = jnp.dtype(dtype)
+  arr = np.asarray(value)
+  if shape == ():
+    return arith.ConstantOp(dialect.element_type(dtype),
+                            scalar_attr(arr.reshape(()).item(), dtype)).result
+  vt = dialect.value_type(shape, dtype)
+  if arr.size == 1 or np.all(arr == arr.reshape(-1)[0]):
+    attr = ir.DenseElementsAttr.get_splat(
+        vt, scalar_attr(arr.reshape(-1)[0].item(), dtype))
+    return arith.ConstantOp(vt, attr).result
+  arr = np.broadcast_to(arr, shape)
+  if dtype in (jnp.float32, jnp.int32, jnp.int16, jnp.int8):
+    attr = ir.DenseElementsAttr.get(np.ascontiguousarray(arr.astype(dtype)),
+                                    type=vt)
+    return arith.ConstantOp(vt, attr).result
+  if dtype == jnp.bool_:
+    ints = constant(arr.astype(np.int32), shape, jnp.int32)
+    zero = constant(0, shape, jnp.int32)
+    return arith.CmpIOp(arith.CmpIPredicate.ne, ints, zero).result
+  if jnp.issubdtype(dtype, jnp.floating):
+    f = constant(arr.astype(np.float32), shape, jnp.float32)
+    return arith.TruncFOp(vt, f).result
+  raise NotImplementedError(f"constant of dtype {dtype}")
+
+
+def i32_const(v: int) -> ir.Value:
+  return constant(v, (), jnp.int32)
+
+
+def index_const(v: int) -> ir.Value:
+  return arith.ConstantOp(dialect.index_type(),
+                          ir.IntegerAttr.get(dialect.index_type(), int(v))).result
+
+
+def to_index(v) -> ir.Value:
+  """An `index` value from a static int or an integer MLIR scalar."""
+  if isinstance(v, (int, np.integer)):
+    return index_const(int(v))
+  if isinstance(v.type, ir.IndexType):
+    return v
+  return arith.IndexCastOp(dialect.index_type(), v).result
+
+
+def to_i32(v) -> ir.Value:
+  if isinstance(v, (int, np.integer)):
+    return i32_const(int(v))
+  t = v.type
+  if isinstance(t, ir.IndexType):
+    return arith.IndexCastOp(dialect.i32(), v).result
+  w = ir.IntegerType(t).width
+  if w == 32:
+    return v
+  if w < 32:
+    return arith.ExtSIOp(dialect.i32(), v).result
+  return arith.TruncIOp(dialect.i32(), v).result
+
+
+# ------------------------------------------------------------ locations
+
+def _location(eqn, lctx: LoweringContext, outer_line) -> ir.Location:
+  # equations of inner jaxprs (a jitted jnp function) have no user frame:
+  # they take the line of the equation that holds them
+  line = source_info_frame(eqn.source_info) or outer_line
+  lctx.current_line = line
+  name = eqn.primitive.name
+  if line is None:
+    return ir.Location.name(name)
+  path, _, lineno = line.rpartition(":")
+  return ir.Location.name(name, childLoc=ir.Location.file(path, int(lineno),
+                                                          0))
+
+
+# ------------------------------------------------------------ the jaxpr walk
+
+class _Walk(LoweringHost):
+  """The shared walker's hooks for one jaxpr lowered into `lctx`."""
+
+  def __init__(self, lctx: LoweringContext):
+    self.lctx = lctx
+    self.rules = lctx.rules
+    self.outer_line = lctx.current_line
+    self.scopes: list[str] = []     # the named scopes now open
+
+  def enter_scopes(self, eqn):
+    """`tpu.trace_start` / `trace_stop` where the equations' named scopes
+    (`jax.named_scope`, einsum) begin and end, as Pallas marks them for
+    the profiler."""
+    names = [s.name for s in eqn.source_info.name_stack.stack]
+    keep = 0
+    while (keep < min(len(names), len(self.scopes))
+           and names[keep] == self.scopes[keep]):
+      keep += 1
+    self.close_scopes(len(self.scopes) - keep)
+    for name in names[keep:]:
+      tpu.TraceStartOp(name, 10)
+    self.scopes = names
+
+  def close_scopes(self, n=None):
+    n = len(self.scopes) if n is None else n
+    for _ in range(n):
+      tpu.TraceStopOp()
+    self.scopes = self.scopes[:len(self.scopes) - n]
+
+  def literal(self, atom):
+    return constant(atom.val, atom.aval.shape, atom.aval.dtype)
+
+  def constvar(self, var, value):
+    if isinstance(value, (ir.Value, RefVal)):
+      return value
+    return constant(np.asarray(value), var.aval.shape, var.aval.dtype)
+
+  def rule_context(self, eqn, used, position):
+    return RuleContext(self.lctx, eqn, [v.aval for v in eqn.invars],
+                       [v.aval for v in eqn.outvars],
+                       [v in used for v in eqn.outvars])
+
+  def error(self, message, eqn=None):
+    line = source_info_frame(eqn.source_info) if eqn is not None else None
+    return self.lctx.error(message, line=line or self.outer_line, eqn=eqn)
+
+  @contextlib.contextmanager
+  def lowering_eqn(self, eqn):
+    with _location(eqn, self.lctx, self.outer_line):
+      if eqn.primitive not in ZERO_SIZE_PRIMITIVES and any(
+          has_zero_size(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+        raise self.lctx.error("zero-size arrays are not supported by the "
+                              "Mosaic lowering (TPU vectors need positive "
+                              "sizes)", eqn.primitive.name)
+      self.enter_scopes(eqn)
+      yield
+
+
+def lower_jaxpr(lctx: LoweringContext, jaxpr: core.Jaxpr, consts, args):
+  """Lowers `jaxpr` at the current insertion point; returns its outputs."""
+  outer_line = lctx.current_line
+  walk = _Walk(lctx)
+  try:
+    outs = walk_jaxpr(walk, jaxpr, consts, args)
+    walk.close_scopes()
+    return outs
+  finally:
+    lctx.current_line = outer_line

@@ -1,0 +1,257 @@
+"""Ref reads and writes: `get`/`swap`/`addupdate` and masked loads/stores.
+
+VMEM refs are read and written a vector at a time (`vector.load`,
+`tpu.vector_store` (with a mask for masked stores), `tpu.strided_load/store`
+for strided slices); SMEM refs a scalar at a time
+(`memref.load`, `memref.store`). Refs in `pl.ANY` (HBM) are only reachable by
+DMA, and semaphores only through the semaphore primitives.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import tree_util
+from jax._src.lib import tpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, memref, vector
+from jax._src.state import indexing
+from jax._src.state import primitives as state_primitives
+
+from dsl.core import ref_ops
+from lowering_mosaic import dialect
+from lowering_mosaic.tpu import emit
+from lowering_mosaic.tpu.host import RefVal, to_i32, to_index
+from lowering_mosaic.tpu.rules import register
+from lowering_mosaic.tpu.rules.integer import static_int
+
+
+@dataclasses.dataclass
+class View:
+  """A rectangular window of a ref: per ref dim a start (int or i32 value),
+  a size, a stride and whether the dim is indexed away."""
+  ref: RefVal
+  starts: list
+  sizes: list
+  strides: list
+  squeezed: list
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(n for n, q in zip(self.sizes, self.squeezed) if not q)
+
+  @property
+  def load_shape(self) -> tuple[int, ...]:
+    return tuple(self.sizes)
+
+  @property
+  def is_whole(self) -> bool:
+    return (all(isinstance(s, int) and s == 0 for s in self.starts)
+            and tuple(self.sizes) == self.ref.memref_shape
+            and not any(self.squeezed) and all(s == 1 for s in self.strides))
+
+
+def _add(a, b):
+  if isinstance(a, int) and isinstance(b, int):
+    return a + b
+  if isinstance(b, int) and b == 0:
+    return a
+  if isinstance(a, int) and a == 0:
+    return b
+  return arith.AddIOp(to_i32(a), to_i32(b)).result
+
+
+def _mul(a, k: int):
+  if isinstance(a, int):
+    return a * k
+  if k == 1:
+    return a
+  return arith.MulIOp(to_i32(a), to_i32(k)).result
+
+
+def _static(x):
+  """Static indices become ints; MLIR values stay."""
+  return x if isinstance(x, ir.Value) else int(x)
+
+
+def view_of(ctx, ref: RefVal, transforms) -> View:
+  """Composes a ref's NDIndexer transforms into one window."""
+  rank = len(ref.memref_shape)
+  v = View(ref, [0] * rank, list(ref.memref_shape), [1] * rank,
+           [d in ref.hidden for d in range(rank)])
+  for t in transforms or ():
+    if not isinstance(t, indexing.NDIndexer):
+      raise ctx.error(f"ref transform {type(t).__name__} is not supported by "
+                      "the Mosaic lowering")
+    if t.int_indexer_shape:
+      raise ctx.error("indexing a ref with an array of indices (a gather) is "
+                      "not supported on TPU; use slices and scalar indices")
+    visible = [d for d in range(rank) if not v.squeezed[d]]
+    for d, idx in zip(visible, t.indices):
+      if isinstance(idx, indexing.Slice):
+        start = _static(idx.start)
+        v.starts[d] = _add(v.starts[d], _mul(start, v.strides[d]))
+        v.sizes[d] = int(idx.size)
+        v.strides[d] = v.strides[d] * int(idx.stride)
+      else:
+        i = _static(idx)
+        c = i if isinstance(i, int) else static_int(i)
+        if c is not None and c < 0:     # a static index: from the end
+          i = c + v.sizes[d]
+        v.starts[d] = _add(v.starts[d], _mul(i, v.strides[d]))
+        v.sizes[d] = 1
+        v.squeezed[d] = True
+  return v
+
+
+def _check_reachable(ctx, ref: RefVal, verb: str):
+  if ref.space == dialect.ANY:
+    raise ctx.error(
+        f"{ref.name or 'a ref'} is in pl.ANY (HBM) and cannot be {verb} "
+        "directly by the kernel; copy it into a VMEM buffer with "
+        "tpu.make_async_copy (or give it a blocked BlockSpec)")
+  if ref.is_semaphore:
+    raise ctx.error(f"{ref.name or 'a semaphore'} is a semaphore; use "
+                    "tpu.semaphore_read / semaphore_signal / semaphore_wait")
+
+
+def _indices(view: View):
+  return [to_index(s) for s in view.starts]
+
+
+def load(ctx, view: View) -> ir.Value:
+  """Reads `view`; returns a value of shape `view.shape`."""
+  ref = view.ref
+  _check_reachable(ctx, ref, "read")
+  dtype = ref.dtype
+  if ref.space == dialect.SMEM or not ref.memref_shape:
+    if math.prod(view.sizes) != 1:
+      raise ctx.error(f"{ref.name or 'an SMEM ref'} is in SMEM, which is read "
+                      "one scalar at a time; index it with integers")
+    x = _from_memory(memref.LoadOp(ref.value, _indices(view)).result, (),
+                     dtype)
+    return emit.reshape(x, (), view.shape, dtype)
+  t = emit.vtype(view.load_shape, _stored(dtype))
+  if any(s != 1 for s in view.strides):
+    x = tpu.StridedLoadOp(t, ref.value, _indices(view), view.strides).result
+  else:
+    x = vector.LoadOp(t, ref.value, _indices(view)).result
+  x = _from_memory(x, view.load_shape, dtype)
+  return emit.reshape(x, view.load_shape, view.shape, dtype)
+
+
+def _stored(dtype):
+  """The dtype a value of `dtype` has in memory (booleans: i32)."""
+  return jnp.int32 if emit.is_bool(dtype) else dtype
+
+
+def _from_memory(x, shape, dtype):
+  if not emit.is_bool(dtype):
+    return x
+  return arith.CmpIOp(arith.CmpIPredicate.ne, x,
+                      emit.zeros(shape, jnp.int32)).result
+
+
+def _to_memory(x, shape, dtype):
+  return emit.convert(x, shape, dtype, jnp.int32) if emit.is_bool(
+      dtype) else x
+
+
+def _element_bits(ref: RefVal) -> int:
+  t = ir.MemRefType(ref.value.type).element_type
+  return t.width if hasattr(t, "width") else ir.FloatType(t).width
+
+
+def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
+  """Writes `val` (shape `view.shape`, or a scalar) to `view`."""
+  ref = view.ref
+  _check_reachable(ctx, ref, "written")
+  dtype = ref.dtype
+  if ref.space == dialect.SMEM or not ref.memref_shape:
+    if math.prod(view.sizes) != 1:
+      raise ctx.error(f"{ref.name or 'an SMEM ref'} is in SMEM, which is "
+                      "written one scalar at a time; index it with integers")
+    if mask is not None:
+      raise ctx.error("masked stores to SMEM are not supported")
+    if emit.is_vector(val):
+      val = emit.reshape(val, view.shape, (), dtype)
+    memref.StoreOp(_to_memory(val, (), dtype), ref.value, _indices(view))
+    return
+  val = emit.broadcast_to(val, view.shape, dtype)
+  val = emit.reshape(val, view.shape, view.load_shape, dtype)
+  val = _to_memory(val, view.load_shape, dtype)
+  if mask is not None:
+    if _element_bits(ref) != 32:
+      raise ctx.error(
+          f"a masked store to {ref.name or 'a ref'} of {dtype}: TPUs store "
+          "under a mask only 32-bit elements; store a 32-bit array, or "
+          "write the window whole with jnp.where(mask, new, old) when it "
+          "lies inside the ref")
+    mask = emit.broadcast_to(mask, view.shape, "bool")
+    mask = emit.reshape(mask, view.shape, view.load_shape, "bool")
+    if any(s != 1 for s in view.strides):
+      raise ctx.error("masked strided stores are not supported")
+    tpu.VectorStoreOp(val, ref.value, _indices(view), [], mask=mask)
+    return
+  if any(s != 1 for s in view.strides):
+    tpu.StridedStoreOp(val, ref.value, _indices(view), view.strides)
+  else:
+    tpu.VectorStoreOp(val, ref.value, _indices(view), [])
+
+
+def _transforms(tree, flat):
+  return tree_util.tree_unflatten(tree, list(flat))
+
+
+@register(state_primitives.get_p)
+def _get(ctx, ref, *flat, tree):
+  view = view_of(ctx, ref, _transforms(tree, flat))
+  return load(ctx, view)
+
+
+@register(state_primitives.swap_p)
+def _swap(ctx, ref, val, *flat, tree):
+  view = view_of(ctx, ref, _transforms(tree, flat))
+  old = load(ctx, view) if ctx.outs_used[0] else None
+  store(ctx, view, val)
+  return old
+
+
+@register(state_primitives.addupdate_p)
+def _addupdate(ctx, ref, val, *flat, tree):
+  view = view_of(ctx, ref, _transforms(tree, flat))
+  old = load(ctx, view)
+  val = emit.broadcast_to(val, view.shape, ref.dtype)
+  add = arith.AddFOp if emit.is_float(ref.dtype) else arith.AddIOp
+  store(ctx, view, add(old, val).result)
+  return []
+
+
+@register(ref_ops.masked_load_p)
+def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval, **_):
+  n = tree.num_leaves
+  view = view_of(ctx, ref, _transforms(tree, args[:n]))
+  extra = list(args[n:])
+  x = load(ctx, view)
+  if has_mask:
+    mask = extra.pop(0)
+    other = extra.pop(0) if has_other else emit.zeros(view.shape, ref.dtype)
+    x = emit.select(mask, x, emit.broadcast_to(other, view.shape, ref.dtype))
+  return x
+
+
+@register(ref_ops.masked_store_p)
+def _masked_store(ctx, ref, *args, tree, has_mask, **_):
+  n = tree.num_leaves
+  view = view_of(ctx, ref, _transforms(tree, args[:n]))
+  extra = list(args[n:])
+  store(ctx, view, extra[0], extra[1] if has_mask else None)
+  return []
+
+
+@register(ref_ops.atomic_rmw_p, ref_ops.atomic_cas_p)
+def _atomics(ctx, *args, **params):
+  raise ctx.error("atomics do not exist on TPU (a kernel instance owns its "
+                  "output blocks); accumulate in a VMEM scratch or an output "
+                  "block revisited along an 'arbitrary' grid dim instead")

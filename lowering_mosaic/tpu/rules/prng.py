@@ -1,0 +1,37 @@
+"""The TPU's random numbers -> its hardware generator.
+
+    tpu.prng_set_seed_32 %s0, %s1, ...      (i32 scalars: the seeds, mixed)
+    %bits = tpu.prng_random_bits : vector<...xi32>
+
+as Pallas's TPU lowering emits them. A draw is a vector of rank 2 or more
+(Mosaic has no implicit dims for this op). The samplers (`stateful_*`) are
+lax operations on the drawn words and need no rule of their own.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax._src.lib import tpu
+from jax._src.lib.mlir import ir
+
+from dsl.tpu.prng import prng_random_bits_p, prng_seed_p
+from lowering_mosaic.tpu import emit
+from lowering_mosaic.tpu.rules import register
+
+
+@register(prng_seed_p)
+def _prng_seed(ctx, *seeds):
+  for k, (seed, aval) in enumerate(zip(seeds, ctx.avals_in)):
+    if aval.shape != () or not isinstance(seed.type, ir.IntegerType):
+      raise ctx.error(f"seed {k} must be an integer scalar, got "
+                      f"{aval.str_short()}")
+  tpu.PRNGSeed32Op(list(seeds))
+  return []
+
+
+@register(prng_random_bits_p)
+def _prng_random_bits(ctx, *, shape, dtype):
+  if len(shape) < 2:
+    raise ctx.error(f"a random draw of shape {tuple(shape)}: on a TPU a draw "
+                    "has rank 2 or more, e.g. (8, 128); draw that and slice "
+                    "or reshape it")
+  return tpu.PRNGRandomBitsOp(emit.vtype(shape, jnp.int32)).result

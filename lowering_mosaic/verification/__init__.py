@@ -1,0 +1,2 @@
+"""Verification of Mosaic modules: the MLIR interpreter and the Promela
+exporter."""

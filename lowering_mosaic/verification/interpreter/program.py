@@ -1,0 +1,598 @@
+"""Compiles an MLIR module into Python closures and runs them.
+
+`compile_module(module)` walks every function once: each operation becomes a
+`COp` (a closure that has read the op's attributes, its operand and result
+slots, and its source line from the MLIR location). Running a block is a
+generator (`run_block`), so an operation that must wait (a DMA wait, a
+semaphore wait) can yield to the scheduler of `simulator.World`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax._src.lib.mlir import ir
+
+from dsl.core import checks
+from dsl.core.jaxpr_walk import RuleTable
+from lowering_mosaic import dialect
+from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
+                                                             fresh_array,
+                                                             poison_of)
+from lowering_mosaic.verification.interpreter.simulator import (PREEMPT,
+                                                                KernelSimulationError,
+                                                                Wait)
+from lowering_mosaic.verification.interpreter.value_ops import (VALUE_OPS,
+                                                                i64_array_attr,
+                                                                result_dtype,
+                                                                result_shape)
+
+
+class COp:
+  __slots__ = ("name", "fn", "args", "outs", "gen", "line")
+
+  def __init__(self, name, fn, args, outs, gen, line):
+    self.name, self.fn, self.args, self.outs = name, fn, args, outs
+    self.gen, self.line = gen, line
+
+
+class CBlock:
+  __slots__ = ("args", "ops", "term")
+
+  def __init__(self, args, ops, term):
+    self.args, self.ops, self.term = args, ops, term
+
+
+@dataclasses.dataclass
+class CFunc:
+  name: str
+  block: CBlock
+  attrs: dict
+  arg_types: list
+
+
+class Frame:
+  """The state of one device running one function (at grid `point`)."""
+  __slots__ = ("env", "device", "world", "line", "kernel", "point")
+
+  def __init__(self, world, device: int, kernel: str, point=None):
+    self.env = {}
+    self.world = world
+    self.device = device
+    self.line = None
+    self.kernel = kernel
+    self.point = point
+
+
+TERMINATORS = {"scf.yield", "func.return", "tpu.yield", "scf.condition"}
+
+
+class Compiler:
+  def __init__(self):
+    self.slots: dict = {}
+
+  def slot(self, v) -> int:
+    s = self.slots.get(v)
+    if s is None:
+      s = self.slots[v] = len(self.slots)
+    return s
+
+  def block(self, blk) -> CBlock:
+    args = [self.slot(a) for a in blk.arguments]
+    ops, term = [], []
+    for op in blk.operations:
+      op = op.operation
+      if op.name in TERMINATORS:
+        term = [self.slot(v) for v in op.operands]
+        continue
+      ops.append(self.op(op))
+    return CBlock(args, ops, term)
+
+  def op(self, op) -> COp:
+    name = op.name
+    line = dialect.location_line(op.location)
+    outs = [self.slot(r) for r in op.results]
+    stateful_op = STATEFUL.lookup(name)
+    if stateful_op is not None:
+      fn, args, gen = stateful_op(op, self)
+      args = [self.slot(v) for v in args]
+      return COp(name, fn, args, outs, gen, line)
+    make = VALUE_OPS.lookup(name)
+    if make is None:
+      raise KernelSimulationError(
+          "unsupported", f"the Mosaic interpreter cannot run '{name}' "
+          f"(at {line})", (line,))
+    pure = make(op)
+    return COp(name, lambda frame, *a: pure(*a),
+               [self.slot(v) for v in op.operands], outs, False, line)
+
+
+def run_block(frame: Frame, cb: CBlock, args):
+  """Runs a block (a generator); returns its terminator's operands."""
+  env = frame.env
+  for s, v in zip(cb.args, args):
+    env[s] = v
+  for op in cb.ops:
+    frame.line = op.line
+    vals = [env[s] for s in op.args]
+    try:
+      if op.gen:
+        res = yield from op.fn(frame, *vals)
+      else:
+        res = op.fn(frame, *vals)
+    except KernelSimulationError:
+      raise
+    except (IndexError, ValueError, TypeError, FloatingPointError) as e:
+      raise KernelSimulationError(
+          "error", f"kernel '{frame.kernel}': {op.name} at {op.line} "
+          f"failed: {e}", (op.line,)) from e
+    outs = op.outs
+    if len(outs) == 1:
+      env[outs[0]] = res
+    elif outs:
+      for s, r in zip(outs, res):
+        env[s] = r
+  return [env[s] for s in cb.term]
+
+
+def run_to_end(gen):
+  """Drives a generator that must not block (index maps)."""
+  try:
+    while True:
+      req = next(gen)
+      if isinstance(req, Wait):
+        raise KernelSimulationError("error", "an index map cannot wait")
+  except StopIteration as stop:
+    return stop.value
+
+
+def compile_module(module) -> dict[str, CFunc]:
+  c = Compiler()
+  funcs = {}
+  for op in module.body.operations:
+    op = op.operation
+    if op.name != "func.func":
+      continue
+    name = ir.StringAttr(op.attributes["sym_name"]).value
+    attrs = {}
+    for a in op.attributes:
+      key = a if isinstance(a, str) else a.name
+      attrs[key] = op.attributes[key]
+    block = op.regions[0].blocks[0]
+    arg_types = [a.type for a in block.arguments]
+    funcs[name] = CFunc(name, c.block(block), attrs, arg_types)
+  return funcs
+
+
+# ------------------------------------------------------------ stateful ops
+
+STATEFUL = RuleTable("the Mosaic interpreter")
+stateful = STATEFUL.register
+
+
+def _fail(frame, message):
+  raise KernelSimulationError(
+      "error", f"kernel '{frame.kernel}': {message} at {frame.line}",
+      (frame.line,))
+
+
+def _access(frame, ref: MemRef, idx, shape, write, strides=None,
+            padding=False):
+  """(numpy index, part) of an access: `part` is where the lanes `index`
+  selects lie in the access (None: all of it; the rest is tile padding,
+  or past the ref); `index` is None when no lane lies inside. An access
+  that leaves its ref (a window placed at run time) fails a check with
+  runtime checks on, else keeps only its lanes inside the ref."""
+  try:
+    if padding:
+      index, box, part = ref.access_padded(idx, shape, strides)
+    else:
+      (index, box), part = ref.access(idx, shape, strides), None
+  except IndexError:
+    if frame.world.options.runtime_checks:
+      _window_outside(frame, ref, idx, shape, strides, write)
+    clipped = ref.access_clipped(idx, shape, strides)
+    if clipped is None:
+      return None, ()
+    index, box, part = clipped
+  frame.world.check_access(ref.buf, box, write, frame.line)
+  return index, part
+
+
+def _window_outside(frame, ref: MemRef, idx, shape, strides, write):
+  """The failed check of a window that leaves its ref, worded as on every
+  backend (dsl/core/checks.py)."""
+  strides = list(strides) if strides else [1] * len(idx)
+  parts = []
+  for k, d in enumerate(ref.dims):
+    i, n, s = int(idx[k]), shape[k], strides[k]
+    stop = i + (n - 1) * s + 1
+    parts.append(":" if (i, stop, s) == (0, ref.sizes[d], 1) else
+                 f"{i}:{stop}" + (f":{s}" if s != 1 else ""))
+  name = ref.buf.name.removesuffix(" block")
+  access = checks.window_access("store to" if write else "load from", name,
+                                ", ".join(parts), ref.shape)
+  message = checks.window_message(access, ref.buf.block_index, frame.point)
+  raise KernelSimulationError(
+      "check", f"kernel '{frame.kernel}': "
+      + checks.check_text(message, frame.line), (frame.line,))
+
+
+def _load(frame, ref, idx, shape, strides=None):
+  """A vector load; lanes in the tile padding past the buffer read poison,
+  as block padding does (masked loads past an array's end read them), and
+  so do lanes of a window placed at run time outside its ref."""
+  index, part = _access(frame, ref, idx, shape, False, strides, padding=True)
+  if part is None:
+    return np.array(ref.buf.array[index]).reshape(shape)
+  out = np.full(shape, poison_of(ref.buf), ref.buf.array.dtype)
+  if index is not None:
+    out[part] = np.asarray(ref.buf.array[index]).reshape(out[part].shape)
+  return out
+
+
+@stateful("vector.load")
+def _vector_load(op, c):
+  shape = result_shape(op)
+
+  def fn(frame, ref, *idx):
+    return _load(frame, ref, idx, shape)
+  return fn, list(op.operands), False
+
+
+@stateful("tpu.strided_load")
+def _strided_load(op, c):
+  shape = result_shape(op)
+  strides = i64_array_attr(op, "strides")
+
+  def fn(frame, ref, *idx):
+    return _load(frame, ref, idx, shape, strides)
+  return fn, list(op.operands), False
+
+
+def _store(frame, ref, idx, val, strides=None, mask=None):
+  val = np.asarray(val)
+  padded = mask is not None   # lanes masked off may lie in the tile padding
+  index, part = _access(frame, ref, idx, val.shape, True, strides,
+                        padding=padded)
+  if index is None:
+    return
+  if part is not None:
+    if mask is not None:
+      mask = np.broadcast_to(np.asarray(mask), val.shape)
+      outside = mask.copy()
+      outside[part] = False
+      if outside.any() and _in_view(ref, idx, val.shape, strides):
+        _fail(frame, f"out-of-bounds store to {ref.buf.name}: "
+              f"{int(outside.sum())} lane(s) the mask keeps lie past its "
+              f"end {ref.shape}")
+      mask = mask[part]
+    val = val[part]
+  target = ref.buf.array
+  view_shape = target[index].shape
+  val = val.reshape(view_shape)
+  if mask is not None:
+    old = target[index]
+    val = np.where(np.asarray(mask).reshape(view_shape), val, old)
+  target[index] = val
+
+
+def _in_view(ref, idx, shape, strides) -> bool:
+  """Whether an access starts inside its view and leaves it only through
+  the tile padding at the buffer's end (not a window placed at run time
+  outside its ref)."""
+  try:
+    ref.access_padded(idx, shape, strides)
+    return True
+  except IndexError:
+    return False
+
+
+@stateful("vector.store")
+def _vector_store(op, c):
+  def fn(frame, val, ref, *idx):
+    _store(frame, ref, idx, val)
+  return fn, list(op.operands), False
+
+
+@stateful("tpu.strided_store")
+def _strided_store(op, c):
+  strides = i64_array_attr(op, "strides")
+
+  def fn(frame, val, ref, *idx):
+    _store(frame, ref, idx, val, strides)
+  return fn, list(op.operands), False
+
+
+@stateful("tpu.vector_store")
+def _tpu_vector_store(op, c):
+  operands = list(op.operands)
+  rank = ir.MemRefType(operands[1].type).rank
+  has_mask = len(operands) > 2 + rank
+
+  def fn(frame, val, ref, *rest):
+    idx, mask = rest[:rank], (rest[rank] if has_mask else None)
+    _store(frame, ref, idx, val, mask=mask)
+  return fn, operands, False
+
+
+@stateful("memref.load")
+def _memref_load(op, c):
+  dtype = result_dtype(op)
+
+  def fn(frame, ref, *idx):
+    index, _ = _access(frame, ref, idx, (1,) * len(idx), False)
+    if index is None:       # outside the ref: poison
+      return dtype.type(poison_of(ref.buf))
+    return dtype.type(ref.buf.array[index].reshape(()))
+  return fn, list(op.operands), False
+
+
+@stateful("memref.store")
+def _memref_store(op, c):
+  def fn(frame, val, ref, *idx):
+    index, _ = _access(frame, ref, idx, (1,) * len(idx), True)
+    if index is not None:   # outside the ref: dropped
+      ref.buf.array[index] = val
+  return fn, list(op.operands), False
+
+
+@stateful("tpu.memref_slice")
+def _memref_slice(op, c):
+  t = ir.MemRefType(op.results[0].type)
+  sizes = list(t.shape)
+  src_rank = ir.MemRefType(op.operands[0].type).rank
+  operands = list(op.operands)[:1 + src_rank]
+
+  def fn(frame, ref, *starts):
+    v = ref.slice(starts, sizes)
+    for d in v.dims:
+      if v.base[d] < 0 or v.base[d] + v.sizes[d] > ref.buf.array.shape[d]:
+        _fail(frame, f"tpu.memref_slice of {ref.buf.name} out of bounds: "
+              f"{[int(s) for s in starts]} + {sizes} in {ref.shape}")
+    return v
+  return fn, operands, False
+
+
+@stateful("tpu.memref_squeeze")
+def _memref_squeeze(op, c):
+  shape = tuple(ir.MemRefType(op.results[0].type).shape)
+  return (lambda frame, ref: ref.squeeze(shape)), list(op.operands), False
+
+
+def _new_buffer(frame, op_key, name, t, space, sem_kind=None):
+  dev = frame.world.devices[frame.device]
+  n = dev.alloc_counts.get(op_key, 0)
+  dev.alloc_counts[op_key] = n + 1
+  array = fresh_array(t, frame.world.options.poison_buffers)
+  buf = Buffer(f"{name}#{n}", (op_key, n), array, space, frame.device,
+               sem_kind)
+  dev.add(buf)
+  return MemRef(buf)
+
+
+@stateful("memref.alloca")
+def _alloca(op, c):
+  t = ir.MemRefType(op.results[0].type)
+  space = dialect.memref_space(op.results[0].type)
+  key = ("alloca", id(op), dialect.location_line(op.location))
+  name = f"run_scoped buffer ({dialect.location_line(op.location)})"
+  return (lambda frame: _new_buffer(frame, key, name, t, space)), [], False
+
+
+@stateful("tpu.sem_alloc")
+def _sem_alloc(op, c):
+  t = ir.MemRefType(op.results[0].type)
+  kind = dialect.semaphore_kind_of(op.results[0].type)
+  key = ("sem_alloc", id(op), dialect.location_line(op.location))
+  name = f"run_scoped semaphore ({dialect.location_line(op.location)})"
+  return (lambda frame: _new_buffer(frame, key, name, t, "semaphore_mem",
+                                    kind)), [], False
+
+
+@stateful("tpu.sem_barrier")
+def _sem_barrier(op, c):
+  def fn(frame):
+    return MemRef(frame.world.devices[frame.device].buffers["barrier"])
+  return fn, [], False
+
+
+@stateful("tpu.device_id")
+def _device_id(op, c):
+  return (lambda frame: np.int32(frame.device)), [], False
+
+
+def _opt(v):
+  return v is not None
+
+
+@stateful("tpu.enqueue_dma")
+def _enqueue_dma(op, c):
+  v = op.opview
+  args = [v.source, v.target, v.target_semaphore]
+  has_src_sem, has_dev = _opt(v.source_semaphore), _opt(v.device_id)
+  if has_src_sem:
+    args.append(v.source_semaphore)
+  if has_dev:
+    args.append(v.device_id)
+
+  def fn(frame, src, dst, dst_sem, *rest):
+    rest = list(rest)
+    src_sem = rest.pop(0) if has_src_sem else None
+    target = int(rest.pop(0)) if has_dev else None
+    frame.world.start_dma(frame.device, src, dst, dst_sem, src_sem, target,
+                          frame.line)
+    yield PREEMPT
+  return fn, args, True
+
+
+def _nbytes(ref: MemRef) -> int:
+  return int(np.prod(ref.shape, dtype=np.int64)) * ref.buf.array.itemsize
+
+
+def _sem_desc(world, device, sem: MemRef):
+  idx = list(sem.base)
+  return (f"{sem.buf.name}{idx if idx else ''} (now "
+          f"{world.sem_value(device, sem)})")
+
+
+@stateful("tpu.trace_start", "tpu.trace_stop")
+def _trace(op, c):
+  """Profiler marks: nothing to do."""
+  return (lambda frame: None), [], False
+
+
+@stateful("tpu.wait_dma2")
+def _wait_dma2(op, c):
+  v = op.opview
+  args = [v.semaphore, v.src, v.dst]
+  # a send's wait names the copy's ends swapped (Pallas's form, with a
+  # core_id): its local source window is the `dst` operand
+  swapped = v.core_id is not None
+
+  def fn(frame, sem, src, dst):
+    world, dev = frame.world, frame.device
+    amount = _nbytes(dst)
+    # the side of the copy this device waits for: the local window named
+    # by the wait (dst for the receiver, src for the sender)
+    is_send = any(d.src_sem == (dev, sem.buf.key, tuple(sem.base))
+                  for d in world.pending) and not any(
+                      d.dst_sem == (dev, sem.buf.key, tuple(sem.base))
+                      for d in world.pending)
+    view = (dst if swapped else src) if is_send else dst
+
+    def ready():
+      return world.sem_value(dev, sem) >= amount
+    yield Wait(ready, f"a DMA of {amount} bytes on semaphore "
+               f"{_sem_desc(world, dev, sem)}", frame.line)
+    world.sem_add(dev, sem, -amount)
+    world.waited(dev, sem, amount, view)
+  return fn, args, True
+
+
+@stateful("tpu.sem_signal")
+def _sem_signal(op, c):
+  v = op.opview
+  has_dev = _opt(v.device_id)
+  args = [v.semaphore, v.amount] + ([v.device_id] if has_dev else [])
+
+  def fn(frame, sem, amount, *dev):
+    target = int(dev[0]) if dev else frame.device
+    frame.world.sem_add(target, sem, int(amount))
+    yield PREEMPT
+  return fn, args, True
+
+
+@stateful("tpu.sem_wait")
+def _sem_wait(op, c):
+  v = op.opview
+  args = [v.semaphore, v.amount]
+
+  def fn(frame, sem, amount):
+    world, dev = frame.world, frame.device
+    amount = int(amount)
+
+    def ready():
+      return world.sem_value(dev, sem) >= amount
+    yield Wait(ready, f"semaphore {_sem_desc(world, dev, sem)} to reach "
+               f"{amount}", frame.line)
+    world.sem_add(dev, sem, -amount)
+  return fn, args, True
+
+
+@stateful("tpu.sem_read")
+def _sem_read(op, c):
+  def fn(frame, sem):
+    yield PREEMPT
+    return np.int32(frame.world.sem_value(frame.device, sem))
+  return fn, list(op.operands), True
+
+
+@stateful("cf.assert")
+def _assert(op, c):
+  msg = ir.StringAttr(op.attributes["msg"]).value
+
+  def fn(frame, ok):
+    if not np.all(np.asarray(ok)):
+      raise KernelSimulationError(
+          "check", f"kernel '{frame.kernel}': {msg} (check at {frame.line})",
+          (frame.line,))
+  return fn, list(op.operands), False
+
+
+@stateful("tpu.log")
+def _log(op, c):
+  tag = ir.StringAttr(op.attributes["tag"]).value
+
+  def fn(frame, *vals):
+    vals = [np.asarray(v) for v in vals]
+    try:
+      text = tag.format(*vals)
+    except (IndexError, KeyError, ValueError):
+      text = tag + " " + " ".join(str(v) for v in vals)
+    prefix = (f"[device {frame.device}] " if len(frame.world.devices) > 1
+              else "")
+    print(prefix + text, flush=True)
+  return fn, list(op.operands), False
+
+
+# ------------------------------------------------------------ control flow
+
+@stateful("scf.for")
+def _scf_for(op, c):
+  body = c.block(op.regions[0].blocks[0])
+  operands = list(op.operands)
+
+  def fn(frame, lb, ub, step, *carry):
+    carry = list(carry)
+    for i in range(int(lb), int(ub), int(step)):
+      iv = type(lb)(i) if not isinstance(lb, int) else i
+      carry = yield from run_block(frame, body, [iv] + carry)
+    return carry if len(carry) != 1 else carry[0]
+  return fn, operands, True
+
+
+@stateful("scf.if")
+def _scf_if(op, c):
+  then_b = c.block(op.regions[0].blocks[0])
+  else_b = c.block(op.regions[1].blocks[0]) if len(
+      op.regions[1].blocks) else None
+  n = len(op.results)
+
+  def fn(frame, cond):
+    if bool(cond):
+      outs = yield from run_block(frame, then_b, [])
+    elif else_b is not None:
+      outs = yield from run_block(frame, else_b, [])
+    else:
+      outs = []
+    return outs[0] if n == 1 else outs
+  return fn, list(op.operands), True
+
+
+@stateful("scf.while")
+def _scf_while(op, c):
+  before = c.block(op.regions[0].blocks[0])
+  after = c.block(op.regions[1].blocks[0])
+  n = len(op.results)
+
+  def fn(frame, *init):
+    vals = list(init)
+    while True:
+      cond_and_args = yield from run_block(frame, before, vals)
+      cond, args = cond_and_args[0], cond_and_args[1:]
+      if not bool(cond):
+        return args[0] if n == 1 else args
+      vals = yield from run_block(frame, after, args)
+  return fn, list(op.operands), True
+
+
+@stateful("tpu.region")
+def _tpu_region(op, c):
+  body = c.block(op.regions[0].blocks[0])
+  n = len(op.results)
+
+  def fn(frame):
+    outs = yield from run_block(frame, body, [])
+    return outs[0] if n == 1 else outs
+  return fn, [], True

@@ -1,0 +1,53 @@
+"""`jax_pallas_dump_promela_to=DIR`: every Mosaic-lowered kernel's model.
+
+The Mosaic backends (`mosaic`, `mosaic_interpret`) call `maybe_dump` on
+each module they build; it costs nothing when the option is unset.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import warnings
+from typing import Optional
+
+
+def _safe(name: str) -> str:
+  return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "kernel"
+
+
+def dump_directory() -> str:
+  from dsl.core import config
+  return config.dump_promela_to()
+
+
+def write_model(text: str, kernel_name: str, directory: str) -> str:
+  """Writes DIR/<kernel name>-<8 hex digits of the text's sha1>.pml."""
+  os.makedirs(directory, exist_ok=True)
+  digest = hashlib.sha1(text.encode()).hexdigest()[:8]
+  path = os.path.join(directory, f"{_safe(kernel_name)}-{digest}.pml")
+  with open(path, "w") as fh:
+    fh.write(text)
+  return path
+
+
+def maybe_dump(module, kernel_name: str, num_devices: Optional[int] = None
+               ) -> Optional[str]:
+  """Writes the Promela model of `module` when `jax_pallas_dump_promela_to`
+  is set; returns the path (None when unset).
+
+  `num_devices`: how many devices run the kernel; None takes the module's
+  shard_map mesh (`dsl.mesh_shape`), or 1. A kernel the export cannot model
+  gives a warning, never a failed lowering.
+  """
+  directory = dump_directory()
+  if not directory:
+    return None
+  from lowering_mosaic.verification.promela import to_promela
+  try:
+    text = to_promela(module, num_devices)
+  except Exception as e:  # noqa: BLE001 - a dump must not break lowering
+    warnings.warn(f"jax_pallas_dump_promela_to: no Promela model for kernel "
+                  f"{kernel_name}: {e}", RuntimeWarning, stacklevel=2)
+    return None
+  return write_model(text, kernel_name, directory)
