@@ -15,8 +15,8 @@ import dsl as pl
 from dsl.core.errors import BackendError
 from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu.plan import SMEM_LIMIT
-from tests.pallas.mosaic_gpu_kernels import (add, attention_tile as attention,
-                                             flash_attention as flash, matmul)
+from benchmarks.mosaic_gpu_kernels import (add, attention_tile as attention,
+                                          flash_attention as flash, matmul)
 
 
 def _lower_cuda(f, *args) -> str:

@@ -30,15 +30,15 @@ from lowering_mosaic.gpu import accumulators as A
 from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu.plan import make_gpu_plan
 from dsl.core.inspection import kernel_specs
-from tests.pallas.mosaic_gpu_kernels import (_flash_kernel, _matmul_kernel,
-                                             _ref_attention, flash_attention,
-                                             matmul)
+from benchmarks.mosaic_gpu_kernels import (_flash_kernel, _matmul_kernel,
+                                          _ref_attention, flash_attention,
+                                          matmul)
 from tests.pallas import mosaic_twins
 from tests.pallas.test_mosaic_gpu_schedule import _block, _count, _roles
 
 BF = lambda *s: jnp.ones(s, jnp.bfloat16)
 # The sample kernels run by Pallas (jax.experimental.pallas), the peer.
-TWIN = mosaic_twins.twin("tests.pallas.mosaic_gpu_kernels")
+TWIN = mosaic_twins.twin("benchmarks.mosaic_gpu_kernels")
 
 
 def _normal(seed, *shapes, dtype=jnp.bfloat16):

@@ -1,6 +1,6 @@
 """Backend "mosaic_gpu" on an NVIDIA Hopper GPU: numerics of the feature
 kernels that build (test_mosaic_gpu.FEATURES_THAT_BUILD) and of the sample
-kernels (tests/pallas/mosaic_gpu_kernels.py: matmul, softmax, attention)
+kernels (benchmarks/mosaic_gpu_kernels.py: matmul, softmax, attention)
 against jnp.
 
 Also the library kernels on "mosaic_gpu" (forward and gradient against their
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.pallas import test_features as features
-from tests.pallas.mosaic_gpu_kernels import CASES
+from benchmarks.mosaic_gpu_kernels import CASES
 from tests.pallas.test_mosaic_gpu import FEATURES_THAT_BUILD
 from tests.pallas.testing import parametrize_cases
 

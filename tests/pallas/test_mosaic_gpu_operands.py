@@ -13,9 +13,9 @@ import pytest
 
 import dsl as pl
 from dsl.core.errors import BackendError
-from tests.pallas import mosaic_gpu_kernels as mgpu_samples
+from benchmarks import mosaic_gpu_kernels as mgpu_samples
 from lowering_mosaic.gpu.plan import REDUCTION_SCRATCH
-from tests.pallas.mosaic_gpu_kernels import matmul
+from benchmarks.mosaic_gpu_kernels import matmul
 from tests.pallas.test_mosaic_gpu import BF, _build, _lower_cuda, _module, _ops
 
 # ------------------------------------------------------------ wide blocks

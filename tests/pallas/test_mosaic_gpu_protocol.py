@@ -11,7 +11,7 @@ import pytest
 from lowering_mosaic.verification import promela
 from lowering_mosaic.gpu import protocol_model as PM
 from lowering_mosaic.gpu import to_gpu_modules
-from tests.pallas.mosaic_gpu_kernels import flash_attention, matmul
+from benchmarks.mosaic_gpu_kernels import flash_attention, matmul
 from tests.pallas.test_mosaic_gpu_schedule import _deep
 
 SPIN_OK, SPIN_WHY = promela.spin_available()

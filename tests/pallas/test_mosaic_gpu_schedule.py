@@ -16,9 +16,9 @@ from dsl.core.errors import BackendError
 from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu import plan as gpu_plan
 from lowering_mosaic.gpu import schedule as S
-from tests.pallas.mosaic_gpu_kernels import CASES as SAMPLES
-from tests.pallas.mosaic_gpu_kernels import (SCHEDULES, add, flash_attention,
-                                             matmul)
+from benchmarks.mosaic_gpu_kernels import CASES as SAMPLES
+from benchmarks.mosaic_gpu_kernels import (SCHEDULES, add, flash_attention,
+                                          matmul)
 
 BF = lambda *s: jnp.ones(s, jnp.bfloat16)
 
