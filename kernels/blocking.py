@@ -57,6 +57,17 @@ def _code(backend: str) -> str:
   return backends.record(backend).code
 
 
+def runs_on_host(backend: str) -> bool:
+  """A backend that runs kernels on the host (a CPU backend), from its
+  record in the registry."""
+  return backends.record(backend).on_host
+
+
+def is_jax(backend: str) -> bool:
+  """A backend that runs kernels as plain JAX ops (`interpret`)."""
+  return _code(backend) == "jax"
+
+
 def is_triton(backend: str) -> bool:
   return _code(backend) == "triton"
 

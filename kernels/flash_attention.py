@@ -149,7 +149,7 @@ def attention_blocks(sq: int, sk: int, d: int, backend: str, block_q=None,
   backward = kernel != "fwd"
   if blocking.is_triton(backend):
     tq, tk = _triton_config(kernel, d, itemsize)[:2]
-    if backend == "triton_interpret":
+    if blocking.runs_on_host(backend):
       # A quarter of the GPU's tiles, so each backward kernel's own shape
       # runs through Triton's interpreter too.
       tq, tk = (t // 4 for t in TRITON_CONFIGS[kernel][:2])

@@ -65,7 +65,7 @@ def block_sizes(m: int, n: int, k: int, backend: str, dtype=jnp.float32):
   small = jnp.dtype(dtype).itemsize <= 2
   if blocking.is_triton(backend):
     t = (128, 128, 64) if small else (64, 64, 32)
-    if backend == "triton_interpret":
+    if blocking.runs_on_host(backend):
       t = (32, 32, 32)
     return tuple(min(blocking.pow2_floor(max(d, 1)), b)
                  for d, b in zip((m, n, k), t))
@@ -171,7 +171,7 @@ def matmul_2d(a, b, bias=None, *, activation=None, trans_a=False,
   # result to a runtime path that rejects it ("Unsupported element type for
   # DotThunk::Execute: BF16 x BF16 = F32"); on the CPU interpreter the
   # transposed (backward) products therefore multiply in float32.
-  upcast = (be == "interpret" and (trans_a or trans_b)
+  upcast = (blocking.is_jax(be) and (trans_a or trans_b)
             and jnp.dtype(a.dtype).itemsize < 4
             and jnp.issubdtype(a.dtype, jnp.floating))
   kernel = functools.partial(

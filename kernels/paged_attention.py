@@ -123,7 +123,7 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, *,
   n_blocks = pl.cdiv(pages_per_seq, npb)
   # The CPU interpreter prefers one wide tile; compiled backends get one
   # update per page (no concatenation in registers / VMEM).
-  concat = npb > 1 and be == "interpret" if concat_pages is None else bool(
+  concat = npb > 1 and blocking.is_jax(be) if concat_pages is None else bool(
       concat_pages)
 
   def page_map(t):

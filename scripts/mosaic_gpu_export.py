@@ -3,7 +3,7 @@
     python scripts/mosaic_gpu_export.py export out/mosaic_gpu   # CPU is fine
     python scripts/mosaic_gpu_export.py check out/mosaic_gpu    # needs a GPU
 
-`export` lowers each sample kernel (tests/pallas/mosaic_gpu_kernels.py:
+`export` lowers each sample kernel (benchmarks/mosaic_gpu_kernels.py:
 elementwise, matmul, softmax, attention) for "cuda" through backend
 "mosaic_gpu" (`jax.export(..., platforms=("cuda",))`) and writes, per
 kernel, the
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tests.pallas.mosaic_gpu_kernels import CASES  # noqa: E402
+from benchmarks.mosaic_gpu_kernels import CASES  # noqa: E402
 
 
 def export(out_dir: str) -> None:

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import kernels  # noqa: E402
 from lowering_mosaic.gpu import to_gpu_modules  # noqa: E402
-from tests.pallas import mosaic_gpu_kernels as samples  # noqa: E402
+from benchmarks import mosaic_gpu_kernels as samples  # noqa: E402
 
 BACKEND = "mosaic_gpu"
 ROW_SHAPES = ((8192, 8192), (131072, 512))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Runs the verification corpus (tests/pallas/promela_corpus.py) and
+"""Runs the verification corpus (benchmarks/promela_corpus.py) and
 prints the table of docs/verification.md: per kernel, the kind SPIN
 reported, the states it explored and the time it took.
 
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
   a = ap.parse_args(argv)
 
   import lowering_mosaic.verify as verify
-  from tests.pallas.promela_corpus import CORPUS
+  from benchmarks.promela_corpus import CORPUS
 
   rows = []
   for case in CORPUS:

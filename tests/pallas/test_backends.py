@@ -1,6 +1,10 @@
 """The backend registry: one record per backend, one function that resolves
 `backend=`, `interpret=`, `jax_pallas_use_mosaic_gpu` and the platform."""
+import ast
 import contextlib
+import dataclasses
+import glob
+import importlib
 import os
 
 import jax
@@ -120,3 +124,51 @@ def test_lowering_mosaic_names_load_from_their_sub_packages():
   assert lowering_mosaic.interpreter_options is interpreter.interpreter_options
   with pytest.raises(AttributeError):
     lowering_mosaic.no_such_name   # noqa: B018
+
+
+# ------------------------------------------------------ the kernel library
+
+def _named_backends(node) -> list[str]:
+  """Backend names among the string constants of a comparison operand."""
+  items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) \
+      else [node]
+  return [i.value for i in items if isinstance(i, ast.Constant)
+          and i.value in backends.REGISTRY]
+
+
+def test_kernel_library_compares_no_backend_names():
+  """kernels/ asks the registry's record what a backend builds and where it
+  runs (kernels.blocking), never tests a backend's name."""
+  found = []
+  for path in sorted(glob.glob(os.path.join(_ROOT, "kernels", "*.py"))):
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Compare):
+        code = (isinstance(node.left, ast.Call) and
+                getattr(node.left.func, "id", "") == "_code")
+        names = [n for o in [node.left, *node.comparators]
+                 for n in _named_backends(o)]
+        if names and not code:         # `_code(b) == "triton"`: a code word
+          found.append((os.path.basename(path), node.lineno, names))
+      elif (isinstance(node, ast.Call) and
+            getattr(node.func, "attr", "") == "startswith"):
+        found.append((os.path.basename(path), node.lineno, "startswith"))
+  assert not found, found
+
+
+@pytest.mark.parametrize("like", ["triton_interpret", "interpret"])
+def test_kernel_blocks_follow_the_record_not_the_name(like, monkeypatch):
+  """A backend registered under a new name with the record of `like` gets
+  the blocks `like` gets."""
+  twin = dataclasses.replace(backends.REGISTRY[like], name=f"{like}_twin")
+  monkeypatch.setitem(backends.REGISTRY, twin.name, twin)
+  mm = importlib.import_module("kernels.matmul")
+  fa = importlib.import_module("kernels.flash_attention")
+  for m, n, k in [(64, 96, 200), (1000, 1000, 1000)]:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      assert (mm.block_sizes(m, n, k, twin.name, dtype)
+              == mm.block_sizes(m, n, k, like, dtype))
+  for kernel in ("fwd", "dkdv", "dq"):
+    assert (fa.attention_blocks(512, 1024, 64, twin.name, kernel=kernel)
+            == fa.attention_blocks(512, 1024, 64, like, kernel=kernel))

@@ -18,24 +18,13 @@ from jax.test_util import check_grads
 
 import dsl as pl
 from dsl.core.normalize import DECOMPOSITIONS, normalize_closed
-from tests.pallas.testing import CPU_BACKENDS
-
-
-def _matmul_kernel(x_ref, y_ref, o_ref):
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    o_ref[...] = jnp.zeros_like(o_ref)
-  o_ref[...] += jnp.dot(x_ref[...], y_ref[...])
+from tests.pallas.testing import CPU_BACKENDS, matmul_call
 
 
 def matmul(x, y, backend):
-  return pl.pallas_call(
-      _matmul_kernel, backend=backend,
-      out_shape=jax.ShapeDtypeStruct((x.shape[0], y.shape[1]), x.dtype),
-      grid=(2, 1, 2),
-      in_specs=[pl.BlockSpec((8, 128), lambda i, j, k: (i, k)),
-                pl.BlockSpec((128, 128), lambda i, j, k: (k, j))],
-      out_specs=pl.BlockSpec((8, 128), lambda i, j, k: (i, j)))(x, y)
+  """x @ y in (8, 128) x (128, 128) blocks, accumulated in the output."""
+  return matmul_call(pl, None, x.shape[0], x.shape[1], y.shape[1],
+                     (8, 128, 128), dtype=x.dtype, backend=backend)(x, y)
 
 
 @jax.custom_jvp

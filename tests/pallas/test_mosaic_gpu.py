@@ -13,23 +13,11 @@ import pytest
 
 import dsl as pl
 from dsl.core.errors import BackendError
-from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu.plan import SMEM_LIMIT
-from tests.pallas.mosaic_gpu_kernels import (add, attention_tile as attention,
-                                             flash_attention as flash, matmul)
-
-
-def _lower_cuda(f, *args) -> str:
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def _module(f, *args):
-  (m,) = to_gpu_modules(f, *args)
-  return m
-
-
-def _ops(text: str) -> list[str]:
-  return re.findall(r'"?((?:mosaic_gpu|nvvm|scf|vector|memref)\.[\w.]+)', text)
+from benchmarks.mosaic_gpu_kernels import (add, attention_tile as attention,
+                                          flash_attention as flash, matmul)
+from tests.pallas.mosaic_gpu_testing import (
+    BF, FEATURES_THAT_BUILD, gpu_module, kernel_module, lower_cuda, mlir_ops)
 
 
 def _indent(text: str, op: str) -> int:
@@ -56,13 +44,12 @@ def masked_softmax(x, rows=64):
 
 
 F32 = jnp.ones((512, 64), jnp.float32)
-BF = lambda *s: jnp.ones(s, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------ routing
 
 def test_custom_call_is_mosaic_gpu_not_triton():
-  text = _lower_cuda(add, F32, F32)
+  text = lower_cuda(add, F32, F32)
   assert "stablehlo.custom_call @mosaic_gpu_v2" in text
   assert "triton_kernel_call" not in text
 
@@ -70,7 +57,7 @@ def test_custom_call_is_mosaic_gpu_not_triton():
 def test_option_routes_automatic_backend_on_cuda_only():
   f = lambda x, y: add(x, y, backend=None)
   with pl.config.use_mosaic_gpu_option(True):
-    assert "mosaic_gpu_v2" in _lower_cuda(f, F32, F32)
+    assert "mosaic_gpu_v2" in lower_cuda(f, F32, F32)
     # On CPU the automatic backend stays the interpreter.
     cpu = jax.jit(f).trace(F32, F32).lower(lowering_platforms=("cpu",))
     assert "mosaic_gpu_v2" not in cpu.as_text()
@@ -88,8 +75,8 @@ def test_mosaic_gpu_backend_refuses_non_cuda_platforms():
 # ------------------------------------------------------------------ structure
 
 def test_elementwise_tile_is_tma_in_math_tma_out():
-  m = _module(add, F32, F32)
-  ops = _ops(m.dialect_text)
+  m = gpu_module(add, F32, F32)
+  ops = mlir_ops(m.dialect_text)
   assert ops.count("mosaic_gpu.async_load") == 2
   assert ops.count("mosaic_gpu.async_store") == 1
   assert "mosaic_gpu.arrive_expect_tx" in ops and "mosaic_gpu.wgmma" not in ops
@@ -105,17 +92,17 @@ def test_elementwise_tile_is_tma_in_math_tma_out():
 
 
 def test_expect_tx_counts_both_blocks():
-  m = _module(add, F32, F32)
+  m = gpu_module(add, F32, F32)
   # 2 blocks of 128x64 f32.
   assert re.search(r"arrive_expect_tx.*%c65536_i32", m.dialect_text)
 
 
 def test_matmul_is_wgmma_over_a_sequential_tma_loop():
-  m = _module(matmul, BF(256, 256), BF(256, 256))
+  m = gpu_module(matmul, BF(256, 256), BF(256, 256))
   assert m.plan.parallel == (0, 1) and m.plan.sequential == (2,)
   # Two consumer warpgroups share a CTA: 2 of the 4 output tiles each.
   assert m.plan.cuda_grid == 2 and m.plan.steps == 4
-  ops = _ops(m.dialect_text)
+  ops = mlir_ops(m.dialect_text)
   assert "mosaic_gpu.wgmma" in ops and "scf.for" in ops
   assert "nvvm.wgmma.wait.group.sync.aligned" in ops
   lowered = m.module.operation.get_asm()
@@ -124,8 +111,8 @@ def test_matmul_is_wgmma_over_a_sequential_tma_loop():
 
 
 def test_one_warpgroup_double_buffers_sequential_inputs():
-  m = _module(lambda x, y: matmul(x, y, warp_specialize=False),
-              BF(256, 256), BF(256, 256))
+  m = gpu_module(lambda x, y: matmul(x, y, warp_specialize=False),
+                 BF(256, 256), BF(256, 256))
   assert not m.plan.schedule.warp_specialized and m.plan.cuda_grid == 4
   ins = [b for b in m.plan.blocks if not b.is_output]
   assert all(b.moves and b.slots == 2 for b in ins)
@@ -156,8 +143,8 @@ def test_blocks_that_stay_put_are_loaded_once():
                 pl.BlockSpec((64, 64), lambda i, j: (i, 0))],
       out_specs=pl.BlockSpec((64, 64), lambda i, j: (i, 0)),
       backend="mosaic_gpu")(x, w)
-  m = _module(f, jnp.ones((128, 256), jnp.float32),
-              jnp.ones((128, 64), jnp.float32))
+  m = gpu_module(f, jnp.ones((128, 256), jnp.float32),
+                 jnp.ones((128, 64), jnp.float32))
   x_blk, w_blk, _ = m.plan.blocks
   assert x_blk.slots == m.plan.schedule.depth == 4
   assert w_blk.slots == 1 and not w_blk.moves
@@ -172,7 +159,7 @@ def test_output_moves_while_inputs_stay_put():
       out_specs=pl.BlockSpec((64, 64), lambda i: (i, 0)), backend="mosaic_gpu",
       compiler_params=pl.tpu.CompilerParams(
           dimension_semantics=("arbitrary",)))(x)
-  m = _module(f, jnp.ones((64, 64), jnp.float32))
+  m = gpu_module(f, jnp.ones((64, 64), jnp.float32))
   assert m.plan.sequential == (0,)
   text = m.dialect_text
   # One load before the loop, one store inside it, none after.
@@ -185,7 +172,7 @@ def test_output_moves_while_inputs_stay_put():
 
 
 def test_revisited_output_block_stays_on_chip_until_the_loop_ends():
-  m = _module(matmul, BF(256, 256), BF(256, 256))
+  m = gpu_module(matmul, BF(256, 256), BF(256, 256))
   (out,) = [b for b in m.plan.blocks if b.is_output]
   assert not out.moves
   text = m.dialect_text
@@ -204,7 +191,7 @@ def test_output_that_moves_along_sequential_dim_is_stored_every_step():
       in_specs=[spec], out_specs=spec, backend="mosaic_gpu",
       compiler_params=pl.tpu.CompilerParams(
           dimension_semantics=("parallel", "arbitrary")))(x)
-  m = _module(f, jnp.ones((128, 256), jnp.float32))
+  m = gpu_module(f, jnp.ones((128, 256), jnp.float32))
   assert m.plan.sequential == (1,) and m.plan.steps == 4
   (out,) = [b for b in m.plan.blocks if b.is_output]
   assert out.moves
@@ -214,8 +201,8 @@ def test_output_that_moves_along_sequential_dim_is_stored_every_step():
 
 
 def test_softmax_row_reductions_broadcasts_iota_where_casts():
-  m = _module(masked_softmax, BF(256, 128))
-  ops = _ops(m.dialect_text)
+  m = gpu_module(masked_softmax, BF(256, 128))
+  ops = mlir_ops(m.dialect_text)
   for op in ("vector.multi_reduction", "mosaic_gpu.broadcast_in_dim",
              "mosaic_gpu.broadcasted_iota", "mosaic_gpu.layout_cast"):
     assert op in ops, op
@@ -225,16 +212,16 @@ def test_softmax_row_reductions_broadcasts_iota_where_casts():
 def test_attention_tile_two_wgmmas_with_transposed_keys():
   q = BF(256, 128)
   kv = BF(128, 128)
-  m = _module(attention, q, kv, kv)
-  assert _ops(m.dialect_text).count("mosaic_gpu.wgmma") == 2
+  m = gpu_module(attention, q, kv, kv)
+  assert mlir_ops(m.dialect_text).count("mosaic_gpu.wgmma") == 2
   assert "memref.transpose" in m.dialect_text
-  assert "vector.multi_reduction" in _ops(m.dialect_text)
-  assert "mosaic_gpu_v2" in _lower_cuda(attention, q, kv, kv)
+  assert "vector.multi_reduction" in mlir_ops(m.dialect_text)
+  assert "mosaic_gpu_v2" in lower_cuda(attention, q, kv, kv)
 
 
 def test_flash_attention_online_softmax_over_a_pipelined_kv_loop():
   q, k = BF(256, 128), BF(512, 128)
-  m = _module(flash, q, k, k)
+  m = gpu_module(flash, q, k, k)
   assert m.plan.parallel == (0,) and m.plan.sequential == (1,)
   # Two consumers per CTA, each on its own query block, sharing K and V.
   assert m.plan.steps == 8 and m.plan.cuda_grid == 2
@@ -245,14 +232,14 @@ def test_flash_attention_online_softmax_over_a_pipelined_kv_loop():
   assert (q_blk.slots, k_blk.slots, v_blk.slots) == (1, depth, depth)
   assert depth >= 2
   assert not o_blk.moves                             # written once, at the end
-  ops = _ops(m.dialect_text)
+  ops = mlir_ops(m.dialect_text)
   assert ops.count("mosaic_gpu.wgmma") == 2
   assert ops.count("vector.multi_reduction") == 2    # row max, row sum
   assert ops.count("mosaic_gpu.async_store") == 1
   lowered = m.module.operation.get_asm()
   assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in lowered
   assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in lowered
-  assert "mosaic_gpu_v2" in _lower_cuda(flash, q, k, k)
+  assert "mosaic_gpu_v2" in lower_cuda(flash, q, k, k)
 
 
 def test_control_flow_fori_loop_and_cond():
@@ -266,10 +253,10 @@ def test_control_flow_fori_loop_and_cond():
   f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct(x.shape, x.dtype),
                                grid=(2,), in_specs=[spec], out_specs=spec,
                                backend="mosaic_gpu")(x)
-  m = _module(f, jnp.ones((128, 128), jnp.float32))
-  ops = _ops(m.dialect_text)
+  m = gpu_module(f, jnp.ones((128, 128), jnp.float32))
+  ops = mlir_ops(m.dialect_text)
   assert "scf.for" in ops and "scf.index_switch" in m.dialect_text
-  assert "mosaic_gpu_v2" in _lower_cuda(f, jnp.ones((128, 128), jnp.float32))
+  assert "mosaic_gpu_v2" in lower_cuda(f, jnp.ones((128, 128), jnp.float32))
 
 
 def test_scratch_lives_in_shared_memory():
@@ -280,7 +267,7 @@ def test_scratch_lives_in_shared_memory():
       k, jax.ShapeDtypeStruct(x.shape, x.dtype),
       scratch_shapes=[pl.tpu.VMEM((64, 128), jnp.float32)],
       backend="mosaic_gpu")(x)
-  m = _module(f, jnp.ones((64, 128), jnp.float32))
+  m = gpu_module(f, jnp.ones((64, 128), jnp.float32))
   assert m.plan.scratch == (((64, 128), np.dtype(np.float32)),)
   assert m.plan.smem_bytes >= 3 * 64 * 128 * 4
 
@@ -295,7 +282,7 @@ def test_export_for_cuda_serializes():
 def test_dump_writes_the_dialect_and_the_lowered_module(tmp_path):
   x = jnp.ones((256, 64), jnp.float32)   # a shape not lowered before
   with pl.config.dump_mlir_to_option(str(tmp_path)):
-    _lower_cuda(add, x, x)
+    lower_cuda(add, x, x)
   names = sorted(os.listdir(tmp_path))
   assert len(names) == 2
   first = (tmp_path / [n for n in names if "lowered" not in n][0]).read_text()
@@ -311,32 +298,32 @@ def test_shared_memory_limit_is_a_clear_error():
   x = jnp.ones((256, 256), jnp.float32)            # 256 KiB per block
   with pytest.raises(BackendError, match=r"bytes of shared memory.*"
                      + str(SMEM_LIMIT)):
-    _lower_cuda(lambda a, b: add(a, b, block=(256, 256)), x, x)
+    lower_cuda(lambda a, b: add(a, b, block=(256, 256)), x, x)
 
 
 def test_unaligned_tma_box_is_a_clear_error():
   x = jnp.ones((64, 64), jnp.float32)
   with pytest.raises(BackendError, match="16 bytes.*unaligned TMA box.*triton"):
-    _lower_cuda(lambda a, b: add(a, b, block=(64, 2)), x, x)
+    lower_cuda(lambda a, b: add(a, b, block=(64, 2)), x, x)
 
 
 def test_unaligned_array_stride_is_a_clear_error():
   x = jnp.ones((64, 6), jnp.float32)               # 24-byte rows
   with pytest.raises(BackendError, match="stride of 24 bytes"):
-    _lower_cuda(lambda a, b: add(a, b, block=(64, 6)), x, x)
+    lower_cuda(lambda a, b: add(a, b, block=(64, 6)), x, x)
 
 
 def test_dot_shape_wgmma_cannot_take_is_a_clear_error():
   x = BF(32, 64)
   with pytest.raises(BackendError, match="M=32 is not a multiple of 64"):
-    _lower_cuda(lambda a, b: matmul(a, b, bm=32, bn=64, bk=64), x, BF(64, 64))
+    lower_cuda(lambda a, b: matmul(a, b, bm=32, bn=64, bk=64), x, BF(64, 64))
 
 
 def test_int_dot_is_a_clear_error():
   x = jnp.ones((128, 64), jnp.int8)
   with pytest.raises(BackendError, match="wgmma takes"):
-    _lower_cuda(lambda a, b: matmul(a, b, bm=128, bn=64, bk=64), x,
-                jnp.ones((64, 64), jnp.int8))
+    lower_cuda(lambda a, b: matmul(a, b, bm=128, bn=64, bk=64), x,
+               jnp.ones((64, 64), jnp.int8))
 
 
 @pytest.mark.parametrize("what", ["atomic", "masked_load", "small_rows"])
@@ -354,7 +341,7 @@ def test_what_cannot_be_expressed_suggests_triton(what):
   f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct(x.shape, x.dtype),
                                backend="mosaic_gpu")(x)
   with pytest.raises(BackendError, match=r"triton") as e:
-    _lower_cuda(f, jnp.ones((rows, 128), jnp.float32))
+    lower_cuda(f, jnp.ones((rows, 128), jnp.float32))
   assert "test_mosaic_gpu.py" in str(e.value)       # the user's line
 
 
@@ -364,7 +351,7 @@ def test_unsupported_primitive_names_it():
   f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct(x.shape, x.dtype),
                                backend="mosaic_gpu")(x)
   with pytest.raises(BackendError, match="cumsum"):
-    _lower_cuda(f, jnp.ones((64, 128), jnp.float32))
+    lower_cuda(f, jnp.ones((64, 128), jnp.float32))
 
 
 # ------------------------------------------------------------------ operands
@@ -381,12 +368,12 @@ def test_scalar_prefetch_drives_the_index_maps():
       backend="mosaic_gpu")(idx, x)
   idx = jnp.array([3, 2, 1, 0], jnp.int32)
   x = jnp.ones((256, 64), jnp.float32)
-  m = _module(f, idx, x)
+  m = gpu_module(f, idx, x)
   assert m.plan.prefetch[0].shape == (4,)
   # The index map reads the prefetch array in global memory.
   assert re.search(r"memref\.load %\w+\[.*\] : memref<(1x)?i32, strided",
                    m.dialect_text) or "memref<4xi32>" in m.dialect_text
-  assert "mosaic_gpu_v2" in _lower_cuda(f, idx, x)
+  assert "mosaic_gpu_v2" in lower_cuda(f, idx, x)
 
 
 def test_input_output_aliases_reach_the_custom_call():
@@ -397,23 +384,16 @@ def test_input_output_aliases_reach_the_custom_call():
                                grid=(2,), in_specs=[spec], out_specs=spec,
                                input_output_aliases={0: 0},
                                backend="mosaic_gpu")(x)
-  text = _lower_cuda(f, jnp.ones((128, 64), jnp.float32))
+  text = lower_cuda(f, jnp.ones((128, 64), jnp.float32))
   assert "mosaic_gpu_v2" in text and "output_operand_aliases" in text
 
 
 # ------------------------------------------------------------------ more
 
-def _build(body, *args, out=None, **kw):
-  f = lambda *xs: pl.pallas_call(
-      body, jax.ShapeDtypeStruct(out or xs[0].shape, xs[0].dtype),
-      backend="mosaic_gpu", **kw)(*xs)
-  return _module(f, *args)
-
-
 def test_blocks_longer_than_a_tma_box_move_in_several_copies():
   def k(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2
-  m = _build(k, BF(512, 64))
+  m = kernel_module(k, BF(512, 64))
   assert m.plan.blocks[0].copies() == [(0, 256), (256, 256)]
   assert m.dialect_text.count("mosaic_gpu.async_load") == 2
   assert m.dialect_text.count("mosaic_gpu.async_store") == 2
@@ -424,8 +404,8 @@ def test_buffers_start_on_swizzle_aligned_offsets():
   def k(x_ref, o_ref, s_ref):
     s_ref[...] = x_ref[...]
     o_ref[...] = s_ref[...] + 1
-  m = _build(k, jnp.ones((32, 36), jnp.float32),      # 4608-byte buffers
-             scratch_shapes=[pl.tpu.VMEM((32, 36), jnp.float32)])
+  m = kernel_module(k, jnp.ones((32, 36), jnp.float32),   # 4608-byte buffers
+                    scratch_shapes=[pl.tpu.VMEM((32, 36), jnp.float32)])
   starts = [int(o) for o in re.findall(
       r"slice_smem\"\(\) <\{offset = (\d+) : i32\}> : \(\) -> memref<32x36xf32",
       m.dialect_text)]
@@ -445,8 +425,8 @@ def test_integer_math_clamp_switch_while():
                                 [lambda a: a, lambda a: a * 2,
                                  lambda a: a + 3], y)
   spec = pl.BlockSpec((64, 128), lambda i: (i, 0))
-  m = _build(k, jnp.ones((192, 128), jnp.int32), grid=(3,), in_specs=[spec],
-             out_specs=spec)
+  m = kernel_module(k, jnp.ones((192, 128), jnp.int32), grid=(3,),
+                    in_specs=[spec], out_specs=spec)
   text = m.dialect_text
   for op in ("arith.shli", "arith.shrsi", "arith.xori", "arith.maxsi",
              "arith.minsi", "arith.remsi", "scf.while", "scf.index_switch"):
@@ -462,7 +442,7 @@ def test_scalars_and_any_space_arrays_are_used_in_global_memory():
   f = lambda x: pl.pallas_call(k, jax.ShapeDtypeStruct((2,), jnp.int32),
                                in_specs=[smem], out_specs=smem,
                                backend="mosaic_gpu")(x)
-  m = _module(f, jnp.array([5, -9], jnp.int32))
+  m = gpu_module(f, jnp.array([5, -9], jnp.int32))
   assert all(b.in_gmem for b in m.plan.blocks)
   assert "mosaic_gpu.async_load" not in m.dialect_text
   assert "memref.store" in m.dialect_text and "memref<2xi32>" in m.dialect_text
@@ -474,7 +454,7 @@ def test_run_scoped_buffers_are_planned_in_shared_memory():
       tmp_ref[...] = x_ref[...] * 2.0
       o_ref[...] = tmp_ref[...] + 1.0
     pl.run_scoped(scope, pl.tpu.VMEM((64, 128), jnp.float32))
-  m = _build(k, jnp.ones((64, 128), jnp.float32))
+  m = kernel_module(k, jnp.ones((64, 128), jnp.float32))
   ((_, bufs),) = m.plan.scoped
   assert bufs == (((64, 128), np.dtype(np.float32)),)
   assert m.plan.smem_bytes >= 3 * 64 * 128 * 4
@@ -489,23 +469,9 @@ def test_run_scoped_buffers_are_planned_in_shared_memory():
 # suggests Triton; never another exception. Built, not run: the numerics of
 # the ones that build are test_mosaic_gpu_device.py's, on a GPU.
 
+# The feature suite's test functions, run again here to build their kernels.
 from tests.pallas import test_features as features  # noqa: E402
 from tests.pallas.testing import parametrize_cases  # noqa: E402
-
-# The feature kernels that lower on this backend today (a regression guard).
-FEATURES_THAT_BUILD = {
-    "test_add_partial_edge_blocks", "test_aliased_output_keeps_unwritten_blocks",
-    "test_fori_loop_ds_and_at_views", "test_grad_and_vmap",
-    "test_input_output_aliases", "test_integer_ops",
-    "test_kernel_decorator_in_jit_and_make_jaxpr",
-    "test_loop_cond_while_and_casts",
-    "test_multiple_of_and_max_contiguous_are_identity",
-    "test_pytree_operands_and_out_shape", "test_reversed_index_map",
-    "test_run_scoped_scratch", "test_scalar_prefetch_index_map",
-    "test_scalars_in_smem", "test_scratch_accumulator_persists_over_sequential_"
-    "steps", "test_squeezed_dims_and_2d_grid",
-    "test_squeezed_leading_dims_and_2d_grid", "test_zero_d_refs_and_int_dtypes",
-}
 
 
 class _Built(Exception):

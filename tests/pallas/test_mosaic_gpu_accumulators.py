@@ -27,24 +27,17 @@ from dsl import tpu as pltpu
 from dsl.core.index_maps import evaluate_index_map
 from dsl.core.normalize import normalize
 from lowering_mosaic.gpu import accumulators as A
-from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu.plan import make_gpu_plan
 from dsl.core.inspection import kernel_specs
-from tests.pallas.mosaic_gpu_kernels import (_flash_kernel, _matmul_kernel,
-                                             _ref_attention, flash_attention,
-                                             matmul)
+from benchmarks.mosaic_gpu_kernels import (_flash_kernel, _matmul_kernel,
+                                          _ref_attention, flash_attention,
+                                          matmul)
 from tests.pallas import mosaic_twins
-from tests.pallas.test_mosaic_gpu_schedule import _block, _count, _roles
+from tests.pallas.mosaic_gpu_testing import (
+    BF, count_op, gpu_module, mlir_region, normal_arrays, warpgroup_roles)
 
-BF = lambda *s: jnp.ones(s, jnp.bfloat16)
 # The sample kernels run by Pallas (jax.experimental.pallas), the peer.
-TWIN = mosaic_twins.twin("tests.pallas.mosaic_gpu_kernels")
-
-
-def _normal(seed, *shapes, dtype=jnp.bfloat16):
-  keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return [jax.random.normal(k, s, jnp.float32).astype(dtype)
-          for k, s in zip(keys, shapes)]
+TWIN = mosaic_twins.twin("benchmarks.mosaic_gpu_kernels")
 
 
 def _spec_and_plan(f, *args):
@@ -53,14 +46,9 @@ def _spec_and_plan(f, *args):
   return spec, make_gpu_plan(spec)
 
 
-def _module(f, *args):
-  (m,) = to_gpu_modules(f, *args)
-  return m
-
-
 def _loop(region: str) -> str:
   """The loop over sequential steps in a warpgroup's region."""
-  return _block(region, region.index("scf.for"))
+  return mlir_region(region, region.index("scf.for"))
 
 
 # ------------------------------------------------------------ the CPU run
@@ -149,7 +137,7 @@ def _pallas_matmul(x, y, bm, bn, bk):
 ])
 def test_carried_matmul_body_computes_the_product(shape, blocks, dtype):
   m, k, n = shape
-  x, y = _normal(0, (m, k), (k, n), dtype=dtype)
+  x, y = normal_arrays(0, (m, k), (k, n), dtype=dtype)
   f = functools.partial(matmul, bm=blocks[0], bn=blocks[1], bk=blocks[2])
   spec, plan = _spec_and_plan(f, x, y)
   assert plan.carried == (2,)            # the output block
@@ -174,16 +162,16 @@ def test_matmul_loop_carries_the_accumulator(params):
   """The consumer's loop carries the f32 output tile; the wgmma
   accumulates into it; nothing of it goes through shared memory inside
   the loop; it is stored once, after the loop, then copied out."""
-  m = _module(functools.partial(matmul, **params), BF(512, 256),
-              BF(256, 256))
+  m = gpu_module(functools.partial(matmul, **params), BF(512, 256),
+                 BF(256, 256))
   text = m.dialect_text
-  region = (_roles(text)[0] if m.plan.schedule.warp_specialized
+  region = (warpgroup_roles(text)[0] if m.plan.schedule.warp_specialized
             else text)
   loop = _loop(region)
   header = loop.splitlines()[0]
   assert re.search(r"iter_args\(%\w+ = %\w+\) -> \(vector<128x128xf32>\)",
                    header), header
-  assert _count(loop, "mosaic_gpu.vector_store") == 0
+  assert count_op(loop, "mosaic_gpu.vector_store") == 0
   assert "-> vector<128x128xf32>\n" not in "".join(
       l + "\n" for l in loop.splitlines() if "vector_load" in l)
   acc = re.search(r"mosaic_gpu.wgmma accumulator\((%\w+) :", loop).group(1)
@@ -201,22 +189,22 @@ def test_matmul_loop_carries_the_accumulator(params):
 # ------------------------------------------------------------ attention
 
 def _flash_inputs(seed, sq=256, sk=256, d=128):
-  return _normal(seed, (sq, d), (sk, d), (sk, d))
+  return normal_arrays(seed, (sq, d), (sk, d), (sk, d))
 
 
 def test_flash_attention_carries_its_statistics_and_output():
   q, k, v = _flash_inputs(1, 512, 1024)
-  m = _module(flash_attention, q, k, v)
+  m = gpu_module(flash_attention, q, k, v)
   plan = m.plan
   # m, l and acc scratch are carried; none has a shared-memory buffer.
   assert plan.carried == (4, 5, 6)
   assert plan.smem_scratch() == []
-  consumer, _ = _roles(m.dialect_text)
+  consumer, _ = warpgroup_roles(m.dialect_text)
   loop = _loop(consumer)
   assert re.search(r"-> \(vector<64xf32>, vector<64xf32>, "
                    r"vector<64x128xf32>\)", loop.splitlines()[0])
   # The only store in the loop is the output block's, at the last step.
-  assert _count(loop, "mosaic_gpu.vector_store") == 1
+  assert count_op(loop, "mosaic_gpu.vector_store") == 1
   loads = [l for l in loop.splitlines() if "vector_load" in l]
   assert loads and all("xf32" not in l for l in loads)
   # p @ v accumulates into the rescaled accumulator.
@@ -311,7 +299,7 @@ def test_refs_not_read_whole_stay_in_shared_memory(kernel, scratch, carried):
   assert plan.carried == carried
   assert isinstance(plan.body.jaxpr.jaxpr.invars[-1].aval,
                     state_types.AbstractRef)
-  _module(f, x, y)                     # and the kernel still builds
+  gpu_module(f, x, y)                     # and the kernel still builds
 
 
 def test_one_step_kernels_carry_nothing():

@@ -1,6 +1,6 @@
 """Backend "mosaic_gpu" on an NVIDIA Hopper GPU: numerics of the feature
 kernels that build (test_mosaic_gpu.FEATURES_THAT_BUILD) and of the sample
-kernels (tests/pallas/mosaic_gpu_kernels.py: matmul, softmax, attention)
+kernels (benchmarks/mosaic_gpu_kernels.py: matmul, softmax, attention)
 against jnp.
 
 Also the library kernels on "mosaic_gpu" (forward and gradient against their
@@ -10,16 +10,16 @@ emit (mosaic_gpu_kernels.SCHEDULES).
 Run on a GPU machine with `pytest -m gpu tests/pallas/test_mosaic_gpu_device.py`.
 Until that has run, the numerics of this backend are unmeasured.
 """
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+# The feature suite's test functions, run again here on a GPU.
 from tests.pallas import test_features as features
-from tests.pallas.mosaic_gpu_kernels import CASES
-from tests.pallas.test_mosaic_gpu import FEATURES_THAT_BUILD
+from benchmarks.mosaic_gpu_kernels import CASES
+from tests.pallas.mosaic_gpu_testing import FEATURES_THAT_BUILD, LIBRARY
 from tests.pallas.testing import parametrize_cases
 
 
@@ -64,49 +64,6 @@ def test_export_script_kernels_match_jnp(case):
 
 
 # ------------------------------------------------------ the library kernels
-
-def _lib(name):
-  return importlib.import_module(f"kernels.{name}")
-
-
-def _normal(seed, *shapes, dtype=jnp.bfloat16):
-  keys = jax.random.split(jax.random.key(seed), len(shapes))
-  return [jax.random.normal(k, s, jnp.float32).astype(dtype)
-          for k, s in zip(keys, shapes)]
-
-
-def _attention(causal):
-  q, k, v = _normal(7, (2, 256, 4, 128), (2, 256, 2, 128), (2, 256, 2, 128))
-  fa = _lib("flash_attention")
-  return (lambda q, k, v: fa.flash_attention(q, k, v, causal=causal,
-                                             backend="mosaic_gpu"),
-          lambda q, k, v: fa.reference(q, k, v, causal=causal), (q, k, v))
-
-
-# name -> () -> (kernel on mosaic_gpu, jnp reference, inputs)
-LIBRARY = {
-    "softmax": lambda: (
-        lambda x: _lib("softmax").softmax(x, backend="mosaic_gpu"),
-        _lib("softmax").reference, _normal(1, (512, 1024))),
-    "softmax_two_pass": lambda: (
-        lambda x: _lib("softmax").softmax(x, backend="mosaic_gpu"),
-        _lib("softmax").reference, _normal(2, (256, 4096))),
-    "layer_norm": lambda: (
-        lambda x, w, b: _lib("layer_norm").layer_norm(x, w, b,
-                                                      backend="mosaic_gpu"),
-        _lib("layer_norm").reference, _normal(3, (512, 512), (512,), (512,))),
-    "rms_norm": lambda: (
-        lambda x, w: _lib("rms_norm").rms_norm(x, w, backend="mosaic_gpu"),
-        _lib("rms_norm").reference, _normal(4, (512, 512), (512,))),
-    "matmul": lambda: (
-        lambda x, y, c: _lib("matmul").matmul(x, y, bias=c, activation="relu",
-                                              backend="mosaic_gpu"),
-        lambda x, y, c: _lib("matmul").reference(x, y, bias=c,
-                                                 activation="relu"),
-        _normal(5, (512, 512), (512, 256), (256,))),
-    "attention": lambda: _attention(False),
-    "causal_attention": lambda: _attention(True),
-}
 
 
 @pytest.mark.parametrize("name", sorted(LIBRARY))

@@ -1,7 +1,7 @@
 """Transformations of kernels on backend "mosaic_gpu", checked on a CPU: the
 jvp, reverse-mode (recording and transposed) and batched kernels that JAX's
 rules derive are built as Mosaic GPU modules (verified, layouts inferred)
-when lowering for "cuda", for the grad corpus's cases (test_grad_corpus.py)
+when lowering for "cuda", for the grad corpus's cases (grad_corpus.py)
 and for GPU-shaped library kernels. Their numerics are the corpus's (the
 same derived kernels on the CPU backends) and, on a GPU,
 test_mosaic_gpu_device.py's."""
@@ -14,16 +14,15 @@ import pytest
 
 import dsl as pl
 from dsl import tpu as pltpu
-from tests.pallas import test_grad_corpus as corpus
+from tests.pallas import grad_corpus as corpus
+from tests.pallas import mosaic_gpu_testing
+from tests.pallas.mosaic_gpu_testing import lower_cuda
+from tests.pallas.testing import uniform_arrays
 
 fa = importlib.import_module("kernels.flash_attention")
 mm = importlib.import_module("kernels.matmul")
 
 BACKEND = "mosaic_gpu"
-
-
-def _lower(f, *args) -> str:
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _loss(f):
@@ -48,7 +47,7 @@ def _built(tmp_path, mode, f, args) -> list[str]:
   g, gargs = _transformed(mode, f, args)
   jax.clear_caches()          # every kernel is lowered (and dumped) anew
   with pl.config.dump_mlir_to_option(str(tmp_path)):
-    text = _lower(g, *gargs)
+    text = lower_cuda(g, *gargs)
   names = sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir()
                  if p.name.endswith(".mosaic_gpu.mlir"))
   assert text.count("stablehlo.custom_call @mosaic_gpu_v2") == len(names)
@@ -85,8 +84,8 @@ def test_row_loop_and_its_jvp_lower(mode, tmp_path):
 # ------------------------------------------------- GPU-shaped library kernels
 
 def _bf16(*shapes, seed=0):
-  return tuple(x.astype(jnp.bfloat16) for x in corpus._data(*shapes,
-                                                              seed=seed))
+  return tuple(x.astype(jnp.bfloat16)
+               for x in uniform_arrays(*shapes, seed=seed))
 
 
 def _matmul():
@@ -157,6 +156,5 @@ def test_accumulator_jvp_kernel_lowers(tmp_path):
 def test_the_gpu_checks_library_cases_lower(name, tmp_path):
   """test_mosaic_gpu_device.py's library cases (wider rows: tiled copies,
   split vector blocks, the two-pass softmax) build, with their backward."""
-  from tests.pallas.test_mosaic_gpu_device import LIBRARY
-  f, _, args = LIBRARY[name]()
+  f, _, args = mosaic_gpu_testing.LIBRARY[name]()
   _built(tmp_path, "grad", f, args)

@@ -13,16 +13,17 @@ import pytest
 
 import dsl as pl
 from dsl.core.errors import BackendError
-from tests.pallas import mosaic_gpu_kernels as mgpu_samples
+from benchmarks import mosaic_gpu_kernels as mgpu_samples
 from lowering_mosaic.gpu.plan import REDUCTION_SCRATCH
-from tests.pallas.mosaic_gpu_kernels import matmul
-from tests.pallas.test_mosaic_gpu import BF, _build, _lower_cuda, _module, _ops
+from benchmarks.mosaic_gpu_kernels import matmul
+from tests.pallas.mosaic_gpu_testing import (BF, gpu_module, kernel_module,
+                                             lower_cuda, mlir_ops)
 
 # ------------------------------------------------------------ wide blocks
 
 def test_blocks_wider_than_a_tma_box_move_as_one_tiled_copy():
   x = BF(256, 512)
-  m = _module(lambda a: pl.pallas_call(
+  m = gpu_module(lambda a: pl.pallas_call(
       mgpu_samples._softmax_kernel, jax.ShapeDtypeStruct(a.shape, a.dtype),
       grid=(4,), in_specs=[pl.BlockSpec((64, 512), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((64, 512), lambda i: (i, 0)),
@@ -42,8 +43,8 @@ def test_blocks_wider_than_a_tma_box_move_as_one_tiled_copy():
 def test_long_vectors_and_unit_row_blocks_move_in_several_copies():
   def k(w_ref, r_ref, o_ref):
     o_ref[...] = r_ref[...] * w_ref[...]
-  m = _build(k, jnp.ones((512,), jnp.float32), jnp.ones((1, 512)),
-             out=(1, 512))
+  m = kernel_module(k, jnp.ones((512,), jnp.float32), jnp.ones((1, 512)),
+                    out=(1, 512))
   w_blk, r_blk, o_blk = m.plan.blocks
   assert w_blk.copies() == r_blk.copies() == [(0, 256), (256, 256)]
   assert r_blk.split_dim == 1 and r_blk.tiling is None
@@ -55,7 +56,7 @@ def test_a_wide_block_off_the_tile_grid_is_a_clear_error():
   x = BF(128, 520)
   spec = pl.BlockSpec((64, 520), lambda i: (i, 0))
   with pytest.raises(BackendError, match=r"multiple of \(8, 64\)"):
-    _lower_cuda(lambda a: pl.pallas_call(
+    lower_cuda(lambda a: pl.pallas_call(
         lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
         jax.ShapeDtypeStruct(a.shape, a.dtype), grid=(2,), in_specs=[spec],
         out_specs=spec, backend="mosaic_gpu")(a), x)
@@ -69,7 +70,7 @@ def test_a_dot_of_a_computed_right_operand_stages_it():
     o_ref[...] = jnp.dot(x_ref[...], y.astype(jnp.bfloat16),
                          preferred_element_type=jnp.float32).astype(
                              o_ref.dtype)
-  m = _build(k, BF(128, 64), BF(64, 128), out=(128, 128))
+  m = kernel_module(k, BF(128, 64), BF(64, 128), out=(128, 128))
   ((_, bufs),) = m.plan.scoped                 # one staging buffer
   assert bufs == (((64, 128), np.dtype(jnp.bfloat16)),)
   text = m.dialect_text
@@ -83,9 +84,9 @@ def test_a_transposed_dot_result_is_the_product_of_transposes():
     o_ref[...] = jnp.dot(x_ref[...], y_ref[...],
                          preferred_element_type=jnp.float32).T.astype(
                              o_ref.dtype)
-  m = _build(k, BF(64, 64), BF(64, 128), out=(128, 64))
+  m = kernel_module(k, BF(64, 64), BF(64, 128), out=(128, 64))
   assert m.plan.scoped == ()                   # nothing staged
-  assert _ops(m.dialect_text).count("mosaic_gpu.wgmma") == 2
+  assert mlir_ops(m.dialect_text).count("mosaic_gpu.wgmma") == 2
   lowered = m.module.operation.get_asm()
   assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in lowered
 
@@ -95,7 +96,7 @@ def test_a_transposed_tile_computed_in_registers_is_staged():
     y = (y_ref[...] * 2).T                       # (128, 64) from registers
     o_ref[...] = jnp.dot(x_ref[...], y, preferred_element_type=jnp.float32
                          ).astype(o_ref.dtype)
-  m = _build(k, BF(64, 128), BF(64, 128), out=(64, 64))
+  m = kernel_module(k, BF(64, 128), BF(64, 128), out=(64, 64))
   ((_, bufs),) = m.plan.scoped
   assert bufs == (((64, 128), np.dtype(jnp.bfloat16)),)
   assert "memref.transpose" in m.dialect_text
@@ -111,7 +112,7 @@ def _dot_nt_kernel(x_ref, y_ref, o_ref):
 
 def test_f32_dot_is_a_tf32_wgmma_at_default_precision():
   x, y = jnp.ones((128, 32), jnp.float32), jnp.ones((64, 32), jnp.float32)
-  m = _build(_dot_nt_kernel, x, y, out=(128, 64))
+  m = kernel_module(_dot_nt_kernel, x, y, out=(128, 64))
   lowered = m.module.operation.get_asm()
   assert "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32" in lowered
 
@@ -119,14 +120,14 @@ def test_f32_dot_is_a_tf32_wgmma_at_default_precision():
 def test_f32_dot_with_an_n_major_operand_is_a_clear_error():
   x, y = jnp.ones((128, 64), jnp.float32), jnp.ones((64, 64), jnp.float32)
   with pytest.raises(BackendError, match="K-major"):
-    _lower_cuda(lambda a, b: matmul(a, b, bm=128, bn=64, bk=32), x, y)
+    lower_cuda(lambda a, b: matmul(a, b, bm=128, bn=64, bk=32), x, y)
 
 
 def test_f32_dot_at_full_precision_is_a_clear_error():
   x, y = jnp.ones((128, 32), jnp.float32), jnp.ones((64, 32), jnp.float32)
   with jax.default_matmul_precision("float32"):
     with pytest.raises(BackendError, match="tf32.*full float32"):
-      _build(_dot_nt_kernel, x, y, out=(128, 64))
+      kernel_module(_dot_nt_kernel, x, y, out=(128, 64))
 
 
 # ------------------------------------------------------------ reductions
@@ -138,8 +139,8 @@ def test_reductions_across_warps_use_the_reduction_scratch(axes, op):
   def k(x_ref, o_ref):
     o_ref[...] = jnp.broadcast_to(jnp.max(x_ref[...], axis=axes,
                                           keepdims=True), (64, 128))
-  m = _build(k, jnp.ones((64, 128), jnp.float32))
-  assert op in _ops(m.dialect_text)
+  m = kernel_module(k, jnp.ones((64, 128), jnp.float32))
+  assert op in mlir_ops(m.dialect_text)
   if axes == (1,):            # rows stay inside warps: no scratch
     assert m.plan.reduction_bytes == 0
     assert "scratch_size" not in m.dialect_text
@@ -159,4 +160,4 @@ def test_reductions_of_tiles_off_the_wgmma_rows_are_clear_errors():
   def k(x_ref, o_ref):
     o_ref[...] = jnp.sum(x_ref[...], axis=1)
   with pytest.raises(BackendError, match="rows in multiples of 64.*\\(8, 128\\)"):
-    _build(k, jnp.ones((8, 128), jnp.float32), out=(8,))
+    kernel_module(k, jnp.ones((8, 128), jnp.float32), out=(8,))

@@ -5,19 +5,16 @@ and without blocks loaded once), no warpgroup deadlocks, no consumer
 computes on a slot before its copies landed, and no slot is refilled
 before every consumer released it. Bugs seeded into the schedule's roles
 (a missing wait, a missing release) are caught."""
-import jax.numpy as jnp
 import pytest
 
 from lowering_mosaic.verification import promela
 from lowering_mosaic.gpu import protocol_model as PM
 from lowering_mosaic.gpu import to_gpu_modules
-from tests.pallas.mosaic_gpu_kernels import flash_attention, matmul
-from tests.pallas.test_mosaic_gpu_schedule import _deep
+from benchmarks.mosaic_gpu_kernels import flash_attention, matmul
+from tests.pallas.mosaic_gpu_testing import BF, deep_ring
 
 SPIN_OK, SPIN_WHY = promela.spin_available()
 pytestmark = pytest.mark.skipif(not SPIN_OK, reason=SPIN_WHY)
-
-BF = lambda *s: jnp.ones(s, jnp.bfloat16)
 
 
 def _plan(f, *args):
@@ -34,7 +31,7 @@ def _flash():
 
 
 def _ring(steps=16, **params):
-  f, x = _deep(64, 128, steps, **params)
+  f, x = deep_ring(64, 128, steps, **params)
   return _plan(f, x)
 
 

@@ -13,68 +13,37 @@ import pytest
 
 import dsl as pl
 from dsl.core.errors import BackendError
-from lowering_mosaic.gpu import to_gpu_modules
 from lowering_mosaic.gpu import plan as gpu_plan
 from lowering_mosaic.gpu import schedule as S
-from tests.pallas.mosaic_gpu_kernels import CASES as SAMPLES
-from tests.pallas.mosaic_gpu_kernels import (SCHEDULES, add, flash_attention,
-                                             matmul)
-
-BF = lambda *s: jnp.ones(s, jnp.bfloat16)
-
-
-def _module(f, *args):
-  (m,) = to_gpu_modules(f, *args)
-  return m
-
-
-def _block(text: str, start: int) -> str:
-  """The region that opens on the line at `start` (up to its closing
-  brace, by indentation)."""
-  lines = text[text.rfind("\n", 0, start) + 1:].splitlines()
-  indent = len(lines[0]) - len(lines[0].lstrip())
-  for i, line in enumerate(lines[1:], 1):
-    if line.strip() == "}" and len(line) - len(line.lstrip()) == indent:
-      return "\n".join(lines[:i + 1])
-  raise AssertionError("unclosed region")
-
-
-def _roles(text: str) -> tuple[str, str]:
-  """(consumer region, producer region) of the warpgroup switch: the first
-  `scf.index_switch` after the warpgroup index is computed."""
-  at = text.index("scf.index_switch", text.index("nvvm.shfl.sync"))
-  case = text.index("case 0 {", at)
-  consumer = _block(text, case)
-  producer = _block(text, text.index("default {", case + len(consumer)))
-  return consumer, producer
-
-
-def _count(text: str, op: str) -> int:
-  return len(re.findall(re.escape(op) + r"\b", text))
+from benchmarks.mosaic_gpu_kernels import CASES as SAMPLES
+from benchmarks.mosaic_gpu_kernels import (SCHEDULES, add, flash_attention,
+                                          matmul)
+from tests.pallas.mosaic_gpu_testing import (
+    BF, count_op, deep_ring, gpu_module, mlir_region, warpgroup_roles)
 
 
 # ------------------------------------------------------------ the split
 
 def test_matmul_k_loop_is_a_producer_and_two_consumers():
-  m = _module(matmul, BF(512, 256), BF(256, 256))
+  m = gpu_module(matmul, BF(512, 256), BF(256, 256))
   sched = m.plan.schedule
   assert sched.warp_specialized and sched.consumers == 2
   assert sched.warpgroups == 3 and sched.threads == 384
   assert "threads(%arg5, %arg6, %arg7) in (%arg11 = %c384" in m.dialect_text
-  consumer, producer = _roles(m.dialect_text)
+  consumer, producer = warpgroup_roles(m.dialect_text)
   # TMA copies only in the producer; wgmma and the body only in consumers.
-  assert _count(producer, "mosaic_gpu.async_load") == 3   # x twice, y once
-  assert _count(consumer, "mosaic_gpu.async_load") == 0
-  assert _count(consumer, "mosaic_gpu.wgmma") == 1
-  assert _count(producer, "mosaic_gpu.wgmma") == 0
-  assert _count(producer, "mosaic_gpu.vector_load") == 0
+  assert count_op(producer, "mosaic_gpu.async_load") == 3   # x twice, y once
+  assert count_op(consumer, "mosaic_gpu.async_load") == 0
+  assert count_op(consumer, "mosaic_gpu.wgmma") == 1
+  assert count_op(producer, "mosaic_gpu.wgmma") == 0
+  assert count_op(producer, "mosaic_gpu.vector_load") == 0
   # The protocol: the producer waits for an empty slot and arms its full
   # barrier; consumers wait for it full and release it.
-  assert _count(producer, "mosaic_gpu.wait") == 1
-  assert _count(producer, "mosaic_gpu.arrive_expect_tx") == 1
-  assert _count(consumer, "mosaic_gpu.wait") == 1
-  assert _count(consumer, "mosaic_gpu.arrive") == 1
-  assert _count(consumer, "mosaic_gpu.async_store") == 1   # after the loop
+  assert count_op(producer, "mosaic_gpu.wait") == 1
+  assert count_op(producer, "mosaic_gpu.arrive_expect_tx") == 1
+  assert count_op(consumer, "mosaic_gpu.wait") == 1
+  assert count_op(consumer, "mosaic_gpu.arrive") == 1
+  assert count_op(consumer, "mosaic_gpu.async_store") == 1   # after the loop
   # Register reallocation between them.
   assert f"nvvm.setmaxregister increase {sched.consumer_registers}" in consumer
   assert f"nvvm.setmaxregister decrease {sched.producer_registers}" in producer
@@ -83,7 +52,7 @@ def test_matmul_k_loop_is_a_producer_and_two_consumers():
 
 
 def test_the_lowered_module_keeps_the_split():
-  m = _module(matmul, BF(512, 256), BF(256, 256))
+  m = gpu_module(matmul, BF(512, 256), BF(256, 256))
   lowered = m.module.operation.get_asm()
   assert "nvvm.setmaxregister increase 232" in lowered
   assert "nvvm.setmaxregister decrease 40" in lowered
@@ -94,7 +63,7 @@ def test_the_lowered_module_keeps_the_split():
 
 
 def test_ring_barriers_and_buffers():
-  m = _module(matmul, BF(512, 256), BF(256, 256))
+  m = gpu_module(matmul, BF(512, 256), BF(256, 256))
   sched = m.plan.schedule
   depth, c = sched.depth, sched.consumers
   text = m.dialect_text
@@ -114,45 +83,26 @@ def test_ring_barriers_and_buffers():
 
 def test_flash_attention_consumers_share_the_kv_ring():
   q, k = BF(512, 128), BF(1024, 128)
-  m = _module(flash_attention, q, k, k)
+  m = gpu_module(flash_attention, q, k, k)
   sched = m.plan.schedule
   assert sched.warp_specialized and sched.consumers == 2
   q_blk, k_blk, v_blk, o_blk = m.plan.blocks
   assert (k_blk.replicas, v_blk.replicas) == (1, 1)      # shared K, V
   assert (q_blk.replicas, q_blk.slots) == (2, 1)         # own q, loaded once
-  consumer, producer = _roles(m.dialect_text)
-  assert _count(consumer, "mosaic_gpu.wgmma") == 2
-  assert _count(consumer, "vector.multi_reduction") == 2
+  consumer, producer = warpgroup_roles(m.dialect_text)
+  assert count_op(consumer, "mosaic_gpu.wgmma") == 2
+  assert count_op(consumer, "vector.multi_reduction") == 2
   # q blocks on the fixed barrier before the loop; K, V per step.
-  assert _count(producer, "mosaic_gpu.async_load") == 4
-  assert _count(consumer, "mosaic_gpu.wait") == 2       # fixed, full
+  assert count_op(producer, "mosaic_gpu.async_load") == 4
+  assert count_op(consumer, "mosaic_gpu.wait") == 2       # fixed, full
 
 
 # ------------------------------------------------------------ the depth
 
-def _deep_kernel(x_ref, o_ref):
-  @pl.when(pl.program_id(1) == 0)
-  def _():
-    o_ref[...] = jnp.zeros_like(o_ref)
-  o_ref[...] += x_ref[...].astype(jnp.float32)
-
-
-def _deep(rows, cols, steps, **params):
-  def f(x):
-    return pl.pallas_call(
-        _deep_kernel, jax.ShapeDtypeStruct((rows * 2, cols), jnp.float32),
-        grid=(2, steps),
-        in_specs=[pl.BlockSpec((rows, cols), lambda i, j: (i, j))],
-        out_specs=pl.BlockSpec((rows, cols), lambda i, j: (i, 0)),
-        compiler_params=pl.mosaic_gpu.CompilerParams(**params),
-        backend="mosaic_gpu")(x)
-  return f, BF(rows * 2, cols * steps)
-
-
 @pytest.mark.parametrize("rows,cols,depth", [(64, 128, 4), (128, 192, 2)])
 def test_depth_is_the_deepest_ring_that_fits(rows, cols, depth):
-  f, x = _deep(rows, cols, 8)
-  plan = _module(f, x).plan
+  f, x = deep_ring(rows, cols, 8)
+  plan = gpu_module(f, x).plan
   assert plan.schedule.depth == depth
   assert plan.smem_bytes <= gpu_plan.SMEM_LIMIT
   if depth < S.MAX_DEPTH:     # one slot more would not fit
@@ -165,30 +115,30 @@ def test_depth_is_the_deepest_ring_that_fits(rows, cols, depth):
 
 
 def test_depth_never_exceeds_the_steps():
-  f, x = _deep(64, 128, 3)
-  assert _module(f, x).plan.schedule.depth == 3
+  f, x = deep_ring(64, 128, 3)
+  assert gpu_module(f, x).plan.schedule.depth == 3
 
 
 # ------------------------------------------------------------ overrides
 
 def test_compiler_params_override_depth_and_consumers():
-  f, x = _deep(64, 128, 8, pipeline_depth=2, num_consumers=1)
-  m = _module(f, x)
+  f, x = deep_ring(64, 128, 8, pipeline_depth=2, num_consumers=1)
+  m = gpu_module(f, x)
   assert (m.plan.schedule.depth, m.plan.schedule.consumers) == (2, 1)
   assert m.plan.cuda_grid == 2
   assert "threads(%arg5, %arg6, %arg7) in (%arg11 = %c256" in m.dialect_text
 
 
 def test_compiler_params_turn_warp_specialization_off():
-  f, x = _deep(64, 128, 8, warp_specialize=False)
-  m = _module(f, x)
+  f, x = deep_ring(64, 128, 8, warp_specialize=False)
+  m = gpu_module(f, x)
   assert not m.plan.schedule.warp_specialized
   assert "nvvm.setmaxregister" not in m.dialect_text
   assert "threads(%arg5, %arg6, %arg7) in (%arg11 = %c128" in m.dialect_text
 
 
 def test_kernels_whose_blocks_stay_keep_one_warpgroup():
-  m = _module(add, jnp.ones((512, 64)), jnp.ones((512, 64)))
+  m = gpu_module(add, jnp.ones((512, 64)), jnp.ones((512, 64)))
   assert not m.plan.schedule.warp_specialized
   assert m.plan.schedule.threads == 128
 
@@ -204,7 +154,7 @@ def test_cross_warp_reductions_take_one_consumer():
       in_specs=[pl.BlockSpec((64, 128), lambda i, j: (j, i))],
       out_specs=pl.BlockSpec((128,), lambda i, j: (i,)),
       backend="mosaic_gpu")(x)
-  plan = _module(f, BF(256, 256)).plan
+  plan = gpu_module(f, BF(256, 256)).plan
   assert plan.schedule.warp_specialized and plan.schedule.consumers == 1
   assert plan.reduction_bytes == gpu_plan.REDUCTION_SCRATCH
 
@@ -216,9 +166,9 @@ def test_cross_warp_reductions_take_one_consumer():
     (dict(pipeline_depth=64), "no warp-specialized schedule of 64 slots"),
 ])
 def test_bad_schedule_params_are_clear_errors(params, match):
-  f, x = _deep(64, 128, 8, **params)
+  f, x = deep_ring(64, 128, 8, **params)
   with pytest.raises(BackendError, match=match) as e:
-    _module(f, x)
+    gpu_module(f, x)
   assert "compiler_params" in str(e.value)
 
 
@@ -229,7 +179,7 @@ def test_warp_specialize_without_moving_blocks_is_a_clear_error():
       compiler_params=pl.mosaic_gpu.CompilerParams(warp_specialize=True),
       backend="mosaic_gpu")(x, y)
   with pytest.raises(BackendError, match="needs input blocks that move"):
-    _module(f, jnp.ones((128, 64)), jnp.ones((128, 64)))
+    gpu_module(f, jnp.ones((128, 64)), jnp.ones((128, 64)))
 
 
 # ------------------------------------------------------------ the protocol
@@ -237,14 +187,14 @@ def test_warp_specialize_without_moving_blocks_is_a_clear_error():
 def test_module_follows_the_schedule_roles():
   """Each op of a role (schedule.py) is one op in that warpgroup's region
   of the module: the roles are what is emitted (and what SPIN checks)."""
-  m = _module(flash_attention, BF(512, 128), BF(1024, 128), BF(1024, 128))
+  m = gpu_module(flash_attention, BF(512, 128), BF(1024, 128), BF(1024, 128))
   sched = m.plan.schedule
-  consumer, producer = _roles(m.dialect_text)
+  consumer, producer = warpgroup_roles(m.dialect_text)
   emitted = {"wait": "mosaic_gpu.wait", "arrive": "mosaic_gpu.arrive",
              "expect_tx": "mosaic_gpu.arrive_expect_tx"}
   for role, text in ((sched.producer, producer), (sched.consumer, consumer)):
     for kind, op in emitted.items():
-      assert _count(text, op) == sum(o.kind == kind for o in role.ops()), \
+      assert count_op(text, op) == sum(o.kind == kind for o in role.ops()), \
           (role.name, kind)
 
 
@@ -252,13 +202,13 @@ def test_a_one_slot_ring_copies_at_every_step():
   """With pipeline_depth=1 the moving blocks still go through the ring (one
   slot): copied inside the producer's loop, not once before it (SPIN
   found this schedule's bug in its model first)."""
-  f, x = _deep(64, 128, 8, pipeline_depth=1)
-  m = _module(f, x)
+  f, x = deep_ring(64, 128, 8, pipeline_depth=1)
+  m = gpu_module(f, x)
   assert m.plan.schedule.depth == 1 and m.plan.schedule.warp_specialized
-  _, producer = _roles(m.dialect_text)
-  loop = _block(producer, producer.index("scf.for"))
-  assert _count(loop, "mosaic_gpu.async_load") == 2      # one per consumer
-  assert _count(producer, "mosaic_gpu.async_load") == 2
+  _, producer = warpgroup_roles(m.dialect_text)
+  loop = mlir_region(producer, producer.index("scf.for"))
+  assert count_op(loop, "mosaic_gpu.async_load") == 2      # one per consumer
+  assert count_op(producer, "mosaic_gpu.async_load") == 2
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))
@@ -266,7 +216,7 @@ def test_every_sample_and_schedule_the_gpu_check_runs_builds(name):
   """scripts/mosaic_gpu_export.py's cases (the GPU check's): each builds,
   under the schedule its overrides ask for."""
   fn, _, make, _ = SAMPLES[name]
-  sched = _module(fn, *make()).plan.schedule
+  sched = gpu_module(fn, *make()).plan.schedule
   for variant, params in SCHEDULES.items():
     if name.endswith(variant):
       assert sched.warp_specialized == params.get("warp_specialize", True)

@@ -18,7 +18,7 @@ import lowering_mosaic.verify as verify
 from lowering_mosaic.verification import promela
 from lowering_mosaic.tpu.inspection import to_modules
 from lowering_mosaic.verification.promela import spin as spin_mod
-from tests.pallas import promela_corpus as corpus
+from benchmarks import promela_corpus as corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))

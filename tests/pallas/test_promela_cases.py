@@ -5,7 +5,7 @@ import pytest
 
 import lowering_mosaic.verify as verify
 from lowering_mosaic.verification.promela import spin_available
-from tests.pallas.promela_corpus import CORPUS, Case
+from benchmarks.promela_corpus import CORPUS, Case
 
 SPIN_OK, SPIN_WHY = spin_available()
 pytestmark = pytest.mark.skipif(not SPIN_OK, reason=SPIN_WHY)

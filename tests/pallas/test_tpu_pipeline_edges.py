@@ -19,7 +19,7 @@ from lowering_mosaic.verify import verify
 from tests.pallas import mosaic_golden as golden
 from tests.pallas import tpu_pipeline_kernels as shared
 from tests.pallas.tpu_pipeline_kernels import inputs
-from tests.pallas.testing import CPU_BACKENDS, assert_close
+from tests.pallas.testing import CPU_BACKENDS, assert_close, matmul_kernel_for
 
 BACKENDS = CPU_BACKENDS
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -212,15 +212,9 @@ def _pallas(kind, x, y, bm, bn, bk=None):
   from jax.experimental import pallas as jpl
   from jax.experimental.pallas import tpu as jpltpu
 
-  def inner(x_ref, y_ref, o_ref):
-    if kind == "elementwise":
-      o_ref[...] = x_ref[...] * 2 + y_ref[...]
-      return
-
-    @jpl.when(jpl.program_id(2) == 0)
-    def _():
-      o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-    o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=f32)
+  def twice_plus(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2 + y_ref[...]
+  inner = twice_plus if kind == "elementwise" else matmul_kernel_for(jpl)
 
   def kernel(x_hbm, y_hbm, o_hbm):
     (m, k), n = x_hbm.shape, y_hbm.shape[1]

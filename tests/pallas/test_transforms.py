@@ -8,7 +8,7 @@ from jax.test_util import check_grads
 
 import dsl as pl
 from dsl import tpu as pltpu
-from tests.pallas.testing import assert_close
+from tests.pallas.testing import assert_close, matmul_call
 
 
 # ------------------------------------------------------------ test kernels
@@ -24,23 +24,9 @@ def sin_mul(x, y):
       out_specs=pl.BlockSpec((x.shape[0] // 2,), lambda i: (i,)))(x, y)
 
 
-def mm_kernel(x_ref, y_ref, o_ref):
-  @pl.when(pl.program_id(2) == 0)
-  def _():
-    o_ref[...] = jnp.zeros_like(o_ref)
-  o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                        preferred_element_type=jnp.float32)
-
-
 def matmul(x, y, b=8):
-  m, k = x.shape
-  n = y.shape[1]
-  return pl.pallas_call(
-      mm_kernel, jax.ShapeDtypeStruct((m, n), jnp.float32),
-      grid=(m // b, n // b, k // b),
-      in_specs=[pl.BlockSpec((b, b), lambda i, j, kk: (i, kk)),
-                pl.BlockSpec((b, b), lambda i, j, kk: (kk, j))],
-      out_specs=pl.BlockSpec((b, b), lambda i, j, kk: (i, j)))(x, y)
+  return matmul_call(pl, pltpu, x.shape[0], x.shape[1], y.shape[1],
+                     (b, b, b))(x, y)
 
 
 def lse_kernel(x_ref, o_ref, m_ref):

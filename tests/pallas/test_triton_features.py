@@ -6,6 +6,7 @@ import pytest
 
 import lowering_triton
 from lowering_triton.compile import compile_kernel
+# The feature suite's test functions, run again here to compile their kernels.
 from tests.pallas import test_features as features
 from tests.pallas.testing import TRITON_ARCHS, default_backend, test_cases
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
+# The CPU suites' test functions, run again here on a GPU (backend "triton").
 from tests.pallas import test_features as features
 from tests.pallas import test_triton_ops as ops
 from tests.pallas import testing

@@ -8,6 +8,7 @@ from jax.experimental.pallas import tpu as jpltpu
 
 import dsl
 from dsl import tpu as dtpu
+from tests.pallas.testing import matmul_kernel_for
 
 TPU = {dsl: dtpu, jpl: jpltpu}
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -26,12 +27,7 @@ def any_call(pl, kernel, out_shape, n_in, backend, scratch_shapes=()):
 
 def matmul(pl, x, y, *, bm, bk, bn, backend=None, **pipeline_kw):
   """x @ y: the output block (i, j) accumulates over l in its buffer."""
-  def inner(x_ref, y_ref, o_ref):
-    @pl.when(pl.program_id(2) == 0)
-    def _():
-      o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
-    o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
-                          preferred_element_type=jnp.float32)
+  inner = matmul_kernel_for(pl)
 
   def kernel(x_hbm, y_hbm, o_hbm):
     m, k = x_hbm.shape

@@ -37,7 +37,7 @@ def _show_case(cid, backends, skip_known, verbose) -> int:
 
 def main(argv=None) -> int:
   from tests.pallas.fuzz import driver
-  from tests.pallas.fuzz.runner import BACKENDS
+  from tests.pallas.testing import CPU_BACKENDS
   ap = argparse.ArgumentParser(
       prog="python -m tests.pallas.fuzz",
       description="Differential fuzzer: random kernels on every CPU backend, "
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
   ap.add_argument("--start", type=int, default=0, help="first case index")
   ap.add_argument("--case", help="run one case, SEED:INDEX, in this process "
                   "and print it")
-  ap.add_argument("--backends", default=",".join(BACKENDS),
+  ap.add_argument("--backends", default=",".join(CPU_BACKENDS),
                   help="comma-separated dsl backends (default: all CPU ones)")
   ap.add_argument("--all", action="store_true",
                   help="also run the KNOWN_FAILURES combinations")

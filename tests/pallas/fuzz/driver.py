@@ -20,8 +20,8 @@ import sys
 import tempfile
 import time
 
-from tests.pallas.fuzz.runner import (BACKENDS, COUNTED, ORACLE, CaseResult,
-                                      run_case)
+from tests.pallas.fuzz.runner import COUNTED, ORACLE, CaseResult, run_case
+from tests.pallas.testing import CPU_BACKENDS
 
 MARK = "@@FUZZ "
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
@@ -106,7 +106,7 @@ def _run_worker(cases, job, timeout: float, results: list, current: list):
   return rc
 
 
-def run_batch(ids, backends=BACKENDS, skip_known=True, timeout=300.0,
+def run_batch(ids, backends=CPU_BACKENDS, skip_known=True, timeout=300.0,
               progress=None) -> list[CaseResult]:
   """Runs the cases `ids` ((seed, index) pairs) in worker processes."""
   todo = [tuple(i) for i in ids]
@@ -140,7 +140,7 @@ def run_batch(ids, backends=BACKENDS, skip_known=True, timeout=300.0,
   return results
 
 
-def run_in_process(ids, backends=BACKENDS, skip_known=True):
+def run_in_process(ids, backends=CPU_BACKENDS, skip_known=True):
   """The same without workers (a dying backend ends the caller too)."""
   from tests.pallas.fuzz.families import generate_case
   return [run_case(generate_case(s, i), backends, skip_known) for s, i in ids]
@@ -189,7 +189,7 @@ def summary(results, elapsed: float | None = None) -> str:
     for b, o in r.outcomes.items():
       secs[b] += o.seconds
   rows[-1] += f"{'seconds':>10}"
-  for b in [ORACLE] + list(BACKENDS):
+  for b in [ORACLE] + list(CPU_BACKENDS):
     if b in table:
       rows.append(f"{b:<{width + 2}}" + "".join(
           f"{table[b][s]:>10}" for s in COUNTED) + f"{secs[b]:>10.0f}")

@@ -26,8 +26,8 @@ import numpy as np
 
 from tests.pallas.fuzz.known_failures import known_failure
 from tests.pallas.fuzz.spec import Case, is_float
+from tests.pallas.testing import CPU_BACKENDS
 
-BACKENDS = ("interpret", "triton_interpret", "mosaic_interpret")
 ORACLE = "pallas"
 # Features whose result Pallas's interpret mode gives otherwise by design
 # (docs/pallas-compat.md, "Memory nobody defined"): windows placed at run
@@ -192,7 +192,7 @@ def run_one(case: Case, backend: str, want,
   return out
 
 
-def run_case(case: Case, backends=BACKENDS, skip_known: bool = True,
+def run_case(case: Case, backends=CPU_BACKENDS, skip_known: bool = True,
              on_start=None, crashed: dict[str, str] | None = None) -> CaseResult:
   """Runs `case` on the oracle and `backends`; `on_start(backend)` is called
   before each run (the driver records where a dying process was);

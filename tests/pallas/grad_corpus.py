@@ -1,0 +1,237 @@
+"""The grad corpus: kernels whose derived kernels (jvp, reverse mode,
+batched) every backend must build and run. Each case is a function of the
+backend giving (function, jnp reference, inputs): the forward kernels of
+`kernels/` called without their hand-written backward passes, and the
+patterns derived kernels must carry (scratch accumulators with a `pl.when`
+init, row loops, `cond`, aliases, scalar prefetch). Shapes are the smallest
+TPU-legal ones (8 x 128 float32 tiles) so that `mosaic_interpret` runs every
+case the others run. test_grad_corpus.py checks them on the CPU backends,
+test_mosaic_gpu_grad.py builds them for Mosaic GPU."""
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import dsl as pl
+from dsl import tpu as pltpu
+from tests.pallas.testing import uniform_arrays as _data
+
+# `kernels` exports functions under the names of its modules.
+(fa, layer_norm, matmul, rms_norm, softmax, decode_attention,
+ paged_attention) = (importlib.import_module(f"kernels.{m}") for m in (
+     "flash_attention", "layer_norm", "matmul", "rms_norm", "softmax",
+     "decode_attention", "paged_attention"))
+
+# ------------------------------------------------- kernels/ forward kernels
+
+def _softmax(backend):
+  (x,) = _data((16, 128))
+  f = functools.partial(softmax.softmax_2d, backend=backend)
+  return f, softmax.reference, (x,)
+
+
+def _softmax_two_pass(backend):
+  """Running max and sum in revisited output blocks: a recording kernel."""
+  (x,) = _data((8, 256))
+  f = functools.partial(softmax.softmax_2d, backend=backend, block_rows=8,
+                        block_cols=128)
+  return f, softmax.reference, (x,)
+
+
+def _layer_norm(backend):
+  x, w, b = _data((16, 128), (128,), (128,))
+
+  def want(x, w, b):
+    mean = jnp.mean(x, axis=1)
+    rstd = lax.rsqrt(jnp.var(x, axis=1) + 1e-5)
+    return layer_norm.reference(x, w, b), mean, rstd
+  f = functools.partial(layer_norm.forward, eps=1e-5, backend=backend)
+  return f, want, (x, w, b)
+
+
+def _rms_norm(backend):
+  x, w = _data((16, 128), (128,))
+
+  def want(x, w):
+    rstd = lax.rsqrt(jnp.mean(x * x, axis=1) + 1e-6)
+    return rms_norm.reference(x, w), rstd
+  f = functools.partial(rms_norm.forward, eps=1e-6, backend=backend)
+  return f, want, (x, w)
+
+
+def _matmul(backend):
+  a, b, bias = _data((16, 256), (256, 128), (128,))
+  f = functools.partial(matmul.matmul_2d, activation="relu", backend=backend,
+                        blocks=(8, 128, 128))
+  return (lambda a, b, c: f(a, b, c),
+          lambda a, b, c: matmul.reference(a, b, bias=c, activation="relu"),
+          (a, b, bias))
+
+
+def _flash_attention(backend):
+  q, k, v = _data((1, 16, 1, 128), (1, 16, 1, 128), (1, 16, 1, 128))
+  scale = 128 ** -0.5
+  # The lse block's last dim is block_q: on a TPU a multiple of 128 or whole.
+  block_q = 16 if backend.startswith("mosaic") else 8
+
+  def f(q, k, v):
+    return fa.forward(q, k, v, causal=True, sm_scale=scale, backend=backend,
+                      block_q=block_q, block_k=8)[0]
+  return f, lambda q, k, v: fa.reference(q, k, v, causal=True), (q, k, v)
+
+
+_LENGTHS = jnp.array([5, 16], jnp.int32)
+
+
+def _decode_attention(backend):
+  q, kc, vc = _data((2, 8, 128), (2, 16, 1, 128), (2, 16, 1, 128))
+
+  def f(q, kc, vc):
+    return decode_attention.decode_attention(q, kc, vc, _LENGTHS,
+                                             backend=backend, block_k=8)
+
+  def want(q, kc, vc):
+    return decode_attention.reference(q, kc, vc, _LENGTHS)
+  return f, want, (q, kc, vc)
+
+
+def _paged_attention(backend):
+  q, kp, vp = _data((2, 8, 128), (1, 4, 8, 128), (1, 4, 8, 128))
+  pages = jnp.array([[2, 0], [1, 3]], jnp.int32)
+
+  def f(q, kp, vp):
+    return paged_attention.paged_attention(q, kp, vp, _LENGTHS, pages,
+                                           backend=backend)
+
+  def want(q, kp, vp):
+    return paged_attention.reference(q, kp, vp, _LENGTHS, pages)
+  return f, want, (q, kp, vp)
+
+
+# ------------------------------------------------------------ patterns
+
+def _acc_kernel(x_ref, y_ref, o_ref, acc_ref):
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    acc_ref[...] = jnp.zeros_like(acc_ref)
+  acc_ref[...] += jnp.dot(x_ref[...], y_ref[...])
+
+  @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+  def _():
+    o_ref[...] = jnp.tanh(acc_ref[...])
+
+
+def _scratch_accumulator(backend):
+  x, y = _data((16, 256), (256, 128), lo=-0.2, hi=0.2)
+
+  def f(x, y):
+    return pl.pallas_call(
+        _acc_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid=(2, 1, 2), backend=backend,
+        in_specs=[pl.BlockSpec((8, 128), lambda i, j, k: (i, k)),
+                  pl.BlockSpec((128, 128), lambda i, j, k: (k, j))],
+        out_specs=pl.BlockSpec((8, 128), lambda i, j, k: (i, j)),
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)])(x, y)
+  return f, lambda x, y: jnp.tanh(x @ y), (x, y)
+
+
+def _rows_kernel(x_ref, w_ref, o_ref):
+  def body(i, carry):
+    row = x_ref[pl.ds(i, 1), :]
+    o_ref[pl.ds(i, 1), :] = jnp.sin(row) * w_ref[...] + carry
+    return carry + jnp.sum(row * row)
+  lax.fori_loop(0, x_ref.shape[0], body, jnp.float32(0))
+
+
+def _rows_want(x, w):
+  carry = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(jnp.sum(x * x, 1))])
+  return jnp.sin(x) * w + carry[:-1, None]
+
+
+def _fori_loop_rows(backend):
+  x, w = _data((8, 128), (1, 128))
+  f = pl.pallas_call(_rows_kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                     backend=backend)
+  return f, _rows_want, (x, w)
+
+
+def _cond_kernel(x_ref, o_ref):
+  x = x_ref[...]
+  o_ref[...] = lax.cond(pl.program_id(0) % 2 == 0,
+                        lambda v: jnp.sin(v) * v, lambda v: jnp.exp(v), x)
+
+
+def _cond(backend):
+  (x,) = _data((16, 128))
+
+  def want(x):
+    even = (jnp.arange(16) // 8 % 2 == 0)[:, None]
+    return jnp.where(even, jnp.sin(x) * x, jnp.exp(x))
+  f = pl.pallas_call(_cond_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                     grid=(2,), in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+                     out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                     backend=backend)
+  return f, want, (x,)
+
+
+def _alias_kernel(x_ref, y_ref, o_ref):
+  # The output's buffer is y's; its old values are read through y_ref (a
+  # TPU never reads an output block in).
+  o_ref[...] = y_ref[...] * jnp.cos(x_ref[...]) + y_ref[...]
+
+
+def _input_output_aliases(backend):
+  """Output 0 reuses input 1's buffer: y's cotangent comes through it."""
+  x, y = _data((16, 128), (16, 128))
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  f = pl.pallas_call(_alias_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                     grid=(2,), in_specs=[spec, spec], out_specs=spec,
+                     input_output_aliases={1: 0}, backend=backend)
+  return f, lambda x, y: y * jnp.cos(x) + y, (x, y)
+
+
+def _prefetch_kernel(idx_ref, x_ref, o_ref):
+  o_ref[...] = jnp.sin(x_ref[...]) * (idx_ref[pl.program_id(0)] + 1)
+
+
+_ORDER = jnp.array([1, 0], jnp.int32)
+
+
+def _scalar_prefetch(backend):
+  """Blocks read in the order of a prefetched table."""
+  (x,) = _data((16, 128))
+
+  def f(x):
+    return pl.pallas_call(
+        _prefetch_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, idx: (idx[i], 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, idx: (i, 0))),
+        backend=backend)(_ORDER, x)
+
+  def want(x):
+    blocks = x.reshape(2, 8, 128)[_ORDER]
+    return (jnp.sin(blocks) * (_ORDER + 1)[:, None, None]).reshape(16, 128)
+  return f, want, (x,)
+
+
+CASES = {
+    "softmax": _softmax,
+    "layer_norm": _layer_norm,
+    "rms_norm": _rms_norm,
+    "matmul": _matmul,
+    "scratch_accumulator": _scratch_accumulator,
+    "fori_loop_rows": _fori_loop_rows,
+    "cond": _cond,
+    "input_output_aliases": _input_output_aliases,
+    "scalar_prefetch": _scalar_prefetch,
+}
+SLOW_CASES = {
+    "softmax_two_pass": _softmax_two_pass,
+    "flash_attention": _flash_attention,
+    "decode_attention": _decode_attention,
+    "paged_attention": _paged_attention,
+}
