@@ -175,12 +175,7 @@ class KernelError(ValueError):
   def __init__(self, kernel: str | None, message: str,
                where: str | None = None, operand: str | None = None,
                detail: str | None = None):
-    kernel = current_kernel() if kernel is None else kernel
-    self.kernel = kernel
-    self.operand = operand
-    self.where = where
-    self.short = message
-    self.detail = detail
+    kernel = self._record(kernel, message, where, operand, detail)
     parts = [f"kernel '{kernel}'"]
     if operand:
       parts.append(operand)
@@ -192,6 +187,17 @@ class KernelError(ValueError):
     else:
       text = " ".join(head.split("\n")[0:1]) + (f" (at {where})" if where else "")
     super().__init__(text)
+
+  def _record(self, kernel, message, where, operand, detail) -> str:
+    """Keeps the parts of the message; returns the kernel's name (the one
+    being traced when `kernel` is None)."""
+    kernel = current_kernel() if kernel is None else kernel
+    self.kernel = kernel
+    self.operand = operand
+    self.where = where
+    self.short = message
+    self.detail = detail
+    return kernel
 
 
 class KernelRuntimeError(KernelError, jax.errors.JaxRuntimeError):
@@ -207,12 +213,7 @@ class KernelRuntimeError(KernelError, jax.errors.JaxRuntimeError):
   def __init__(self, kernel: str | None, message: str,
                where: str | None = None, operand: str | None = None,
                detail: str | None = None):
-    kernel = current_kernel() if kernel is None else kernel
-    self.kernel = kernel
-    self.operand = operand
-    self.where = where
-    self.short = message
-    self.detail = detail
+    kernel = self._record(kernel, message, where, operand, detail)
     head = f"kernel '{kernel}'" + (f", {operand}" if operand else "")
     text = f"{head}: {message}" + (f" (at {where})" if where else "")
     self.text = text + (f"\n{detail}" if detail else "")

@@ -1,15 +1,6 @@
-"""How a pallas_call partitions itself under a sharded `jax.jit`.
-
-A grid dim is *partitionable* when every output block belongs to one index
-along it and every operand that follows it does so one block per index:
-
-- every output has exactly one array dim whose block index is that grid
-  index, and that array dim is a whole number of blocks, one per index;
-- every input either has such a dim or does not depend on the grid dim at all
-  (then every device reads it whole);
-- the kernel does not revisit output blocks along it (a reduction or an
-  accumulation), does not carry scratch along it, is not told it is
-  `arbitrary`, and talks to no other device.
+"""How a pallas_call partitions itself under a sharded `jax.jit`, over the
+grid dims that dsl.core.sharding finds *partitionable* (its docstring says
+when a dim is).
 
 A kernel that reads `program_id` of a partitioned dim gets its device's grid
 offsets as one more scalar-prefetch operand: its program ids stay global.
