@@ -112,15 +112,18 @@ def _paged_attention(backend):
 
 # ------------------------------------------------------------ patterns
 
-def _acc_kernel(x_ref, y_ref, o_ref, acc_ref):
+def acc_kernel(x_ref, y_ref, o_ref, acc_ref):
+  """tanh(x @ y) over an (i, j, k) grid, accumulated in a float32 scratch
+  (the Mosaic GPU grad tests run it in bfloat16 too)."""
   @pl.when(pl.program_id(2) == 0)
   def _():
     acc_ref[...] = jnp.zeros_like(acc_ref)
-  acc_ref[...] += jnp.dot(x_ref[...], y_ref[...])
+  acc_ref[...] += jnp.dot(x_ref[...], y_ref[...],
+                          preferred_element_type=jnp.float32)
 
   @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
   def _():
-    o_ref[...] = jnp.tanh(acc_ref[...])
+    o_ref[...] = jnp.tanh(acc_ref[...]).astype(o_ref.dtype)
 
 
 def _scratch_accumulator(backend):
@@ -128,7 +131,7 @@ def _scratch_accumulator(backend):
 
   def f(x, y):
     return pl.pallas_call(
-        _acc_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        acc_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
         grid=(2, 1, 2), backend=backend,
         in_specs=[pl.BlockSpec((8, 128), lambda i, j, k: (i, k)),
                   pl.BlockSpec((128, 128), lambda i, j, k: (k, j))],
