@@ -21,7 +21,7 @@ IMPLS = ("sharded", "shard_map", "replicated")
 def ensure_host_devices(n: int = DEVICES) -> None:
   """Asks XLA for `n` host devices, if no backend has started yet."""
   flag = "--xla_force_host_platform_device_count"
-  from jax._src import xla_bridge
+  from dsl.core.jax_internals import xla_bridge
   if xla_bridge.backends_are_initialized() or flag in os.environ.get(
       "XLA_FLAGS", ""):
     return

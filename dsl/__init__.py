@@ -5,7 +5,7 @@
 Kernels are Python functions on refs; `pallas_call` (or `@kernel`) runs them
 over a grid of blocks described by BlockSpecs.
 """
-from jax._src.state.types import TransformedRef
+from dsl.core.jax_internals import TransformedRef
 
 from dsl.core import refs as _refs  # installs the static index checks
 from dsl.core.backends import BACKENDS

@@ -10,9 +10,7 @@ import re
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax._src.interpreters import mlir as jax_mlir
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir, mlir as jax_mlir, tpu
 
 from dsl.core.memory import MemorySpace
 from dsl.core.semaphores import SemaphoreSpace

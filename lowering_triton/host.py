@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax._src import core
+from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core import config
 from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame
@@ -72,7 +72,7 @@ def _assigned_name(frame: str | None) -> str | None:
 
 
 def _subjaxprs_using(eqn) -> bool:
-  return any(isinstance(v, (core.Jaxpr, core.ClosedJaxpr))
+  return any(isinstance(v, (core.Jaxpr, ClosedJaxpr))
              for v in eqn.params.values())
 
 
@@ -260,7 +260,7 @@ class Lowering(LoweringHost):
   # ---------------------------------------------------------------- jaxprs
 
   def lower_closed(self, closed, args: Sequence[Any]) -> list:
-    if isinstance(closed, core.ClosedJaxpr):
+    if isinstance(closed, ClosedJaxpr):
       return self.lower_jaxpr(closed.jaxpr, closed.consts, args)
     return self.lower_jaxpr(closed, (), args)
 

@@ -20,9 +20,8 @@ import traceback
 
 import jax
 import numpy as np
-from jax._src.interpreters import mlir
+from dsl.core.jax_internals import config as jax_config, mlir
 
-from jax._src import config as jax_config
 from dsl.core import checks
 from dsl.core import host_failures
 from dsl.core import config

@@ -14,8 +14,7 @@ import zlib
 
 import jax
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import mlir
+from dsl.core.jax_internals import core, mlir
 
 from dsl.core.errors import BackendError
 from lowering_triton.compile import cache_key, compile_kernel
@@ -31,7 +30,7 @@ _LOCK = threading.Lock()
 
 def _library(kernel: str, where: str):
   try:
-    from jax._src.lib import gpu_triton as lib
+    from dsl.core.jax_internals import gpu_triton as lib
   except ImportError:
     lib = None
   if lib is None or not hasattr(lib, "TritonKernelCall"):

@@ -27,8 +27,7 @@ import dataclasses
 
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import core, state_types
 
 
 @dataclasses.dataclass(frozen=True)

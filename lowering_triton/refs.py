@@ -19,7 +19,7 @@ import math
 from typing import Union
 
 import numpy as np
-from jax._src.state import indexing
+from dsl.core.jax_internals import state_indexing as indexing
 
 from lowering_triton.codegen import paren
 from lowering_triton.values import TVal, pow2

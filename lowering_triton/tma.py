@@ -35,8 +35,7 @@ import math
 
 import numpy as np
 from jax import lax, tree_util
-from jax._src import core
-from jax._src.state import indexing
+from dsl.core.jax_internals import core, state_indexing as indexing
 
 from dsl.core import primitives as dsl_primitives
 from lowering_triton.refs import MemRef, has_padding_or_bounds

@@ -15,10 +15,9 @@ from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import api_util, core
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import (api_util, close_jaxpr, ClosedJaxpr, core,
+                                    linear_util as lu, partial_eval as pe,
+                                    state_types)
 
 from dsl.core.errors import (KernelError, KernelTypeError, function_location,
                              in_user_code)
@@ -120,7 +119,7 @@ class BlockMapping:
   origin: str
   array_aval: core.ShapedArray
   block_shape: tuple[BlockDim, ...]
-  index_map_jaxpr: core.ClosedJaxpr
+  index_map_jaxpr: ClosedJaxpr
   memory_space: Any = None
   whole_array: bool = False
   pipeline_mode: Buffered | None = None
@@ -180,7 +179,7 @@ def positional_arity(fn) -> int | None:
 
 
 def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
-                     prefetch_avals, rank: int, where: str) -> core.ClosedJaxpr:
+                     prefetch_avals, rank: int, where: str) -> ClosedJaxpr:
   n_args = grid_rank + len(prefetch_avals)
   arity = positional_arity(fn)
   loc = function_location(fn)
@@ -221,7 +220,7 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
           kernel, f"index_map result {i} must be an integer scalar, got "
           f"{a.str_short(short_dtypes=True)}", f"{where} (index_map defined at {loc})",
           operand=origin)
-  return core.ClosedJaxpr(jaxpr, consts)
+  return close_jaxpr(jaxpr, consts)
 
 
 def _zeros_index_map(grid_rank: int, n_prefetch: int, rank: int):

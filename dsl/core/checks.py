@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 
 from jax import tree_util
-from jax._src import checkify as jax_checkify
-from jax._src import core
+from dsl.core.jax_internals import (checkify as jax_checkify, close_jaxpr,
+                                    ClosedJaxpr, core)
 from jax.experimental import checkify
 
 from dsl.core.jaxpr_walk import sub_jaxprs
@@ -141,11 +141,11 @@ def has_checks(jaxpr: core.Jaxpr) -> bool:
 
 
 def _map_param(v, fn):
-  if isinstance(v, core.ClosedJaxpr):
-    return core.ClosedJaxpr(map_eqns(v.jaxpr, fn), v.consts)
+  if isinstance(v, ClosedJaxpr):
+    return close_jaxpr(map_eqns(v.jaxpr, fn), v.consts)
   if isinstance(v, core.Jaxpr):
     return map_eqns(v, fn)
-  if isinstance(v, tuple) and any(isinstance(x, (core.Jaxpr, core.ClosedJaxpr))
+  if isinstance(v, tuple) and any(isinstance(x, (core.Jaxpr, ClosedJaxpr))
                                   for x in v):
     return tuple(_map_param(x, fn) for x in v)
   return v
@@ -160,8 +160,8 @@ def map_eqns(jaxpr: core.Jaxpr, fn) -> core.Jaxpr:
   return jaxpr.replace(eqns=eqns)
 
 
-def set_check_mode(closed: core.ClosedJaxpr, runtime: bool,
-                   debug_checks: bool = False) -> core.ClosedJaxpr:
+def set_check_mode(closed: ClosedJaxpr, runtime: bool,
+                   debug_checks: bool = False) -> ClosedJaxpr:
   """Makes the checks of a kernel jaxpr run-time (raise) or debug-only:
   every check with `runtime` (jax_pallas_enable_runtime_assert), the
   `debug_check`s with `debug_checks` (jax_pallas_enable_debug_checks)."""
@@ -174,4 +174,4 @@ def set_check_mode(closed: core.ClosedJaxpr, runtime: bool,
       return eqn.replace(params=dict(eqn.params, debug=not checked))
     return eqn
 
-  return core.ClosedJaxpr(map_eqns(closed.jaxpr, fn), closed.consts)
+  return close_jaxpr(map_eqns(closed.jaxpr, fn), closed.consts)

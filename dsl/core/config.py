@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import sys
 
-from jax._src import config as jax_config
+from dsl.core.jax_internals import config as jax_config
 
 
 def _existing(name):

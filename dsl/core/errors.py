@@ -13,7 +13,7 @@ import traceback
 import types
 
 import jax
-from jax._src import core, source_info_util, traceback_util
+from dsl.core.jax_internals import core, source_info_util, traceback_util
 
 from dsl.core import config
 

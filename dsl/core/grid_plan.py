@@ -16,7 +16,7 @@ import itertools
 import warnings
 
 import numpy as np
-from jax._src import core
+from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core.blockspec import BlockMapping
 from dsl.core.errors import KernelError, KernelWarning, source_info_frame
@@ -181,7 +181,7 @@ def _full_write(eqn, ref, used: set) -> bool:
                       if isinstance(o, core.Var)))
 
 
-def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
+def carried_scratch(jaxpr: ClosedJaxpr | None, num_scratch: int) -> bool:
   """True when a scratch ref may be read at a grid step before it is written.
 
   Conservative: only a top-level store of the whole ref counts as a write;
@@ -194,7 +194,7 @@ def carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int) -> bool:
 _READS = ("get", "addupdate")
 
 
-def first_carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int):
+def first_carried_scratch(jaxpr: ClosedJaxpr | None, num_scratch: int):
   """(k, eqn, certain) for the first scratch ref `k` that a grid step may
   read before writing it (see `carried_scratch`), the equation that uses it
   first, and whether that use certainly reads it (a load or accumulate at
@@ -209,7 +209,7 @@ def first_carried_scratch(jaxpr: core.ClosedJaxpr | None, num_scratch: int):
   return list(invars).index(ref) - (len(invars) - num_scratch), eqn, certain
 
 
-def first_read_before_write(jaxpr: core.ClosedJaxpr, refs):
+def first_read_before_write(jaxpr: ClosedJaxpr, refs):
   """(ref, eqn, certain) for the first of the kernel refs `refs` that a
   grid step may read before writing it whole, or None (see
   `carried_scratch` for what counts as a write)."""
@@ -237,7 +237,7 @@ def _plan_cached(gm, forced: tuple[int, ...]) -> Plan:
 
 
 def make_plan(gm, compiler_params=None,
-              jaxpr: core.ClosedJaxpr | None = None) -> Plan:
+              jaxpr: ClosedJaxpr | None = None) -> Plan:
   """The plan of a kernel's grid.
 
   `compiler_params` and the kernel's `jaxpr` tell which dims carry state

@@ -6,8 +6,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 from jax import tree_util
-from jax._src import core
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import core, state_types
 
 from dsl.core.blockspec import BlockMapping, BlockSpec, resolve_block_spec
 from dsl.core.errors import KernelError, KernelTypeError

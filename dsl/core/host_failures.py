@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core, dispatch, sharding_impls
+from dsl.core.jax_internals import core, dispatch, sharding_impls
 from jax.sharding import PartitionSpec
 
 from dsl.core.errors import (PROCESSES, BackendError, KernelError,

@@ -18,8 +18,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.state import discharge as state_discharge
+from dsl.core.jax_internals import ClosedJaxpr, core, state_discharge
 
 from dsl.core import windows
 from dsl.core.blockspec import BlockMapping, Element
@@ -29,7 +28,7 @@ from dsl.core.errors import KernelError
 MAX_ANALYSED_POINTS = 1 << 22
 
 
-def reads_prefetch(jaxpr: core.ClosedJaxpr, grid_rank: int) -> bool:
+def reads_prefetch(jaxpr: ClosedJaxpr, grid_rank: int) -> bool:
   """Whether an index map (its jaxpr: grid ids, then prefetch refs) reads
   scalar-prefetch data."""
   prefetch_vars = set(jaxpr.jaxpr.invars[grid_rank:])
@@ -139,7 +138,7 @@ def blocks_per_dim(bm: BlockMapping) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=1024)
-def discharged_index_map(jaxpr: core.ClosedJaxpr, grid_rank: int):
+def discharged_index_map(jaxpr: ClosedJaxpr, grid_rank: int):
   """The index map as a pure function of grid ids and prefetch values."""
   n = len(jaxpr.jaxpr.invars)
   if n == grid_rank:

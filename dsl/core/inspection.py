@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Iterator
 
 import jax
-from jax._src import core
+from dsl.core.jax_internals import core
 
 from dsl.core import backends
 from dsl.core.jaxpr_walk import sub_jaxprs

@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
-from jax._src import (ad_checkpoint, core, custom_derivatives, pjit,
-                      source_info_util)
+from dsl.core.jax_internals import (ad_checkpoint, ClosedJaxpr, core,
+                                    custom_derivatives, pjit, source_info_util)
 
 from dsl.core.errors import BackendError
 
@@ -43,7 +43,7 @@ def call_body(params: dict, args: Sequence[Any]):
       break
   else:
     return None
-  if isinstance(body, core.ClosedJaxpr):
+  if isinstance(body, ClosedJaxpr):
     jaxpr, consts = body.jaxpr, body.consts
   else:
     jaxpr, consts = body, ()
@@ -59,7 +59,7 @@ def sub_jaxprs(params: dict) -> Iterator[core.Jaxpr]:
 
 
 def _jaxprs_in(value) -> Iterator[core.Jaxpr]:
-  if isinstance(value, core.ClosedJaxpr):
+  if isinstance(value, ClosedJaxpr):
     yield value.jaxpr
   elif isinstance(value, core.Jaxpr):
     yield value

@@ -6,8 +6,7 @@ import enum
 from typing import Any
 
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import core, state_types
 from dsl.core.errors import KernelError, KernelTypeError, user_frame
 
 

@@ -30,11 +30,9 @@ from typing import Any, Callable
 
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax import control_flow as cf
-from jax._src.lax import parallel as lax_parallel
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
+                                    lax_control_flow as cf, lax_parallel,
+                                    partial_eval as pe, state_types)
 import jax.extend.linear_util as lu
 
 from dsl.core.errors import KernelError, source_info_frame
@@ -97,7 +95,7 @@ def uses_grid_axes(jaxpr: core.Jaxpr, names: frozenset) -> frozenset:
   return frozenset(found)
 
 
-def rewrite(closed: core.ClosedJaxpr, kernel: str, gm) -> core.ClosedJaxpr:
+def rewrite(closed: ClosedJaxpr, kernel: str, gm) -> ClosedJaxpr:
   """The kernel jaxpr `closed` (grid ids first, then refs) of the grid
   mapping `gm`, without grid axis names."""
   names, sizes = gm.grid_names or (), gm.grid
@@ -117,7 +115,7 @@ def rewrite(closed: core.ClosedJaxpr, kernel: str, gm) -> core.ClosedJaxpr:
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
       lu.wrap_init(fn, debug_info=closed.jaxpr.debug_info),
       [v.aval for v in closed.jaxpr.invars])
-  return core.ClosedJaxpr(jaxpr, consts)
+  return close_jaxpr(jaxpr, consts)
 
 
 def _ref_axes(gm) -> list[frozenset]:
@@ -290,7 +288,7 @@ def _cond(ctx, eqn, invals, axes):
     j, _, c = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(closed, debug_info=jaxpr.debug_info),
         [*shared_avals, *avals])
-    branches.append(core.ClosedJaxpr(j, c))
+    branches.append(close_jaxpr(j, c))
   params = dict(eqn.params, branches=tuple(branches))
   return cf.cond_p.bind(index, *shared, *ops, **params)
 
@@ -326,7 +324,7 @@ def _run_scoped(ctx, eqn, invals, axes):
   jaxpr = eqn.params["jaxpr"]
   n = eqn.params["num_consts"]
   scoped = [v.aval for v in jaxpr.invars[n:]]
-  closed = core.ClosedJaxpr(jaxpr, ())
+  closed = close_jaxpr(jaxpr, ())
   body_axes = [axes] * n + [ctx.every] * len(scoped)
 
   def f(*refs):

@@ -39,11 +39,9 @@ from typing import Any, Callable
 import numpy as np
 
 from jax import lax
-from jax._src import core
-from jax._src.state import indexing
-from jax._src.state import types as state_types
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax import lax as lax_internal
+from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
+                                    lax_internal, partial_eval as pe,
+                                    state_indexing as indexing, state_types)
 import jax.extend.linear_util as lu
 
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
@@ -211,15 +209,15 @@ def _sub_jaxpr_params(params: dict) -> bool:
 
 
 def _normalized_param(value):
-  if isinstance(value, core.ClosedJaxpr):
+  if isinstance(value, ClosedJaxpr):
     return normalize_closed(value)
   if isinstance(value, core.Jaxpr):
-    closed = normalize_closed(core.ClosedJaxpr(value, ()))
+    closed = normalize_closed(close_jaxpr(value, ()))
     if closed.consts:
       return None          # an open jaxpr must stay closed over nothing
     return closed.jaxpr
   if isinstance(value, tuple) and value and isinstance(
-      value[0], (core.Jaxpr, core.ClosedJaxpr)):
+      value[0], (core.Jaxpr, ClosedJaxpr)):
     new = tuple(_normalized_param(v) for v in value)
     return None if any(v is None for v in new) else new
   return value
@@ -276,8 +274,8 @@ def _rules(values_in_memory: bool):
     _RULES.reset(token)
 
 
-def normalize_closed(closed: core.ClosedJaxpr, *,
-                     values_in_memory: bool | None = None) -> core.ClosedJaxpr:
+def normalize_closed(closed: ClosedJaxpr, *,
+                     values_in_memory: bool | None = None) -> ClosedJaxpr:
   """`closed` rewritten; `values_in_memory` (default: as the enclosing call)
   also rewrites slices of values into buffer round trips."""
   if values_in_memory is not None:
@@ -289,7 +287,7 @@ def normalize_closed(closed: core.ClosedJaxpr, *,
                     debug_info=closed.jaxpr.debug_info)
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
       fn, [v.aval for v in closed.jaxpr.invars])
-  return core.ClosedJaxpr(jaxpr, consts)
+  return close_jaxpr(jaxpr, consts)
 
 
 @functools.lru_cache(maxsize=256)

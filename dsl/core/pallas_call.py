@@ -15,8 +15,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import tree_util
-from jax._src import core, dispatch
-from jax._src import mesh as mesh_lib
+from dsl.core.jax_internals import (ClosedJaxpr, core, dispatch,
+                                    mesh as mesh_lib)
 from jax.extend.core import Primitive
 
 from dsl.core import (backends, checks, config, host_failures, named_axes,
@@ -53,7 +53,7 @@ class CostEstimate:
 class KernelSpec:
   """Everything a backend needs to run one kernel."""
   name: str
-  jaxpr: core.ClosedJaxpr
+  jaxpr: ClosedJaxpr
   grid_mapping: GridMapping
   input_output_aliases: tuple[tuple[int, int], ...] = ()
   compiler_params: Any = None

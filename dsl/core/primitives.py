@@ -8,12 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax, tree_util
-from jax._src import api_util, core, debugging, effects
-from jax._src import linear_util as lu
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.state import discharge as state_discharge
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import (ad, api_util, batching, core, debugging,
+                                    effects, linear_util as lu, mlir,
+                                    partial_eval as pe, state_discharge,
+                                    state_types)
 from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, user_frame

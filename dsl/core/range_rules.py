@@ -23,8 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import ad_checkpoint, core, pjit
-from jax._src.state import primitives as state_primitives
+from dsl.core.jax_internals import ad_checkpoint, core, pjit, state_primitives
 
 from dsl.core import intervals as iv
 from dsl.core import primitives as dsl_primitives

@@ -21,8 +21,8 @@ import weakref
 from typing import Any, Sequence
 
 import numpy as np
-from jax._src import core
-from jax._src.state import indexing
+from dsl.core.jax_internals import (ClosedJaxpr, core,
+                                    state_indexing as indexing)
 
 from dsl.core import intervals as iv
 from dsl.core.blockspec import Element, squeezed
@@ -219,7 +219,7 @@ class _Context:
     return walk_jaxpr(self.host, jaxpr, consts, args)
 
   def walk_closed(self, closed, args: Sequence) -> list:
-    if isinstance(closed, core.ClosedJaxpr):
+    if isinstance(closed, ClosedJaxpr):
       return self.walk(closed.jaxpr, closed.consts, args)
     return self.walk(closed, (), args)
 
@@ -340,7 +340,7 @@ def analyze_kernel(spec) -> KernelRanges:
   return hit
 
 
-def analyze_jaxpr(jaxpr: core.ClosedJaxpr, args: Sequence) -> list:
+def analyze_jaxpr(jaxpr: ClosedJaxpr, args: Sequence) -> list:
   """The intervals of `jaxpr`'s outputs for arguments in the intervals
   `args` (None: unknown); for tests and tools."""
   host = _RangeHost("jaxpr", "<analysis>")

@@ -11,11 +11,8 @@ import enum
 
 import jax.numpy as jnp
 from jax import tree_util
-from jax._src import ad_util, core
-from jax._src.interpreters import ad
-from jax._src.state import discharge as state_discharge
-from jax._src.state import types as state_types
-from jax._src.state.primitives import get_ref_and_transforms
+from dsl.core.jax_internals import (ad, ad_util, core, get_ref_and_transforms,
+                                    state_discharge, state_types)
 from jax.extend.core import Primitive
 
 from dsl.core import windows

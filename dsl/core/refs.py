@@ -12,9 +12,8 @@ import dataclasses
 import sys
 
 import numpy as np
-from jax._src import core
-from jax._src.state import indexing
-from jax._src.state.indexing import NDIndexer, Slice, ds
+from dsl.core.jax_internals import (core, ds, NDIndexer, Slice,
+                                    state_indexing as indexing)
 
 from dsl.core.errors import KernelError, source_excerpt, user_frame
 

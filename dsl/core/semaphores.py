@@ -12,9 +12,7 @@ import enum
 from typing import Any
 
 import jax.numpy as jnp
-from jax._src import core, debugging
-from jax._src.interpreters import mlir
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import core, debugging, mlir, state_types
 from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, KernelTypeError, user_frame

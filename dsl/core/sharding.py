@@ -27,7 +27,7 @@ import logging
 import math
 
 import numpy as np
-from jax._src import core
+from dsl.core.jax_internals import core
 from jax.experimental.custom_partitioning import (
     ArrayMapping, CompoundFactor, SdyShardingRule)
 from jax.sharding import NamedSharding, PartitionSpec

@@ -17,10 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import api_util, core
-from jax._src import mesh as mesh_lib
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
+from dsl.core.jax_internals import (api_util, close_jaxpr, ClosedJaxpr, core,
+                                    linear_util as lu, mesh as mesh_lib,
+                                    partial_eval as pe)
 
 from dsl.core import fixits, refs as refs_mod
 from dsl.core.blockspec import BlockMapping
@@ -128,7 +127,7 @@ def kernel_ref_names(kernel_fn, gm: GridMapping) -> tuple[str | None, ...]:
 
 
 def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
-                 ) -> core.ClosedJaxpr:
+                 ) -> ClosedJaxpr:
   """Traces `kernel_fn` over the block refs of `gm`; checks its arity."""
   n_refs = gm.num_refs
   arity = _positional_arity(kernel_fn)
@@ -169,7 +168,7 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     with _blocks_mesh(), named_axes.bind_grid_axes(gm):
       jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
           lu.wrap_init(flat, debug_info=dbg), [*grid_avals, *ref_avals])
-      closed = named_axes.rewrite(core.ClosedJaxpr(jaxpr, consts), name, gm)
+      closed = named_axes.rewrite(close_jaxpr(jaxpr, consts), name, gm)
   except KernelError as e:
     __tracebackhide__ = True
     raise e.with_traceback(user_traceback(e.__traceback__))

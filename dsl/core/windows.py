@@ -27,10 +27,9 @@ import contextvars
 import jax.numpy as jnp
 import numpy as np
 from jax import lax, tree_util
-from jax._src import core
-from jax._src.state import discharge as state_discharge
-from jax._src.state import indexing
-from jax._src.state import primitives as state_primitives
+from dsl.core.jax_internals import (core, state_discharge,
+                                    state_indexing as indexing,
+                                    state_primitives)
 
 from dsl.core.poison import poison_value
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
+from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core import config
 from dsl.core.blockspec import BlockMapping, Element
@@ -28,7 +28,7 @@ def _consts(j):
 
 
 def _eval(jaxpr, *args):
-  if isinstance(jaxpr, core.ClosedJaxpr):
+  if isinstance(jaxpr, ClosedJaxpr):
     return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
   return core.eval_jaxpr(jaxpr, _consts(jaxpr), *args)
 

@@ -8,8 +8,7 @@ import functools
 
 import jax
 import numpy as np
-from jax._src import config as jax_config
-from jax._src.interpreters import mlir
+from dsl.core.jax_internals import config as jax_config, mlir
 
 from dsl.core import config, host_failures
 from dsl.tools import profiling

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from jax import tree_util
-from jax._src import core
+from dsl.core.jax_internals import core
 
 from dsl.core.compiler_params import tuned_launch
 from dsl.tools import autotune_cache

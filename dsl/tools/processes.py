@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-from jax._src import distributed
+from dsl.core.jax_internals import distributed
 
 # How long a process waits for process 0's decision (it may be searching).
 TIMEOUT_MS = 30 * 60 * 1000

@@ -5,7 +5,7 @@ a BlockSpec's index map picks there (`block_indices`, `block_window`,
 VMEM (`backend_copies_blocks`, from the backend's registry record)."""
 from __future__ import annotations
 
-from jax._src import core
+from dsl.core.jax_internals import core
 
 from dsl.core.backends import traced_backend
 from dsl.core.blockspec import BlockSpec, Blocked, Element, squeezed

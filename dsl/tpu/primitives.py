@@ -37,10 +37,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax import lax, tree_util
-from jax._src import core, debugging
-from jax._src.interpreters import mlir
-from jax._src.state import discharge as state_discharge
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import (core, debugging, mlir, state_discharge,
+                                    state_types)
 from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, KernelTypeError, user_frame

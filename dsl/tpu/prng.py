@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core, effects
+from dsl.core.jax_internals import core, effects
 from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, KernelTypeError, user_frame

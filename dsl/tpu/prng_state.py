@@ -24,9 +24,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
+from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
+                                    linear_util as lu, partial_eval as pe)
 
 from dsl.core.errors import KernelError, source_info_frame
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
@@ -188,7 +187,7 @@ def _run(jaxpr: core.Jaxpr, consts, args, state) -> list:
   return retrace(jaxpr, consts, args, eval_eqn)
 
 
-def with_prng_state(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def with_prng_state(closed: ClosedJaxpr) -> ClosedJaxpr:
   """`closed` with its random state in an SMEM scratch around its body
   (unchanged when it neither seeds nor draws)."""
   if not uses_prng(closed.jaxpr):
@@ -201,4 +200,4 @@ def with_prng_state(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
   avals = [v.aval for v in closed.jaxpr.invars]
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
       lu.wrap_init(body, debug_info=closed.jaxpr.debug_info), avals)
-  return core.ClosedJaxpr(jaxpr, consts)
+  return close_jaxpr(jaxpr, consts)

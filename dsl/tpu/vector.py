@@ -9,8 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src.interpreters import batching, mlir
+from dsl.core.jax_internals import batching, core, mlir
 from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, user_frame

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from jax._src import core
+from dsl.core.jax_internals import core
 
 from dsl.core.grid_plan import first_read_before_write
 from dsl.core.memory import MemorySpace

@@ -11,7 +11,7 @@ import functools
 
 import jax.numpy as jnp
 from jax import tree_util
-from jax._src import checkify as jax_checkify
+from dsl.core.jax_internals import checkify as jax_checkify
 
 from dsl.core.pallas_call import KernelSpec, pallas_call_p
 from dsl.transforms import runtime_checks

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
-from jax._src import core
+from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core.blockspec import BlockMapping, BlockSpec, squeezed
 from dsl.transforms.discharge import discharged_kernel
@@ -66,7 +66,7 @@ def split(seq, *sizes):
   return parts
 
 
-def eval_ref_jaxpr(jaxpr: core.ClosedJaxpr, *args):
+def eval_ref_jaxpr(jaxpr: ClosedJaxpr, *args):
   return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 

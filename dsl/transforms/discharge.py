@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import functools
 
-from jax._src import core
-from jax._src.state import discharge as state_discharge
+from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
+                                    state_discharge)
 
 from dsl.core import config, windows
 from dsl.tpu.prng_state import with_prng_state
 
 
-def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
+def discharged_kernel(jaxpr: ClosedJaxpr, grid_rank: int,
                       kept_refs: int = 0):
   """The kernel as a function of values; its first `kept_refs` refs after
   the grid ids (scalar prefetch) may stay refs. Cached; what run_scoped
@@ -22,14 +22,14 @@ def discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
 
 
 @functools.lru_cache(maxsize=256)
-def _discharged_kernel(jaxpr: core.ClosedJaxpr, grid_rank: int,
+def _discharged_kernel(jaxpr: ClosedJaxpr, grid_rank: int,
                        kept_refs: int, poison_buffers: bool):
   del poison_buffers     # read by run_scoped's discharge rule
   jaxpr = with_prng_state(jaxpr)      # the random state, if it draws
   j = jaxpr.jaxpr
   kept = grid_rank + kept_refs
   should = [False] * kept + [True] * (len(j.invars) - kept)
-  closed = core.ClosedJaxpr(j, jaxpr.consts)
+  closed = close_jaxpr(j, jaxpr.consts)
   with windows.bounded_windows():
     return state_discharge.discharge_state(closed, should_discharge=should,
                                            strip_memory_space=True)

@@ -6,8 +6,7 @@ blocks with the same BlockSpecs as their primals.
 """
 from __future__ import annotations
 
-from jax._src import core
-from jax._src.interpreters import ad
+from dsl.core.jax_internals import ad, core
 
 from dsl.core.errors import KernelError
 from dsl.core.pallas_call import KernelSpec, pallas_call_p

@@ -11,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from jax._src import sharding_impls
-from jax._src.interpreters import mlir
+from dsl.core.jax_internals import mlir, sharding_impls
 
 from dsl.core import backends
 from dsl.transforms import aliased_reads, partitioning

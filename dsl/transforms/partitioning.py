@@ -25,9 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core, sharding_impls
-from jax._src import mesh as mesh_lib
-from jax._src.interpreters import mlir
+from dsl.core.jax_internals import core, mesh as mesh_lib, mlir, sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 

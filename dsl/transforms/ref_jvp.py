@@ -19,9 +19,8 @@ to those tangent refs:
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax._src import core, source_info_util
-from jax._src.interpreters import ad
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import (ad, close_jaxpr, core, source_info_util,
+                                    state_types)
 
 from dsl.core.dtypes import has_tangent
 from dsl.core.errors import KernelError, source_info_frame
@@ -99,7 +98,7 @@ def _run_scoped_jvp(primals, tangents, *, jaxpr, num_consts):
   scoped = [v.aval for v in jaxpr.invars[num_consts:]]
   const_nz = [not _is_zero(t) for t in tangents]
   scoped_nz = [has_tangent(a.inner_aval.dtype) for a in scoped]
-  jj, out_nz = ad.jvp_jaxpr(core.ClosedJaxpr(jaxpr, ()),
+  jj, out_nz = ad.jvp_jaxpr(close_jaxpr(jaxpr, ()),
                             const_nz + scoped_nz, instantiate=False)
   t_consts = [t for t in tangents if not _is_zero(t)]
   t_scoped = [_tangent_ref_aval(a) for a, nz in zip(scoped, scoped_nz) if nz]

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
+from dsl.core.jax_internals import core
 
 from dsl.core.blockspec import BlockSpec
 from dsl.core.index_maps import block_offsets, evaluate_index_map

@@ -26,11 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
-from jax._src import checkify as jax_checkify
-from jax._src import core
-from jax._src import linear_util as lu
-from jax._src import api_util
-from jax._src.interpreters import partial_eval as pe
+from dsl.core.jax_internals import (api_util, checkify as jax_checkify,
+                                    close_jaxpr, ClosedJaxpr, core,
+                                    linear_util as lu, partial_eval as pe)
 
 from dsl.core import checks, host_failures, primitives
 from dsl.tpu import primitives as tp
@@ -119,12 +117,12 @@ def _inner_names(eqn, key, inner: core.Jaxpr, names: dict) -> dict:
 
 def _prepare_param(eqn, key, value, names, keep_debug, check_windows):
   if isinstance(value, tuple) and any(
-      isinstance(x, (core.Jaxpr, core.ClosedJaxpr)) for x in value):
+      isinstance(x, (core.Jaxpr, ClosedJaxpr)) for x in value):
     return tuple(_prepare_param(eqn, key, x, names, keep_debug,
                                 check_windows) for x in value)
-  if isinstance(value, core.ClosedJaxpr):
+  if isinstance(value, ClosedJaxpr):
     inner = _inner_names(eqn, key, value.jaxpr, names)
-    return core.ClosedJaxpr(_prepare(value.jaxpr, inner, keep_debug,
+    return close_jaxpr(_prepare(value.jaxpr, inner, keep_debug,
                                      check_windows), value.consts)
   if isinstance(value, core.Jaxpr):
     return _prepare(value, _inner_names(eqn, key, value, names), keep_debug,
@@ -325,7 +323,7 @@ def _checkify_kernel(spec, jaxpr, enabled_errors, check_blocks, args):
   return err
 
 
-def _error_structure(spec, jaxpr: core.ClosedJaxpr, enabled_errors,
+def _error_structure(spec, jaxpr: ClosedJaxpr, enabled_errors,
                      check_blocks):
   """(treedef, leaf avals) of the error a checkified kernel produces."""
   box = []
@@ -381,7 +379,7 @@ def checked_spec(spec: KernelSpec, keep_debug: bool = False,
   n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   names = dict(zip(spec.jaxpr.jaxpr.invars, _operand_names(spec)))
-  jaxpr = core.ClosedJaxpr(_prepare(spec.jaxpr.jaxpr, names, keep_debug,
+  jaxpr = close_jaxpr(_prepare(spec.jaxpr.jaxpr, names, keep_debug,
                                     check_windows), spec.jaxpr.consts)
   err_tree, err_avals = _error_structure(spec, jaxpr, enabled_errors,
                                          check_blocks)

@@ -21,9 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src.interpreters import ad
-from jax._src.interpreters import partial_eval as pe
+from dsl.core.jax_internals import ad, ClosedJaxpr, core, partial_eval as pe
 
 from dsl.core.errors import KernelError, source_info_frame
 from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
@@ -515,7 +513,7 @@ def _while_loops(jaxpr: core.Jaxpr):
       yield eqn
     for v in eqn.params.values():
       for sub in (v if isinstance(v, tuple) else (v,)):
-        if isinstance(sub, core.ClosedJaxpr):
+        if isinstance(sub, ClosedJaxpr):
           yield from _while_loops(sub.jaxpr)
         elif isinstance(sub, core.Jaxpr):
           yield from _while_loops(sub)

@@ -13,7 +13,7 @@ import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src.interpreters import batching
+from dsl.core.jax_internals import batching
 
 from dsl.core.memory import MemorySpace
 from dsl.core.pallas_call import KernelSpec, pallas_call_p

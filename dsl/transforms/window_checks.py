@@ -14,10 +14,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
-from jax._src import checkify as jax_checkify
-from jax._src import core
-from jax._src.state import indexing
-from jax._src.state import primitives as state_primitives
+from dsl.core.jax_internals import (checkify as jax_checkify, core,
+                                    state_indexing as indexing,
+                                    state_primitives)
 from jax.extend.core import Primitive
 
 from dsl.core import ref_ops, windows

@@ -11,7 +11,7 @@ mbarriers, `wgmma`). Importing the package registers backend "mosaic_gpu";
 
 See docs/mosaic-gpu.md.
 """
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 from jax.interpreters import mlir
 
 from dsl.core import backends as _backends

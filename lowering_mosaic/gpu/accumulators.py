@@ -30,12 +30,10 @@ import dataclasses
 
 import numpy as np
 from jax import lax, tree_util
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
-from jax._src.state import discharge as state_discharge
-from jax._src.state import indexing
-from jax._src.state import primitives as state_primitives
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
+                                    partial_eval as pe, state_discharge,
+                                    state_indexing as indexing,
+                                    state_primitives, state_types)
 
 from dsl.core.jaxpr_walk import sub_jaxprs, used_vars
 
@@ -58,7 +56,7 @@ class Body:
   scratch), of the refs whose values the loop carries; `jaxpr` takes
   those as values (in their place among its inputs) and returns their new
   values, in that order."""
-  jaxpr: core.ClosedJaxpr
+  jaxpr: ClosedJaxpr
   carried: tuple[int, ...] = ()
 
 
@@ -117,7 +115,7 @@ def carriable(jaxpr: core.Jaxpr, position: int) -> bool:
   return ok and reads
 
 
-def carried_body(kernel: core.ClosedJaxpr, refs: list[int],
+def carried_body(kernel: ClosedJaxpr, refs: list[int],
                  grid_rank: int) -> Body:
   """The body with the refs at `refs` (positions among the kernel's refs,
   which follow the `grid_rank` program ids) discharged, and its
@@ -131,7 +129,7 @@ def carried_body(kernel: core.ClosedJaxpr, refs: list[int],
       kernel, should_discharge=should, strip_memory_space=True)
   n_out = len(discharged.outvars)
   jaxpr, _ = pe.dce_jaxpr(discharged, [True] * n_out, instantiate=True)
-  closed = core.ClosedJaxpr(jaxpr, kernel.consts)
+  closed = close_jaxpr(jaxpr, kernel.consts)
   return Body(fuse_dots(closed), tuple(refs))
 
 
@@ -188,12 +186,12 @@ def _fuse_eqns(eqns, outvars) -> list:
 
 
 def _fuse_param(value):
-  if isinstance(value, core.ClosedJaxpr):
-    return core.ClosedJaxpr(_fuse_jaxpr(value.jaxpr), value.consts)
+  if isinstance(value, ClosedJaxpr):
+    return close_jaxpr(_fuse_jaxpr(value.jaxpr), value.consts)
   if isinstance(value, core.Jaxpr):
     return _fuse_jaxpr(value)
   if isinstance(value, tuple) and value and isinstance(
-      value[0], (core.Jaxpr, core.ClosedJaxpr)):
+      value[0], (core.Jaxpr, ClosedJaxpr)):
     return tuple(_fuse_param(v) for v in value)
   return value
 
@@ -207,6 +205,6 @@ def _fuse_jaxpr(jaxpr: core.Jaxpr) -> core.Jaxpr:
   return jaxpr.replace(eqns=_fuse_eqns(eqns, jaxpr.outvars))
 
 
-def fuse_dots(closed: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def fuse_dots(closed: ClosedJaxpr) -> ClosedJaxpr:
   """`closed` with its accumulating dots fused (in nested jaxprs too)."""
-  return core.ClosedJaxpr(_fuse_jaxpr(closed.jaxpr), closed.consts)
+  return close_jaxpr(_fuse_jaxpr(closed.jaxpr), closed.consts)

@@ -12,10 +12,8 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from jax._src import core
-from jax._src.lib import mosaic_gpu_dialect as mgpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, vector
+from dsl.core.jax_internals import (arith, core, ir,
+                                    mosaic_gpu_dialect as mgpu, vector)
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils

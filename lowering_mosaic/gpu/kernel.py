@@ -27,9 +27,8 @@ import math
 
 import numpy as np
 
-from jax._src.lib import mosaic_gpu_dialect as mgpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, gpu, nvvm, scf
+from dsl.core.jax_internals import (arith, gpu, ir, mosaic_gpu_dialect as mgpu,
+                                    nvvm, scf)
 from jax.experimental.mosaic import gpu as mgpu_lib
 from jax.experimental.mosaic.gpu import core as mgpu_core
 from jax.experimental.mosaic.gpu import launch_context as mgpu_lc

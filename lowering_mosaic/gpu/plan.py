@@ -11,8 +11,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src.state import primitives as state_primitives
+from dsl.core.jax_internals import core, state_primitives
 
 from dsl.core.blockspec import BlockMapping, Element, squeezed
 from dsl.core.errors import BackendError

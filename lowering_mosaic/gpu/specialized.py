@@ -16,9 +16,8 @@ so the emitted module follows the protocol that protocol_model.py checks.
 """
 from __future__ import annotations
 
-from jax._src.lib import mosaic_gpu_dialect as mgpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, nvvm, scf
+from dsl.core.jax_internals import (arith, ir, mosaic_gpu_dialect as mgpu,
+                                    nvvm, scf)
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from lowering_mosaic.gpu.host import decode, i32, index_cast_i32

@@ -21,7 +21,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
+from dsl.core.jax_internals import core
 
 from dsl.core import checks
 from dsl.core.blockspec import squeezed

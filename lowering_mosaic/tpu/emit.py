@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, vector
+from dsl.core.jax_internals import arith, ir, vector
 
 from dsl.core.dtypes import bits, is_bool, is_float, is_unsigned  # noqa: F401
 from lowering_mosaic import dialect

@@ -16,10 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith
+from dsl.core.jax_internals import arith, core, ir, tpu
 
 from dsl.core import config
 from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame

@@ -16,8 +16,7 @@ import threading
 import jax
 import numpy as np
 from jax import lax
-from jax._src import core
-from jax._src.interpreters import mlir
+from dsl.core.jax_internals import core, mlir
 
 from dsl.core import checks, host_failures
 from dsl.core.errors import (BackendError, KernelCheckError,

@@ -9,8 +9,7 @@ import json
 import math
 
 import numpy as np
-from jax._src import core, sharding_impls, tpu_custom_call
-from jax._src.interpreters import mlir
+from dsl.core.jax_internals import core, mlir, sharding_impls, tpu_custom_call
 
 from dsl import tpu
 from dsl.core.errors import BackendError, KernelError

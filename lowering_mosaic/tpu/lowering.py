@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import re
 
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, func
+from dsl.core.jax_internals import arith, func, ir
 
 from dsl.core.blockspec import Buffered, Element, RevisitMode, squeezed
 from dsl.core.grid_plan import declared_semantics

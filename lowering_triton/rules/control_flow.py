@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
-from jax._src import ad_checkpoint, core
+from dsl.core.jax_internals import ad_checkpoint, ClosedJaxpr, core
 
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
 from lowering_triton.rules import register
@@ -25,7 +25,7 @@ def _typed(v) -> str:
 
 
 def _is_empty(closed) -> bool:
-  j = closed.jaxpr if isinstance(closed, core.ClosedJaxpr) else closed
+  j = closed.jaxpr if isinstance(closed, ClosedJaxpr) else closed
   return not j.eqns and not j.outvars
 
 
@@ -212,7 +212,7 @@ def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
                     "Triton backend; use lax.fori_loop and index refs instead")
   consts = list(args[:n_consts])
   init = list(args[n_consts:n_consts + n_carry])
-  body = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+  body = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
   counter = _counter_index(body, n_consts, n_carry, init)
   carries = []
   for k, v in enumerate(init):
@@ -222,7 +222,7 @@ def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
     name = ctx.fresh("carry")
     ctx.emit(f"{name} = {_typed(v)}")
     carries.append(TVal(name, v.shape, v.dtype))
-  iv = _loop_var_name(ctx, jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr)
+  iv = _loop_var_name(ctx, jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr)
                       else jaxpr)
   length = int(length)
   static = unroll is True or (not isinstance(unroll, bool) and

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from jax import tree_util
-from jax._src import checkify as jax_checkify
+from dsl.core.jax_internals import checkify as jax_checkify
 
 from dsl.core import checks
 from dsl.core import primitives as dsl_primitives

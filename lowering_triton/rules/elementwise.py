@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
-from jax._src import ad_util, custom_derivatives
-from jax._src.lax import special as lax_special
+from dsl.core.jax_internals import ad_util, custom_derivatives, lax_special
 
 from dsl.core.rule_helpers import power_by_squaring
 from lowering_triton import dtypes

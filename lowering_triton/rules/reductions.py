@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
-from jax._src.lax import control_flow as lax_cf
+from dsl.core.jax_internals import lax_control_flow as lax_cf
 
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren

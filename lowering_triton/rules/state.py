@@ -12,8 +12,7 @@ import dataclasses
 
 import numpy as np
 from jax import tree_util
-from jax._src.state import indexing
-from jax._src.state import primitives as state_primitives
+from dsl.core.jax_internals import state_indexing as indexing, state_primitives
 
 from dsl.core import checks, config
 from dsl.core import primitives as dsl_primitives

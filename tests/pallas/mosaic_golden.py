@@ -29,8 +29,7 @@ import json
 import re
 
 import jax
-from jax._src.lib import tpu as tpu_lib
-from jax._src.lib.mlir import ir, passmanager
+from dsl.core.jax_internals import ir, passmanager, tpu as tpu_lib
 from jax.interpreters import mlir as jax_mlir
 
 NORMALIZE = "builtin.module(mosaic-serde{serialize=false},canonicalize,cse)"
@@ -136,7 +135,7 @@ TPU_KIND = "TPU v5 lite"
 
 
 def _target_tpu():
-  from jax._src import mesh as mesh_lib
+  from dsl.core.jax_internals import mesh as mesh_lib
   device = mesh_lib.AbstractDevice(device_kind=TPU_KIND, num_cores=1,
                                    platform="tpu")
   mesh = mesh_lib.AbstractMesh((1,), ("_tpu",), abstract_device=device)

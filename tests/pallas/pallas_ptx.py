@@ -15,9 +15,7 @@ import tempfile
 import warnings
 
 import jax
-from jax._src import mesh as mesh_lib
-from jax._src.lib.mlir import ir
-from jax._src.pallas.triton import lowering as pallas_triton_lowering
+from dsl.core.jax_internals import ir, mesh as mesh_lib, pallas_triton_lowering
 import triton
 from triton.backends.compiler import GPUTarget
 

@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src.interpreters import mlir
+from dsl.core.jax_internals import (mlir, state_indexing as indexing,
+                                    state_primitives as state_prims)
 from jax.experimental import pallas as jpl
-from jax._src.state import indexing
-from jax._src.state import primitives as state_prims
 
 import dsl as pl
 from dsl.core import backends, host_failures

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src import core as jax_core
+from dsl.core.jax_internals import ClosedJaxpr, core as jax_core
 from jax.test_util import check_grads
 
 import dsl as pl
@@ -101,7 +101,7 @@ def test_normalize_removes_transformation_primitives_and_keeps_lines():
       yield e
       for v in e.params.values():
         for s in (v if isinstance(v, tuple) else (v,)):
-          if isinstance(s, jax_core.ClosedJaxpr):
+          if isinstance(s, ClosedJaxpr):
             yield from prims(s.jaxpr)
   before = {e.primitive.name for e in prims(jaxpr.jaxpr)}
   after = list(prims(out.jaxpr))

@@ -6,6 +6,8 @@ import ast
 import glob
 import os
 
+from dsl.core import jax_internals
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 
@@ -61,3 +63,26 @@ def test_test_modules_import_other_test_modules_only_to_run_them_again():
     if extra:
       found.append((os.path.relpath(path, _ROOT), sorted(extra)))
   assert not found, found
+
+
+def test_jax_internals_come_through_one_module():
+  """Every `jax._src` name the repository uses is imported by
+  dsl/core/jax_internals.py alone, where release differences live."""
+  found = [(os.path.relpath(p, _ROOT), m) for p in _files(
+      "dsl/**/*.py", "lowering_*/**/*.py", "kernels/**/*.py",
+      "benchmarks/**/*.py", "scripts/**/*.py", "examples/**/*.py",
+      "tests/**/*.py")
+           if not p.endswith(os.path.join("dsl", "core", "jax_internals.py"))
+           for m in _imported(p)
+           if m == "jax._src" or m.startswith("jax._src.")]
+  assert not found, found
+
+
+def test_jax_internals_names_resolve():
+  missing = []
+  for name in jax_internals._TABLE:
+    try:
+      getattr(jax_internals, name)
+    except (AttributeError, ImportError) as e:
+      missing.append((name, str(e)))
+  assert not missing, missing

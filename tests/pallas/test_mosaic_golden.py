@@ -85,7 +85,7 @@ REJECTED_BY_PALLAS = {
 #   `LoweringException`, a bare Exception subclass outside its public API,
 #   which no dsl error can be; and with `use_lookahead=True`.
 def _lowering_exception():
-  from jax._src.pallas.mosaic.lowering import LoweringException
+  from dsl.core.jax_internals import LoweringException
   return LoweringException
 
 

@@ -16,9 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import core
-from jax._src.state import discharge as state_discharge
-from jax._src.state import types as state_types
+from dsl.core.jax_internals import core, state_discharge, state_types
 from jax.experimental import pallas as jpl
 from jax.experimental.pallas import tpu as jpltpu
 

@@ -88,7 +88,7 @@ def test_dump_mlir_to_directory(tmp_path):
 
 
 def _config_ctx(name, value):
-  from jax._src import config as jax_config
+  from dsl.core.jax_internals import config as jax_config
   return jax_config.config._value_holders[name](value)
 
 

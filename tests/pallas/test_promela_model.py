@@ -12,9 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from jax._src.interpreters import mlir as jax_mlir
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir, mlir as jax_mlir, tpu
 
 from lowering_mosaic.verification.promela import (Options, extract, run_spin,
                                                   spin_available)

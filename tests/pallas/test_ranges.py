@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 from jax import lax
-from jax._src import core
+from dsl.core.jax_internals import core
 
 import dsl as pl
 from dsl.core import intervals as iv

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src import config as jax_config
+from dsl.core.jax_internals import config as jax_config
 from jax.experimental import pallas as jpl
 
 import dsl as pl

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import config as jax_config
+from dsl.core.jax_internals import config as jax_config
 from jax.experimental import checkify
 from jax.experimental import pallas as jpl
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src import config as jax_config
+from dsl.core.jax_internals import config as jax_config
 from jax.experimental import pallas as jpl
 
 import dsl as pl
@@ -402,7 +402,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 import dsl as pl
 from dsl import tpu as pltpu
-from jax._src import config as jax_config
+from dsl.core.jax_internals import config as jax_config
 
 def kernel(idx_ref, x_ref, o_ref):
   o_ref[...] = x_ref[...] + 1

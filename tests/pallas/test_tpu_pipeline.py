@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import tpu_info
+from dsl.core.jax_internals import tpu_info
 from jax.experimental import pallas as jpl
 
 import dsl
@@ -279,7 +279,7 @@ def test_views_differentiate_on_triton():
 def test_uninitialized_accumulator_reads_poison(backend):
   """An output block is not copied in (as on a TPU): a body that forgets to
   initialize its accumulator reads poison with jax_pallas_poison_buffers."""
-  from jax._src import config as jax_config
+  from dsl.core.jax_internals import config as jax_config
 
   def inner(x_ref, o_ref):
     o_ref[...] += x_ref[...]        # no init at the first step

@@ -241,7 +241,7 @@ def _pallas(kind, x, y, bm, bn, bk=None):
 def test_like_pallas_interpret(kind, monkeypatch):
   """Row edges (whose in-bounds part is whole tiles: Pallas's interpreter
   refuses the tile-rounded DMA of a lane edge past the array)."""
-  from jax._src import tpu_info
+  from dsl.core.jax_internals import tpu_info
   monkeypatch.setitem(tpu_info.registry, "cpu", lambda: (
       tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)))
   if kind == "elementwise":

@@ -396,7 +396,7 @@ class _FakeGpuTriton:
 
 @pytest.fixture
 def fake_gpu_plugin(monkeypatch):
-  from jax._src.lib import gpu_triton
+  from dsl.core.jax_internals import gpu_triton
   fake = _FakeGpuTriton()
   for name in ("TritonKernel", "TritonKernelCall", "create_array_parameter",
                "get_compute_capability"):
@@ -474,7 +474,7 @@ def test_gpu_lowering_passes_the_descriptors_scratch_or_drops_descriptors(
 
 
 def gpu_triton_lib():
-  from jax._src.lib import gpu_triton
+  from dsl.core.jax_internals import gpu_triton
   return gpu_triton
 
 
@@ -485,7 +485,7 @@ def test_gpu_backend_on_cpu_is_a_clear_error():
 
 
 def test_gpu_backend_without_plugin_is_a_clear_error():
-  from jax._src.lib import gpu_triton
+  from dsl.core.jax_internals import gpu_triton
   if hasattr(gpu_triton, "TritonKernelCall"):
     pytest.skip("this jaxlib has GPU Triton support")
   x = jnp.arange(256.)

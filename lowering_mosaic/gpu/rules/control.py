@@ -5,8 +5,7 @@ across iterations)."""
 from __future__ import annotations
 
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, scf
+from dsl.core.jax_internals import arith, ir, scf
 
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
 from dsl.core.normalize import scan_layout

@@ -13,9 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lib import mosaic_gpu_dialect as mgpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import nvvm
+from dsl.core.jax_internals import ir, mosaic_gpu_dialect as mgpu, nvvm
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 from jax import lax
-from jax._src import ad_util, custom_derivatives
-from jax._src.lib.mlir.dialects import arith, math as mlir_math
+from dsl.core.jax_internals import (ad_util, arith, custom_derivatives,
+                                    mlir_math)
 
 from dsl.core import dtypes, primitives
 from dsl.core.rule_helpers import power_by_squaring

@@ -9,11 +9,10 @@ share it); scalars are `memref.load` / `memref.store`.
 from __future__ import annotations
 
 from jax import tree_util
-from jax._src.lib import mosaic_gpu_dialect as mgpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref
-from jax._src.state import indexing
-from jax._src.state import primitives as state_primitives
+from dsl.core.jax_internals import (arith, ir, memref,
+                                    mosaic_gpu_dialect as mgpu,
+                                    state_indexing as indexing,
+                                    state_primitives)
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils

@@ -5,9 +5,7 @@ import math
 
 import numpy as np
 from jax import lax
-from jax._src.lib import mosaic_gpu_dialect as mgpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import nvvm, vector
+from dsl.core.jax_internals import ir, mosaic_gpu_dialect as mgpu, nvvm, vector
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, scf
+from dsl.core.jax_internals import (arith, ClosedJaxpr, core, ir, memref, scf,
+                                    tpu)
 
 from dsl.core import primitives as dsl_primitives
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
@@ -36,7 +34,7 @@ def _result_types(ctx, avals):
 
 
 def _closed(j):
-  if isinstance(j, core.ClosedJaxpr):
+  if isinstance(j, ClosedJaxpr):
     return j.jaxpr, j.consts
   return j, ()
 

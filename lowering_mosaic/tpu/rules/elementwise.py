@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src import ad_util
-from jax._src.lax import lax as lax_internal
-from jax._src.lib import tpu
-from jax._src.lib.mlir.dialects import arith, math
+from dsl.core.jax_internals import (ad_util, arith, lax_internal,
+                                    mlir_math as math, tpu)
 
 from dsl.core.rule_helpers import power_by_squaring
 from lowering_mosaic.tpu import emit

@@ -18,8 +18,7 @@ shift by a constant in range, gets the plain operation.
 from __future__ import annotations
 
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith
+from dsl.core.jax_internals import arith, ir
 
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import constant

@@ -13,11 +13,9 @@ import math
 
 import jax.numpy as jnp
 from jax import tree_util
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, memref, vector
-from jax._src.state import indexing
-from jax._src.state import primitives as state_primitives
+from dsl.core.jax_internals import (arith, ir, memref,
+                                    state_indexing as indexing,
+                                    state_primitives, tpu, vector)
 
 from dsl.core import ref_ops
 from lowering_mosaic import dialect

@@ -10,8 +10,7 @@ lax operations on the drawn words and need no rule of their own.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir, tpu
 
 from dsl.tpu.prng import prng_random_bits_p, prng_seed_p
 from lowering_mosaic.tpu import emit

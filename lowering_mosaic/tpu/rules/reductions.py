@@ -9,9 +9,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, vector
+from dsl.core.jax_internals import arith, ir, tpu, vector
 
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import constant

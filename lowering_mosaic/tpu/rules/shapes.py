@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lax import lax as lax_internal
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import vector
+from dsl.core.jax_internals import ir, lax_internal, tpu, vector
 
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import ZeroSize, has_zero_size

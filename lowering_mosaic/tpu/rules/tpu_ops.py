@@ -30,11 +30,7 @@ the copy's ends swapped and carries device and core id 0.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax._src import checkify, core
-from jax._src.lax import parallel as lax_parallel
-from jax._src.lib import tpu
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith
+from dsl.core.jax_internals import arith, checkify, core, ir, lax_parallel, tpu
 
 from dsl.core import primitives as dsl_primitives
 from dsl.tpu import primitives as tp
@@ -325,7 +321,7 @@ def _check(ctx, *args, err_tree, debug, **params):
   if debug:
     return []       # debug-only checks are dropped, as without checkify
   import jax
-  from jax._src.lib.mlir.dialects import arith as _arith, cf
+  from dsl.core.jax_internals import arith as _arith, cf
   error = jax.tree_util.tree_unflatten(err_tree, list(args))
   messages = []
   for md in error._metadata.values():

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import threading
 
-from jax._src import config as jax_config
+from dsl.core.jax_internals import config as jax_config
 
 from lowering_mosaic.verification.interpreter.simulator import (InterpreterOptions,
                                                                 KernelDeadlockError,

@@ -13,7 +13,7 @@ size, and the buffer dims it shows (the others are squeezed away). Its
 from __future__ import annotations
 
 import numpy as np
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 
 from dsl.core.poison import poison_value
 from lowering_mosaic import dialect

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 
 from dsl.core import checks
 from dsl.core.jaxpr_walk import RuleTable

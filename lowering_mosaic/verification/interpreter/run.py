@@ -28,8 +28,7 @@ import dataclasses
 import threading
 
 import numpy as np
-from jax._src import core
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import core, ir
 
 from dsl.core import checks
 from dsl.core.revisits import FIX

@@ -11,7 +11,7 @@ import re
 import ml_dtypes
 import numpy as np
 import scipy.special
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 
 from dsl.core.jaxpr_walk import RuleTable
 from dsl.core.poison import poison_value

@@ -23,7 +23,7 @@ import math
 import re
 from typing import Optional
 
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 
 from lowering_mosaic.verification.promela import model as M
 # The op rules: importing them fills OPS.

@@ -8,7 +8,7 @@ import math
 import re
 from typing import Optional
 
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 
 from dsl.core.jaxpr_walk import RuleTable
 from lowering_mosaic import dialect

@@ -3,7 +3,7 @@
 any other value is unknown (None)."""
 from __future__ import annotations
 
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 
 from lowering_mosaic.verification.promela import model as M
 from lowering_mosaic.verification.promela.model import (binop, const, select,

@@ -3,7 +3,7 @@ become `Access` statements over the window they touch; an op with no rule
 that takes a memref is modelled as writing all of it."""
 from __future__ import annotations
 
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 
 from lowering_mosaic.verification.promela import model as M
 from lowering_mosaic.verification.promela.model import const

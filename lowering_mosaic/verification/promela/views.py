@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from jax._src.lib.mlir import ir
+from dsl.core.jax_internals import ir
 
 from lowering_mosaic.verification.promela import model as M
 from lowering_mosaic.verification.promela.model import Expr, binop, const
