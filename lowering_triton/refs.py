@@ -71,14 +71,17 @@ def index_sym(idx, size: int) -> Sym:
 class Axis:
   """A visible axis of a ref: array coordinate `start + step * k`, k < size;
   with `lanes` (the source of an int32 vector of `size` indices, from an
-  array of indices), `start + step * lanes[k]` instead. A `start` computed
-  at run time is known to be a multiple of `align` (0: it is 0)."""
+  array of indices, negative ones counted from the end), `start + step *
+  lanes[k]` instead. A `start` computed at run time is known to be a
+  multiple of `align` (0: it is 0)."""
   dim: int
   start: Sym
   step: int
   size: int
   lanes: str | None = None
   align: int = 1
+  clamp_to: int | None = None    # a read through `lanes`: clamp them to
+  # [0, clamp_to) as JAX clamps a gather's indices (checked, not masked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +178,12 @@ def _start_align(ax: Axis) -> int:
   return ax.start if isinstance(ax.start, int) else ax.align
 
 
-def apply_indexer(ref: MemRef, indexer, multiples=None) -> MemRef:
+def apply_indexer(ref: MemRef, indexer, multiples=None,
+                  gather: bool = False) -> MemRef:
   """The window `ref[indexer]` (static; emits nothing); `multiples[k]`: a
-  number index k's start is known to be a multiple of (default 1)."""
+  number index k's start is known to be a multiple of (default 1). An
+  array of indices follows JAX's indexing: negative indices count from the
+  end, and for a read (`gather`) the ones outside are clamped."""
   if not isinstance(indexer, indexing.NDIndexer):
     raise UnsupportedIndex(f"ref transform {type(indexer).__name__} is not "
                            "supported by the Triton backend")
@@ -222,10 +228,11 @@ def apply_indexer(ref: MemRef, indexer, multiples=None) -> MemRef:
       hi = sym_add(ax.start, ax.step * ax.size)
       if (ax.start, hi) != (0, ref.array_shape[ax.dim]):
         limits.append((ax.dim, ax.start, hi, ax.dim not in ref.narrowed))
-      lanes = idx.expr if idx.dtype == np.int32 else \
+      raw = idx.expr if idx.dtype == np.int32 else \
           f"{paren(idx.expr)}.to(tl.int32)"
+      lanes = f"tl.where({paren(raw)} < 0, {paren(raw)} + {ax.size}, {raw})"
       axes.append(Axis(ax.dim, ax.start, ax.step, int(idx.shape[0]),
-                       lanes=lanes))
+                       lanes=lanes, clamp_to=ax.size if gather else None))
   return dataclasses.replace(ref, fixed=tuple(sorted(fixed, key=lambda f: f[0])),
                              axes=tuple(axes), dynamic=tuple(sorted(dynamic)),
                              limits=tuple(limits),
@@ -290,10 +297,15 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
   instead.
   """
   rank = len(ref.axes)
-  terms, masks, inside = [], [], []
+  terms, masks, inside, clamped = [], [], [], []
   for j, ax in enumerate(ref.axes):
     p = pow2(ax.size)
     lanes = ax.lanes or f"tl.arange(0, {p})"
+    if ax.clamp_to is not None:
+      raw = ctx.bind_raw(lanes, f"{ref.base}_index")
+      lanes = f"tl.minimum(tl.maximum({raw}, 0), {ax.clamp_to - 1})"
+      b = bcast(j, rank)
+      clamped.append(f"({raw}{b} >= 0) & ({raw}{b} < {ax.clamp_to})")
     coord = sym_add(ax.start, lanes if ax.step == 1 else
                     f"{paren(lanes)} * {ax.step}")
     coord = str(coord)
@@ -326,8 +338,8 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
   masks.extend(ref.valid)
   if extra_mask is not None:
     masks.append(extra_mask)
-  if inside and check is not None:
-    ok = " & ".join(f"({m})" for m in inside)
+  if (inside or clamped) and check is not None:
+    ok = " & ".join(f"({m})" for m in inside + clamped)
     if masks:
       ok = f"~({' & '.join(f'({m})' for m in masks)}) | ({ok})"
     ctx.emit(f"tl.device_assert({ok}, {check!r})"

@@ -166,10 +166,19 @@ def _write_fast(x, indexer, val):
 
 # ------------------------------------------------------------ padded
 
-def _padded(x, indexer):
+def _wrapped(i, n: int):
+  """An array of indices with numpy's negative indices counted from the
+  end, as JAX counts them."""
+  i = _i32(i)
+  return jnp.where(i < 0, i + np.int32(n), i)
+
+
+def _padded(x, indexer, clamp_arrays: bool = False):
   """`x` padded with poison around the dims placed at run time, and the
   indexer moved into the padded array (indices outside the ref pointing
-  into the padding)."""
+  into the padding). Arrays of indices follow JAX's indexing: negative
+  ones count from the end, and with `clamp_arrays` (a read: a gather) the
+  ones still outside are clamped to the ref as JAX clamps a gather's."""
   pads, indices = [], []
   for i, n in zip(indexer.indices, x.shape):
     if isinstance(i, indexing.Slice):
@@ -188,8 +197,11 @@ def _padded(x, indexer):
         0 <= _static_index(i, n) < n):
       pads.append((0, 0))
       indices.append(np.asarray(_static_index(i, n), np.int32))
+    elif _is_array(i) and clamp_arrays:
+      pads.append((0, 0))
+      indices.append(jnp.clip(_wrapped(i, n), 0, n - 1).astype(np.int32))
     else:
-      i = _i32(i)
+      i = _wrapped(i, n) if _is_array(i) else _i32(i)
       pads.append((1, 1))
       indices.append(jnp.where((i >= 0) & (i < n), i + 1, 0).astype(
           np.int32))
@@ -212,7 +224,7 @@ def read_one(x, t):
     return state_discharge.transform_array(x, [t])
   if _fast(t):
     return _read_fast(x, t)
-  padded, moved, _ = _padded(x, t)
+  padded, moved, _ = _padded(x, t, clamp_arrays=True)
   return state_discharge.transform_array(padded, [moved])
 
 
@@ -294,8 +306,13 @@ def atomic_update(x, transforms, combine, val, mask=None):
 
 def lanes_inside(shape, indexer):
   """Per lane of `ref[indexer]` (a ref of `shape`), whether it lies inside
-  the ref, as a bool array of the window's shape."""
-  return read_one(jnp.ones(shape, jnp.int8), indexer) == 1
+  the ref, as a bool array of the window's shape (an index of an array of
+  indices that a read clamps lies outside)."""
+  ones = jnp.ones(shape, jnp.int8)
+  if not may_leave(indexer, shape) or _fast(indexer):
+    return read_one(ones, indexer) == 1
+  padded, moved, _ = _padded(ones, indexer)
+  return state_discharge.transform_array(padded, [moved]) == 1
 
 
 # ------------------------------------------------------------ JAX's rules

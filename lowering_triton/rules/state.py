@@ -37,10 +37,14 @@ def _transforms(ctx, tree, flat):
     raise ctx.error(f"cannot read the ref indexers: {e}")
 
 
-def _view(ctx, ref: MemRef, transforms, multiples=None) -> MemRef:
+def _view(ctx, ref: MemRef, transforms, multiples=None,
+          gather: bool = False) -> MemRef:
+  """`ref` through `transforms`; `gather`: a read (arrays of indices clamp
+  as JAX's gather clamps them)."""
   try:
     for k, t in enumerate(transforms):
-      ref = apply_indexer(ref, t, multiples[k] if multiples else None)
+      ref = apply_indexer(ref, t, multiples[k] if multiples else None,
+                          gather)
   except UnsupportedIndex as e:
     raise ctx.error(str(e))
   return _with_proven(ctx, ref)
@@ -331,7 +335,7 @@ def _get(ctx, ref, *flat, tree, **params):
   if isinstance(ref, ValueRef):
     return value_read(ctx, ref, transforms, ctx.hint(ref.var))
   view = _view(ctx, ref, transforms,
-               tma.index_multiples(ctx, tree, ctx.eqn.invars[1:]))
+               tma.index_multiples(ctx, tree, ctx.eqn.invars[1:]), gather=True)
   loaded = tma.load(ctx, view, ctx.hint(view.base))
   if loaded is not None:
     return loaded
@@ -408,7 +412,7 @@ def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
       return val
     return ctx.bind(f"tl.where({mask.expr}, {val.expr}, {other.expr})",
                     val.shape, val.dtype, ctx.hint("load"))
-  view = _view(ctx, ref, transforms)
+  view = _view(ctx, ref, transforms, gather=True)
   ptr, m = _address(ctx, view, "load from", mask.expr if mask is not None
                     else None, transforms)
   fill = None
