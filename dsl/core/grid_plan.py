@@ -242,24 +242,77 @@ def make_plan(gm, compiler_params=None,
 
   `compiler_params` and the kernel's `jaxpr` tell which dims carry state
   across steps. An `arbitrary` dim always runs in order. A kernel that reads
-  scratch before writing it carries state from step to step: when the index
-  maps leave a dim sequential (a reduction axis), the scratch is taken to
-  carry along it (the accumulator pattern, reset under `pl.when` when the
-  axis starts over) and the other dims stay parallel; when they leave none,
-  every dim not declared `parallel` runs in order.
+  scratch before writing it carries state from step to step, in the order a
+  TPU runs the grid (row-major, one step after another): where the kernel
+  provably starts the scratch afresh whenever one dim `d` starts over (its
+  first use is `pl.when(pl.program_id(d) == 0)` writing all of it, the
+  accumulator pattern), the dims before `d` may still run in parallel, and
+  `d` and the dims after it run in order; otherwise every dim not declared
+  `parallel` runs in order, as on a TPU.
   """
   rank = len(gm.grid)
   sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
   forced = tuple(d for d in range(rank) if sem and sem[d] == "arbitrary")
   plan = _plan_cached(gm, forced)
-  if (any(gm.grid[d] > 1 for d in plan.sequential)
-      or not carried_scratch(jaxpr, len(gm.scratch_avals))):
+  carried = _carried_scratch_refs(jaxpr, len(gm.scratch_avals))
+  if not carried:
     return plan
   declared_parallel = {d for d in range(rank)
                        if sem and sem[d] in ("parallel", "core_parallel")}
-  carried = tuple(d for d in range(gm.num_hidden_axes, rank)
-                  if d not in declared_parallel)
-  return _plan_cached(gm, tuple(sorted(set(forced) | set(carried))))
+  resets = [reset_dim(jaxpr, ref, rank) for ref in carried]
+  first = (gm.num_hidden_axes if None in resets
+           else max(min(resets), gm.num_hidden_axes))
+  in_order = tuple(d for d in range(first, rank)
+                   if d not in declared_parallel)
+  return _plan_cached(gm, tuple(sorted(set(forced) | set(in_order))))
+
+
+def _carried_scratch_refs(jaxpr: ClosedJaxpr | None, num_scratch: int):
+  """The scratch refs a grid step may read before writing them whole."""
+  if jaxpr is None or not num_scratch:
+    return []
+  invars = jaxpr.jaxpr.invars
+  return [ref for ref in invars[len(invars) - num_scratch:]
+          if first_read_before_write(jaxpr, [ref]) is not None]
+
+
+def reset_dim(jaxpr: ClosedJaxpr, ref, grid_rank: int) -> int | None:
+  """The grid dim `d` at whose start the kernel writes scratch `ref` whole
+  before using it otherwise: its first use of `ref` is
+  `pl.when(pl.program_id(d) == 0)` whose body writes all of `ref` before
+  reading it. None where that cannot be shown."""
+  j = jaxpr.jaxpr
+  ids = list(j.invars[:grid_rank])
+  defs = {v: e for e in j.eqns for v in e.outvars}
+  eqn = next((e for e in j.eqns if ref in e.invars), None)
+  if eqn is None or eqn.primitive.name != "cond":
+    return None
+  branches = eqn.params["branches"]
+  d = _zero_test_dim(eqn.invars[0], defs, ids)
+  if d is None or len(branches) != 2:
+    return None
+  body = branches[1]
+  inner = body.jaxpr.invars[eqn.invars[1:].index(ref)]
+  writes = any(_full_write(e, inner, set()) for e in body.jaxpr.eqns)
+  if not writes or first_read_before_write(body, [inner]) is not None:
+    return None
+  return d
+
+
+def _zero_test_dim(index, defs, ids) -> int | None:
+  """`d` when the cond index `index` is `program_id(d) == 0` (as
+  `pl.when` builds it: the comparison converted to an int32)."""
+  eqn = defs.get(index)
+  while eqn is not None and eqn.primitive.name == "convert_element_type":
+    eqn = defs.get(eqn.invars[0])
+  if eqn is None or eqn.primitive.name != "eq":
+    return None
+  a, b = eqn.invars
+  for x, y in ((a, b), (b, a)):
+    if (isinstance(y, core.Literal) and np.ndim(y.val) == 0
+        and int(y.val) == 0 and x in ids):
+      return ids.index(x)
+  return None
 
 
 def make_plan_uncached(gm,
