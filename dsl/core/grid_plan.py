@@ -302,9 +302,11 @@ def reset_dim(jaxpr: ClosedJaxpr, ref, grid_rank: int) -> int | None:
 def _zero_test_dim(index, defs, ids) -> int | None:
   """`d` when the cond index `index` is `program_id(d) == 0` (as
   `pl.when` builds it: the comparison converted to an int32)."""
-  eqn = defs.get(index)
+  def defining(v):
+    return defs.get(v) if isinstance(v, core.Var) else None
+  eqn = defining(index)
   while eqn is not None and eqn.primitive.name == "convert_element_type":
-    eqn = defs.get(eqn.invars[0])
+    eqn = defining(eqn.invars[0])
   if eqn is None or eqn.primitive.name != "eq":
     return None
   a, b = eqn.invars

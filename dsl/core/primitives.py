@@ -162,7 +162,12 @@ def _fresh(aval):
 
 @state_discharge.register_discharge_rule(run_scoped_p)
 def _run_scoped_discharge(ctx, *args, jaxpr, num_consts):
-  is_ref = [isinstance(v.aval, state_types.AbstractRef) for v in jaxpr.invars]
+  # A ref the outer discharge keeps (scalar prefetch in a derived kernel)
+  # arrives as a ref: it stays one inside too.
+  kept = [isinstance(jax.typeof(a), state_types.AbstractRef) for a in args]
+  is_ref = [isinstance(v.aval, state_types.AbstractRef) and not k
+            for v, k in zip(jaxpr.invars,
+                            kept + [False] * (len(jaxpr.invars) - len(kept)))]
   scoped = [_fresh(v.aval) for v in jaxpr.invars[num_consts:]]
   dj = state_discharge.discharge_state(
       jaxpr, should_discharge=is_ref,

@@ -200,6 +200,33 @@ def test_gradient_through_a_dropout_kernel():
   assert 0.4 < float((y != 0).mean()) < 0.6
 
 
+def _prefetch_seeded_dropout(seed_ref, x_ref, o_ref):
+  pltpu.prng_seed(seed_ref[0], dsl.program_id(0))
+  keep = pltpu.stateful_bernoulli(0.5, (8, 128))
+  o_ref[...] = jnp.where(keep, x_ref[...] * 2.0, 0.0)
+
+
+@pytest.mark.parametrize("backend", HOST)
+@pytest.mark.parametrize("seed", [3, 12345])
+def test_gradient_of_a_kernel_seeded_from_scalar_prefetch(backend, seed):
+  def f(x, s):
+    spec = dsl.BlockSpec((8, 128), lambda i, s_ref: (i, 0))
+    return dsl.pallas_call(
+        _prefetch_seeded_dropout, jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2,), in_specs=[spec],
+            out_specs=spec), backend=backend)(s, x)
+
+  x = jnp.linspace(1.0, 2.0, 16 * 128).reshape(16, 128)
+  s = jnp.array([seed], jnp.int32)
+  y = f(x, s)
+  g = jax.grad(lambda x: jnp.sum(f(x, s) ** 2))(x)
+  np.testing.assert_allclose(g, jnp.where(y != 0, 8.0 * x, 0.0), rtol=1e-6)
+  assert 0.4 < float((y != 0).mean()) < 0.6
+  _, tangent = jax.jvp(lambda x: f(x, s), (x,), (jnp.ones_like(x),))
+  np.testing.assert_array_equal(tangent, jnp.where(y != 0, 2.0, 0.0))
+
+
 def test_kernels_without_random_numbers_are_unchanged():
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] + 1
