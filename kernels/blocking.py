@@ -47,9 +47,11 @@ def choose_backend(kernel: str, backend: str | None) -> str | None:
 def platform_backend(kernel: str, platform: str) -> str:
   """The backend `kernels.<kernel>` runs on when lowered for `platform` (a
   lowering platform: "cpu", "cuda", "rocm", "tpu") and its caller gives
-  none: on CUDA the shipped choice for this GPU where one is present
-  (`choose_backend`), else the platform's default backend."""
-  if platform == "cuda" and jax.default_backend() == "gpu":
+  none: for this process's platform what `choose_backend` says, else (and
+  for other platforms) the platform's default backend. Always a name: in
+  an export for several platforms every version is lowered for each of
+  them, so each names the backend its blocks are for."""
+  if platform == backends.lowering_platform():
     chosen = choose_backend(kernel, None)
     if chosen is not None:
       return chosen
