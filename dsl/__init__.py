@@ -39,7 +39,7 @@ from dsl.core.tracing import num_programs, program_id
 from dsl.core import config
 enable_debug_checks = config.enable_debug_checks_option
 enable_poison_buffers = config.poison_buffers_option
-from dsl import mosaic_gpu, triton, tpu
+from dsl import errors, mosaic_gpu, triton, tpu
 from dsl import transforms as _transforms  # registers jvp/vmap/vjp rules
 
 __all__ = [
@@ -52,7 +52,7 @@ __all__ = [
     "debug_print", "ds", "dslice", "kernel", "load", "loop", "max_contiguous",
     "multiple_of", "num_programs", "pallas_call", "CostEstimate", "pallas_call_p",
     "program_id", "run_scoped", "squeezed", "store", "tpu", "triton", "when",
-    "mosaic_gpu",
+    "mosaic_gpu", "errors",
     "BlockDim", "Buffered", "RevisitMode", "CompilerParams", "DeviceIdType",
     "semaphore_read", "semaphore_signal", "semaphore_wait", "align_to",
     "broadcast_to", "next_power_of_2", "strides_from_shape",

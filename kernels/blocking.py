@@ -15,9 +15,13 @@ Each backend wants different blocks:
 """
 from __future__ import annotations
 
+import functools
+
 import jax
+from jax import tree_util
 
 from dsl.core import backends, config
+from dsl.core.jax_internals import core
 from dsl.tools import gpu_defaults
 
 
@@ -38,6 +42,68 @@ def choose_backend(kernel: str, backend: str | None) -> str | None:
     return backends.resolve(None)
   choice = gpu_defaults.backend_for(f"kernels.{kernel}")
   return choice.backend if choice else None
+
+
+def platform_backend(kernel: str, platform: str) -> str:
+  """The backend `kernels.<kernel>` runs on when lowered for `platform` (a
+  lowering platform: "cpu", "cuda", "rocm", "tpu") and its caller gives
+  none: for this process's platform what `choose_backend` says, else (and
+  for other platforms) the platform's default backend. Always a name: in
+  an export for several platforms every version is lowered for each of
+  them, so each names the backend its blocks are for."""
+  if platform == backends.lowering_platform():
+    chosen = choose_backend(kernel, None)
+    if chosen is not None:
+      return chosen
+  return backends.platform_default(platform)
+
+
+def _traced(leaves) -> bool:
+  return any(isinstance(x, core.Tracer) for x in leaves)
+
+
+def _is_operand(x) -> bool:
+  return isinstance(x, (jax.Array, core.Tracer)) or hasattr(x, "__array__")
+
+
+def per_platform(kernel: str):
+  """Decorates `kernels.<kernel>`'s entry point `fn(*arrays, ...,
+  backend=None, ...)` so that it picks its backend and blocks for the
+  platform it is lowered for, not for the platform of this process.
+
+  Traced (under `jax.jit`, `jax.export`, `grad`, ...) with `backend=None`,
+  the call becomes `jax.lax.platform_dependent` over one version of the
+  kernel per lowering platform (`platform_backend`), each with that
+  backend's blocks: lowered for one platform, only its version is lowered
+  (`.lower(lowering_platforms=("cuda",))` on a CPU host gets the GPU
+  kernel); exported for several, the module carries each one. Called on
+  concrete arrays, or with a backend, it runs as before."""
+
+  def decorate(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, backend=None, **kwargs):
+      leaves, tree = tree_util.tree_flatten((args, kwargs))
+      if backend is not None or not _traced(leaves):
+        return fn(*args, backend=backend, **kwargs)
+      operand = [_is_operand(x) for x in leaves]
+      operands = [x for x, o in zip(leaves, operand) if o]
+
+      def version(backend, *values):
+        it = iter(values)
+        full = [next(it) if o else x for x, o in zip(leaves, operand)]
+        a, kw = tree_util.tree_unflatten(tree, full)
+        return fn(*a, backend=backend, **kw)
+
+      versions: dict[str, object] = {}
+      branches = {}
+      for platform in backends.DEFAULT_FOR_PLATFORM:
+        chosen = platform_backend(kernel, platform)
+        if chosen not in versions:
+          versions[chosen] = functools.partial(version, chosen)
+        branches[platform] = versions[chosen]
+      return jax.lax.platform_dependent(*operands, **branches)
+    return wrapper
+  return decorate
 
 
 def gpu_config(kernel: str, dims, dtype, backend: str, *given) -> dict:

@@ -132,6 +132,7 @@ def check_decode_shapes(q, k_cache, v_cache, lengths):
                      f"({b},)")
 
 
+@blocking.per_platform("decode_attention")
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None,
                      backend=None, block_k=None):
   """Attention of one query per sequence over its first `lengths[b]` cached

@@ -565,6 +565,7 @@ def check_shapes(q, k, v):
                      f"{k.shape[2]} kv heads")
 
 
+@blocking.per_platform("flash_attention")
 def flash_attention(q, k, v, *, causal: bool = False, segment_ids=None,
                     sm_scale: float | None = None, backend=None,
                     block_q: int | None = None, block_k: int | None = None):

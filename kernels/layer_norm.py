@@ -155,6 +155,7 @@ def _layer_norm_bwd(eps, backend, block_rows, res, dy):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+@blocking.per_platform("layer_norm")
 def layer_norm(x, weight, bias, eps: float = 1e-5, *, backend=None,
                block_rows=None):
   """Layer norm of `x` over its last axis; `weight`, `bias`: `(D,)` or None.

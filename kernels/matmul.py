@@ -225,6 +225,7 @@ def _matmul_bwd(activation, backend, blocks, res, g):
 _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
+@blocking.per_platform("matmul")
 def matmul(x, y, *, bias=None, activation=None, backend=None,
            block_sizes=None):
   """`activation(x @ y + bias)` with the epilogue fused into the kernel.

@@ -88,6 +88,7 @@ def _pages_per_block(page_size: int, pages_per_seq: int, backend: str,
   return npb
 
 
+@blocking.per_platform("paged_attention")
 def paged_attention(q, k_pages, v_pages, lengths, page_indices, *,
                     sm_scale=None, pages_per_compute_block=None, backend=None,
                     concat_pages=None):

@@ -113,6 +113,7 @@ def _rms_norm_bwd(eps, backend, block_rows, res, dy):
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
+@blocking.per_platform("rms_norm")
 def rms_norm(x, weight, eps: float = 1e-6, *, backend=None, block_rows=None):
   """RMS norm of `x` over its last axis; `weight`: `(D,)` or None.
 

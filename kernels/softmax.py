@@ -222,6 +222,7 @@ def _softmax_bwd(axis, backend, block_rows, block_cols, y, dy):
 _softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
+@blocking.per_platform("softmax")
 def softmax(x, axis: int = -1, *, backend=None, block_rows=None,
             block_cols=None):
   """Softmax of `x` along `axis`, any shape and row length.

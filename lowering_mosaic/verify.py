@@ -28,6 +28,8 @@ from typing import Optional
 
 from dsl.tools.targets import load_function
 from lowering_mosaic.verification.promela import Options, to_promela
+from lowering_mosaic.verification.promela.dump import (kernel_name_of,
+                                                      maybe_dump_text)
 from lowering_mosaic.verification.promela.report import Report, Reports
 from lowering_mosaic.verification.promela.spin import (SpinNotFoundError,
                                                        require_spin, run_spin)
@@ -47,10 +49,12 @@ def verify_module(module, *, num_devices: Optional[int] = None,
                   check_entry: bool = True, max_parallel: int = 4,
                   max_cells: int = 16, keep_dir: Optional[str] = None
                   ) -> Report:
-  """Verifies one Mosaic module (an `ir.Module` from `lowering_mosaic`)."""
+  """Verifies one Mosaic module (an `ir.Module` from `lowering_mosaic`).
+  The model checked is written to `jax_pallas_dump_promela_to` when set."""
   require_spin()
   opts = _options(queue, check_entry, max_parallel, max_cells)
   text = to_promela(module, num_devices, opts)
+  maybe_dump_text(text, kernel_name_of(module))
   return verify_promela(text, max_depth=max_depth, timeout_s=timeout_s,
                         memory_mb=memory_mb, keep_dir=keep_dir)
 

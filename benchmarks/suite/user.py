@@ -4,8 +4,9 @@
         [--reference mypkg.mymod:ref] [--config block=256]
 
 The function is called on random inputs of the `--inputs` shapes and dtypes
-(normal floats; zeros for integers and booleans), with the `--config` items
-as keyword arguments. How it is called decides which columns it gets:
+(normal floats; zeros for integers and booleans; `:LOW..HIGH` draws uniform
+values from LOW up to HIGH, `:sorted` sorts them: `i32[4096]:0..1000`,
+`i32[65]:0..4096:sorted`), with the `--config` items as keyword arguments. How it is called decides which columns it gets:
 
 * it has a parameter named `pl`: it is written against a Pallas-like module
   and called as `fn(*inputs, pl=<module>)`, once with `dsl` (its
@@ -19,6 +20,7 @@ the XLA column, and the outputs are checked against it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -35,11 +37,74 @@ _DTYPES = {"f64": "float64", "f32": "float32", "f16": "float16",
            "bf16": "bfloat16", "i64": "int64", "i32": "int32",
            "i16": "int16", "i8": "int8", "u32": "uint32", "u16": "uint16",
            "u8": "uint8", "bool": "bool", "pred": "bool"}
-_SHAPE = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]*)\[([\d,\s]*)\]\s*(?:[,;]|$)")
+_SHAPE = re.compile(r"\s*([A-Za-z][A-Za-z0-9_]*)\[([\d,\s]*)\]"
+                    r"((?::[^,;:\s]+)*)\s*(?:[,;]|$)")
+_NUMBER = r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?"
+_RANGE = re.compile(rf"({_NUMBER})\.\.({_NUMBER})")
 
 
-def parse_inputs(text: str) -> list[jax.ShapeDtypeStruct]:
-  """'f32[4096,1024], f32[1024]' -> two ShapeDtypeStructs."""
+@dataclasses.dataclass(frozen=True)
+class Fill:
+  """How the values of one `--inputs` array are made: `low..high` (uniform;
+  integers from `low` up to `high`, excluded) or None (normal floats, zero
+  integers), sorted ascending or not."""
+  low: float | None = None
+  high: float | None = None
+  sorted: bool = False
+
+  def values(self, key, spec: jax.ShapeDtypeStruct):
+    dtype, n = jnp.dtype(spec.dtype), math.prod(spec.shape)
+    low, high = self.low, self.high
+    if jnp.issubdtype(dtype, jnp.inexact):
+      if low is None:
+        x = jax.random.normal(key, spec.shape, jnp.float32)
+      else:
+        x = jax.random.uniform(key, spec.shape, jnp.float32, low, high)
+    else:
+      if low is None and self.sorted:    # offsets into n elements: 0..n
+        low, high = 0, n + 1
+      if low is None:
+        return jnp.zeros(spec.shape, dtype)
+      x = jax.random.randint(key, spec.shape, int(low), int(high),
+                             jnp.int64 if jax.config.jax_enable_x64
+                             else jnp.int32)
+    if self.sorted:
+      x = jnp.sort(x.reshape(-1)).reshape(spec.shape)
+    return x.astype(dtype)
+
+
+def _fill(text: str, modifiers: str, dtype) -> Fill:
+  """The Fill of one input from its `:modifier`s (`:0..1000`, `:sorted`)."""
+  low = high = None
+  is_sorted = False
+  for item in modifiers.split(":")[1:]:
+    m = _RANGE.fullmatch(item)
+    if item == "sorted":
+      is_sorted = True
+    elif m:
+      low, high = float(m.group(1)), float(m.group(2))
+    else:
+      raise UsageError(f"unknown --inputs modifier {item!r} in {text!r}: use "
+                       "a range LOW..HIGH (e.g. i32[4096]:0..1000, labels "
+                       "below 1000) or 'sorted' (e.g. i32[65]:0..4096:sorted,"
+                       " ascending offsets)")
+  if low is not None:
+    integer = not jnp.issubdtype(dtype, jnp.inexact)
+    if integer and not (low.is_integer() and high.is_integer()):
+      raise UsageError(f"--inputs {text!r}: an integer range takes integers")
+    if not low < high:
+      raise UsageError(f"--inputs {text!r}: the range {low:g}..{high:g} is "
+                       "empty (LOW..HIGH: LOW included, HIGH not)")
+    if integer and dtype != jnp.bool_:
+      info = jnp.iinfo(dtype)
+      if low < info.min or high - 1 > info.max:
+        raise UsageError(f"--inputs {text!r}: {low:g}..{high:g} does not fit "
+                         f"{dtype} ({info.min}..{info.max + 1})")
+  return Fill(low, high, is_sorted)
+
+
+def parse_input_specs(text: str) -> list[tuple[jax.ShapeDtypeStruct, Fill]]:
+  """'f32[4096,1024], i32[4096]:0..1000' -> (shape and dtype, Fill) each."""
   out, pos = [], 0
   text = text.strip()
   while pos < len(text):
@@ -54,11 +119,17 @@ def parse_inputs(text: str) -> list[jax.ShapeDtypeStruct]:
       raise UsageError(f"unknown dtype {m.group(1)!r} in --inputs; use one of "
                        f"{', '.join(_DTYPES)}") from None
     dims = [d for d in m.group(2).replace(" ", "").split(",") if d]
-    out.append(jax.ShapeDtypeStruct(tuple(int(d) for d in dims), dtype))
+    spec = jax.ShapeDtypeStruct(tuple(int(d) for d in dims), dtype)
+    out.append((spec, _fill(m.group(0).strip(" ,;"), m.group(3), dtype)))
     pos = m.end()
   if not out:
     raise UsageError("--inputs is empty: give e.g. --inputs 'f32[4096,1024]'")
   return out
+
+
+def parse_inputs(text: str) -> list[jax.ShapeDtypeStruct]:
+  """'f32[4096,1024], f32[1024]' -> two ShapeDtypeStructs."""
+  return [spec for spec, _ in parse_input_specs(text)]
 
 
 def load_function(target: str, flag: str):
@@ -95,10 +166,11 @@ class UserKernel(KernelBench):
   bound = "memory"
 
   def __init__(self, target: str, fn, inputs, reference=None,
-               reference_name: str | None = None):
+               reference_name: str | None = None, fills=None):
     self.name = target
     self.fn = fn
     self.specs = list(inputs)
+    self.fills = list(fills or [Fill()] * len(self.specs))
     self.reference_fn = reference
     params = _parameters(fn)
     self.takes_pl = "pl" in params
@@ -129,13 +201,8 @@ class UserKernel(KernelBench):
 
   def inputs(self, size, dtype):
     keys = jax.random.split(jax.random.key(0), len(self.specs))
-    out = []
-    for k, s in zip(keys, self.specs):
-      if jnp.issubdtype(s.dtype, jnp.inexact):
-        out.append(jax.random.normal(k, s.shape, jnp.float32).astype(s.dtype))
-      else:
-        out.append(jnp.zeros(s.shape, s.dtype))
-    return tuple(out)
+    return tuple(f.values(k, s)
+                 for k, s, f in zip(keys, self.specs, self.fills))
 
   @property
   def reference(self):
@@ -188,9 +255,9 @@ def check_arity(fn, n: int, flag: str, target: str) -> None:
 def load_user_kernel(target: str, inputs: str, reference: str | None):
   fn = load_function(target, "--kernel")
   ref = load_function(reference, "--reference") if reference else None
-  specs = parse_inputs(inputs)
+  specs, fills = zip(*parse_input_specs(inputs))
   check_arity(fn, len(specs), "--kernel", target)
   if ref is not None:
     check_arity(ref, len(specs), "--reference", reference)
-  return UserKernel(target, fn, specs, ref, reference)
+  return UserKernel(target, fn, specs, ref, reference, fills)
 

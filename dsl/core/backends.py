@@ -148,13 +148,19 @@ def requested(backend: str | None = None, interpret=False) -> str | None:
   return backend
 
 
+def lowering_platform(platform: str | None = None) -> str:
+  """The lowering platform ("cpu", "cuda", "rocm", "tpu") of a JAX platform
+  name (None: JAX's default platform here)."""
+  if platform is None:
+    platform = jax.default_backend()
+  return _PLATFORM_KEYS.get(platform, platform)
+
+
 def platform_default(platform: str | None = None) -> str:
   """The backend `backend=None` runs on for `platform` (a JAX platform name
   such as "gpu", or a lowering platform such as "cuda"; None: JAX's default
   platform here), honouring `jax_pallas_use_mosaic_gpu` on CUDA."""
-  if platform is None:
-    platform = jax.default_backend()
-  platform = _PLATFORM_KEYS.get(platform, platform)
+  platform = lowering_platform(platform)
   if platform == "cuda" and config.use_mosaic_gpu():
     return "mosaic_gpu"
   return DEFAULT_FOR_PLATFORM.get(platform, "interpret")

@@ -40,13 +40,46 @@ def hide_package_frames(path: str) -> None:
 hide_package_frames(os.path.join(_DSL_DIR, "__init__.py"))
 
 
+def _generated_method(code) -> bool:
+  """A method that dataclasses and namedtuples generate: compiled from a
+  string (`<string>`), named `__init__`, `__eq__`, ... The user's own
+  `python -c` and `exec` code is compiled from a string too."""
+  filename, name = code.co_filename, code.co_name
+  return (filename.startswith("<") and filename.endswith(">")
+          and name.startswith("__") and name.endswith("__"))
+
+
+def _internal_flags(frames) -> list[bool]:
+  """Whether each frame (outermost first) is internal. A generated method is
+  internal when its caller is: JAX's dataclasses' `__init__` is JAX's."""
+  flags, caller = [], None
+  for frame in frames:
+    filename = frame.f_code.co_filename
+    if _generated_method(frame.f_code):
+      if caller is None:
+        back = frame.f_back
+        caller = back is not None and _is_internal(back.f_code.co_filename)
+      internal = caller
+    else:
+      internal = _is_internal(filename)
+    flags.append(internal)
+    caller = internal
+  return flags
+
+
+def _user_tb_frames(tb) -> list:
+  """(frame, lineno) of `tb`'s user frames, outermost first."""
+  entries = list(traceback.walk_tb(tb))
+  flags = _internal_flags([f for f, _ in entries])
+  return [e for e, internal in zip(entries, flags) if not internal]
+
+
 def user_traceback(tb):
   """`tb` without the frames of jax, dsl and the lowerings: the user's own
   frames (the kernel body's line among them)."""
   out = None
-  for frame, lineno in reversed(list(traceback.walk_tb(tb))):
-    if not _is_internal(frame.f_code.co_filename):
-      out = types.TracebackType(out, frame, frame.f_lasti, lineno)
+  for frame, lineno in reversed(_user_tb_frames(tb)):
+    out = types.TracebackType(out, frame, frame.f_lasti, lineno)
   return out
 
 
@@ -82,20 +115,27 @@ def in_user_code(filename: str) -> bool:
 
 def user_frame(skip_internal: bool = True) -> str:
   """Returns 'file:line' of the innermost frame outside jax and dsl."""
-  for frame in reversed(traceback.extract_stack()):
-    if skip_internal and _is_internal(frame.filename):
-      continue
-    return f"{frame.filename}:{frame.lineno}"
+  frames = []
+  frame = sys._getframe(1)
+  while frame is not None:
+    frames.append(frame)
+    frame = frame.f_back
+  frames.reverse()
+  flags = (_internal_flags(frames) if skip_internal
+           else [False] * len(frames))
+  for frame, internal in zip(reversed(frames), reversed(flags)):
+    if not internal:
+      return f"{frame.f_code.co_filename}:{frame.f_lineno}"
   return "<unknown>"
 
 
 def frame_of_traceback(tb) -> str | None:
   """The innermost user 'file:line' in an exception's traceback."""
-  found = None
-  for frame, lineno in traceback.walk_tb(tb):
-    if not _is_internal(frame.f_code.co_filename):
-      found = f"{frame.f_code.co_filename}:{lineno}"
-  return found
+  frames = _user_tb_frames(tb)
+  if not frames:
+    return None
+  frame, lineno = frames[-1]
+  return f"{frame.f_code.co_filename}:{lineno}"
 
 
 def source_info_frame(source_info) -> str | None:
@@ -368,4 +408,3 @@ __all__ = ["KernelError", "KernelTypeError", "KernelWarning", "BackendError",
            "KernelRuntimeError", "KernelCheckError", "KernelDeadlockError",
            "KernelRaceError", "kernel_error_of", "park", "parked", "user_frame",
            "frame_of_traceback", "source_info_frame", "function_location"]
-del sys

@@ -23,6 +23,7 @@ from __future__ import annotations
 import _thread
 import atexit
 import contextlib
+import functools
 import logging
 import re
 
@@ -186,6 +187,37 @@ def forget_failed_runs():
     except Exception as e:  # noqa: BLE001 - JaxRuntimeError or ValueError
       if kernel_error_of(e) is not None:
         tokens.pop(device, None)
+
+
+def fresh_copy(err: KernelError) -> KernelError:
+  """A new exception of `err`'s class with its message and parts (the parked
+  error stays as it was: raising a copy chains nothing onto it)."""
+  out = type(err).__new__(type(err))
+  out.__dict__.update(err.__dict__)
+  out.args = err.args
+  return out
+
+
+def raising_kernel_errors(fn):
+  """`fn` (a jitted function, or any function that runs kernels), waiting
+  for its results, so that a kernel failure at run time reaches the caller
+  as its KernelError class (`KernelCheckError`, `KernelRaceError`, ...)
+  chained from the error JAX raised, instead of JAX's `JaxRuntimeError`
+  (docs/configuration.md, "Pallas Enable Runtime Assert")."""
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    __tracebackhide__ = True
+    try:
+      return jax.block_until_ready(fn(*args, **kwargs))
+    except Exception as e:  # noqa: BLE001 - JaxRuntimeError or ValueError
+      err = kernel_error_of(e)
+      if err is None or err is e:
+        raise
+      forget_failed_runs()
+      raise fresh_copy(err).with_traceback(None) from e
+
+  return wrapper
 
 
 # Runs before JAX's own exit handlers (registered earlier).

@@ -29,19 +29,41 @@ def mesh_axes_of(mesh) -> tuple:
   return tuple((n, int(s)) for n, s in dict(shape).items())
 
 
-def kernel_specs(jaxpr: core.Jaxpr, mesh_axes: tuple = ()
+def kernel_specs(jaxpr: core.Jaxpr, mesh_axes: tuple = (),
+                 platform: str | None = None
                  ) -> Iterator[tuple[KernelSpec, tuple]]:
   """Yields (KernelSpec, mesh axes) of every pallas_call in `jaxpr`, in
-  program order, looking inside every sub-jaxpr."""
+  program order, looking inside every sub-jaxpr. Of a
+  `jax.lax.platform_dependent` choice (the kernel library's versions per
+  platform), only the version for `platform` (a lowering platform; None:
+  this process's) counts, as only it is lowered."""
+  platform = backends.lowering_platform(platform)
+  choices = {}
   for eqn in jaxpr.eqns:
     if eqn.primitive is pallas_call_p:
       yield eqn.params["spec"], mesh_axes
       continue
+    if eqn.primitive.name == "platform_index":
+      choices[eqn.outvars[0]] = eqn.params
+      continue
     inner_mesh = mesh_axes
     if "mesh" in eqn.params and eqn.primitive.name == "shard_map":
       inner_mesh = mesh_axes_of(eqn.params["mesh"])
-    for sub in sub_jaxprs(eqn.params):
-      yield from kernel_specs(sub, inner_mesh)
+    subs = list(sub_jaxprs(eqn.params))
+    index = eqn.invars[0] if eqn.invars else None
+    if eqn.primitive.name == "cond" and isinstance(index, core.Var) and \
+        index in choices:
+      subs = _platform_branch(subs, choices[index], platform)
+    for sub in subs:
+      yield from kernel_specs(sub, inner_mesh, platform)
+
+
+def _platform_branch(branches: list, params: dict, platform: str) -> list:
+  """The branch of a platform_dependent cond that `platform` runs."""
+  for k, names in enumerate(params["platforms"]):
+    if platform in names:
+      return [branches[k]]
+  return branches[-1:] if params.get("has_default") else []
 
 
 def traced_kernels(f, *args, **kwargs) -> list[tuple[KernelSpec, tuple]]:

@@ -203,6 +203,27 @@ def as_operand(x):
   return x
 
 
+_PY_SCALARS = (bool, int, float, complex)
+
+
+def check_operands(kernel: str, args, where: str) -> None:
+  """A Python list or tuple of numbers among the operands is not an array
+  (pytrees of arrays are operands, each leaf one): it would become one
+  scalar operand per element. Says so, with the fix."""
+  for i, x in enumerate(args):
+    if not isinstance(x, (list, tuple)):
+      continue
+    leaves = tree_util.tree_leaves(x)
+    numbers = sum(isinstance(v, _PY_SCALARS) for v in leaves)
+    if numbers:
+      raise KernelTypeError(
+          kernel, f"got a Python {type(x).__name__} of {len(leaves)} "
+          f"elements ({numbers} of them Python numbers); a {type(x).__name__} "
+          "is not an array, and each of its elements would be an operand of "
+          f"its own: convert it with jnp.asarray(...) first", where,
+          operand=f"argument {i}")
+
+
 def _check_aliases(name, aliases, in_avals_all, out_avals, where):
   out = []
   for i, o in dict(aliases or {}).items():
@@ -277,6 +298,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     if params is None:
       runs_on = backends.record(backend, name, where)
       params = tuned_params(runs_on.compiler_params_class())
+    check_operands(name, args, where)
     args = tree_util.tree_map(as_operand, args)
     flat_args = tree_util.tree_leaves(args)
     spec, out_tree = build_spec(

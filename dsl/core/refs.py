@@ -33,6 +33,12 @@ def _static_int(x):
     return None
 
 
+def _text(x) -> str:
+  """An index for a message: its value when static, else `...`."""
+  v = _static_int(x)
+  return "..." if v is None else str(v)
+
+
 def describe_ref_in_stack(names: dict) -> str | None:
   """Finds which of the kernel's refs is being indexed by scanning frames."""
   def lookup(value):
@@ -97,6 +103,10 @@ def check_static_indices(indices, shape) -> None:
                       f"outside the ref's shape {tuple(shape)}")
     elif isinstance(idx, Slice):
       start, size = _static_int(idx.start), _static_int(idx.size)
+      if size is not None and size < 0:
+        _bounds_error(names, f"pl.ds({_text(idx.start)}, {size}) on dim {dim} "
+                      f"has a negative size: pl.ds(start, size) takes the "
+                      f"window's size (not its end), which must be >= 0")
       if size is not None and size > n:
         _bounds_error(names, f"pl.ds(..., {size}) on dim {dim} is larger than "
                       f"the ref's shape {tuple(shape)}")

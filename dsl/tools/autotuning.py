@@ -60,6 +60,28 @@ class Choice:
   results: tuple = ()          # (config, seconds or error text) per config
 
 
+def _module_path(fn) -> str | None:
+  """The dotted path of the file that defines `fn`, from the root of its
+  package (the highest folder above it holding an `__init__.py`): the same
+  whether the file runs as a script (`__main__`) or is imported."""
+  code = getattr(inspect.unwrap(fn), "__code__", None)
+  filename = getattr(code, "co_filename", "")
+  if not filename.endswith(".py") or not os.path.isfile(filename):
+    return None
+  folder, stem = os.path.split(os.path.abspath(filename))
+  parts = [] if stem == "__init__.py" else [stem[:-3]]
+  while os.path.isfile(os.path.join(folder, "__init__.py")):
+    folder, package = os.path.split(folder)
+    parts.insert(0, package)
+  return ".".join(parts) or None
+
+
+def default_name(fn) -> str:
+  """`fn`'s name in the cache: `<module path>.<qualname>`, the module path
+  found from its file (`_module_path`), else its `__module__`."""
+  return f"{_module_path(fn) or fn.__module__}.{fn.__qualname__}"
+
+
 def _is_array(x) -> bool:
   return hasattr(x, "shape") and hasattr(x, "dtype")
 
@@ -82,7 +104,7 @@ class Autotuned:
   def __init__(self, fn: Callable, configs: Sequence[dict], key, *,
                name: str | None, warmup: int, repeats: int, where: str):
     self.fn = fn
-    self.name = name or f"{fn.__module__}.{fn.__qualname__}"
+    self.name = name or default_name(fn)
     self.where = where
     self.warmup, self.repeats = warmup, repeats
     self.signature = inspect.signature(fn)

@@ -24,6 +24,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from dsl.core.host_failures import raising_kernel_errors
+
 
 @dataclasses.dataclass
 class Memory:
@@ -134,7 +136,8 @@ def prepare(fn: Callable, args: tuple, *, slow_s: float = 1.0,
   compile_s = time.perf_counter() - t0
   memory = memory_of(compiled)
   t0 = time.perf_counter()
-  out = _block(compiled(*args))
+  # a kernel failing on the first call raises its KernelError class
+  out = raising_kernel_errors(compiled)(*args)
   first = time.perf_counter() - t0
   stats = Stats([first], 1, compile_s, memory, out if keep_output else None)
   del out

@@ -27,3 +27,18 @@ def add(x, y, *, backend=None):
   return pl.pallas_call(add_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
                         grid=(pl.cdiv(x.shape[0], 64),), in_specs=[spec, spec],
                         out_specs=spec, backend=backend)(x, y)
+
+
+def lookup(table, labels, *, backend=None):
+  """Reads `table` at integer labels (values from `--inputs ...:0..N`)."""
+  import dsl as pl
+
+  def lookup_kernel(t_ref, i_ref, o_ref):
+    o_ref[...] = t_ref[...][i_ref[...]]
+  return pl.pallas_call(lookup_kernel,
+                        jax.ShapeDtypeStruct(labels.shape, table.dtype),
+                        backend=backend)(table, labels)
+
+
+def lookup_ref(table, labels):
+  return table[labels]

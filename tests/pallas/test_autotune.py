@@ -268,3 +268,47 @@ def test_no_config_runs(cache):
   tuned = pl.autotune([{"block": 1}, {"block": 2}], name="broken")(broken)
   with pytest.raises(TypeError, match="no config ran .*block 1 does not fit"):
     tuned(jnp.ones(4))
+
+
+MODULE = """
+import jax
+import jax.numpy as jnp
+import dsl as pl
+
+@pl.autotune(configs=[{"block": 128}, {"block": 256}], key=["x"])
+def add(x, y, *, block=128):
+  spec = pl.BlockSpec((block,), lambda i: (i,))
+  return pl.pallas_call(lambda x_ref, y_ref, o_ref: o_ref.__setitem__(
+      ..., x_ref[...] + y_ref[...]), jax.ShapeDtypeStruct(x.shape, x.dtype),
+      grid=(x.shape[0] // block,), in_specs=[spec, spec],
+      out_specs=spec)(x, y)
+
+if __name__ == "__main__":
+  x = jnp.ones(512)
+  print("SOURCE", add.name, add.choose(x, x).source)
+"""
+
+
+def test_a_script_and_the_same_module_imported_share_cache_entries(tmp_path):
+  pkg = tmp_path / "mypkg"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "tuned.py").write_text(textwrap.dedent(MODULE))
+  env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}",
+             JAX_PLATFORMS="cpu",
+             **{autotune_cache.ENV_VAR: str(tmp_path / "cache.json")})
+  env.pop(autotuning.ENV_SWITCH, None)
+
+  def run(*argv):
+    out = subprocess.run([sys.executable, *argv], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    line, = [l for l in out.stdout.splitlines() if l.startswith("SOURCE")]
+    return line.split()[1:]
+  # run as a script (module __main__), then imported by another script
+  assert run(str(pkg / "tuned.py")) == ["mypkg.tuned.add", "searched"]
+  (tmp_path / "user.py").write_text(
+      "import jax.numpy as jnp\nfrom mypkg import tuned\nx = jnp.ones(512)\n"
+      "print('SOURCE', tuned.add.name, tuned.add.choose(x, x).source)\n")
+  assert run(str(tmp_path / "user.py")) == ["mypkg.tuned.add", "cached"]
+  assert run("-m", "mypkg.tuned") == ["mypkg.tuned.add", "cached"]

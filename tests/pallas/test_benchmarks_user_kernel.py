@@ -4,7 +4,10 @@ import csv
 import io
 import json
 
+import numpy as np
 import pytest
+
+from benchmarks.suite.user import UserKernel, parse_input_specs
 
 # The CLI runner and the per-test autotune cache (an autouse fixture).
 from tests.pallas.cli_testing import private_autotune_cache  # noqa: F401
@@ -12,6 +15,7 @@ from tests.pallas.cli_testing import run_cli
 
 FAST = ["--repeats", "1"]
 SCALE = "tests.pallas.bench_user_kernel:scale"
+LOOKUP = "tests.pallas.bench_user_kernel:lookup"
 
 
 def test_pl_kernel_beside_xla_and_pallas(capsys, tmp_path):
@@ -73,9 +77,44 @@ def test_dsl_kernel_from_a_file_without_reference(capsys, tmp_path):
      "argument (x)"),
     (["--kernel", "tests/pallas/bench_user_kernel.py:add", "--inputs",
       "f32[8]"], "--inputs gives 1 array but --kernel"),
+    (["--kernel", LOOKUP, "--inputs", "f32[8], u8[8]:0..1000"],
+     "0..1000 does not fit uint8"),
+    (["--kernel", LOOKUP, "--inputs", "f32[8], i32[8]:9..3"],
+     "the range 9..3 is empty"),
+    (["--kernel", LOOKUP, "--inputs", "f32[8], i32[8]:labels"],
+     "unknown --inputs modifier 'labels'"),
 ])
 def test_bad_user_kernel_arguments(capsys, argv, message):
   rc, out, err = run_cli(capsys, *argv)
   assert rc == 2
   assert err.startswith("dsl-bench: error:") and message in err
   assert len(err.strip().splitlines()) == 1
+
+
+def test_integer_inputs_take_ranges_and_sorted_offsets():
+  specs, fills = zip(*parse_input_specs(
+      "f32[1000], i32[4096]:0..1000, i32[65]:0..4096:sorted, "
+      "i32[9]:sorted, f32[64]:-1..1, i32[8]"))
+  bench = UserKernel("f", lambda *xs: xs, specs, fills=fills)
+  table, labels, offsets, counts, uniform, zeros = [
+      np.asarray(x) for x in bench.inputs(None, None)]
+  assert labels.dtype == np.int32 and labels.shape == (4096,)
+  assert labels.min() >= 0 and labels.max() < 1000
+  assert len(np.unique(labels)) > 500          # spread over the range
+  assert (np.diff(offsets) >= 0).all() and 0 <= offsets[0]
+  assert offsets[-1] < 4096
+  assert (np.diff(counts) >= 0).all() and counts.max() <= 9
+  assert -1 <= uniform.min() and uniform.max() < 1
+  assert table.dtype == np.float32 and (zeros == 0).all()
+
+
+def test_a_kernel_on_integer_labels_beside_its_reference(capsys, tmp_path):
+  j = tmp_path / "r.json"
+  rc, out, err = run_cli(
+      capsys, "--kernel", LOOKUP, "--inputs", "f32[1000], i32[4096]:0..1000",
+      "--reference", "tests.pallas.bench_user_kernel:lookup_ref",
+      "--backends", "interpret", "--json", str(j), "--progress", "never",
+      *FAST)
+  assert rc == 0, out + err
+  r, = json.loads(j.read_text())["rows"]
+  assert r["check"] == "ok" and r["dsl"]["median_s"] > 0

@@ -50,7 +50,7 @@ def test_the_pages_with_runnable_blocks():
   names = {os.path.relpath(p, ROOT) for p in RUNNABLE}
   assert {"README.md", "docs/mosaic.md", "docs/triton.md",
           "docs/verification.md", "docs/kernels.md", "docs/autotune.md",
-          "docs/profiling.md"} <= names, names
+          "docs/profiling.md", "docs/transformations.md"} <= names, names
 
 
 @pytest.mark.parametrize("path", RUNNABLE,

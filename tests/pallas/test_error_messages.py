@@ -1,5 +1,6 @@
 """The mistakes a new user makes, each answered by a message that says what
 is wrong, where (the user's line) and how to fix it."""
+import functools
 import re
 
 import jax
@@ -9,6 +10,7 @@ import pytest
 
 import dsl as pl
 from dsl import tpu as pltpu
+from dsl.core.jax_internals import state_indexing
 from tests.pallas.testing import CPU_BACKENDS
 
 THIS_FILE = __file__
@@ -161,3 +163,59 @@ def test_verbose_errors_show_the_jaxpr_for_mosaic():
     jax.config.update("jax_pallas_verbose_errors", False)
   assert "primitive 'cumsum' is not supported" in msg
   assert ">>>" in msg and "cumsum[axis=0" in msg
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_python_list_is_not_an_array(backend):
+  spec = pl.BlockSpec((2048,), lambda: (0,))
+  f = pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+                     jax.ShapeDtypeStruct((2048,), jnp.float32),
+                     in_specs=[spec], out_specs=spec, backend=backend)
+  msg = _message(lambda: f([0.5] * 2048), pl.KernelTypeError)
+  assert "argument 0" in msg and "list is not an array" in msg, msg
+  assert "jnp.asarray" in msg and "2048 inputs" not in msg, msg
+  # arrays, and pytrees of arrays, stay operands
+  np.testing.assert_array_equal(f(jnp.asarray([0.5] * 2048)), 0.5)
+
+
+def window_ending_at_its_start(x_ref, o_ref):
+  o_ref[pl.ds(8, -8)] = x_ref[pl.ds(0, 8)]
+
+
+def window_of_negative_size(x_ref, o_ref):
+  o_ref[...] = x_ref[pl.ds(0, -8)]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("kernel,operand,text", [
+    (window_ending_at_its_start, "o_ref", "pl.ds(8, -8)"),
+    (window_of_negative_size, "x_ref", "pl.ds(0, -8)")])
+def test_a_negative_window_size_names_the_ref_and_line(backend, kernel,
+                                                       operand, text):
+  out = jax.ShapeDtypeStruct((8,), jnp.float32)
+  with pytest.raises(pl.KernelError) as info:
+    pl.pallas_call(kernel, out, backend=backend)(jnp.ones(8))
+  msg = str(info.value)
+  line = kernel.__code__.co_firstlineno + 1
+  assert msg.endswith(f"(at {THIS_FILE}:{line})"), msg
+  assert f"kernel '{kernel.__name__}', {operand}" in msg, msg
+  assert f"{text} on dim 0 has a negative size" in msg, msg
+  assert "Out of bound" not in msg and "Invalid shape" not in msg, msg
+
+
+def jax_dataclass_fails(x_ref, o_ref):
+  # JAX builds one of its dataclasses, whose generated `__init__` (code of
+  # file `<string>`) fails: the error stands at this line, not at <string>.
+  make = functools.partial(state_indexing.NDIndexer,
+                           (state_indexing.Slice(9, 1),), (8,), ())
+  jax.tree_util.tree_map(make, [True])
+  o_ref[...] = x_ref[...]
+
+
+def test_errors_inside_jax_generated_code_point_at_the_user_line():
+  out = jax.ShapeDtypeStruct((8,), jnp.float32)
+  with pytest.raises(pl.KernelError) as info:
+    pl.pallas_call(jax_dataclass_fails, out)(jnp.ones(8))
+  line = jax_dataclass_fails.__code__.co_firstlineno + 5
+  assert str(info.value).endswith(f"(at {THIS_FILE}:{line})"), info.value
+  assert "<string>" not in str(info.value)

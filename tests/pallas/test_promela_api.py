@@ -235,6 +235,18 @@ def test_a_dumped_model_verifies_on_its_own(promela_dir):
   assert rep.kernel == "_copy_kernel"
 
 
+@needs_spin
+def test_verify_writes_the_model_it_checks_to_the_dump_directory(promela_dir):
+  f, args = corpus.copy_through_vmem("read_early")
+  rep = verify(f, *args, queue=2)
+  (path,) = list(promela_dir.glob("*.pml"))
+  assert path.name.startswith("_copy_kernel-")
+  # the model verify checked (its options included), which verifies alone
+  assert "DMA queue: 2 slots per device" in path.read_text()
+  again = verify.verify_promela(str(path))
+  assert again.kind == rep.kind == "race"
+
+
 # ------------------------------------------------------------ the CLI
 
 def _cli(*argv, timeout=300):

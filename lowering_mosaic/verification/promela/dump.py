@@ -1,7 +1,8 @@
 """`jax_pallas_dump_promela_to=DIR`: every Mosaic-lowered kernel's model.
 
 The Mosaic backends (`mosaic`, `mosaic_interpret`) call `maybe_dump` on
-each module they build; it costs nothing when the option is unset.
+each module they build, and `lowering_mosaic.verify` `maybe_dump_text` on
+each model it checks; it costs nothing when the option is unset.
 """
 from __future__ import annotations
 
@@ -29,6 +30,24 @@ def write_model(text: str, kernel_name: str, directory: str) -> str:
   with open(path, "w") as fh:
     fh.write(text)
   return path
+
+
+def kernel_name_of(module) -> str:
+  """The kernel's name recorded in a Mosaic module (its function's
+  `dsl.kernel_name`, else the function's symbol), or "kernel"."""
+  for op in module.body.operations:
+    attrs = op.attributes
+    for key in ("dsl.kernel_name", "sym_name"):
+      if key in attrs:
+        return str(attrs[key]).strip('"') or "kernel"
+  return "kernel"
+
+
+def maybe_dump_text(text: str, kernel_name: str) -> Optional[str]:
+  """Writes a model already made (by `lowering_mosaic.verify`, with its
+  options) when `jax_pallas_dump_promela_to` is set; returns the path."""
+  directory = dump_directory()
+  return write_model(text, kernel_name, directory) if directory else None
 
 
 def maybe_dump(module, kernel_name: str, num_devices: Optional[int] = None
