@@ -242,7 +242,7 @@ def _option_key() -> tuple:
   buffers hold): a spec built under other values is another spec, so a
   backend lowers (and caches) it anew."""
   return (config.enable_runtime_assert(), config.enable_debug_checks(),
-          config.poison_buffers())
+          config.poison_buffers(), config.default_backend())
 
 
 def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
