@@ -15,6 +15,7 @@ Pallas's Mosaic GPU API.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -23,6 +24,8 @@ import re
 import sys
 
 import jax
+
+from dsl.core import jax_internals
 
 # The package name the swapped copies live under.
 PREFIX = "pallas_ops_on_dsl"
@@ -43,8 +46,8 @@ REWRITES = (
 
 # A Pallas import left after the rewrites (the swapped copy would silently
 # run part of itself on Pallas).
-_LEFT_OVER = re.compile(r"^\s*(from|import)\s+jax\.experimental\.pallas\b",
-                        re.M)
+_LEFT_OVER = re.compile(
+    r"^\s*(from|import)\s+jax\.experimental\.pallas\b.*$", re.M)
 
 
 def ops_dir() -> str:
@@ -92,7 +95,27 @@ class _SwapLoader(importlib.abc.Loader):
   def exec_module(self, module):
     with open(self.path, encoding="utf-8") as f:
       source = rewrite(f.read(), self.path)
-    exec(compile(source, self.path, "exec"), module.__dict__)
+    with _own_prng_registrations(self.path):
+      exec(compile(source, self.path, "exec"), module.__dict__)
+
+
+@contextlib.contextmanager
+def _own_prng_registrations(path: str):
+  """Lets the swapped copy of `path` register the PRNG implementations that
+  Pallas's original registered already (JAX refuses a name twice), and
+  leaves JAX's registry as it was: the swapped copy's implementations are
+  used through its functions, not by name."""
+  prngs = jax_internals.prng.prngs
+  saved = dict(prngs)
+  for name, impl in saved.items():
+    if getattr(getattr(impl.random_bits, "__code__", None), "co_filename",
+               None) == path:
+      del prngs[name]
+  try:
+    yield
+  finally:
+    prngs.clear()
+    prngs.update(saved)
 
 
 class _SwapFinder(importlib.abc.MetaPathFinder):
@@ -128,3 +151,124 @@ def swapped(name: str):
 def original(name: str):
   """Pallas's own `jax.experimental.pallas.ops.<name>`."""
   return importlib.import_module(f"{ORIGINAL}.{name}")
+
+
+# The dsl backends each family of ops runs on here.
+TPU_BACKENDS = ("interpret", "mosaic_interpret")
+GPU_BACKENDS = ("interpret", "triton_interpret")
+
+
+def backends_of(op: str) -> tuple[str, ...]:
+  """The dsl backends op `op` ("tpu.matmul", "gpu.softmax") is checked on."""
+  return TPU_BACKENDS if op.startswith("tpu.") else GPU_BACKENDS
+
+
+# (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
+# (a fix shows up as an XPASS) and a row of docs/pallas-compat.md.
+XFAIL: dict[tuple[str, str], str] = {
+    ("tpu.paged_attention", "interpret"):
+        "DMA waits inside a while loop: JAX's checkify rule for while_loop "
+        "rebinds the wait with the `origin` the run-time-check pass adds "
+        "(_dma_wait_abstract_eval() got an unexpected keyword argument "
+        "'origin')",
+    ("tpu.paged_attention (grad)", "interpret"):
+        "DMA waits inside a while loop: JAX's checkify rule for while_loop "
+        "rebinds the wait with the `origin` the run-time-check pass adds "
+        "(_dma_wait_abstract_eval() got an unexpected keyword argument "
+        "'origin')",
+    ("tpu.paged_attention (grad)", "mosaic_interpret"):
+        "the derived transpose kernel partially evaluates a `pl.when` that "
+        "writes refs (State effect not supported in cond partial-eval)",
+    ("tpu.splash_attention", "interpret"):
+        "the kernel takes 16 refs but pallas_call passes 15",
+    ("tpu.splash_attention", "mosaic_interpret"):
+        "the kernel takes 16 refs but pallas_call passes 15",
+    ("tpu.ragged_paged_attention", "interpret"):
+        "DMA waits inside a while loop: JAX's checkify rule for while_loop "
+        "rebinds the wait with the `origin` the run-time-check pass adds "
+        "(_dma_wait_abstract_eval() got an unexpected keyword argument "
+        "'origin')",
+    ("tpu.ragged_paged_attention", "mosaic_interpret"):
+        "the Mosaic lowering has no rule for a `get` through a "
+        "ReshapeTransform (`ref.reshape`)",
+    ("tpu.megablox.gmm", "interpret"):
+        "traced grid sizes: the number of active tiles is computed from the "
+        "group sizes (grid[1] must be a positive integer, got a tracer)",
+    ("tpu.megablox.gmm", "mosaic_interpret"):
+        "traced grid sizes: the number of active tiles is computed from the "
+        "group sizes (grid[1] must be a positive integer, got a tracer)",
+    ("tpu.megablox.tgmm", "interpret"):
+        "traced grid sizes: the number of active tiles is computed from the "
+        "group sizes (grid[2] must be a positive integer, got a tracer)",
+    ("tpu.megablox.tgmm", "mosaic_interpret"):
+        "traced grid sizes: the number of active tiles is computed from the "
+        "group sizes (grid[2] must be a positive integer, got a tracer)",
+    ("tpu.random.threefry", "mosaic_interpret"):
+        "the Mosaic lowering has no rule for JAX's `threefry2x32` primitive",
+}
+
+# Cases too slow for the default suite (pytest -m slow runs them).
+SLOW: set[tuple[str, str]] = set()
+
+# Ops compared with their reference only, and why.
+NO_PALLAS = {
+    "tpu.paged_attention (grad)":
+        "Pallas has no reverse mode through pallas_call",
+    "tpu.all_gather":
+        "Pallas's TPU interpret mode returns NaN in parts of the gathered "
+        "array here",
+}
+
+COMPAT_PAGE = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.dirname(os.path.abspath(__file__)))), "docs", "pallas-compat.md")
+_SECTION = "## Pallas's kernel library on dsl"
+
+
+def _ops() -> list[str]:
+  from tests.pallas.test_pallas_ops import CASES   # the cases, in order
+  return list(CASES)
+
+
+def compat_section() -> str:
+  """The section of docs/pallas-compat.md that lists each op of
+  `jax.experimental.pallas.ops` on each dsl CPU backend."""
+  lines = [
+      _SECTION, "",
+      "Pallas's own kernel library (`jax.experimental.pallas.ops` in the "
+      "installed JAX) runs on dsl by its import swap alone: "
+      "`tests/pallas/pallas_ops_swap.py` serves each op's source with its "
+      "Pallas imports pointed at dsl, and `tests/pallas/test_pallas_ops.py` "
+      "runs one cheap shape per op on dsl's CPU backends (chosen with "
+      "`dsl.default_backend`, since the ops name none) and compares it with "
+      "the original op in Pallas's interpret mode and with the op's own "
+      "reference. A failing case is a strict xfail whose reason is the cause "
+      "below. This table is generated (`python -m "
+      "tests.pallas.pallas_ops_swap`) and a test checks it.", "",
+      "| op | backend | result |", "|---|---|---|"]
+  for op in _ops():
+    for backend in backends_of(op):
+      cause = XFAIL.get((op, backend))
+      result = "pass" if cause is None else f"fails: {cause}"
+      if op in NO_PALLAS:
+        result += f" (compared with its reference only: {NO_PALLAS[op]})"
+      lines.append(f"| `{op}` | `{backend}` | {result} |")
+  return "\n".join(lines) + "\n"
+
+
+def write_compat_section(path: str = COMPAT_PAGE) -> None:
+  """Rewrites (or appends) the section in docs/pallas-compat.md."""
+  with open(path, encoding="utf-8") as f:
+    page = f.read()
+  start = page.find(_SECTION + "\n")
+  if start < 0:
+    page = page.rstrip("\n") + "\n\n" + compat_section()
+  else:
+    end = page.find("\n## ", start + len(_SECTION))
+    rest = "" if end < 0 else page[end:]
+    page = page[:start] + compat_section() + rest
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(page)
+
+
+if __name__ == "__main__":
+  write_compat_section()
