@@ -39,8 +39,14 @@ def _optional_string(name: str, help: str):
   holder = _existing(name)
   if holder is not None or name in jax_config.config.values:
     return holder
-  return jax_config.optional_string_state(name, None, help,
-                                          include_in_trace_context=True)
+  return jax_config.string_or_object_state(
+      name, None, help, include_in_jit_key=True,
+      include_in_trace_context=True, validator=_optional_string_value)
+
+
+def _optional_string_value(value) -> None:
+  if value is not None and not isinstance(value, str):
+    raise ValueError(f"expected a string or None, got {value!r}")
 
 
 enable_runtime_assert_option = bool_option(

@@ -166,16 +166,9 @@ def backends_of(op: str) -> tuple[str, ...]:
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
 # (a fix shows up as an XPASS) and a row of docs/pallas-compat.md.
 XFAIL: dict[tuple[str, str], str] = {
-    ("tpu.paged_attention", "interpret"):
-        "DMA waits inside a while loop: JAX's checkify rule for while_loop "
-        "rebinds the wait with the `origin` the run-time-check pass adds "
-        "(_dma_wait_abstract_eval() got an unexpected keyword argument "
-        "'origin')",
     ("tpu.paged_attention (grad)", "interpret"):
-        "DMA waits inside a while loop: JAX's checkify rule for while_loop "
-        "rebinds the wait with the `origin` the run-time-check pass adds "
-        "(_dma_wait_abstract_eval() got an unexpected keyword argument "
-        "'origin')",
+        "the derived transpose kernel partially evaluates a `pl.when` that "
+        "writes refs (State effect not supported in cond partial-eval)",
     ("tpu.paged_attention (grad)", "mosaic_interpret"):
         "the derived transpose kernel partially evaluates a `pl.when` that "
         "writes refs (State effect not supported in cond partial-eval)",
@@ -183,11 +176,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "the kernel takes 16 refs but pallas_call passes 15",
     ("tpu.splash_attention", "mosaic_interpret"):
         "the kernel takes 16 refs but pallas_call passes 15",
-    ("tpu.ragged_paged_attention", "interpret"):
-        "DMA waits inside a while loop: JAX's checkify rule for while_loop "
-        "rebinds the wait with the `origin` the run-time-check pass adds "
-        "(_dma_wait_abstract_eval() got an unexpected keyword argument "
-        "'origin')",
     ("tpu.ragged_paged_attention", "mosaic_interpret"):
         "the Mosaic lowering has no rule for a `get` through a "
         "ReshapeTransform (`ref.reshape`)",
@@ -217,6 +205,9 @@ NO_PALLAS = {
     "tpu.all_gather":
         "Pallas's TPU interpret mode returns NaN in parts of the gathered "
         "array here",
+    "tpu.ragged_paged_attention":
+        "Pallas's TPU interpret mode cannot run it ('ReshapeTransform' object "
+        "has no attribute 'indices')",
 }
 
 COMPAT_PAGE = os.path.join(os.path.dirname(os.path.dirname(

@@ -102,10 +102,9 @@ def test_default_backend_is_part_of_the_jit_cache_key():
   x = jnp.ones((8, 128))
   f = jax.jit(pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
                              name="k_default_backend"))
-  assert "callback" not in f.lower(x).as_text()
+  assert float(f(x)[0, 0]) == 2.0
   with pl.default_backend("mosaic_interpret"):
-    assert "callback" in f.lower(x).as_text()      # a host backend now
-    assert float(f(x)[0, 0]) == 2.0
+    assert float(f(x)[0, 0]) == 2.0       # traced again, for this backend
   assert float(f(x)[0, 0]) == 2.0
   assert seen == ["interpret", "mosaic_interpret"]
 
