@@ -167,11 +167,13 @@ def backends_of(op: str) -> tuple[str, ...]:
 # (a fix shows up as an XPASS) and a row of docs/pallas-compat.md.
 XFAIL: dict[tuple[str, str], str] = {
     ("tpu.paged_attention (grad)", "interpret"):
-        "the derived transpose kernel partially evaluates a `pl.when` that "
-        "writes refs (State effect not supported in cond partial-eval)",
+        "linearizing the derived transpose kernel meets a `pl.when` with a "
+        "ref effect, which JAX's cond partial eval rejects (State effect not "
+        "supported in cond partial-eval)",
     ("tpu.paged_attention (grad)", "mosaic_interpret"):
-        "the derived transpose kernel partially evaluates a `pl.when` that "
-        "writes refs (State effect not supported in cond partial-eval)",
+        "linearizing the derived transpose kernel meets a `pl.when` with a "
+        "ref effect, which JAX's cond partial eval rejects (State effect not "
+        "supported in cond partial-eval)",
     ("tpu.splash_attention", "mosaic_interpret"):
         "the Mosaic lowering has no rule for `tile` (`jnp.tile`)",
     ("tpu.ragged_paged_attention", "mosaic_interpret"):
