@@ -321,6 +321,13 @@ def test_op_on_dsl(op, backend):
            f"{op} on {backend} vs Pallas's interpret mode")
 
 
+def test_the_table_lists_every_case():
+  assert list(CASES) == list(swap.OPS)
+  known = {(op, b) for op in swap.OPS for b in swap.backends_of(op)}
+  assert set(swap.XFAIL) <= known and swap.SLOW <= known
+  assert set(swap.NO_PALLAS) <= set(swap.OPS)
+
+
 def test_swapped_modules_run_on_dsl_not_pallas():
   for module, _ in CASES.values():
     swapped = swap.swapped(module)
