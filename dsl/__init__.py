@@ -8,7 +8,7 @@ over a grid of blocks described by BlockSpecs.
 from dsl.core.jax_internals import TransformedRef
 
 from dsl.core import refs as _refs  # installs the static index checks
-from dsl.core.backends import BACKENDS
+from dsl.core.backends import BACKENDS, default_backend
 from dsl.core.blockspec import (BlockDim, BlockMapping, BlockSpec, Blocked,
                                 Buffered, Element, RevisitMode, Squeezed,
                                 squeezed)
@@ -57,5 +57,5 @@ __all__ = [
     "semaphore_read", "semaphore_signal", "semaphore_wait", "align_to",
     "broadcast_to", "next_power_of_2", "strides_from_shape",
     "enable_debug_checks", "enable_poison_buffers", "empty", "empty_like",
-    "no_block_spec",
+    "no_block_spec", "default_backend",
 ]

@@ -159,7 +159,12 @@ def lowering_platform(platform: str | None = None) -> str:
 def platform_default(platform: str | None = None) -> str:
   """The backend `backend=None` runs on for `platform` (a JAX platform name
   such as "gpu", or a lowering platform such as "cuda"; None: JAX's default
-  platform here), honouring `jax_pallas_use_mosaic_gpu` on CUDA."""
+  platform here): the one `jax_pallas_default_backend` names (`with
+  dsl.default_backend(name)`) if set, else the platform's, honouring
+  `jax_pallas_use_mosaic_gpu` on CUDA."""
+  chosen = config.default_backend()
+  if chosen is not None:
+    return chosen
   platform = lowering_platform(platform)
   if platform == "cuda" and config.use_mosaic_gpu():
     return "mosaic_gpu"
@@ -208,6 +213,19 @@ def lowering_rule(name: str, kernel: str, where: str | None) -> Callable:
         "Use backend='interpret' (or interpret=True) to run on any platform.",
         where)
   return found.lowering
+
+
+def default_backend(name: str | None):
+  """A context manager: inside it, kernels that name no backend (and are
+  not asked to interpret) run on backend `name` (None: the platform's
+  default again). It sets the JAX option `jax_pallas_default_backend`, so
+  jitted functions traced under another default are traced again.
+
+      with dsl.default_backend("mosaic_interpret"):
+        out = some_library_op(x)     # its pallas_calls name no backend
+  """
+  check_backend_name(name, "dsl.default_backend", None)
+  return config.default_backend_option(name)
 
 
 # The backend the kernel being traced is for (None: automatic).

@@ -33,6 +33,22 @@ def _string(name: str, default: str, help: str):
   return jax_config.string_state(name, default, help)
 
 
+def _optional_string(name: str, help: str):
+  """A string option that is None by default and part of jit's cache key
+  (a jitted function traced under another value is traced again)."""
+  holder = _existing(name)
+  if holder is not None or name in jax_config.config.values:
+    return holder
+  return jax_config.string_or_object_state(
+      name, None, help, include_in_jit_key=True,
+      include_in_trace_context=True, validator=_optional_string_value)
+
+
+def _optional_string_value(value) -> None:
+  if value is not None and not isinstance(value, str):
+    raise ValueError(f"expected a string or None, got {value!r}")
+
+
 enable_runtime_assert_option = bool_option(
     "jax_pallas_enable_runtime_assert", False,
     "If set, enables runtime assertions in the kernel via checkify.check. "
@@ -53,6 +69,10 @@ triton_tensor_descriptors_option = bool_option(
 dump_triton_to_option = _string(
     "jax_pallas_dump_triton_to", "",
     "If set, writes each generated Triton kernel's source to this directory.")
+default_backend_option = _optional_string(
+    "jax_pallas_default_backend",
+    "If set, the backend kernels run on when they name none (backend=None, "
+    "interpret=False); else the default of the platform.")
 dump_mlir_to_option = _string(
     "jax_pallas_dump_mlir_to", "",
     "If set, writes each kernel's Mosaic MLIR module (TPU or GPU) to this "
@@ -140,6 +160,12 @@ def triton_tensor_descriptors() -> bool:
 
 def dump_triton_to() -> str:
   return read_option("jax_pallas_dump_triton_to") or ""
+
+
+def default_backend() -> str | None:
+  """JAX option jax_pallas_default_backend: the backend of kernels that
+  name none (None: the platform's)."""
+  return read_option("jax_pallas_default_backend") or None
 
 
 def dump_mlir_to() -> str:

@@ -69,6 +69,9 @@ class GridMapping:
   # the axis names of a grid given as (("i", 4), ...): None per unnamed dim,
   # None when no dim is named (dsl.core.named_axes)
   grid_names: tuple | None = None
+  # the pytree of the scalar-prefetch operands (None: a flat tuple); a None
+  # among them (an optional operand) reaches the kernel as None
+  prefetch_tree: Any = None
 
   def __post_init__(self):
     self.check_invariants()
@@ -192,7 +195,8 @@ class GridMapping:
   def unflatten_kernel_refs(self, refs: Sequence[Any]) -> list[Any]:
     """The kernel's positional arguments, in the pytree shape of the specs."""
     _, prefetch, ins, outs, scratch = self.split(refs)
-    args = list(prefetch)
+    args = (list(tree_util.tree_unflatten(self.prefetch_tree, prefetch))
+            if self.prefetch_tree is not None else list(prefetch))
     args += list(tree_util.tree_unflatten(self.in_tree, ins))
     out = tree_util.tree_unflatten(self.out_tree, outs)
     args += list(out) if isinstance(out, (tuple, list)) else [out]
@@ -305,7 +309,8 @@ def _align_specs(spec, operands):
 def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                          scratch_shapes, num_scalar_prefetch: int,
                          prefetch_avals, in_avals, in_tree, out_avals,
-                         out_tree, where: str) -> GridMapping:
+                         out_tree, where: str,
+                         prefetch_tree=None) -> GridMapping:
   """Checks user specs against the operands and resolves them."""
   names = grid_names(kernel, grid, where)
   grid = normalize_grid(kernel, grid, where,
@@ -335,7 +340,8 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                         for i, s in enumerate(scratch_leaves))
   return GridMapping(grid, tuple(mappings), len(in_avals), len(out_avals),
                      num_scalar_prefetch, tuple(p_refs), scratch_avals,
-                     in_tree, out_tree, scratch_tree, grid_names=names)
+                     in_tree, out_tree, scratch_tree, grid_names=names,
+                     prefetch_tree=prefetch_tree)
 
 
 def grid_names(kernel: str, grid, where: str) -> tuple | None:

@@ -60,8 +60,9 @@ check_supported_jax()
 
 JAX_VERSION = _version_tuple(jax.__version__)
 
-# name -> (module, attribute): `attribute` None means the module itself.
-_TABLE: dict[str, tuple[str, str | None]] = {
+# name -> (module, attribute): `attribute` None means the module itself; a
+# tuple of modules names where releases keep it, newest first.
+_TABLE: dict[str, tuple[str | tuple[str, ...], str | None]] = {
     # tracing core
     "core": ("jax._src.core", None),
     "config": ("jax._src.config", None),
@@ -71,6 +72,9 @@ _TABLE: dict[str, tuple[str, str | None]] = {
     "source_info_util": ("jax._src.source_info_util", None),
     "traceback_util": ("jax._src.traceback_util", None),
     "dtypes": ("jax._src.dtypes", None),
+    # JAX's PRNG implementations (the registry `prngs`), for the tests that
+    # load Pallas's PRNG ops twice.
+    "prng": (("jax._src.random.prng", "jax._src.prng"), None),
     # transformations
     "ad": ("jax._src.interpreters.ad", None),
     "ad_util": ("jax._src.ad_util", None),
@@ -130,9 +134,21 @@ _TABLE: dict[str, tuple[str, str | None]] = {
 }
 
 
+def _import_first(names: str | tuple[str, ...]):
+  """The first of the modules `names` that imports."""
+  names = (names,) if isinstance(names, str) else names
+  for candidate in names[:-1]:
+    try:
+      return importlib.import_module(candidate)
+    except ImportError:
+      continue
+  return importlib.import_module(names[-1])
+
+
 def _resolve(name: str) -> Any:
   module_name, attribute = _TABLE[name]
-  module = importlib.import_module(module_name)
+  module = _import_first(module_name)
+  module_name = module.__name__
   if attribute is None:
     return module
   try:

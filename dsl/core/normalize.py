@@ -265,13 +265,38 @@ _RULES = contextvars.ContextVar("normalize_rules", default=DECOMPOSITIONS)
 
 
 @contextlib.contextmanager
-def _rules(values_in_memory: bool):
-  token = _RULES.set({**DECOMPOSITIONS, **VALUES_IN_MEMORY}
-                     if values_in_memory else DECOMPOSITIONS)
+def _rules_in_force(rules: dict):
+  token = _RULES.set(rules)
   try:
     yield
   finally:
     _RULES.reset(token)
+
+
+def _rules(values_in_memory: bool):
+  return _rules_in_force({**DECOMPOSITIONS, **VALUES_IN_MEMORY}
+                         if values_in_memory else DECOMPOSITIONS)
+
+
+def _holds(jaxpr: core.Jaxpr, primitives) -> bool:
+  return any(eqn.primitive in primitives
+             or any(_holds(j, primitives) for j in sub_jaxprs(eqn.params))
+             for eqn in jaxpr.eqns)
+
+
+def rewrite_closed(closed: ClosedJaxpr, rules: dict) -> ClosedJaxpr:
+  """`closed` with each equation of a primitive of `rules` (primitive ->
+  fn(*operands, **params)) replaced by its rule, in control flow and calls
+  too, and nothing else rewritten (calls are inlined); `closed` itself when
+  it holds none."""
+  if not _holds(closed.jaxpr, rules):
+    return closed
+  with _rules_in_force(rules):
+    fn = lu.wrap_init(lambda *args: _eval(closed.jaxpr, closed.consts, args),
+                      debug_info=closed.jaxpr.debug_info)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+        fn, [v.aval for v in closed.jaxpr.invars])
+  return close_jaxpr(jaxpr, consts)
 
 
 def normalize_closed(closed: ClosedJaxpr, *,

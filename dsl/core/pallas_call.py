@@ -263,7 +263,7 @@ def _option_key() -> tuple:
   buffers hold): a spec built under other values is another spec, so a
   backend lowers (and caches) it anew."""
   return (config.enable_runtime_assert(), config.enable_debug_checks(),
-          config.poison_buffers())
+          config.poison_buffers(), config.default_backend())
 
 
 def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
@@ -333,13 +333,15 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
     raise KernelError(name, f"expects {num_scalar_prefetch} scalar-prefetch "
                       f"operands first, got {len(args)} arguments", where)
   in_tree = tree_util.tree_structure(tuple(args[num_scalar_prefetch:]))
+  pf_tree = tree_util.tree_structure(tuple(args[:num_scalar_prefetch]))
   n_pf_leaves = len(tree_util.tree_leaves(tuple(args[:num_scalar_prefetch])))
   out_leaves, out_tree = tree_util.tree_flatten(
       out_shape, is_leaf=lambda x: (hasattr(x, "shape") and hasattr(x, "dtype"))
       or is_shape_tuple(x))
   out_avals = [_out_aval(name, o, i, where) for i, o in enumerate(out_leaves)]
   try:
-    key = (kernel, name, tuple(avals), in_tree, tuple(out_avals), out_tree,
+    key = (kernel, name, tuple(avals), pf_tree, in_tree, tuple(out_avals),
+           out_tree,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),
            _hashable(scratch_shapes), num_scalar_prefetch,
            _hashable(input_output_aliases), backend, debug,
@@ -353,7 +355,8 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         name, grid=grid, in_specs=in_specs, out_specs=out_specs,
         scratch_shapes=scratch_shapes, num_scalar_prefetch=n_pf_leaves,
         prefetch_avals=avals[:n_pf_leaves], in_avals=avals[n_pf_leaves:],
-        in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where)
+        in_tree=in_tree, out_avals=out_avals, out_tree=out_tree, where=where,
+        prefetch_tree=pf_tree)
     check_block_indices(name, gm, where)
     with backends.tracing_for(backend):
       jaxpr = trace_kernel(kernel, name, gm, where)

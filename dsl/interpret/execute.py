@@ -20,6 +20,7 @@ from dsl.core.blockspec import BlockMapping, Element
 from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.core.index_maps import block_offsets
 from dsl.core.poison import fresh_buffer, poison_full, poison_value
+from dsl.interpret.vectorize import vectorizable
 from dsl.transforms.discharge import discharged_kernel
 
 
@@ -270,7 +271,7 @@ def _point_fn(spec, plan: Plan):
   (*ids, *prefetch, *inputs, *outputs, *scratch) and returns the new output
   blocks, the new scratch and the offsets of the gathered output blocks."""
   gm = spec.grid_mapping
-  dj = discharged_kernel(spec.jaxpr, len(gm.grid))
+  dj = vectorizable(discharged_kernel(spec.jaxpr, len(gm.grid)))
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
 
   def point(*flat):

@@ -288,15 +288,22 @@ dma_wait_p = Primitive("dma_wait")
 dma_wait_p.multiple_results = True
 
 
+# The waits take an optional `origin` param: the name of their semaphore,
+# which the run-time-check pass (dsl.transforms.runtime_checks) gives them for
+# its messages. JAX's own checkify rules (while_loop's) re-trace a body with
+# it before the wait's check rule drops it, so the abstract evaluation and
+# discharge of a wait accept it and ignore it.
+
+
 @dma_wait_p.def_effectful_abstract_eval
 def _dma_wait_abstract_eval(*avals, layout, side, device_id_type,
-                            device_id_axes, mesh_axes):
+                            device_id_axes, mesh_axes, origin=None):
   return [], _effects_for(layout, reads=("sem",), writes=("sem",))
 
 
 @state_discharge.register_discharge_rule(dma_wait_p)
 def _dma_wait_discharge(ctx, *flat, layout, side, device_id_type,
-                        device_id_axes, mesh_axes):
+                        device_id_axes, mesh_axes, origin=None):
   a = unpack(flat, layout)
   ref = a["dst"] if side != "send" else a["src"]
   t = a["dst_t"] if side != "send" else a["src_t"]
@@ -345,13 +352,13 @@ semaphore_wait_p.multiple_results = True
 
 
 @semaphore_wait_p.def_effectful_abstract_eval
-def _wait_abstract_eval(*avals, layout, kind):
+def _wait_abstract_eval(*avals, layout, kind, origin=None):
   effs = _effects_for(layout, reads=("sem",), writes=("sem",))
   return [], effs | {debugging.debug_effect}
 
 
 @state_discharge.register_discharge_rule(semaphore_wait_p)
-def _wait_discharge(ctx, *flat, layout, kind):
+def _wait_discharge(ctx, *flat, layout, kind, origin=None):
   a = unpack(flat, layout)
   new = [None] * len(flat)
   if a["sem"] is None:

@@ -80,6 +80,35 @@ def test_each_package_registers_its_lowering_and_rule_table(name):
   assert table is not None and len(table.names()) > 50
 
 
+def test_default_backend_chooses_for_kernels_that_name_none():
+  with pl.default_backend("mosaic_interpret"):
+    assert backends.resolve(None, platform="tpu") == "mosaic_interpret"
+    assert backends.resolve(None, platform="cpu") == "mosaic_interpret"
+    assert backends.resolve("triton_interpret") == "triton_interpret"
+    assert backends.resolve(None, interpret=True) == "interpret"
+    with pl.default_backend(None):
+      assert backends.resolve(None, platform="cpu") == "interpret"
+  assert backends.resolve(None, platform="cpu") == "interpret"
+  with pytest.raises(pl.BackendError, match="unknown backend 'nope'"):
+    pl.default_backend("nope")
+
+
+def test_default_backend_is_part_of_the_jit_cache_key():
+  seen = []
+
+  def kernel(x_ref, o_ref):
+    seen.append(backends.traced_backend().name)
+    o_ref[...] = x_ref[...] * 2
+  x = jnp.ones((8, 128))
+  f = jax.jit(pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                             name="k_default_backend"))
+  assert float(f(x)[0, 0]) == 2.0
+  with pl.default_backend("mosaic_interpret"):
+    assert float(f(x)[0, 0]) == 2.0       # traced again, for this backend
+  assert float(f(x)[0, 0]) == 2.0
+  assert seen == ["interpret", "mosaic_interpret"]
+
+
 def test_unknown_backend_names_the_kernel():
   with pytest.raises(pl.BackendError, match="kernel 'k'.*unknown backend "
                      "'nope'"):

@@ -7,6 +7,7 @@ import pytest
 from jax.experimental import pallas as jpl
 
 import dsl as pl
+from dsl import tpu as pltpu
 from dsl.core.gridspec import KernelArgs
 from tests.pallas.testing import CPU_BACKENDS
 
@@ -192,3 +193,22 @@ def test_specs_that_match_neither_layout_name_the_counts():
                    out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                    grid=(2,), in_specs=[spec, spec, spec],
                    out_specs=spec)(x, x)
+
+
+def test_none_scalar_prefetch_operand_reaches_the_kernel_as_none():
+  """An optional scalar-prefetch operand left None (Pallas's splash attention
+  passes `mask_next=None`) is no operand: the kernel receives None in its
+  place, and index maps take the prefetch refs that exist."""
+  def kernel(a_ref, none_ref, b_ref, x_ref, o_ref):
+    assert none_ref is None
+    o_ref[...] = x_ref[...] + a_ref[0] + b_ref[1]
+
+  x = jnp.ones((16, 128), jnp.float32)
+  a, b = jnp.array([2], jnp.int32), jnp.array([0, 5], jnp.int32)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=3, grid=(2,),
+      in_specs=[pl.BlockSpec((8, 128), lambda i, a, b, none=None: (i, 0))],
+      out_specs=pl.BlockSpec((8, 128), lambda i, a, b, none=None: (i, 0)))
+  out = pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                       grid_spec=grid_spec, backend="interpret")(a, None, b, x)
+  np.testing.assert_array_equal(out, x + 7)

@@ -378,3 +378,25 @@ def test_failed_check_on_one_device_inside_shard_map(runtime_asserts):
   _, err = _failure(f, x, jit=True)
   assert err.short == "x must be positive" and "on device 2" in str(err)
   np.testing.assert_array_equal(jax.jit(f)(jnp.ones((32, 128))), 8.)
+
+
+def _waits_in_a_while_loop(n_ref, x_hbm, o_ref, buf, sem):
+  def body(i, acc):
+    c = pltpu.make_async_copy(x_hbm.at[pl.ds(i * 8, 8)], buf, sem)
+    c.start()
+    c.wait()
+    return acc + buf[...]
+  # Bounds read from data: a while loop, which JAX's own checkify rule
+  # re-traces (binding each wait with its params) before the waits' rules.
+  o_ref[...] = jax.lax.fori_loop(0, n_ref[0], body, jnp.zeros((8, 128)))
+
+
+def test_waits_inside_a_while_loop_are_checked():
+  x = jnp.arange(4 * 8 * 128, dtype=jnp.float32).reshape(32, 128)
+  n = jnp.array([3], jnp.int32)
+  f = pl.pallas_call(
+      _waits_in_a_while_loop, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), ANY],
+      scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32),
+                      pltpu.SemaphoreType.DMA], backend="interpret")
+  np.testing.assert_array_equal(f(n, x), x[:24].reshape(3, 8, 128).sum(0))

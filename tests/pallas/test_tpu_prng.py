@@ -276,3 +276,32 @@ def test_mosaic_rejects_a_draw_of_rank_one():
 def test_triton_rejects_random_numbers_clearly():
   with pytest.raises(dsl.BackendError, match="prng_seed.*not supported"):
     _bits(0, backend="triton_interpret")
+
+
+def test_threefry2x32_over_a_vectorized_grid_on_interpret():
+  """JAX's threefry2x32 primitive in a kernel whose grid the interpret
+  backend vectorizes: per-point counts (batched), a count block that is the
+  same at every point (`zeros_like`, not batched) and (1, 1) keys, as
+  Pallas's TPU threefry kernel passes them."""
+  def kernel(key_ref, o_ref):
+    i, j = dsl.program_id(0), dsl.program_id(1)
+    lo = (lax.broadcasted_iota(jnp.uint32, (8, 128), 1)
+          + (i * 2 + j).astype(jnp.uint32) * 1024)
+    hi = jnp.zeros_like(lo)
+    k1 = jnp.reshape(key_ref[0, 0], (1, 1))
+    k2 = jnp.reshape(key_ref[0, 1], (1, 1))
+    a, b = jex_random.threefry2x32_p.bind(k1, k2, hi, lo)
+    o_ref[...] = a ^ b
+
+  key = jnp.array([[3, 7]], jnp.uint32)
+  out = dsl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct((16, 256), jnp.uint32),
+      grid=(2, 2), in_specs=[dsl.BlockSpec(memory_space=pltpu.SMEM)],
+      out_specs=dsl.BlockSpec((8, 128), lambda i, j: (i, j)),
+      backend="interpret")(key)
+  lo = (jnp.arange(128, dtype=jnp.uint32)[None, None, :]
+        + jnp.arange(4, dtype=jnp.uint32)[:, None, None] * 1024)
+  lo = jnp.broadcast_to(lo, (4, 8, 128))
+  a, b = jex_random.threefry_2x32(key[0], jnp.stack([jnp.zeros_like(lo), lo]))
+  want = (a ^ b).reshape(2, 2, 8, 128).transpose(0, 2, 1, 3).reshape(16, 256)
+  np.testing.assert_array_equal(out, want)
