@@ -279,9 +279,11 @@ def _roll(ctx, x, shift, *, axis, stride, stride_axis):
 
 @register(tpu_vector.repeat_p)
 def _repeat(ctx, x, *, repeats, axis):
-  out = ctx.avals_out[0]
-  return tpu.RepeatOp(emit.vtype(out.shape, out.dtype), x, axis,
-                      repeats).result
+  # `repeats` copies side by side, as Pallas lowers `jnp.tile` (jaxlib 0.12
+  # has no `tpu.repeat`)
+  if repeats == 1:
+    return x
+  return tpu.ConcatenateOp([x] * repeats, axis).result
 
 
 @register(tpu_vector.bitcast_p)
