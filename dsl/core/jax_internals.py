@@ -18,6 +18,10 @@ Where releases differ, the difference lives here:
   `ClosedJaxpr` below is the type of a jaxpr *with* its consts on every
   release (for `isinstance` and annotations); `close_jaxpr` builds one and
   `JAXPR_CARRIES_CONSTS` says which form is installed.
+- jax 0.12's Pallas names the Mosaic module after its kernel
+  (`module @kernel attributes {...}`); 0.11's leaves it unnamed.
+  `MOSAIC_MODULE_NAMED` says which the installed release does, and the Mosaic
+  lowering follows it (the golden tests compare with the installed Pallas).
 """
 from __future__ import annotations
 
@@ -59,6 +63,9 @@ def check_supported_jax(jax_version: str = jax.__version__,
 check_supported_jax()
 
 JAX_VERSION = _version_tuple(jax.__version__)
+
+# Whether Pallas names a Mosaic module after its kernel (see above).
+MOSAIC_MODULE_NAMED = JAX_VERSION >= (0, 12)
 
 # name -> (module, attribute): `attribute` None means the module itself.
 _TABLE: dict[str, tuple[str, str | None]] = {

@@ -145,7 +145,14 @@ class LoweringHost:
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn) -> Iterator[None]:
-    """Wraps the rule call of `eqn` (locations, comments, equation stack)."""
+    """Wraps the lowering of `eqn`, its literal operands included
+    (locations, comments, equation stack)."""
+    yield
+
+  @contextlib.contextmanager
+  def applying_rule(self, eqn, invals: Sequence[Any]) -> Iterator[None]:
+    """Wraps the rule call of `eqn` alone, inside `lowering_eqn` (the
+    Mosaic lowering's locations of cached equations)."""
     yield
 
   def unsupported(self, eqn) -> BackendError:
@@ -184,20 +191,21 @@ def walk_jaxpr(host: LoweringHost, jaxpr: core.Jaxpr, consts: Sequence[Any],
     rule = host.rules.lookup(eqn.primitive)
     if rule is None:
       raise host.unsupported(eqn)
-    invals = [read_atom(host, env, v) for v in eqn.invars]
     ctx = host.rule_context(eqn, used, (jaxpr, i))
     with host.lowering_eqn(eqn):
-      try:
-        outs = (host.fold(ctx, eqn, invals) if host.rules.folds(eqn.primitive)
-                else None)
-        if outs is None:
-          outs = rule(ctx, *invals, **eqn.params)
-      except BackendError:
-        raise
-      except Exception as e:  # a bug or an unforeseen case in a rule
-        raise host.error(
-            f"{host.rules.owner} failed to lower primitive "
-            f"'{eqn.primitive.name}': {type(e).__name__}: {e}", eqn) from e
+      invals = [read_atom(host, env, v) for v in eqn.invars]
+      with host.applying_rule(eqn, invals):
+        try:
+          outs = (host.fold(ctx, eqn, invals)
+                  if host.rules.folds(eqn.primitive) else None)
+          if outs is None:
+            outs = rule(ctx, *invals, **eqn.params)
+        except BackendError:
+          raise
+        except Exception as e:  # a bug or an unforeseen case in a rule
+          raise host.error(
+              f"{host.rules.owner} failed to lower primitive "
+              f"'{eqn.primitive.name}': {type(e).__name__}: {e}", eqn) from e
     if not eqn.primitive.multiple_results and not isinstance(outs,
                                                              (list, tuple)):
       outs = [outs]

@@ -16,12 +16,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from dsl.core.jax_internals import arith, core, ir, tpu
+from dsl.core.jax_internals import arith, core, ir, mlir, tpu
 
 from dsl.core import config
 from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame
 from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
 from lowering_mosaic import dialect
+from lowering_mosaic.tpu.locations import (LocationCache, equation_location,
+                                           rule_location)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +90,19 @@ class LoweringContext:
   kernel_jaxpr: Any = None      # for jax_pallas_verbose_errors
   # The RuleTable the walker dispatches through (`lowering_mosaic.tpu.rules`).
   rules: Any = None
+  # JAX's cache of traceback -> MLIR location, one per module (as Pallas);
+  # made in the module's MLIR context on first use
+  tracebacks: Any = None
+  # the equations Pallas's lowering cache would inline (locations.py)
+  location_cache: LocationCache = dataclasses.field(
+      default_factory=LocationCache)
+
+  @property
+  def traceback_caches(self):
+    """What `mlir.source_info_to_location` asks of its context."""
+    if self.tracebacks is None:
+      self.tracebacks = mlir.TracebackCaches()
+    return self.tracebacks
 
   def error(self, message: str, primitive: str | None = None,
             line: str | None = None, eqn=None) -> BackendError:
@@ -204,16 +219,18 @@ def to_i32(v) -> ir.Value:
 # ------------------------------------------------------------ locations
 
 def _location(eqn, lctx: LoweringContext, outer_line) -> ir.Location:
-  # equations of inner jaxprs (a jitted jnp function) have no user frame:
-  # they take the line of the equation that holds them
-  line = source_info_frame(eqn.source_info) or outer_line
-  lctx.current_line = line
-  name = eqn.primitive.name
-  if line is None:
-    return ir.Location.name(name)
-  path, _, lineno = line.rpartition(":")
-  return ir.Location.name(name, childLoc=ir.Location.file(path, int(lineno),
-                                                          0))
+  """The location of an equation's operations, as Pallas's (locations.py)."""
+  # errors name the user's line; equations of inner jaxprs (a jitted jnp
+  # function) with no user frame take the line of the equation that holds
+  # them
+  lctx.current_line = source_info_frame(eqn.source_info) or outer_line
+  return equation_location(lctx, eqn)
+
+
+def _block_shape(value):
+  """What Pallas's lowering-cache key holds of an operand: a ref's block."""
+  return (value.memref_shape, value.hidden) if isinstance(value, RefVal) \
+      else None
 
 
 # ------------------------------------------------------------ the jaxpr walk
@@ -263,6 +280,15 @@ class _Walk(LoweringHost):
   def error(self, message, eqn=None):
     line = source_info_frame(eqn.source_info) if eqn is not None else None
     return self.lctx.error(message, line=line or self.outer_line, eqn=eqn)
+
+  @contextlib.contextmanager
+  def applying_rule(self, eqn, invals):
+    loc = rule_location(self.lctx, eqn, invals, _block_shape)
+    if loc is None:
+      yield
+      return
+    with loc:
+      yield
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 
-from dsl.core.jax_internals import arith, func, ir
+from dsl.core.jax_internals import MOSAIC_MODULE_NAMED, arith, func, ir
 
 from dsl.core.blockspec import Buffered, Element, RevisitMode, squeezed
 from dsl.core.grid_plan import declared_semantics
@@ -40,8 +40,6 @@ from lowering_mosaic.tpu.host import (LoweringContext, RefVal, i32_const,
                                       lower_jaxpr, to_i32)
 from lowering_mosaic.tpu.rules import TABLE
 from lowering_mosaic.tpu.constraints import check_tpu_rules, has_trivial_window
-
-MOSAIC_VERSION = 14
 
 # ------------------------------------------------------------ the module
 
@@ -102,14 +100,17 @@ def build_module(spec, mesh_axes=()) -> ir.Module:
   return build_module_and_context(spec, mesh_axes)[0]
 
 
-def build_module_and_context(spec, mesh_axes=()):
+def build_module_and_context(spec, mesh_axes=(), location_cache=None):
   """(module, LoweringContext): the context says whether the kernel uses
-  the barrier semaphore or remote operations."""
+  the barrier semaphore or remote operations. `location_cache` is shared by
+  the kernels of one StableHLO module (see locations.py)."""
   check_tpu_rules(spec)
   ctx = dialect.make_context()
   lctx = LoweringContext(spec.name, spec.where,
                          tuple(spec.grid_mapping.grid), tuple(mesh_axes),
                          rules=TABLE, kernel_jaxpr=spec.jaxpr)
+  if location_cache is not None:
+    lctx.location_cache = location_cache
   with ctx, ir.Location.unknown():
     module = _build(spec, lctx)
     try:
@@ -230,6 +231,7 @@ def _build(spec, lctx) -> ir.Module:
     window_params = [_window_param(lctx, spec, k, bm, prefetch_types)
                      for k, bm in enumerate(gm.block_mappings)] if n_grid else []
     block = main.add_entry_block()
+    _name_ref_arguments(spec, block.arguments[n_grid:])
     with ir.InsertionPoint(block):
       args = list(block.arguments)
       refs = _operand_refs(spec, args[n_grid:])
@@ -237,9 +239,21 @@ def _build(spec, lctx) -> ir.Module:
       lower_jaxpr(lctx, jaxpr.jaxpr, jaxpr.consts, args[:n_grid] + refs)
       func.ReturnOp([])
   _entry_attributes(main, spec, lctx, window_params)
-  module.operation.attributes["stable_mosaic.version"] = ir.IntegerAttr.get(
-      ir.IntegerType.get_signless(64), MOSAIC_VERSION)
+  # No `stable_mosaic.version`: serializing the module for a tpu_custom_call
+  # writes the version the installed jaxlib targets (as for Pallas's).
+  if MOSAIC_MODULE_NAMED:
+    module.operation.attributes["sym_name"] = ir.StringAttr.get(
+        entry_name(spec))
   return module
+
+
+def _name_ref_arguments(spec, ref_args):
+  """Each ref argument's location names the kernel parameter it is (`x_ref`,
+  `bufs[1]`), as Pallas names them."""
+  for arg, name in zip(ref_args, spec.ref_names):
+    if name is None:
+      break
+    arg.set_location(ir.Location.name(name, childLoc=arg.location))
 
 
 def _i64(v: int) -> ir.Attribute:

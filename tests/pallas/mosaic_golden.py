@@ -16,8 +16,21 @@ differences docs/mosaic.md lists as harmless:
   function (in first-use order): they are sorted and renamed after their
   value and type.
 
-`Lowered` keeps, per custom call, the decoded module text, the call's JSON
-config without the body, and the call's own attributes.
+Where the call carries `debug_locations` (jax 0.12 moves the operations'
+locations out of the module into a list in walk order), `decode` puts them
+back on their operations before normalizing, and the module is printed with
+each operation's source position: the innermost user frame of its location,
+with its columns (`loc("kernel.py":12:8 to :20)`), and the names of block
+arguments (`loc("x_ref")`). The two lowerings must give each operation the
+same position. (The list itself follows the raw operations, dead ones and
+duplicate constants included, which canonicalization removes; so it is
+compared through the module, not as bytes. The names Pallas wraps around a
+position, its primitives' names and the name stacks and call sites of its
+internal lowerings and its lowering cache, are its internals.)
+
+`Lowered` keeps, per custom call, the decoded module text (with locations
+where the call has them), the call's JSON config without the body and the
+debug locations, and the call's own attributes.
 """
 from __future__ import annotations
 
@@ -54,15 +67,113 @@ def _context() -> ir.Context:
   return ctx
 
 
-def decode(body_b64: str) -> str:
+def _walk_located(op):
+  """An operation, then its regions' block arguments and operations, in the
+  order `debug_locations` lists their locations."""
+  yield op
+  for region in op.regions:
+    for block in region.blocks:
+      yield from block.arguments
+      for inner in block.operations:
+        yield from _walk_located(inner.operation)
+
+
+def _split_list(text: str) -> list[str]:
+  """The items of a printed `[a, b, ...]` attribute list (commas inside
+  parentheses or quotes do not split)."""
+  items, depth, quoted, start = [], 0, False, 1
+  for k, ch in enumerate(text):
+    if quoted:
+      quoted = ch != '"' or text[k - 1] == "\\"
+    elif ch == '"':
+      quoted = True
+    elif ch in "([":
+      depth += 1
+    elif ch in ")]":
+      depth -= 1
+    if depth == 0 or (depth == 1 and ch == "," and not quoted):
+      items.append(text[start:k].strip())
+      start = k + 1
+  return [i for i in items if i]
+
+
+def _locations(locations_b64: str) -> list:
+  """The locations a `debug_locations` holds, in order. (The bindings cannot
+  turn its attributes into Locations, so each is parsed from its text.)"""
+  holder = ir.Module.parse(base64.b64decode(locations_b64))
+  text = str(holder.operation.attributes["tpu.locs"])
+  cache = {}
+  for item in _split_list(text):
+    if item not in cache:
+      cache[item] = ir.Module.parse(f"module {{}} {item}").operation.location
+    yield cache[item]
+
+
+def _restore_locations(module, locations_b64: str):
+  """Puts the locations of a call's `debug_locations` back on the module's
+  operations and block arguments."""
+  locs = list(_locations(locations_b64))
+  items = list(_walk_located(module.operation))
+  assert len(items) == len(locs), (len(items), len(locs))
+  for item, loc in zip(items, locs):
+    if isinstance(item, ir.Value):
+      item.set_location(loc)
+    else:
+      item.location = loc
+
+
+def decode(body_b64: str, locations_b64: str | None = None) -> str:
   """The module in a backend_config body, deserialized and canonicalized,
-  as normalized text."""
+  as normalized text (with the operations' locations when the call carries
+  them)."""
   ctx = _context()
   with ctx, ir.Location.unknown():
     module = ir.Module.parse(base64.b64decode(body_b64))
+    if locations_b64:
+      _restore_locations(module, locations_b64)
     passmanager.PassManager.parse(NORMALIZE).run(module.operation)
     assert module.operation.verify()
-    return normalize_text(module.operation.get_asm())
+    text = module.operation.get_asm(enable_debug_info=bool(locations_b64),
+                                    use_local_scope=True)
+    return normalize_text(_source_positions(text))
+
+
+_POSITION = re.compile(r'"[^"]+":\d+:\d+(?: to (?:\d+)?:\d+)?')
+_NAME_ONLY = re.compile(r'^"([^"]*)"$')
+
+
+def _loc_end(text: str, start: int) -> int:
+  """The index after the `)` closing the `loc(` at `start`."""
+  depth, quoted, k = 0, False, start
+  while True:
+    ch = text[k]
+    if quoted:
+      quoted = ch != '"' or text[k - 1] == "\\"
+    elif ch == '"':
+      quoted = True
+    elif ch == "(":
+      depth += 1
+    elif ch == ")":
+      depth -= 1
+      if depth == 0:
+        return k + 1
+    k += 1
+
+
+def _source_positions(text: str) -> str:
+  """Each printed location as its first source position (or its name, for
+  a bare name location such as an argument's)."""
+  out, k = [], 0
+  while (start := text.find("loc(", k)) >= 0:
+    end = _loc_end(text, start)
+    inner = text[start + 4:end - 1]
+    pos = _POSITION.search(inner)
+    out.append(text[k:start])
+    out.append(f"loc({pos.group(0)})" if pos else
+               f"loc({inner})" if _NAME_ONLY.match(inner) else "loc(unknown)")
+    k = end
+  out.append(text[k:])
+  return "".join(out)
 
 
 _FUNC = re.compile(r"^  func\.func ", re.M)
@@ -123,9 +234,10 @@ def _custom_calls(lowered) -> list:
   for op in found:
     config = json.loads(ir.StringAttr(op.attributes["backend_config"]).value)
     body = config["custom_call_config"].pop("body")
+    locations = config["custom_call_config"].pop("debug_locations", None)
     attrs = {a: str(op.attributes[a]) for a in CALL_ATTRS
              if a in op.attributes}
-    calls.append(Call(decode(body), config, attrs))
+    calls.append(Call(decode(body, locations), config, attrs))
   return calls
 
 
