@@ -25,6 +25,7 @@ from dsl.core.errors import (BackendError, KernelCheckError,
 from dsl.core.gridspec import GridMapping, GridSpec, PrefetchScalarGridSpec
 from dsl.kernel import kernel
 from dsl.tools.autotuning import autotune
+from dsl.tools.cost_estimate import estimate_cost
 from dsl.tools.profiling import profile
 from dsl.core.memory import ANY, MemoryRef, MemorySpace
 from dsl.core.pallas_call import (CostEstimate, KernelSpec, pallas_call,
@@ -43,7 +44,7 @@ from dsl import transforms as _transforms  # registers jvp/vmap/vjp rules
 
 __all__ = [
     "ANY", "BACKENDS", "BackendError", "BlockMapping", "BlockSpec", "Blocked",
-    "autotune", "profile",
+    "autotune", "profile", "estimate_cost",
     "Element", "GridMapping", "GridSpec", "KernelCheckError",
     "KernelDeadlockError", "KernelError", "KernelRuntimeError", "KernelSpec",
     "KernelTypeError", "KernelWarning", "kernel_error_of", "MemoryRef", "MemorySpace", "PrefetchScalarGridSpec",

@@ -162,20 +162,32 @@ def element_padding(bm: BlockMapping) -> dict[int, tuple[int, int]]:
           if isinstance(dim, Element)}
 
 
-def positional_arity(fn) -> int | None:
-  """Required positional parameters of `fn`; None if it takes *args."""
+def positional_arity(fn) -> tuple[int, int] | None:
+  """(required, most) positional parameters of `fn`: it can be called with
+  any count in between (parameters with defaults are optional); None if it
+  takes *args or has no signature."""
   try:
     sig = inspect.signature(fn)
   except (TypeError, ValueError):
     return None
-  n = 0
+  required = most = 0
   for p in sig.parameters.values():
     if p.kind == p.VAR_POSITIONAL:
       return None
-    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
-                                           p.POSITIONAL_OR_KEYWORD):
-      n += 1
-  return n
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+      most += 1
+      required += p.default is p.empty
+  return required, most
+
+
+def takes(arity: tuple[int, int] | None, n: int) -> bool:
+  """Whether a function of `arity` (positional_arity) takes `n` arguments."""
+  return arity is None or arity[0] <= n <= arity[1]
+
+
+def arity_text(arity: tuple[int, int]) -> str:
+  low, high = arity
+  return str(low) if low == high else f"{low} to {high}"
 
 
 def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
@@ -183,11 +195,12 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
   n_args = grid_rank + len(prefetch_avals)
   arity = positional_arity(fn)
   loc = function_location(fn)
-  if arity is not None and arity != n_args:
+  if not takes(arity, n_args):
     extra = (f" and {len(prefetch_avals)} scalar-prefetch refs"
              if prefetch_avals else "")
     raise KernelTypeError(
-        kernel, f"index_map takes {arity} arguments but the grid has rank "
+        kernel, f"index_map takes {arity_text(arity)} arguments but the grid "
+        f"has rank "
         f"{grid_rank}{extra}, so it is called with {n_args}",
         f"{where} (index_map defined at {loc})", operand=origin)
   in_avals = [core.ShapedArray((), jnp.int32)] * grid_rank + list(prefetch_avals)

@@ -253,7 +253,13 @@ def normalize_grid(kernel: str, grid, where: str,
   return tuple(out)
 
 
-def _flatten_specs(kernel, specs, n, what, where, tree_desc):
+def _flatten_specs(kernel, specs, n, what, where, tree_desc, tree=None):
+  """One BlockSpec (None: the whole array) per operand leaf.
+
+  `specs` is read as a flat list of per-leaf specs when it has one entry per
+  leaf (None included); otherwise it is matched against the operands' pytree
+  `tree` as Pallas matches it, where a `None` spec stands for an operand that
+  is itself `None` (no array) and for the whole array of one that is not."""
   if specs is None:
     return [None] * n
   if isinstance(specs, BlockSpec):
@@ -261,10 +267,39 @@ def _flatten_specs(kernel, specs, n, what, where, tree_desc):
   leaves = tree_util.tree_leaves(specs, is_leaf=_is_spec_leaf)
   if isinstance(specs, BlockSpec):
     leaves = [specs]
+  if len(leaves) != n and tree is not None:
+    aligned = _align_specs(specs, tree_util.tree_unflatten(tree,
+                                                           list(range(n))))
+    leaves = aligned if aligned is not None else leaves
   if len(leaves) != n:
     raise KernelError(kernel, f"{what} has {len(leaves)} BlockSpecs but there "
                       f"are {n} {tree_desc}", where, operand=what)
   return leaves
+
+
+def _align_specs(spec, operands):
+  """The per-leaf specs of `spec` laid over `operands` (a pytree of leaf
+  numbers), or None where the two do not match."""
+  if _is_spec_leaf(spec):
+    count = len(tree_util.tree_leaves(operands))
+    if spec is None:
+      return [None] * count
+    return [spec] if count == 1 else None
+  if (isinstance(spec, (list, tuple)) and isinstance(operands, (list, tuple))
+      and len(spec) == len(operands)):
+    pairs = zip(spec, operands)
+  elif (isinstance(spec, dict) and isinstance(operands, dict)
+        and spec.keys() == operands.keys()):
+    pairs = ((spec[k], operands[k]) for k in sorted(operands))
+  else:
+    return None
+  out = []
+  for sub_spec, sub_operands in pairs:
+    sub = _align_specs(sub_spec, sub_operands)
+    if sub is None:
+      return None
+    out += sub
+  return out
 
 
 def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
@@ -277,9 +312,9 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                         _zero_size_text(list(prefetch_avals) + list(in_avals),
                                         out_avals))
   in_leaves = _flatten_specs(kernel, in_specs, len(in_avals), "in_specs",
-                             where, "inputs")
+                             where, "inputs", in_tree)
   out_leaves = _flatten_specs(kernel, out_specs, len(out_avals), "out_specs",
-                              where, "outputs in out_shape")
+                              where, "outputs in out_shape", out_tree)
   p_refs = []
   for aval in prefetch_avals:
     p_refs.append(state_types.AbstractRef(

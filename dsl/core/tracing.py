@@ -22,7 +22,8 @@ from dsl.core.jax_internals import (api_util, close_jaxpr, ClosedJaxpr, core,
                                     partial_eval as pe)
 
 from dsl.core import fixits, refs as refs_mod
-from dsl.core.blockspec import BlockMapping
+from dsl.core.blockspec import (BlockMapping, arity_text, positional_arity,
+                                takes)
 from dsl.core.errors import (KernelError, KernelTypeError, function_location,
                              frame_of_traceback, raise_from_user_frames,
                              source_excerpt, tracing_kernel, user_frame,
@@ -96,8 +97,6 @@ def grid_axis_names() -> frozenset:
   return env.names if env is not None else frozenset()
 
 
-from dsl.core.blockspec import positional_arity as _positional_arity
-
 
 def _param_names(fn, n):
   try:
@@ -138,11 +137,12 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
                  ) -> ClosedJaxpr:
   """Traces `kernel_fn` over the block refs of `gm`; checks its arity."""
   n_refs = gm.num_refs
-  arity = _positional_arity(kernel_fn)
+  arity = positional_arity(kernel_fn)
   n_args = len(gm.unflatten_kernel_refs([object()] * n_refs))
-  if arity is not None and arity != n_args:
+  if not takes(arity, n_args):
     raise KernelTypeError(
-        name, f"the kernel takes {arity} refs but pallas_call passes {n_args}: "
+        name, f"the kernel takes {arity_text(arity)} refs but pallas_call "
+        f"passes {n_args}: "
         f"{gm.num_scalar_prefetch} scalar prefetch + {gm.num_inputs} inputs + "
         f"{gm.num_outputs} outputs + {len(gm.scratch_avals)} scratch",
         f"{where} (kernel defined at {function_location(kernel_fn)})")

@@ -356,14 +356,22 @@ def _aligned(buffers):
   return tree, where, starts
 
 
+def _tma_barriers(n: int):
+  """`n` mbarriers that TMA copies complete: one arrival (the thread that
+  arms them with `arrive_expect_tx`), the bytes doing the rest. (The
+  library's `Barrier` with one arrival; jaxlib 0.12 dropped the separate
+  `TMABarrier` it used to spell this with.)"""
+  return mgpu_core.Barrier(arrival_count=1, num_barriers=n)
+
+
 def _barriers(plan: GpuPlan):
   sched = plan.schedule
   if sched.warp_specialized:     # full, empty (one arrival per consumer)
-    return [mgpu_core.TMABarrier(sched.depth),
+    return [_tma_barriers(sched.depth),
             mgpu_core.Barrier(arrival_count=sched.consumers,
                               num_barriers=sched.depth),
-            mgpu_core.TMABarrier(1)]
-  return [mgpu_core.TMABarrier(3)]   # two pipeline slots, fixed blocks
+            _tma_barriers(1)]
+  return [_tma_barriers(3)]   # two pipeline slots, fixed blocks
 
 
 def _shapes(plan: GpuPlan):

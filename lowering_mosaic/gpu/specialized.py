@@ -16,8 +16,7 @@ so the emitted module follows the protocol that protocol_model.py checks.
 """
 from __future__ import annotations
 
-from dsl.core.jax_internals import (arith, ir, mosaic_gpu_dialect as mgpu,
-                                    nvvm, scf)
+from dsl.core.jax_internals import arith, ir, nvvm, scf
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from lowering_mosaic.gpu.host import decode, i32, index_cast_i32
@@ -81,7 +80,10 @@ def _copy_items(st: _Step, which: str):
 
 
 def _wait(st, op):
-  mgpu.wait(st.barrier(op.barrier).as_barrier_memref(), st.parity(op.parity))
+  # The barrier ref's own wait on a given parity (`mbarrier.try_wait.parity`
+  # in the module): jaxlib 0.12's dialect has no `mosaic_gpu.wait` op, and
+  # this is what jaxlib 0.11 lowered that op to, so both emit the same.
+  st.barrier(op.barrier).wait_parity(st.parity(op.parity))
 
 
 def _arrive(st, op):

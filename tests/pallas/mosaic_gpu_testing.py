@@ -49,6 +49,17 @@ def mlir_ops(text: str) -> list[str]:
   return re.findall(r'"?((?:mosaic_gpu|nvvm|scf|vector|memref)\.[\w.]+)', text)
 
 
+# A TMA copy GMEM -> SMEM in a lowered module: jaxlib 0.11 lowers it to the
+# NVVM op (`nvvm.cp.async.bulk.tensor.shared.cluster.global`), jaxlib 0.12 to
+# inline PTX (`cp.async.bulk.tensor.2d.shared::cta.global.mbarrier::...`).
+TMA_LOAD = re.compile(r"cp\.async\.bulk\.tensor(?:\.\dd)?\.shared"
+                      r"(?:\.cluster|::cta)\.global")
+
+
+def count_tma_loads(lowered: str) -> int:
+  return len(TMA_LOAD.findall(lowered))
+
+
 def count_op(text: str, op: str) -> int:
   return len(re.findall(re.escape(op) + r"\b", text))
 

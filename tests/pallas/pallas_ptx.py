@@ -69,10 +69,12 @@ def compile_with_pallas(fn, *args, arch: int = 90) -> list[PallasKernel]:
       path = os.path.join(tmp, "kernel.ttir")
       with open(path, "w") as f:
         f.write(text)
+      # FP fusion stated as ours compiles it (on by default), not left to
+      # Triton's default, which Triton 3.10 turns off.
       compiled = triton.compile(
           path, target=GPUTarget("cuda", arch, 32),
           options=dict(num_warps=num_warps, num_stages=num_stages,
-                       sanitize_overflow=False))
+                       sanitize_overflow=False, enable_fp_fusion=True))
     out.append(PallasKernel(
         ir.StringAttr(config["name"]).value, num_warps, num_stages, text,
         compiled.asm["ptx"], compiled.asm["cubin"],

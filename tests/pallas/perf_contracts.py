@@ -6,8 +6,9 @@ PTX (`lowering_triton.ptx_stats`) is held to:
 
 - the recorded baseline of each hot loop's instruction mix (selects,
   stores, predicated global loads, instructions per iteration must not
-  grow; wgmma and async copies must not drop), in
-  tests/pallas/data/perf_baselines.json;
+  grow; wgmma and async copies must not drop), one file per Triton
+  release (major.minor), tests/pallas/data/perf_baselines/triton-X.Y.json:
+  each release compiles the same source to its own PTX;
 - no register spills (no local memory);
 - wgmma for 16-bit dots on tiles of at least 64 x 64;
 - no predicated global loads in hot loops where every block is whole and
@@ -23,7 +24,8 @@ faster loop) with
 
     .venv/bin/python -m tests.pallas.perf_contracts --record [CASE ...]
 
-and commit the JSON diff, which shows what moved.
+with the Triton the change is for, and commit the JSON diff, which shows
+what moved.
 """
 from __future__ import annotations
 
@@ -55,8 +57,8 @@ TARGET = "sm_90"
 # The GPU whose shipped defaults (dsl/tools/data/gpu_configs.json) the kernels are
 # compiled at: the configs a user of that GPU runs.
 DEVICE = ("NVIDIA H200", "9.0")
-BASELINES = os.path.join(os.path.dirname(__file__), "data",
-                         "perf_baselines.json")
+BASELINES_DIR = os.path.join(os.path.dirname(__file__), "data",
+                             "perf_baselines")
 RECORD = "python -m tests.pallas.perf_contracts --record"
 S = jax.ShapeDtypeStruct
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -395,7 +397,18 @@ def baseline_problems(r: KernelReport, base: dict) -> list[str]:
   return out
 
 
-def load_baselines(path: str = BASELINES) -> dict:
+def triton_release(version: str = triton.__version__) -> str:
+  """"3.9.0" -> "3.9": the Triton release a baseline file belongs to."""
+  return ".".join(version.split(".")[:2])
+
+
+def baselines_path(version: str = triton.__version__) -> str:
+  """The baseline file of the Triton release `version` belongs to."""
+  return os.path.join(BASELINES_DIR, f"triton-{triton_release(version)}.json")
+
+
+def load_baselines(path: str | None = None) -> dict:
+  path = baselines_path() if path is None else path
   try:
     with open(path) as f:
       return json.load(f)
@@ -410,7 +423,7 @@ def problems(name: str, reports=None, baselines=None) -> list[str]:
   recorded = baselines["cases"].get(name)
   out = []
   if recorded is None:
-    out.append(f"{name}: no baseline recorded")
+    out.append(f"{name}: no baseline recorded for triton {triton_release()}")
   elif len(recorded) != len(reports):
     out.append(f"{name}: {len(reports)} kernels where the baseline has "
                f"{len(recorded)} ({[r.name for r in reports]} vs "
@@ -427,8 +440,10 @@ def problems(name: str, reports=None, baselines=None) -> list[str]:
   return out
 
 
-def record(names, path: str = BASELINES) -> dict:
-  """Compiles the cases `names` and writes their baselines into `path`."""
+def record(names, path: str | None = None) -> dict:
+  """Compiles the cases `names` and writes their baselines into `path` (the
+  running Triton release's file)."""
+  path = baselines_path() if path is None else path
   data = load_baselines(path)
   data.update(format=1, target=TARGET,
               versions={"jax": jax.__version__, "triton": triton.__version__})
@@ -462,7 +477,8 @@ def main(argv=None) -> int:
     return 0
   if a.record:
     record(names)
-    print(f"recorded {len(names)} case(s) in {os.path.relpath(BASELINES)}")
+    print(f"recorded {len(names)} case(s) in "
+          f"{os.path.relpath(baselines_path())}")
     return 0
   failed = 0
   for n in names:

@@ -3,6 +3,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import dsl as pl
@@ -88,6 +89,31 @@ def test_kernel_arity():
                 r"prefetch \+ 2 inputs \+ 1 outputs \+ 0 scratch",
                 lambda: _call(copy_kernel, args=(X, X)))
   assert "kernel defined at" in msg and THIS_FILE in msg
+
+
+def _optional_outputs_kernel(x_ref, o_ref, mean_ref=None, rstd_ref=None):
+  o_ref[...] = x_ref[...] * 2
+  if mean_ref is not None:
+    mean_ref[...] = jnp.sum(x_ref[...], axis=1)
+    rstd_ref[...] = jnp.max(x_ref[...], axis=1)
+
+
+def test_kernel_parameters_with_defaults_take_fewer_or_more_refs():
+  x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+  o = pl.pallas_call(_optional_outputs_kernel,
+                     out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+  np.testing.assert_array_equal(o, x * 2)
+  row = jax.ShapeDtypeStruct((8,), x.dtype)
+  o, mean, rstd = pl.pallas_call(
+      _optional_outputs_kernel,
+      out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), row, row])(x)
+  np.testing.assert_array_equal(mean, jnp.sum(x, axis=1))
+  np.testing.assert_array_equal(rstd, jnp.max(x, axis=1))
+  _raises(r"the kernel takes 2 to 4 refs but pallas_call passes 5",
+          lambda: pl.pallas_call(_optional_outputs_kernel,
+                                 out_shape=[jax.ShapeDtypeStruct(x.shape,
+                                                                 x.dtype)] * 4
+                                 )(x))
 
 
 def test_store_wrong_shape_names_operand_and_line():

@@ -2,7 +2,9 @@
 and dimension_semantics checked against the grid at trace time."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental import pallas as jpl
 
 import dsl as pl
 from dsl.core.gridspec import KernelArgs
@@ -124,3 +126,69 @@ def test_grid_mapping_checks_its_invariants():
     dataclasses.replace(gm, grid=(2,))
   with pytest.raises(ValueError, match="hidden axes"):
     dataclasses.replace(gm, num_hidden_axes=3)
+
+
+# --- optional operands: `None` with a `None` spec, as Pallas's kernels pass them
+
+def _optional_kernel(x_ref, seg_ref, bias_ref, o_ref):
+  v = x_ref[...]
+  if seg_ref is not None:
+    v = v + seg_ref[...]
+  if bias_ref is not None:
+    v = v * bias_ref[...]
+  o_ref[...] = v
+
+
+def _optional_call(mod, x, seg, bias, block, **kw):
+  spec = mod.BlockSpec((block, x.shape[1]), lambda i: (i, 0))
+  return mod.pallas_call(
+      _optional_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      grid=(x.shape[0] // block,),
+      in_specs=[spec, spec if seg is not None else None,
+                spec if bias is not None else None],
+      out_specs=spec, **kw)(x, seg, bias)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("present", ["none", "seg", "bias", "both"])
+@pytest.mark.parametrize("shape,block,dtype", [((16, 128), 8, jnp.float32),
+                                               ((32, 256), 16, jnp.bfloat16)])
+def test_none_operands_with_none_specs_match_pallas(backend, present, shape,
+                                                    block, dtype):
+  x = (jnp.arange(shape[0] * shape[1]) % 7).reshape(shape).astype(dtype)
+  seg = x + 1 if present in ("seg", "both") else None
+  bias = x - 2 if present in ("bias", "both") else None
+  got = _optional_call(pl, x, seg, bias, block, backend=backend)
+  want = _optional_call(jpl, x, seg, bias, block, interpret=True)
+  ref = x if seg is None else x + seg
+  ref = ref if bias is None else ref * bias
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(want, np.float32))
+  np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                np.asarray(ref, np.float32))
+
+
+def test_none_spec_of_an_array_operand_is_the_whole_array_beside_none_operands():
+  x = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
+  w = jnp.arange(128, dtype=jnp.float32)
+
+  def kernel(x_ref, w_ref, none_ref, o_ref):
+    assert none_ref is None
+    o_ref[...] = x_ref[...] * w_ref[...]
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape,
+                                                              x.dtype),
+                       grid=(2,), in_specs=[spec, None, None],
+                       out_specs=spec)(x, w, None)
+  np.testing.assert_array_equal(got, x * w)
+
+
+def test_specs_that_match_neither_layout_name_the_counts():
+  x = jnp.ones((16, 128))
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  with pytest.raises(pl.KernelError, match=r"in_specs has 3 BlockSpecs but "
+                     r"there are 2 inputs"):
+    pl.pallas_call(lambda a, b, o: None,
+                   out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   grid=(2,), in_specs=[spec, spec, spec],
+                   out_specs=spec)(x, x)

@@ -21,6 +21,10 @@ from benchmarks.mosaic_gpu_kernels import (SCHEDULES, add, flash_attention,
 from tests.pallas.mosaic_gpu_testing import (
     BF, count_op, deep_ring, gpu_module, mlir_region, warpgroup_roles)
 
+# A role's wait on an mbarrier phase, in the module before layout inference:
+# the barrier ref's `wait_parity` (jaxlib 0.12's dialect has no wait op).
+WAIT = "nvvm.mbarrier.try_wait.parity"
+
 
 # ------------------------------------------------------------ the split
 
@@ -39,9 +43,9 @@ def test_matmul_k_loop_is_a_producer_and_two_consumers():
   assert count_op(producer, "mosaic_gpu.vector_load") == 0
   # The protocol: the producer waits for an empty slot and arms its full
   # barrier; consumers wait for it full and release it.
-  assert count_op(producer, "mosaic_gpu.wait") == 1
+  assert count_op(producer, WAIT) == 1
   assert count_op(producer, "mosaic_gpu.arrive_expect_tx") == 1
-  assert count_op(consumer, "mosaic_gpu.wait") == 1
+  assert count_op(consumer, WAIT) == 1
   assert count_op(consumer, "mosaic_gpu.arrive") == 1
   assert count_op(consumer, "mosaic_gpu.async_store") == 1   # after the loop
   # Register reallocation between them.
@@ -94,7 +98,7 @@ def test_flash_attention_consumers_share_the_kv_ring():
   assert count_op(consumer, "vector.multi_reduction") == 2
   # q blocks on the fixed barrier before the loop; K, V per step.
   assert count_op(producer, "mosaic_gpu.async_load") == 4
-  assert count_op(consumer, "mosaic_gpu.wait") == 2       # fixed, full
+  assert count_op(consumer, WAIT) == 2       # fixed, full
 
 
 # ------------------------------------------------------------ the depth
@@ -190,7 +194,7 @@ def test_module_follows_the_schedule_roles():
   m = gpu_module(flash_attention, BF(512, 128), BF(1024, 128), BF(1024, 128))
   sched = m.plan.schedule
   consumer, producer = warpgroup_roles(m.dialect_text)
-  emitted = {"wait": "mosaic_gpu.wait", "arrive": "mosaic_gpu.arrive",
+  emitted = {"wait": WAIT, "arrive": "mosaic_gpu.arrive",
              "expect_tx": "mosaic_gpu.arrive_expect_tx"}
   for role, text in ((sched.producer, producer), (sched.consumer, consumer)):
     for kind, op in emitted.items():

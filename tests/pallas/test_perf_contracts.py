@@ -22,8 +22,35 @@ with warnings.catch_warnings():
   from tests.pallas.pallas_ptx import compile_with_pallas
 
 # Known failures of a contract, each a finding for the kernel's owner (the
-# test fails loudly, strict, as soon as the kernel is fixed).
-KNOWN: dict[str, str] = {}
+# test fails loudly, strict, as soon as the kernel is fixed), per Triton
+# release: where a release compiles the same source worse than the one
+# before it, its baseline keeps the older figures and the case is listed
+# here (docs/performance.md, "Triton 3.6 and 3.9").
+_OCCUPANCY_39 = ("triton 3.9 compiles the same source to more registers: one "
+                 "program fewer per SM than triton 3.6")
+_SASS_39 = ("triton 3.9 compiles the same source to a longer hot loop than "
+            "triton 3.6 (more SASS instructions, not only the PTX)")
+KNOWN_BY_RELEASE: dict[str, dict[str, str]] = {
+    "3.9": {
+        "grad.softmax.auto.f32": _OCCUPANCY_39 + "; its reductions take "
+        "more shuffles and SASS instructions",
+        "grad.layer_norm.auto.f32": _SASS_39 + ": its reductions take more "
+        "shuffles",
+        "gpu_triton.softmax.bf16": _OCCUPANCY_39,
+        "gpu_triton.softmax.f32": _OCCUPANCY_39,
+        "suite.layer_norm.f32": _OCCUPANCY_39,
+        "kernels.softmax.fwd.f32": _OCCUPANCY_39,
+        "kernels.flash_attention_d64.bwd.bf16": _OCCUPANCY_39 + " (dkdv)",
+        "kernels.flash_attention_causal.fwd.bf16": _SASS_39 + " (the "
+        "diagonal loop)",
+        "kernels.flash_attention_causal.fwd.f32": _SASS_39 + " (the diagonal "
+        "loop, with more selects)",
+        "kernels.flash_attention.bwd.f32": _SASS_39 + " (dq)",
+        "kernels.flash_attention_causal.bwd.f32": _SASS_39 + " (dq)",
+    },
+}
+KNOWN: dict[str, str] = KNOWN_BY_RELEASE.get(perf_contracts.triton_release(),
+                                             {})
 
 
 def _marks(name):
