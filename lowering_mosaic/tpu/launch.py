@@ -15,7 +15,6 @@ from dsl import tpu
 from dsl.core.errors import BackendError, KernelError
 from dsl.core.inspection import mesh_axes_of
 from dsl.core.semaphores import barrier_tag
-from lowering_mosaic.tpu import locations
 from lowering_mosaic.tpu.inspection import dump_module
 from lowering_mosaic.tpu.lowering import (build_module_and_context, entry_name,
                                           strip_annotations)
@@ -70,8 +69,7 @@ def mosaic_lowering(ctx, *args, spec):
         "backend='mosaic_interpret' to run the Mosaic module on the host",
         spec.where)
   mesh_axes = mesh_axes_from_context(ctx, spec)
-  module, lctx = build_module_and_context(
-      spec, mesh_axes, location_cache=locations.for_module(ctx.module_context))
+  module, lctx = build_module_and_context(spec, mesh_axes)
   dump_module(spec, module)
   promela.maybe_dump(module, spec.name, num_devices=num_devices(mesh_axes))
   params = _tpu_params(spec)

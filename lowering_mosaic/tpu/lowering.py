@@ -28,6 +28,7 @@ its MLIR location, which the interpreter and the race checker report.
 """
 from __future__ import annotations
 
+import io
 import re
 
 from dsl.core.jax_internals import MOSAIC_MODULE_NAMED, arith, func, ir
@@ -100,17 +101,14 @@ def build_module(spec, mesh_axes=()) -> ir.Module:
   return build_module_and_context(spec, mesh_axes)[0]
 
 
-def build_module_and_context(spec, mesh_axes=(), location_cache=None):
+def build_module_and_context(spec, mesh_axes=()):
   """(module, LoweringContext): the context says whether the kernel uses
-  the barrier semaphore or remote operations. `location_cache` is shared by
-  the kernels of one StableHLO module (see locations.py)."""
+  the barrier semaphore or remote operations."""
   check_tpu_rules(spec)
   ctx = dialect.make_context()
   lctx = LoweringContext(spec.name, spec.where,
                          tuple(spec.grid_mapping.grid), tuple(mesh_axes),
                          rules=TABLE, kernel_jaxpr=spec.jaxpr)
-  if location_cache is not None:
-    lctx.location_cache = location_cache
   with ctx, ir.Location.unknown():
     module = _build(spec, lctx)
     try:
@@ -300,9 +298,14 @@ def module_text(module: ir.Module, debug_info: bool = False) -> str:
 
 def strip_annotations(module: ir.Module) -> ir.Module:
   """A copy of `module` without our discardable `dsl.*` attributes (what
-  goes to a TPU: only attributes Mosaic knows)."""
+  goes to a TPU: only attributes Mosaic knows). The copy goes through
+  bytecode, which keeps every location (text drops those of the block
+  arguments a custom form prints bare, such as a loop's induction
+  variable)."""
   with module.context, ir.Location.unknown():
-    clone = ir.Module.parse(module.operation.get_asm(enable_debug_info=True))
+    buffer = io.BytesIO()
+    module.operation.write_bytecode(buffer)
+    clone = ir.Module.parse(buffer.getvalue())
     for op in clone.body.operations:
       op = op.operation
       if op.name != "func.func":

@@ -9,28 +9,21 @@ upstream `canonicalize` and `cse`; `normalize_text` then removes only the
 differences docs/mosaic.md lists as harmless:
 
 - SSA value names (the printer numbers values in order, so equal structure
-  prints equal names) and locations (printed without debug info);
+  prints equal names) and locations (printed without debug info; jax 0.12's
+  `debug_locations` config field is left out of the config compared);
 - the order of the functions after the entry function (sorted by name);
 - symbol visibility (`private` on the index-map functions);
 - the order of the constants that `canonicalize` hoists to the top of a
   function (in first-use order): they are sorted and renamed after their
   value and type.
 
-Where the call carries `debug_locations` (jax 0.12 moves the operations'
-locations out of the module into a list in walk order), `decode` puts them
-back on their operations before normalizing, and the module is printed with
-each operation's source position: the innermost user frame of its location,
-with its columns (`loc("kernel.py":12:8 to :20)`), and the names of block
-arguments (`loc("x_ref")`). The two lowerings must give each operation the
-same position. (The list itself follows the raw operations, dead ones and
-duplicate constants included, which canonicalization removes; so it is
-compared through the module, not as bytes. The names Pallas wraps around a
-position, its primitives' names and the name stacks and call sites of its
-internal lowerings and its lowering cache, are its internals.)
+Locations are not part of the module comparison: ours are not Pallas's
+(docs/mosaic.md, "Locations"), and mosaic_locations.py checks them on their
+own (`Call.located`, `compare(..., sources=...)`).
 
-`Lowered` keeps, per custom call, the decoded module text (with locations
-where the call has them), the call's JSON config without the body and the
-debug locations, and the call's own attributes.
+`Call` keeps, per custom call, the decoded module text, the call's JSON
+config without the body and the debug locations, its own attributes, and
+what mosaic_locations.py checks of its locations.
 """
 from __future__ import annotations
 
@@ -45,6 +38,8 @@ import jax
 from dsl.core.jax_internals import ir, passmanager, tpu as tpu_lib
 from jax.interpreters import mlir as jax_mlir
 
+from tests.pallas import mosaic_locations as locations
+
 NORMALIZE = "builtin.module(mosaic-serde{serialize=false},canonicalize,cse)"
 
 # Custom call attributes compared as text (the operands' layouts follow from
@@ -56,7 +51,8 @@ CALL_ATTRS = ("kernel_name", "has_side_effect", "output_operand_aliases",
 @dataclasses.dataclass
 class Call:
   module: str                 # normalized module text
-  config: dict                # backend_config without the body
+  located: locations.Located  # its locations (mosaic_locations.py)
+  config: dict                # backend_config without body, debug_locations
   attrs: dict                 # CALL_ATTRS present on the custom call
 
 
@@ -67,113 +63,26 @@ def _context() -> ir.Context:
   return ctx
 
 
-def _walk_located(op):
-  """An operation, then its regions' block arguments and operations, in the
-  order `debug_locations` lists their locations."""
-  yield op
-  for region in op.regions:
-    for block in region.blocks:
-      yield from block.arguments
-      for inner in block.operations:
-        yield from _walk_located(inner.operation)
-
-
-def _split_list(text: str) -> list[str]:
-  """The items of a printed `[a, b, ...]` attribute list (commas inside
-  parentheses or quotes do not split)."""
-  items, depth, quoted, start = [], 0, False, 1
-  for k, ch in enumerate(text):
-    if quoted:
-      quoted = ch != '"' or text[k - 1] == "\\"
-    elif ch == '"':
-      quoted = True
-    elif ch in "([":
-      depth += 1
-    elif ch in ")]":
-      depth -= 1
-    if depth == 0 or (depth == 1 and ch == "," and not quoted):
-      items.append(text[start:k].strip())
-      start = k + 1
-  return [i for i in items if i]
-
-
-def _locations(locations_b64: str) -> list:
-  """The locations a `debug_locations` holds, in order. (The bindings cannot
-  turn its attributes into Locations, so each is parsed from its text.)"""
-  holder = ir.Module.parse(base64.b64decode(locations_b64))
-  text = str(holder.operation.attributes["tpu.locs"])
-  cache = {}
-  for item in _split_list(text):
-    if item not in cache:
-      cache[item] = ir.Module.parse(f"module {{}} {item}").operation.location
-    yield cache[item]
-
-
-def _restore_locations(module, locations_b64: str):
-  """Puts the locations of a call's `debug_locations` back on the module's
-  operations and block arguments."""
-  locs = list(_locations(locations_b64))
-  items = list(_walk_located(module.operation))
-  assert len(items) == len(locs), (len(items), len(locs))
-  for item, loc in zip(items, locs):
-    if isinstance(item, ir.Value):
-      item.set_location(loc)
-    else:
-      item.location = loc
-
-
-def decode(body_b64: str, locations_b64: str | None = None) -> str:
-  """The module in a backend_config body, deserialized and canonicalized,
-  as normalized text (with the operations' locations when the call carries
-  them)."""
+def decode_call(body_b64: str, locations_b64: str | None = None):
+  """(normalized module text, its locations) of a backend_config body: the
+  module deserialized and canonicalized, printed without locations; the
+  locations as mosaic_locations.py reads them (with the call's
+  `debug_locations` put back on the operations where it has them)."""
   ctx = _context()
   with ctx, ir.Location.unknown():
     module = ir.Module.parse(base64.b64decode(body_b64))
-    if locations_b64:
-      _restore_locations(module, locations_b64)
+    locations.restore(module, locations_b64)
+    frames = locations.frames_of(module)      # of every raw operation
     passmanager.PassManager.parse(NORMALIZE).run(module.operation)
     assert module.operation.verify()
-    text = module.operation.get_asm(enable_debug_info=bool(locations_b64),
-                                    use_local_scope=True)
-    return normalize_text(_source_positions(text))
+    text = normalize_text(module.operation.get_asm())
+    return text, locations.located(frames, module)
 
 
-_POSITION = re.compile(r'"[^"]+":\d+:\d+(?: to (?:\d+)?:\d+)?')
-_NAME_ONLY = re.compile(r'^"([^"]*)"$')
-
-
-def _loc_end(text: str, start: int) -> int:
-  """The index after the `)` closing the `loc(` at `start`."""
-  depth, quoted, k = 0, False, start
-  while True:
-    ch = text[k]
-    if quoted:
-      quoted = ch != '"' or text[k - 1] == "\\"
-    elif ch == '"':
-      quoted = True
-    elif ch == "(":
-      depth += 1
-    elif ch == ")":
-      depth -= 1
-      if depth == 0:
-        return k + 1
-    k += 1
-
-
-def _source_positions(text: str) -> str:
-  """Each printed location as its first source position (or its name, for
-  a bare name location such as an argument's)."""
-  out, k = [], 0
-  while (start := text.find("loc(", k)) >= 0:
-    end = _loc_end(text, start)
-    inner = text[start + 4:end - 1]
-    pos = _POSITION.search(inner)
-    out.append(text[k:start])
-    out.append(f"loc({pos.group(0)})" if pos else
-               f"loc({inner})" if _NAME_ONLY.match(inner) else "loc(unknown)")
-    k = end
-  out.append(text[k:])
-  return "".join(out)
+def decode(body_b64: str) -> str:
+  """The module in a backend_config body, deserialized and canonicalized,
+  as normalized text."""
+  return decode_call(body_b64)[0]
 
 
 _FUNC = re.compile(r"^  func\.func ", re.M)
@@ -234,10 +143,11 @@ def _custom_calls(lowered) -> list:
   for op in found:
     config = json.loads(ir.StringAttr(op.attributes["backend_config"]).value)
     body = config["custom_call_config"].pop("body")
-    locations = config["custom_call_config"].pop("debug_locations", None)
+    debug_locations = config["custom_call_config"].pop("debug_locations",
+                                                       None)
     attrs = {a: str(op.attributes[a]) for a in CALL_ATTRS
              if a in op.attributes}
-    calls.append(Call(decode(body, locations), config, attrs))
+    calls.append(Call(*decode_call(body, debug_locations), config, attrs))
   return calls
 
 
@@ -282,8 +192,10 @@ def diff(ours: str, theirs: str) -> str:
       n=2))
 
 
-def compare(ours: list[Call], theirs: list[Call]) -> list[str]:
-  """Every difference between the two lowerings, as readable text."""
+def compare(ours: list[Call], theirs: list[Call], sources=()) -> list[str]:
+  """Every difference between the two lowerings, as readable text, and
+  every problem with our locations (mosaic_locations.py): `sources` are the
+  files of the kernel's source, where each user frame we name must be."""
   problems = []
   if len(ours) != len(theirs):
     return [f"{len(ours)} custom calls, Pallas has {len(theirs)}"]
@@ -294,4 +206,7 @@ def compare(ours: list[Call], theirs: list[Call]) -> list[str]:
       problems.append(f"call {k}: backend_config {a.config} != {b.config}")
     if a.attrs != b.attrs:
       problems.append(f"call {k}: attributes {a.attrs} != {b.attrs}")
+    problems += [f"call {k}: {p}" for p in
+                 locations.check_frames(a.located, sources)
+                 + locations.check_against(a.located, b.located)]
   return problems
