@@ -19,8 +19,7 @@ from jax import lax
 from dsl.core.jax_internals import arith, core, ir, mlir, tpu
 
 from dsl.core import config
-from dsl.core.errors import (BackendError, marked_jaxpr, source_info_frame,
-                             traceback_frame)
+from dsl.core.errors import BackendError, marked_jaxpr, traceback_frame
 from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, LoweringHost,
                                  equation_traceback, walk_jaxpr)
 from lowering_mosaic import dialect
