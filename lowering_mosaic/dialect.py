@@ -141,11 +141,12 @@ def semaphore_kind_of(t) -> str | None:
   return None
 
 
-_LOC = re.compile(r'loc\((?:"[^"]*"\()?"(?P<file>[^"]+)":(?P<line>\d+):\d+')
+_LOC = re.compile(r'"(?P<file>[^"]+)":(?P<line>\d+):\d+')
 
 
 def location_line(loc) -> str | None:
-  """'file:line' of an MLIR location (file or name(file) locations)."""
+  """'file:line' of an MLIR location: its first file location (in a
+  callsite chain, the innermost frame)."""
   m = _LOC.search(str(loc))
   if not m:
     return None

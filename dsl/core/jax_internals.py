@@ -18,6 +18,22 @@ Where releases differ, the difference lives here:
   `ClosedJaxpr` below is the type of a jaxpr *with* its consts on every
   release (for `isinstance` and annotations); `close_jaxpr` builds one and
   `JAXPR_CARRIES_CONSTS` says which form is installed.
+- jax 0.12's Pallas names the Mosaic module after its kernel
+  (`module @kernel attributes {...}`); 0.11's leaves it unnamed.
+  `MOSAIC_MODULE_NAMED` says which the installed release does, and the Mosaic
+  lowering follows it (the golden tests compare with the installed Pallas).
+- jax 0.12's Pallas waits for a DMA with `tpu.wait_dma`, which names the
+  whole copy (source, target, both semaphores, the peer device) and the end
+  awaited (`wait_target`); 0.11's with `tpu.wait_dma2`, which names the
+  semaphore awaited (a send's wait with the ends swapped). Both jaxlibs have
+  both operations, so it is the release, not a capability, that decides:
+  `DMA_WAIT_NAMES_COPY`.
+- jax 0.12's Pallas computes a device's mesh coordinate from `tpu.device_id`
+  with unsigned division and remainder (`divui`/`remui`; a device id is never
+  negative), 0.11's with signed ones: `DEVICE_COORDINATES_UNSIGNED`.
+- jax 0.12's Pallas lowers `lax.bitcast_convert_type` between dtypes of one
+  MLIR type (uint32 and int32 are both `i32`) to nothing, 0.11's to a
+  `tpu.bitcast` of the type to itself: `BITCAST_TO_SAME_TYPE_ELIDED`.
 """
 from __future__ import annotations
 
@@ -59,6 +75,12 @@ def check_supported_jax(jax_version: str = jax.__version__,
 check_supported_jax()
 
 JAX_VERSION = _version_tuple(jax.__version__)
+
+# The Mosaic forms that follow the installed release's Pallas (see above).
+MOSAIC_MODULE_NAMED = JAX_VERSION >= (0, 12)
+DMA_WAIT_NAMES_COPY = JAX_VERSION >= (0, 12)
+DEVICE_COORDINATES_UNSIGNED = JAX_VERSION >= (0, 12)
+BITCAST_TO_SAME_TYPE_ELIDED = JAX_VERSION >= (0, 12)
 
 # name -> (module, attribute): `attribute` None means the module itself; a
 # tuple of modules names where releases keep it, newest first.

@@ -19,12 +19,13 @@ same `RuleTable` with string keys.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Callable, Iterator, Sequence
 
 from dsl.core.jax_internals import (ad_checkpoint, ClosedJaxpr, core,
                                     custom_derivatives, pjit, source_info_util)
 
-from dsl.core.errors import BackendError
+from dsl.core.errors import BackendError, traceback_frame
 
 # Call-like primitives whose body a lowering inlines: what `jax.jit`,
 # `jax.checkpoint`, `custom_jvp`/`custom_vjp` and JAX's own transformations
@@ -145,7 +146,8 @@ class LoweringHost:
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn) -> Iterator[None]:
-    """Wraps the rule call of `eqn` (locations, comments, equation stack)."""
+    """Wraps the lowering of `eqn`, its literal operands included
+    (locations, comments, equation stack)."""
     yield
 
   def unsupported(self, eqn) -> BackendError:
@@ -184,12 +186,12 @@ def walk_jaxpr(host: LoweringHost, jaxpr: core.Jaxpr, consts: Sequence[Any],
     rule = host.rules.lookup(eqn.primitive)
     if rule is None:
       raise host.unsupported(eqn)
-    invals = [read_atom(host, env, v) for v in eqn.invars]
     ctx = host.rule_context(eqn, used, (jaxpr, i))
     with host.lowering_eqn(eqn):
+      invals = [read_atom(host, env, v) for v in eqn.invars]
       try:
-        outs = (host.fold(ctx, eqn, invals) if host.rules.folds(eqn.primitive)
-                else None)
+        outs = (host.fold(ctx, eqn, invals)
+                if host.rules.folds(eqn.primitive) else None)
         if outs is None:
           outs = rule(ctx, *invals, **eqn.params)
       except BackendError:
@@ -212,28 +214,53 @@ def walk_jaxpr(host: LoweringHost, jaxpr: core.Jaxpr, consts: Sequence[Any],
   return [read_atom(host, env, v) for v in jaxpr.outvars]
 
 
+# While `retrace` evaluates an equation: the traceback it runs under, and
+# whether it is (inside) a call's body.
+_RETRACING = contextvars.ContextVar("retracing", default=(None, False))
+
+
+def equation_traceback(eqn, holder_traceback, in_call: bool):
+  """The traceback an equation's rewrite or lowering is located by: its
+  own; for an equation of an inner jaxpr, that of the equation holding it
+  (`holder_traceback`) where its own names no user frame (a jnp function's
+  equations) or where it is (inside) a call's body (`in_call`): a call's
+  jaxpr is JAX's cached trace of the function, whose tracebacks belong to
+  the call site that traced it first, maybe another kernel's."""
+  own = eqn.source_info.traceback
+  if holder_traceback is not None and (in_call or traceback_frame(own) is None):
+    return holder_traceback
+  return own
+
+
 def retrace(jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[Any],
             eval_eqn: Callable[[Any, list], Any]) -> list:
   """Evaluates `jaxpr` on `args` in the current trace, equation by equation:
   `eval_eqn(eqn, invals)` gives each equation's outputs (a value, or a list
   for a primitive with several results). Each runs under the equation's
   source line and name stack, so a jaxpr rewritten this way keeps the
-  user's lines. The jaxpr rewrites (normalization, random state threading)
-  share this loop."""
+  user's lines (`equation_traceback`: an inlined call's equations keep the
+  call's). The jaxpr rewrites (normalization, random state threading) share
+  this loop."""
   env: dict = dict(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))
 
   def read(v):
     return v.val if isinstance(v, core.Literal) else env[v]
 
+  holder_traceback, in_call = _RETRACING.get()
   for eqn in jaxpr.eqns:
     invals = [read(v) for v in eqn.invars]
     name_stack = (source_info_util.current_name_stack()
                   + eqn.source_info.name_stack)
-    with (source_info_util.user_context(eqn.source_info.traceback,
-                                        name_stack=name_stack),
-          eqn.ctx.manager):
-      outs = eval_eqn(eqn, invals)
+    traceback = equation_traceback(eqn, holder_traceback, in_call)
+    token = _RETRACING.set(
+        (traceback, in_call or eqn.primitive in CALL_PRIMITIVES))
+    try:
+      with (source_info_util.user_context(traceback, name_stack=name_stack),
+            eqn.ctx.manager):
+        outs = eval_eqn(eqn, invals)
+    finally:
+      _RETRACING.reset(token)
     if not eqn.primitive.multiple_results:
       outs = [outs]
     for v, o in zip(eqn.outvars, outs):

@@ -109,19 +109,27 @@ def _param_names(fn, n):
 def kernel_ref_names(kernel_fn, gm: GridMapping) -> tuple[str | None, ...]:
   """The user's name of each flat kernel ref (prefetch, inputs, outputs,
   scratch): its parameter's name, with the pytree path inside it (`sem`,
-  `bufs[1]`); None where the kernel takes `*args`."""
+  `bufs[1]`, `refs[0]` for `*refs`), as JAX names a function's arguments;
+  None where unknown."""
   names: list[str | None] = [None] * gm.num_refs
   try:
     params = list(inspect.signature(kernel_fn).parameters.values())
     args = gm.unflatten_kernel_refs(list(range(gm.num_refs)))
   except (TypeError, ValueError):
     return tuple(names)
-  for p, arg in zip(params, args):
+  named = []
+  for k, p in enumerate(params):
+    if p.kind == p.VAR_POSITIONAL:
+      named += [(f"{p.name}[{j}]", a) for j, a in enumerate(args[k:])]
+      break
     if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
       break
+    if k < len(args):
+      named.append((p.name, args[k]))
+  for name, arg in named:
     for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
       if isinstance(leaf, int) and 0 <= leaf < len(names):
-        names[leaf] = p.name + jax.tree_util.keystr(path)
+        names[leaf] = name + jax.tree_util.keystr(path)
   return tuple(names)
 
 

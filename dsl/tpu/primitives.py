@@ -463,9 +463,15 @@ class AsyncCopyDescriptor:
     return self
 
   def _wait(self, sem, sem_t, side):
+    """Waits on `sem` (one of the copy's semaphores); `peer_sem` is the
+    copy's other one (None for a local copy), which a lowering may name."""
     device_id = self.device_id if side != "local" else ()
+    peer, peer_t = ((self.dst_sem, self.dst_sem_t) if side == "send" else
+                    (self.src_sem, self.src_sem_t) if side == "recv" else
+                    (None, ()))
     flat, layout = pack(sem=sem, sem_t=sem_t, src=self.src, src_t=self.src_t,
-                         dst=self.dst, dst_t=self.dst_t, device_id=device_id)
+                         dst=self.dst, dst_t=self.dst_t, device_id=device_id,
+                         peer_sem=peer, peer_sem_t=peer_t)
     dma_wait_p.bind(*flat, layout=layout, side=side, **self._common())
 
   def wait(self):

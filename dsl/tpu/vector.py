@@ -2,7 +2,7 @@
 
 Each runs as its jnp meaning on the `"interpret"` backend (and batches under
 vmap); `lowering_mosaic` gives it its TPU meaning (`tpu.dynamic_rotate`,
-`tpu.repeat`, `tpu.bitcast`).
+`tpu.concatenate` of copies, `tpu.bitcast`).
 """
 from __future__ import annotations
 

@@ -87,8 +87,10 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
                      grid=(size,) + tuple(gm.grid), in_specs=in_specs,
                      out_specs=out_specs, scratch=list(gm.scratch_avals),
                      aliases=dict(spec.input_output_aliases), suffix="")
+  # the same refs in the same order: they keep the user's names
   new = new.replace(grid_mapping=dataclasses.replace(
-      new.grid_mapping, num_hidden_axes=gm.num_hidden_axes + 1))
+      new.grid_mapping, num_hidden_axes=gm.num_hidden_axes + 1),
+      ref_names=spec.ref_names)
   outs = pallas_call_p.bind(*args, spec=new)
   outs = [o.reshape((size,) + tuple(bm.array_aval.shape))
           for o, bm in zip(outs, gm.out_mappings)]

@@ -16,11 +16,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from dsl.core.jax_internals import arith, core, ir, tpu
+from dsl.core.jax_internals import arith, core, ir, mlir, tpu
 
 from dsl.core import config
-from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame
-from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
+from dsl.core.errors import BackendError, marked_jaxpr, traceback_frame
+from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, LoweringHost,
+                                 equation_traceback, walk_jaxpr)
 from lowering_mosaic import dialect
 
 
@@ -85,9 +86,23 @@ class LoweringContext:
   uses_remote: bool = False
   named_axes: set = dataclasses.field(default_factory=set)  # axis_index'd
   current_line: str | None = None
+  # the equation being lowered and the traceback it is located by
+  current_eqn: Any = None
+  current_traceback: Any = None
+  in_call: bool = False         # lowering (inside) a call's body
   kernel_jaxpr: Any = None      # for jax_pallas_verbose_errors
   # The RuleTable the walker dispatches through (`lowering_mosaic.tpu.rules`).
   rules: Any = None
+  # JAX's cache of traceback -> MLIR location, one per module; made in the
+  # module's MLIR context on first use
+  tracebacks: Any = None
+
+  @property
+  def traceback_caches(self):
+    """What `mlir.source_info_to_location` asks of its context."""
+    if self.tracebacks is None:
+      self.tracebacks = mlir.TracebackCaches()
+    return self.tracebacks
 
   def error(self, message: str, primitive: str | None = None,
             line: str | None = None, eqn=None) -> BackendError:
@@ -203,17 +218,19 @@ def to_i32(v) -> ir.Value:
 
 # ------------------------------------------------------------ locations
 
-def _location(eqn, lctx: LoweringContext, outer_line) -> ir.Location:
-  # equations of inner jaxprs (a jitted jnp function) have no user frame:
-  # they take the line of the equation that holds them
-  line = source_info_frame(eqn.source_info) or outer_line
-  lctx.current_line = line
-  name = eqn.primitive.name
-  if line is None:
-    return ir.Location.name(name)
-  path, _, lineno = line.rpartition(":")
-  return ir.Location.name(name, childLoc=ir.Location.file(path, int(lineno),
-                                                          0))
+def _location(eqn, lctx: LoweringContext, walk) -> ir.Location:
+  """The location of an equation's operations: JAX's location of the
+  equation (as StableHLO gives it), `"prim:"("scope/prim"(frames))` with the
+  user's frames of its traceback (`equation_traceback`: an equation of an
+  inner jaxpr may take the traceback of the one holding it), innermost
+  first. Every equation gets its own, repeated ones included
+  (docs/mosaic.md, "Locations")."""
+  traceback = walk.traceback(eqn)
+  lctx.current_eqn, lctx.current_traceback = eqn, traceback
+  # errors name the user's line too
+  lctx.current_line = traceback_frame(traceback) or walk.outer_line
+  return mlir.source_info_to_location(lctx, eqn.primitive,
+                                      eqn.source_info.name_stack, traceback)
 
 
 # ------------------------------------------------------------ the jaxpr walk
@@ -224,8 +241,20 @@ class _Walk(LoweringHost):
   def __init__(self, lctx: LoweringContext):
     self.lctx = lctx
     self.rules = lctx.rules
+    # the equation holding this jaxpr (None for a kernel or index map), its
+    # line and traceback, and whether this is (inside) a call's body
+    self.outer_eqn = lctx.current_eqn
     self.outer_line = lctx.current_line
+    self.outer_traceback = lctx.current_traceback
+    self.outer_in_call = lctx.in_call
+    self.in_call = lctx.in_call = lctx.in_call or (
+        self.outer_eqn is not None
+        and self.outer_eqn.primitive in CALL_PRIMITIVES)
     self.scopes: list[str] = []     # the named scopes now open
+
+  def traceback(self, eqn):
+    """The traceback `eqn` is located by."""
+    return equation_traceback(eqn, self.outer_traceback, self.in_call)
 
   def enter_scopes(self, eqn):
     """`tpu.trace_start` / `trace_stop` where the equations' named scopes
@@ -261,12 +290,12 @@ class _Walk(LoweringHost):
                        [v in used for v in eqn.outvars])
 
   def error(self, message, eqn=None):
-    line = source_info_frame(eqn.source_info) if eqn is not None else None
+    line = traceback_frame(self.traceback(eqn)) if eqn else None
     return self.lctx.error(message, line=line or self.outer_line, eqn=eqn)
 
   @contextlib.contextmanager
   def lowering_eqn(self, eqn):
-    with _location(eqn, self.lctx, self.outer_line):
+    with _location(eqn, self.lctx, self):
       if eqn.primitive not in ZERO_SIZE_PRIMITIVES and any(
           has_zero_size(v.aval) for v in (*eqn.invars, *eqn.outvars)):
         raise self.lctx.error("zero-size arrays are not supported by the "
@@ -278,11 +307,12 @@ class _Walk(LoweringHost):
 
 def lower_jaxpr(lctx: LoweringContext, jaxpr: core.Jaxpr, consts, args):
   """Lowers `jaxpr` at the current insertion point; returns its outputs."""
-  outer_line = lctx.current_line
   walk = _Walk(lctx)
   try:
     outs = walk_jaxpr(walk, jaxpr, consts, args)
     walk.close_scopes()
     return outs
   finally:
-    lctx.current_line = outer_line
+    lctx.current_eqn, lctx.in_call = walk.outer_eqn, walk.outer_in_call
+    lctx.current_line = walk.outer_line
+    lctx.current_traceback = walk.outer_traceback

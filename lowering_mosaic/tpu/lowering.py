@@ -28,9 +28,10 @@ its MLIR location, which the interpreter and the race checker report.
 """
 from __future__ import annotations
 
+import io
 import re
 
-from dsl.core.jax_internals import arith, func, ir
+from dsl.core.jax_internals import MOSAIC_MODULE_NAMED, arith, func, ir
 
 from dsl.core.blockspec import Buffered, Element, RevisitMode, squeezed
 from dsl.core.grid_plan import declared_semantics
@@ -40,8 +41,6 @@ from lowering_mosaic.tpu.host import (LoweringContext, RefVal, i32_const,
                                       lower_jaxpr, to_i32)
 from lowering_mosaic.tpu.rules import TABLE
 from lowering_mosaic.tpu.constraints import check_tpu_rules, has_trivial_window
-
-MOSAIC_VERSION = 14
 
 # ------------------------------------------------------------ the module
 
@@ -230,6 +229,7 @@ def _build(spec, lctx) -> ir.Module:
     window_params = [_window_param(lctx, spec, k, bm, prefetch_types)
                      for k, bm in enumerate(gm.block_mappings)] if n_grid else []
     block = main.add_entry_block()
+    _name_ref_arguments(spec, block.arguments[n_grid:])
     with ir.InsertionPoint(block):
       args = list(block.arguments)
       refs = _operand_refs(spec, args[n_grid:])
@@ -237,9 +237,21 @@ def _build(spec, lctx) -> ir.Module:
       lower_jaxpr(lctx, jaxpr.jaxpr, jaxpr.consts, args[:n_grid] + refs)
       func.ReturnOp([])
   _entry_attributes(main, spec, lctx, window_params)
-  module.operation.attributes["stable_mosaic.version"] = ir.IntegerAttr.get(
-      ir.IntegerType.get_signless(64), MOSAIC_VERSION)
+  # No `stable_mosaic.version`: serializing the module for a tpu_custom_call
+  # writes the version the installed jaxlib targets (as for Pallas's).
+  if MOSAIC_MODULE_NAMED:
+    module.operation.attributes["sym_name"] = ir.StringAttr.get(
+        entry_name(spec))
   return module
+
+
+def _name_ref_arguments(spec, ref_args):
+  """Each ref argument's location names the kernel parameter it is (`x_ref`,
+  `bufs[1]`), as Pallas names them."""
+  for arg, name in zip(ref_args, spec.ref_names):
+    if name is None:
+      break
+    arg.set_location(ir.Location.name(name, childLoc=arg.location))
 
 
 def _i64(v: int) -> ir.Attribute:
@@ -286,9 +298,14 @@ def module_text(module: ir.Module, debug_info: bool = False) -> str:
 
 def strip_annotations(module: ir.Module) -> ir.Module:
   """A copy of `module` without our discardable `dsl.*` attributes (what
-  goes to a TPU: only attributes Mosaic knows)."""
+  goes to a TPU: only attributes Mosaic knows). The copy goes through
+  bytecode, which keeps every location (text drops those of the block
+  arguments a custom form prints bare, such as a loop's induction
+  variable)."""
   with module.context, ir.Location.unknown():
-    clone = ir.Module.parse(module.operation.get_asm(enable_debug_info=True))
+    buffer = io.BytesIO()
+    module.operation.write_bytecode(buffer)
+    clone = ir.Module.parse(buffer.getvalue())
     for op in clone.body.operations:
       op = op.operation
       if op.name != "func.func":

@@ -9,15 +9,21 @@ upstream `canonicalize` and `cse`; `normalize_text` then removes only the
 differences docs/mosaic.md lists as harmless:
 
 - SSA value names (the printer numbers values in order, so equal structure
-  prints equal names) and locations (printed without debug info);
+  prints equal names) and locations (printed without debug info; jax 0.12's
+  `debug_locations` config field is left out of the config compared);
 - the order of the functions after the entry function (sorted by name);
 - symbol visibility (`private` on the index-map functions);
 - the order of the constants that `canonicalize` hoists to the top of a
   function (in first-use order): they are sorted and renamed after their
   value and type.
 
-`Lowered` keeps, per custom call, the decoded module text, the call's JSON
-config without the body, and the call's own attributes.
+Locations are not part of the module comparison: ours are not Pallas's
+(docs/mosaic.md, "Locations"), and mosaic_locations.py checks them on their
+own (`Call.located`, `compare(..., sources=...)`).
+
+`Call` keeps, per custom call, the decoded module text, the call's JSON
+config without the body and the debug locations, its own attributes, and
+what mosaic_locations.py checks of its locations.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ import jax
 from dsl.core.jax_internals import ir, passmanager, tpu as tpu_lib
 from jax.interpreters import mlir as jax_mlir
 
+from tests.pallas import mosaic_locations as locations
+
 NORMALIZE = "builtin.module(mosaic-serde{serialize=false},canonicalize,cse)"
 
 # Custom call attributes compared as text (the operands' layouts follow from
@@ -43,7 +51,8 @@ CALL_ATTRS = ("kernel_name", "has_side_effect", "output_operand_aliases",
 @dataclasses.dataclass
 class Call:
   module: str                 # normalized module text
-  config: dict                # backend_config without the body
+  located: locations.Located  # its locations (mosaic_locations.py)
+  config: dict                # backend_config without body, debug_locations
   attrs: dict                 # CALL_ATTRS present on the custom call
 
 
@@ -54,15 +63,26 @@ def _context() -> ir.Context:
   return ctx
 
 
-def decode(body_b64: str) -> str:
-  """The module in a backend_config body, deserialized and canonicalized,
-  as normalized text."""
+def decode_call(body_b64: str, locations_b64: str | None = None):
+  """(normalized module text, its locations) of a backend_config body: the
+  module deserialized and canonicalized, printed without locations; the
+  locations as mosaic_locations.py reads them (with the call's
+  `debug_locations` put back on the operations where it has them)."""
   ctx = _context()
   with ctx, ir.Location.unknown():
     module = ir.Module.parse(base64.b64decode(body_b64))
+    locations.restore(module, locations_b64)
+    frames = locations.frames_of(module)      # of every raw operation
     passmanager.PassManager.parse(NORMALIZE).run(module.operation)
     assert module.operation.verify()
-    return normalize_text(module.operation.get_asm())
+    text = normalize_text(module.operation.get_asm())
+    return text, locations.located(frames, module)
+
+
+def decode(body_b64: str) -> str:
+  """The module in a backend_config body, deserialized and canonicalized,
+  as normalized text."""
+  return decode_call(body_b64)[0]
 
 
 _FUNC = re.compile(r"^  func\.func ", re.M)
@@ -123,9 +143,11 @@ def _custom_calls(lowered) -> list:
   for op in found:
     config = json.loads(ir.StringAttr(op.attributes["backend_config"]).value)
     body = config["custom_call_config"].pop("body")
+    debug_locations = config["custom_call_config"].pop("debug_locations",
+                                                       None)
     attrs = {a: str(op.attributes[a]) for a in CALL_ATTRS
              if a in op.attributes}
-    calls.append(Call(decode(body), config, attrs))
+    calls.append(Call(*decode_call(body, debug_locations), config, attrs))
   return calls
 
 
@@ -170,8 +192,10 @@ def diff(ours: str, theirs: str) -> str:
       n=2))
 
 
-def compare(ours: list[Call], theirs: list[Call]) -> list[str]:
-  """Every difference between the two lowerings, as readable text."""
+def compare(ours: list[Call], theirs: list[Call], sources=()) -> list[str]:
+  """Every difference between the two lowerings, as readable text, and
+  every problem with our locations (mosaic_locations.py): `sources` are the
+  files of the kernel's source, where each user frame we name must be."""
   problems = []
   if len(ours) != len(theirs):
     return [f"{len(ours)} custom calls, Pallas has {len(theirs)}"]
@@ -182,4 +206,7 @@ def compare(ours: list[Call], theirs: list[Call]) -> list[str]:
       problems.append(f"call {k}: backend_config {a.config} != {b.config}")
     if a.attrs != b.attrs:
       problems.append(f"call {k}: attributes {a.attrs} != {b.attrs}")
+    problems += [f"call {k}: {p}" for p in
+                 locations.check_frames(a.located, sources)
+                 + locations.check_against(a.located, b.located)]
   return problems

@@ -4,8 +4,11 @@ Every kernel of mosaic_corpus.py is lowered for a TPU (on the CPU) by
 `jax.experimental.pallas` and by `dsl`; the Mosaic modules in the two
 `tpu_custom_call`s are decoded, canonicalized and compared op for op (see
 mosaic_golden.py for what is normalized), and so are the calls' configs and
-attributes.
+attributes; our locations are checked on their own (mosaic_locations.py).
 """
+import inspect
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +20,21 @@ import dsl
 from dsl.core import backends
 from dsl import tpu as dtpu
 from dsl.core.poison import poison_value
+import kernels
 from tests.pallas import mosaic_golden as golden
+from tests.pallas import mosaic_locations, testing
 from tests.pallas.mosaic_corpus import CASES
+
+# Where the corpus's kernels and index maps come from besides the case's own
+# file: the kernel library and the shared blocked matmul.
+LIBRARY_SOURCES = frozenset(
+    [str(p) for p in pathlib.Path(kernels.__file__).parent.glob("*.py")]
+    + [inspect.getsourcefile(testing)])
+
+
+def sources(name) -> set:
+  """The files whose lines a case's locations may name."""
+  return {inspect.getsourcefile(CASES[name])} | LIBRARY_SOURCES
 
 
 def lower_both(name):
@@ -108,7 +124,7 @@ REJECTED_BY_BOTH = {
 def test_matches_pallas(name):
   ours, theirs = lower_both(name)
   assert theirs, "Pallas emitted no tpu_custom_call"
-  problems = golden.compare(ours, theirs)
+  problems = golden.compare(ours, theirs, sources(name))
   if name not in DOCUMENTED:
     assert not problems, "\n".join(problems)
     return
@@ -118,6 +134,7 @@ def test_matches_pallas(name):
       allowed, set())
   for a, b in zip(ours, theirs):
     assert a.config == b.config and a.attrs == b.attrs
+    assert not mosaic_locations.check_frames(a.located, sources(name))
     extra, missing = golden.op_difference(a.module, b.module)
     detail = "\n" + golden.diff(a.module, b.module)
     assert set(missing) <= pallas_only, f"ops only Pallas has: {missing}" + detail

@@ -14,6 +14,7 @@ from dsl.core import host_failures
 from dsl import tpu as pltpu
 import lowering_mosaic
 from lowering_mosaic import KernelRaceError, interpreter_options
+from lowering_mosaic.tpu.rules import tpu_ops
 from lowering_mosaic.verification import interpreter
 from tests.pallas.testing import assert_close
 
@@ -209,6 +210,33 @@ def test_remote_module_structure():
   assert text.count("tpu.enqueue_dma") == N - 1
   assert "source_semaphore" in text and "device_id(" in text
   assert 'dsl.mesh_axes = ["x"]' in text
+
+
+@pytest.mark.parametrize("names_copy", [True, False])
+def test_both_dma_wait_forms_run(monkeypatch, names_copy):
+  """The interpreter runs a remote copy's waits in either form a Pallas
+  release emits (`DMA_WAIT_NAMES_COPY`): `tpu.wait_dma` naming the copy and
+  its awaited end (jax 0.12), or `tpu.wait_dma2` naming the semaphore
+  (jax 0.11); both jaxlibs have both operations."""
+  monkeypatch.setattr(tpu_ops, "DMA_WAIT_NAMES_COPY", names_copy)
+  x = jnp.arange(N * 8 * 128, dtype=jnp.float32).reshape(N * 8, 128)
+  np.testing.assert_array_equal(ring_all_gather(x, "mosaic_interpret"),
+                                jnp.tile(x, (N, 1)))
+  found = _races(lambda: ring_all_gather(x, "mosaic_interpret", racy=True),
+                 range(4))
+  assert found and all(isinstance(e, KernelRaceError) for e in found)
+  kernel = pl.pallas_call(
+      all_gather_kernel, jax.ShapeDtypeStruct((N * 8, 128), jnp.float32),
+      in_specs=[pl.BlockSpec((8, 128), lambda: (0, 0))],
+      out_specs=pl.BlockSpec((N * 8, 128), lambda: (0, 0)),
+      scratch_shapes=[pltpu.SemaphoreType.DMA,
+                      pltpu.SemaphoreType.DMA((N - 1,))])
+  text = lowering_mosaic.to_mlir(
+      jax.shard_map(kernel, mesh=_mesh(), in_specs=P("x"), out_specs=P("x"),
+                    check_vma=False), x)
+  # each copy is waited for at both ends
+  wait = "tpu.wait_dma " if names_copy else "tpu.wait_dma2 "
+  assert text.count(wait) == 2 * (N - 1)
 
 
 def test_tpu_lowering_of_a_collective_kernel():

@@ -56,7 +56,7 @@ def test_buffered_mosaic_window_matches_pallas(n):
   ours, theirs = _mosaic_calls(dsl, n), _mosaic_calls(jpl, n)
   kind = "synchronous" if n == 1 else "double_buffered"
   assert f"#tpu.pipeline_mode<{kind}>" in ours[0].module
-  assert mosaic_golden.compare(ours, theirs) == []
+  assert mosaic_golden.compare(ours, theirs, [__file__]) == []
 
 
 def _buffered_add_on(backend, n, x, y):
@@ -254,7 +254,7 @@ def test_block_larger_than_array_mosaic():
   lowered = mosaic_golden.lower_tpu(
       big_block_kernel(dsl, x, (8, 128), backend="mosaic"), x)
   theirs = mosaic_golden.lower_tpu(big_block_kernel(jpl, x, (8, 128)), x)
-  assert mosaic_golden.compare(lowered, theirs) == []
+  assert mosaic_golden.compare(lowered, theirs, [__file__]) == []
 
 
 _CONST = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)

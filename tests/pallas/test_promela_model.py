@@ -1,7 +1,7 @@
 """Model extraction and Promela text, on Mosaic modules written by hand.
 
 These modules use the op vocabulary of lowering_mosaic's output
-(`tpu.enqueue_dma`, `tpu.wait_dma2`, `tpu.sem_signal`, `tpu.sem_wait`,
+(`tpu.enqueue_dma`, `tpu.wait_dma` / `wait_dma2`, `tpu.sem_signal`, `tpu.sem_wait`,
 `tpu.device_id`, `tpu.region`, memrefs in `#tpu.memory_space<...>`, `scf`),
 parsed with jaxlib's MLIR bindings, so the extractor is tested on shapes of
 code the DSL does not produce today (scf.while, unknown branch conditions,
@@ -69,10 +69,17 @@ LOOP = kernel(f"""
 
 WAIT = (f"tpu.wait_dma2 semaphore(%q : {DSEM}) src(%s : memref<1x8x128xf32, "
         f"{ANY}>) dst(%d : memref<1x8x128xf32, {VMEM}>) {loc(11, 'dma_wait')}")
+# The same wait as jax 0.12's Pallas writes it: the whole copy, and the end
+# awaited.
+WAIT_COPY = (f"tpu.wait_dma source(%s : memref<1x8x128xf32, {ANY}>) "
+             f"target(%d : memref<1x8x128xf32, {VMEM}>) "
+             f"target_semaphore(%q : {DSEM}) {{wait_target = true}} "
+             f"{loc(11, 'dma_wait')}")
 
 
-def test_loop_module_model():
-  km = extract(parse(LOOP.replace("{wait}", WAIT)))
+@pytest.mark.parametrize("wait", [WAIT, WAIT_COPY])
+def test_loop_module_model(wait):
+  km = extract(parse(LOOP.replace("{wait}", wait)))
   assert km.num_devices == 1 and km.grid == ()
   names = [b.name for b in km.buffers]
   assert names == ["arg0", "arg1"]           # no dsl.operand_names: argK
@@ -92,8 +99,9 @@ def test_loop_module_model():
 
 
 @needs_spin
-def test_loop_module_ok_and_broken():
-  ok = run_spin(build(extract(parse(LOOP.replace("{wait}", WAIT)))))
+@pytest.mark.parametrize("wait", [WAIT, WAIT_COPY])
+def test_loop_module_ok_and_broken(wait):
+  ok = run_spin(build(extract(parse(LOOP.replace("{wait}", wait)))))
   assert ok.kind == "ok", ok
   racy = run_spin(build(extract(parse(LOOP.replace("{wait}", "")))))
   assert racy.kind == "race", racy

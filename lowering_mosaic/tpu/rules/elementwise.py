@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
-from dsl.core.jax_internals import (ad_util, arith, lax_internal,
-                                    mlir_math as math, tpu)
+from dsl.core.jax_internals import (BITCAST_TO_SAME_TYPE_ELIDED, ad_util,
+                                    arith, lax_internal, mlir_math as math,
+                                    tpu)
 
 from dsl.core.rule_helpers import power_by_squaring
 from lowering_mosaic.tpu import emit
@@ -241,6 +242,11 @@ def _bitcast_convert(ctx, x, *, new_dtype):
   if emit.bits(aval.dtype) != emit.bits(new_dtype):
     raise ctx.error("between types of different widths is not supported; "
                     "use dsl.tpu.bitcast")
+  # uint32 <-> int32 is one MLIR type (signless): the installed Pallas
+  # returns the value as it is or bitcasts it (BITCAST_TO_SAME_TYPE_ELIDED)
+  if BITCAST_TO_SAME_TYPE_ELIDED and x.type == emit.vtype(out.shape,
+                                                           new_dtype):
+    return x
   return _bitcast(x, out.shape, new_dtype)
 
 

@@ -9,8 +9,13 @@ reads) is:
   tpu.enqueue_dma source(%src_view) target(%dst_view)
                   [source_semaphore(%send_sem)] target_semaphore(%sem)
                   [device_id(%dev)]            remote copies name the device
+  tpu.wait_dma source(%src_view) target(%dst_view)          (jax 0.12)
+               [source_semaphore(%send_sem)] target_semaphore(%sem)
+               [device_id(%dev)] {wait_target = true | false}
+                                 the whole copy; wait_target: the receive
+                                 side (false: the send side of a remote copy)
   tpu.wait_dma2 semaphore(%sem) src(%src_view) dst(%dst_view) [device_id(%dev)]
-                                               waits for the copy's bytes
+                                               (jax 0.11) waits for the bytes
   tpu.wait_dma2 semaphore(%send_sem) src(%dst_view) dst(%src_view)
                 device_id(%c0) core_id(%c0)    the send side of a remote copy
   tpu.sem_signal %sem, %amount [device_id %dev]
@@ -22,15 +27,20 @@ reads) is:
 
 A DMA semaphore counts bytes: a DMA adds the size of its copy when it lands
 (and, for remote copies, to the send semaphore when the source has been
-read); `wait_dma2` waits for and takes back the size of its `dst` (equal to
-its `src`). As in Pallas, the wait on the receive semaphore of a remote
-copy carries the copy's `device_id`; the wait on the send semaphore names
-the copy's ends swapped and carries device and core id 0.
+read); a wait waits for and takes back the size of the copy. Which form a
+wait takes follows the installed Pallas (`DMA_WAIT_NAMES_COPY` in
+dsl/core/jax_internals.py): `wait_dma` awaits the target semaphore
+(`wait_target = true`) or the source semaphore (`false`); with `wait_dma2`,
+as in Pallas 0.11, the wait on the receive semaphore of a remote copy
+carries the copy's `device_id` and the wait on the send semaphore names the
+copy's ends swapped and carries device and core id 0.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
-from dsl.core.jax_internals import arith, checkify, core, ir, lax_parallel, tpu
+from dsl.core.jax_internals import (DEVICE_COORDINATES_UNSIGNED,
+                                    DMA_WAIT_NAMES_COPY, arith, checkify,
+                                    core, ir, lax_parallel, tpu)
 
 from dsl.core import primitives as dsl_primitives
 from dsl.tpu import primitives as tp
@@ -111,8 +121,11 @@ def _my_coordinate(ctx, mesh_axes, name) -> ir.Value:
   k = names.index(name)
   dev = tpu.DeviceIdOp().result
   stride, size = _strides(mesh_axes)[k], mesh_axes[k][1]
-  q = arith.DivSIOp(dev, i32_const(stride)).result if stride != 1 else dev
-  return arith.RemSIOp(q, i32_const(size)).result
+  # as the installed Pallas computes it (DEVICE_COORDINATES_UNSIGNED)
+  div, rem = ((arith.DivUIOp, arith.RemUIOp) if DEVICE_COORDINATES_UNSIGNED
+              else (arith.DivSIOp, arith.RemSIOp))
+  q = div(dev, i32_const(stride)).result if stride != 1 else dev
+  return rem(q, i32_const(size)).result
 
 
 def device_id_value(ctx, values, device_id_type, device_id_axes,
@@ -197,22 +210,52 @@ def _dma_start(ctx, *flat, layout, device_id_type, device_id_axes, mesh_axes,
 @register(tp.dma_wait_p)
 def _dma_wait(ctx, *flat, layout, side, device_id_type, device_id_axes,
               mesh_axes):
-  """`tpu.wait_dma2` in Pallas's form: a receive waits with the copy's
-  device id; a send waits with src and dst swapped and device and core id
-  0 (the sender's own side); a local copy without either."""
+  """A wait for one end of a DMA, in the installed Pallas's form
+  (`DMA_WAIT_NAMES_COPY`)."""
   a = unpack(flat, layout)
+
+  def device():
+    return device_id_value(ctx, a["device_id"], device_id_type,
+                           device_id_axes, mesh_axes) if a["device_id"] \
+        else None
+  if DMA_WAIT_NAMES_COPY:
+    _wait_dma(ctx, a, side, device())
+  else:
+    _wait_dma2(ctx, a, side, device)
+  return []
+
+
+def _wait_dma(ctx, a, side, dev):
+  """`tpu.wait_dma` naming the whole copy: its ends, both semaphores (the
+  send semaphore where it has one), its device, and the end awaited
+  (`wait_target`: the receive side; a send waits for its source)."""
+  send = side == "send"
+  src_sem, dst_sem = ((a["sem"], a["sem_t"]), (a["peer_sem"], a["peer_sem_t"]))
+  if not send:
+    src_sem, dst_sem = dst_sem, src_sem
+  # Pallas's order: the views from the last operand to the first
+  src_sem = (_semaphore(ctx, *src_sem) if src_sem[0] is not None else None)
+  dst_sem = _semaphore(ctx, *dst_sem)
+  dst = memref_view(ctx, a["dst"], a["dst_t"])
+  src = memref_view(ctx, a["src"], a["src_t"])
+  tpu.WaitDMAOp(src, dst, not send, source_semaphore=src_sem,
+                target_semaphore=dst_sem, device_id=dev)
+
+
+def _wait_dma2(ctx, a, side, device):
+  """`tpu.wait_dma2` naming the semaphore awaited: a receive waits with the
+  copy's device id; a send waits with src and dst swapped and device and
+  core id 0 (the sender's own side); a local copy without either."""
   first, second = ("dst", "src") if side == "send" else ("src", "dst")
   dev = core_id = None
   if side == "send":
     dev = core_id = i32_const(0)
-  elif a["device_id"]:
-    dev = device_id_value(ctx, a["device_id"], device_id_type,
-                          device_id_axes, mesh_axes)
+  else:
+    dev = device()
   sem = _semaphore(ctx, a["sem"], a["sem_t"])
   dst = memref_view(ctx, a[second], a[second + "_t"])
   src = memref_view(ctx, a[first], a[first + "_t"])
   tpu.WaitDMA2Op(sem, src, dst, device_id=dev, core_id=core_id)
-  return []
 
 
 # ------------------------------------------------------------ semaphores
@@ -279,9 +322,11 @@ def _roll(ctx, x, shift, *, axis, stride, stride_axis):
 
 @register(tpu_vector.repeat_p)
 def _repeat(ctx, x, *, repeats, axis):
-  out = ctx.avals_out[0]
-  return tpu.RepeatOp(emit.vtype(out.shape, out.dtype), x, axis,
-                      repeats).result
+  # `repeats` copies side by side, as Pallas lowers `jnp.tile` (jaxlib 0.12
+  # has no `tpu.repeat`)
+  if repeats == 1:
+    return x
+  return tpu.ConcatenateOp([x] * repeats, axis).result
 
 
 @register(tpu_vector.bitcast_p)

@@ -19,9 +19,9 @@ from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
                                                              fresh_array,
                                                              poison_of)
-from lowering_mosaic.verification.interpreter.simulator import (PREEMPT,
-                                                                KernelSimulationError,
-                                                                Wait)
+from lowering_mosaic.verification.interpreter.simulator import (
+    KernelSimulationError, Wait)
+from lowering_mosaic.verification.interpreter.sync_ops import SYNC_OPS
 from lowering_mosaic.verification.interpreter.value_ops import (VALUE_OPS,
                                                                 i64_array_attr,
                                                                 result_dtype,
@@ -92,7 +92,7 @@ class Compiler:
     name = op.name
     line = dialect.location_line(op.location)
     outs = [self.slot(r) for r in op.results]
-    stateful_op = STATEFUL.lookup(name)
+    stateful_op = STATEFUL.lookup(name) or SYNC_OPS.lookup(name)
     if stateful_op is not None:
       fn, args, gen = stateful_op(op, self)
       args = [self.slot(v) for v in args]
@@ -402,110 +402,10 @@ def _device_id(op, c):
   return (lambda frame: np.int32(frame.device)), [], False
 
 
-def _opt(v):
-  return v is not None
-
-
-@stateful("tpu.enqueue_dma")
-def _enqueue_dma(op, c):
-  v = op.opview
-  args = [v.source, v.target, v.target_semaphore]
-  has_src_sem, has_dev = _opt(v.source_semaphore), _opt(v.device_id)
-  if has_src_sem:
-    args.append(v.source_semaphore)
-  if has_dev:
-    args.append(v.device_id)
-
-  def fn(frame, src, dst, dst_sem, *rest):
-    rest = list(rest)
-    src_sem = rest.pop(0) if has_src_sem else None
-    target = int(rest.pop(0)) if has_dev else None
-    frame.world.start_dma(frame.device, src, dst, dst_sem, src_sem, target,
-                          frame.line)
-    yield PREEMPT
-  return fn, args, True
-
-
-def _nbytes(ref: MemRef) -> int:
-  return int(np.prod(ref.shape, dtype=np.int64)) * ref.buf.array.itemsize
-
-
-def _sem_desc(world, device, sem: MemRef):
-  idx = list(sem.base)
-  return (f"{sem.buf.name}{idx if idx else ''} (now "
-          f"{world.sem_value(device, sem)})")
-
-
 @stateful("tpu.trace_start", "tpu.trace_stop")
 def _trace(op, c):
   """Profiler marks: nothing to do."""
   return (lambda frame: None), [], False
-
-
-@stateful("tpu.wait_dma2")
-def _wait_dma2(op, c):
-  v = op.opview
-  args = [v.semaphore, v.src, v.dst]
-  # a send's wait names the copy's ends swapped (Pallas's form, with a
-  # core_id): its local source window is the `dst` operand
-  swapped = v.core_id is not None
-
-  def fn(frame, sem, src, dst):
-    world, dev = frame.world, frame.device
-    amount = _nbytes(dst)
-    # the side of the copy this device waits for: the local window named
-    # by the wait (dst for the receiver, src for the sender)
-    is_send = any(d.src_sem == (dev, sem.buf.key, tuple(sem.base))
-                  for d in world.pending) and not any(
-                      d.dst_sem == (dev, sem.buf.key, tuple(sem.base))
-                      for d in world.pending)
-    view = (dst if swapped else src) if is_send else dst
-
-    def ready():
-      return world.sem_value(dev, sem) >= amount
-    yield Wait(ready, f"a DMA of {amount} bytes on semaphore "
-               f"{_sem_desc(world, dev, sem)}", frame.line)
-    world.sem_add(dev, sem, -amount)
-    world.waited(dev, sem, amount, view)
-  return fn, args, True
-
-
-@stateful("tpu.sem_signal")
-def _sem_signal(op, c):
-  v = op.opview
-  has_dev = _opt(v.device_id)
-  args = [v.semaphore, v.amount] + ([v.device_id] if has_dev else [])
-
-  def fn(frame, sem, amount, *dev):
-    target = int(dev[0]) if dev else frame.device
-    frame.world.sem_add(target, sem, int(amount))
-    yield PREEMPT
-  return fn, args, True
-
-
-@stateful("tpu.sem_wait")
-def _sem_wait(op, c):
-  v = op.opview
-  args = [v.semaphore, v.amount]
-
-  def fn(frame, sem, amount):
-    world, dev = frame.world, frame.device
-    amount = int(amount)
-
-    def ready():
-      return world.sem_value(dev, sem) >= amount
-    yield Wait(ready, f"semaphore {_sem_desc(world, dev, sem)} to reach "
-               f"{amount}", frame.line)
-    world.sem_add(dev, sem, -amount)
-  return fn, args, True
-
-
-@stateful("tpu.sem_read")
-def _sem_read(op, c):
-  def fn(frame, sem):
-    yield PREEMPT
-    return np.int32(frame.world.sem_value(frame.device, sem))
-  return fn, list(op.operands), True
 
 
 @stateful("cf.assert")

@@ -65,12 +65,14 @@ def short(line: Optional[str]) -> str:
 
 
 def location_of(op) -> tuple[Optional[str], Optional[str]]:
-  """('file:line' or None, op name from a NameLoc or None)."""
+  """('file:line' or None, op name from a NameLoc or None). JAX's format
+  names the primitive with a colon (`loc("get:"("get"(...)))`); the name
+  is given without it."""
   text = str(op.location)
   m = _FILE_LOC.search(text)
   line = f"{m.group('file')}:{m.group('line')}" if m else None
   n = _NAME_LOC.match(text)
-  return line, (n.group("name") if n else None)
+  return line, (n.group("name").removesuffix(":") if n else None)
 
 
 # ------------------------------------------------------------ op rules

@@ -1,8 +1,10 @@
-"""DMAs and semaphores: `tpu.enqueue_dma` / `tpu.wait_dma2` and
+"""DMAs and semaphores: `tpu.enqueue_dma` / `tpu.wait_dma` (`wait_dma2`) and
 `tpu.sem_signal` / `tpu.sem_wait`, local or to another device."""
 from __future__ import annotations
 
 from typing import Optional
+
+from dsl.core.jax_internals import ir
 
 from lowering_mosaic.verification.promela import model as M
 from lowering_mosaic.verification.promela.model import Expr
@@ -47,14 +49,19 @@ def _enqueue_dma(x, op, env, out):
 
 @handles("tpu.wait_dma2", "tpu.wait_dma")
 def _wait_dma(x, op, env, out):
-  sem = x.sem_ref(env, op.semaphore, op)
+  """A DMA wait: `wait_dma2` names the semaphore awaited (jax 0.11's
+  Pallas); `wait_dma` names the whole copy and, by `wait_target`, the end
+  awaited: the target semaphore, or the source one (jax 0.12's)."""
   if op.operation.name == "tpu.wait_dma2":
-    nbytes = nbytes_of(op.dst.type)
-    what = f"waits for DMA {x.view(env, op.src, op, 'src').window().describe()}"
-    what += f" -> {x.view(env, op.dst, op, 'dst').window().describe()}"
+    sem_value, src, dst = op.semaphore, op.src, op.dst
   else:
-    nbytes = nbytes_of(op.operands[1].type)
-    what = "waits for a DMA"
+    src, dst = op.source, op.target
+    wait_target = ir.BoolAttr(op.attributes["wait_target"]).value
+    sem_value = op.target_semaphore if wait_target else op.source_semaphore
+  sem = x.sem_ref(env, sem_value, op)
+  nbytes = nbytes_of(dst.type)
+  what = f"waits for DMA {x.view(env, src, op, 'src').window().describe()}"
+  what += f" -> {x.view(env, dst, op, 'dst').window().describe()}"
   what += f" on {sem.describe()}"
   out.append(M.DmaWait(sem, nbytes, x.info(op, what)))
 
