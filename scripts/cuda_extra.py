@@ -2,7 +2,7 @@
 
 `scripts/setup.sh` runs it on machines with `nvidia-smi`:
 
-    python scripts/cuda_extra.py --missing   # prints "jax[cuda12]==0.11.2"
+    python scripts/cuda_extra.py --missing   # prints "jax[cuda12]==0.12.0.1"
                                              # when that plugin is not yet
                                              # installed; nothing otherwise
     python scripts/cuda_extra.py --verify    # after installing: does JAX
@@ -20,13 +20,16 @@ import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
+import os
 import re
 import subprocess
 import sys
 
 # The oldest and newest CUDA majors the pinned jax has plugins for.
 EXTRAS = {12: "cuda12", 13: "cuda13"}
-PINNED_JAX = "0.11.2"     # pyproject.toml's pin, when jax is not installed yet
+# constraints.txt: the jax the set-up installs, when jax is not installed yet.
+CONSTRAINTS = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), "constraints.txt")
 _VERSION = re.compile(r"CUDA Version\s*:\s*(\d+)\.(\d+)")
 
 
@@ -64,7 +67,16 @@ def jax_version() -> str:
   try:
     return importlib.metadata.version("jax")
   except importlib.metadata.PackageNotFoundError:
-    return PINNED_JAX
+    return pinned_jax()
+
+
+def pinned_jax(path: str = CONSTRAINTS) -> str:
+  with open(path) as f:
+    for line in f:
+      m = re.match(r"\s*jax\s*==\s*(\S+)", line)
+      if m:
+        return m.group(1)
+  raise SystemExit(f"{path} pins no jax")
 
 
 def requirement(extra: str) -> str:

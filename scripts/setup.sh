@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# One-time set-up: .venv with python3.12 and the pinned toolchain, plus spin;
-# on a machine with an NVIDIA driver, JAX's CUDA plugin matching it.
+# One-time set-up: a venv with python3.12 and the toolchain a constraints
+# file pins, plus spin; on a machine with an NVIDIA driver, JAX's CUDA plugin
+# matching it.
+#
+#   scripts/setup.sh                                   # .venv, constraints.txt
+#   scripts/setup.sh .venv-oldest constraints-oldest.txt
+#
+# A venv that exists but holds another toolchain is brought to the pinned one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV="${1:-.venv}"
+CONSTRAINTS="${2:-constraints.txt}"
 
 find_python312() {
   if python3.12 -c "import sys; assert sys.version_info[:2] == (3, 12)" 2>/dev/null; then
@@ -18,23 +26,24 @@ find_python312() {
   exit 1
 }
 
-if [ ! -x .venv/bin/python ]; then
-  "$(find_python312)" -m venv .venv
+if [ ! -x "$VENV/bin/python" ]; then
+  "$(find_python312)" -m venv "$VENV"
 fi
-if ! .venv/bin/python -c "import jax, triton, pytest, hypothesis, xdist, matplotlib, absl, dsl" 2>/dev/null; then
-  .venv/bin/pip install --quiet --upgrade pip
-  .venv/bin/pip install --quiet -e ".[test,bench]"
+if ! "$VENV/bin/python" scripts/toolchain.py "$CONSTRAINTS" \
+    || ! "$VENV/bin/python" -c "import jax, triton, pytest, hypothesis, xdist, matplotlib, absl, dsl" 2>/dev/null; then
+  "$VENV/bin/pip" install --quiet --upgrade pip
+  "$VENV/bin/pip" install --quiet -c "$CONSTRAINTS" -e ".[test,bench]"
 fi
-# NVIDIA GPU: the pinned jax's cuda12 or cuda13 plugin, by the CUDA version
+# NVIDIA GPU: the installed jax's cuda12 or cuda13 plugin, by the CUDA version
 # the driver supports (scripts/cuda_extra.py), so JAX runs on the GPU.
 if command -v nvidia-smi >/dev/null 2>&1; then
-  cuda_req="$(.venv/bin/python scripts/cuda_extra.py --missing)"
+  cuda_req="$("$VENV/bin/python" scripts/cuda_extra.py --missing)"
   if [ -n "$cuda_req" ]; then
     echo "set-up: installing $cuda_req" >&2
-    .venv/bin/pip install --quiet "$cuda_req" \
+    "$VENV/bin/pip" install --quiet -c "$CONSTRAINTS" "$cuda_req" \
       || echo "warning: could not install $cuda_req; JAX runs on the CPU" >&2
   fi
-  .venv/bin/python scripts/cuda_extra.py --verify || true
+  "$VENV/bin/python" scripts/cuda_extra.py --verify || true
 fi
 if ! command -v spin >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

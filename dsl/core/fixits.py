@@ -184,7 +184,7 @@ RULES: list[tuple[tuple[type, ...], re.Pattern, Callable]] = [
       jax_errors.ConcretizationTypeError), re.compile(""), _traced_integer),
     ((AttributeError,), re.compile(r"'AbstractRef' object has no attribute"),
      _ref_as_value),
-    ((TypeError,), re.compile(r"DynamicJaxprTracer|AbstractRef"),
+    ((TypeError,), re.compile(r"DynamicJaxprTracer|AbstractRef|got a Ref "),
      _ref_as_value),
     ((ValueError, TypeError),
      re.compile(r"Invalid dtype for `(swap|addupdate)`\. Ref dtype: (\w+)\. "

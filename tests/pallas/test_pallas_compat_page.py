@@ -27,10 +27,18 @@ def public_names(module_name: str) -> set[str]:
   for sub in MODULES:
     importlib.import_module(sub)
   module = importlib.import_module(module_name)
-  return {n for n in dir(module) if not n.startswith("_") and not (
+  names = {n for n in dir(module) if not n.startswith("_") and not (
       isinstance(getattr(module, n), types.ModuleType)
       and getattr(module, n).__name__.startswith(module_name + ".")
       and getattr(module, n).__name__ not in MODULES)}
+  return names | deprecated_names(module)
+
+
+def deprecated_names(module) -> set[str]:
+  """Names the module still gives, with a deprecation warning, that `dir`
+  no longer shows (JAX's `_deprecations` table; None marks a removed one)."""
+  table = getattr(module, "_deprecations", {})
+  return {n for n, (_, value) in table.items() if value is not None}
 
 
 def page_tables() -> dict[str, dict[str, tuple[str, str]]]:

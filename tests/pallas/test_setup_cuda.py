@@ -3,6 +3,7 @@
 a machine with a driver and does nothing new on one without."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -10,6 +11,7 @@ import stat
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -49,8 +51,18 @@ def test_decision_from_nvidia_smi(returncode, output, extra, says):
 
 
 def test_requirement_pins_the_installed_jax(monkeypatch):
-  assert cuda_extra.requirement("cuda12") == "jax[cuda12]==0.11.2"
-  assert cuda_extra.requirement("cuda13") == "jax[cuda13]==0.11.2"
+  assert cuda_extra.requirement("cuda12") == f"jax[cuda12]=={jax.__version__}"
+  assert cuda_extra.requirement("cuda13") == f"jax[cuda13]=={jax.__version__}"
+
+
+def test_without_jax_the_requirement_pins_constraints_txt(monkeypatch):
+  def missing(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+  monkeypatch.setattr(importlib.metadata, "version", missing)
+  with open(os.path.join(ROOT, "constraints.txt")) as f:
+    pinned = next(l.split("==")[1].strip() for l in f
+                  if l.startswith("jax=="))
+  assert cuda_extra.requirement("cuda12") == f"jax[cuda12]=={pinned}"
 
 
 def test_main_prints_the_requirement_only_when_missing(monkeypatch, capsys):
@@ -58,7 +70,7 @@ def test_main_prints_the_requirement_only_when_missing(monkeypatch, capsys):
   monkeypatch.setattr(cuda_extra, "plugin_installed", lambda extra: False)
   assert cuda_extra.main(["--missing"]) == 0
   out, err = capsys.readouterr()
-  assert out == "jax[cuda13]==0.11.2\n" and "CUDA 13.0" in err
+  assert out == f"jax[cuda13]=={jax.__version__}\n" and "CUDA 13.0" in err
   monkeypatch.setattr(cuda_extra, "plugin_installed", lambda extra: True)
   assert cuda_extra.main(["--missing"]) == 0
   assert capsys.readouterr().out == ""
@@ -71,7 +83,7 @@ def test_verify_warns_when_jax_does_not_see_the_gpu(monkeypatch, capsys):
   monkeypatch.setattr(cuda_extra, "run_nvidia_smi", lambda: (0, smi("12.4")))
   assert cuda_extra.main(["--verify"]) == 1     # this machine: JAX on CPU
   err = capsys.readouterr().err
-  assert "an NVIDIA GPU is present" in err and "jax[cuda12]==0.11.2" in err
+  assert "an NVIDIA GPU is present" in err and f"jax[cuda12]=={jax.__version__}" in err
   monkeypatch.setattr(cuda_extra, "run_nvidia_smi", lambda: (None, ""))
   assert cuda_extra.main(["--verify"]) == 0
 
@@ -80,8 +92,9 @@ def _fake_machine(tmp_path, cuda: str | None):
   """A copy of the set-up scripts, a .venv whose pip only records its
   arguments, and a PATH with `spin` and, when `cuda`, `nvidia-smi`."""
   (tmp_path / "scripts").mkdir()
-  for name in ("setup.sh", "cuda_extra.py"):
+  for name in ("setup.sh", "cuda_extra.py", "toolchain.py"):
     shutil.copy(os.path.join(ROOT, "scripts", name), tmp_path / "scripts")
+  shutil.copy(os.path.join(ROOT, "constraints.txt"), tmp_path)
   bin_, venv = tmp_path / "bin", tmp_path / ".venv" / "bin"
   bin_.mkdir()
   venv.mkdir(parents=True)
@@ -105,8 +118,9 @@ def _fake_machine(tmp_path, cuda: str | None):
 def test_setup_installs_the_plugin_on_a_gpu_machine(tmp_path):
   r, pip = _fake_machine(tmp_path, "12.4")
   assert r.returncode == 0, r.stderr
-  assert "install --quiet jax[cuda12]==0.11.2" in pip
-  assert "set-up: installing jax[cuda12]==0.11.2" in r.stderr
+  want = f"jax[cuda12]=={jax.__version__}"
+  assert f"install --quiet -c constraints.txt {want}" in pip
+  assert f"set-up: installing {want}" in r.stderr
   # pip was a stub, so JAX still runs on the CPU: said loudly
   assert "warning: an NVIDIA GPU is present" in r.stderr
 
