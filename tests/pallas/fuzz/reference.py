@@ -136,9 +136,11 @@ class RefCtx:
     arr[idx] = np.asarray(combine(arr[idx], new)).astype(arr.dtype)
 
   def atomic_indexed(self, op, j, idx, v, mask):
-    """Every lane applies, in lane order; indices outside are dropped."""
+    """Every lane applies, in lane order; as in JAX's indexing, a negative
+    index counts from the end and the indices still outside are dropped."""
     arr = self.outs[j]
     idx = np.asarray(idx)
+    idx = np.where(idx < 0, idx + arr.shape[0], idx)
     keep = (idx >= 0) & (idx < arr.shape[0])
     if mask is not None:
       keep &= np.asarray(mask)
