@@ -97,6 +97,10 @@ _TABLE: dict[str, tuple[str | tuple[str, ...], str | None]] = {
     # JAX's PRNG implementations (the registry `prngs`), for the tests that
     # load Pallas's PRNG ops twice.
     "prng": (("jax._src.random.prng", "jax._src.prng"), None),
+    # JAX's Threefry-2x32 hash as jax.numpy operations (the TPU's
+    # `threefry2x32` rule lowers it unrolled, as Pallas does)
+    "threefry2x32_hash": (("jax._src.random.threefry2x32", "jax._src.prng"),
+                          "_threefry2x32_lowering"),
     # transformations
     "ad": ("jax._src.interpreters.ad", None),
     "ad_util": ("jax._src.ad_util", None),

@@ -88,3 +88,22 @@ def prng_bernoulli_high_resolution(pl, pltpu):
                                           mode="high").astype(jnp.int32)
   f = pl.pallas_call(high_kernel, sds((8, 128), jnp.int32))
   return f, ()
+
+
+@case
+def threefry_hash(pl, pltpu):
+  # tpu.random.threefry's kernel: the hash of counts under a key from SMEM
+  from jax.extend.random import threefry2x32_p
+
+  def threefry_kernel(key_ref, hi_ref, lo_ref, o_ref, p_ref):
+    k1 = jnp.reshape(key_ref[0, 0], (1, 1))
+    k2 = jnp.reshape(key_ref[0, 1], (1, 1))
+    o1, o2 = threefry2x32_p.bind(k1, k2, hi_ref[...], lo_ref[...])
+    o_ref[...] = o1 ^ o2
+    p_ref[...] = o1
+  f = pl.pallas_call(
+      threefry_kernel, (sds((8, 128), jnp.uint32), sds((8, 128), jnp.uint32)),
+      in_specs=[_smem(pl, pltpu), pl.BlockSpec(memory_space=pltpu.VMEM),
+                pl.BlockSpec(memory_space=pltpu.VMEM)])
+  counts = jnp.arange(8 * 128, dtype=jnp.uint32).reshape(8, 128)
+  return f, (jnp.array([[3, 7]], jnp.uint32), counts // 7, counts)

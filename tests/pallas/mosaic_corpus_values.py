@@ -211,3 +211,27 @@ def transpose_and_broadcast(pl, pltpu):
     o_ref[...] = x_ref[...].T + r_ref[...]
   f = pl.pallas_call(t_kernel, sds((128, 128)))
   return f, (f32(128, 128), f32(1, 128))
+
+
+@case
+def tile_repeats(pl, pltpu):
+  def tile_kernel(x_ref, o_ref):
+    o_ref[...] = jnp.tile(x_ref[...], (2, 3))
+  f = pl.pallas_call(tile_kernel, sds((16, 384)))
+  return f, (f32(8, 128),)
+
+
+@case
+def reshaped_ref_window(pl, pltpu):
+  # ragged paged attention's K/V read: a buffer of a stack, reshaped, read
+  # every other row
+  def reshape_kernel(x_ref, i_ref, o_ref, w_ref):
+    flat = x_ref.at[i_ref[0]].reshape(32, 128)
+    o_ref[...] = flat[1::2, :]
+    w_ref[...] = x_ref.reshape(64, 128)[...]
+  f = pl.pallas_call(
+      reshape_kernel, (sds((16, 128)), sds((64, 128))),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM),
+                pl.BlockSpec(memory_space=pltpu.SMEM)])
+  x = jnp.arange(2 * 4 * 8 * 128, dtype=jnp.float32).reshape(2, 4, 8, 128)
+  return f, (x, jnp.array([1], jnp.int32))

@@ -174,11 +174,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "linearizing the derived transpose kernel meets a `pl.when` with a "
         "ref effect, which JAX's cond partial eval rejects (State effect not "
         "supported in cond partial-eval)",
-    ("tpu.splash_attention", "mosaic_interpret"):
-        "the Mosaic lowering has no rule for `tile` (`jnp.tile`)",
-    ("tpu.ragged_paged_attention", "mosaic_interpret"):
-        "the Mosaic lowering has no rule for a `get` through a "
-        "ReshapeTransform (`ref.reshape`)",
     ("tpu.megablox.gmm", "interpret"):
         "traced grid sizes: the number of active tiles is computed from the "
         "group sizes (grid[1] must be a positive integer, got a tracer)",
@@ -191,8 +186,6 @@ XFAIL: dict[tuple[str, str], str] = {
     ("tpu.megablox.tgmm", "mosaic_interpret"):
         "traced grid sizes: the number of active tiles is computed from the "
         "group sizes (grid[2] must be a positive integer, got a tracer)",
-    ("tpu.random.threefry", "mosaic_interpret"):
-        "the Mosaic lowering has no rule for JAX's `threefry2x32` primitive",
 }
 
 # Cases too slow for the default suite (pytest -m slow runs them).

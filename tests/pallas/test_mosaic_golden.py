@@ -265,3 +265,29 @@ def test_two_barrier_tags_in_one_kernel_are_rejected_as_in_pallas():
     f, x = _tagged_pair(pl, pltpu, [["a", "b"]])
     with pytest.raises(ValueError, match="tags"):
       golden.lower_tpu(f, x)
+
+
+def _threefry_reference(key, hi, lo):
+  from jax.extend.random import threefry2x32_p
+  o1, o2 = threefry2x32_p.bind(key[0, 0], key[0, 1], hi, lo)
+  return o1 ^ o2, o1
+
+
+# Kernels whose rules lower through Pallas's operations (tile, ref reshape,
+# threefry2x32): mosaic_interpret computes what jax.numpy computes.
+JNP_REFERENCES = {
+    "tile_repeats": lambda x: jnp.tile(x, (2, 3)),
+    "reshaped_ref_window": lambda x, i: (x[i[0]].reshape(32, 128)[1::2],
+                                         x.reshape(64, 128)),
+    "threefry_hash": _threefry_reference,
+}
+
+
+@pytest.mark.parametrize("name", sorted(JNP_REFERENCES))
+def test_mosaic_interpret_matches_jnp(name, monkeypatch):
+  monkeypatch.setitem(backends.DEFAULT_FOR_PLATFORM, "cpu", "mosaic_interpret")
+  f, args = CASES[name](dsl, dtpu)
+  args = _random_like(args, seed=1)
+  got, want = jax.jit(f)(*args), JNP_REFERENCES[name](*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax import tree_util
 from dsl.core.jax_internals import (arith, ir, memref,
                                     state_indexing as indexing,
-                                    state_primitives, tpu, vector)
+                                    state_primitives, state_types, tpu,
+                                    vector)
 
 from dsl.core import ref_ops
 from lowering_mosaic import dialect
@@ -74,7 +75,15 @@ def _static(x):
 
 
 def view_of(ctx, ref: RefVal, transforms) -> View:
-  """Composes a ref's NDIndexer transforms into one window."""
+  """Composes a ref's NDIndexer transforms into one window; a reshape
+  (`ref.reshape`) makes the window before it a memref of its own first."""
+  transforms = list(transforms or ())
+  reshapes = [k for k, t in enumerate(transforms)
+              if isinstance(t, state_types.ReshapeTransform)]
+  if reshapes:
+    k = reshapes[-1]
+    ref = _reshaped(ctx, ref, transforms[:k], transforms[k].shape)
+    transforms = transforms[k + 1:]
   rank = len(ref.memref_shape)
   v = View(ref, [0] * rank, list(ref.memref_shape), [1] * rank,
            [d in ref.hidden for d in range(rank)])
@@ -101,6 +110,47 @@ def view_of(ctx, ref: RefVal, transforms) -> View:
         v.sizes[d] = 1
         v.squeezed[d] = True
   return v
+
+
+def window_memref(ctx, ref: RefVal, transforms) -> ir.Value:
+  """The memref of a ref window: `tpu.memref_slice` (+ `memref_squeeze`)."""
+  view = view_of(ctx, ref, transforms)
+  if view.is_whole:
+    return view.ref.value
+  if any(s != 1 for s in view.strides):
+    raise ctx.error(f"a strided window of {view.ref.name or 'a ref'} cannot "
+                    "be DMA'd, reshaped or used as a semaphore")
+  t = ir.MemRefType(view.ref.value.type)
+  sliced_t = ir.MemRefType.get(list(view.sizes), t.element_type,
+                               memory_space=t.memory_space)
+  x = tpu.MemRefSliceOp(sliced_t, view.ref.value,
+                        [to_i32(s) for s in view.starts], []).result
+  if any(view.squeezed):
+    sq_t = ir.MemRefType.get(list(view.shape), t.element_type,
+                             memory_space=t.memory_space)
+    x = tpu.MemRefSqueezeOp(sq_t, x).result
+  return x
+
+
+def _reshaped(ctx, ref: RefVal, before, shape) -> RefVal:
+  """`ref` with the transforms `before` applied, reshaped to `shape`: a
+  `tpu.memref_reshape` of its window (as Pallas)."""
+  what = f"{ref.name or 'a ref'}.reshape{tuple(shape)}"
+  value = window_memref(ctx, ref, before) if before else ref.value
+  t = ir.MemRefType(value.type)
+  if len(t.shape) < 2 or len(shape) < 2:
+    raise ctx.error(f"{what}: the Mosaic lowering reshapes refs of rank 2 "
+                    "or more only, to rank 2 or more")
+  if math.prod(t.shape) != math.prod(shape):
+    raise ctx.error(f"{what}: a window of {tuple(t.shape)} has another "
+                    "number of elements")
+  if ref.space != dialect.VMEM:
+    raise ctx.error(f"{what}: only VMEM refs can be reshaped in a kernel")
+  target = ir.MemRefType.get(list(shape), t.element_type,
+                             memory_space=t.memory_space)
+  inner = ref.aval.inner_aval.update(shape=tuple(shape))
+  return RefVal(tpu.MemRefReshapeOp(target, value).result,
+                ref.aval.update(inner_aval=inner), ref.space, what)
 
 
 def _check_reachable(ctx, ref: RefVal, verb: str):

@@ -74,6 +74,16 @@ def _concatenate(ctx, *xs, dimension):
   return tpu.ConcatenateOp(xs, dimension).result
 
 
+@register(lax.tile_p)
+def _tile(ctx, x, *, reps):
+  """`jnp.tile`: per axis with reps > 1, one `tpu.concatenate` of that many
+  copies (as Pallas)."""
+  for axis, n in enumerate(reps):
+    if n > 1:
+      x = tpu.ConcatenateOp([x] * n, axis).result
+  return x
+
+
 def _extract(x, out, offsets, sizes):
   """`vector.extract_strided_slice` (unit strides), or a ZeroSize value."""
   if has_zero_size(out):

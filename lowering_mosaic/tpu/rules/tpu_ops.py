@@ -51,26 +51,12 @@ from lowering_mosaic import dialect
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, i32_const, to_i32
 from lowering_mosaic.tpu.rules import register
-from lowering_mosaic.tpu.rules.memory import view_of
+from lowering_mosaic.tpu.rules.memory import window_memref
 
 
 def memref_view(ctx, ref: RefVal, transforms) -> ir.Value:
-  """The memref of a ref window: `tpu.memref_slice` (+ `memref_squeeze`)."""
-  view = view_of(ctx, ref, transforms)
-  if view.is_whole:
-    return ref.value
-  if any(s != 1 for s in view.strides):
-    raise ctx.error("strided windows cannot be DMA'd or used as semaphores")
-  t = ir.MemRefType(ref.value.type)
-  sliced_t = ir.MemRefType.get(list(view.sizes), t.element_type,
-                               memory_space=t.memory_space)
-  x = tpu.MemRefSliceOp(sliced_t, ref.value, [to_i32(s) for s in view.starts],
-                        []).result
-  if any(view.squeezed):
-    sq_t = ir.MemRefType.get(list(view.shape), t.element_type,
-                             memory_space=t.memory_space)
-    x = tpu.MemRefSqueezeOp(sq_t, x).result
-  return x
+  """The memref of a ref window (`memory.window_memref`)."""
+  return window_memref(ctx, ref, transforms)
 
 
 def _barrier_semaphore(ctx) -> ir.Value:

@@ -83,6 +83,22 @@ class MemRef:
       raise ValueError(f"cannot squeeze {self.shape} to {keep_shape}")
     return MemRef(self.buf, self.base, self.sizes, out)
 
+  def reshape(self, shape) -> "MemRef | None":
+    """The view as a buffer of `shape` sharing its memory
+    (tpu.memref_reshape), or None when the window is not contiguous in
+    its buffer. The reshaped buffer is the same memory under another
+    name: the race checker sees accesses through it as its own."""
+    window = self.buf.array[self.whole_index()]
+    try:
+      array = np.reshape(window, tuple(shape), copy=False)
+    except ValueError:                # the window is not contiguous
+      return None
+    buf = Buffer(f"{self.buf.name} reshaped to {tuple(shape)}",
+                 (self.buf.key, "reshape", self.base, tuple(shape)), array,
+                 self.buf.space, self.buf.device, self.buf.sem_kind)
+    buf.poison = self.buf.poison
+    return MemRef(buf)
+
   def access(self, idx, shape, strides=None):
     """(numpy index, box) of a `shape` access at visible indices `idx`.
 

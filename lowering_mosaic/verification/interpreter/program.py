@@ -360,6 +360,19 @@ def _memref_squeeze(op, c):
   return (lambda frame, ref: ref.squeeze(shape)), list(op.operands), False
 
 
+@stateful("tpu.memref_reshape")
+def _memref_reshape(op, c):
+  shape = tuple(ir.MemRefType(op.results[0].type).shape)
+
+  def fn(frame, ref):
+    out = ref.reshape(shape)
+    if out is None:
+      _fail(frame, f"tpu.memref_reshape of {ref} to {shape}: the window is "
+            "not contiguous in its buffer")
+    return out
+  return fn, list(op.operands), False
+
+
 def _new_buffer(frame, op_key, name, t, space, sem_kind=None):
   dev = frame.world.devices[frame.device]
   n = dev.alloc_counts.get(op_key, 0)
