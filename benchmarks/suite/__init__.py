@@ -6,9 +6,10 @@ from __future__ import annotations
 from benchmarks.suite.add import Add
 from benchmarks.suite.base import KernelBench, max_rel_err
 from benchmarks.suite.matmul import Matmul
+from benchmarks.suite.newcomer import NEWCOMER
 from benchmarks.suite.rowwise import LayerNorm, Softmax
 
-SUITE = (Add(), Matmul(), Softmax(), LayerNorm())
+SUITE = (Add(), Matmul(), Softmax(), LayerNorm()) + NEWCOMER
 
 _EXTERNAL = None
 

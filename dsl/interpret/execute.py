@@ -81,8 +81,45 @@ def from_view(v, bm: BlockMapping):
   return v.reshape([v.shape[2 * j] * v.shape[2 * j + 1] for j in range(r)])
 
 
-def _view_window(op: OperandPlan, plan: Plan, seq_coords, view_shape):
-  """Start indices and sizes of the step's window in an operand's view."""
+def _kernel_perm(op: OperandPlan):
+  """Axes of a view (s0, b0, s1, b1, ...) in the order (parallel dims'
+  count axes in canonical order, the other count axes, the block axes): a
+  step's window is then a slice of the middle axes, its blocks contiguous."""
+  r = len(op.sources)
+  par_axis = {val: 2 * j for j, (kind, val) in enumerate(op.sources)
+              if kind == "grid" and val in op.par_dims}
+  first = [par_axis[d] for d in op.par_dims]
+  rest = [2 * j for j in range(r) if 2 * j not in first]
+  return first, rest, [2 * j + 1 for j in range(r)]
+
+
+def state_perm(op: OperandPlan) -> list[int]:
+  """The layout an operand is carried in over the grid run, as a
+  permutation of its view's axes: the view itself where a step's window is
+  a reshape of a slice of it, else the kernel layout (`_kernel_perm`),
+  transposed once before the run instead of once per step."""
+  first, rest, blocks = _kernel_perm(op)
+  if first + blocks == sorted(first + blocks):
+    return list(range(2 * len(op.sources)))
+  return first + rest + blocks
+
+
+def to_state(x, op: OperandPlan):
+  """An operand (padded) in the layout it is carried in (`state_perm`)."""
+  v = to_view(x, op.mapping)
+  perm = state_perm(op) if op.sources else []
+  return v.transpose(perm) if perm != sorted(perm) else v
+
+
+def from_state(s, op: OperandPlan):
+  perm = state_perm(op) if op.sources else []
+  if perm != sorted(perm):
+    s = s.transpose(np.argsort(perm))
+  return from_view(s, op.mapping)
+
+
+def _state_window(op: OperandPlan, plan: Plan, seq_coords):
+  """Start indices and sizes of the step's window in an operand's state."""
   starts, sizes = [], []
   for j, (kind, val) in enumerate(op.sources):
     if kind == "const":
@@ -95,51 +132,36 @@ def _view_window(op: OperandPlan, plan: Plan, seq_coords, view_shape):
       starts.append(seq_coords[val])
       sizes.append(1)
     starts.append(0)
-    sizes.append(view_shape[2 * j + 1])
+    sizes.append(op.mapping.block_sizes[j])
+  perm = state_perm(op)
+  starts = [starts[a] for a in perm]
+  sizes = [sizes[a] for a in perm]
   return starts, sizes
 
 
-def _window_perm(op: OperandPlan):
-  """Axes of a window (s0, b0, s1, b1, ...) in the order
-  (parallel dims in canonical order, b0, b1, ..., the size-1 axes)."""
-  r = len(op.sources)
-  par_axis = {val: 2 * j for j, (kind, val) in enumerate(op.sources)
-              if kind == "grid" and val in op.par_dims}
-  first = [par_axis[d] for d in op.par_dims]
-  ones = [2 * j for j in range(r) if 2 * j not in first]
-  return first + [2 * j + 1 for j in range(r)] + ones
-
-
-def read_view_block(view, op: OperandPlan, plan: Plan, seq_coords):
+def read_state_block(state, op: OperandPlan, plan: Plan, seq_coords):
+  """The step's blocks of an operand, (parallel points..., kernel_shape)."""
   bm = op.mapping
   if not op.sources:
-    return view
-  starts, sizes = _view_window(op, plan, seq_coords, view.shape)
-  if list(sizes) == list(view.shape):
-    w = view
+    return state
+  starts, sizes = _state_window(op, plan, seq_coords)
+  if list(sizes) == list(state.shape):
+    w = state
   else:
-    w = lax.dynamic_slice(view, [jnp.asarray(s, jnp.int32) for s in starts],
+    w = lax.dynamic_slice(state, [jnp.asarray(s, jnp.int32) for s in starts],
                           sizes)
-  perm = _window_perm(op)
-  if perm != sorted(perm):
-    w = w.transpose(perm)
-  n_par = len(op.par_dims)
-  return w.reshape(w.shape[:n_par] + bm.kernel_shape)
+  return w.reshape(tuple(plan.grid[d] for d in op.par_dims) + bm.kernel_shape)
 
 
-def write_view_block(view, block, op: OperandPlan, plan: Plan, seq_coords):
+def write_state_block(state, block, op: OperandPlan, plan: Plan, seq_coords):
   if not op.sources:
-    return block.astype(view.dtype)
-  starts, sizes = _view_window(op, plan, seq_coords, view.shape)
-  perm = _window_perm(op)
-  permuted_shape = [sizes[a] for a in perm]
-  block = block.astype(view.dtype).reshape(permuted_shape)
-  if perm != sorted(perm):
-    block = block.transpose(np.argsort(perm))
-  if list(sizes) == list(view.shape):   # the step writes the whole operand
+    return block.astype(state.dtype)
+  starts, sizes = _state_window(op, plan, seq_coords)
+  block = block.astype(state.dtype).reshape(sizes)
+  if list(sizes) == list(state.shape):   # the step writes the whole operand
     return block
   return lax.dynamic_update_slice(
-      view, block, [jnp.asarray(s, jnp.int32) for s in starts])
+      state, block, [jnp.asarray(s, jnp.int32) for s in starts])
 
 
 def _window_inside(full, bm: BlockMapping, offsets):
@@ -248,7 +270,7 @@ def _initial_states(args, spec, plan: Plan):
   in_states = []
   for x, op in zip(inputs, plan.operands[:n_in]):
     x = pad(jnp.asarray(x), op.mapping)
-    in_states.append(to_view(x, op.mapping) if op.mode == "view" else x)
+    in_states.append(to_state(x, op) if op.mode == "view" else x)
   aliases = dict(spec.input_output_aliases)
   out_states = []
   for k, op in enumerate(plan.operands[n_in:]):
@@ -259,7 +281,7 @@ def _initial_states(args, spec, plan: Plan):
     init = (jnp.asarray(args[src]).astype(bm.array_aval.dtype) if src is not None
             else poison_full(bm.array_aval.shape, bm.array_aval.dtype))
     init = pad(init, bm)
-    out_states.append(to_view(init, bm) if op.mode == "view" else init)
+    out_states.append(to_state(init, op) if op.mode == "view" else init)
   par_shape = tuple(gm.grid[d] for d in plan.parallel)
   poison = config.poison_buffers()
   scratch = [fresh_buffer(a, poison, par_shape) for a in gm.scratch_avals]
@@ -311,9 +333,9 @@ def _step_fn(spec, plan: Plan, prefetch, in_states):
     ids = [jnp.arange(gm.grid[d], dtype=jnp.int32) if d in plan.parallel
            else jnp.asarray(seq_coords[d], jnp.int32)
            for d in range(len(gm.grid))]
-    in_args = [read_view_block(s, op, plan, seq_coords) if op.mode == "view"
+    in_args = [read_state_block(s, op, plan, seq_coords) if op.mode == "view"
                else s for s, op in zip(in_states, in_plans)]
-    out_args = [read_view_block(s, op, plan, seq_coords) if op.mode == "view"
+    out_args = [read_state_block(s, op, plan, seq_coords) if op.mode == "view"
                 else s for s, op in zip(out_states, out_plans)]
     new_outs, new_scratch, offs = vpoint(*ids, *prefetch, *in_args, *out_args,
                                          *scratch)
@@ -321,7 +343,7 @@ def _step_fn(spec, plan: Plan, prefetch, in_states):
     updated = []
     for s, blk, op in zip(out_states, new_outs, out_plans):
       if op.mode == "view":
-        updated.append(write_view_block(s, blk, op, plan, seq_coords))
+        updated.append(write_state_block(s, blk, op, plan, seq_coords))
       else:
         o = next(offs)
         updated.append(scatter_blocks(s, blk, [o[..., j] for j in
@@ -365,6 +387,6 @@ def run(*args, spec):
                                   scratch)
   results = []
   for s, op in zip(out_states, plan.operands[gm.num_inputs:]):
-    full = from_view(s, op.mapping) if op.mode == "view" else s
+    full = from_state(s, op) if op.mode == "view" else s
     results.append(unpad(full, op.mapping))
   return results
