@@ -281,6 +281,37 @@ def _cumulative(backend):
   return f, lambda x: (jnp.cumsum(jnp.sin(x), 0), lax.cummax(x, 0) * x), (x,)
 
 
+def _prefetch_when_kernel(n_ref, x_ref, o_ref):
+  o_ref[...] = jnp.zeros_like(o_ref)
+
+  @pl.when(n_ref[pl.program_id(0)] > 0)
+  def _():
+    o_ref[...] = jnp.sin(x_ref[...]) * n_ref[pl.program_id(0)]
+
+
+_COUNTS = jnp.array([2, 0], jnp.int32)
+
+
+def _prefetch_when(backend):
+  """A scalar-prefetch ref read under `pl.when` (a `cond` whose branch reads
+  a ref that the transposed kernel keeps as a ref)."""
+  (x,) = _data((16, 128))
+
+  def f(x):
+    return pl.pallas_call(
+        _prefetch_when_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, n: (i, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, n: (i, 0))),
+        backend=backend)(_COUNTS, x)
+
+  def want(x):
+    scale = jnp.repeat(_COUNTS, 8)[:, None].astype(jnp.float32)
+    return jnp.sin(x) * scale
+  return f, want, (x,)
+
+
 CASES = {
     "softmax": _softmax,
     "layer_norm": _layer_norm,
@@ -294,6 +325,7 @@ CASES = {
     "strided_read": _strided_read,
     "dilated_window": _dilated_window,
     "cumulative": _cumulative,
+    "prefetch_when": _prefetch_when,
 }
 SLOW_CASES = {
     "softmax_two_pass": _softmax_two_pass,
