@@ -14,7 +14,8 @@ Primitives not in the table pass through unchanged, so a kernel that holds
 none of them comes back equal (and `normalize` returns the same spec).
 
 For the Mosaic (TPU) lowering, `normalize(spec, values_in_memory=True)` also
-rewrites `dynamic_slice` and `dynamic_update_slice` on values (what the
+rewrites strided `slice` and `pad` (interior padding too) into strided ref
+reads and writes of a buffer, and `dynamic_slice` and `dynamic_update_slice` on values (what the
 reverse mode of a loop over ref rows makes of `x_ref[pl.ds(i, 1), :]` once the
 per-point function is discharged) into a round trip through a `run_scoped`
 VMEM buffer: store the value whole, then load (or store) the window at its
@@ -36,6 +37,7 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
+import jax.numpy as jnp
 import numpy as np
 
 from jax import lax
@@ -132,19 +134,49 @@ VALUES_IN_MEMORY[lax.dynamic_slice_p] = _dynamic_slice
 VALUES_IN_MEMORY[lax.dynamic_update_slice_p] = _dynamic_update_slice
 
 
+def _slice(x, *, start_indices, limit_indices, strides):
+  """A strided `slice` of a value (what reverse mode makes of a strided ref
+  read, and `associative_scan` of a cumulative op) as a buffer round trip:
+  store `x` whole, load the window with a strided ref read. Unit strides
+  stay a `slice`."""
+  if strides is None or all(s == 1 for s in strides):
+    return lax.slice_p.bind(x, start_indices=start_indices,
+                            limit_indices=limit_indices, strides=strides)
+  sizes = [max(0, -(-(l - s) // st))
+           for s, l, st in zip(start_indices, limit_indices, strides)]
+  if 0 in sizes:      # an empty result: any window of its shape will do
+    return lax.slice(x, [0] * x.ndim, sizes)
+  window = tuple(indexing.Slice(s, n, st)
+                 for s, n, st in zip(start_indices, sizes, strides))
+
+  def scoped(ref):
+    ref[...] = x
+    return ref[window]
+  return run_scoped(scoped, _buffer(x.shape, x.dtype))
+
+
+VALUES_IN_MEMORY[lax.slice_p] = _slice
+
+
 def _pad(x, padding_value, *, padding_config):
-  """`lax.pad` without interior padding (the transpose of a static slice)
-  as a buffer round trip: fill with the padding value, store `x` (trimmed
-  where a padding is negative) at its static offsets."""
-  if any(interior for _, _, interior in padding_config):
+  """`lax.pad` (the transpose of a slice; with interior padding, of a
+  strided one) as a buffer round trip: fill with the padding value, store
+  `x` (trimmed where a padding is negative) at its static offsets, with a
+  strided ref write where the padding is interior."""
+  if any(interior and l < 0 for l, _, interior in padding_config):
+    # Trimming into the interior padding has no strided window; a lowering
+    # that cannot lower the pad says so.
     return lax.pad_p.bind(x, padding_value, padding_config=padding_config)
   lo = [max(0, -l) for l, _, _ in padding_config]
-  hi = [n - max(0, -h) for n, (_, h, _) in zip(x.shape, padding_config)]
-  x = lax.slice(x, lo, hi)
-  shape = tuple(n + max(0, l) + max(0, h)
-                for n, (l, h, _) in zip(x.shape, padding_config))
-  window = tuple(indexing.Slice(max(0, l), n)
-                 for n, (l, _, _) in zip(x.shape, padding_config))
+  spread = [(n - 1) * (i + 1) + 1 if n else 0
+            for n, (_, _, i) in zip(x.shape, padding_config)]
+  cut = [max(0, -h) for _, h, _ in padding_config]
+  keep = [max(0, -(-(m - c - t) // (i + 1)))
+          for m, c, t, (_, _, i) in zip(spread, cut, lo, padding_config)]
+  x = lax.slice(x, lo, [t + k for t, k in zip(lo, keep)])
+  shape = tuple(m + l + h for m, (l, h, _) in zip(spread, padding_config))
+  window = tuple(indexing.Slice(max(0, l), n, i + 1)
+                 for n, (l, _, i) in zip(x.shape, padding_config))
 
   def scoped(ref):
     ref[...] = lax.full(shape, padding_value, x.dtype)
@@ -154,6 +186,51 @@ def _pad(x, padding_value, *, padding_config):
 
 
 VALUES_IN_MEMORY[lax.pad_p] = _pad
+
+
+# The combine of each cumulative reduction, for Mosaic (which has no scan
+# along a vector dim).
+_CUMULATIVE_COMBINE = {lax.cumsum_p: lax.add, lax.cumprod_p: lax.mul,
+                       lax.cummax_p: lax.max, lax.cummin_p: lax.min,
+                       lax.cumlogsumexp_p: jnp.logaddexp}
+
+
+def _cumulative(primitive, pad):
+  """A scan in log2(n) steps of shift and combine: after step `k` each lane
+  holds the combine of the `2k` lanes up to it. Shifts are pads and unit
+  slices (no zero-size or strided values, which a TPU does not have)."""
+  combine = _CUMULATIVE_COMBINE[primitive]
+
+  def rule(x, *, axis, reverse):
+    n = x.shape[axis]
+    lane = lax.broadcasted_iota(np.int32, x.shape, axis)
+    if reverse:
+      lane = np.int32(n - 1) - lane
+    k = 1
+    while k < n:
+      pads = [(0, 0, 0)] * x.ndim
+      pads[axis] = (0, k, 0) if reverse else (k, 0, 0)
+      wide = pad(x, lax.full((), 0, x.dtype), padding_config=tuple(pads))
+      start = [0] * x.ndim
+      start[axis] = k if reverse else 0
+      shifted = lax.slice(wide, start, [s + d for s, d in zip(start, x.shape)])
+      x = lax.select(lane >= k, combine(x, shifted), x)
+      k *= 2
+    return x
+  return rule
+
+
+for _p in _CUMULATIVE_COMBINE:
+  VALUES_IN_MEMORY[_p] = _cumulative(_p, _pad)
+
+# What the derivation of a kernel differentiates in place of the nonlinear
+# cumulative reductions: JAX's jvp of these goes through `associative_scan`,
+# whose zero-size and strided intermediate values a TPU does not have.
+# (cumsum is linear: its jvp is a cumsum.)
+SCANS_TO_DIFFERENTIATE = {
+    p: _cumulative(p, lax.pad_p.bind)
+    for p in (lax.cummax_p, lax.cummin_p, lax.cumprod_p,
+              lax.cumlogsumexp_p)}
 
 
 def scan_layout(params: dict) -> tuple[int, int, int, int]:
@@ -257,6 +334,10 @@ def _rewritten(eqn) -> bool:
     return bool(n_xs or n_ys)
   if eqn.primitive is lax.select_n_p:
     return len(eqn.invars) > 3
+  if eqn.primitive is lax.slice_p:
+    strides = eqn.params["strides"]
+    return strides is not None and any(s != 1 for s in strides) and (
+        eqn.primitive in _RULES.get())
   return eqn.primitive in _RULES.get()
 
 

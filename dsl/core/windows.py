@@ -164,6 +164,38 @@ def _write_fast(x, indexer, val):
   return lax.dynamic_update_slice(x, jnp.where(keep, val, old), starts)
 
 
+# ------------------------------------------------------------ static strides
+
+def _static_strided(indexer, shape) -> bool:
+  """Slices with a stride, at static starts inside the ref, and static
+  scalar indices only."""
+  return (not _fast(indexer) and not may_leave(indexer, shape)
+          and all(isinstance(i, indexing.Slice) or not _is_array(i)
+                  for i in indexer.indices))
+
+
+def _write_strided(x, indexer, val):
+  """A write through a strided window as a select of `val` spread by an
+  interior pad: its transpose is a strided slice, which every lowering
+  loads as a strided ref read (a scatter's transpose would be a gather)."""
+  pads, sizes, squeeze = [], [], []
+  for d, (i, n) in enumerate(zip(indexer.indices, x.shape)):
+    if isinstance(i, indexing.Slice):
+      start, size, stride = _static_int(i.start), int(i.size), int(i.stride)
+    else:
+      start, size, stride = _static_index(i, n), 1, 1
+      squeeze.append(d)
+    last = start + (size - 1) * stride if size else start - 1
+    pads.append((start, n - 1 - last, stride - 1))
+    sizes.append(size)
+  val = jnp.broadcast_to(jnp.asarray(val, x.dtype),
+                         [k for d, k in enumerate(sizes) if d not in squeeze])
+  val = lax.expand_dims(val, squeeze) if squeeze else val
+  spread = lax.pad(val, jnp.zeros((), x.dtype), pads)
+  inside = lax.pad(jnp.ones(sizes, jnp.bool_), False, pads)
+  return lax.select(inside, spread, x)
+
+
 # ------------------------------------------------------------ padded
 
 def _wrapped(i, n: int):
@@ -231,6 +263,8 @@ def read_one(x, t):
 def write_one(x, t, val):
   """`x` with `val` written through transform `t`; lanes of a window placed
   at run time that leave `x` are dropped."""
+  if isinstance(t, indexing.NDIndexer) and _static_strided(t, x.shape):
+    return _write_strided(x, t, val)
   if not may_leave(t, x.shape):
     return state_discharge.transform_swap_array(x, [t], val)[1]
   if _fast(t):

@@ -8,7 +8,9 @@ import jax
 from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core.blockspec import BlockMapping, BlockSpec, squeezed
+from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
 from dsl.transforms.discharge import discharged_kernel
+from dsl.transforms.prefetch_reads import pure_reads
 from dsl.core.pallas_call import KernelSpec, build_spec, pallas_call_p
 
 
@@ -80,7 +82,11 @@ def point_function(spec: KernelSpec, prefetch_refs: bool = False):
   """
   gm = spec.grid_mapping
   kept = gm.num_scalar_prefetch if prefetch_refs else 0
-  dj = discharged_kernel(spec.jaxpr, len(gm.grid), kept)
+  # What is differentiated: nonlinear cumulative ops as lax ops a TPU has.
+  jaxpr = rewrite_closed(spec.jaxpr, SCANS_TO_DIFFERENTIATE)
+  dj = discharged_kernel(jaxpr, len(gm.grid), kept)
+  if kept:
+    dj = pure_reads(dj)     # no ref effect in a `pl.when` to linearize
 
   def F(ids, pf, ins, outs, scratch):
     finals = gm.split([None] * kept + core.eval_jaxpr(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dsl.core.jax_internals import ad, core
 
 from dsl.core.errors import KernelError
+from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
 from dsl.core.pallas_call import KernelSpec, pallas_call_p
 from dsl.core.tracing import program_id
 from dsl.core.dtypes import has_tangent
@@ -32,8 +33,9 @@ def input_tangent_mask(spec: KernelSpec, nonzeros):
 
 
 def _jvp_jaxpr(spec: KernelSpec, nonzeros):
+  jaxpr = rewrite_closed(spec.jaxpr, SCANS_TO_DIFFERENTIATE)
   try:
-    return ad.jvp_jaxpr(spec.jaxpr, nonzeros, instantiate=False)[0]
+    return ad.jvp_jaxpr(jaxpr, nonzeros, instantiate=False)[0]
   except KernelError as e:
     if e.kernel != "<kernel>":
       raise

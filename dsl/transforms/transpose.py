@@ -30,6 +30,7 @@ from dsl.core.tracing import program_id
 from dsl.core.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    point_function, sds, split)
+from dsl.transforms.prefetch_reads import restore_reads
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
 from dsl.transforms.revisits import (first_visit, per_point_sds,
@@ -417,8 +418,9 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
 
   args, out_shapes, kw = _transpose_io(gm, rev, recorded, state_avals,
                                        ct_in_maps, ct_out_maps, kinds)
-  return derived_spec(spec, body, args, out_shapes, **kw,
-                      scratch=ct_scr_avals, suffix="transpose"), kinds
+  new = derived_spec(spec, body, args, out_shapes, **kw,
+                     scratch=ct_scr_avals, suffix="transpose")
+  return new.replace(jaxpr=restore_reads(new.jaxpr)), kinds
 
 
 def _transpose_io(gm, rev, recorded, state_avals, ct_in_maps, ct_out_maps,

@@ -360,24 +360,30 @@ def _concatenate(ctx, *xs, dimension, **params):
 
 @register(lax.pad_p)
 def _pad(ctx, x, padding_value, padding_config, **params):
+  """Each padded axis is a gather: output lane `p` reads input lane
+  `(p - lo) / (interior + 1)` where that is a whole lane inside the input,
+  and takes the padding value elsewhere (interior padding spreads the input
+  by a stride, as a strided store does)."""
   y = x
   for axis, (lo, hi, interior) in enumerate(padding_config):
     lo, hi, interior = int(lo), int(hi), int(interior)
     if (lo, hi, interior) == (0, 0, 0):
       continue
-    if interior:
-      raise ctx.error("lax.pad with interior padding is not supported by the "
-                      "Triton backend")
     n = y.shape[axis]
-    m = n + lo + hi
+    step = interior + 1
+    m = lo + hi + n + max(0, n - 1) * interior
     ar = lanes(m)
     pos = ctx.bind_raw(f"{ar} - {lo}" if lo else ar, "pad_src")
-    piece = take(ctx, y, axis, clamp(pos, 0, n - 1), m, "padded")
+    valid = f"({pos} >= 0) & ({pos} < {(n - 1) * step + 1})"
+    src = pos
+    if step > 1:
+      src = ctx.bind_raw(f"{pos} // {step}", "pad_src")
+      valid = f"{valid} & ({pos} % {step} == 0)"
+    piece = take(ctx, y, axis, clamp(src, 0, n - 1), m, "padded")
     rank = len(y.shape)
     pv = ctx.value(padding_value)
-    valid = f"(({pos} >= 0) & ({pos} < {n})){bcast(axis, rank)}"
-    y = ctx.bind(f"tl.where({valid}, {piece.expr}, {pv})", piece.shape,
-                 x.dtype, ctx.hint("padded"))
+    y = ctx.bind(f"tl.where(({valid}){bcast(axis, rank)}, {piece.expr}, "
+                 f"{pv})", piece.shape, x.dtype, ctx.hint("padded"))
   return y
 
 

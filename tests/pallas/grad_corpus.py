@@ -221,6 +221,97 @@ def _scalar_prefetch(backend):
   return f, want, (x,)
 
 
+def _max_pool_kernel(x_ref, o_ref):
+  """2x2 max pooling: rows read with stride 2, column pairs maxed."""
+  n = o_ref.shape[0]
+  rows = jnp.maximum(x_ref[pl.ds(0, n, stride=2), :],
+                     x_ref[pl.ds(1, n, stride=2), :])
+  o_ref[...] = rows * jnp.tanh(rows)
+
+
+def _strided_read(backend):
+  """Strided ref reads: their transpose is a strided write (an interior
+  pad of the discharged per-point function)."""
+  (x,) = _data((32, 128))
+  f = pl.pallas_call(
+      _max_pool_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+      grid=(2,), in_specs=[pl.BlockSpec((16, 128), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)), backend=backend)
+
+  def want(x):
+    rows = jnp.maximum(x[0::2], x[1::2])
+    return rows * jnp.tanh(rows)
+  return f, want, (x,)
+
+
+def _dilated_kernel(x_ref, w_ref, o_ref):
+  """A 3-tap window with dilation 2 along rows: o[i] = sum_k w[k] x[i + 2k],
+  each tap a strided read, and a strided write of the even output rows."""
+  n = o_ref.shape[0]
+  acc = jnp.zeros((n, 128), jnp.float32)
+  for k in range(3):
+    acc = acc + w_ref[pl.ds(k, 1), :] * jnp.sin(x_ref[pl.ds(2 * k, n), :])
+  o_ref[...] = acc
+  o_ref[pl.ds(0, n // 2, stride=2), :] = acc[0::2] * acc[0::2]
+
+
+def _dilated_window(backend):
+  x, w = _data((12, 128), (8, 128))
+
+  def want(x, w):
+    acc = sum(w[k] * jnp.sin(x[2 * k:2 * k + 8]) for k in range(3))
+    return acc.at[0::2].set(acc[0::2] ** 2)
+  f = pl.pallas_call(_dilated_kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                     backend=backend)
+  return f, want, (x, w)
+
+
+def _cumulative_kernel(x_ref, o_ref, m_ref):
+  x = x_ref[...]
+  o_ref[...] = jnp.cumsum(jnp.sin(x), axis=0)
+  m_ref[...] = lax.cummax(x, axis=0) * x
+
+
+def _cumulative(backend):
+  """cumsum and cummax along rows (their derivatives interleave strided
+  slices and interior pads of values)."""
+  (x,) = _data((8, 128))
+  out = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+  f = pl.pallas_call(_cumulative_kernel, (out, out), backend=backend)
+  return f, lambda x: (jnp.cumsum(jnp.sin(x), 0), lax.cummax(x, 0) * x), (x,)
+
+
+def _prefetch_when_kernel(n_ref, x_ref, o_ref):
+  o_ref[...] = jnp.zeros_like(o_ref)
+
+  @pl.when(n_ref[pl.program_id(0)] > 0)
+  def _():
+    o_ref[...] = jnp.sin(x_ref[...]) * n_ref[pl.program_id(0)]
+
+
+_COUNTS = jnp.array([2, 0], jnp.int32)
+
+
+def _prefetch_when(backend):
+  """A scalar-prefetch ref read under `pl.when` (a `cond` whose branch reads
+  a ref that the transposed kernel keeps as a ref)."""
+  (x,) = _data((16, 128))
+
+  def f(x):
+    return pl.pallas_call(
+        _prefetch_when_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, n: (i, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, n: (i, 0))),
+        backend=backend)(_COUNTS, x)
+
+  def want(x):
+    scale = jnp.repeat(_COUNTS, 8)[:, None].astype(jnp.float32)
+    return jnp.sin(x) * scale
+  return f, want, (x,)
+
+
 CASES = {
     "softmax": _softmax,
     "layer_norm": _layer_norm,
@@ -231,6 +322,10 @@ CASES = {
     "cond": _cond,
     "input_output_aliases": _input_output_aliases,
     "scalar_prefetch": _scalar_prefetch,
+    "strided_read": _strided_read,
+    "dilated_window": _dilated_window,
+    "cumulative": _cumulative,
+    "prefetch_when": _prefetch_when,
 }
 SLOW_CASES = {
     "softmax_two_pass": _softmax_two_pass,

@@ -209,3 +209,54 @@ def test_grad_of_dynamic_while_loop_says_why(backend):
   assert "cannot differentiate a while_loop" in msg
   assert "fori_loop with static" in msg and "jax.custom_vjp" in msg
   assert msg.endswith(f"test_grad_backends.py:{line})")
+
+
+# ------------------------------------------- strided slices and interior pads
+
+_PADS = [((1, 2, 1), (0, 0, 0)), ((0, -2, 2), (2, 1, 1)),
+         ((-2, -1, 0), (1, -3, 2)), ((0, 0, 0), (0, -1, 1))]
+_STRIDED = [((0, 0), (6, 5), (2, 1)), ((1, 1), (6, 4), (2, 2)),
+            ((1, 0), (5, 5), (3, 1))]
+
+
+def _value_op_call(fn, shape, backend):
+  def kernel(x_ref, o_ref):
+    o_ref[...] = fn(x_ref[...])
+  return pl.pallas_call(kernel, jax.ShapeDtypeStruct(shape, jnp.float32),
+                        backend=backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_interior_pads_and_strided_slices_of_values(backend):
+  """What the transpose of a strided read leaves in a derived kernel (an
+  interior pad, negative edges too) and a strided slice of a value: a
+  gather on Triton, strided ref writes and reads of a buffer on Mosaic."""
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(6, 5)), jnp.float32)
+  for cfg in _PADS:
+    want = lax.pad(x, jnp.float32(7), cfg)
+    got = _value_op_call(lambda v: lax.pad(v, jnp.float32(7), cfg),
+                         want.shape, backend)(x)
+    np.testing.assert_array_equal(got, want, err_msg=str(cfg))
+  for start, limit, strides in _STRIDED:
+    want = lax.slice(x, start, limit, strides)
+    got = _value_op_call(lambda v: lax.slice(v, start, limit, strides),
+                         want.shape, backend)(x)
+    np.testing.assert_array_equal(got, want, err_msg=str(strides))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("op", [lax.cumsum, lax.cummax, lax.cummin,
+                                lax.cumprod])
+def test_cumulative_ops_and_their_jvp(op, backend):
+  """Cumulative ops (a shift-and-combine scan on Mosaic) forward, reverse,
+  and their jvp, along both axes."""
+  x = jnp.asarray(np.random.default_rng(1).uniform(0.5, 1.5, (8, 128)),
+                  jnp.float32)
+  for axis, reverse in [(0, False), (1, True)]:
+    fn = functools.partial(op, axis=axis, reverse=reverse)
+    f = _value_op_call(fn, x.shape, backend)
+    np.testing.assert_allclose(f(x), fn(x), rtol=1e-5, atol=1e-5)
+    t = jnp.cos(x)
+    np.testing.assert_allclose(jax.jvp(f, (x,), (t,))[1],
+                               jax.jvp(fn, (x,), (t,))[1], rtol=1e-4,
+                               atol=1e-4)

@@ -573,8 +573,7 @@ def test_verbose_error_marks_the_failing_equation(verbose_errors):
 
 
 @pytest.mark.parametrize("case", ["cas_on_padded",
-                                  "array_index", "semaphore", "too_large",
-                                  "interior_pad"])
+                                  "array_index", "semaphore", "too_large"])
 def test_unsupported_constructs_raise_clear_errors(case):
   scratch = ()
   shape = jax.ShapeDtypeStruct((10,), jnp.int32)
@@ -601,10 +600,6 @@ def test_unsupported_constructs_raise_clear_errors(case):
     def kernel(x_ref, o_ref):
       o_ref[...] = x_ref[...] * 2
     match = "Triton's limit"
-  else:
-    def kernel(x_ref, o_ref):
-      o_ref[...] = lax.pad(x_ref[...], 0, [(0, -9, 1)])
-    match = "interior padding"
   with pytest.raises(pl.BackendError, match=match) as e:
     lowering_triton.to_source(lambda x: pl.pallas_call(
         kernel, shape, scratch_shapes=scratch)(x), x)
