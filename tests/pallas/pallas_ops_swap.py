@@ -208,7 +208,7 @@ COMPAT_PAGE = os.path.join(os.path.dirname(os.path.dirname(
 _SECTION = "## Pallas's kernel library on dsl"
 
 
-# The ops checked (test_pallas_ops.CASES has one case for each), in the
+# The ops checked (pallas_ops_cases.CASES has one case for each), in the
 # order of the table.
 OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
        "tpu.flash_attention", "tpu.paged_attention",

@@ -15,6 +15,7 @@ from jax.test_util import check_grads
 
 import dsl as pl
 from dsl.core import backends
+from dsl.core.jax_internals import core, mlir
 
 # ------------------------------------------------------------------ backends
 
@@ -127,6 +128,19 @@ def call(kernel, out_shape, *args, backend=None, **kw):
 # The name `run_on` and `run_backends` give Pallas's interpret mode
 # (jax.experimental.pallas), the peer every CPU backend is compared with.
 PALLAS = "pallas"
+
+# A primitive no lowering has a rule for, defined for the tests of that error
+# (so that filling a real gap never breaks them): XLA runs it as the identity.
+no_rule_p = core.Primitive("no_rule_for_tests")
+no_rule_p.def_impl(lambda x: x)
+no_rule_p.def_abstract_eval(lambda x: x)
+mlir.register_lowering(no_rule_p, mlir.lower_fun(lambda x: x,
+                                                 multiple_results=False))
+
+
+def no_rule(x):
+  """`x`, through a primitive no kernel backend lowers (`no_rule_p`)."""
+  return no_rule_p.bind(x)
 
 
 def run_on(backend, kernel, out_shape, *args, specs=None, **kw):
