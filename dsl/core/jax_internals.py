@@ -151,12 +151,6 @@ _TABLE: dict[str, tuple[str | tuple[str, ...], str | None]] = {
     "tpu": ("jax._src.lib", "tpu"),
     "mosaic_gpu_dialect": ("jax._src.lib", "mosaic_gpu_dialect"),
     "gpu_triton": ("jax._src.lib", "gpu_triton"),
-    # Pallas's own lowerings, for the tests and benchmarks that compare
-    # with them (the library never uses them).
-    "pallas_triton_lowering": ("jax._src.pallas.triton.lowering", None),
-    "pallas_mosaic_lowering": ("jax._src.pallas.mosaic.lowering", None),
-    "LoweringException": ("jax._src.pallas.mosaic.lowering",
-                          "LoweringException"),
 }
 
 

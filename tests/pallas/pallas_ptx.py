@@ -15,7 +15,8 @@ import tempfile
 import warnings
 
 import jax
-from dsl.core.jax_internals import ir, mesh as mesh_lib, pallas_triton_lowering
+from dsl.core.jax_internals import ir, mesh as mesh_lib
+from tests.pallas.pallas_internals import triton_lowering as pallas_triton_lowering
 import triton
 from triton.backends.compiler import GPUTarget
 

@@ -22,7 +22,7 @@ from dsl import tpu as dtpu
 from dsl.core.poison import poison_value
 import kernels
 from tests.pallas import mosaic_golden as golden
-from tests.pallas import mosaic_locations, testing
+from tests.pallas import mosaic_locations, pallas_internals, testing
 from tests.pallas.mosaic_corpus import CASES
 
 # Where the corpus's kernels and index maps come from besides the case's own
@@ -101,8 +101,7 @@ REJECTED_BY_PALLAS = {
 #   `LoweringException`, a bare Exception subclass outside its public API,
 #   which no dsl error can be; and with `use_lookahead=True`.
 def _lowering_exception():
-  from dsl.core.jax_internals import LoweringException
-  return LoweringException
+  return pallas_internals.LoweringException
 
 
 _ACCUMULATING = (NotImplementedError, "DMA with add=True is not supported",
