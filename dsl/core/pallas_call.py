@@ -10,6 +10,7 @@ resolves) are registered by dsl.transforms.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -70,6 +71,9 @@ class KernelSpec:
   # Runs on each device's shards on its own (partitioned under a sharded
   # jit, see dsl.transforms.partitioning): it is not partitioned again.
   local: bool = False
+  # `pallas_call(metadata=)`: (key, value) string pairs, sorted; the Mosaic
+  # lowering puts them in the TPU call's `kernel_metadata`.
+  metadata: tuple = ()
 
   def ref_labels(self) -> list[str]:
     """A name per kernel ref for messages and generated code: the user's
@@ -277,9 +281,9 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
 
   The kernel reads blocks of the inputs through refs and writes blocks of the
   outputs; `in_specs`/`out_specs` say which block each grid point sees.
-  `metadata` is accepted as in Pallas and not used.
+  `metadata` (str -> str) is recorded with the kernel, as in Pallas: the
+  Mosaic lowering puts it in the TPU call's `kernel_metadata`.
   """
-  del metadata
   name = name or kernel_name(kernel)
   if isinstance(out_shape, list):   # as Pallas: the results come as a tuple
     out_shape = tuple(out_shape)
@@ -289,6 +293,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     scratch_shapes = grid_spec.scratch_shapes or scratch_shapes
     num_scalar_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
   backend = backends.requested(backend, interpret)
+  meta_items = _metadata_items(name, metadata)
 
   @api_boundary
   def wrapped(*args):
@@ -307,7 +312,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
         num_scalar_prefetch=num_scalar_prefetch,
         input_output_aliases=input_output_aliases, backend=backend,
         debug=debug, compiler_params=params,
-        cost_estimate=cost_estimate, where=where)
+        cost_estimate=cost_estimate, where=where, metadata=meta_items)
     check_semantics(spec.name, params, len(spec.grid_mapping.grid),
                     where)
     check_parallel_carries(spec, params, where)
@@ -317,11 +322,22 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
   return wrapped
 
 
+def _metadata_items(name, metadata) -> tuple:
+  """`pallas_call(metadata=)` as sorted (key, value) pairs of strings."""
+  if metadata is None:
+    return ()
+  if not isinstance(metadata, Mapping) or not all(
+      isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+    raise KernelError(name, f"metadata must be a dict of str to str, got "
+                      f"{metadata!r}", user_frame(), operand="metadata")
+  return tuple(sorted(metadata.items()))
+
+
 def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
                out_specs=None, scratch_shapes=(), num_scalar_prefetch=0,
                input_output_aliases=None, backend=None, debug=False,
                compiler_params=None, cost_estimate=None, where=None,
-               meta: tuple = ()):
+               meta: tuple = (), metadata: tuple = ()):
   """Resolves specs and traces `kernel` for arguments like `args` (cached)."""
   where = where or user_frame()
   backends.check_backend_name(backend, name, where)
@@ -345,7 +361,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
            _hashable(grid), _hashable(in_specs), _hashable(out_specs),
            _hashable(scratch_shapes), num_scalar_prefetch,
            _hashable(input_output_aliases), backend, debug,
-           _hashable(compiler_params), meta, _option_key())
+           _hashable(compiler_params), meta, metadata, _option_key())
     hash(key)
   except TypeError:
     key = None
@@ -368,7 +384,7 @@ def build_spec(kernel, args, out_shape, *, name, grid=(), in_specs=None,
         name, jaxpr, gm, input_output_aliases=aliases,
         compiler_params=compiler_params, backend=backend, debug=debug,
         where=where, kernel_src=function_location(kernel),
-        cost_estimate=cost_estimate, meta=meta,
+        cost_estimate=cost_estimate, meta=meta, metadata=metadata,
         ref_names=kernel_ref_names(kernel, gm))
     if debug:
       print(f"--- kernel {name} ({spec.kernel_src})\n{jaxpr}")

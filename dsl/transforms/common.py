@@ -55,7 +55,7 @@ def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
       scratch_shapes=list(scratch), num_scalar_prefetch=gm.num_scalar_prefetch,
       input_output_aliases=dict(aliases), backend=spec.backend,
       debug=False, compiler_params=spec.compiler_params,
-      where=spec.where, meta=meta)
+      where=spec.where, meta=meta, metadata=spec.metadata)
   return new_spec.replace(kernel_src=spec.kernel_src)
 
 

@@ -89,7 +89,7 @@ def _with_grid_offsets(local):
       scratch_shapes=list(gm.scratch_avals), num_scalar_prefetch=n_pf + 1,
       input_output_aliases={i + 1: o for i, o in local.input_output_aliases},
       backend=local.backend, compiler_params=local.compiler_params,
-      where=local.where)
+      where=local.where, metadata=local.metadata)
   new_gm = dataclasses.replace(new.grid_mapping,
                                num_hidden_axes=gm.num_hidden_axes)
   return new.replace(grid_mapping=new_gm, kernel_src=local.kernel_src,

@@ -98,7 +98,7 @@ def mosaic_lowering(ctx, *args, spec):
       has_side_effects=bool(params.has_side_effects),
       serialization_format=1, output_memory_spaces=None,
       disable_bounds_checks=bool(params.disable_bounds_checks),
-      input_memory_spaces=None, metadata=kernel_metadata(lctx),
+      input_memory_spaces=None, metadata=kernel_metadata(spec, lctx),
       shape_invariant_numerics=bool(params.shape_invariant_numerics))
   return mlir.lower_fun(_cast_all(ctx.avals_out), multiple_results=True)(
       ctx.replace(avals_in=list(out_avals)), *outs)
@@ -139,9 +139,14 @@ def cost_estimate_of(spec):
   return est
 
 
-def kernel_metadata(lctx) -> dict:
-  """The call's `kernel_metadata`: the mesh axes the kernel names, as
-  Pallas records them."""
+def kernel_metadata(spec, lctx) -> dict:
+  """The call's `kernel_metadata`: `pallas_call(metadata=)` and the mesh
+  axes the kernel names, as Pallas records them."""
+  meta = dict(spec.metadata)
   if lctx.named_axes:
-    return {"mesh_axes": json.dumps(sorted(lctx.named_axes))}
-  return {}
+    if "mesh_axes" in meta:
+      raise KernelError(spec.name, "metadata has a 'mesh_axes' entry, which "
+                        "the lowering fills with the mesh axes the kernel "
+                        "names", spec.where, operand="metadata")
+    meta["mesh_axes"] = json.dumps(sorted(lctx.named_axes))
+  return meta

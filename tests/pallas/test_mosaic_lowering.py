@@ -108,6 +108,17 @@ def test_tpu_lowering_is_a_tpu_custom_call_with_our_module():
   assert cfg["scoped_memory_configs"][0]["size"] == 32 * 1024 * 1024
 
 
+def test_metadata_is_the_calls_kernel_metadata():
+  x = jnp.ones((16, 256), jnp.float32)
+  f = lambda x: blocked_add(x, x, backend="mosaic",
+                            metadata={"block_q": "8", "kind": "add"})
+  text = jax.jit(f).trace(x).lower(lowering_platforms=("tpu",)).as_text()
+  assert re.search(r'kernel_metadata = "\{.*block_q.*8.*kind.*add.*\}"',
+                   text), text
+  with pytest.raises(KernelError, match="metadata must be a dict of str"):
+    blocked_add(x, x, metadata={"block_q": 8})
+
+
 def test_mosaic_backend_refuses_cpu():
   x = jnp.ones((16, 256))
   with pytest.raises(BackendError, match="mosaic_interpret"):

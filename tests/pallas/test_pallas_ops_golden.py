@@ -28,10 +28,6 @@ DIFFERS = {
     "tpu.ragged_paged_attention":
         "fidelity gap: a DMA window taken by chained `.at[]` indexers is one "
         "`tpu.memref_slice` (+ squeeze) in ours, one per indexer in Pallas's",
-    "tpu.splash_attention":
-        "fidelity gap: the module is Pallas's, but `pallas_call(metadata=)` "
-        "(splash's xprof block sizes) is not put in the call's "
-        "`kernel_metadata` frontend attribute",
     "tpu.megablox.gmm":
         "does not lower on dsl: traced grid sizes (test_pallas_ops.py)",
     "tpu.megablox.tgmm":
