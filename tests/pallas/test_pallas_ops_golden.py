@@ -20,14 +20,6 @@ TPU_OPS = [op for op in ops.CASES
 
 # op -> why dsl's module or call is not Pallas's yet.
 DIFFERS = {
-    "tpu.paged_attention":
-        "fidelity gap: the scalar loop finding the next page starts at "
-        "`i + 2` and ends at the page count (ours folds `i + 2 + (0 - i)` "
-        "to a constant bound), and the K/V DMA windows are sliced in one "
-        "`tpu.memref_slice` where Pallas slices per `.at[]`",
-    "tpu.ragged_paged_attention":
-        "fidelity gap: a DMA window taken by chained `.at[]` indexers is one "
-        "`tpu.memref_slice` (+ squeeze) in ours, one per indexer in Pallas's",
     "tpu.megablox.gmm":
         "does not lower on dsl: traced grid sizes (test_pallas_ops.py)",
     "tpu.megablox.tgmm":

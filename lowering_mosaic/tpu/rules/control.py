@@ -180,7 +180,10 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
   body, body_consts = _closed(body_jaxpr)
   if _is_fori_while(cond_jaxpr, cond_nconsts, body, body_nconsts):
     lb, ub = init[:2]
-    loop = scf.ForOp(lb, ub, i32_const(1), init[2:])
+    # the end is the start plus the trip count (as Pallas), which keeps
+    # `lb + (ub - lb)` where `ub` alone would fold
+    end = arith.AddIOp(lb, arith.SubIOp(ub, lb).result).result
+    loop = scf.ForOp(lb, end, i32_const(1), init[2:])
     with ir.InsertionPoint(loop.body):
       outs = ctx.lower_sub(body, body_consts, bconsts + [
           loop.induction_variable, ub] + list(loop.inner_iter_args))

@@ -212,15 +212,20 @@ def _select_n(ctx, which, *cases, **_):
   out = ctx.avals_out[0]
   cases = [emit.broadcast_to(c, out.shape, out.dtype) for c in cases]
   waval = ctx.avals_in[0]
-  which = emit.broadcast_to(which, out.shape, waval.dtype)
   if len(cases) == 1:
     return cases[0]
-  if emit.is_bool(waval.dtype):
-    return emit.select(which, cases[1], cases[0])
-  if len(cases) == 2:     # `which != 0` (as Pallas; folds a bool's extui)
+  if len(cases) == 2:
+    # a scalar selector stays a scalar `i1` (as Pallas): `arith.select`
+    # picks between whole vectors
+    shape = () if waval.shape == () else out.shape
+    which = emit.broadcast_to(which, shape, waval.dtype)
+    if emit.is_bool(waval.dtype):
+      return emit.select(which, cases[1], cases[0])
+    # `which != 0` (as Pallas; folds a bool's extui)
     ne = arith.CmpIOp(arith.CmpIPredicate.ne, which,
-                      constant(0, out.shape, waval.dtype)).result
+                      constant(0, shape, waval.dtype)).result
     return emit.select(ne, cases[1], cases[0])
+  which = emit.broadcast_to(which, out.shape, waval.dtype)
   # integer selector: a chain of compares, last case by default
   result = cases[-1]
   for k in range(len(cases) - 2, -1, -1):

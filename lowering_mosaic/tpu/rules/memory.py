@@ -113,8 +113,27 @@ def view_of(ctx, ref: RefVal, transforms) -> View:
 
 
 def window_memref(ctx, ref: RefVal, transforms) -> ir.Value:
-  """The memref of a ref window: `tpu.memref_slice` (+ `memref_squeeze`)."""
-  view = view_of(ctx, ref, transforms)
+  """The memref of a ref window: a `tpu.memref_slice` (+ `memref_squeeze`)
+  per indexer, so chained `.at[]`s slice one after the other (as Pallas)."""
+  transforms = list(transforms or ())
+  reshapes = [k for k, t in enumerate(transforms)
+              if isinstance(t, state_types.ReshapeTransform)]
+  if reshapes:
+    k = reshapes[-1]
+    ref = _reshaped(ctx, ref, transforms[:k], transforms[k].shape)
+    transforms = transforms[k + 1:]
+  if len(transforms) <= 1:
+    return _sliced(ctx, view_of(ctx, ref, transforms))
+  for t in transforms:
+    view = view_of(ctx, ref, [t])
+    inner = ref.aval.inner_aval.update(shape=view.shape)
+    ref = RefVal(_sliced(ctx, view), ref.aval.update(inner_aval=inner),
+                 ref.space, ref.name)
+  return ref.value
+
+
+def _sliced(ctx, view: View) -> ir.Value:
+  """The memref of one window: `tpu.memref_slice` (+ `memref_squeeze`)."""
   if view.is_whole:
     return view.ref.value
   if any(s != 1 for s in view.strides):

@@ -166,10 +166,8 @@ def _dot_general(ctx, lhs, rhs, *, dimension_numbers, precision=None,
   if len(lc) != 1 or len(la.shape) < 2 or len(ra.shape) < 2:
     raise ctx.error("needs 2D (or batched 2D) operands with one contracting "
                     f"dim, got {la.str_short()} x {ra.str_short()}")
-  if la.dtype != ra.dtype:
-    wide = jnp.promote_types(la.dtype, ra.dtype)
-    lhs = emit.convert(lhs, la.shape, la.dtype, wide)
-    rhs = emit.convert(rhs, ra.shape, ra.dtype, wide)
+  # operands of two dtypes (f32 x bf16) go to `tpu.matmul` as they are (as
+  # Pallas): the MXU takes them mixed
   # The MXU accumulates in 32 bits: a narrower result (a bf16 or int8 dot
   # without preferred_element_type) is accumulated there and rounded once,
   # as XLA computes it.
