@@ -38,7 +38,7 @@ def test_cases_are_reproducible():
     assert generate_case(SEED, i) == generate_case(SEED, i)
   families = {generate_case(SEED, i).family for i in range(N_CASES)}
   assert families == {"map", "reduce", "matmul", "carry", "tail", "dma",
-                      "window"}
+                      "window", "strided", "order", "prng"}
 
 
 def test_a_dying_backend_is_a_crash_and_the_run_goes_on(monkeypatch):
