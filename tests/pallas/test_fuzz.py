@@ -38,7 +38,7 @@ def test_cases_are_reproducible():
     assert generate_case(SEED, i) == generate_case(SEED, i)
   families = {generate_case(SEED, i).family for i in range(N_CASES)}
   assert families == {"map", "reduce", "matmul", "carry", "tail", "dma",
-                      "window"}
+                      "window", "strided", "order", "prng"}
 
 
 def test_a_dying_backend_is_a_crash_and_the_run_goes_on(monkeypatch):
@@ -123,3 +123,22 @@ def test_the_reference_clips_float_to_int_casts_as_the_kernels_do():
   got = safe_cast(x, "int32", np)
   np.testing.assert_array_equal(got, want)
   assert got[0] == -998244352
+
+
+def test_the_dropout_check_holds_the_kernel_to_its_own_mask():
+  """The `prng` family's results follow from the backend's forward mask:
+  a gradient off that mask, or a mask no fair draw gives, disagrees."""
+  from tests.pallas.fuzz.family_prng import derive
+  from tests.pallas.fuzz.spec import make_inputs
+  case = next(c for c in (generate_case(SEED, i) for i in range(400))
+              if c.family == "prng")
+  x, g = make_inputs(case)
+  q = case.param("q")
+  keep = (np.random.default_rng(0).random(x.shape) < q).astype(np.int32)
+  good = [np.where(keep == 1, x / np.float32(q), 0).astype(np.float32), keep,
+          np.where(keep == 1, g / np.float32(q), 0).astype(np.float32)]
+  assert mismatch(case, good, derive(case, good)) is None
+  other = good[:2] + [np.where(keep == 0, g / np.float32(q), 0)]
+  assert "out2" in mismatch(case, other, derive(case, other))
+  lopsided = [x / np.float32(q), np.ones_like(keep), g / np.float32(q)]
+  assert "out1" in mismatch(case, lopsided, derive(case, lopsided))

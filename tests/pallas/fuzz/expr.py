@@ -89,7 +89,7 @@ class Expr:
     return [e.dtype for e in self.walk() if e.args and not e.exact]
 
 
-CROSS = ("reduce", "dot", "roll", "scalar")
+CROSS = ("reduce", "dot", "roll", "scalar", "cum")
 
 
 # ---- evaluation: the same code inside a kernel (xp = jax.numpy, on traced
@@ -161,6 +161,18 @@ def _reduce(xp, x, attr):
   return f(x, axis=axis, keepdims=True)
 
 
+def _cumulative(xp, x, attr):
+  """cumsum or cummax of `x` along `axis`, in `x`'s dtype."""
+  kind, axis = attr
+  if xp is np:
+    if kind == "cumsum":
+      return np.cumsum(x, axis, dtype=x.dtype)
+    return np.maximum.accumulate(x, axis)
+  if kind == "cumsum":
+    return jnp.cumsum(x, axis, dtype=x.dtype)
+  return jax.lax.cummax(x, axis)
+
+
 def _scalar(xp, x, attr):
   """A reduction over every axis, as a scalar or reshaped to ones."""
   kind, keep = attr
@@ -224,6 +236,7 @@ OTHER: dict[str, Callable] = {
     "reduce": lambda xp, e, x: _reduce(xp, x, e.attr),
     "dot": lambda xp, e, x: _dot(xp, x, e.attr),
     "roll": lambda xp, e, x: xp.roll(x, e.attr[0], axis=e.attr[1]),
+    "cum": lambda xp, e, x: _cumulative(xp, x, e.attr),
     "scalar": lambda xp, e, x: _scalar(xp, x, e.attr),
 }
 
@@ -325,6 +338,8 @@ class ExprGen:
       makers.append(self._dot)
     if "roll" in self.allow and self.shape:
       makers.append(self._roll)
+    if "cum" in self.allow and self.shape and dtype in ("float32", "int32"):
+      makers.append(self._cum)
     if is_int(dtype):
       makers.append(self._shift)
     for _ in range(4):
@@ -465,3 +480,14 @@ class ExprGen:
     shift = int(self.rng.integers(0, self.shape[axis] + 1))
     a = self._bcast(self.gen(dtype, depth, exact))
     return Expr("roll", (a,), (shift, axis), self.shape, dtype, a.exact)
+
+  def _cum(self, dtype, depth, exact):
+    """cumsum (inexact in f32: its order of additions is the backend's)
+    or cummax along one axis of the full shape."""
+    axis = int(self.rng.integers(len(self.shape)))
+    kind = self.choice(["cumsum", "cummax"])
+    if kind == "cumsum" and exact and dtype == "float32":
+      kind = "cummax"
+    a = self._bcast(self.gen(dtype, depth, exact))
+    ok = a.exact and (kind == "cummax" or dtype == "int32")
+    return Expr("cum", (a,), (kind, axis), self.shape, dtype, ok)

@@ -13,7 +13,7 @@ from typing import Callable
 from tests.pallas.fuzz import family_accumulate as acc
 from tests.pallas.fuzz import family_map
 from tests.pallas.fuzz import family_memory as mem
-from tests.pallas.fuzz import family_window
+from tests.pallas.fuzz import family_prng, family_strided, family_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +22,11 @@ class Family:
   body: Callable
   weight: float          # how often it is drawn
   tpu_share: float       # how often its cases follow the TPU tiling rule
+  # A family whose results no reference can know (random bits) runs its
+  # own `run(case, build)` on a backend, and `derive(case, got)` gives the
+  # results a correct kernel has for what the backend drew.
+  run: Callable | None = None
+  derive: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -32,6 +37,10 @@ FAMILIES: dict[str, Family] = {
     "tail": Family(mem.generate_tail, mem.body_tail, 1.5, 0.0),
     "dma": Family(mem.generate_dma, mem.body_dma, 0.7, 1.0),
     "window": Family(family_window.generate, family_window.body, 1.2, 0.0),
+    "strided": Family(family_strided.generate, family_strided.body, 1, 0.4),
+    "order": Family(acc.generate_order, acc.body_order, 0.8, 0.4),
+    "prng": Family(family_prng.generate, family_prng.body, 0.5, 1.0,
+                   family_prng.run, family_prng.derive),
 }
 
 

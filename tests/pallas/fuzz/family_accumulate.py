@@ -313,3 +313,58 @@ def body_carry(case: Case, ctx) -> None:
   c = ctx.scratch_get(0)
   ctx.store(0, safe_cast(v + c, case.outputs[0].dtype, ctx.xp))
   ctx.scratch_set(0, c + ctx.xp.sum(v, axis=0, keepdims=True, dtype=v.dtype))
+
+
+# ---- order
+
+def generate_order(d: Draw, seed: int, index: int, tpu: bool) -> Case:
+  """Scratch carried across every grid dim, all `arbitrary`: an
+  accumulator reset under `pl.when(pl.program_id(a) == 0)` for one axis,
+  or only at the first grid point, so that each output block holds the sum
+  of the values of every grid point visited before it (and its own) in the
+  TPU's row-major order, which every backend must follow."""
+  grid = tuple(d.int(1, 3) for _ in range(d.int(2, 3)))
+  in_dtype = d.pick(FLOATS + INTS)
+  out_dtype = d.pick(FLOATS + INTS)
+  acc = d.pick(["float32", "int32"]) if is_float(out_dtype) else "int32"
+  if tpu:
+    bm, bn = max(sublane(in_dtype), sublane(out_dtype)), 128
+  else:
+    bm, bn = d.pick([1, 2, 3, 4]), d.pick([1, 2, 4, 8])
+  a, b = (int(v) for v in d.rng.permutation(len(grid))[:2])
+  x = Operand((grid[a] * bm, grid[b] * bn), in_dtype,
+              (Dim("blocked", bm, "axis", a), Dim("blocked", bn, "axis", b)),
+              nan=is_float(in_dtype) and d.chance(0.1))
+  out = Operand(grid + (bm, bn), out_dtype, tuple(
+      Dim("squeezed", 1, "axis", k) for k in range(len(grid))) + (
+          Dim("blocked", bm, "const", 0), Dim("blocked", bn, "const", 0)))
+  leaves = {"x0": ((bm, bn), in_dtype)}
+  leaves.update({f"pid{k}": ((), "int32") for k in range(len(grid))})
+  expr = ExprGen(d.rng, leaves, (bm, bn), {"cast", "iota"},
+                 d.int(1, 2)).full(acc)
+  reset = None if d.chance(0.4) else d.int(0, len(grid) - 1)
+  n_points = int(np.prod(grid))
+  body = dict(expr=expr, reset=reset, scratch=(("vmem", (bm, bn), acc),),
+              none_squeeze=d.chance(0.5),
+              tol=(tolerance([expr] + [_rounding(acc)] * min(8, n_points),
+                             out_dtype),))
+  sem = d.pick([None, ("arbitrary",) * len(grid)])
+  tags = {"carry", "scratch_carried", "carry_order",
+          "carry_reset:first_point" if reset is None else
+          f"carry_reset:axis{reset}"}
+  tags |= expr.tags(loop_leaves(grid, range(len(grid))), unit_leaves(grid))
+  return Case(seed, index, "order", grid, (x,), (out,), tuple(body.items()),
+              None, sem, (), frozenset(_tags(tags, (x,), (out,), grid, tpu)))
+
+
+def body_order(case: Case, ctx) -> None:
+  p = case.param
+  xp = ctx.xp
+  env = load_inputs(case, ctx, {})
+  axes = range(len(case.grid)) if p("reset") is None else (p("reset"),)
+  first = functools.reduce(xp.logical_and, [ctx.pid(a) == 0 for a in axes])
+  ctx.when(first, lambda: ctx.scratch_set(0, xp.zeros(
+      ctx.scratch_get(0).shape, ctx.scratch_get(0).dtype)))
+  c = ctx.scratch_get(0) + ctx.eval(p("expr"), env)
+  ctx.scratch_set(0, c)
+  ctx.store(0, safe_cast(c, case.outputs[0].dtype, xp))

@@ -166,7 +166,8 @@ def generate(d: Draw, seed: int, index: int, tpu: bool) -> Case:
   kshape, ins, outs, aliases = _operands(d, grid, tpu and not whole, pf, whole)
   leaves, rows = _leaves(d, ins, grid, pf)
   allow = {"cast", "iota"} | {f for f, p in (("reduce", 0.3), ("dot", 0.15),
-                                             ("roll", 0.1)) if d.chance(p)}
+                                             ("roll", 0.1), ("cum", 0.1))
+                                   if d.chance(p)}
   gen = ExprGen(d.rng, leaves, kshape, allow, max_depth=d.int(1, 3))
   mode = d.pick(MODES)
   exprs = tuple(gen.full(op.dtype) for op in outs)

@@ -150,6 +150,18 @@ class RefCtx:
              "xor": np.bitwise_xor}[op]
     ufunc.at(arr, idx[keep], v[keep])
 
+  # strided windows of the blocks: (start, size, stride) per dim
+  @staticmethod
+  def _strided(win):
+    return tuple(slice(s, s + (n - 1) * st + 1, st) for s, n, st in win)
+
+  def load_strided(self, k, win):
+    return self._read(k)[self._strided(win)]
+
+  def store_strided(self, j, win, v):
+    blk = self._out_block(j)
+    blk[self._strided(win)] = np.asarray(v).astype(blk.dtype)
+
   def with_scalar(self, name, v, k):
     return apply_scalar(np, name, v, self.inputs[k])
 

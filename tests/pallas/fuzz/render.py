@@ -75,7 +75,8 @@ def build_call(case: Case, mods: Mods, **backend_kw):
   pl = mods.pl
   body = FAMILIES[case.family].body
   n_pf = 0 if case.prefetch is None else 1
-  n_in, n_out = len(case.inputs), len(case.outputs)
+  n_in = len(case.inputs)
+  n_out = case.param("n_kernel_out", len(case.outputs))
 
   def kernel(*refs):
     pf = refs[0] if n_pf else None
@@ -86,7 +87,7 @@ def build_call(case: Case, mods: Mods, **backend_kw):
 
   kernel.__name__ = case.name
   out_shape = [jax.ShapeDtypeStruct(op.shape, jnp.dtype(op.dtype))
-               for op in case.outputs]
+               for op in case.outputs[:n_out]]
   kw = dict(name=case.name, **backend_kw)
   if case.aliases:
     kw["input_output_aliases"] = {k + n_pf: j for k, j in case.aliases}
@@ -95,7 +96,8 @@ def build_call(case: Case, mods: Mods, **backend_kw):
         dimension_semantics=case.semantics)
   specs = dict(grid=case.grid,
                in_specs=[block_spec(mods, case, op) for op in case.inputs],
-               out_specs=[block_spec(mods, case, op) for op in case.outputs],
+               out_specs=[block_spec(mods, case, op)
+                          for op in case.outputs[:n_out]],
                scratch_shapes=_scratch_shapes(mods, case))
   if case.param("no_specs"):
     specs.pop("in_specs"), specs.pop("out_specs")
@@ -176,6 +178,21 @@ class KernelCtx:
   def atomic_indexed(self, op, j, idx, v, mask):
     getattr(self.mods.triton, f"atomic_{op}")(self.outs[j], (idx,), v,
                                               mask=mask)
+
+  def bernoulli(self, seeds, q, shape):
+    self.mods.tpu.prng_seed(*seeds)
+    return self.mods.tpu.stateful_bernoulli(q, shape)
+
+  # strided windows of the block refs: (start, size, stride) per dim
+  def _strided(self, ref, win):
+    pl = self.mods.pl
+    return tuple(pl.ds(s, n, stride=st) for s, n, st in win)
+
+  def load_strided(self, k, win):
+    return self.ins[k][self._strided(self.ins[k], win)]
+
+  def store_strided(self, j, win, v):
+    self.outs[j][self._strided(self.outs[j], win)] = v
 
   def with_scalar(self, name, v, k):
     return apply_scalar(jnp, name, v, self.ins[k][...])
