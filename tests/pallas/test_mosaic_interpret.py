@@ -103,3 +103,18 @@ def test_roll_and_bitcast_agree_with_pallas_tpu():
   for a, b in zip(ours, theirs):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
                                   np.asarray(b).view(np.uint16))
+
+
+def test_sigmoid_of_a_scalar():
+  """`tpu.logistic` takes vectors only: a scalar's sigmoid is spelled
+  1 / (1 + exp(-x)) (found by the fuzzer, case 701:121)."""
+  def kernel(s_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] * jax.nn.sigmoid(s_ref[0])
+  s = jnp.array([0.3], jnp.float32)
+  x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+  out = pl.pallas_call(
+      kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM),
+                pl.BlockSpec((8, 128), lambda: (0, 0))],
+      backend="mosaic_interpret")(s, x)
+  np.testing.assert_allclose(out, x * jax.nn.sigmoid(0.3), rtol=1e-6)

@@ -113,9 +113,15 @@ def _is_finite(ctx, x, **_):
 
 @register(lax.logistic_p)
 def _logistic(ctx, x, **_):
-  # Mosaic's own op (Pallas emits it too; 1 / (1 + exp(-x)) is its
-  # forward-compatible spelling)
-  return tpu.LogisticOp(x).result
+  """Mosaic's own op on vectors (Pallas emits it too); `tpu.logistic`
+  takes vectors only, so a scalar is 1 / (1 + exp(-x)), the op's
+  forward-compatible spelling (Pallas's scalar module does not verify)."""
+  aval = ctx.avals_in[0]
+  if aval.shape:
+    return tpu.LogisticOp(x).result
+  one = constant(1.0, (), aval.dtype)
+  denom = arith.AddFOp(one, math.ExpOp(arith.NegFOp(x).result).result).result
+  return arith.DivFOp(one, denom).result
 
 
 @register(lax.sign_p)
