@@ -74,16 +74,23 @@ def _static(x):
   return x if isinstance(x, ir.Value) else int(x)
 
 
-def view_of(ctx, ref: RefVal, transforms) -> View:
-  """Composes a ref's NDIndexer transforms into one window; a reshape
-  (`ref.reshape`) makes the window before it a memref of its own first."""
+def _after_reshape(ctx, ref: RefVal, transforms):
+  """(ref, transforms) with the last `ref.reshape` applied: the window
+  before it becomes a memref of its own, and the transforms after it stay."""
   transforms = list(transforms or ())
   reshapes = [k for k, t in enumerate(transforms)
               if isinstance(t, state_types.ReshapeTransform)]
-  if reshapes:
-    k = reshapes[-1]
-    ref = _reshaped(ctx, ref, transforms[:k], transforms[k].shape)
-    transforms = transforms[k + 1:]
+  if not reshapes:
+    return ref, transforms
+  k = reshapes[-1]
+  return (_reshaped(ctx, ref, transforms[:k], transforms[k].shape),
+          transforms[k + 1:])
+
+
+def view_of(ctx, ref: RefVal, transforms) -> View:
+  """Composes a ref's NDIndexer transforms into one window; a reshape
+  (`ref.reshape`) makes the window before it a memref of its own first."""
+  ref, transforms = _after_reshape(ctx, ref, transforms)
   rank = len(ref.memref_shape)
   v = View(ref, [0] * rank, list(ref.memref_shape), [1] * rank,
            [d in ref.hidden for d in range(rank)])
@@ -115,13 +122,7 @@ def view_of(ctx, ref: RefVal, transforms) -> View:
 def window_memref(ctx, ref: RefVal, transforms) -> ir.Value:
   """The memref of a ref window: a `tpu.memref_slice` (+ `memref_squeeze`)
   per indexer, so chained `.at[]`s slice one after the other (as Pallas)."""
-  transforms = list(transforms or ())
-  reshapes = [k for k, t in enumerate(transforms)
-              if isinstance(t, state_types.ReshapeTransform)]
-  if reshapes:
-    k = reshapes[-1]
-    ref = _reshaped(ctx, ref, transforms[:k], transforms[k].shape)
-    transforms = transforms[k + 1:]
+  ref, transforms = _after_reshape(ctx, ref, transforms)
   if len(transforms) <= 1:
     return _sliced(ctx, view_of(ctx, ref, transforms))
   for t in transforms:
