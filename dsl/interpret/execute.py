@@ -2,8 +2,9 @@
 
 The kernel jaxpr is discharged (refs become values), then run once per step
 of the sequential grid dims, vectorized with `jax.vmap` over the parallel
-dims. Blocks come from views (reshapes) of the padded operands or from
-per-point dynamic slices; output blocks are written back in place.
+dims. Blocks come from views (reshapes) of the padded operands, or of the
+overlapping windows of an input's `Element` dims cut from shifted slices,
+or from per-point dynamic slices; output blocks are written back in place.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from dsl.core.blockspec import BlockMapping, Element
 from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.core.index_maps import block_offsets
 from dsl.core.poison import fresh_buffer, poison_full, poison_value
+from dsl.interpret import element_windows
+from dsl.interpret.branches import cheap_branches_selected
 from dsl.interpret.vectorize import vectorizable
 from dsl.transforms.discharge import discharged_kernel
 
@@ -93,28 +96,39 @@ def _kernel_perm(op: OperandPlan):
   return first, rest, [2 * j + 1 for j in range(r)]
 
 
-def state_perm(op: OperandPlan) -> list[int]:
+def state_perm(op: OperandPlan, plan: Plan) -> list[int]:
   """The layout an operand is carried in over the grid run, as a
   permutation of its view's axes: the view itself where a step's window is
-  a reshape of a slice of it, else the kernel layout (`_kernel_perm`),
-  transposed once before the run instead of once per step."""
+  a reshape of a slice of it (its axes longer than 1 come in kernel order),
+  else the kernel layout (`_kernel_perm`), transposed once before the run
+  instead of once per step."""
   first, rest, blocks = _kernel_perm(op)
-  if first + blocks == sorted(first + blocks):
+  extent = {2 * j + 1: b for j, b in enumerate(op.mapping.block_sizes)}
+  extent.update({2 * j: plan.grid[val] for j, (kind, val)
+                 in enumerate(op.sources) if kind == "grid"})
+  moved = [a for a in first + blocks if extent.get(a, 1) != 1]
+  if moved == sorted(moved):
     return list(range(2 * len(op.sources)))
   return first + rest + blocks
 
 
-def to_state(x, op: OperandPlan):
-  """An operand (padded) in the layout it is carried in (`state_perm`)."""
-  v = to_view(x, op.mapping)
-  perm = state_perm(op) if op.sources else []
+def to_state(x, op: OperandPlan, plan: Plan):
+  """An operand (not padded) in the layout it is carried in
+  (`state_perm`): its view, transposed where that layout asks."""
+  v = (element_windows.input_view(x, op, plan.grid) if op.windows
+       else to_view(pad(x, op.mapping), op.mapping))
+  perm = state_perm(op, plan) if op.sources else []
   return v.transpose(perm) if perm != sorted(perm) else v
 
 
-def from_state(s, op: OperandPlan):
-  perm = state_perm(op) if op.sources else []
+def from_state(s, op: OperandPlan, plan: Plan):
+  """An output's carried state back in the array's layout. The transpose
+  out of the kernel layout is a copy of its own: fused into the kernel's
+  last computation, XLA's CPU code writes it element by element (several
+  times slower than the computation and the copy apart)."""
+  perm = state_perm(op, plan) if op.sources else []
   if perm != sorted(perm):
-    s = s.transpose(np.argsort(perm))
+    s = lax.optimization_barrier(s).transpose(np.argsort(perm))
   return from_view(s, op.mapping)
 
 
@@ -133,7 +147,7 @@ def _state_window(op: OperandPlan, plan: Plan, seq_coords):
       sizes.append(1)
     starts.append(0)
     sizes.append(op.mapping.block_sizes[j])
-  perm = state_perm(op)
+  perm = state_perm(op, plan)
   starts = [starts[a] for a in perm]
   sizes = [sizes[a] for a in perm]
   return starts, sizes
@@ -149,7 +163,7 @@ def read_state_block(state, op: OperandPlan, plan: Plan, seq_coords):
     w = state
   else:
     w = lax.dynamic_slice(state, [jnp.asarray(s, jnp.int32) for s in starts],
-                          sizes)
+                          sizes, allow_negative_indices=False)
   return w.reshape(tuple(plan.grid[d] for d in op.par_dims) + bm.kernel_shape)
 
 
@@ -161,7 +175,8 @@ def write_state_block(state, block, op: OperandPlan, plan: Plan, seq_coords):
   if list(sizes) == list(state.shape):   # the step writes the whole operand
     return block
   return lax.dynamic_update_slice(
-      state, block, [jnp.asarray(s, jnp.int32) for s in starts])
+      state, block, [jnp.asarray(s, jnp.int32) for s in starts],
+      allow_negative_indices=False)
 
 
 def _window_inside(full, bm: BlockMapping, offsets):
@@ -269,8 +284,9 @@ def _initial_states(args, spec, plan: Plan):
   prefetch, inputs = list(args[:gm.num_scalar_prefetch]), args[gm.num_scalar_prefetch:]
   in_states = []
   for x, op in zip(inputs, plan.operands[:n_in]):
-    x = pad(jnp.asarray(x), op.mapping)
-    in_states.append(to_state(x, op) if op.mode == "view" else x)
+    x = jnp.asarray(x)
+    in_states.append(to_state(x, op, plan) if op.mode == "view"
+                     else pad(x, op.mapping))
   aliases = dict(spec.input_output_aliases)
   out_states = []
   for k, op in enumerate(plan.operands[n_in:]):
@@ -280,8 +296,8 @@ def _initial_states(args, spec, plan: Plan):
     # (uninitialized); an aliased output starts from its input.
     init = (jnp.asarray(args[src]).astype(bm.array_aval.dtype) if src is not None
             else poison_full(bm.array_aval.shape, bm.array_aval.dtype))
-    init = pad(init, bm)
-    out_states.append(to_state(init, op) if op.mode == "view" else init)
+    out_states.append(to_state(init, op, plan) if op.mode == "view"
+                      else pad(init, bm))
   par_shape = tuple(gm.grid[d] for d in plan.parallel)
   poison = config.poison_buffers()
   scratch = [fresh_buffer(a, poison, par_shape) for a in gm.scratch_avals]
@@ -293,7 +309,8 @@ def _point_fn(spec, plan: Plan):
   (*ids, *prefetch, *inputs, *outputs, *scratch) and returns the new output
   blocks, the new scratch and the offsets of the gathered output blocks."""
   gm = spec.grid_mapping
-  dj = vectorizable(discharged_kernel(spec.jaxpr, len(gm.grid)))
+  dj = vectorizable(cheap_branches_selected(
+      discharged_kernel(spec.jaxpr, len(gm.grid))))
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
 
   def point(*flat):
@@ -362,9 +379,12 @@ def _run_sequential(step, grid, seq, out_states, scratch):
   n_steps = math.prod(seq_sizes)
 
   def coords_of(s):
-    coords, rem = {}, s
-    for d, size in reversed(list(zip(seq, seq_sizes))):
-      coords[d] = rem % size
+    """The coordinates of step `s`: a dim of size 1 is at 0, and the
+    only dim longer than 1 (the common case) at `s` itself."""
+    coords, rem = {d: 0 for d in seq}, s
+    longer = [(d, size) for d, size in zip(seq, seq_sizes) if size > 1]
+    for k, (d, size) in reversed(list(enumerate(longer))):
+      coords[d] = rem if k == 0 else rem % size
       rem = rem // size
     return coords
 
@@ -387,6 +407,6 @@ def run(*args, spec):
                                   scratch)
   results = []
   for s, op in zip(out_states, plan.operands[gm.num_inputs:]):
-    full = from_state(s, op) if op.mode == "view" else s
+    full = from_state(s, op, plan) if op.mode == "view" else s
     results.append(unpad(full, op.mapping))
   return results
