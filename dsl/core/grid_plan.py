@@ -82,7 +82,7 @@ def _element_window(bm: BlockMapping, j: int, col, coords, used):
   dim = bm.block_shape[j]
   flat = col.reshape(-1)
   lo, hi = dim.padding
-  if flat.min() < 0 or flat.max() >= bm.array_aval.shape[j] + lo + hi:
+  if flat.size == 0 or flat.min() < 0 or flat.max() >= bm.array_aval.shape[j] + lo + hi:
     return None       # outside the padded array: the gather says so
   if np.all(flat == flat[0]):
     return ("const", 0), (int(flat[0]), 0)
