@@ -22,7 +22,6 @@ from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.core.index_maps import block_offsets
 from dsl.core.poison import fresh_buffer, poison_full, poison_value
 from dsl.interpret import element_windows
-from dsl.interpret.branches import cheap_branches_selected
 from dsl.interpret.vectorize import vectorizable
 from dsl.transforms.discharge import discharged_kernel
 
@@ -123,9 +122,9 @@ def to_state(x, op: OperandPlan, plan: Plan):
 
 def from_state(s, op: OperandPlan, plan: Plan):
   """An output's carried state back in the array's layout. The transpose
-  out of the kernel layout is a copy of its own: fused into the kernel's
-  last computation, XLA's CPU code writes it element by element (several
-  times slower than the computation and the copy apart)."""
+  out of the kernel layout is a copy of its own: on XLA's CPU, the
+  kernel's last computation writing its result transposed runs several
+  times slower than the computation and the copy apart."""
   perm = state_perm(op, plan) if op.sources else []
   if perm != sorted(perm):
     s = lax.optimization_barrier(s).transpose(np.argsort(perm))
@@ -309,8 +308,7 @@ def _point_fn(spec, plan: Plan):
   (*ids, *prefetch, *inputs, *outputs, *scratch) and returns the new output
   blocks, the new scratch and the offsets of the gathered output blocks."""
   gm = spec.grid_mapping
-  dj = vectorizable(cheap_branches_selected(
-      discharged_kernel(spec.jaxpr, len(gm.grid))))
+  dj = vectorizable(discharged_kernel(spec.jaxpr, len(gm.grid)))
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
 
   def point(*flat):
@@ -383,9 +381,11 @@ def _run_sequential(step, grid, seq, out_states, scratch):
     only dim longer than 1 (the common case) at `s` itself."""
     coords, rem = {d: 0 for d in seq}, s
     longer = [(d, size) for d, size in zip(seq, seq_sizes) if size > 1]
-    for k, (d, size) in reversed(list(enumerate(longer))):
-      coords[d] = rem if k == 0 else rem % size
+    for d, size in reversed(longer[1:]):
+      coords[d] = rem % size
       rem = rem // size
+    if longer:
+      coords[longer[0][0]] = rem
     return coords
 
   if n_steps == 1:
