@@ -81,15 +81,15 @@ def _element_window(bm: BlockMapping, j: int, col, coords, used):
   are slices of the padded array at a fixed stride; None otherwise."""
   dim = bm.block_shape[j]
   flat = col.reshape(-1)
-  lo, hi = dim.padding
-  if flat.size == 0 or flat.min() < 0 or flat.max() >= bm.array_aval.shape[j] + lo + hi:
+  end = bm.array_aval.shape[j] + sum(dim.padding)
+  if flat.size == 0 or flat.min() < 0 or flat.max() >= end:
     return None       # outside the padded array: the gather says so
-  if np.all(flat == flat[0]):
-    return ("const", 0), (int(flat[0]), 0)
+  start = int(flat[0])
+  if np.all(flat == start):
+    return ("const", 0), (start, 0)
   for d in range(coords.shape[0]):
     if d in used or col.shape[d] < 2:
       continue
-    start = int(col[(0,) * col.ndim])
     step = int(np.take(col, 1, axis=d).reshape(-1)[0]) - start
     if (step > 0 and -(-dim.block_size // step) <= MAX_WINDOW_SLICES
         and np.array_equal(col, start + step * coords[d])):
