@@ -28,6 +28,7 @@ import jax
 
 from dsl.core import config
 from dsl.core.errors import BackendError
+from dsl.core.fallbacks import missing as missing_rules
 from dsl.core.normalize import normalize
 
 
@@ -74,7 +75,10 @@ class Backend:
     """`spec` as this backend's lowering rule receives it."""
     if self.values_in_memory is None:
       return spec
-    return normalize(spec, values_in_memory=self.values_in_memory)
+    missing = (missing_rules(self.rules) if self.rules is not None
+               else frozenset())
+    return normalize(spec, values_in_memory=self.values_in_memory,
+                     missing=missing)
 
 
 _ANY_PLATFORM = ("cpu", "cuda", "rocm", "tpu")
