@@ -123,6 +123,23 @@ class BlockMapping:
   memory_space: Any = None
   whole_array: bool = False
   pipeline_mode: Buffered | None = None
+  # The user's "file:line" of the BlockSpec, for errors about it.
+  where: str | None = None
+
+  def to_spec(self, index_map: Callable[..., Any] | None = None,
+              lead: int = 0) -> BlockSpec:
+    """A BlockSpec giving this mapping again, every option kept (memory
+    space, pipeline mode, the user's line): what a derived kernel (vmap,
+    jvp, grad, a shard) passes for the same operand. `index_map` replaces
+    the traced one (for a derived kernel's own grid) and `lead` squeezed
+    dims go first (a batch)."""
+    shape = (None,) * lead + tuple(None if d is squeezed else d
+                                   for d in self.block_shape)
+    if index_map is None:
+      jaxpr = self.index_map_jaxpr
+      index_map = lambda *args: tuple(core.jaxpr_as_fun(jaxpr)(*args))
+    return BlockSpec(shape, index_map, memory_space=self.memory_space,
+                     pipeline_mode=self.pipeline_mode, where=self.where)
 
   @property
   def block_sizes(self) -> tuple[int, ...]:
@@ -292,7 +309,7 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
   return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype,
                                                weak_type=aval.weak_type),
                       block_shape, jaxpr, memory_space, whole,
-                      spec.pipeline_mode)
+                      spec.pipeline_mode, spec.where)
 
 
 def _check_pipeline_mode(kernel, origin, mode, where) -> None:
