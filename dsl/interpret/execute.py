@@ -298,9 +298,11 @@ def _point_fn(spec, plan: Plan, sizes):
   blocks, the new scratch and the offsets of the gathered output blocks.
   `sizes`: the traced sizes of the grid's dynamic dims."""
   gm = spec.grid_mapping
-  dj = vectorizable(discharged_kernel(spec.jaxpr, len(gm.grid)))
-  if gm.dynamic_dims:
-    dj = sizes_as_inputs(dj, gm.dynamic_dims)
+  jaxpr, n_lead = spec.jaxpr, len(gm.grid)
+  if gm.dynamic_dims:      # their sizes first, then the ids
+    jaxpr = sizes_as_inputs(jaxpr, gm.dynamic_dims)
+    n_lead += len(gm.dynamic_dims)
+  dj = vectorizable(discharged_kernel(jaxpr, n_lead))
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
 
   def point(*flat):

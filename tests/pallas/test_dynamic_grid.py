@@ -17,6 +17,7 @@ from jax import lax
 from jax.experimental import pallas as jpl
 
 import dsl as pl
+from dsl import tpu as pltpu
 from dsl.errors import (KernelCheckError, KernelError, KernelTypeError,
                         raising_kernel_errors)
 from tests.pallas import mosaic_golden as golden
@@ -107,6 +108,24 @@ def test_num_programs_of_a_traced_dim_inside_control_flow(backend):
     want = [100 + n if i == n - 1 else 10 * n + i for i in range(n)]
     np.testing.assert_array_equal(got[:, 0, 0], want)
     assert (got == got[:, :1, :1]).all()
+
+
+def _seeded_kernel(o_ref):
+  pltpu.prng_seed(pl.program_id(0))
+  bits = pltpu.prng_random_bits(o_ref.shape)
+  o_ref[...] = (bits & 0) + pl.num_programs(0) * 100 + pl.program_id(0)
+
+
+@pytest.mark.parametrize("backend", HOST_BACKENDS)
+def test_num_programs_in_a_kernel_that_draws_random_numbers(backend):
+  """(The interpret backend runs such a body inside a scoped buffer that
+  holds the random state.)"""
+  f = jax.jit(lambda n: pl.pallas_call(
+      _seeded_kernel, out_shape=jax.ShapeDtypeStruct((32, 128), jnp.int32),
+      grid=(n,), out_specs=pl.BlockSpec((8, 128), lambda i: (i, 0)),
+      backend=backend)())
+  np.testing.assert_array_equal(np.asarray(f(jnp.int32(3)))[:24:8, 0],
+                                [300, 301, 302])
 
 
 @pytest.mark.parametrize("backend", HOST_BACKENDS)
