@@ -429,9 +429,10 @@ def _refuse_dynamic_grid(spec: KernelSpec):
         spec.name, f"grid dim {dim} has a traced size, and the interpret "
         "backend checks a kernel's run-time checks (pl.debug_check, "
         "checkify, jax_pallas_enable_runtime_assert) and semaphore waits "
-        "per grid point of a static grid; run it with "
-        "backend='mosaic_interpret', which checks them as it runs, or "
-        "without the checks", spec.where, operand="grid")
+        "per grid point of a static grid; run it without them, or with "
+        "backend='mosaic_interpret', which checks pl.debug_check and "
+        "runtime asserts as it runs (checkify.checkify needs a static "
+        "grid)", spec.where, operand="grid")
 
 
 # ------------------------------------------------------------ reporting

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.experimental import checkify
 from jax.experimental import pallas as jpl
 
 import dsl as pl
@@ -199,6 +200,9 @@ def test_run_time_checks_need_the_mosaic_interpreter():
     _close(f(X, jnp.int32(8)), X)
     with pytest.raises(KernelCheckError, match="x too large"):
       f(X.at[16, 0].set(1e4), jnp.int32(8))
+  checked = checkify.checkify(lambda x, n: _checked(x, n, "mosaic_interpret"))
+  with pytest.raises(KernelError, match="checkify.checkify needs a static"):
+    jax.jit(checked)(X, jnp.int32(2))
 
 
 def _pallas_call_eqn(f, *args):
