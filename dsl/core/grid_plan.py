@@ -8,7 +8,8 @@ order). It also decides, per operand, how blocks are fetched: as a `view`
 (a reshape of the array whose block axes follow grid axes one to one, or,
 for an input's `Element` dims whose offsets step with one grid axis, its
 windows cut from shifted slices; no gather) or by `gather` (a dynamic
-slice per grid point).
+slice per grid point). A grid with a dynamic dim (a traced size) has no
+static answer: its dims are sequential and its operands gathered.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import numpy as np
 from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core.blockspec import BlockMapping, Element
+from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.errors import KernelError, KernelWarning, source_info_frame
-from dsl.core.index_maps import (blocks_per_dim, evaluate_index_map,
-                                 varies_along)
+from dsl.core.index_maps import blocks_per_dim, varies_along
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,10 +192,10 @@ def check_parallel_carries(spec, compiler_params, where: str) -> None:
   if found is None:
     return
   forced = tuple(d for d in range(rank) if sem[d] == "arbitrary")
-  if any(gm.grid[d] > 1 for d in _plan_cached(gm, forced).sequential):
+  if any(_steps(gm.grid[d]) for d in _plan_cached(gm, forced).sequential):
     return
   dims = [d - gm.num_hidden_axes for d in range(gm.num_hidden_axes, rank)
-          if gm.grid[d] > 1]
+          if _steps(gm.grid[d])]
   if not dims:
     return
   k, eqn, certain = found
@@ -215,6 +216,11 @@ def check_parallel_carries(spec, compiler_params, where: str) -> None:
     raise KernelError(spec.name, message, line, operand="compiler_params")
   warnings.warn(KernelWarning(spec.name, message, line,
                               operand="compiler_params"), stacklevel=3)
+
+
+def _steps(size) -> bool:
+  """Whether a grid dim of `size` may take more than one step."""
+  return is_dynamic(size) or size > 1
 
 
 _PURE_WRITES = ("swap",)
@@ -372,10 +378,10 @@ def _zero_test_dim(index, defs, ids) -> int | None:
 def make_plan_uncached(gm,
                        forced: tuple[int, ...] = ()) -> Plan:
   grid = gm.grid
-  idxs = [evaluate_index_map(bm, grid) for bm in gm.block_mappings]
+  idxs = [gm.block_indices(bm) for bm in gm.block_mappings]
   out_idxs = idxs[gm.num_inputs:]
   parallel: tuple[int, ...] = ()
-  if all(i is not None for i in out_idxs):
+  if all(i is not None for i in out_idxs) and not gm.dynamic_dims:
     cand = tuple(d for d in range(len(grid)) if d not in forced
                  and all(varies_along(i, d) for i in out_idxs))
     if not out_idxs:

@@ -5,6 +5,9 @@ of the sequential grid dims, vectorized with `jax.vmap` over the parallel
 dims. Blocks come from views (reshapes) of the padded operands, or of the
 overlapping windows of an input's `Element` dims cut from shifted slices,
 or from per-point dynamic slices; output blocks are written back in place.
+A grid dim whose size is traced (dsl.core.dynamic_grid) is sequential: the
+loop over the steps has a traced trip count, and the kernel's
+`num_programs` of that dim is its size.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core import config
 from dsl.core.blockspec import BlockMapping, Element
+from dsl.core.dynamic_grid import full_grid, is_dynamic, sizes_as_inputs
 from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.core.index_maps import block_offsets
 from dsl.core.poison import fresh_buffer, poison_full, poison_value
@@ -303,16 +307,21 @@ def _initial_states(args, spec, plan: Plan):
   return prefetch, in_states, out_states, scratch
 
 
-def _point_fn(spec, plan: Plan):
+def _point_fn(spec, plan: Plan, sizes):
   """The kernel at one grid point, vmapped over the parallel dims: takes
   (*ids, *prefetch, *inputs, *outputs, *scratch) and returns the new output
-  blocks, the new scratch and the offsets of the gathered output blocks."""
+  blocks, the new scratch and the offsets of the gathered output blocks.
+  `sizes`: the traced sizes of the grid's dynamic dims."""
   gm = spec.grid_mapping
-  dj = vectorizable(discharged_kernel(spec.jaxpr, len(gm.grid)))
+  jaxpr, n_lead = spec.jaxpr, len(gm.grid)
+  if gm.dynamic_dims:      # their sizes first, then the ids
+    jaxpr = sizes_as_inputs(jaxpr, gm.dynamic_dims)
+    n_lead += len(gm.dynamic_dims)
+  dj = vectorizable(discharged_kernel(jaxpr, n_lead))
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
 
   def point(*flat):
-    ids, pf, in_args, out_args, sc = gm.split(flat)
+    ids, pf, in_args, out_args, sc, _ = gm.split(flat)
     in_blocks = [a if op.mode == "view" else
                  read_gather_block(a, op.mapping,
                                    block_offsets(op.mapping, ids, pf),
@@ -327,7 +336,8 @@ def _point_fn(spec, plan: Plan):
         out_offs.append(jnp.stack(offs) if offs else jnp.zeros((0,), jnp.int32))
         out_blocks.append(read_gather_block(a, op.mapping, offs,
                                             op.from_data))
-    finals = gm.split(_eval(dj, *ids, *pf, *in_blocks, *out_blocks, *sc))
+    finals = gm.split(_eval(dj, *sizes, *ids, *pf, *in_blocks, *out_blocks,
+                            *sc))
     return list(finals.outputs), list(finals.scratch), out_offs
 
   dims = lambda ops: [op.par_dims if op.mode == "view" else () for op in ops]
@@ -337,12 +347,12 @@ def _point_fn(spec, plan: Plan):
   return _nested_vmap(point, plan, arg_dims)
 
 
-def _step_fn(spec, plan: Plan, prefetch, in_states):
+def _step_fn(spec, plan: Plan, prefetch, in_states, sizes):
   """One step of the sequential grid dims: (coords, outputs, scratch) ->
   (outputs, scratch) with every parallel point of the step applied."""
   gm = spec.grid_mapping
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
-  vpoint = _point_fn(spec, plan)
+  vpoint = _point_fn(spec, plan, sizes)
 
   def step(seq_coords, out_states, scratch):
     ids = [jnp.arange(gm.grid[d], dtype=jnp.int32) if d in plan.parallel
@@ -372,15 +382,18 @@ def _step_fn(spec, plan: Plan, prefetch, in_states):
 
 def _run_sequential(step, grid, seq, out_states, scratch):
   """Runs `step` once per point of the sequential dims `seq`, in row-major
-  order, carrying the output and scratch states."""
+  order, carrying the output and scratch states. A traced size makes the
+  number of steps traced."""
   seq_sizes = [grid[d] for d in seq]
   n_steps = math.prod(seq_sizes)
 
   def coords_of(s):
     """The coordinates of step `s`: a dim of size 1 is at 0, and the
-    only dim longer than 1 (the common case) at `s` itself."""
+    first dim that may be longer (often the only one) at what is left of
+    `s` once the later ones took theirs."""
     coords, rem = {d: 0 for d in seq}, s
-    longer = [(d, size) for d, size in zip(seq, seq_sizes) if size > 1]
+    longer = [(d, size) for d, size in zip(seq, seq_sizes)
+              if is_dynamic(size) or size > 1]
     for d, size in reversed(longer[1:]):
       coords[d] = rem % size
       rem = rem // size
@@ -388,7 +401,7 @@ def _run_sequential(step, grid, seq, out_states, scratch):
       coords[longer[0][0]] = rem
     return coords
 
-  if n_steps == 1:
+  if isinstance(n_steps, int) and n_steps == 1:
     return step({d: 0 for d in seq}, out_states, scratch)
 
   def body(s, carry):
@@ -401,10 +414,12 @@ def run(*args, spec):
   """Evaluates the pallas_call described by `spec` on `args`."""
   gm = spec.grid_mapping
   plan = gm.plan(spec.compiler_params, spec.jaxpr)
-  prefetch, in_states, out_states, scratch = _initial_states(args, spec, plan)
-  step = _step_fn(spec, plan, prefetch, in_states)
-  out_states, _ = _run_sequential(step, gm.grid, plan.sequential, out_states,
-                                  scratch)
+  operands = gm.split_operands(args)
+  prefetch, in_states, out_states, scratch = _initial_states(
+      operands.prefetch + operands.inputs, spec, plan)
+  step = _step_fn(spec, plan, prefetch, in_states, operands.sizes)
+  out_states, _ = _run_sequential(step, full_grid(gm.grid, operands.sizes),
+                                  plan.sequential, out_states, scratch)
   results = []
   for s, op in zip(out_states, plan.operands[gm.num_inputs:]):
     full = from_state(s, op, plan) if op.mode == "view" else s
