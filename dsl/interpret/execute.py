@@ -21,7 +21,7 @@ from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core import config
 from dsl.core.blockspec import BlockMapping, Element
-from dsl.core.dynamic_grid import full_grid, is_dynamic, sizes_as_inputs
+from dsl.core.dynamic_grid import full_grid, sizes_as_inputs
 from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.core.index_maps import block_offsets
 from dsl.core.poison import fresh_buffer, poison_full, poison_value
@@ -393,7 +393,7 @@ def _run_sequential(step, grid, seq, out_states, scratch):
     `s` once the later ones took theirs."""
     coords, rem = {d: 0 for d in seq}, s
     longer = [(d, size) for d, size in zip(seq, seq_sizes)
-              if is_dynamic(size) or size > 1]
+              if not isinstance(size, int) or size > 1]   # or traced
     for d, size in reversed(longer[1:]):
       coords[d] = rem % size
       rem = rem // size
