@@ -9,9 +9,10 @@ with the dim's padding and poison past its end, as the gather reads it.
 Such a window is ceil(block / step) pieces, piece q the rows
 `[q * step, (q + 1) * step)` of it; piece q of every window together is
 one slice of the array (from `start + q * step`, `count * step` long)
-reshaped to (count, step). Each piece is a `lax.pad` of the array (a
-negative padding crops), so XLA fuses it into the concatenation, and
-positions outside the array read poison, as in every host backend.
+reshaped to (count, step). Each piece is a slice of the unpadded array,
+padded with poison where it reaches past it, so XLA fuses it into the
+concatenation (no padded copy of the array is made first), and positions
+outside the array read poison, as in every host backend.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def _windows(x, axis: int, first: int, step: int, count: int, size: int):
 
 def _blocks(x, axis: int, block: int):
   """`axis` of `x` padded with poison to whole blocks and split in two,
-  (blocks, block)."""
+  (blocks, block): `execute.pad` and `to_view` for one dim."""
   n = x.shape[axis]
   whole = -(-n // block) * block
   x = _shifted(x, axis, 0, whole)
