@@ -39,7 +39,7 @@ def _windows_np(x, start, step, count, size, pad):
 
 # ------------------------------------------------------ windows of 1-D arrays
 
-def _copy_windows(m, n, size, pad, index_map, count, **kw):
+def _copy_windows(m, size, pad, index_map, count, **kw):
   """Copies each window (an Element block) into one output row."""
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...]
@@ -65,15 +65,29 @@ WINDOWS = [
 def test_windows_past_both_ends_read_poison(size, pad, step, start, count):
   x = jnp.arange(1, 31, dtype=jnp.float32)
   imap = lambda i: (start + step * i,)
-  f = _copy_windows(pl, 30, size, pad, imap, count, backend="interpret")
+  f = _copy_windows(pl, size, pad, imap, count, backend="interpret")
   plan = _plan(f, x)
   assert plan.operands[0].mode == "view"
   assert plan.operands[0].windows == ((start, step),)
   got = jax.jit(f)(x)
   np.testing.assert_array_equal(
       got, _windows_np(x, start, step, count, size, pad))
-  theirs = _copy_windows(jpl, 30, size, pad, imap, count, interpret=True)(x)
+  theirs = _copy_windows(jpl, size, pad, imap, count, interpret=True)(x)
   np.testing.assert_array_equal(got, theirs)
+
+
+def test_a_window_past_the_padded_array_reads_poison_there():
+  """The offsets 28 and 36 are legal (inside the 38 padded elements), but
+  their windows run 2 and 10 elements past them: those read poison, as on
+  the gather path (Pallas's interpret mode clamps the window instead)."""
+  x = jnp.arange(1, 31, dtype=jnp.float32)
+  imap = lambda i: (4 + 8 * i,)
+  f = _copy_windows(pl, 12, (3, 5), imap, 5, backend="interpret")
+  assert _plan(f, x).operands[0].windows == ((4, 8),)
+  got = np.asarray(jax.jit(f)(x))
+  np.testing.assert_array_equal(got, _windows_np(x, 4, 8, 5, 12, (3, 5)))
+  np.testing.assert_array_equal(got[3, :5], [26., 27., 28., 29., 30.])
+  assert np.isnan(got[3, 5:]).all() and np.isnan(got[4]).all()
 
 
 @pytest.mark.parametrize("index_map,why", [
@@ -84,13 +98,13 @@ def test_other_element_windows_are_gathered_with_the_same_results(index_map,
                                                                   why):
   x = jnp.arange(1, 31, dtype=jnp.float32)
   size = MAX_WINDOW_SLICES + 1 if "slices" in why else 4
-  f = _copy_windows(pl, 30, size, (0, 0), index_map, 5, backend="interpret")
+  f = _copy_windows(pl, size, (0, 0), index_map, 5, backend="interpret")
   assert _plan(f, x).operands[0].mode == "gather", why
   starts = [int(index_map(i)[0]) for i in range(5)]
   want = np.stack([_windows_np(x, s, 0, 1, size, (0, 0))[0] for s in starts])
   got = jax.jit(f)(x)
   np.testing.assert_array_equal(got, want)
-  theirs = _copy_windows(jpl, 30, size, (0, 0), index_map, 5,
+  theirs = _copy_windows(jpl, size, (0, 0), index_map, 5,
                          interpret=True)(x)
   np.testing.assert_array_equal(got, theirs)
 
