@@ -39,9 +39,10 @@ copy's ends swapped and carries device and core id 0.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from dsl.core.jax_internals import (DEVICE_COORDINATES_UNSIGNED,
-                                    DMA_WAIT_NAMES_COPY, arith, checkify,
+                                    DMA_WAIT_NAMES_COPY, arith, cf, checkify,
                                     core, ir, lax_parallel, tpu)
 
 from dsl.core import primitives as dsl_primitives
@@ -361,8 +362,6 @@ def _check(ctx, *args, err_tree, debug, **params):
   on the negated error flag, with the check's message."""
   if debug:
     return []       # debug-only checks are dropped, as without checkify
-  import jax
-  from dsl.core.jax_internals import arith as _arith, cf
   error = jax.tree_util.tree_unflatten(err_tree, list(args))
   messages = []
   for md in error._metadata.values():
@@ -373,7 +372,7 @@ def _check(ctx, *args, err_tree, debug, **params):
       messages.append("check failed")
   message = "; ".join(messages) or "check failed"
   for failed in error._pred.values():
-    true = _arith.ConstantOp(failed.type, ir.IntegerAttr.get(failed.type, 1))
-    ok = _arith.XOrIOp(failed, true.result).result
+    true = arith.ConstantOp(failed.type, ir.IntegerAttr.get(failed.type, 1))
+    ok = arith.XOrIOp(failed, true.result).result
     cf.AssertOp(ok, message)
   return []
