@@ -20,7 +20,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes
 from dsl.core.errors import BackendError, source_info_frame
-from dsl.core.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
+from dsl.core.jaxpr_walk import (LoweringHost, RuleContextBase, RuleTable,
+                                 walk_jaxpr)
 
 TABLE = RuleTable("the Mosaic GPU backend")
 
@@ -176,12 +177,17 @@ def to_index(v) -> ir.Value:
 
 
 @dataclasses.dataclass
-class RuleContext:
+class RuleContext(RuleContextBase):
+  """What a lowering rule sees of its equation (RuleContextBase), and the
+  kernel's host (`host`)."""
   host: "GpuHost"
   eqn: Any
   avals_in: list
   avals_out: list
-  used_out: list
+  used: list
+
+  def out_used(self, i: int = 0) -> bool:
+    return self.used[i]
 
   def error(self, message: str) -> BackendError:
     return self.host.error(message, self.eqn)

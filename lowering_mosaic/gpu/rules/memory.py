@@ -108,7 +108,7 @@ def _get(ctx, ref, *idx, tree):
 @TABLE.register(state_primitives.swap_p)
 def _swap(ctx, ref, val, *idx, tree):
   view = window(ctx, ref, _unflatten(tree, idx))
-  old = load(view) if ctx.used_out[0] else None
+  old = load(view) if ctx.out_used(0) else None
   store(view, val)
   return old if old is not None else val
 
