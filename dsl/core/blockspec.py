@@ -244,7 +244,7 @@ def _trace_index_map(kernel: str, origin: str, path: str, fn, grid_rank: int,
   if len(out_avals) != len(block_shape):
     raise KernelError(
         kernel, f"{head} must return {len(block_shape)} values to match the "
-        f"block shape {_shape_text(block_shape)}. Currently returning "
+        f"block shape {tuple(block_shape)}. Currently returning "
         f"{len(out_avals)} values", where, operand=origin)
   for i, a in enumerate(out_avals):
     if not (isinstance(a, core.ShapedArray) and a.shape == ()
@@ -253,11 +253,6 @@ def _trace_index_map(kernel: str, origin: str, path: str, fn, grid_rank: int,
           kernel, f"{head} must return integer scalars. Output[{i}] has type "
           f"{a.str_short()}", where, operand=origin)
   return close_jaxpr(jaxpr, consts)
-
-
-def _shape_text(block_shape) -> str:
-  return "(" + ", ".join(map(repr, block_shape)) + \
-      ("," if len(block_shape) == 1 else "") + ")"
 
 
 def _zeros_index_map(grid_rank: int, n_prefetch: int, rank: int):

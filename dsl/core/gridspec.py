@@ -10,7 +10,7 @@ from dsl.core.jax_internals import core, state_types
 from dsl.core.jax_internals import tree_util as jax_tree_util
 
 from dsl.core.blockspec import BlockMapping, BlockSpec, resolve_block_spec
-from dsl.core.errors import KernelError, KernelTypeError
+from dsl.core.errors import KernelError, KernelTypeError, user_frame
 from dsl.core.index_maps import (evaluate_index_map, reads_prefetch,
                                  varies_along)
 from dsl.core.grid_plan import Plan, make_plan
@@ -291,14 +291,14 @@ def _flatten_specs(kernel, specs, n, what, where, tree_desc, tree=None):
   return leaves
 
 
-def check_in_specs(kernel: str, in_specs, where: str) -> None:
+def check_in_specs(kernel: str, in_specs) -> None:
   """`in_specs` is a tuple or a list (one entry per input) or None, as in
   Pallas, which checks it when `pallas_call` is called to make the kernel
   function."""
   if in_specs is not None and not isinstance(in_specs, (tuple, list)):
     raise KernelTypeError(
         kernel, f"`in_specs` must be a tuple or a list (one entry per "
-        f"input), got {in_specs!r}", where, operand="in_specs")
+        f"input), got {in_specs!r}", user_frame(), operand="in_specs")
 
 
 def _as_tuples(x):

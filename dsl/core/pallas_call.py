@@ -300,7 +300,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     num_scalar_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
   backend = backends.requested(backend, interpret)
   meta_items = _metadata_items(name, metadata)
-  check_in_specs(name, in_specs, user_frame())
+  check_in_specs(name, in_specs)
 
   @api_boundary
   def wrapped(*args):
