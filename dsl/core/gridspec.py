@@ -7,10 +7,11 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from jax import tree_util
 from dsl.core.jax_internals import core, state_types
+from dsl.core.jax_internals import tree_util as jax_tree_util
 
 from dsl.core.blockspec import BlockMapping, BlockSpec, resolve_block_spec
 from dsl.core.dynamic_grid import is_dynamic
-from dsl.core.errors import KernelError, KernelTypeError
+from dsl.core.errors import KernelError, KernelTypeError, user_frame
 from dsl.core.index_maps import (evaluate_index_map, reads_prefetch,
                                  varies_along)
 from dsl.core.grid_plan import Plan, make_plan
@@ -280,17 +281,24 @@ def normalize_grid(kernel: str, grid, where: str,
   return tuple(out)
 
 
+# The names Pallas gives each side of a spec pytree, for its wording.
+_TREE_NAMES = {"in_specs": ("`in_specs`", "`inputs`"),
+               "out_specs": ("`out_specs`", "`out_shape`")}
+
+
 def _flatten_specs(kernel, specs, n, what, where, tree_desc, tree=None):
   """One BlockSpec (None: the whole array) per operand leaf.
 
   `specs` is read as a flat list of per-leaf specs when it has one entry per
   leaf (None included); otherwise it is matched against the operands' pytree
   `tree` as Pallas matches it, where a `None` spec stands for an operand that
-  is itself `None` (no array) and for the whole array of one that is not."""
+  is itself `None` (no array) and for the whole array of one that is not.
+  `out_specs` may be one BlockSpec for one output; `in_specs` is a tuple or
+  a list (check_in_specs)."""
   if specs is None:
     return [None] * n
   if isinstance(specs, BlockSpec):
-    specs = [specs] if n == 1 or tree_desc == "single" else specs
+    specs = [specs] if n == 1 else specs
   leaves = tree_util.tree_leaves(specs, is_leaf=_is_spec_leaf)
   if isinstance(specs, BlockSpec):
     leaves = [specs]
@@ -299,9 +307,58 @@ def _flatten_specs(kernel, specs, n, what, where, tree_desc, tree=None):
                                                            list(range(n))))
     leaves = aligned if aligned is not None else leaves
   if len(leaves) != n:
-    raise KernelError(kernel, f"{what} has {len(leaves)} BlockSpecs but there "
-                      f"are {n} {tree_desc}", where, operand=what)
+    counts = f"{what} has {len(leaves)} BlockSpecs but there are {n} {tree_desc}"
+    mismatch = _tree_mismatch(what, specs, tree) if tree is not None else None
+    raise KernelError(kernel, f"{mismatch} ({counts})" if mismatch else counts,
+                      where, operand=what)
   return leaves
+
+
+def check_in_specs(kernel: str, in_specs) -> None:
+  """`in_specs` is a tuple or a list (one entry per input) or None, as in
+  Pallas, which checks it when `pallas_call` is called to make the kernel
+  function."""
+  if in_specs is not None and not isinstance(in_specs, (tuple, list)):
+    raise KernelTypeError(
+        kernel, f"`in_specs` must be a tuple or a list (one entry per "
+        f"input), got {in_specs!r}", user_frame(), operand="in_specs")
+
+
+def _as_tuples(x):
+  if isinstance(x, (list, tuple)):
+    return tuple(_as_tuples(v) for v in x)
+  if isinstance(x, dict):
+    return {k: _as_tuples(v) for k, v in x.items()}
+  return x
+
+
+def _tree_mismatch(what: str, specs, tree) -> str | None:
+  """How the pytree of `specs` differs from the operands' `tree`, in
+  Pallas's words (`Pytree for `in_specs` and `inputs` do not match ...`)."""
+  spec_tree = tree_util.tree_structure(_as_tuples(specs),
+                                       is_leaf=_is_spec_leaf)
+  errors = list(jax_tree_util.equality_errors_pytreedef(spec_tree, tree))
+  if not errors:
+    return None
+  name1, name2 = _TREE_NAMES[what]
+  path, thing1, thing2, explanation = errors[0]
+  at = f"at {tree_util.keystr(path)}, " if path else ""
+  return (f"Pytree for {name1} and {name2} do not match. There are "
+          f"{len(errors)} mismatches, including: {at}{name1} is a {thing1} "
+          f"but {name2} is a {thing2}, so {explanation}")
+
+
+def operand_paths(prefix: str, tree, skip: int = 0) -> list[str]:
+  """The name of each leaf of the operands' `tree` as Pallas names it:
+  `prefix` and its pytree path (`args[1]['a']`), the first index shifted
+  by `skip` (the scalar-prefetch arguments before the inputs)."""
+  numbered = tree_util.tree_unflatten(tree, list(range(tree.num_leaves)))
+  names = []
+  for path, _ in tree_util.tree_flatten_with_path(numbered)[0]:
+    if path and isinstance(path[0], tree_util.SequenceKey):
+      path = (tree_util.SequenceKey(path[0].idx + skip),) + tuple(path[1:])
+    names.append(prefix + tree_util.keystr(path))
+  return names
 
 
 def _align_specs(spec, operands):
@@ -348,14 +405,18 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
     p_refs.append(state_types.AbstractRef(
         core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type),
         memory_space=MemorySpace.SMEM))
+  in_paths = (operand_paths("args", in_tree, _top_level_count(prefetch_tree))
+              if in_tree is not None else [None] * len(in_avals))
+  out_paths = (operand_paths("outputs", out_tree) if out_tree is not None
+               else [None] * len(out_avals))
   mappings = []
   for i, (spec, aval) in enumerate(zip(in_leaves, in_avals)):
     mappings.append(resolve_block_spec(kernel, f"in_specs[{i}]", spec, aval,
-                                       len(grid), p_refs, where,
+                                       len(grid), p_refs, where, in_paths[i],
                                        prefetch_tree))
   for i, (spec, aval) in enumerate(zip(out_leaves, out_avals)):
     mappings.append(resolve_block_spec(kernel, f"out_specs[{i}]", spec, aval,
-                                       len(grid), p_refs, where,
+                                       len(grid), p_refs, where, out_paths[i],
                                        prefetch_tree))
   scratch_leaves, scratch_tree = tree_util.tree_flatten(
       list(scratch_shapes or ()),
@@ -367,6 +428,11 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                      num_scalar_prefetch, tuple(p_refs), scratch_avals,
                      in_tree, out_tree, scratch_tree, grid_names=names,
                      prefetch_tree=prefetch_tree)
+
+
+def _top_level_count(tree) -> int:
+  """How many arguments the tuple pytree `tree` (None: none) has."""
+  return 0 if tree is None else len(tree.children())
 
 
 def grid_names(kernel: str, grid, where: str) -> tuple | None:

@@ -26,8 +26,8 @@ from dsl.core.compiler_params import tuned_params
 from dsl.core.errors import (KernelError, KernelTypeError, api_boundary,
                              function_location, kernel_error_of, kernel_name,
                              user_frame)
-from dsl.core.gridspec import (GridMapping, GridSpec, is_shape_tuple,
-                               resolve_grid_mapping)
+from dsl.core.gridspec import (GridMapping, GridSpec, check_in_specs,
+                               is_shape_tuple, resolve_grid_mapping)
 from dsl.core.index_maps import check_block_indices
 from dsl.core.grid_plan import check_parallel_carries, check_semantics
 from dsl.core.tracing import kernel_ref_names, trace_kernel
@@ -231,19 +231,25 @@ def check_operands(kernel: str, args, where: str) -> None:
 
 
 def _check_aliases(name, aliases, in_avals_all, out_avals, where):
+  """The `input_output_aliases` as (input, output) pairs; errors in
+  Pallas's wording, so code that matches its errors matches ours."""
   out = []
   for i, o in dict(aliases or {}).items():
+    mapping = f"input_output_aliases contains the mapping '{i}:{o}'"
     if not 0 <= i < len(in_avals_all):
-      raise KernelError(name, f"input {i} does not exist ({len(in_avals_all)} "
-                        "operands)", where, operand="input_output_aliases")
+      raise KernelError(name, f"{mapping} with input index {i} outside the "
+                        f"range [0, {len(in_avals_all)})", where,
+                        operand="input_output_aliases")
     if not 0 <= o < len(out_avals):
-      raise KernelError(name, f"output {o} does not exist ({len(out_avals)} "
-                        "outputs)", where, operand="input_output_aliases")
+      raise KernelError(name, f"{mapping} with output index {o} outside the "
+                        f"range [0, {len(out_avals)})", where,
+                        operand="input_output_aliases")
     a, b = in_avals_all[i], out_avals[o]
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise KernelError(
-          name, f"input {i} ({a.str_short(short_dtypes=True)}) is aliased to output {o} "
-          f"({b.str_short(short_dtypes=True)}), but aliased buffers must have the same shape "
+          name, f"{mapping} referring to input[{i}] with abstract value "
+          f"{a.str_short()} and to output[{o}] with a different abstract "
+          f"value {b.str_short()}: aliased buffers must have the same shape "
           "and dtype", where, operand="input_output_aliases")
     out.append((int(i), int(o)))
   return tuple(out)
@@ -298,6 +304,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     num_scalar_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
   backend = backends.requested(backend, interpret)
   meta_items = _metadata_items(name, metadata)
+  check_in_specs(name, in_specs)
 
   @api_boundary
   def wrapped(*args):

@@ -32,8 +32,9 @@ PREFIX = "pallas_ops_on_dsl"
 # The package the sources come from.
 ORIGINAL = "jax.experimental.pallas.ops"
 
-# Line-for-line rewrites of the sources: (pattern, replacement).
-REWRITES = (
+# Line-for-line rewrites of Pallas's public imports to dsl's:
+# (pattern, replacement). tests/pallas/pallas_suite.py uses them too.
+PALLAS_IMPORTS = (
     (re.compile(r"^(\s*)from jax\.experimental import pallas as (\w+)\s*$",
                 re.M), r"\1import dsl as \2"),
     (re.compile(r"^(\s*)import jax\.experimental\.pallas as (\w+)\s*$", re.M),
@@ -41,6 +42,10 @@ REWRITES = (
     (re.compile(r"^(\s*)from jax\.experimental\.pallas import "
                 r"(tpu|triton) as (\w+)\s*$", re.M),
      r"\1from dsl import \2 as \3"),
+)
+# The rewrites of an op's source: its Pallas imports, and its imports of
+# sibling ops pointed at the swapped copies.
+REWRITES = PALLAS_IMPORTS + (
     (re.compile(re.escape(ORIGINAL + ".")), PREFIX + "."),
 )
 
@@ -193,7 +198,7 @@ NO_PALLAS = {
 
 COMPAT_PAGE = os.path.join(os.path.dirname(os.path.dirname(
     os.path.dirname(os.path.abspath(__file__)))), "docs", "pallas-compat.md")
-_SECTION = "## Pallas's kernel library on dsl"
+SECTION = "## Pallas's kernel library on dsl"
 
 
 # The ops checked (pallas_ops_cases.CASES has one case for each), in the
@@ -212,7 +217,7 @@ def compat_section() -> str:
   """The section of docs/pallas-compat.md that lists each op of
   `jax.experimental.pallas.ops` on each dsl CPU backend."""
   lines = [
-      _SECTION, "",
+      SECTION, "",
       "Pallas's own kernel library (`jax.experimental.pallas.ops` in the "
       "installed JAX) runs on dsl by its import swap alone: "
       "`tests/pallas/pallas_ops_swap.py` serves each op's source with its "
@@ -238,11 +243,11 @@ def write_compat_section(path: str = COMPAT_PAGE) -> None:
   """Rewrites (or appends) the section in docs/pallas-compat.md."""
   with open(path, encoding="utf-8") as f:
     page = f.read()
-  start = page.find(_SECTION + "\n")
+  start = page.find(SECTION + "\n")
   if start < 0:
     page = page.rstrip("\n") + "\n\n" + compat_section()
   else:
-    end = page.find("\n## ", start + len(_SECTION))
+    end = page.find("\n## ", start + len(SECTION))
     rest = "" if end < 0 else page[end:]
     page = page[:start] + compat_section() + rest
   with open(path, "w", encoding="utf-8") as f:
