@@ -23,8 +23,6 @@ from dsl.core.errors import BackendError, source_info_frame
 from dsl.core.jaxpr_walk import (LoweringHost, RuleContextBase, RuleTable,
                                  walk_jaxpr)
 
-TABLE = RuleTable("the Mosaic GPU backend")
-
 TRITON_HINT = "; use backend='triton' for this kernel"
 
 
@@ -197,10 +195,11 @@ class RuleContext(RuleContextBase):
 
 
 class GpuHost(LoweringHost):
-  """Lowers one kernel's jaxprs at the current insertion point."""
-  rules = TABLE
+  """Lowers one kernel's jaxprs at the current insertion point, through
+  `rules` (the rule table of lowering_mosaic.gpu.rules)."""
 
-  def __init__(self, kernel: str, where: str | None):
+  def __init__(self, kernel: str, where: str | None, rules: RuleTable):
+    self.rules = rules
     self.kernel = kernel
     self.where = where
     self.scoped = {}        # id(run_scoped equation) -> its SMEM buffers

@@ -18,7 +18,8 @@ from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes, ref_ops
-from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_to,
+from lowering_mosaic.gpu.rules import TABLE
+from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_to,
                                       is_vector, phys, to_index)
 
 

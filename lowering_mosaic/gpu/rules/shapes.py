@@ -11,7 +11,8 @@ from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes
-from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_in_dim,
+from lowering_mosaic.gpu.rules import TABLE
+from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_in_dim,
                                       constant, ir_type, is_ref, is_vector, phys,
                                       phys_position, reshape, typed)
 from lowering_mosaic.gpu.rules.dot import smem_source
