@@ -44,7 +44,9 @@ RANGE_RULES = RangeTable("the range analysis")
 
 
 def top_rule(ctx, *args, **params):
-  """Every result anywhere in its dtype's range."""
+  """Every result anywhere in its dtype's range (and the refs among the
+  operands escape the analysis)."""
+  ctx.escape(args)
   return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
 
 
@@ -147,6 +149,7 @@ _SAME_VALUES = (
     lax.rev_p, lax.slice_p, lax.reduce_max_p, lax.reduce_min_p,
     lax.expand_dims_p if hasattr(lax, "expand_dims_p") else None,
     lax.copy_p, lax.dynamic_slice_p, lax.cummax_p,
+    state_primitives.broadcast_to_p,
     lax.cummin_p, dsl_primitives.multiple_of_p,
     dsl_primitives.max_contiguous_p, ad_checkpoint.name_p)
 
@@ -242,7 +245,7 @@ def _call(ctx, *args, **params):
     return known
   body = call_body(params, args)
   if body is None:
-    return top_rule(ctx)
+    return top_rule(ctx, *args)
   return ctx.walk(*body)
 
 
@@ -429,15 +432,18 @@ def _get(ctx, ref, *idx, tree, **params):
 
 @RANGE_RULES.register(state_primitives.swap_p, state_primitives.addupdate_p)
 def _swap(ctx, ref, val, *idx, tree, **params):
-  ctx.access(ref, _transforms(tree, idx))
-  return top_rule(ctx)
+  reads = (ctx.primitive is state_primitives.addupdate_p
+           or any(v in ctx.used for v in ctx.eqn.outvars))
+  ctx.access(ref, _transforms(tree, idx), reads)
+  return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
 
 
 @RANGE_RULES.register(ref_ops.masked_load_p, ref_ops.masked_store_p,
                       ref_ops.atomic_rmw_p, ref_ops.atomic_cas_p)
 def _ref_op(ctx, ref, *args, tree, **params):
-  ctx.access(ref, _transforms(tree, args[:tree.num_leaves]))
-  return top_rule(ctx)
+  ctx.access(ref, _transforms(tree, args[:tree.num_leaves]),
+             reads=ctx.primitive is not ref_ops.masked_store_p)
+  return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
 
 
 @RANGE_RULES.register(dsl_primitives.run_scoped_p)

@@ -24,7 +24,8 @@ from lowering_triton.check_values import check_values_comment
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
                                   apply_indexer, as_sym, bcast, emit_address,
-                                  has_padding_or_bounds, index_sym)
+                                  has_padding_or_bounds, index_sym,
+                                  without_proven_wraps)
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
 from lowering_triton.values import TVal, full_expr, padded, py_literal
@@ -56,6 +57,7 @@ def _with_proven(ctx, view: MemRef) -> MemRef:
   access = ctx.lowering.ranges.access(ctx.eqn) if view.dynamic else None
   if access is None or access.array_shape != view.array_shape:
     return view
+  view = without_proven_wraps(view, access.index_inside)
   proven = tuple((d, side) for d in view.dynamic
                  for side, ok in enumerate(access.proven(d)) if ok)
   proven_block = tuple((d, side) for d in view.dynamic
