@@ -26,6 +26,7 @@ from jax import lax
 from dsl.core.jax_internals import ad_checkpoint, core, pjit, state_primitives
 
 from dsl.core import intervals as iv
+from dsl.core import mask_bounds
 from dsl.core import primitives as dsl_primitives
 from dsl.core import ref_ops
 from dsl.core.intervals import Interval, fit
@@ -440,10 +441,40 @@ def _swap(ctx, ref, val, *idx, tree, **params):
 
 @RANGE_RULES.register(ref_ops.masked_load_p, ref_ops.masked_store_p,
                       ref_ops.atomic_rmw_p, ref_ops.atomic_cas_p)
-def _ref_op(ctx, ref, *args, tree, **params):
-  ctx.access(ref, _transforms(tree, args[:tree.num_leaves]),
+def _ref_op(ctx, ref, *args, tree, has_mask=False, **params):
+  n = tree.num_leaves
+  leaves = list(args[:n])
+  if has_mask:
+    # masked_load: (mask, other); masked_store, atomic_rmw: (value, mask)
+    at = 1 + n + (0 if ctx.primitive is ref_ops.masked_load_p else 1)
+    leaves = _under_mask(ctx, tree, leaves, ctx.eqn.invars[at])
+  ctx.access(ref, _transforms(tree, leaves),
              reads=ctx.primitive is not ref_ops.masked_store_p)
   return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
+
+
+def _under_mask(ctx, tree, leaves: list, mask) -> list:
+  """The indexer `leaves` with each array of indices of the mask's shape
+  narrowed to what the mask lets through (dsl.core.mask_bounds): lanes
+  the mask drops touch no memory. Only for a single indexer, whose lanes
+  are the access's."""
+  if len(_transforms(tree, leaves)) != 1:
+    return leaves
+  n = len(leaves)
+  lanes_of = (ctx.eqn.outvars[0] if ctx.primitive is ref_ops.masked_load_p
+              else ctx.eqn.invars[1 + n])
+  out = list(leaves)
+  for k, var in enumerate(ctx.eqn.invars[1:1 + n]):
+    shape = getattr(getattr(var, "aval", None), "shape", ())
+    if not shape or tuple(shape) != tuple(lanes_of.aval.shape):
+      continue
+    bound = mask_bounds.bounds_under_mask(var, mask, ctx.producers)
+    if bound is not None:
+      old = out[k]
+      out[k] = bound if old is None else Interval(
+          max(old.lo, bound.lo), max(max(old.lo, bound.lo),
+                                      min(old.hi, bound.hi)))
+  return out
 
 
 @RANGE_RULES.register(dsl_primitives.run_scoped_p)

@@ -233,9 +233,16 @@ class KernelRanges:
 class _Context:
   """What a rule of `RANGE_RULES` sees."""
 
-  def __init__(self, host: "_RangeHost", eqn, used=frozenset()):
+  def __init__(self, host: "_RangeHost", eqn, used=frozenset(),
+               jaxpr=None):
     self.host, self.eqn, self.primitive = host, eqn, eqn.primitive
     self.used = used            # the variables the eqn's jaxpr reads
+    self.jaxpr = jaxpr          # the jaxpr the eqn belongs to
+
+  @property
+  def producers(self) -> dict:
+    """The equation computing each variable of the eqn's jaxpr."""
+    return self.host.producers(self.jaxpr)
 
   def dtype(self, k: int = 0):
     aval = self.eqn.outvars[k].aval
@@ -298,6 +305,7 @@ class _RangeHost(LoweringHost):
   def __init__(self, kernel: str, where: str):
     self.kernel, self.where = kernel, where
     self.result = KernelRanges()
+    self._producers: dict = {}
 
   def literal(self, atom):
     return _concrete_interval(atom.val)
@@ -308,7 +316,15 @@ class _RangeHost(LoweringHost):
     return _concrete_interval(value)
 
   def rule_context(self, eqn, used, position):
-    return _Context(self, eqn, used)
+    return _Context(self, eqn, used, position[0])
+
+  def producers(self, jaxpr) -> dict:
+    hit = self._producers.get(id(jaxpr))
+    if hit is None or hit[0] is not jaxpr:
+      hit = self._producers[id(jaxpr)] = (jaxpr, {
+          v: e for e in (jaxpr.eqns if jaxpr is not None else ())
+          for v in e.outvars})
+    return hit[1]
 
   def error(self, message, eqn=None):
     return BackendError(self.kernel, message, self.where)

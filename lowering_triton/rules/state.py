@@ -131,13 +131,16 @@ def poison(dtype) -> str:
 
 def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
           other: str | None = None, extra: str = "") -> TVal:
-  """A load of `view`: lanes outside the array (or masked off) read `other`,
-  poison when it is None (what the memory there holds is unspecified)."""
+  """A load of `view`: lanes outside the array (or masked off) read `other`;
+  when it is None, whatever the memory there holds (no `other`, so that
+  Triton may copy the tile straight to shared memory; the host backends'
+  loads give poison there: lowering_triton.interpret_memory)."""
   ctx.lowering.before_read(view.ptr)
   args = [ptr]
   if mask is not None:
     args.append(f"mask={mask}")
-    args.append(f"other={other if other is not None else poison(view.dtype)}")
+    if other is not None:
+      args.append(f"other={other}")
   if extra:
     args.append(extra)
   return ctx.bind(f"tl.load({', '.join(args)})", view.shape, view.dtype, hint,
