@@ -52,7 +52,6 @@ def _axes_after(eqn, axes: tuple) -> tuple:
 def lanes(var, producers: dict) -> tuple:
   """(root, axes) of `var`: the variable it broadcasts, and per axis of
   the root the axis of `var` it runs along (None: a unit axis)."""
-  axes = None
   chain = []
   while isinstance(var, core.Var):
     eqn = producers.get(var)

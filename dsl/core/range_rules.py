@@ -469,11 +469,10 @@ def _under_mask(ctx, tree, leaves: list, mask) -> list:
     if not shape or tuple(shape) != tuple(lanes_of.aval.shape):
       continue
     bound = mask_bounds.bounds_under_mask(var, mask, ctx.producers)
-    if bound is not None:
-      old = out[k]
-      out[k] = bound if old is None else Interval(
-          max(old.lo, bound.lo), max(max(old.lo, bound.lo),
-                                      min(old.hi, bound.hi)))
+    if bound is not None and out[k] is not None:
+      lo = max(out[k].lo, bound.lo)
+      bound = Interval(lo, max(lo, min(out[k].hi, bound.hi)))
+    out[k] = bound if bound is not None else out[k]
   return out
 
 
