@@ -289,8 +289,23 @@ def _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids) -> None:
               scratch_refs, spec.jaxpr, loops)
 
 
+def _refuse_pipeline_modes(spec) -> None:
+  """A Triton program loads each of its blocks once: no pipeline runs
+  between grid points for a BlockSpec's pipeline_mode to set (Pallas's
+  Triton lowering refuses it too)."""
+  for bm in spec.grid_mapping.block_mappings:
+    if bm.pipeline_mode is not None:
+      raise BackendError(
+          spec.name, f"pipeline_mode={bm.pipeline_mode!r} has no effect on "
+          f"the Triton backend: each program loads its block once, and no "
+          f"pipeline runs between grid points; drop it (loops inside the "
+          f"kernel are pipelined by dsl.triton.CompilerParams(num_stages=))",
+          bm.where or spec.where, operand=bm.origin)
+
+
 def _generate(spec, tensor_descriptors: bool = True) -> GeneratedKernel:
   gm = spec.grid_mapping
+  _refuse_pipeline_modes(spec)
   try:
     plan = plan_grid(spec)
   except ValueError as e:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax import tree_util
 from dsl.core.jax_internals import (api_util, close_jaxpr, ClosedJaxpr, core,
                                     linear_util as lu, partial_eval as pe,
                                     state_types)
@@ -123,6 +124,23 @@ class BlockMapping:
   memory_space: Any = None
   whole_array: bool = False
   pipeline_mode: Buffered | None = None
+  # The user's "file:line" of the BlockSpec, for errors about it.
+  where: str | None = None
+
+  def to_spec(self, index_map: Callable[..., Any] | None = None,
+              lead: int = 0) -> BlockSpec:
+    """A BlockSpec giving this mapping again, every option kept (memory
+    space, pipeline mode, the user's line): what a derived kernel (vmap,
+    jvp, grad, a shard) passes for the same operand. `index_map` replaces
+    the traced one (for a derived kernel's own grid) and `lead` squeezed
+    dims go first (a batch)."""
+    shape = (None,) * lead + tuple(None if d is squeezed else d
+                                   for d in self.block_shape)
+    if index_map is None:
+      jaxpr = self.index_map_jaxpr
+      index_map = lambda *args: tuple(core.jaxpr_as_fun(jaxpr)(*args))
+    return BlockSpec(shape, index_map, memory_space=self.memory_space,
+                     pipeline_mode=self.pipeline_mode, where=self.where)
 
   @property
   def block_sizes(self) -> tuple[int, ...]:
@@ -191,13 +209,18 @@ def arity_text(arity: tuple[int, int]) -> str:
 
 
 def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
-                     prefetch_avals, rank: int, where: str) -> ClosedJaxpr:
-  n_args = grid_rank + len(prefetch_avals)
+                     prefetch_avals, rank: int, where: str,
+                     prefetch_tree=None) -> ClosedJaxpr:
+  """The index map's jaxpr: grid ids, then the prefetch refs flat; `fn`
+  gets the prefetch operands in their pytree (`prefetch_tree`), as the
+  kernel does."""
+  n_pf = (len(tree_util.tree_unflatten(prefetch_tree, list(prefetch_avals)))
+          if prefetch_tree is not None else len(prefetch_avals))
+  n_args = grid_rank + n_pf
   arity = positional_arity(fn)
   loc = function_location(fn)
   if not takes(arity, n_args):
-    extra = (f" and {len(prefetch_avals)} scalar-prefetch refs"
-             if prefetch_avals else "")
+    extra = (f" and {n_pf} scalar-prefetch operands" if n_pf else "")
     raise KernelTypeError(
         kernel, f"index_map takes {arity_text(arity)} arguments but the grid "
         f"has rank "
@@ -206,12 +229,16 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
   in_avals = [core.ShapedArray((), jnp.int32)] * grid_rank + list(prefetch_avals)
 
   def flat(*args):
-    out = fn(*args)
+    pf = args[grid_rank:]
+    if prefetch_tree is not None:
+      pf = tree_util.tree_unflatten(prefetch_tree, pf)
+    out = fn(*args[:grid_rank], *pf)
     if not isinstance(out, (tuple, list)):
       out = (out,)
     return list(out)
 
-  dbg = api_util.debug_info("index_map", fn, tuple(range(n_args)), {})
+  dbg = api_util.debug_info("index_map", fn, tuple(range(len(in_avals))),
+                            {})
   try:
     jaxpr, out_avals, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(flat, debug_info=dbg), in_avals)
@@ -244,8 +271,10 @@ def _zeros_index_map(grid_rank: int, n_prefetch: int, rank: int):
 
 def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
                        aval: core.ShapedArray, grid_rank: int, prefetch_avals,
-                       where: str) -> BlockMapping:
-  """Checks `spec` against the array `aval` and traces its index map."""
+                       where: str, prefetch_tree=None) -> BlockMapping:
+  """Checks `spec` against the array `aval` and traces its index map
+  (which takes the scalar-prefetch operands in their pytree
+  `prefetch_tree`; None: flat)."""
   if spec is None:
     spec = BlockSpec()
   if not isinstance(spec, BlockSpec):
@@ -288,11 +317,11 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
   if whole or index_map is None:
     index_map = _zeros_index_map(grid_rank, len(prefetch_avals), rank)
   jaxpr = _trace_index_map(kernel, origin, index_map, grid_rank,
-                           prefetch_avals, rank, where)
+                           prefetch_avals, rank, where, prefetch_tree)
   return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype,
                                                weak_type=aval.weak_type),
                       block_shape, jaxpr, memory_space, whole,
-                      spec.pipeline_mode)
+                      spec.pipeline_mode, spec.where)
 
 
 def _check_pipeline_mode(kernel, origin, mode, where) -> None:

@@ -9,6 +9,7 @@ from jax import tree_util
 from dsl.core.jax_internals import core, state_types
 
 from dsl.core.blockspec import BlockMapping, BlockSpec, resolve_block_spec
+from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.errors import KernelError, KernelTypeError
 from dsl.core.index_maps import (evaluate_index_map, reads_prefetch,
                                  varies_along)
@@ -43,17 +44,21 @@ class PrefetchScalarGridSpec(GridSpec):
 
 class KernelArgs(NamedTuple):
   """A kernel's operands by role, in the order every backend passes them:
-  grid indices (when present), scalar prefetch, inputs, outputs, scratch."""
+  grid indices (when present), scalar prefetch, inputs, outputs, scratch;
+  and, for the pallas_call's operands, the traced sizes of the grid's
+  dynamic dims (`split_operands`; they lead those operands)."""
   ids: tuple
   prefetch: tuple
   inputs: tuple
   outputs: tuple
   scratch: tuple
+  sizes: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GridMapping:
-  """The resolved grid: one BlockMapping per input then per output."""
+  """The resolved grid: one BlockMapping per input then per output. A grid
+  dim whose size is traced is `DYNAMIC` (dsl.core.dynamic_grid)."""
   grid: tuple[int, ...]
   block_mappings: tuple[BlockMapping, ...]
   num_inputs: int
@@ -82,8 +87,11 @@ class GridMapping:
     they are resolved)."""
     rank = len(self.grid)
     problems = []
-    if any(not isinstance(g, (int, np.integer)) or g < 0 for g in self.grid):
+    if any(not is_dynamic(g) and (not isinstance(g, (int, np.integer))
+                                  or g < 0) for g in self.grid):
       problems.append(f"grid {self.grid} is not of non-negative ints")
+    if any(d < self.num_hidden_axes for d in self.dynamic_dims):
+      problems.append(f"grid {self.grid}: an axis added by vmap is dynamic")
     if len(self.block_mappings) != self.num_inputs + self.num_outputs:
       problems.append(f"{len(self.block_mappings)} block mappings for "
                       f"{self.num_inputs} inputs and {self.num_outputs} "
@@ -109,6 +117,11 @@ class GridMapping:
                         f"{array_rank}")
     if problems:
       raise ValueError("inconsistent GridMapping: " + "; ".join(problems))
+
+  @property
+  def dynamic_dims(self) -> tuple[int, ...]:
+    """The grid dims whose size is traced (dsl.core.dynamic_grid)."""
+    return tuple(d for d, g in enumerate(self.grid) if is_dynamic(g))
 
   @property
   def in_mappings(self) -> tuple[BlockMapping, ...]:
@@ -148,7 +161,9 @@ class GridMapping:
   def block_indices(self, bm: BlockMapping) -> np.ndarray | None:
     """The block indices of `bm` at every grid point, an int array of shape
     (*grid, rank), read-only; None when its index map reads scalar-prefetch
-    data or the grid is too large to analyse."""
+    data, or the grid has a dynamic dim or is too large to analyse."""
+    if self.dynamic_dims:
+      return None
     return evaluate_index_map(bm, tuple(int(g) for g in self.grid))
 
   def reads_prefetch(self, bm: BlockMapping) -> bool:
@@ -183,18 +198,21 @@ class GridMapping:
     return KernelArgs(*parts)
 
   def split_operands(self, seq: Sequence[Any]) -> KernelArgs:
-    """The pallas_call's operands `seq` (scalar prefetch, then inputs) by
-    role; `ids`, `outputs` and `scratch` are empty."""
-    if len(seq) != self.num_scalar_prefetch + self.num_inputs:
-      raise ValueError(f"{len(seq)} operands for a kernel with "
-                       f"{self.num_scalar_prefetch} scalar prefetch and "
+    """The pallas_call's operands `seq` (the dynamic dims' sizes, scalar
+    prefetch, then inputs) by role; `ids`, `outputs` and `scratch` are
+    empty."""
+    n_sizes, n = len(self.dynamic_dims), self.num_scalar_prefetch
+    if len(seq) != n_sizes + n + self.num_inputs:
+      raise ValueError(f"{len(seq)} operands for a kernel with {n_sizes} "
+                       f"dynamic grid dims, {n} scalar prefetch and "
                        f"{self.num_inputs} inputs")
-    n = self.num_scalar_prefetch
-    return KernelArgs((), tuple(seq[:n]), tuple(seq[n:]), (), ())
+    return KernelArgs((), tuple(seq[n_sizes:n_sizes + n]),
+                      tuple(seq[n_sizes + n:]), (), (),
+                      tuple(seq[:n_sizes]))
 
   def unflatten_kernel_refs(self, refs: Sequence[Any]) -> list[Any]:
     """The kernel's positional arguments, in the pytree shape of the specs."""
-    _, prefetch, ins, outs, scratch = self.split(refs)
+    _, prefetch, ins, outs, scratch, _ = self.split(refs)
     args = (list(tree_util.tree_unflatten(self.prefetch_tree, prefetch))
             if self.prefetch_tree is not None else list(prefetch))
     args += list(tree_util.tree_unflatten(self.in_tree, ins))
@@ -233,6 +251,8 @@ def _zero_size_text(in_avals, out_avals) -> str:
 
 def normalize_grid(kernel: str, grid, where: str,
                    zero_size: str = "") -> tuple[int, ...]:
+  """The grid as a tuple of positive ints and DYNAMIC (a traced size,
+  lifted out by `dynamic_grid.lift_traced_sizes`)."""
   if grid is None:
     grid = ()
   if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
@@ -244,11 +264,14 @@ def normalize_grid(kernel: str, grid, where: str,
   for i, g in enumerate(grid):
     if (isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], str)):
       g = g[1]   # a named grid axis ("i", 4), as Pallas takes it
+    if is_dynamic(g):
+      out.append(g)
+      continue
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
       raise KernelTypeError(
-          kernel, f"grid[{i}] must be a positive integer, got {g!r} "
-          f"({type(g).__name__}); traced grid sizes are not supported",
-          where, operand="grid")
+          kernel, f"grid[{i}] must be a positive integer or a traced "
+          f"integer scalar, got {g!r} ({type(g).__name__})", where,
+          operand="grid")
     if g <= 0:
       raise KernelError(kernel, f"grid[{i}] must be a positive integer, got "
                         f"{int(g)}" + (zero_size if g == 0 else ""), where,
@@ -328,10 +351,12 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
   mappings = []
   for i, (spec, aval) in enumerate(zip(in_leaves, in_avals)):
     mappings.append(resolve_block_spec(kernel, f"in_specs[{i}]", spec, aval,
-                                       len(grid), p_refs, where))
+                                       len(grid), p_refs, where,
+                                       prefetch_tree))
   for i, (spec, aval) in enumerate(zip(out_leaves, out_avals)):
     mappings.append(resolve_block_spec(kernel, f"out_specs[{i}]", spec, aval,
-                                       len(grid), p_refs, where))
+                                       len(grid), p_refs, where,
+                                       prefetch_tree))
   scratch_leaves, scratch_tree = tree_util.tree_flatten(
       list(scratch_shapes or ()),
       is_leaf=lambda x: (hasattr(x, "get_ref_aval") or hasattr(x, "dtype")

@@ -20,8 +20,8 @@ from dsl.core.jax_internals import (ClosedJaxpr, core, dispatch,
                                     mesh as mesh_lib)
 from jax.extend.core import Primitive
 
-from dsl.core import (backends, checks, config, host_failures, named_axes,
-                      sharding)
+from dsl.core import (backends, checks, config, dynamic_grid, host_failures,
+                      named_axes, sharding)
 from dsl.core.compiler_params import tuned_params
 from dsl.core.errors import (KernelError, KernelTypeError, api_boundary,
                              function_location, kernel_error_of, kernel_name,
@@ -137,7 +137,9 @@ def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
       # Under jit over a mesh with Explicit axes: outputs are split as the
       # inputs imply along the grid dims the kernel partitions over
       # (dsl.core.sharding), replicated elsewhere.
-      shardings = sharding.explicit_out_shardings(spec, avals, mesh)
+      operands = spec.grid_mapping.split_operands(avals)
+      shardings = sharding.explicit_out_shardings(
+          spec, operands.prefetch + operands.inputs, mesh)
       return [core.ShapedArray(a.shape, a.dtype, sharding=sh)
               for a, sh in zip(outs, shardings)]
     return [core.ShapedArray(a.shape, a.dtype) for a in outs]
@@ -281,6 +283,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
 
   The kernel reads blocks of the inputs through refs and writes blocks of the
   outputs; `in_specs`/`out_specs` say which block each grid point sees.
+  A `grid` entry may be a traced integer scalar (under `jax.jit`): that dim's
+  size is known when the kernel runs (dsl.core.dynamic_grid).
   `metadata` (str -> str) is recorded with the kernel, as in Pallas: the
   Mosaic lowering puts it in the TPU call's `kernel_metadata`.
   """
@@ -306,8 +310,10 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     check_operands(name, args, where)
     args = tree_util.tree_map(as_operand, args)
     flat_args = tree_util.tree_leaves(args)
+    static_grid, sizes = dynamic_grid.lift_traced_sizes(name, grid, where)
     spec, out_tree = build_spec(
-        kernel, args, out_shape, name=name, grid=grid, in_specs=in_specs,
+        kernel, args, out_shape, name=name, grid=static_grid,
+        in_specs=in_specs,
         out_specs=out_specs, scratch_shapes=scratch_shapes,
         num_scalar_prefetch=num_scalar_prefetch,
         input_output_aliases=input_output_aliases, backend=backend,
@@ -316,7 +322,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     check_semantics(spec.name, params, len(spec.grid_mapping.grid),
                     where)
     check_parallel_carries(spec, params, where)
-    outs = pallas_call_p.bind(*flat_args, spec=spec)
+    outs = pallas_call_p.bind(*sizes, *flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 
   return wrapped

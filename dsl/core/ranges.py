@@ -26,6 +26,7 @@ from dsl.core.jax_internals import (ClosedJaxpr, core,
 
 from dsl.core import intervals as iv
 from dsl.core.blockspec import Element, squeezed
+from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.errors import BackendError
 from dsl.core.intervals import Interval
 from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
@@ -333,9 +334,11 @@ class _RangeHost(LoweringHost):
 # ------------------------------------------------------------- the kernel
 
 def _grid_intervals(grid) -> list[Interval] | None:
-  if any(int(g) <= 0 for g in grid):
+  """The program ids of each dim: any int32 for a dynamic (traced) size."""
+  if any(not is_dynamic(g) and int(g) <= 0 for g in grid):
     return None                  # the kernel never runs
-  return [Interval(0, int(g) - 1) for g in grid]
+  top = int(np.iinfo(np.int32).max) - 1
+  return [Interval(0, top if is_dynamic(g) else int(g) - 1) for g in grid]
 
 
 def _block_window(host: _RangeHost, bm, ids, prefetch) -> Window:

@@ -4,7 +4,9 @@ The kernel jaxpr takes `(*grid_indices, *prefetch_refs, *in_refs, *out_refs,
 *scratch_refs)`. Grid indices are ordinary int32 inputs: `program_id(axis)`
 returns the tracer of that input, so every backend sees them the same way
 (Triton as `tl.program_id`, Mosaic as the kernel's index arguments, the
-interpreter as vectorized values).
+interpreter as vectorized values). `num_programs(axis)` is a static int, or
+for a dim whose size is traced a `num_programs` equation at the kernel's
+top level (dsl.core.dynamic_grid).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dsl.core.jax_internals import (api_util, close_jaxpr, ClosedJaxpr, core,
                                     linear_util as lu, mesh as mesh_lib,
                                     partial_eval as pe)
 
-from dsl.core import fixits, refs as refs_mod
+from dsl.core import dynamic_grid, fixits, refs as refs_mod
 from dsl.core.blockspec import (BlockMapping, arity_text, positional_arity,
                                 takes)
 from dsl.core.errors import (KernelError, KernelTypeError, function_location,
@@ -38,6 +40,7 @@ class _GridEnv:
   indices: tuple[Any, ...]
   sizes: tuple[int, ...]
   names: frozenset = frozenset()
+  trace: Any = None        # the kernel body's top-level trace
 
 
 _GRID_ENV: contextvars.ContextVar[_GridEnv | None] = contextvars.ContextVar(
@@ -57,7 +60,8 @@ def program_id(axis: int):
 
 
 def num_programs(axis: int):
-  """The grid's size along `axis` (a static int)."""
+  """The grid's size along `axis`: a static int, or an int32 scalar where
+  the size is traced."""
   env = _GRID_ENV.get()
   if env is None:
     raise KernelError("<none>", "num_programs can only be called inside a "
@@ -65,6 +69,8 @@ def num_programs(axis: int):
   if not 0 <= axis < len(env.sizes):
     raise KernelError(env.kernel, f"num_programs({axis}) is outside the grid "
                       f"of rank {len(env.sizes)}", user_frame())
+  if dynamic_grid.is_dynamic(env.sizes[axis]):
+    return dynamic_grid.bind_num_programs(env.trace, axis)
   return env.sizes[axis]
 
 
@@ -75,8 +81,11 @@ def in_kernel_body() -> bool:
 
 @contextlib.contextmanager
 def grid_env(kernel: str, indices, sizes, names=()):
+  """Inside it, `program_id` and `num_programs` speak of this grid; a
+  dynamic size's `num_programs` is bound in the trace current on entry."""
   token = _GRID_ENV.set(_GridEnv(kernel, tuple(indices), tuple(sizes),
-                                 frozenset(n for n in names or () if n)))
+                                 frozenset(n for n in names or () if n),
+                                 dynamic_grid.current_trace()))
   try:
     with tracing_kernel(kernel):
       yield

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import jax
 from dsl.core.jax_internals import ClosedJaxpr, core
 
-from dsl.core.blockspec import BlockMapping, BlockSpec, squeezed
+from dsl.core.blockspec import BlockMapping, BlockSpec
 from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
 from dsl.transforms.discharge import discharged_kernel
 from dsl.transforms.prefetch_reads import pure_reads
@@ -24,9 +24,6 @@ def block_spec_of(bm: BlockMapping, n_grid: int,
   `lead(ids)` gives block indices of `n_lead` extra leading (squeezed) dims.
   """
   jaxpr = bm.index_map_jaxpr
-  shape = tuple(None if d is squeezed else d for d in bm.block_shape)
-  if lead is not None:
-    shape = (None,) * n_lead + shape
 
   def index_map(*args):
     ids, pf = args[:n_grid], args[n_grid:]
@@ -35,7 +32,7 @@ def block_spec_of(bm: BlockMapping, n_grid: int,
       out = list(lead(ids)) + out
     return tuple(out)
 
-  return BlockSpec(shape, index_map, memory_space=bm.memory_space)
+  return bm.to_spec(index_map, lead=n_lead if lead is not None else 0)
 
 
 def sds(aval, batch: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:

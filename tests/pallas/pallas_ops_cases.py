@@ -183,6 +183,29 @@ def _tgmm():
               reference)
 
 
+def _gmm_grad():
+  """jax.grad through megablox's own custom_vjp (its backward pass is its
+  gmm with the rhs transposed and its tgmm, both with traced grids)."""
+  lhs, rhs = _rand(0, (256, 128)), _rand(1, (2, 128, 128))
+  sizes = _group_sizes()
+
+  def loss(f, lhs, rhs):
+    return jnp.sum(f(lhs, rhs) ** 2)
+
+  def run(m, interpret):
+    f = lambda a, b: m.gmm(a, b, sizes, jnp.float32, (128, 128, 128), None,
+                           None, False, interpret)
+    return jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1)))(
+        lhs, rhs)
+
+  def reference(m):
+    rows = jnp.repeat(jnp.arange(2), sizes, total_repeat_length=256)
+    f = lambda a, b: jnp.einsum("mk,mkn->mn", a, b[rows],
+                                precision="highest")
+    return jax.grad(functools.partial(loss, f), argnums=(0, 1))(lhs, rhs)
+  return Case(run, reference, tol=2e-2)
+
+
 def _threefry():
   key = jnp.array([3, 7], jnp.uint32)
 
@@ -273,6 +296,7 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
                                    _ragged_paged_attention),
     "tpu.megablox.gmm": ("tpu.megablox.gmm", _gmm),
     "tpu.megablox.tgmm": ("tpu.megablox.gmm", _tgmm),
+    "tpu.megablox.gmm (grad)": ("tpu.megablox.ops", _gmm_grad),
     "tpu.random.threefry": ("tpu.random.threefry", _threefry),
     "tpu.random.philox": ("tpu.random.philox", _philox),
     "gpu.attention": ("gpu.attention", _gpu_attention),

@@ -174,18 +174,6 @@ XFAIL: dict[tuple[str, str], str] = {
         "linearizing the derived transpose kernel meets a `pl.when` with a "
         "ref effect, which JAX's cond partial eval rejects (State effect not "
         "supported in cond partial-eval)",
-    ("tpu.megablox.gmm", "interpret"):
-        "traced grid sizes: the number of active tiles is computed from the "
-        "group sizes (grid[1] must be a positive integer, got a tracer)",
-    ("tpu.megablox.gmm", "mosaic_interpret"):
-        "traced grid sizes: the number of active tiles is computed from the "
-        "group sizes (grid[1] must be a positive integer, got a tracer)",
-    ("tpu.megablox.tgmm", "interpret"):
-        "traced grid sizes: the number of active tiles is computed from the "
-        "group sizes (grid[2] must be a positive integer, got a tracer)",
-    ("tpu.megablox.tgmm", "mosaic_interpret"):
-        "traced grid sizes: the number of active tiles is computed from the "
-        "group sizes (grid[2] must be a positive integer, got a tracer)",
 }
 
 # Cases too slow for the default suite (pytest -m slow runs them).
@@ -215,6 +203,7 @@ OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
        "tpu.flash_attention", "tpu.paged_attention",
        "tpu.paged_attention (grad)", "tpu.splash_attention",
        "tpu.ragged_paged_attention", "tpu.megablox.gmm", "tpu.megablox.tgmm",
+       "tpu.megablox.gmm (grad)",
        "tpu.random.threefry", "tpu.random.philox", "gpu.attention",
        "gpu.decode_attention", "gpu.paged_attention", "gpu.layer_norm",
        "gpu.layer_norm (grad)", "gpu.rms_norm", "gpu.rms_norm (grad)",

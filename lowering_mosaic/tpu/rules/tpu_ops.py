@@ -24,6 +24,8 @@ reads) is:
   %b = tpu.sem_barrier          the kernel's barrier semaphore
   %d = tpu.device_id            this device's logical id (row-major over the
                                 mesh; `lax.axis_index` is computed from it)
+  %n = tpu.iteration_bound 1    the size of grid dim 1 (`pl.num_programs(1)`
+                                of a dim whose size is traced)
 
 A DMA semaphore counts bytes: a DMA adds the size of its copy when it lands
 (and, for remote copies, to the send semaphore when the source has been
@@ -43,6 +45,7 @@ from dsl.core.jax_internals import (DEVICE_COORDINATES_UNSIGNED,
                                     core, ir, lax_parallel, tpu)
 
 from dsl.core import primitives as dsl_primitives
+from dsl.core.dynamic_grid import num_programs_p
 from dsl.tpu import primitives as tp
 from dsl.tpu import vector as tpu_vector
 from dsl.core.semaphores import DeviceIdType
@@ -63,6 +66,13 @@ def _barrier_semaphore(ctx) -> ir.Value:
   ctx.lctx.uses_barrier = True
   return tpu.GetBarrierSemaphoreOp(
       dialect.semaphore_memref_type((), "regular")).result
+
+
+@register(num_programs_p)
+def _num_programs(ctx, *, axis):
+  """The size of a dynamic grid dim, where the kernel asks for it (as
+  Pallas)."""
+  return tpu.GetIterationBoundOp(axis).result
 
 
 @register(tp.get_barrier_semaphore_p)
