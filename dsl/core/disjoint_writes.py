@@ -14,9 +14,9 @@ programs and get what the steps in order would give.
 Proven means: the kernel only stores to its outputs (the range analysis
 meets no read of one, and none escapes it), aliases none of them to an
 input, carries no scratch from step to step, declares the dim no
-"arbitrary"; and, the range analysis run once per step of the dim, the
-elements each step can store to (clipped to the array) are apart from every
-other step's.
+"arbitrary" and knows its size at trace time; and, the range analysis run
+once per step of the dim, the elements each step can store to (clipped to
+the array) are apart from every other step's.
 """
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def _dims(spec) -> tuple[int, ...]:
   rank = len(gm.grid)
   plan = gm.plan(spec.compiler_params, spec.jaxpr)
   sem = declared_semantics(spec.compiler_params, rank, gm.num_hidden_axes)
-  dims = [d for d in plan.sequential if 1 < gm.grid[d] <= MAX_STEPS
+  dims = [d for d in plan.sequential if d not in gm.dynamic_dims
+          and 1 < gm.grid[d] <= MAX_STEPS
           and not (sem and sem[d] == "arbitrary")]
   if (not dims or spec.input_output_aliases
       or carried_scratch(spec.jaxpr, len(gm.scratch_avals))):
