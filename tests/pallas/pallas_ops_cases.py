@@ -262,6 +262,20 @@ def _gpu_norm(name):
               lambda m: getattr(m, f"{name}_reference")(x, w, b))
 
 
+def _gpu_norm_grad(name):
+  """The gradient through the op's custom_vjp: its backward kernels (dx,
+  and dw/db over row blocks, which index rows and columns with arrays)."""
+  x = _rand(0, (2, 4, 256))
+  w, b = _rand(1, (256,)), _rand(2, (256,))
+
+  def grad(f):
+    return jax.grad(lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b))),
+                    argnums=(0, 1, 2))(x, w, b)
+  return Case(lambda m, interpret: grad(functools.partial(
+      getattr(m, name), interpret=interpret)),
+      lambda m: grad(getattr(m, f"{name}_reference")))
+
+
 def _gpu_softmax():
   x = _rand(0, (8, 300))
   return Case(lambda m, interpret: m.softmax(x, interpret=interpret),
@@ -289,7 +303,11 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
     "gpu.decode_attention": ("gpu.decode_attention", _gpu_decode_attention),
     "gpu.paged_attention": ("gpu.paged_attention", _gpu_paged_attention),
     "gpu.layer_norm": ("gpu.layer_norm", lambda: _gpu_norm("layer_norm")),
+    "gpu.layer_norm (grad)": ("gpu.layer_norm",
+                              lambda: _gpu_norm_grad("layer_norm")),
     "gpu.rms_norm": ("gpu.rms_norm", lambda: _gpu_norm("rms_norm")),
+    "gpu.rms_norm (grad)": ("gpu.rms_norm",
+                            lambda: _gpu_norm_grad("rms_norm")),
     "gpu.softmax": ("gpu.softmax", _gpu_softmax),
 }
 

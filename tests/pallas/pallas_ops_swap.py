@@ -182,7 +182,8 @@ XFAIL: dict[tuple[str, str], str] = {
 }
 
 # Cases too slow for the default suite (pytest -m slow runs them).
-SLOW: set[tuple[str, str]] = set()
+SLOW: set[tuple[str, str]] = {("gpu.layer_norm (grad)", "interpret"),
+                              ("gpu.rms_norm (grad)", "interpret")}
 
 # Ops compared with their reference only, and why.
 NO_PALLAS = {
@@ -210,7 +211,8 @@ OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
        "tpu.megablox.gmm (grad)",
        "tpu.random.threefry", "tpu.random.philox", "gpu.attention",
        "gpu.decode_attention", "gpu.paged_attention", "gpu.layer_norm",
-       "gpu.rms_norm", "gpu.softmax")
+       "gpu.layer_norm (grad)", "gpu.rms_norm", "gpu.rms_norm (grad)",
+       "gpu.softmax")
 
 
 def compat_section() -> str:
