@@ -32,6 +32,9 @@ from lowering_triton.check_values import check_values_comment
 from lowering_triton.refs import Axis, MemRef, as_sym, row_major_strides
 from lowering_triton.rules import TABLE
 from lowering_triton.values import TVal, literal_value, pow2
+from lowering_triton.refs import ValueRef
+from lowering_triton.rules.state import fresh_buffer
+from lowering_triton.rules.dot import default_matmul_precision
 
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
@@ -371,8 +374,6 @@ def _unique(stems: list[str]) -> list[str]:
 
 
 def _scratch(lowering: Lowering, aval, stem: str, k: int):
-  from lowering_triton.refs import ValueRef
-  from lowering_triton.rules.state import fresh_buffer
   inner = getattr(aval, "inner_aval", aval)
   space = str(getattr(aval, "memory_space", "") or "")
   if space.startswith("semaphore"):
@@ -515,7 +516,6 @@ def generate(spec, tensor_descriptors: bool | None = None) -> GeneratedKernel:
   """The Triton source and launch metadata of `spec` (cached per spec);
   `tensor_descriptors` (default: jax_pallas_triton_tensor_descriptors)
   loads whole aligned tiles in loops through TMA descriptors (tma.py)."""
-  from lowering_triton.rules.dot import default_matmul_precision
   if tensor_descriptors is None:
     tensor_descriptors = config.triton_tensor_descriptors()
   key = (config.enable_runtime_assert(), default_matmul_precision(),
