@@ -12,6 +12,7 @@ from dsl.core.jax_internals import config as jax_config, mlir
 
 from dsl.core import config, host_failures
 from dsl.tools import profiling
+from dsl.interpret import warpgroups
 from dsl.interpret.execute import run
 from dsl.transforms import runtime_checks
 from dsl.transforms.window_checks import has_run_time_windows
@@ -19,6 +20,11 @@ from dsl.transforms.window_checks import has_run_time_windows
 
 def interpret_lowering(ctx, *args, spec):
   """The pallas_call lowering rule of backend "interpret"."""
+  if warpgroups.mesh_of(spec) is not None:
+    # A plgpu.kernel: its warpgroups run together, on the host.
+    fn = warpgroups.run_on_host(spec, ctx.module_context.axis_context)
+    with jax_config._check_vma(False):
+      return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
   fn = functools.partial(run, spec=spec)
   # With runtime asserts on, block indices read from data and windows
   # placed at run time are checked too.

@@ -4,10 +4,10 @@ Nothing of Pallas's code lives in this repository: an import hook serves
 `pallas_ops_on_dsl.X` from the source of `jax.experimental.pallas.ops.X` in
 the installed JAX, with its Pallas imports rewritten to dsl's names
 (`import dsl as pl`, `from dsl import tpu as pltpu`, `from dsl import triton
-as plgpu`) and its imports of sibling ops pointed at the swapped copies.
-Nothing else of the source changes, line numbers included, so tracebacks
-point at the original file. The `*_mgpu` ops are not served: they need
-Pallas's Mosaic GPU API.
+as plgpu`, and for the `*_mgpu` ops `from dsl import mosaic_gpu as plgpu`)
+and its imports of sibling ops pointed at the swapped copies. Nothing else
+of the source changes, line numbers included, so tracebacks point at the
+original file.
 
     import tests.pallas.pallas_ops_swap as swap
     swap.install()
@@ -39,7 +39,10 @@ REWRITES = (
     (re.compile(r"^(\s*)import jax\.experimental\.pallas as (\w+)\s*$", re.M),
      r"\1import dsl as \2"),
     (re.compile(r"^(\s*)from jax\.experimental\.pallas import "
-                r"(tpu|triton) as (\w+)\s*$", re.M),
+                r"(tpu|triton|mosaic_gpu) as (\w+)\s*$", re.M),
+     r"\1from dsl import \2 as \3"),
+    (re.compile(r"^(\s*)import jax\.experimental\.pallas\."
+                r"(tpu|triton|mosaic_gpu) as (\w+)\s*$", re.M),
      r"\1from dsl import \2 as \3"),
     (re.compile(re.escape(ORIGINAL + ".")), PREFIX + "."),
 )
@@ -73,8 +76,6 @@ def _source_path(fullname: str) -> tuple[str, bool] | None:
   if fullname != PREFIX and not fullname.startswith(PREFIX + "."):
     return None
   parts = fullname.split(".")[1:]
-  if parts and parts[-1].endswith("_mgpu"):
-    return None
   base = os.path.join(ops_dir(), *parts)
   if os.path.isfile(os.path.join(base, "__init__.py")):
     return os.path.join(base, "__init__.py"), True
