@@ -182,8 +182,16 @@ def _run_scoped_discharge(ctx, *args, jaxpr, num_consts, collective_axes=()):
   return new_invals, outs
 
 
-def _run_scoped_lowering(ctx, *args, jaxpr, num_consts):
-  raise NotImplementedError("run_scoped must be discharged before lowering")
+def _run_scoped_of_values(*args, jaxpr, num_consts, collective_axes=()):
+  """A run_scoped whose body touches no ref of the kernel (`pl.run_state`
+  of values): JAX's discharge leaves it, having no ref to discharge, so it
+  reaches lowering, where its own refs are discharged."""
+  return _run_scoped_discharge(None, *args, jaxpr=jaxpr,
+                               num_consts=num_consts)[1]
+
+
+mlir.register_lowering(run_scoped_p, mlir.lower_fun(_run_scoped_of_values,
+                                                    multiple_results=True))
 
 
 def run_scoped(f: Callable[..., Any], *types, collective_axes=(),

@@ -63,6 +63,10 @@ def run_state(f: Callable[[Any], None]) -> Callable[[Any], Any]:
 
 
 get_global_p = Primitive("get_global")
+# It makes a ref (as `jax.new_ref` does): effects on it are not effects on
+# the kernel's inputs.
+get_global_p.ref_primitive = True
+get_global_p.ref_allocating = True
 
 
 @get_global_p.def_abstract_eval

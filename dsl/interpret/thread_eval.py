@@ -35,7 +35,8 @@ from dsl.core.errors import BackendError, KernelError, source_info_frame
 from dsl.core.jax_internals import (ClosedJaxpr, NDIndexer, Slice, core,
                                     lax_control_flow as cf, state_primitives,
                                     state_types)
-from dsl.core.jaxpr_walk import CALL_PRIMITIVES, RuleTable, call_body
+from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, RuleTable, call_body,
+                                 sub_jaxprs)
 from dsl.core.normalize import scan_layout
 
 TABLE = RuleTable("the warpgroup interpreter")
@@ -142,9 +143,24 @@ def _literal(atom):
   return atom.val if isinstance(atom, core.Literal) else None
 
 
+# Compiled runs of array arithmetic, keyed by their printed jaxpr: a kernel
+# traced again (a new spec) finds its runs compiled.
+_COMPILED: dict[str, Any] = {}
+
+
+_SEGMENT_INFO = core.DebugInfo("the warpgroup interpreter", "<segment>", None,
+                               None)
+
+
+def _scalar(v) -> bool:
+  return getattr(v.aval, "shape", None) == ()
+
+
 @dataclasses.dataclass
 class _Segment:
-  """A run of equations without effects, compiled as one function."""
+  """A run of equations without effects, evaluated as one function: index
+  arithmetic on scalars eagerly (JAX caches each primitive's executable),
+  array arithmetic compiled once (`_COMPILED`)."""
   eqns: list
   inputs: list
   outputs: list
@@ -152,8 +168,18 @@ class _Segment:
 
   def run(self, values):
     if self.fn is None:
-      jaxpr = core.Jaxpr((), self.inputs, self.outputs, self.eqns)
-      self.fn = jax.jit(core.jaxpr_as_fun(ClosedJaxpr(jaxpr, ())))
+      jaxpr = core.Jaxpr((), self.inputs, self.outputs, self.eqns,
+                         debug_info=_SEGMENT_INFO)
+      if all(_scalar(v) for v in (*self.inputs, *self.outputs)) and not any(
+          sub_jaxprs(e.params) for e in self.eqns):
+        self.fn = lambda *xs: core.eval_jaxpr(jaxpr, (), *xs)
+      else:
+        key = str(jaxpr)
+        fn = _COMPILED.get(key)
+        if fn is None:
+          fn = _COMPILED[key] = jax.jit(
+              core.jaxpr_as_fun(ClosedJaxpr(jaxpr, ())))
+        self.fn = fn
     return self.fn(*values)
 
 

@@ -9,14 +9,18 @@ swizzle transforms, TMA copies (`copy_gmem_to_smem`, `copy_smem_to_gmem`,
 `barrier_wait`), WGMMA into accumulators (`ACC`, `wgmma`, `wgmma_wait`),
 register layouts (`Layout`, `layout_cast`), pipelines
 (`emit_pipeline`, `emit_pipeline_warp_specialized`), loops over work items
-(`nd_loop`, `planar_snake`) and `CompilerParams` (also the Mosaic GPU
-backend's schedule overrides). docs/mosaic-gpu.md, "Pallas's Mosaic GPU
+(`nd_loop`, `planar_snake`), the multi-device names (`remote_ref`,
+`multimem_store`, `multimem_load_reduce`, `semaphore_signal_multicast`)
+and `CompilerParams` (also the Mosaic GPU backend's schedule overrides). docs/mosaic-gpu.md, "Pallas's Mosaic GPU
 API (plgpu)", says what each does here and what differs from Pallas.
 
 The interpret backend runs `plgpu.kernel`s on any platform
 (dsl/interpret/warpgroups.py).
 """
 from dsl.core.semaphores import SemaphoreType
+from dsl.mosaic_gpu.collectives import (PeerMemRef, multimem_load_reduce,
+                                        multimem_store, remote_ref,
+                                        semaphore_signal_multicast)
 from dsl.mosaic_gpu.compiler_params import CompilerParams, LoweringSemantics
 from dsl.mosaic_gpu.compute import (broadcasted_iota, layout_cast, load,
                                     set_max_registers, wgmma, wgmma_wait)
@@ -43,5 +47,7 @@ __all__ = [
     "copy_gmem_to_smem", "copy_smem_to_gmem", "emit_pipeline",
     "emit_pipeline_warp_specialized", "find_swizzle", "kernel", "layout_cast",
     "load", "nd_loop", "planar_snake", "set_max_registers",
-    "wait_smem_to_gmem", "wgmma", "wgmma_wait",
+    "wait_smem_to_gmem", "wgmma", "wgmma_wait", "PeerMemRef",
+    "multimem_load_reduce", "multimem_store", "remote_ref",
+    "semaphore_signal_multicast",
 ]

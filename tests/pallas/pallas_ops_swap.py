@@ -157,11 +157,30 @@ def original(name: str):
 # The dsl backends each family of ops runs on here.
 TPU_BACKENDS = ("interpret", "mosaic_interpret")
 GPU_BACKENDS = ("interpret", "triton_interpret")
+# plgpu kernels (the `*_mgpu` ops) run on the interpret backend's warpgroup
+# interpreter.
+MGPU_BACKENDS = ("interpret",)
+
+
+def is_mgpu(op: str) -> bool:
+  """Whether op `op` is one of the `*_mgpu` ops (Pallas's Mosaic GPU API)."""
+  return op.split(" ")[0].endswith("_mgpu")
 
 
 def backends_of(op: str) -> tuple[str, ...]:
   """The dsl backends op `op` ("tpu.matmul", "gpu.softmax") is checked on."""
+  if is_mgpu(op):
+    return MGPU_BACKENDS
   return TPU_BACKENDS if op.startswith("tpu.") else GPU_BACKENDS
+
+
+_NO_CORE_COUNT = ("reads the number of SMs from {}.core_count, which a CPU "
+                  "device does not have")
+_MULTIMEM = ("pl.semaphore_wait(decrement=False) is not supported, nor are "
+             "{} and plgpu.semaphore_signal_multicast on the interpret "
+             "backend, which runs one device's warpgroups")
+_BLACKWELL = ("Blackwell kernels: tcgen05 MMA and tensor memory (plgpu.TMEM, "
+              "tcgen05_mma, async_load_tmem) are not in dsl.mosaic_gpu")
 
 
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
@@ -187,10 +206,29 @@ XFAIL: dict[tuple[str, str], str] = {
     ("tpu.megablox.tgmm", "mosaic_interpret"):
         "traced grid sizes: the number of active tiles is computed from the "
         "group sizes (grid[2] must be a positive integer, got a tracer)",
+    ("gpu.transposed_ragged_dot_mgpu", "interpret"): _NO_CORE_COUNT.format(
+        "jax.devices()[0]"),
+    ("gpu.collective_matmul_mgpu", "interpret"): _NO_CORE_COUNT.format(
+        "jax.devices()[0]") + "; nor does the interpret backend, which runs "
+        "one device's warpgroups, signal peer devices (plgpu.remote_ref, "
+        "pl.semaphore_signal)",
+    ("gpu.reduce_scatter_mgpu", "interpret"): _MULTIMEM.format(
+        "plgpu.multimem_load_reduce"),
+    ("gpu.all_gather_mgpu", "interpret"): _MULTIMEM.format(
+        "plgpu.multimem_store"),
+    ("gpu.blackwell_matmul_mgpu", "interpret"): _BLACKWELL,
+    ("gpu.blackwell_ragged_dot_mgpu", "interpret"): _BLACKWELL + " (it "
+        "stops earlier: " + _NO_CORE_COUNT.format("jax.local_devices()[0]")
+        + ")",
 }
 
 # Cases too slow for the default suite (pytest -m slow runs them).
-SLOW: set[tuple[str, str]] = set()
+SLOW: set[tuple[str, str]] = {
+    # 132 blocks (the op fixes the SM count of an H100)
+    ("gpu.ragged_dot_mgpu", "interpret"),
+    ("gpu.attention_mgpu (causal)", "interpret"),
+    ("gpu.hopper_mixed_type_matmul_mgpu", "interpret"),
+}
 
 # Ops compared with their reference only, and why.
 NO_PALLAS = {
@@ -202,6 +240,15 @@ NO_PALLAS = {
     "tpu.ragged_paged_attention":
         "Pallas's TPU interpret mode cannot run it ('ReshapeTransform' object "
         "has no attribute 'indices')",
+    "gpu.hopper_mixed_type_matmul_mgpu":
+        "Pallas's GPU interpret mode cannot run it (Expected shape (6,) but "
+        "got (64, 64))",
+    "gpu.attention_mgpu":
+        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
+        "effects: MemoryEffect, _WGMMAPipelineEffect)",
+    "gpu.attention_mgpu (causal)":
+        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
+        "effects: MemoryEffect, _WGMMAPipelineEffect)",
 }
 
 COMPAT_PAGE = os.path.join(os.path.dirname(os.path.dirname(
@@ -217,7 +264,12 @@ OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
        "tpu.ragged_paged_attention", "tpu.megablox.gmm", "tpu.megablox.tgmm",
        "tpu.random.threefry", "tpu.random.philox", "gpu.attention",
        "gpu.decode_attention", "gpu.paged_attention", "gpu.layer_norm",
-       "gpu.rms_norm", "gpu.softmax")
+       "gpu.rms_norm", "gpu.softmax", "gpu.hopper_matmul_mgpu",
+       "gpu.hopper_mixed_type_matmul_mgpu", "gpu.attention_mgpu",
+       "gpu.attention_mgpu (causal)", "gpu.ragged_dot_mgpu",
+       "gpu.transposed_ragged_dot_mgpu", "gpu.collective_matmul_mgpu",
+       "gpu.reduce_scatter_mgpu", "gpu.all_gather_mgpu",
+       "gpu.blackwell_matmul_mgpu", "gpu.blackwell_ragged_dot_mgpu")
 
 
 def compat_section() -> str:
@@ -232,7 +284,10 @@ def compat_section() -> str:
       "runs one cheap shape per op on dsl's CPU backends (chosen with "
       "`dsl.default_backend`, since the ops name none) and compares it with "
       "the original op in Pallas's interpret mode and with the op's own "
-      "reference. A failing case is a strict xfail whose reason is the cause "
+      "reference. The `*_mgpu` ops (written against Pallas's Mosaic GPU API, "
+      "`plgpu`) run on the interpret backend's warpgroup interpreter, on a "
+      "simulated GPU of 2 SMs, and are compared with Pallas's GPU interpret "
+      "mode. A failing case is a strict xfail whose reason is the cause "
       "below. This table is generated (`python -m "
       "tests.pallas.pallas_ops_swap`) and a test checks it.", "",
       "| op | backend | result |", "|---|---|---|"]
