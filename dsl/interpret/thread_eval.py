@@ -112,25 +112,34 @@ def view(cell: Cell, transforms, what: str = "ref") -> np.ndarray:
 
 
 def read(cell: Cell, transforms, what: str = "ref") -> np.ndarray:
+  """A copy of what `transforms` select in `cell`."""
   return np.array(view(cell, transforms, what))
 
 
+def _check_view(x: np.ndarray, cell: Cell, what: str) -> np.ndarray:
+  """`x` if it is a view of `cell`'s storage (a write through it lands)."""
+  if x.size and not np.shares_memory(x, cell.array):
+    raise BackendError(None, f"{what}: a write through this view of the ref "
+                       "(a gather or a reshape that copies) is not supported "
+                       "by the warpgroup interpreter")
+  return x
+
+
 def write(cell: Cell, transforms, value, what: str = "ref") -> None:
+  """Writes `value` where `transforms` select in `cell`."""
   transforms = list(transforms or ())
   base = cell.array
   for t in transforms[:-1]:
-    base = _apply(base, t, what)
+    base = _check_view(_apply(base, t, what), cell, what)
   value = np.asarray(value)
   if transforms and isinstance(transforms[-1], NDIndexer):
-    last = transforms[-1]
-    idx = tuple(_index(d, i, what) for d, i in zip(base.shape, last.indices))
+    # the last indexer may gather: numpy writes through it in place
+    idx = tuple(_index(d, i, what) for d, i in zip(base.shape,
+                                                   transforms[-1].indices))
     base[idx] = value.astype(base.dtype)
     return
   target = _apply(base, transforms[-1], what) if transforms else base
-  if not np.shares_memory(target, cell.array) and target.size:
-    raise BackendError(None, f"{what}: a write through this view of the ref "
-                       "is not supported by the warpgroup interpreter")
-  target[...] = value.astype(target.dtype)
+  _check_view(target, cell, what)[...] = value.astype(target.dtype)
 
 
 def transforms_of(tree, leaves):
@@ -138,10 +147,6 @@ def transforms_of(tree, leaves):
 
 
 # ------------------------------------------------------------- evaluation
-
-def _literal(atom):
-  return atom.val if isinstance(atom, core.Literal) else None
-
 
 # Compiled runs of array arithmetic, keyed by their printed jaxpr: a kernel
 # traced again (a new spec) finds its runs compiled.
@@ -236,8 +241,7 @@ def eval_jaxpr(thread, jaxpr: core.Jaxpr, consts, args):
   env: dict = {}
 
   def get(v):
-    lit = _literal(v)
-    return lit if isinstance(v, core.Literal) else env[v]
+    return v.val if isinstance(v, core.Literal) else env[v]
 
   env.update(zip(jaxpr.constvars, consts))
   env.update(zip(jaxpr.invars, args))

@@ -27,11 +27,11 @@ from __future__ import annotations
 import itertools
 import math
 
-import jax
 import numpy as np
 
-from dsl.core import config, host_failures
+from dsl.core import config
 from dsl.core.errors import BackendError, KernelDeadlockError
+from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.poison import poison_value
 from dsl.core.primitives import run_scoped_p
 from dsl.core.semaphores import is_semaphore_aval
@@ -197,23 +197,32 @@ def _get_global(thread: Thread, eqn, invals):
   return [cells[id(eqn)]]
 
 
-def run_on_host(spec, axis_context):
-  """A function of the kernel's operands (traced) that runs `spec` in a
-  host callback and returns its outputs."""
-  mesh = mesh_of(spec)
-  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
-            for a in spec.grid_mapping.out_avals]
-
-  def run(*arrays):
-    return Machine(spec, mesh).run([np.asarray(a) for a in arrays])
-
-  def fn(*xs):
-    outs, failed = host_failures.call_host(run, shapes, *xs,
-                                           kernel=spec.name,
-                                           source=spec.kernel_src)
-    host_failures.raise_parked(axis_context, failed)
-    return outs
-  return fn
+def check_runnable(spec) -> None:
+  """A `plgpu.kernel` as the warpgroup interpreter runs it: its refs whole
+  arrays, its grid the mesh's (a kernel derived by `jax.vmap`, `jax.jvp`
+  or `jax.grad` is not)."""
+  gm = spec.grid_mapping
+  if gm.num_hidden_axes or not all(bm.whole_array
+                                   for bm in gm.block_mappings):
+    raise BackendError(spec.name, "a plgpu.kernel derived by jax.vmap, "
+                       "jax.jvp or jax.grad does not run on the interpret "
+                       "backend yet", spec.where)
 
 
-__all__ = ["mesh_of", "run_on_host"]
+def check_single_programs(spec) -> None:
+  """A kernel that runs one grid point at a time (not a `plgpu.kernel`)
+  cannot use what only the warpgroup interpreter gives: `pl.get_global`."""
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is get_global_p:
+        raise BackendError(spec.name, "pl.get_global runs in plgpu.kernels "
+                           "only (the interpret backend's warpgroup "
+                           "interpreter)", where(eqn), operand="get_global")
+      for sub in sub_jaxprs(eqn.params):
+        visit(sub)
+  visit(spec.jaxpr.jaxpr)
+
+
+def run_kernel(spec, *arrays) -> list[np.ndarray]:
+  """Runs the `plgpu.kernel` of `spec` on numpy operands; its outputs."""
+  return Machine(spec, mesh_of(spec)).run([np.asarray(a) for a in arrays])

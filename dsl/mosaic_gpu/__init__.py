@@ -2,7 +2,8 @@
 
     from dsl import mosaic_gpu as plgpu
 
-The names of `jax.experimental.pallas.mosaic_gpu` that Hopper kernels use:
+The names of Pallas's Mosaic GPU module (`pallas.mosaic_gpu`) that Hopper
+kernels use:
 `plgpu.kernel` over blocks and warpgroups, SMEM scratch with tiling and
 swizzle transforms, TMA copies (`copy_gmem_to_smem`, `copy_smem_to_gmem`,
 `commit_smem`, `wait_smem_to_gmem`), mbarriers (`Barrier`, `barrier_arrive`,

@@ -20,7 +20,7 @@ docs/mosaic-gpu.md); these fields override its choice:
   depend on it); None: 2 where the grid allows, else 1.
 
 Pallas's other fields are accepted, so that a kernel written against
-`jax.experimental.pallas.mosaic_gpu` runs by changing its import: they tune
+Pallas's Mosaic GPU module runs by changing its import: they tune
 code generation on the GPU (`approx_math`, `lowering_semantics`,
 `unsafe_no_auto_barriers`, `reduction_scratch_bytes`, the profiler's
 `profile_*`, `skip_device_barrier`, `is_multi_process`, `delay_release`) and

@@ -52,14 +52,16 @@ def _linear_axis_index(axes):
   return index, size
 
 
-def _unravel(step, dims):
-  """Row-major coordinates of `step` in a grid of `dims`."""
+def unravel(step, dims) -> tuple:
+  """Row-major coordinates of `step` (an int32 scalar) in a grid of
+  `dims`."""
+  step = jnp.asarray(step, jnp.int32)
   out = []
-  for d in reversed(dims):
+  for d in reversed(list(dims)):
     d = lax.convert_element_type(d, step.dtype)
     out.append(lax.rem(step, d))
     step = lax.div(step, d)
-  return out[::-1]
+  return tuple(out[::-1])
 
 
 def nd_loop(grid: Sequence[Any], *, collective_axes,
@@ -88,7 +90,7 @@ def nd_loop(grid: Sequence[Any], *, collective_axes,
 
   def decorate(body):
     def one(local, carry):
-      coords = _unravel(local * size + index, dims)
+      coords = list(unravel(local * size + index, dims))
       if tiling:
         n = len(tiling)
         coords = [tile * t + sub for tile, sub, t in

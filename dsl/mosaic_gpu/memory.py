@@ -93,7 +93,7 @@ class SwizzleTransform:
                        "128 (bytes) are")
 
   def check(self, shape, dtype) -> str | None:
-    elems = self.swizzle * 8 // jnp.dtype(dtype).itemsize // 8
+    elems = self.swizzle // jnp.dtype(dtype).itemsize
     if not shape or shape[-1] % elems:
       return (f"a swizzle of {self.swizzle} bytes needs the minor dim to be "
               f"a multiple of {elems} {jnp.dtype(dtype).name} elements, got "
@@ -162,10 +162,14 @@ def is_barrier_aval(aval) -> bool:
   return isinstance(getattr(aval, "memory_space", None), BarrierSpace)
 
 
-def _barrier_shape(num_barriers) -> tuple[int, ...]:
-  if isinstance(num_barriers, int):
-    return (num_barriers,)
-  return tuple(int(n) for n in num_barriers)
+def _check_barriers(barrier) -> None:
+  """Checks a barrier type's arrivals; makes its `num_barriers` a shape."""
+  if barrier.num_arrivals < 1:
+    raise ValueError(f"Num arrivals must be at least 1, but got "
+                     f"{barrier.num_arrivals}")
+  n = barrier.num_barriers
+  object.__setattr__(barrier, "num_barriers", (n,) if isinstance(n, int)
+                     else tuple(int(d) for d in n))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,10 +181,7 @@ class Barrier:
   orders_tensor_core: bool = False
 
   def __post_init__(self):
-    if self.num_arrivals < 1:
-      raise ValueError(f"Num arrivals must be at least 1, but got "
-                       f"{self.num_arrivals}")
-    object.__setattr__(self, "num_barriers", _barrier_shape(self.num_barriers))
+    _check_barriers(self)
 
   def get_ref_aval(self) -> state_types.AbstractRef:
     return state_types.AbstractRef(
@@ -199,10 +200,7 @@ class ClusterBarrier:
   leader_tracked: bool = False
 
   def __post_init__(self):
-    if self.num_arrivals < 1:
-      raise ValueError(f"Num arrivals must be at least 1, but got "
-                       f"{self.num_arrivals}")
-    object.__setattr__(self, "num_barriers", _barrier_shape(self.num_barriers))
+    _check_barriers(self)
     axes = self.collective_axes
     object.__setattr__(self, "collective_axes",
                        tuple(axes) if isinstance(axes, (tuple, list))

@@ -40,6 +40,7 @@ from dsl.core.blockspec import squeezed
 from dsl.core.errors import KernelError, user_frame
 from dsl.core.jax_internals import core, state_types
 from dsl.core.primitives import run_scoped, when
+from dsl.mosaic_gpu.helpers import unravel as _unravel
 from dsl.mosaic_gpu.memory import SMEM, Barrier, BlockSpec
 from dsl.mosaic_gpu.primitives import (barrier_arrive, barrier_wait,
                                        commit_smem, copy_gmem_to_smem,
@@ -80,15 +81,6 @@ def _block_view(spec, ref, indices):
 def _is_ref(x) -> bool:
   return isinstance(x, state_types.TransformedRef) or isinstance(
       core.typeof(x), state_types.AbstractRef)
-
-
-def _unravel(step, grid):
-  out = []
-  for d in reversed(grid):
-    d = jnp.asarray(d, jnp.int32)
-    out.append(lax.rem(step, d))
-    step = lax.div(step, d)
-  return tuple(out[::-1])
 
 
 def _specs(specs) -> tuple:

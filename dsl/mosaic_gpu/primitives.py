@@ -29,7 +29,8 @@ from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, KernelTypeError, user_frame
 from dsl.core.jax_internals import core, effects, state_types
-from dsl.core.operand_layout import pack, position
+from dsl.core.operand_layout import (effects as ref_effects, pack,
+                                     ref_and_transforms as ref_parts)
 from dsl.core.memory import MemorySpace as CoreMemorySpace
 from dsl.mosaic_gpu.memory import (GMEM, SMEM, is_barrier_aval, space_of)
 
@@ -46,32 +47,6 @@ gpu_effect = GPUEffect()
 effects.control_flow_allowed_effects.add_type(GPUEffect)
 effects.custom_derivatives_allowed_effects.add_type(GPUEffect)
 effects.remat_allowed_effects.add_type(GPUEffect)
-
-
-def ref_effects(layout, reads=(), writes=()):
-  """Read and write effects on the named packed operands."""
-  out = set()
-  for name in reads:
-    pos = position(layout, name)
-    if pos is not None:
-      out.add(state_types.ReadEffect(pos))
-  for name in writes:
-    pos = position(layout, name)
-    if pos is not None:
-      out.add(state_types.WriteEffect(pos))
-  return out
-
-
-def ref_parts(what: str, ref):
-  """(ref, transforms) of a ref argument; a KernelTypeError otherwise."""
-  if isinstance(ref, state_types.TransformedRef):
-    return ref.ref, tuple(ref.transforms)
-  aval = core.typeof(ref)
-  if not isinstance(aval, state_types.AbstractRef):
-    raise KernelTypeError(None, f"{what} must be a ref, got "
-                          f"{getattr(aval, 'str_short', lambda: aval)()}",
-                          user_frame(), operand=what)
-  return ref, ()
 
 
 def view_aval(ref, transforms):

@@ -294,6 +294,16 @@ def test_collective_scope_and_globals_are_shared():
 
 # ---------------------------------------------------------------- failures
 
+def test_get_global_outside_plgpu_kernels_is_refused():
+  def kernel(x_ref, o_ref):
+    pl.get_global(plgpu.SemaphoreType.REGULAR)
+    o_ref[...] = x_ref[...]
+
+  with pytest.raises(KernelError, match=rf"get_global.*plgpu.kernels.*{HERE}"):
+    pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                   backend="interpret")(jnp.ones((8, 128)))
+
+
 def test_a_wait_nobody_ends_is_a_deadlock_naming_the_line():
   def body(o_ref, bar):
     @pl.when(lax.axis_index("wg") == 0)
