@@ -31,7 +31,9 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from dsl.core.errors import BackendError, KernelError, source_info_frame
+from dsl.core import checks, primitives
+from dsl.core.errors import (BackendError, KernelCheckError, KernelError,
+                             source_info_frame)
 from dsl.core.jax_internals import (ClosedJaxpr, NDIndexer, Slice, core,
                                     lax_control_flow as cf, state_primitives,
                                     state_types)
@@ -358,4 +360,26 @@ def _addupdate(thread, eqn, invals):
   transforms = transforms_of(eqn.params["tree"], flat)
   old = read(cell, transforms, cell.label)
   write(cell, transforms, old + np.asarray(value), cell.label)
+  return []
+
+
+# ------------------------------------------------------- prints and checks
+
+@TABLE.register(primitives.debug_print_p)
+def _debug_print(thread, eqn, invals):
+  print(eqn.params["fmt"].format(*[np.asarray(x) for x in invals]))
+  return []
+
+
+@TABLE.register(checks.check_p)
+def _check(thread, eqn, invals):
+  """A run-time check (`debug=False`) that fails raises; debug-only ones
+  are ignored, as on every backend."""
+  if eqn.params["debug"]:
+    return []
+  error = tree_util.tree_unflatten(eqn.params["err_tree"], list(invals))
+  message = error.get()
+  if message:
+    raise KernelCheckError(thread.kernel, message.split("\n")[0],
+                           where(eqn), detail=thread.name)
   return []

@@ -22,19 +22,24 @@ from dsl.core.semaphores import SemaphoreType
 from dsl.mosaic_gpu.collectives import (PeerMemRef, multimem_load_reduce,
                                         multimem_store, remote_ref,
                                         semaphore_signal_multicast)
-from dsl.mosaic_gpu.compiler_params import CompilerParams, LoweringSemantics
+from dsl.mosaic_gpu.compiler_params import (CompilerParams, LoweringSemantics,
+                                            TraceScope)
 from dsl.mosaic_gpu.compute import (broadcasted_iota, layout_cast, load,
-                                    set_max_registers, wgmma, wgmma_wait)
+                                    set_max_registers, store, wgmma,
+                                    wgmma_accumulator_load, wgmma_wait)
 from dsl.mosaic_gpu.helpers import (NDLoopInfo, find_swizzle, nd_loop,
                                     planar_snake)
-from dsl.mosaic_gpu.kernel import Mesh, kernel
+from dsl.mosaic_gpu.kernel import (Mesh, force_gpu_interpret_mode, kernel,
+                                   set_gpu_interpret_mode)
 from dsl.mosaic_gpu.memory import (ACC, GMEM, REGS, SMEM, TMEM, Barrier,
                                    BlockSpec, ClusterBarrier, GPUMemoryRef,
-                                   Layout, MemorySpace, SwizzleTransform,
-                                   TilingTransform, WGMMAAccumulatorRef)
+                                   Layout, MemorySpace, OOBFillMode,
+                                   SwizzleTransform, TilingTransform,
+                                   WGMMAAccumulatorRef)
 from dsl.mosaic_gpu.pipeline import (emit_pipeline,
                                      emit_pipeline_warp_specialized)
-from dsl.mosaic_gpu.primitives import (barrier_arrive, barrier_wait,
+from dsl.mosaic_gpu.primitives import (barrier_arrive,
+                                       barrier_arrive_and_wait, barrier_wait,
                                        commit_smem, commit_smem_to_gmem_group,
                                        copy_gmem_to_smem, copy_smem_to_gmem,
                                        wait_smem_to_gmem)
@@ -50,5 +55,7 @@ __all__ = [
     "load", "nd_loop", "planar_snake", "set_max_registers",
     "wait_smem_to_gmem", "wgmma", "wgmma_wait", "PeerMemRef",
     "multimem_load_reduce", "multimem_store", "remote_ref",
-    "semaphore_signal_multicast",
+    "semaphore_signal_multicast", "OOBFillMode", "TraceScope",
+    "barrier_arrive_and_wait", "force_gpu_interpret_mode",
+    "set_gpu_interpret_mode", "store", "wgmma_accumulator_load",
 ]

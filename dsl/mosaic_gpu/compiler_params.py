@@ -35,6 +35,12 @@ from typing import Any
 from dsl.core.compiler_params import CompilerParams as BaseCompilerParams
 
 
+class TraceScope(enum.Enum):
+  """What the profiler traces: each warp or each warpgroup."""
+  WARP = "warp"
+  WARPGROUP = "warpgroup"
+
+
 class LoweringSemantics(enum.Enum):
   """How a Mosaic GPU kernel body is written: per warpgroup (Pallas's
   default; arrays are a warpgroup's) or per lane."""
@@ -86,4 +92,4 @@ class CompilerParams(BaseCompilerParams):
                       f"{self.lowering_semantics!r}")
 
 
-__all__ = ["CompilerParams", "LoweringSemantics"]
+__all__ = ["CompilerParams", "LoweringSemantics", "TraceScope"]

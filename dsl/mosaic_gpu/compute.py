@@ -119,6 +119,23 @@ def load(src, *, layout=None, optimized: bool = True):
   return x if layout is None else layout_cast(x, layout)
 
 
+def store(dst, value, *, optimized: bool = True) -> None:
+  """`value` written to all of `dst` (SMEM or GMEM)."""
+  del optimized
+  dst[...] = value
+
+
+def wgmma_accumulator_load(acc, *, wait_n: int | None = 0):
+  """The value of accumulator `acc` (after waiting until at most `wait_n`
+  WGMMAs are in flight)."""
+  if wait_n is not None and wait_n < 0:
+    raise KernelError(None, f"wait_n must be non-negative, got {wait_n}",
+                      user_frame(), operand="wait_n")
+  if wait_n is not None:
+    wgmma_wait(wait_n)
+  return acc[...]
+
+
 set_max_registers_p = Primitive("set_max_registers")
 set_max_registers_p.multiple_results = True
 set_max_registers_p.def_effectful_abstract_eval(

@@ -21,7 +21,10 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Sequence
 
+import jax
 from jax import tree_util
+
+from dsl.core import backends
 
 from dsl.core.errors import KernelError, api_boundary, kernel_name, user_frame
 from dsl.core.pallas_call import pallas_call
@@ -156,3 +159,18 @@ def kernel(body=None, *, out_type: Any = (), scratch_types: Any = (),
   call.kernel_body = body
   call.mesh = mesh
   return call
+
+
+def force_gpu_interpret_mode(params=None):
+  """A context manager: inside it, kernels that name no backend run on the
+  interpret backend (`dsl.default_backend("interpret")`); Pallas's
+  interpret-mode `params` have no counterpart and are ignored."""
+  del params
+  return backends.default_backend("interpret")
+
+
+def set_gpu_interpret_mode(params=None) -> None:
+  """From now on, kernels that name no backend run on the interpret
+  backend (the option `jax_pallas_default_backend`)."""
+  del params
+  jax.config.update("jax_pallas_default_backend", "interpret")

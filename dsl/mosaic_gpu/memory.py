@@ -317,6 +317,14 @@ def check_layout(layout) -> SomeLayout:
 
 # ---------------------------------------------------------------- BlockSpec
 
+class OOBFillMode(enum.IntEnum):
+  """What a TMA load reads past its array: anything, nothing (the kernel
+  promises), or zeros."""
+  UNDEFINED = 0
+  PROMISE_IN_BOUNDS = 1
+  ZEROS = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSpec(BaseBlockSpec):
   """A BlockSpec with the GPU's options: the SMEM layout of its blocks

@@ -224,3 +224,9 @@ def barrier_wait(barrier) -> None:
   ref, transforms = barrier_parts("barrier", barrier)
   flat, layout = pack(barrier=ref, barrier_t=transforms)
   barrier_wait_p.bind(*flat, layout=layout)
+
+
+def barrier_arrive_and_wait(barrier) -> None:
+  """One arrival on `barrier`, then a wait for the phase it completes."""
+  barrier_arrive(barrier)
+  barrier_wait(barrier)

@@ -23,8 +23,8 @@ from jax.experimental.pallas import mosaic_gpu as jplgpu
 
 import dsl as pl
 from dsl import mosaic_gpu as plgpu
-from dsl.core.errors import (KernelDeadlockError, KernelError,
-                             KernelRaceError, KernelTypeError)
+from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
+                             KernelError, KernelRaceError, KernelTypeError)
 from tests.pallas import pallas_ops_swap as swap
 
 HERE = os.path.basename(__file__)
@@ -317,6 +317,19 @@ def test_a_wait_nobody_ends_is_a_deadlock_naming_the_line():
   with pl.default_backend("interpret"), pytest.raises(
       KernelDeadlockError, match=rf"deadlock.*warpgroup \(0,\).*{HERE}"):
     f()
+
+
+def test_run_time_checks_fail_with_the_line():
+  def body(x_ref, o_ref):
+    pl.debug_check(x_ref[0] > 0, "x[0] must be positive")
+    o_ref[...] = x_ref[...]
+
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8,), jnp.float32))
+  with pl.default_backend("interpret"), pl.enable_debug_checks(True):
+    np.testing.assert_array_equal(np.asarray(f(jnp.ones(8))), np.ones(8))
+    with pytest.raises(KernelCheckError, match=rf"x\[0\] must be positive"
+                       rf".*{HERE}"):
+      f(-jnp.ones(8))
 
 
 def test_a_skipped_phase_is_a_race():
