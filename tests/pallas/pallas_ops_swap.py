@@ -4,10 +4,10 @@ Nothing of Pallas's code lives in this repository: an import hook serves
 `pallas_ops_on_dsl.X` from the source of `jax.experimental.pallas.ops.X` in
 the installed JAX, with its Pallas imports rewritten to dsl's names
 (`import dsl as pl`, `from dsl import tpu as pltpu`, `from dsl import triton
-as plgpu`) and its imports of sibling ops pointed at the swapped copies.
-Nothing else of the source changes, line numbers included, so tracebacks
-point at the original file. The `*_mgpu` ops are not served: they need
-Pallas's Mosaic GPU API.
+as plgpu`, and for the `*_mgpu` ops `from dsl import mosaic_gpu as plgpu`)
+and its imports of sibling ops pointed at the swapped copies. Nothing else
+of the source changes, line numbers included, so tracebacks point at the
+original file.
 
     import tests.pallas.pallas_ops_swap as swap
     swap.install()
@@ -40,7 +40,10 @@ PALLAS_IMPORTS = (
     (re.compile(r"^(\s*)import jax\.experimental\.pallas as (\w+)\s*$", re.M),
      r"\1import dsl as \2"),
     (re.compile(r"^(\s*)from jax\.experimental\.pallas import "
-                r"(tpu|triton) as (\w+)\s*$", re.M),
+                r"(tpu|triton|mosaic_gpu) as (\w+)\s*$", re.M),
+     r"\1from dsl import \2 as \3"),
+    (re.compile(r"^(\s*)import jax\.experimental\.pallas\."
+                r"(tpu|triton|mosaic_gpu) as (\w+)\s*$", re.M),
      r"\1from dsl import \2 as \3"),
 )
 # The rewrites of an op's source: its Pallas imports, and its imports of
@@ -78,8 +81,6 @@ def _source_path(fullname: str) -> tuple[str, bool] | None:
   if fullname != PREFIX and not fullname.startswith(PREFIX + "."):
     return None
   parts = fullname.split(".")[1:]
-  if parts and parts[-1].endswith("_mgpu"):
-    return None
   base = os.path.join(ops_dir(), *parts)
   if os.path.isfile(os.path.join(base, "__init__.py")):
     return os.path.join(base, "__init__.py"), True
@@ -161,11 +162,30 @@ def original(name: str):
 # The dsl backends each family of ops runs on here.
 TPU_BACKENDS = ("interpret", "mosaic_interpret")
 GPU_BACKENDS = ("interpret", "triton_interpret")
+# plgpu kernels (the `*_mgpu` ops) run on the interpret backend's warpgroup
+# interpreter.
+MGPU_BACKENDS = ("interpret",)
+
+
+def is_mgpu(op: str) -> bool:
+  """Whether op `op` is one of the `*_mgpu` ops (Pallas's Mosaic GPU API)."""
+  return op.split(" ")[0].endswith("_mgpu")
 
 
 def backends_of(op: str) -> tuple[str, ...]:
   """The dsl backends op `op` ("tpu.matmul", "gpu.softmax") is checked on."""
+  if is_mgpu(op):
+    return MGPU_BACKENDS
   return TPU_BACKENDS if op.startswith("tpu.") else GPU_BACKENDS
+
+
+_NO_CORE_COUNT = ("reads the number of SMs from {}.core_count, which a CPU "
+                  "device does not have")
+_MULTIMEM = ("pl.semaphore_wait(decrement=False) is not supported, nor are "
+             "{} and plgpu.semaphore_signal_multicast on the interpret "
+             "backend, which runs one device's warpgroups")
+_BLACKWELL = ("Blackwell kernels: tcgen05 MMA and tensor memory (plgpu.TMEM, "
+              "tcgen05_mma, async_load_tmem) are not in dsl.mosaic_gpu")
 
 
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
@@ -179,11 +199,31 @@ XFAIL: dict[tuple[str, str], str] = {
         "linearizing the derived transpose kernel meets a `pl.when` with a "
         "ref effect, which JAX's cond partial eval rejects (State effect not "
         "supported in cond partial-eval)",
+    ("gpu.transposed_ragged_dot_mgpu", "interpret"): _NO_CORE_COUNT.format(
+        "jax.devices()[0]"),
+    ("gpu.collective_matmul_mgpu", "interpret"): _NO_CORE_COUNT.format(
+        "jax.devices()[0]") + "; nor does the interpret backend, which runs "
+        "one device's warpgroups, signal peer devices (plgpu.remote_ref, "
+        "pl.semaphore_signal)",
+    ("gpu.reduce_scatter_mgpu", "interpret"): _MULTIMEM.format(
+        "plgpu.multimem_load_reduce"),
+    ("gpu.all_gather_mgpu", "interpret"): _MULTIMEM.format(
+        "plgpu.multimem_store"),
+    ("gpu.blackwell_matmul_mgpu", "interpret"): _BLACKWELL,
+    ("gpu.blackwell_ragged_dot_mgpu", "interpret"): _BLACKWELL + " (it "
+        "stops earlier: " + _NO_CORE_COUNT.format("jax.local_devices()[0]")
+        + ")",
 }
 
 # Cases too slow for the default suite (pytest -m slow runs them).
-SLOW: set[tuple[str, str]] = {("gpu.layer_norm (grad)", "interpret"),
-                              ("gpu.rms_norm (grad)", "interpret")}
+SLOW: set[tuple[str, str]] = {
+    ("gpu.layer_norm (grad)", "interpret"),
+    ("gpu.rms_norm (grad)", "interpret"),
+    # 132 blocks (the op fixes the SM count of an H100)
+    ("gpu.ragged_dot_mgpu", "interpret"),
+    ("gpu.attention_mgpu (causal)", "interpret"),
+    ("gpu.hopper_mixed_type_matmul_mgpu", "interpret"),
+}
 
 # Ops compared with their reference only, and why.
 NO_PALLAS = {
@@ -195,6 +235,15 @@ NO_PALLAS = {
     "tpu.ragged_paged_attention":
         "Pallas's TPU interpret mode cannot run it ('ReshapeTransform' object "
         "has no attribute 'indices')",
+    "gpu.hopper_mixed_type_matmul_mgpu":
+        "Pallas's GPU interpret mode cannot run it (Expected shape (6,) but "
+        "got (64, 64))",
+    "gpu.attention_mgpu":
+        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
+        "effects: MemoryEffect, _WGMMAPipelineEffect)",
+    "gpu.attention_mgpu (causal)":
+        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
+        "effects: MemoryEffect, _WGMMAPipelineEffect)",
 }
 
 COMPAT_PAGE = os.path.join(os.path.dirname(os.path.dirname(
@@ -212,7 +261,12 @@ OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
        "tpu.random.threefry", "tpu.random.philox", "gpu.attention",
        "gpu.decode_attention", "gpu.paged_attention", "gpu.layer_norm",
        "gpu.layer_norm (grad)", "gpu.rms_norm", "gpu.rms_norm (grad)",
-       "gpu.softmax")
+       "gpu.softmax", "gpu.hopper_matmul_mgpu",
+       "gpu.hopper_mixed_type_matmul_mgpu", "gpu.attention_mgpu",
+       "gpu.attention_mgpu (causal)", "gpu.ragged_dot_mgpu",
+       "gpu.transposed_ragged_dot_mgpu", "gpu.collective_matmul_mgpu",
+       "gpu.reduce_scatter_mgpu", "gpu.all_gather_mgpu",
+       "gpu.blackwell_matmul_mgpu", "gpu.blackwell_ragged_dot_mgpu")
 
 
 def compat_section() -> str:
@@ -227,7 +281,10 @@ def compat_section() -> str:
       "runs one cheap shape per op on dsl's CPU backends (chosen with "
       "`dsl.default_backend`, since the ops name none) and compares it with "
       "the original op in Pallas's interpret mode and with the op's own "
-      "reference. A failing case is a strict xfail whose reason is the cause "
+      "reference. The `*_mgpu` ops (written against Pallas's Mosaic GPU API, "
+      "`plgpu`) run on the interpret backend's warpgroup interpreter, on a "
+      "simulated GPU of 2 SMs, and are compared with Pallas's GPU interpret "
+      "mode. A failing case is a strict xfail whose reason is the cause "
       "below. This table is generated (`python -m "
       "tests.pallas.pallas_ops_swap`) and a test checks it.", "",
       "| op | backend | result |", "|---|---|---|"]

@@ -60,14 +60,18 @@ def test_rewrite_points_pallas_imports_at_dsl():
             "import jax.experimental.pallas as pl2\n"
             "from jax.experimental.pallas import tpu as pltpu\n"
             "  from jax.experimental.pallas import triton as plgpu\n"
+            "from jax.experimental.pallas import mosaic_gpu as plgpu\n"
+            "import jax.experimental.pallas.mosaic_gpu as plgpu\n"
             "from jax.experimental.pallas.ops.tpu import matmul\n"
             "x = 1  # unchanged\n")
   assert swap.rewrite(source).splitlines() == [
       "import dsl as pl", "import dsl as pl2",
       "from dsl import tpu as pltpu", "  from dsl import triton as plgpu",
+      "from dsl import mosaic_gpu as plgpu",
+      "from dsl import mosaic_gpu as plgpu",
       f"from {swap.PREFIX}.tpu import matmul", "x = 1  # unchanged"]
-  with pytest.raises(ImportError, match="mosaic_gpu"):
-    swap.rewrite("from jax.experimental.pallas import mosaic_gpu as plgpu\n")
+  with pytest.raises(ImportError, match="fuser"):
+    swap.rewrite("from jax.experimental.pallas import fuser\n")
 
 
 def test_compat_page_lists_the_table():
