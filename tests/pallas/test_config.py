@@ -24,8 +24,11 @@ OPTIONS = {
     "jax_pallas_dump_mlir_to": ("/tmp/mlir", "/tmp/mlir", "/tmp/mlir"),
 }
 
+# Every option read in one process (one process per way of setting them).
 PRINT = ("import jax, dsl; from dsl import config; "
-         "{parse}print(repr(config.read_option('{name}')))")
+         "{parse}print(repr({{n: config.read_option(n) for n in {names!r}}}))")
+NAMES = sorted(OPTIONS)
+EXPECTED = repr({n: OPTIONS[n][2] for n in NAMES})
 
 
 def _run(code, env=None, argv=()):
@@ -36,19 +39,26 @@ def _run(code, env=None, argv=()):
   return out.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_option_from_environment_variable(name):
-  env_value, _, expected = OPTIONS[name]
-  got = _run(PRINT.format(parse="", name=name), env={name.upper(): env_value})
-  assert got == repr(expected)
+def test_every_option_from_environment_variables():
+  env = {n.upper(): OPTIONS[n][0] for n in NAMES}
+  assert _run(PRINT.format(parse="", names=NAMES), env=env) == EXPECTED
 
 
-@pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_option_from_absl_flag(name):
-  _, flag_value, expected = OPTIONS[name]
+def test_every_option_from_absl_flags():
+  argv = tuple(f"--{n}={OPTIONS[n][1]}" for n in NAMES)
   got = _run(PRINT.format(parse="jax.config.parse_flags_with_absl(); ",
-                          name=name), argv=(f"--{name}={flag_value}",))
-  assert got == repr(expected)
+                          names=NAMES), argv=argv)
+  assert got == EXPECTED
+
+
+def test_options_unset_read_their_defaults():
+  env = {k: v for k, v in os.environ.items()
+         if k.lower() not in OPTIONS}
+  got = subprocess.run(
+      [sys.executable, "-c", PRINT.format(parse="", names=NAMES)],
+      env=dict(env, PYTHONPATH=ROOT), capture_output=True, text=True,
+      timeout=120).stdout.strip().splitlines()[-1]
+  assert got != EXPECTED
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))

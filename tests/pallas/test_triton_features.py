@@ -13,7 +13,8 @@ from tests.pallas.testing import TRITON_ARCHS, default_backend, test_cases
 
 @pytest.mark.parametrize("arch", TRITON_ARCHS)
 @pytest.mark.parametrize("name,kwargs", list(test_cases(
-    features, backend="triton_interpret", slow_after_first=True)))
+    features, backend="triton_interpret", slow_after_first=True,
+    every=3)))
 def test_feature_kernels_compile_ahead_of_time(name, kwargs, arch):
   # Recorded as lowered for triton_interpret, run on interpret (fast).
   with default_backend("triton_interpret", run_on="interpret") as lowered:

@@ -542,7 +542,7 @@ _FP8_SM80_UNCHECKED = {jnp.dtype(jnp.float8_e5m2)}
 
 @pytest.mark.parametrize("arch", TRITON_ARCHS)
 @pytest.mark.parametrize("name,kwargs", list(test_cases(
-    sys.modules[__name__], slow_after_first=True)))
+    sys.modules[__name__], slow_after_first=True, every=3)))
 def test_kernels_compile_ahead_of_time(name, kwargs, arch):
   """Every kernel above also compiles for sm_90 (the first case of each
   test in the default suite, every case and sm_80 too with -m slow;

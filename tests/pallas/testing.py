@@ -305,18 +305,21 @@ def case_id(name, kw) -> str:
                                for v in kw.values()) + "]"
 
 
-def test_cases(module, skip=(), backend=None, slow_after_first=False):
+def test_cases(module, skip=(), backend=None, slow_after_first=False,
+               every: int = 1):
   """(name, kwargs) pytest params for the test functions of `module`; with
   `backend`, only the cases run on `backend`, once per other argument; with
   `slow_after_first`, each function's cases after its first are marked
-  slow (the default suite takes one of each)."""
-  for name, fn in inspect.getmembers(module, inspect.isfunction):
-    if not name.startswith("test_") or name in skip or \
-        getattr(fn, "__test__", True) is False:
-      continue
-    if "capfd" in inspect.signature(fn).parameters:
-      continue
-    first = True
+  slow (the default suite takes one of each), and with `every` = n the
+  default suite takes that first case of every n-th function only (the
+  rest run under -m slow)."""
+  functions = [(name, fn) for name, fn in
+               inspect.getmembers(module, inspect.isfunction)
+               if name.startswith("test_") and name not in skip
+               and getattr(fn, "__test__", True) is not False
+               and "capfd" not in inspect.signature(fn).parameters]
+  for k, (name, fn) in enumerate(functions):
+    first = k % every == 0
     for kw in parametrize_cases(fn):
       if backend is not None:
         if kw.pop("backend", backend) != backend:
