@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import jax
 from dsl.core.jax_internals import ClosedJaxpr, core
 
+from dsl.core import grid_plan
 from dsl.core.blockspec import BlockMapping, BlockSpec, squeezed
 from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
 from dsl.transforms.discharge import discharged_kernel
@@ -72,26 +73,38 @@ def eval_ref_jaxpr(jaxpr: ClosedJaxpr, *args):
   return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
+def written_prefetch(spec: KernelSpec) -> tuple[bool, ...]:
+  """Which scalar-prefetch refs the kernel writes (see `grid_plan`)."""
+  gm = spec.grid_mapping
+  return grid_plan.written_prefetch(spec.jaxpr, len(gm.grid),
+                                    gm.num_scalar_prefetch)
+
+
 def point_function(spec: KernelSpec, prefetch_refs: bool = False):
   """The kernel at one grid point as a pure function.
 
   `F(ids, pf, ins, outs, scratch) -> (outs', scratch')`: given the blocks it
   sees on entry, the output and scratch blocks it leaves. With
-  `prefetch_refs`, `pf` are the scalar-prefetch refs themselves (read a
-  scalar at a time, as SMEM must be) rather than their values.
+  `prefetch_refs`, the scalar-prefetch refs that the kernel only reads are
+  passed as the refs themselves (read a scalar at a time, as SMEM must be),
+  and those it writes as the values they hold on entry (state, like
+  scratch); otherwise every `pf` is a value.
   """
   gm = spec.grid_mapping
-  kept = gm.num_scalar_prefetch if prefetch_refs else 0
+  kept = (tuple(not w for w in written_prefetch(spec)) if prefetch_refs
+          else ())
   # What is differentiated: nonlinear cumulative ops as lax ops a TPU has.
   jaxpr = rewrite_closed(spec.jaxpr, SCANS_TO_DIFFERENTIATE)
   dj = discharged_kernel(jaxpr, len(gm.grid), kept)
-  if kept:
+  if any(kept):
     dj = pure_reads(dj)     # no ref effect in a `pl.when` to linearize
 
   def F(ids, pf, ins, outs, scratch):
-    finals = gm.split([None] * kept + core.eval_jaxpr(
-        dj.jaxpr, dj.consts, *ids, *pf, *ins, *outs, *scratch))
-    return list(finals.outputs), list(finals.scratch)
+    finals = iter(core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins,
+                                  *outs, *scratch))
+    pf_finals = [None if k else next(finals) for k in kept]
+    split = gm.split(pf_finals + list(finals))
+    return list(split.outputs), list(split.scratch)
   return F
 
 

@@ -29,7 +29,8 @@ from dsl.core.primitives import run_scoped, when
 from dsl.core.tracing import program_id
 from dsl.core.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   point_function, sds, split)
+                                   point_function, sds, split,
+                                   written_prefetch)
 from dsl.transforms.prefetch_reads import restore_reads
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
@@ -37,6 +38,7 @@ from dsl.transforms.revisits import (first_visit, per_point_sds,
                                     per_point_spec, revisits_consecutively,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
+from dsl.transforms.synchronous_dmas import synchronous_dmas
 from dsl.core.blockspec import Element
 
 
@@ -129,6 +131,16 @@ def _state_refs(gm):
   return avals, [not is_semaphore(a) for a in avals]
 
 
+def _prefetch_states(spec: KernelSpec):
+  """The avals of the scalar-prefetch refs the kernel writes: the recording
+  kernel saves what each grid point finds in them, since the transposed
+  kernel visits the points in another order (and its control flow, e.g.
+  which buffer a DMA filled, may depend on them)."""
+  gm = spec.grid_mapping
+  return [a.inner_aval for a, w in zip(gm.prefetch_avals,
+                                       written_prefetch(spec)) if w]
+
+
 def _recording_spec(spec: KernelSpec) -> KernelSpec:
   """The forward kernel, also saving every point's entry out/scratch blocks."""
   gm = spec.grid_mapping
@@ -136,6 +148,11 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   state_refs, kept = _state_refs(gm)
   state_avals = [a.inner_aval for a, k in zip(state_refs, kept) if k]
+  written = written_prefetch(spec)
+  pf_avals = _prefetch_states(spec)
+  # The replay lets each DMA land when it starts, as the differentiated
+  # function does: no DMA is in flight when a point's entry state is saved.
+  replayed = synchronous_dmas(spec.jaxpr)
 
   aliased = {o for _, o in spec.input_output_aliases}
   # A TPU never reads an output block in: at the first of a run of visits
@@ -154,7 +171,10 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   def body(*refs):
     # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
     ids = [program_id(d) for d in range(n_grid)]
-    base, rec, scr = split(refs, n_pf + n_in + n_out, len(state_avals), n_scr)
+    base, rec, pf_rec, scr = split(refs, n_pf + n_in + n_out,
+                                   len(state_avals), len(pf_avals), n_scr)
+    for r, pf in zip(pf_rec, [p for p, w in zip(base, written) if w]):
+      r[...] = pf[...]
     ops = gm.split(base + scr)
     states = [s for s, k in zip(ops.outputs + ops.scratch, kept) if k]
     firsts = [None if bm is None else first_visit(
@@ -164,7 +184,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     pf_refs, in_refs = base[:n_pf], base[n_pf:n_pf + n_in]
     copied = [k for k, bm in enumerate(gm.in_mappings) if _overhangs(bm)]
     if not copied:
-      eval_ref_jaxpr(spec.jaxpr, *ids, *base, *scr)
+      eval_ref_jaxpr(replayed, *ids, *base, *scr)
       return
 
     # The replay sees zeros past the arrays, so the recorded states (an
@@ -176,15 +196,16 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
         buf[...] = _zero_past_array(in_refs[k][...], gm.in_mappings[k], ids,
                                     pf_refs)
         refs_in[k] = buf
-      eval_ref_jaxpr(spec.jaxpr, *ids, *pf_refs, *refs_in,
+      eval_ref_jaxpr(replayed, *ids, *pf_refs, *refs_in,
                      *base[n_pf + n_in:], *scr)
     run_scoped(replay, *[gm.in_mappings[k].ref_aval for k in copied])
 
-  rec_specs = [_record_block_spec(a, n_grid) for a in state_avals]
+  rec_specs = [_record_block_spec(a, n_grid)
+               for a in state_avals + pf_avals]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in gm.in_mappings])
   out_shapes = ([sds(bm.array_aval) for bm in gm.out_mappings]
-                + [_record_sds(a, gm.grid) for a in state_avals])
+                + [_record_sds(a, gm.grid) for a in state_avals + pf_avals])
   return derived_spec(
       spec, body, args, out_shapes, grid=gm.grid,
       in_specs=[block_spec_of(bm, n_grid) for bm in gm.in_mappings],
@@ -362,7 +383,9 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   state_refs, kept = _state_refs(gm)
   all_states = [a.inner_aval for a in state_refs]
   state_avals = [a for a, k in zip(all_states, kept) if k]
-  n_rec = len(state_avals) if recorded else 0
+  written = written_prefetch(spec)
+  pf_avals = _prefetch_states(spec)
+  n_rec = len(state_avals) + len(pf_avals) if recorded else 0
   n_ct_out, n_ct_in = sum(out_f), sum(in_nz)
   ct_scr_avals = [a for a, f in zip(gm.scratch_avals, scr_f) if f]
   in_maps = list(gm.in_mappings)
@@ -380,7 +403,8 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     # An output block is not read in on a TPU: at the first of a run of
     # visits, the cotangent flowing in is the aliased input's block.
     out_first = [None if in_hbm(bm.ref_aval) else
-                 first_visit(bm, grid, raw, rev, pf_refs) for bm in ct_out_maps]
+                 first_visit(bm, grid, raw, rev, pf_refs)
+                 for bm in gm.out_mappings]
     in_first = [first_visit(bm, grid, raw, rev, pf_refs) if k == "inplace"
                 else None for bm, k in zip(ct_in_maps, kinds)]
     _staged(raw, in_refs, ct_in_refs, ct_out_refs, lambda *r: point(
@@ -390,23 +414,32 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   def point(ids, pf_refs, rec_refs, ct_scr_refs, firsts, in_refs, ct_in_refs,
             ct_out_refs):
     ct_out_in, out_first, in_first = firsts
-    pf = list(pf_refs)      # SMEM: read by the kernel a scalar at a time
     ins = [_zero_past_array(r[...], bm, ids, pf_refs)
            for r, bm in zip(in_refs, gm.in_mappings)]
     recs = iter(rec_refs)
     entry = [next(recs)[...] if recorded and k else jnp.zeros(a.shape, a.dtype)
              for a, k in zip(all_states, kept)]
+    # SMEM refs the kernel only reads stay refs (read a scalar at a time);
+    # those it writes hold, as values, what the forward point found.
+    pf = [next(recs)[...] if w else r for r, w in zip(pf_refs, written)]
+    # `x`, or at the first visit `old()` with no garbage past the array.
+    at_first = lambda x, old, first, bm: x if first is None else jnp.where(
+        first, _zero_past_array(old(), bm, ids, pf_refs), x)
     if recorded:
-      entry[:n_out] = [_zero_past_array(x, bm, ids, pf_refs)
-                       for x, bm in zip(entry, gm.out_mappings)]
+      # Past the array, an output block holds what the kernel wrote there
+      # at earlier visits (a TPU keeps the block in VMEM), and garbage at
+      # the first visit of the forward pass.
+      entry[:n_out] = [
+          at_first(x, lambda: x, None if in_hbm(bm.ref_aval) else first_visit(
+              bm, grid, ids, lambda i: i, pf_refs), bm)
+          for x, bm in zip(entry, gm.out_mappings)]
     outs_e, scr_e = entry[:n_out], entry[n_out:]
 
     transposed = _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
-    ct_out_now = [_zero_past_array(
-        r[...] if first is None else jnp.where(first, r_in[...], r[...]),
-        bm, ids, pf_refs)
-        for r, r_in, first, bm in zip(ct_out_refs, ct_out_in, out_first,
-                                      ct_out_maps)]
+    ct_out_first = [f for f, keep in zip(out_first, out_f) if keep]
+    ct_out_now = [at_first(r[...], lambda r_in=r_in: r_in[...], first, bm)
+                  for r, r_in, first, bm in zip(ct_out_refs, ct_out_in,
+                                                ct_out_first, ct_out_maps)]
     ct_scr_now = [r[...] for r in ct_scr_refs]
     ct_tin, ct_tout, ct_tscr = transposed((ct_out_now, ct_scr_now))
     for r, c, kind, first in zip(ct_in_refs, ct_tin, kinds, in_first):
@@ -416,8 +449,9 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     for r, c in zip(ct_scr_refs, ct_tscr):
       r[...] = c.astype(r.dtype)
 
-  args, out_shapes, kw = _transpose_io(gm, rev, recorded, state_avals,
-                                       ct_in_maps, ct_out_maps, kinds)
+  args, out_shapes, kw = _transpose_io(gm, rev, recorded,
+                                       state_avals + pf_avals, ct_in_maps,
+                                       ct_out_maps, kinds)
   new = derived_spec(spec, body, args, out_shapes, **kw,
                      scratch=ct_scr_avals, suffix="transpose")
   return new.replace(jaxpr=restore_reads(new.jaxpr)), kinds
@@ -476,7 +510,7 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
       ct_outs.append(ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct)
   ct_outs = [jnp.asarray(c).astype(bm.array_aval.dtype) for c, bm in
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
-  recorded = needs_entry_state(base)
+  recorded = needs_entry_state(base) or any(written_prefetch(base))
   rec = []
   try:
     if recorded:
