@@ -12,6 +12,7 @@ from dsl.core.blockspec import BlockMapping, BlockSpec, squeezed
 from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
 from dsl.transforms.discharge import discharged_kernel
 from dsl.transforms.prefetch_reads import pure_reads
+from dsl.transforms.reversible_loops import reversible_loops
 from dsl.core.pallas_call import KernelSpec, build_spec, pallas_call_p
 
 
@@ -80,24 +81,27 @@ def written_prefetch(spec: KernelSpec) -> tuple[bool, ...]:
                                     gm.num_scalar_prefetch)
 
 
-def point_function(spec: KernelSpec, prefetch_refs: bool = False):
+def point_function(spec: KernelSpec, transposable: bool = False):
   """The kernel at one grid point as a pure function.
 
   `F(ids, pf, ins, outs, scratch) -> (outs', scratch')`: given the blocks it
-  sees on entry, the output and scratch blocks it leaves. With
-  `prefetch_refs`, the scalar-prefetch refs that the kernel only reads are
-  passed as the refs themselves (read a scalar at a time, as SMEM must be),
-  and those it writes as the values they hold on entry (state, like
-  scratch); otherwise every `pf` is a value.
+  sees on entry, the output and scratch blocks it leaves. Every `pf` is a
+  value, except with `transposable` (the function the transposed kernel
+  linearizes and transposes): there the scalar-prefetch refs that the kernel
+  only reads are passed as the refs themselves (read a scalar at a time, as
+  SMEM must be) and those it writes as the values they hold on entry (state,
+  like scratch), and its loops with a run-time trip count are reversible.
   """
   gm = spec.grid_mapping
-  kept = (tuple(not w for w in written_prefetch(spec)) if prefetch_refs
+  kept = (tuple(not w for w in written_prefetch(spec)) if transposable
           else ())
   # What is differentiated: nonlinear cumulative ops as lax ops a TPU has.
   jaxpr = rewrite_closed(spec.jaxpr, SCANS_TO_DIFFERENTIATE)
   dj = discharged_kernel(jaxpr, len(gm.grid), kept)
   if any(kept):
     dj = pure_reads(dj)     # no ref effect in a `pl.when` to linearize
+  if transposable:
+    dj = reversible_loops(dj)
 
   def F(ids, pf, ins, outs, scratch):
     finals = iter(core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins,

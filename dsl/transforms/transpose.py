@@ -20,10 +20,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from dsl.core.jax_internals import ad, ClosedJaxpr, core, partial_eval as pe
+from dsl.core.jax_internals import ad, core, partial_eval as pe
 
-from dsl.core.errors import KernelError, source_info_frame
+from dsl.core.errors import KernelError
 from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.core.primitives import run_scoped, when
 from dsl.core.tracing import program_id
@@ -372,7 +371,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   grid, n_grid = gm.grid, len(gm.grid)
   n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
   sequential = set(gm.plan(spec.compiler_params, spec.jaxpr).sequential)
-  F = point_function(spec, prefetch_refs=True)
+  F = point_function(spec, transposable=True)
 
   def rev(ids):
     return [grid[d] - 1 - i if d in sequential else i
@@ -512,14 +511,10 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
   recorded = needs_entry_state(base) or any(written_prefetch(base))
   rec = []
-  try:
-    if recorded:
-      rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
-      rec = list(rec_outs[n_out:])
-    tspec, kinds = _transpose_spec(base, in_nz, recorded)
-  except KernelError as e:
-    _raise_for_while_loop(base, e)
-    raise
+  if recorded:
+    rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
+    rec = list(rec_outs[n_out:])
+  tspec, kinds = _transpose_spec(base, in_nz, recorded)
   outs = pallas_call_p.bind(*primals, *rec, *ct_outs, spec=tspec)
   n_ct_in = sum(in_nz)
   ct_ins, ct_out_final = list(outs[:n_ct_in]), list(outs[n_ct_in:])
@@ -540,36 +535,6 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   tangent_cts = [sharded_like(c, getattr(t, "aval", None))
                  for c, t in zip(ct_ins, tangent_args)]
   return [None] * n_primals + tangent_cts
-
-
-def _while_loops(jaxpr: core.Jaxpr):
-  """The `while_loop` equations of a kernel, in its control flow and calls."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is lax.while_p:
-      yield eqn
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, tuple) else (v,)):
-        if isinstance(sub, ClosedJaxpr):
-          yield from _while_loops(sub.jaxpr)
-        elif isinstance(sub, core.Jaxpr):
-          yield from _while_loops(sub)
-
-
-def _raise_for_while_loop(base: KernelSpec, err: KernelError):
-  """JAX cannot transpose a `while_loop` (nor a `fori_loop` whose bounds are
-  traced values, which becomes one): say so, at the loop's line."""
-  loop = next(_while_loops(base.jaxpr.jaxpr), None)
-  if loop is None or "while_loop" not in str(err):
-    return
-  line = source_info_frame(loop.source_info) or base.where
-  raise KernelError(
-      base.name, "reverse mode (jax.grad, jax.vjp) cannot differentiate a "
-      "while_loop, or a fori_loop whose bounds are traced values (read from a "
-      "ref or computed in the kernel): the number of iterations is unknown "
-      "when the backward pass is built. Use lax.fori_loop with static "
-      "(Python int) bounds, masking the iterations past the dynamic bound, or "
-      "give the kernel a hand-written backward pass with jax.custom_vjp "
-      "(forward mode, jax.jvp, works as it is)", line) from err
 
 
 ad.primitive_linearizations[pallas_call_p] = pallas_call_linearize

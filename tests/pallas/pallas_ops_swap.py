@@ -166,14 +166,6 @@ def backends_of(op: str) -> tuple[str, ...]:
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
 # (a fix shows up as an XPASS) and a row of docs/pallas-compat.md.
 XFAIL: dict[tuple[str, str], str] = {
-    ("tpu.paged_attention (grad)", "interpret"):
-        "linearizing the derived transpose kernel meets a `pl.when` with a "
-        "ref effect, which JAX's cond partial eval rejects (State effect not "
-        "supported in cond partial-eval)",
-    ("tpu.paged_attention (grad)", "mosaic_interpret"):
-        "linearizing the derived transpose kernel meets a `pl.when` with a "
-        "ref effect, which JAX's cond partial eval rejects (State effect not "
-        "supported in cond partial-eval)",
     ("tpu.megablox.gmm", "interpret"):
         "traced grid sizes: the number of active tiles is computed from the "
         "group sizes (grid[1] must be a positive integer, got a tracer)",
