@@ -1,160 +1,130 @@
 """The cases of Pallas's kernel library run by import swap: one cheap shape
-per op of `jax.experimental.pallas.ops` (served by pallas_ops_swap), how to
-run it on dsl and on Pallas, and how to compare. Shared by
-test_pallas_ops.py (values) and test_pallas_ops_golden.py (TPU modules).
+per op of `jax.experimental.pallas.ops` (served by pallas_ops_swap), the
+matrix of more shapes, dtypes, optional features and gradients
+(pallas_ops_matrix_tpu.py, pallas_ops_matrix_gpu.py, run under `-m slow`),
+how to run them on dsl and on Pallas, and how to compare. Shared by
+test_pallas_ops.py (values), test_pallas_ops_golden.py (TPU modules) and the
+`pallas-ops` benchmark suite.
+
+    python -m tests.pallas.pallas_ops_cases [case ...]   # PASS/FAIL lines
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import tpu as pallas_tpu
 
 import dsl as pl
+from tests.pallas import pallas_ops_matrix_gpu, pallas_ops_matrix_tpu
 from tests.pallas import pallas_ops_swap as swap
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  """One op: `run(module, interpret)` calls it from `module` (swapped or
-  Pallas's) on fixed inputs, passing `interpret` where the op takes it;
-  `reference(module)` is the op's own reference (None: it has none)."""
-  run: Callable[[Any, bool], Any]
-  reference: Callable[[Any], Any] | None = None
-  tol: float = 2e-3
-  # Against the reference, where the op itself differs from it more.
-  ref_tol: float | None = None
-
-
-def _rand(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, dtype)
+from tests.pallas.pallas_ops_case import Case, close, vjp_case
+from tests.pallas.pallas_ops_case import rand as _rand
+from tests.pallas.pallas_ops_matrix_tpu import paged_dense as _paged_dense
+from tests.pallas.pallas_ops_matrix_tpu import paged_pages as _paged_pages
 
 
 # --- TPU ops ---------------------------------------------------------------
+# Each case passes its arrays as `args` (the benchmark times the op as a
+# function of them, so that XLA cannot fold it into a constant).
 
 def _matmul():
-  x, y = _rand(0, (256, 256)), _rand(1, (256, 256))
-  return Case(lambda m, _: m.matmul(x, y, block_shape=(128, 128),
-                                    block_k=128),
-              lambda m: jnp.dot(x, y, precision="highest"))
+  return Case(lambda m, _, x, y: m.matmul(x, y, block_shape=(128, 128),
+                                          block_k=128),
+              lambda m, x, y: jnp.dot(x, y, precision="highest"),
+              args=(_rand(0, (256, 256)), _rand(1, (256, 256))))
 
 
 def _example_kernel():
-  x = _rand(0, (8, 128))
-  return Case(lambda m, _: m.double(x), lambda m: 2 * x)
+  return Case(lambda m, _, x: m.double(x), lambda m, x: 2 * x,
+              args=(_rand(0, (8, 128)),))
 
 
 def _all_gather():
   mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
   x = jax.device_put(_rand(0, (32, 128)),
                      jax.sharding.NamedSharding(mesh, jax.P("x")))
-  return Case(lambda m, _: m.all_gather(x, mesh=mesh, axis_name="x"),
-              lambda m: x)
+  return Case(lambda m, _, x: m.all_gather(x, mesh=mesh, axis_name="x"),
+              lambda m, x: x, args=(x,))
 
 
 def _flash_attention():
-  q, k, v = (_rand(i, (1, 2, 128, 128)) for i in range(3))
   sizes = dict(block_q=128, block_k_major=128, block_k=128, block_b=1)
 
-  def run(m, _):
+  def run(m, _, q, k, v):
     return m.flash_attention(q, k, v, causal=True,
                              block_sizes=m.BlockSizes(**sizes))
-  return Case(run, lambda m: m.mha_reference(q, k, v, None, causal=True))
-
-
-def _paged_pages():
-  """Paged K/V: 2 sequences of up to 4 pages of 16 tokens, 2 KV heads."""
-  q = _rand(0, (2, 4, 128))
-  k_pages, v_pages = (_rand(i, (2, 8, 16, 128)) for i in (1, 2))
-  lengths = jnp.array([20, 50], jnp.int32)
-  page_indices = jnp.array([[7, 1, 4, 2], [0, 6, 3, 5]], jnp.int32)
-  return q, k_pages, v_pages, lengths, page_indices
-
-
-def _paged_dense(pages, page_indices):
-  """[kv_heads, pages, page, dim] -> [batch, kv_heads, seq, dim]."""
-  g = pages[:, page_indices]            # kv_heads, batch, pages, page, dim
-  g = g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])
-  return g.transpose(1, 0, 2, 3)
+  return Case(run, lambda m, q, k, v: m.mha_reference(q, k, v, None,
+                                                      causal=True),
+              args=tuple(_rand(i, (1, 2, 128, 128)) for i in range(3)))
 
 
 def _paged_attention():
   q, k_pages, v_pages, lengths, page_indices = _paged_pages()
 
-  def run(m, _):
+  def run(m, _, q, k_pages, v_pages):
     return m.paged_attention(q, k_pages, v_pages, lengths, page_indices,
                              pages_per_compute_block=2)
 
-  def reference(m):
+  def reference(m, q, k_pages, v_pages):
     util = swap.original("tpu.paged_attention.util")
     return util.grouped_query_attention_reference(
         q, _paged_dense(k_pages, page_indices),
         _paged_dense(v_pages, page_indices), lengths)
-  # Pallas's op differs from its reference by up to 1.4e-2 here (dsl and
-  # Pallas agree to 1e-5).
-  return Case(run, reference, ref_tol=2e-2)
+  # Pallas's op differs from its reference by up to 1.4e-2 here (it reads K
+  # and V as bfloat16; dsl and Pallas agree to 1e-5).
+  return Case(run, reference, ref_tol=2e-2, args=(q, k_pages, v_pages))
 
 
 def _paged_attention_grad():
   q, k_pages, v_pages, lengths, page_indices = _paged_pages()
 
-  def loss(f, q, k_pages):
-    return jnp.sum(f(q, k_pages) ** 2)
+  def op(m, _, q, k_pages):
+    return m.paged_attention(q, k_pages, v_pages, lengths, page_indices,
+                             pages_per_compute_block=2)
 
-  def run(m, _):
-    f = lambda q, kp: m.paged_attention(q, kp, v_pages, lengths,
-                                        page_indices,
-                                        pages_per_compute_block=2)
-    return jax.grad(functools.partial(loss, f), argnums=(0, 1))(q, k_pages)
-
-  def reference(m):
+  def reference(m, q, k_pages):
     # The kernel reads K and V as bfloat16: so does the reference here.
     util = swap.original("tpu.paged_attention.util")
     dense = lambda p: _paged_dense(
         p.astype(jnp.bfloat16).astype(jnp.float32), page_indices)
-    f = lambda q, kp: util.grouped_query_attention_reference(
-        q, dense(kp), dense(v_pages), lengths)
-    return jax.grad(functools.partial(loss, f), argnums=(0, 1))(q, k_pages)
+    return util.grouped_query_attention_reference(
+        q, dense(k_pages), dense(v_pages), lengths)
   # K's cotangent passes through the bfloat16 cast: one bfloat16 ulp.
-  return Case(run, reference, tol=1e-2)
+  return vjp_case(op, reference, (q, k_pages), (0, 1), tol=1e-2)
 
 
 def _splash_attention():
-  q, k, v = (_rand(i, (2, 256, 128)) for i in range(3))
-
   def mask(m):
     return m.MultiHeadMask([m.CausalMask((256, 256))] * 2)
 
-  def run(m, interpret):
+  def run(m, interpret, q, k, v):
     sizes = m.BlockSizes(block_q=128, block_kv=128, block_kv_compute=128)
     kernel = m.make_splash_mha_single_device(mask(m), block_sizes=sizes,
                                              interpret=interpret)
     return kernel(q, k, v)
-  return Case(run, lambda m: m.make_masked_mha_reference(mask(m))(q, k, v))
+  return Case(run, lambda m, q, k, v: m.make_masked_mha_reference(mask(m))(
+      q, k, v), args=tuple(_rand(i, (2, 256, 128)) for i in range(3)))
 
 
 def _ragged_paged_attention():
   # 2 sequences: a prefill of 5 tokens, a decode of 1; 8 KV pages of 16.
-  q = _rand(0, (8, 4, 128))
-  kv_pages = _rand(1, (8, 16, 4, 128))
-  kv_lens = jnp.array([30, 17], jnp.int32)
-  page_indices = jnp.array([[0, 3, 0, 0], [5, 2, 0, 0]], jnp.int32)
-  cu_q_lens = jnp.array([0, 5, 6], jnp.int32)
-  num_seqs = jnp.array([2], jnp.int32)
-  args = (q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+  rest = (jnp.array([30, 17], jnp.int32),
+          jnp.array([[0, 3, 0, 0], [5, 2, 0, 0]], jnp.int32),
+          jnp.array([0, 5, 6], jnp.int32), jnp.array([2], jnp.int32))
 
-  def run(m, _):
-    return m.ragged_paged_attention(*args, num_kv_pages_per_block=2,
+  def run(m, _, q, kv_pages):
+    return m.ragged_paged_attention(q, kv_pages, *rest,
+                                    num_kv_pages_per_block=2,
                                     num_queries_per_block=8)[:6]
-  return Case(run, lambda m: m.ref_ragged_paged_attention(*args)[:6])
+  return Case(run, lambda m, q, kv_pages: m.ref_ragged_paged_attention(
+      q, kv_pages, *rest)[:6],
+      args=(_rand(0, (8, 4, 128)), _rand(1, (8, 16, 4, 128))))
 
 
 def _group_sizes():
@@ -189,63 +159,63 @@ def _tgmm():
 def _threefry():
   key = jnp.array([3, 7], jnp.uint32)
 
-  def reference(m):
+  def reference(m, key):
     return jax.random.bits(jax.random.wrap_key_data(key, impl="threefry2x32"),
                            (8, 300), jnp.uint32)
-  return Case(lambda m, _: m.plthreefry_random_bits(key, 32, (8, 300)),
-              reference, tol=0)
+  return Case(lambda m, _, key: m.plthreefry_random_bits(key, 32, (8, 300)),
+              reference, tol=0, args=(key,))
 
 
 def _philox():
-  key = jnp.array([3, 7], jnp.uint32)
-  return Case(lambda m, _: m.philox_random_bits(key, 32, (8, 300)), tol=0)
+  return Case(lambda m, _, key: m.philox_random_bits(key, 32, (8, 300)),
+              tol=0, args=(jnp.array([3, 7], jnp.uint32),))
 
 
 # --- GPU (Triton) ops -------------------------------------------------------
 
 def _gpu_attention():
-  q, k, v = (_rand(i, (1, 128, 2, 64)) for i in range(3))
-  return Case(lambda m, interpret: m.mha(q, k, v, None, causal=True,
-                                         interpret=interpret),
-              lambda m: m.mha_reference(q, k, v, None, causal=True))
+  return Case(lambda m, interpret, q, k, v: m.mha(q, k, v, None, causal=True,
+                                                  interpret=interpret),
+              lambda m, q, k, v: m.mha_reference(q, k, v, None, causal=True),
+              args=tuple(_rand(i, (1, 128, 2, 64)) for i in range(3)))
 
 
 def _gpu_decode_attention():
-  q = _rand(0, (2, 8, 64))
-  k, v = (_rand(i, (2, 256, 2, 64)) for i in (1, 2))
-  return Case(lambda m, interpret: m.gqa(q, k, v, block_h=16, block_k=64,
-                                         k_splits=4, interpret=interpret),
-              lambda m: m.gqa_reference(q, k, v))
+  return Case(lambda m, interpret, q, k, v: m.gqa(
+      q, k, v, block_h=16, block_k=64, k_splits=4, interpret=interpret),
+      lambda m, q, k, v: m.gqa_reference(q, k, v),
+      args=(_rand(0, (2, 8, 64)), _rand(1, (2, 256, 2, 64)),
+            _rand(2, (2, 256, 2, 64))))
 
 
 def _gpu_paged_attention():
-  q = _rand(0, (2, 8, 64))
-  k_pages, v_pages = (_rand(i, (2, 8, 16, 64)) for i in (1, 2))
   tables = jnp.array([[7, 1, 4, 2], [0, 6, 3, 5]], jnp.int32)
   lengths = jnp.array([20, 50], jnp.int32)
 
-  def reference(m):
+  def reference(m, q, k_pages, v_pages):
     # [batch, kv_heads, seq, dim] -> [batch, seq, kv_heads, dim]
     dense = lambda p: _paged_dense(p, tables).swapaxes(1, 2)
     return m.paged_attention_reference(q, dense(k_pages), dense(v_pages),
                                        lengths)
-  return Case(lambda m, interpret: m.paged_attention(
+  return Case(lambda m, interpret, q, k_pages, v_pages: m.paged_attention(
       q, k_pages, v_pages, tables, lengths, pages_per_compute_block=2,
-      k_splits=2, interpret=interpret), reference)
+      k_splits=2, interpret=interpret), reference,
+      args=(_rand(0, (2, 8, 64)), _rand(1, (2, 8, 16, 64)),
+            _rand(2, (2, 8, 16, 64))))
 
 
 def _gpu_norm(name):
-  x = _rand(0, (2, 4, 256))      # [batch, seq, features]
-  w, b = _rand(1, (256,)), _rand(2, (256,))
-  return Case(lambda m, interpret: getattr(m, name)(x, w, b,
-                                                    interpret=interpret),
-              lambda m: getattr(m, f"{name}_reference")(x, w, b))
+  # [batch, seq, features], weight, bias
+  return Case(lambda m, interpret, x, w, b: getattr(m, name)(
+      x, w, b, interpret=interpret),
+      lambda m, x, w, b: getattr(m, f"{name}_reference")(x, w, b),
+      args=(_rand(0, (2, 4, 256)), _rand(1, (256,)), _rand(2, (256,))))
 
 
 def _gpu_softmax():
-  x = _rand(0, (8, 300))
-  return Case(lambda m, interpret: m.softmax(x, interpret=interpret),
-              lambda m: jax.nn.softmax(x, axis=-1))
+  return Case(lambda m, interpret, x: m.softmax(x, interpret=interpret),
+              lambda m, x: jax.nn.softmax(x, axis=-1),
+              args=(_rand(0, (8, 300)),))
 
 
 # op -> (module of jax.experimental.pallas.ops, the case).
@@ -273,43 +243,60 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
 }
 
 
+# "op [variant]" -> (module, the case): every entry runs under -m slow.
+MATRIX: dict[str, tuple[str, Callable[[], Case]]] = {
+    **pallas_ops_matrix_tpu.MATRIX, **pallas_ops_matrix_gpu.MATRIX}
+
+
+def module_of(case_id: str) -> str:
+  """The module of `jax.experimental.pallas.ops` a case (an op of CASES or
+  a variant of MATRIX) runs."""
+  return (CASES.get(case_id) or MATRIX[case_id])[0]
+
+
+def make_case(case_id: str) -> Case:
+  return (CASES.get(case_id) or MATRIX[case_id])[1]()
+
+
+def no_pallas(case_id: str, case: Case) -> str | None:
+  """Why the case is compared with its reference only (None: it is
+  compared with Pallas's interpret mode too)."""
+  return case.no_pallas or swap.NO_PALLAS.get(swap.base_op(case_id))
+
+
 def run_on_dsl(op: str, backend: str):
-  module, make = CASES[op]
-  case = make()
+  case = make_case(op)
   with pl.default_backend(backend):
-    return case, case.run(swap.swapped(module), False)
+    return case, case.run(swap.swapped(module_of(op)), False, *case.args)
 
 
 def run_on_pallas(op: str, case: Case):
-  module = swap.original(CASES[op][0])
+  module = swap.original(module_of(op))
   force = (pallas_tpu.force_tpu_interpret_mode() if op.startswith("tpu.")
            else contextlib.nullcontext())
   with force:
-    return case.run(module, True)
+    return case.run(module, True, *case.args)
 
 
-def close(got, want, tol, what):
-  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    g, w = np.asarray(g), np.asarray(w)
-    assert g.shape == w.shape, what
-    if tol == 0:
-      np.testing.assert_array_equal(g, w, err_msg=what)
-    else:
-      np.testing.assert_allclose(g.astype(np.float32), w.astype(np.float32),
-                                 atol=tol, rtol=tol, err_msg=what)
+def check(op: str, backend: str):
+  """Runs case `op` on dsl's `backend` and compares it with its reference
+  and with Pallas's interpret mode (AssertionError naming the comparison)."""
+  case, got = run_on_dsl(op, backend)
+  if case.reference is not None:
+    want = case.reference(swap.original(module_of(op)), *case.args)
+    close(got, want, case.ref_tol or case.tol,
+          f"{op} on {backend} vs its reference")
+  if no_pallas(op, case) is None:
+    close(got, run_on_pallas(op, case), case.tol,
+          f"{op} on {backend} vs Pallas's interpret mode")
 
 
 if __name__ == "__main__":
-  for op in sys.argv[1:] or CASES:
+  for op in [a for a in sys.argv[1:] if a != "-v"] or CASES:
     for backend in swap.backends_of(op):
       t = time.time()
       try:
-        case, got = run_on_dsl(op, backend)
-        if case.reference is not None:
-          close(got, case.reference(swap.swapped(CASES[op][0])),
-                 case.ref_tol or case.tol, "reference")
-        if op not in swap.NO_PALLAS:
-          close(got, run_on_pallas(op, case), case.tol, "pallas")
+        check(op, backend)
         print(f"PASS {op} {backend} {time.time() - t:.1f}s", flush=True)
       except Exception as e:  # noqa: BLE001
         msg = str(e).splitlines()[0][:300] if str(e) else ""

@@ -163,6 +163,11 @@ def backends_of(op: str) -> tuple[str, ...]:
   return TPU_BACKENDS if op.startswith("tpu.") else GPU_BACKENDS
 
 
+def base_op(case_id: str) -> str:
+  """The op of OPS a case is of: "tpu.matmul [bfloat16]" -> "tpu.matmul"."""
+  return case_id.split(" [", 1)[0]
+
+
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
 # (a fix shows up as an XPASS) and a row of docs/pallas-compat.md.
 XFAIL: dict[tuple[str, str], str] = {

@@ -37,7 +37,7 @@ def _params():
 
 def _lower(op, module):
   case = ops.CASES[op][1]()
-  return golden.lower_tpu(lambda: case.run(module, False))
+  return golden.lower_tpu(lambda *a: case.run(module, False, *a), *case.args)
 
 
 @pytest.mark.parametrize("op", list(_params()))
