@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax import tree_util
 from dsl.core.jax_internals import (api_util, close_jaxpr, ClosedJaxpr, core,
                                     linear_util as lu, partial_eval as pe,
                                     state_types)
@@ -190,14 +191,24 @@ def arity_text(arity: tuple[int, int]) -> str:
   return str(low) if low == high else f"{low} to {high}"
 
 
+def _prefetch_args(prefetch_tree, refs) -> list:
+  """The scalar-prefetch arguments an index map is called with: the
+  operands' pytrees of refs (an operand None stays None, as in Pallas)."""
+  if prefetch_tree is None:
+    return list(refs)
+  return list(tree_util.tree_unflatten(prefetch_tree, list(refs)))
+
+
 def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
-                     prefetch_avals, rank: int, where: str) -> ClosedJaxpr:
-  n_args = grid_rank + len(prefetch_avals)
+                     prefetch_avals, rank: int, where: str,
+                     prefetch_tree=None) -> ClosedJaxpr:
+  n_pf = (len(prefetch_avals) if prefetch_tree is None
+          else len(tree_util.treedef_children(prefetch_tree)))
+  n_args = grid_rank + n_pf
   arity = positional_arity(fn)
   loc = function_location(fn)
   if not takes(arity, n_args):
-    extra = (f" and {len(prefetch_avals)} scalar-prefetch refs"
-             if prefetch_avals else "")
+    extra = f" and {n_pf} scalar-prefetch refs" if n_pf else ""
     raise KernelTypeError(
         kernel, f"index_map takes {arity_text(arity)} arguments but the grid "
         f"has rank "
@@ -206,12 +217,14 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
   in_avals = [core.ShapedArray((), jnp.int32)] * grid_rank + list(prefetch_avals)
 
   def flat(*args):
-    out = fn(*args)
+    out = fn(*args[:grid_rank],
+             *_prefetch_args(prefetch_tree, args[grid_rank:]))
     if not isinstance(out, (tuple, list)):
       out = (out,)
     return list(out)
 
-  dbg = api_util.debug_info("index_map", fn, tuple(range(n_args)), {})
+  dbg = api_util.debug_info("index_map", fn,
+                            tuple(range(grid_rank + len(prefetch_avals))), {})
   try:
     jaxpr, out_avals, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(flat, debug_info=dbg), in_avals)
@@ -244,7 +257,7 @@ def _zeros_index_map(grid_rank: int, n_prefetch: int, rank: int):
 
 def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
                        aval: core.ShapedArray, grid_rank: int, prefetch_avals,
-                       where: str) -> BlockMapping:
+                       where: str, prefetch_tree=None) -> BlockMapping:
   """Checks `spec` against the array `aval` and traces its index map."""
   if spec is None:
     spec = BlockSpec()
@@ -288,7 +301,7 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
   if whole or index_map is None:
     index_map = _zeros_index_map(grid_rank, len(prefetch_avals), rank)
   jaxpr = _trace_index_map(kernel, origin, index_map, grid_rank,
-                           prefetch_avals, rank, where)
+                           prefetch_avals, rank, where, prefetch_tree)
   return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype,
                                                weak_type=aval.weak_type),
                       block_shape, jaxpr, memory_space, whole,

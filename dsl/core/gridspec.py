@@ -328,10 +328,12 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
   mappings = []
   for i, (spec, aval) in enumerate(zip(in_leaves, in_avals)):
     mappings.append(resolve_block_spec(kernel, f"in_specs[{i}]", spec, aval,
-                                       len(grid), p_refs, where))
+                                       len(grid), p_refs, where,
+                                       prefetch_tree))
   for i, (spec, aval) in enumerate(zip(out_leaves, out_avals)):
     mappings.append(resolve_block_spec(kernel, f"out_specs[{i}]", spec, aval,
-                                       len(grid), p_refs, where))
+                                       len(grid), p_refs, where,
+                                       prefetch_tree))
   scratch_leaves, scratch_tree = tree_util.tree_flatten(
       list(scratch_shapes or ()),
       is_leaf=lambda x: (hasattr(x, "get_ref_aval") or hasattr(x, "dtype")

@@ -55,15 +55,26 @@ def _reversible_while(*args, cond_jaxpr, body_jaxpr, cond_nconsts,
     return lax.while_p.bind(*args, cond_jaxpr=cond_jaxpr,
                             body_jaxpr=body_jaxpr, cond_nconsts=cond_nconsts,
                             body_nconsts=body_nconsts)
+  # An operand the condition and the body share is passed once (a ref may
+  # not be passed twice).
+  unique, where = [], []
+  for x in list(cc) + list(bc):
+    k = next((k for k, u in enumerate(unique) if u is x), None)
+    if k is None:
+      k = len(unique)
+      unique.append(x)
+    where.append(k)
   n_cc = len(cc)
 
   def cond(consts, carry):
-    return core.jaxpr_as_fun(cond_jaxpr)(*consts[:n_cc], *carry)[0]
+    ops = [consts[k] for k in where[:n_cc]]
+    return core.jaxpr_as_fun(cond_jaxpr)(*ops, *carry)[0]
 
   def body(consts, carry):
-    return list(core.jaxpr_as_fun(body_jaxpr)(*consts[n_cc:], *carry))
+    ops = [consts[k] for k in where[n_cc:]]
+    return list(core.jaxpr_as_fun(body_jaxpr)(*ops, *carry))
 
-  return _loop(cond, body, list(cc) + list(bc), init)
+  return _loop(cond, body, unique, init)
 
 
 def _loop(cond, body, consts, init):

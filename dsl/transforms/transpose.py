@@ -38,6 +38,7 @@ from dsl.transforms.revisits import (first_visit, per_point_sds,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 from dsl.transforms.synchronous_dmas import synchronous_dmas
+from dsl.transforms import prefetch_state
 from dsl.core.blockspec import Element
 
 
@@ -130,16 +131,6 @@ def _state_refs(gm):
   return avals, [not is_semaphore(a) for a in avals]
 
 
-def _prefetch_states(spec: KernelSpec):
-  """The avals of the scalar-prefetch refs the kernel writes: the recording
-  kernel saves what each grid point finds in them, since the transposed
-  kernel visits the points in another order (and its control flow, e.g.
-  which buffer a DMA filled, may depend on them)."""
-  gm = spec.grid_mapping
-  return [a.inner_aval for a, w in zip(gm.prefetch_avals,
-                                       written_prefetch(spec)) if w]
-
-
 def _recording_spec(spec: KernelSpec) -> KernelSpec:
   """The forward kernel, also saving every point's entry out/scratch blocks."""
   gm = spec.grid_mapping
@@ -148,7 +139,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   state_refs, kept = _state_refs(gm)
   state_avals = [a.inner_aval for a, k in zip(state_refs, kept) if k]
   written = written_prefetch(spec)
-  pf_avals = _prefetch_states(spec)
+  pf_avals = prefetch_state.prefetch_states(spec)
   # The replay lets each DMA land when it starts, as the differentiated
   # function does: no DMA is in flight when a point's entry state is saved.
   replayed = synchronous_dmas(spec.jaxpr)
@@ -172,8 +163,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     ids = [program_id(d) for d in range(n_grid)]
     base, rec, pf_rec, scr = split(refs, n_pf + n_in + n_out,
                                    len(state_avals), len(pf_avals), n_scr)
-    for r, pf in zip(pf_rec, [p for p, w in zip(base, written) if w]):
-      r[...] = pf[...]
+    prefetch_state.save(pf_rec, base[:n_pf], written)
     ops = gm.split(base + scr)
     states = [s for s, k in zip(ops.outputs + ops.scratch, kept) if k]
     firsts = [None if bm is None else first_visit(
@@ -199,12 +189,13 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
                      *base[n_pf + n_in:], *scr)
     run_scoped(replay, *[gm.in_mappings[k].ref_aval for k in copied])
 
-  rec_specs = [_record_block_spec(a, n_grid)
-               for a in state_avals + pf_avals]
+  rec_specs = ([_record_block_spec(a, n_grid) for a in state_avals]
+               + [prefetch_state.record_spec(a, n_grid) for a in pf_avals])
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in gm.in_mappings])
   out_shapes = ([sds(bm.array_aval) for bm in gm.out_mappings]
-                + [_record_sds(a, gm.grid) for a in state_avals + pf_avals])
+                + [_record_sds(a, gm.grid) for a in state_avals]
+                + [prefetch_state.record_sds(a, gm.grid) for a in pf_avals])
   return derived_spec(
       spec, body, args, out_shapes, grid=gm.grid,
       in_specs=[block_spec_of(bm, n_grid) for bm in gm.in_mappings],
@@ -383,7 +374,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   all_states = [a.inner_aval for a in state_refs]
   state_avals = [a for a, k in zip(all_states, kept) if k]
   written = written_prefetch(spec)
-  pf_avals = _prefetch_states(spec)
+  pf_avals = prefetch_state.prefetch_states(spec)
   n_rec = len(state_avals) + len(pf_avals) if recorded else 0
   n_ct_out, n_ct_in = sum(out_f), sum(in_nz)
   ct_scr_avals = [a for a, f in zip(gm.scratch_avals, scr_f) if f]
@@ -420,7 +411,8 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
              for a, k in zip(all_states, kept)]
     # SMEM refs the kernel only reads stay refs (read a scalar at a time);
     # those it writes hold, as values, what the forward point found.
-    pf = [next(recs)[...] if w else r for r, w in zip(pf_refs, written)]
+    pf = [prefetch_state.value_of(next(recs)) if w else r
+          for r, w in zip(pf_refs, written)]
     # `x`, or at the first visit `old()` with no garbage past the array.
     at_first = lambda x, old, first, bm: x if first is None else jnp.where(
         first, _zero_past_array(old(), bm, ids, pf_refs), x)
@@ -448,31 +440,34 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     for r, c in zip(ct_scr_refs, ct_tscr):
       r[...] = c.astype(r.dtype)
 
-  args, out_shapes, kw = _transpose_io(gm, rev, recorded,
-                                       state_avals + pf_avals, ct_in_maps,
-                                       ct_out_maps, kinds)
+  args, out_shapes, kw = _transpose_io(gm, rev, recorded, state_avals,
+                                       pf_avals, ct_in_maps, ct_out_maps,
+                                       kinds)
   new = derived_spec(spec, body, args, out_shapes, **kw,
                      scratch=ct_scr_avals, suffix="transpose")
   return new.replace(jaxpr=restore_reads(new.jaxpr)), kinds
 
 
-def _transpose_io(gm, rev, recorded, state_avals, ct_in_maps, ct_out_maps,
-                  kinds):
+def _transpose_io(gm, rev, recorded, state_avals, pf_avals, ct_in_maps,
+                  ct_out_maps, kinds):
   """The transposed kernel's operands, outputs, their specs and aliases:
   (args, out_shapes, and a dict of grid/in_specs/out_specs/aliases)."""
   grid, n_grid = gm.grid, len(gm.grid)
   in_maps = list(gm.in_mappings)
-  n_rec = len(state_avals) if recorded else 0
+  if not recorded:
+    state_avals, pf_avals = [], []
+  n_rec = len(state_avals) + len(pf_avals)
   n_ct_in, n_ct_out = len(ct_in_maps), len(ct_out_maps)
   spec_of = lambda bm: block_spec_of(bm, n_grid, rev)
   per_point = [k == "per_point" for k in kinds]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in in_maps]
-          + ([_record_sds(a, grid) for a in state_avals] if recorded else [])
+          + [_record_sds(a, grid) for a in state_avals]
+          + [prefetch_state.record_sds(a, grid) for a in pf_avals]
           + [sds(bm.array_aval) for bm in ct_out_maps])
   in_specs = ([spec_of(bm) for bm in in_maps]
-              + ([_record_block_spec(a, n_grid, rev) for a in state_avals]
-                 if recorded else [])
+              + [_record_block_spec(a, n_grid, rev) for a in state_avals]
+              + [prefetch_state.record_spec(a, n_grid, rev) for a in pf_avals]
               + [spec_of(bm) for bm in ct_out_maps])
   out_shapes = ([per_point_sds(bm.kernel_shape, bm.array_aval.dtype, grid)
                  if pp else sds(bm.array_aval)

@@ -27,9 +27,6 @@ class Case:
   tol: float = 2e-3
   # Against the reference, where the op itself differs from it more.
   ref_tol: float | None = None
-  # Why the case is compared with its reference only (None: with Pallas's
-  # interpret mode too).
-  no_pallas: str | None = None
   args: tuple = ()
 
 
@@ -43,31 +40,31 @@ def rand(seed, shape, dtype=jnp.float32):
   return jax.random.normal(jax.random.key(seed), shape, dtype)
 
 
-def vjp_case(op, reference, args, argnums, *, tol=2e-3, ref_tol=None,
-             no_pallas=None) -> Case:
+def vjp_case(op, reference, args, argnums, *, tol=2e-3,
+             ref_tol=None) -> Case:
   """The cotangents of `args[argnums]` for a fixed random cotangent of the
   output: `op(module, interpret, *args)` against `reference(module,
   *args)`'s (the reference's own custom_vjp where it has one)."""
   fixed = list(args)
 
-  def pulled(f, *primals):
+  def pulled(f, *primals, jit=True):
     def g(*diff):
       full = list(fixed)
       for k, d in zip(argnums, diff):
         full[k] = d
       return f(*full)
 
-    @jax.jit
     def grads(*primals):
       out, pull = jax.vjp(g, *primals)
       return pull(jax.tree.map(lambda o: rand(99, o.shape, o.dtype), out))
-    return grads(*primals)
+    return (jax.jit(grads) if jit else grads)(*primals)
 
+  # Some references read their integer operands in Python: not traced.
   return Case(
       lambda m, interpret, *p: pulled(lambda *a: op(m, interpret, *a), *p),
-      lambda m, *p: pulled(lambda *a: reference(m, *a), *p), tol=tol,
-      ref_tol=ref_tol, no_pallas=no_pallas,
-      args=tuple(args[k] for k in argnums))
+      lambda m, *p: pulled(lambda *a: reference(m, *a), *p, jit=False),
+      tol=tol,
+      ref_tol=ref_tol, args=tuple(args[k] for k in argnums))
 
 
 def close(got, want, tol, what):

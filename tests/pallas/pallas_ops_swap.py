@@ -200,11 +200,6 @@ NO_PALLAS = {
         "has no attribute 'indices')",
 }
 
-COMPAT_PAGE = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.dirname(os.path.abspath(__file__)))), "docs", "pallas-compat.md")
-_SECTION = "## Pallas's kernel library on dsl"
-
-
 # The ops checked (pallas_ops_cases.CASES has one case for each), in the
 # order of the table.
 OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
@@ -216,46 +211,8 @@ OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
        "gpu.rms_norm", "gpu.softmax")
 
 
-def compat_section() -> str:
-  """The section of docs/pallas-compat.md that lists each op of
-  `jax.experimental.pallas.ops` on each dsl CPU backend."""
-  lines = [
-      _SECTION, "",
-      "Pallas's own kernel library (`jax.experimental.pallas.ops` in the "
-      "installed JAX) runs on dsl by its import swap alone: "
-      "`tests/pallas/pallas_ops_swap.py` serves each op's source with its "
-      "Pallas imports pointed at dsl, and `tests/pallas/test_pallas_ops.py` "
-      "runs one cheap shape per op on dsl's CPU backends (chosen with "
-      "`dsl.default_backend`, since the ops name none) and compares it with "
-      "the original op in Pallas's interpret mode and with the op's own "
-      "reference. A failing case is a strict xfail whose reason is the cause "
-      "below. This table is generated (`python -m "
-      "tests.pallas.pallas_ops_swap`) and a test checks it.", "",
-      "| op | backend | result |", "|---|---|---|"]
-  for op in OPS:
-    for backend in backends_of(op):
-      cause = XFAIL.get((op, backend))
-      result = "pass" if cause is None else f"fails: {cause}"
-      if op in NO_PALLAS:
-        result += f" (compared with its reference only: {NO_PALLAS[op]})"
-      lines.append(f"| `{op}` | `{backend}` | {result} |")
-  return "\n".join(lines) + "\n"
-
-
-def write_compat_section(path: str = COMPAT_PAGE) -> None:
-  """Rewrites (or appends) the section in docs/pallas-compat.md."""
-  with open(path, encoding="utf-8") as f:
-    page = f.read()
-  start = page.find(_SECTION + "\n")
-  if start < 0:
-    page = page.rstrip("\n") + "\n\n" + compat_section()
-  else:
-    end = page.find("\n## ", start + len(_SECTION))
-    rest = "" if end < 0 else page[end:]
-    page = page[:start] + compat_section() + rest
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(page)
-
-
 if __name__ == "__main__":
-  write_compat_section()
+  # The page's table needs the cases, which need this module: the page
+  # module writes it (`python -m tests.pallas.pallas_ops_page` does too).
+  from tests.pallas import pallas_ops_page
+  pallas_ops_page.write_compat_section()
