@@ -2,8 +2,8 @@
 dsl's `interpret` backend beside Pallas's interpret mode.
 
 Each op of `jax.experimental.pallas.ops` runs at the shapes of its cheap
-case in tests/pallas/pallas_ops_cases.py (the ones test_pallas_ops.py
-checks): from its import-swapped copy on dsl's `interpret` backend, and, as
+case in benchmarks/pallas_library/cases.py (the ones
+tests/pallas/test_pallas_ops.py checks): from its import-swapped copy on dsl's `interpret` backend, and, as
 the peer, from Pallas's own source in Pallas's interpret mode (TPU ops under
 `force_tpu_interpret_mode`, GPU ops with `interpret=True`). Both are
 compiled ahead of time as functions of the case's arrays and take their
@@ -31,9 +31,8 @@ from jax.experimental.pallas import tpu as pallas_tpu
 import dsl
 from benchmarks import platform_info, report, sharding
 from benchmarks.errors import UsageError
+from benchmarks.pallas_library import cases, swap
 from dsl.tools import timing
-from tests.pallas import pallas_ops_cases as cases
-from tests.pallas import pallas_ops_swap as swap
 
 BACKEND = "interpret"
 
@@ -74,13 +73,9 @@ def _pallas_context(op: str):
 
 def measure(op: str, *, repeats: int, warmup: int, stat: str,
             slow_s: float, skip_slow_peers: bool) -> Row:
-  """Times op `op` (a key of pallas_ops_cases.CASES) on dsl's interpret
+  """Times op `op` (a key of `cases.CASES`) on dsl's interpret
   backend and in Pallas's interpret mode."""
   row = Row(op)
-  cause = swap.XFAIL.get((op, BACKEND))
-  if cause is not None:
-    row.dsl_note = f"fails: {cause}"
-    return row
   case = cases.make_case(op)
   ours = swap.swapped(cases.module_of(op))
   theirs = swap.original(cases.module_of(op))

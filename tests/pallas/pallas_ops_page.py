@@ -1,5 +1,5 @@
 """The section of docs/pallas-compat.md that lists Pallas's kernel library on
-dsl: each op (pallas_ops_cases.CASES) on each dsl CPU backend, its matrix of
+dsl: each op (benchmarks.pallas_library.cases.CASES) on each dsl CPU backend, its matrix of
 variants (MATRIX, under `-m slow`), what fails and why (pallas_ops_swap),
 and, on `interpret`, its speed beside Pallas's interpret mode from the
 committed record of `python -m benchmarks --suite pallas-ops`.
@@ -12,7 +12,7 @@ import os
 
 from benchmarks import pallas_ops as speed
 from tests.pallas import pallas_ops_swap as swap
-from tests.pallas.pallas_ops_cases import MATRIX, no_pallas
+from benchmarks.pallas_library.cases import MATRIX, no_pallas
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -25,14 +25,14 @@ _SECTION = "## Pallas's kernel library on dsl"
 _INTRO = (
     "Pallas's own kernel library (`jax.experimental.pallas.ops` in the "
     "installed JAX) runs on dsl by its import swap alone: "
-    "`tests/pallas/pallas_ops_swap.py` serves each op's source with its "
+    "`benchmarks/pallas_library/swap.py` serves each op's source with its "
     "Pallas imports pointed at dsl, and `tests/pallas/test_pallas_ops.py` "
     "runs one cheap shape per op on dsl's CPU backends (chosen with "
     "`dsl.default_backend`, since the ops name none) and compares it with "
     "the original op in Pallas's interpret mode and with the op's own "
     "reference. Under `pytest -m slow` it runs each op's variants the same "
-    "way (`tests/pallas/pallas_ops_matrix_tpu.py`, "
-    "`pallas_ops_matrix_gpu.py`): other shapes and dtypes, the optional "
+    "way (`benchmarks/pallas_library/matrix_tpu.py`, `matrix_gpu.py`): "
+    "other shapes and dtypes, the optional "
     "features, and gradients, through the op's own custom_vjp where it has "
     "one and through dsl's automatic reverse mode where it has none (those "
     "against the reference's gradient only: Pallas has no reverse mode "

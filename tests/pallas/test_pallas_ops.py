@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.pallas_library.cases import CASES, MATRIX, check
+from tests.pallas import pallas_ops_page as page
 from tests.pallas import pallas_ops_swap as swap
-from tests.pallas.pallas_ops_cases import CASES, MATRIX, check
 
 
 def _params():
@@ -67,8 +68,8 @@ def test_rewrite_points_pallas_imports_at_dsl():
 
 
 def test_compat_page_lists_the_table():
-  with open(swap.COMPAT_PAGE, encoding="utf-8") as f:
-    page = f.read()
-  assert swap.compat_section() in page, (
+  with open(page.COMPAT_PAGE, encoding="utf-8") as f:
+    text = f.read()
+  assert page.compat_section() in text, (
       "docs/pallas-compat.md is out of date: run "
-      "`python -m tests.pallas.pallas_ops_swap` to rewrite its section")
+      "`python -m tests.pallas.pallas_ops_page` to rewrite its section")

@@ -13,7 +13,7 @@ import pytest
 
 from tests.pallas import mosaic_golden as golden
 from tests.pallas import pallas_ops_swap as swap
-from tests.pallas import pallas_ops_cases as ops
+from benchmarks.pallas_library import cases as ops
 
 TPU_OPS = [op for op in ops.CASES
            if op.startswith("tpu.") and not op.endswith("(grad)")]

@@ -1,12 +1,12 @@
 """The cases of Pallas's kernel library run by import swap: one cheap shape
-per op of `jax.experimental.pallas.ops` (served by pallas_ops_swap), the
-matrix of more shapes, dtypes, optional features and gradients
-(pallas_ops_matrix_tpu.py, pallas_ops_matrix_gpu.py, run under `-m slow`),
-how to run them on dsl and on Pallas, and how to compare. Shared by
-test_pallas_ops.py (values), test_pallas_ops_golden.py (TPU modules) and the
-`pallas-ops` benchmark suite.
+per op of `jax.experimental.pallas.ops` (served by `swap`), the matrix of
+more shapes, dtypes, optional features and gradients (matrix_tpu.py,
+matrix_gpu.py; tests run them under `-m slow`), how to run them on dsl and
+on Pallas, and how to compare. Shared by tests/pallas/test_pallas_ops.py
+(values), test_pallas_ops_golden.py (TPU modules) and the `pallas-ops`
+benchmark suite.
 
-    python -m tests.pallas.pallas_ops_cases [case ...]   # PASS/FAIL lines
+    python -m benchmarks.pallas_library.cases [case ...]   # PASS/FAIL lines
 """
 from __future__ import annotations
 
@@ -21,12 +21,11 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pallas_tpu
 
 import dsl as pl
-from tests.pallas import pallas_ops_matrix_gpu, pallas_ops_matrix_tpu
-from tests.pallas import pallas_ops_swap as swap
-from tests.pallas.pallas_ops_case import Case, close, vjp_case
-from tests.pallas.pallas_ops_case import rand as _rand
-from tests.pallas.pallas_ops_matrix_tpu import paged_dense as _paged_dense
-from tests.pallas.pallas_ops_matrix_tpu import paged_pages as _paged_pages
+from benchmarks.pallas_library import matrix_gpu, matrix_tpu, swap
+from benchmarks.pallas_library.case import Case, close, vjp_case
+from benchmarks.pallas_library.case import rand as _rand
+from benchmarks.pallas_library.matrix_tpu import paged_dense as _paged_dense
+from benchmarks.pallas_library.matrix_tpu import paged_pages as _paged_pages
 
 
 # --- TPU ops ---------------------------------------------------------------
@@ -245,7 +244,7 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
 
 # "op [variant]" -> (module, the case): every entry runs under -m slow.
 MATRIX: dict[str, tuple[str, Callable[[], Case]]] = {
-    **pallas_ops_matrix_tpu.MATRIX, **pallas_ops_matrix_gpu.MATRIX}
+    **matrix_tpu.MATRIX, **matrix_gpu.MATRIX}
 
 
 def module_of(case_id: str) -> str:
@@ -260,7 +259,7 @@ def make_case(case_id: str) -> Case:
 
 # "op [variant]" -> why it is compared with its reference only.
 MATRIX_NO_PALLAS: dict[str, str] = {
-    **pallas_ops_matrix_tpu.NO_PALLAS, **pallas_ops_matrix_gpu.NO_PALLAS}
+    **matrix_tpu.NO_PALLAS, **matrix_gpu.NO_PALLAS}
 
 
 def no_pallas(case_id: str) -> str | None:

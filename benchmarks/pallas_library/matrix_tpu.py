@@ -1,5 +1,5 @@
 """The matrix of Pallas's TPU ops on dsl: beyond each op's one cheap case
-(pallas_ops_cases.py), more shapes and dtypes, the ops' optional features
+(cases.py), more shapes and dtypes, the ops' optional features
 (segment ids, causal masks, soft caps, sliding windows, quantized KV caches,
 megacore modes, the splash masks) and their gradients: through the op's own
 custom_vjp where it has one (flash attention, splash attention), through
@@ -7,7 +7,7 @@ dsl's automatic reverse mode where it has none (Pallas has none there, so
 those are compared with the reference's gradient only).
 
 `MATRIX` maps "op [variant]" to (module of `jax.experimental.pallas.ops`,
-the case); every entry runs under `pytest -m slow`.
+the case); tests run every entry under `pytest -m slow`.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.pallas import pallas_ops_swap as swap
-from tests.pallas.pallas_ops_case import NO_PALLAS_GRAD, Case, rand, vjp_case
+from benchmarks.pallas_library import swap
+from benchmarks.pallas_library.case import NO_PALLAS_GRAD, Case, rand, vjp_case
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 

@@ -1,9 +1,8 @@
 """What one case of Pallas's kernel library on dsl is: how to run an op
 (from its swapped copy on dsl, or from Pallas's original in its interpret
 mode), its reference, and how close the results must be. Shared by the
-cheap per-op cases (pallas_ops_cases.py) and the matrix of shapes, dtypes,
-optional features and gradients (pallas_ops_matrix_tpu.py,
-pallas_ops_matrix_gpu.py).
+cheap per-op cases (cases.py) and the matrix of shapes, dtypes, optional
+features and gradients (matrix_tpu.py, matrix_gpu.py).
 """
 from __future__ import annotations
 

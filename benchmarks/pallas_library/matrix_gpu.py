@@ -1,12 +1,12 @@
 """The matrix of Pallas's GPU (Triton) ops on dsl: beyond each op's one
-cheap case (pallas_ops_cases.py), more shapes and dtypes, the ops' optional
+cheap case (cases.py), more shapes and dtypes, the ops' optional
 features (segment ids, causal masks, soft caps, quantized KV caches, split
 K) and their gradients: through the op's own custom_vjp where it has one
 (attention, layer norm, rms norm), through dsl's automatic reverse mode
 where it has none (compared with the reference's gradient only).
 
 `MATRIX` maps "op [variant]" to (module of `jax.experimental.pallas.ops`,
-the case); every entry runs under `pytest -m slow`.
+the case); tests run every entry under `pytest -m slow`.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from tests.pallas.pallas_ops_case import NO_PALLAS_GRAD, Case, rand, vjp_case
-from tests.pallas.pallas_ops_matrix_tpu import paged_dense
+from benchmarks.pallas_library.case import NO_PALLAS_GRAD, Case, rand, vjp_case
+from benchmarks.pallas_library.matrix_tpu import paged_dense
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 
