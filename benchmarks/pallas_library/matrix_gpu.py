@@ -149,11 +149,11 @@ _VARIANTS: dict[str, tuple[str, Callable[[], Case]]] = {
     "gpu.paged_attention [grad]": ("gpu.paged_attention",
                                    _P(_paged, grad=True)),
     "gpu.layer_norm [bfloat16, 4096 features]": (
-        "gpu.layer_norm", _P(_norm, "layer_norm", (2, 4096), dtype=bf16)),
+        "gpu.layer_norm", _P(_norm, "layer_norm", (2, 2, 4096), dtype=bf16)),
     "gpu.layer_norm [grad]": ("gpu.layer_norm",
                               _P(_norm, "layer_norm", grad=True)),
     "gpu.rms_norm [bfloat16, 4096 features]": (
-        "gpu.rms_norm", _P(_norm, "rms_norm", (2, 4096), dtype=bf16)),
+        "gpu.rms_norm", _P(_norm, "rms_norm", (2, 2, 4096), dtype=bf16)),
     "gpu.rms_norm [grad]": ("gpu.rms_norm", _P(_norm, "rms_norm", grad=True)),
     "gpu.softmax [3-D, 2 x 8 x 1000]": ("gpu.softmax",
                                         _P(_softmax, (2, 8, 1000))),

@@ -3,7 +3,8 @@
 JAX's own transformations leave primitives in derived kernels (jvp, linear,
 transposed and recording kernels) that a user never writes: `empty2`
 allocations from scan's transpose, `one_minus_square` from tanh's derivative,
-`select_n` with three or more cases, `copy`, calls (`jit`, `eval_jaxpr`,
+`select_n` with three or more cases, `copy`, `broadcast_to` (JAX's state
+indexing broadcasts array indices with it), calls (`jit`, `eval_jaxpr`,
 `custom_jvp_call`, `custom_vjp_call`), and unused zeros of dtype float0 (the
 tangent type of integers), which become numpy constants. Before a kernel goes to a compiled or
 host lowering (Triton, Mosaic), `normalize` re-traces its jaxpr, replacing
@@ -45,7 +46,8 @@ from jax import dtypes
 from jax import lax
 from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
                                     lax_internal, partial_eval as pe,
-                                    state_indexing as indexing, state_types)
+                                    state_indexing as indexing,
+                                    state_primitives, state_types)
 import jax.extend.linear_util as lu
 
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
@@ -82,6 +84,13 @@ def _one_minus_square(x):
 @_decomposes(lax_internal.copy_p)
 def _copy(x):
   return x
+
+
+@_decomposes(state_primitives.broadcast_to_p)
+def _broadcast_to(x, *, shape):
+  # JAX's state indexing broadcasts array indices with it (`x_ref.at[rows[:,
+  # None], cols[None]]`).
+  return jnp.broadcast_to(x, shape)
 
 
 @_decomposes(lax.select_n_p)
