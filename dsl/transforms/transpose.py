@@ -356,11 +356,43 @@ def _accumulate(r, c, kind, first):
     r[...] += c
 
 
+def _garbage_free_at(first, x, old, bm, ids, pf_refs):
+  """`x`, or where `first` holds `old()` with no garbage past the array."""
+  if first is None:
+    return x
+  return jnp.where(first, _zero_past_array(old(), bm, ids, pf_refs), x)
+
+
+def _entry_state(gm, rec_refs, ids, pf_refs, written):
+  """(outputs, scratch, prefetch) that the forward point at `ids` found:
+  the recorded states (`rec_refs`; zeros where the tangent map does not
+  depend on them, `rec_refs` None), and the scalar-prefetch refs, those the
+  kernel writes as the values recorded (the others stay refs, read a
+  scalar at a time)."""
+  state_refs, kept = _state_refs(gm)
+  recs = iter(rec_refs or ())
+  entry = [next(recs)[...] if rec_refs is not None and k
+           else jnp.zeros(a.inner_aval.shape, a.inner_aval.dtype)
+           for a, k in zip(state_refs, kept)]
+  pf = [prefetch_state.value_of(next(recs)) if w else r
+        for r, w in zip(pf_refs, written)]
+  n_out = gm.num_outputs
+  if rec_refs is not None:
+    # Past the array, an output block holds what the kernel wrote there at
+    # earlier visits (a TPU keeps the block in VMEM), and garbage at the
+    # forward pass's first visit.
+    entry[:n_out] = [_garbage_free_at(
+        None if in_hbm(bm.ref_aval) else first_visit(
+            bm, gm.grid, ids, lambda i: i, pf_refs), x, lambda x=x: x, bm,
+        ids, pf_refs) for x, bm in zip(entry, gm.out_mappings)]
+  return entry[:n_out], entry[n_out:], pf
+
+
 def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   """The transposed kernel's spec, and `_ct_in_kinds` of its ct_ins."""
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
+  n_pf, n_in = gm.num_scalar_prefetch, gm.num_inputs
   sequential = set(gm.plan(spec.compiler_params, spec.jaxpr).sequential)
   F = point_function(spec, transposable=True)
 
@@ -371,8 +403,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
   scr_f = [has_tangent(a.inner_aval.dtype) for a in gm.scratch_avals]
   state_refs, kept = _state_refs(gm)
-  all_states = [a.inner_aval for a in state_refs]
-  state_avals = [a for a, k in zip(all_states, kept) if k]
+  state_avals = [a.inner_aval for a, k in zip(state_refs, kept) if k]
   written = written_prefetch(spec)
   pf_avals = prefetch_state.prefetch_states(spec)
   n_rec = len(state_avals) + len(pf_avals) if recorded else 0
@@ -406,29 +437,12 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     ct_out_in, out_first, in_first = firsts
     ins = [_zero_past_array(r[...], bm, ids, pf_refs)
            for r, bm in zip(in_refs, gm.in_mappings)]
-    recs = iter(rec_refs)
-    entry = [next(recs)[...] if recorded and k else jnp.zeros(a.shape, a.dtype)
-             for a, k in zip(all_states, kept)]
-    # SMEM refs the kernel only reads stay refs (read a scalar at a time);
-    # those it writes hold, as values, what the forward point found.
-    pf = [prefetch_state.value_of(next(recs)) if w else r
-          for r, w in zip(pf_refs, written)]
-    # `x`, or at the first visit `old()` with no garbage past the array.
-    at_first = lambda x, old, first, bm: x if first is None else jnp.where(
-        first, _zero_past_array(old(), bm, ids, pf_refs), x)
-    if recorded:
-      # Past the array, an output block holds what the kernel wrote there
-      # at earlier visits (a TPU keeps the block in VMEM), and garbage at
-      # the first visit of the forward pass.
-      entry[:n_out] = [
-          at_first(x, lambda: x, None if in_hbm(bm.ref_aval) else first_visit(
-              bm, grid, ids, lambda i: i, pf_refs), bm)
-          for x, bm in zip(entry, gm.out_mappings)]
-    outs_e, scr_e = entry[:n_out], entry[n_out:]
-
+    outs_e, scr_e, pf = _entry_state(gm, rec_refs if recorded else None, ids,
+                                     pf_refs, written)
     transposed = _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
     ct_out_first = [f for f, keep in zip(out_first, out_f) if keep]
-    ct_out_now = [at_first(r[...], lambda r_in=r_in: r_in[...], first, bm)
+    ct_out_now = [_garbage_free_at(first, r[...], lambda r_in=r_in: r_in[...],
+                                   bm, ids, pf_refs)
                   for r, r_in, first, bm in zip(ct_out_refs, ct_out_in,
                                                 ct_out_first, ct_out_maps)]
     ct_scr_now = [r[...] for r in ct_scr_refs]
