@@ -95,7 +95,9 @@ def measure(op: str, *, repeats: int, warmup: int, stat: str,
           lambda *a: case.run(theirs, True, *a), case.args,
           _pallas_context(op), trust_first=True, slow_s=slow_s)
     except Exception as e:  # noqa: BLE001
-      row.pallas_note = f"error: {_first_line(e)}"
+      why = cases.no_pallas(op)
+      row.pallas_note = (f"n/a: {why}" if why is not None
+                         else f"error: {_first_line(e)}")
   stats = timing.run_interleaved(prepared, case.args, warmup=warmup,
                                  repeats=repeats)
   row.dsl_s = stats["dsl"].value(stat)
