@@ -6,11 +6,12 @@ allocations from scan's transpose, `one_minus_square` from tanh's derivative,
 `select_n` with three or more cases, `copy`, `broadcast_to` (JAX's state
 indexing broadcasts array indices with it), calls (`jit`, `eval_jaxpr`,
 `custom_jvp_call`, `custom_vjp_call`), and unused zeros of dtype float0 (the
-tangent type of integers), which become numpy constants. Before a kernel goes to a compiled or
-host lowering (Triton, Mosaic), `normalize` re-traces its jaxpr, replacing
-each primitive of `DECOMPOSITIONS` with plain lax operations, inlining calls
-and recursing into the jaxprs of control flow and `run_scoped`. Every new
-equation keeps the source line of the equation it replaces.
+tangent type of integers), which become numpy constants. Before a kernel
+goes to a compiled or host lowering (Triton, Mosaic), `normalize` re-traces
+its jaxpr, replacing each primitive of `DECOMPOSITIONS` with plain lax
+operations, inlining calls and recursing into the jaxprs of control flow and
+`run_scoped`. Every new equation keeps the source line of the equation it
+replaces.
 
 Primitives not in the table pass through unchanged, so a kernel that holds
 none of them comes back equal (and `normalize` returns the same spec).

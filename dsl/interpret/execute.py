@@ -17,10 +17,11 @@ from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core import config
 from dsl.core.blockspec import BlockMapping, Element
-from dsl.core.grid_plan import OperandPlan, Plan, written_prefetch
+from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.core.index_maps import block_offsets
 from dsl.core.poison import fresh_buffer, poison_full, poison_value
 from dsl.interpret.vectorize import vectorizable
+from dsl.transforms.common import written_prefetch
 from dsl.transforms.discharge import discharged_kernel
 
 
@@ -261,11 +262,6 @@ def _nested_vmap(fn, plan: Plan, arg_dims: list[tuple[int, ...]]):
   return fn
 
 
-def _written(spec) -> tuple[bool, ...]:
-  gm = spec.grid_mapping
-  return written_prefetch(spec.jaxpr, len(gm.grid), gm.num_scalar_prefetch)
-
-
 def _initial_states(args, spec, plan: Plan):
   """The prefetch values and the carried states of inputs, outputs and
   scratch: views for view operands, padded arrays otherwise. The carried
@@ -293,7 +289,7 @@ def _initial_states(args, spec, plan: Plan):
   poison = config.poison_buffers()
   scratch = [fresh_buffer(a, poison, par_shape) for a in gm.scratch_avals]
   scratch += [jnp.broadcast_to(jnp.asarray(p), par_shape + jnp.shape(p))
-              for p, w in zip(prefetch, _written(spec)) if w]
+              for p, w in zip(prefetch, written_prefetch(spec)) if w]
   return prefetch, in_states, out_states, scratch
 
 
@@ -303,7 +299,7 @@ def _point_fn(spec, plan: Plan):
   blocks, the new scratch (then the prefetch refs it writes) and the offsets
   of the gathered output blocks."""
   gm = spec.grid_mapping
-  written = _written(spec)
+  written = written_prefetch(spec)
   dj = vectorizable(discharged_kernel(spec.jaxpr, len(gm.grid)))
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
 
@@ -341,7 +337,7 @@ def _step_fn(spec, plan: Plan, prefetch, in_states):
   gm = spec.grid_mapping
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
   vpoint = _point_fn(spec, plan)
-  written = _written(spec)
+  written = written_prefetch(spec)
   n_scr = len(gm.scratch_avals)
 
   def step(seq_coords, out_states, scratch):
