@@ -20,13 +20,11 @@ docs/pallas-compat.md's table takes its `vs Pallas` column from.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import json
 
 import jax
-from jax.experimental.pallas import tpu as pallas_tpu
 
 import dsl
 from benchmarks import platform_info, report, sharding
@@ -66,11 +64,6 @@ def _prepared(fn, args, context, *, trust_first, slow_s):
     return timing.prepare(fn, args, slow_s=slow_s, trust_first=trust_first)
 
 
-def _pallas_context(op: str):
-  return (pallas_tpu.force_tpu_interpret_mode() if op.startswith("tpu.")
-          else contextlib.nullcontext())
-
-
 def measure(op: str, *, repeats: int, warmup: int, stat: str,
             slow_s: float, skip_slow_peers: bool) -> Row:
   """Times op `op` (a key of `cases.CASES`) on dsl's interpret
@@ -93,7 +86,7 @@ def measure(op: str, *, repeats: int, warmup: int, stat: str,
     try:
       prepared["pallas"] = _prepared(
           lambda *a: case.run(theirs, True, *a), case.args,
-          _pallas_context(op), trust_first=True, slow_s=slow_s)
+          cases.pallas_context(op), trust_first=True, slow_s=slow_s)
     except Exception as e:  # noqa: BLE001
       why = cases.no_pallas(op)
       row.pallas_note = (f"n/a: {why}" if why is not None

@@ -33,6 +33,7 @@ from dsl.core.pallas_call import (CostEstimate, KernelSpec, pallas_call,
 from dsl.core.primitives import (cdiv, debug_print, loop, max_contiguous,
                                  multiple_of, run_scoped, when)
 from dsl.core.checks import debug_check
+from dsl.core.state_scopes import get_global, run_state
 from dsl.core.ref_ops import load, store, atomic_add, atomic_cas
 from dsl.core.refs import Slice, ds, dslice
 from dsl.core.tracing import num_programs, program_id
@@ -57,5 +58,5 @@ __all__ = [
     "semaphore_read", "semaphore_signal", "semaphore_wait", "align_to",
     "broadcast_to", "next_power_of_2", "strides_from_shape",
     "enable_debug_checks", "enable_poison_buffers", "empty", "empty_like",
-    "no_block_spec", "default_backend",
+    "no_block_spec", "default_backend", "get_global", "run_state",
 ]

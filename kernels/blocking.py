@@ -20,9 +20,10 @@ import functools
 import jax
 from jax import tree_util
 
+from dsl import triton as plt
 from dsl.core import backends, config
 from dsl.core.jax_internals import core
-from dsl.tools import gpu_defaults
+from dsl.tools import autotune_cache, gpu_defaults
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -213,7 +214,6 @@ def block_for(n: int, backend: str, *, interpret: int, triton: int,
 def tuned(kernel: str, dims, dtype, backend: str | None) -> dict:
   """The autotuning cache's winner for `kernels.<kernel>` at this size on this
   device and backend (`python -m benchmarks --autotune` fills it), or {}."""
-  from dsl.tools import autotune_cache
   try:
     cfg = autotune_cache.lookup(f"kernels.{kernel}",
                                 autotune_cache.size_key(dims, dtype),
@@ -229,7 +229,6 @@ def triton_params(backend: str, *, num_warps: int | None,
   is given: the lowering's defaults)."""
   if not is_triton(backend) or (num_warps is None and num_stages is None):
     return None
-  from dsl import triton as plt
   return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 

@@ -15,6 +15,10 @@ from dsl.core.jax_internals import ir, mlir as jax_mlir, tpu
 from dsl.core.memory import MemorySpace
 from dsl.core.semaphores import SemaphoreSpace
 
+# MLIR's dynamic size (`ShapedType::kDynamic`): an `iteration_bounds` entry
+# of a grid dim whose size the custom call passes as a leading operand.
+DYNAMIC_SIZE = -(1 << 63)
+
 # Memory-space attribute names of the tpu dialect.
 VMEM, SMEM, ANY, HBM, SEMAPHORE_MEM = "vmem", "smem", "any", "hbm", "semaphore_mem"
 

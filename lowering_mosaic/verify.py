@@ -20,13 +20,21 @@ See docs/verification.md.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import os
 import re
 import sys
 import types
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
 from dsl.tools.targets import load_function
+from lowering_mosaic.tpu.inspection import to_modules
 from lowering_mosaic.verification.promela import Options, to_promela
 from lowering_mosaic.verification.promela.dump import (kernel_name_of,
                                                       maybe_dump_text)
@@ -106,7 +114,6 @@ def verify(f, *args, num_devices: Optional[int] = None,
   `SpinNotFoundError` (saying `apt-get install spin`) without SPIN.
   """
   require_spin()
-  from lowering_mosaic.tpu.inspection import to_modules
   modules = to_modules(f, *args, **kwargs)
   if not modules:
     raise ValueError("verify: the function calls no pallas_call")
@@ -131,8 +138,6 @@ _DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16",
 
 def parse_shape(text: str):
   """'f32[8,128]', 'float32[8, 128]' or '8x128xf32' -> ShapeDtypeStruct."""
-  import jax
-  import jax.numpy as jnp
   t = text.strip()
   m = re.fullmatch(r"([A-Za-z0-9_]+)\[([\d,\s]*)\]", t)
   if m:
@@ -148,7 +153,6 @@ def parse_shape(text: str):
 
 
 def _needs_axis_name(fn) -> bool:
-  import inspect
   try:
     params = inspect.signature(fn).parameters
   except (TypeError, ValueError):
@@ -170,10 +174,6 @@ def in_shard_map(fn, axis: str, size: int):
   """`fn` run per device inside `shard_map` over a 1-D mesh axis `axis` of
   `size` devices, given `axis_name=axis` when it takes one. Its arguments
   are split along dim 0; `.global_args` turns per-device shapes into them."""
-  import functools
-  import jax
-  import numpy as np
-  from jax.sharding import Mesh, PartitionSpec as P
   if len(jax.devices()) < size:
     raise ValueError(f"the mesh axis {axis}={size} needs {size} devices, "
                      f"there are {len(jax.devices())}; use --host-devices")
@@ -269,7 +269,6 @@ def main(argv=None) -> int:
       args = [parse_shape(s) for s in a.shapes]
       fn, args = _target(fn, a.axis, a.num_devices, args)
       if a.emit:
-        from lowering_mosaic.tpu.inspection import to_modules
         for m in to_modules(fn, *args):
           print(to_promela(m, a.num_devices, _options(
               a.queue, not a.no_entry_check, 4, 16)))

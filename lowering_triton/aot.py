@@ -24,6 +24,7 @@ class AotKernel:
   num_warps: int
   num_stages: int
   source: str
+  launch: tuple[int, int, int] = (1, 1, 1)   # programs along x, y, z
   asm: dict = dataclasses.field(repr=False, default_factory=dict)
   metadata: Any = dataclasses.field(repr=False, default=None)
   spec: Any = dataclasses.field(repr=False, default=None)   # its KernelSpec
@@ -72,5 +73,6 @@ def compile_aot(f, *args, target="sm_90", **kwargs) -> list[AotKernel]:
         cubin=compiled.asm["cubin"], ptx=compiled.asm["ptx"],
         shared=int(md.shared), num_warps=int(md.num_warps),
         num_stages=int(md.num_stages), source=gk.source,
+        launch=tuple(gk.grid_plan.launch),
         asm=dict(compiled.asm), metadata=md, spec=spec))
   return result

@@ -11,6 +11,7 @@ import threading
 
 from dsl.core.errors import BackendError
 from lowering_triton import loader
+from lowering_triton.interpret_launch import user_line
 
 _CACHE: dict = {}
 _LOCK = threading.Lock()
@@ -37,7 +38,6 @@ def _def_line(source: str, fn_name: str) -> int:
 
 
 def _user_line_of_error(gk, err) -> tuple[int | None, str | None]:
-  from lowering_triton.interpret_launch import user_line
   node = getattr(err, "node", None)
   lineno = getattr(node, "lineno", None)
   if lineno is None:

@@ -51,6 +51,16 @@ def signature(dtype) -> str:
   return _entry(dtype)[1]
 
 
+def from_tl(tl_dtype) -> np.dtype:
+  """The JAX (numpy) dtype of a `triton.language` dtype object."""
+  import jax.numpy as jnp
+  import triton.language as tl
+  for name, (attr, _) in _TABLE.items():
+    if getattr(tl, attr) == tl_dtype:
+      return np.dtype(getattr(jnp, name))
+  raise ValueError(f"no JAX dtype for Triton's {tl_dtype}")
+
+
 def tl_object(dtype):
   """The `triton.language` dtype object (used by the interpreter launch)."""
   import triton.language as tl

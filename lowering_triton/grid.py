@@ -7,7 +7,11 @@ program. The other (parallel) dims become program ids: up to three map to
 `tl.program_id(0..2)` directly, the last parallel dim on axis 0; more, or
 sizes beyond CUDA's limits on the y and z axes, are flattened onto
 `tl.program_id(0)` in row-major order. Which dims are parallel is the grid's
-execution plan (`GridMapping.plan`), as on every backend.
+execution plan (`GridMapping.plan`), as on every backend, and the dims it
+runs in order only because every step stores to the same output, where dsl
+proves the steps store apart and read none of it
+(`dsl.core.disjoint_writes`): the kernel stores straight into the output
+arrays, so their steps may run as separate programs.
 
 Either way the programs start in the grid's row-major order (the last dim
 fastest, as the interpret backend walks it): the GPU schedules axis 0
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+from dsl.core.disjoint_writes import disjoint_write_dims
 
 MAX_GRID_X = 2 ** 31 - 1
 MAX_GRID_YZ = 65535
@@ -47,7 +53,9 @@ def plan_grid(spec) -> GridPlan:
   grid_mapping = spec.grid_mapping
   grid = tuple(int(g) for g in grid_mapping.grid)
   plan = grid_mapping.plan(spec.compiler_params, spec.jaxpr)
-  parallel = tuple(d for d in plan.parallel if grid[d] > 1)
+  apart = disjoint_write_dims(spec)
+  parallel = tuple(d for d in sorted(set(plan.parallel) | set(apart))
+                   if grid[d] > 1)
   sequential = tuple(d for d in range(len(grid))
                      if d not in parallel and grid[d] > 1)
   sizes = [grid[d] for d in parallel[::-1]]     # x, y, z

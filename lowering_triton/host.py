@@ -21,13 +21,14 @@ from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core import config
 from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame
-from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
+from dsl.core.jaxpr_walk import LoweringHost, RuleContextBase, walk_jaxpr
 from dsl.core.ranges import KernelRanges
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren
 from lowering_triton.refs import MemRef, ValueRef, row_major_strides
 from lowering_triton.values import (MAX_NUMEL, TVal, full_expr, literal_value,
                                     numel, padded, py_literal)
+from lowering_triton.refs import Axis, emit_address
 
 def source_text(frame: str | None) -> str:
   """`file.py:12: <the stripped source line>` for a `file:line` frame."""
@@ -249,7 +250,6 @@ class Lowering(LoweringHost):
       self.const_buffers.append((ptr, np.ascontiguousarray(arr)))
       self._const_params[key] = (base, ptr)
     base, ptr = self._const_params[key]
-    from lowering_triton.refs import Axis, emit_address
     ref = MemRef(base, ptr, arr.dtype, arr.shape, row_major_strides(arr.shape),
                  (), tuple(Axis(d, 0, 1, n) for d, n in enumerate(arr.shape)),
                  (False,) * arr.ndim, (False,) * arr.ndim)
@@ -344,8 +344,9 @@ class Lowering(LoweringHost):
     return hints
 
 
-class RuleContext:
-  """What a lowering rule sees: its equation and the emission helpers."""
+class RuleContext(RuleContextBase):
+  """What a lowering rule sees: its equation (RuleContextBase) and the
+  emission helpers."""
 
   def __init__(self, lowering: Lowering, eqn, used: set, hint: str | None,
                jaxpr=None):
@@ -356,10 +357,6 @@ class RuleContext:
     self._hint = hint
 
   # equation facts
-  @property
-  def primitive(self) -> str:
-    return self.eqn.primitive.name
-
   @property
   def avals_in(self):
     return [v.aval for v in self.eqn.invars]
@@ -401,7 +398,11 @@ class RuleContext:
   def error(self, message: str) -> BackendError:
     return self.lowering.error(message, self.eqn)
 
+  def lower(self, jaxpr: core.Jaxpr, consts, args) -> list:
+    return self.lowering.lower_jaxpr(jaxpr, consts, args)
+
   def lower_closed(self, closed, args):
+    """`lower` of a ClosedJaxpr (or of a Jaxpr without consts)."""
     return self.lowering.lower_closed(closed, args)
 
   # values

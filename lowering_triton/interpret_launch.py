@@ -30,6 +30,7 @@ from dsl.core.poison import poison_value
 from lowering_triton import dtypes, interpret_memory, loader
 from lowering_triton.check_values import fill_in
 from lowering_triton.kernel import GeneratedKernel, generate
+from lowering_triton.rules.reductions import NAN_REDUCTIONS
 
 _LOCK = threading.RLock()
 
@@ -286,7 +287,6 @@ def _fast_reduce(generic):
   interpreter would call them once per element. np.max/np.min propagate
   NaN and np.argmax/np.argmin pick the first NaN, else the first extreme,
   which is what those helpers compute."""
-  from lowering_triton.rules.reductions import NAN_REDUCTIONS
 
   def apply_impl(self, inputs):
     kind = NAN_REDUCTIONS.get(getattr(getattr(self.combine_fn, "fn", None),

@@ -15,6 +15,11 @@ against those ranges. A lane outside them is dropped (a load gives its
 `jax_pallas_enable_runtime_assert` on it is reported instead, as
 `OutOfBounds`, which the backend turns into a KernelRuntimeError naming the
 kernel, the operand and the user's source line.
+
+The masked-off lanes of a load without `other` read poison
+(`dsl.core.poison`), as on every host backend: the generated source leaves
+`other` out where nothing defines those lanes, which on a GPU lets Triton
+copy a tile straight to shared memory (the lanes hold whatever they held).
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ import contextlib
 import dataclasses
 
 import numpy as np
+
+from dsl.core.poison import poison_value
+from lowering_triton import dtypes
 
 
 class OutOfBounds(Exception):
@@ -98,6 +106,16 @@ def _handle(ti, data, like):
   return ti.TensorHandle(np.ascontiguousarray(data), like.dtype)
 
 
+def _poison(ti, ptrs, shape):
+  """Poison lanes of the element type `ptrs` point at, as the interpreter
+  stores that type (bfloat16 and float8 as unsigned integers)."""
+  element = ptrs.get_element_ty()
+  value = np.asarray(poison_value(dtypes.from_tl(element)),
+                     dtypes.from_tl(element))
+  storage = ti._get_np_dtype(element)
+  return ti.TensorHandle(np.full(shape, value.view(storage)), element)
+
+
 def _masked_load(original, ti):
   def create_masked_load(self, ptrs, mask, other, *rest, **kw):
     # (tensor descriptor loads pass their hints by keyword)
@@ -106,6 +124,8 @@ def _masked_load(original, ti):
                          itemsize, "load")
     if other is not None:
       other = _handle(ti, np.broadcast_to(other.data, p.shape), other)
+    elif not m.all():
+      other = _poison(ti, ptrs, p.shape)
     return original(self, _handle(ti, p, ptrs), ti.TensorHandle(m, _int1()),
                     other, *rest, **kw)
   return create_masked_load

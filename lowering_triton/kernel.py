@@ -32,6 +32,9 @@ from lowering_triton.check_values import check_values_comment
 from lowering_triton.refs import Axis, MemRef, as_sym, row_major_strides
 from lowering_triton.rules import TABLE
 from lowering_triton.values import TVal, literal_value, pow2
+from lowering_triton.refs import ValueRef
+from lowering_triton.rules.state import fresh_buffer
+from lowering_triton.rules.dot import default_matmul_precision
 
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
@@ -289,8 +292,23 @@ def _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids) -> None:
               scratch_refs, spec.jaxpr, loops)
 
 
+def _refuse_pipeline_modes(spec) -> None:
+  """A Triton program loads each of its blocks once: no pipeline runs
+  between grid points for a BlockSpec's pipeline_mode to set (Pallas's
+  Triton lowering refuses it too)."""
+  for bm in spec.grid_mapping.block_mappings:
+    if bm.pipeline_mode is not None:
+      raise BackendError(
+          spec.name, f"pipeline_mode={bm.pipeline_mode!r} has no effect on "
+          f"the Triton backend: each program loads its block once, and no "
+          f"pipeline runs between grid points; drop it (loops inside the "
+          f"kernel are pipelined by dsl.triton.CompilerParams(num_stages=))",
+          bm.where or spec.where, operand=bm.origin)
+
+
 def _generate(spec, tensor_descriptors: bool = True) -> GeneratedKernel:
   gm = spec.grid_mapping
+  _refuse_pipeline_modes(spec)
   try:
     plan = plan_grid(spec)
   except ValueError as e:
@@ -356,8 +374,6 @@ def _unique(stems: list[str]) -> list[str]:
 
 
 def _scratch(lowering: Lowering, aval, stem: str, k: int):
-  from lowering_triton.refs import ValueRef
-  from lowering_triton.rules.state import fresh_buffer
   inner = getattr(aval, "inner_aval", aval)
   space = str(getattr(aval, "memory_space", "") or "")
   if space.startswith("semaphore"):
@@ -500,7 +516,6 @@ def generate(spec, tensor_descriptors: bool | None = None) -> GeneratedKernel:
   """The Triton source and launch metadata of `spec` (cached per spec);
   `tensor_descriptors` (default: jax_pallas_triton_tensor_descriptors)
   loads whole aligned tiles in loops through TMA descriptors (tma.py)."""
-  from lowering_triton.rules.dot import default_matmul_precision
   if tensor_descriptors is None:
     tensor_descriptors = config.triton_tensor_descriptors()
   key = (config.enable_runtime_assert(), default_matmul_precision(),

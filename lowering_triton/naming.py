@@ -63,7 +63,7 @@ def _path_suffix(path) -> str:
 def operand_names(spec) -> list[str]:
   """A readable stem per kernel ref: prefetch, inputs, outputs, scratch."""
   gm = spec.grid_mapping
-  _, pf, ins, outs, scr = gm.split(range(gm.num_refs))
+  _, pf, ins, outs, scr, _ = gm.split(range(gm.num_refs))
   fallback = ([f"prefetch{i}" for i in range(len(pf))] +
               [f"in{i}" for i in range(len(ins))] +
               [f"out{i}" for i in range(len(outs))] +

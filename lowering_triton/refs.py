@@ -70,18 +70,32 @@ def index_sym(idx, size: int) -> Sym:
 @dataclasses.dataclass(frozen=True)
 class Axis:
   """A visible axis of a ref: array coordinate `start + step * k`, k < size;
-  with `lanes` (the source of an int32 vector of `size` indices, from an
-  array of indices, negative ones counted from the end), `start + step *
-  lanes[k]` instead. A `start` computed at run time is known to be a
-  multiple of `align` (0: it is 0)."""
+  with `lanes` (the source of an int32 array of indices, of shape
+  `lanes_shape`), `start + step * lanes[k...]` instead: its dims are dims of
+  the result, unless it `rides` on the axis before it (several arrays of
+  indices, broadcast to one shape, index several array dims at once). A
+  `start` computed at run time is known to be a multiple of `align` (0: it
+  is 0)."""
   dim: int
   start: Sym
   step: int
   size: int
   lanes: str | None = None
   align: int = 1
+  wrap: int | None = None        # negative `lanes` count from the end of
+  # an axis of `wrap` elements (None: proven not negative)
   clamp_to: int | None = None    # a read through `lanes`: clamp them to
-  # [0, clamp_to) as JAX clamps a gather's indices (checked, not masked)
+  # [0, clamp_to) as JAX clamps a gather's indices (checked, not masked;
+  # None: not a read, or proven inside)
+  lanes_shape: tuple[int, ...] = ()
+  rides: bool = False
+
+  @property
+  def out_shape(self) -> tuple[int, ...]:
+    """The dims this axis gives the result."""
+    if self.rides:
+      return ()
+    return self.lanes_shape if self.lanes is not None else (self.size,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +127,15 @@ class MemRef:
   # inside the array
   proven_block: tuple[tuple[int, int], ...] = ()  # the same, inside the
   # operand's block
+  gathered: tuple[int, ...] = ()  # array dims read through an array of
+  # indices into an axis placed at trace time: clamped (or proven) inside
+  # that axis, so no mask keeps them inside the array
 
   def inside_masks(self, dim: int) -> tuple[bool, bool]:
     """(upper, lower): whether a coordinate on array dim `dim` needs a mask
     that keeps it inside the array beyond the block's own masks: computed
     at run time and not proven inside."""
-    if dim not in self.dynamic:
+    if dim not in self.dynamic or dim in self.gathered:
       return False, False
     return (not self.check_upper[dim] and (dim, 1) not in self.proven,
             not self.check_lower[dim] and (dim, 0) not in self.proven)
@@ -129,7 +146,7 @@ class MemRef:
     proves (inside the block, for a limit that is the whole block)."""
     out = []
     for d, lo, hi, whole in self.limits:
-      if d != dim:
+      if d != dim or dim in self.gathered:
         continue
       if lo != 0 and not (whole and (dim, 0) in self.proven_block):
         out.append(("lo", lo))
@@ -140,17 +157,20 @@ class MemRef:
 
   @property
   def unproven(self) -> tuple[int, ...]:
-    """The array dims with a run-time coordinate not proven inside."""
+    """The array dims with a run-time coordinate not proven inside (a
+    clamped one counts: with run-time checks on, it is checked)."""
+    clamped = {a.dim for a in self.axes if a.clamp_to is not None}
     return tuple(d for d in self.dynamic
-                 if any(self.inside_masks(d)) or self.limit_bounds(d))
+                 if any(self.inside_masks(d)) or self.limit_bounds(d)
+                 or d in clamped)
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return tuple(a.size for a in self.axes)
+    return tuple(n for a in self.axes for n in a.out_shape)
 
   @property
   def padded_shape(self) -> tuple[int, ...]:
-    return tuple(pow2(a.size) for a in self.axes)
+    return tuple(pow2(n) for n in self.shape)
 
 
 @dataclasses.dataclass
@@ -194,10 +214,12 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
   _check_array_indices(indices)
   fixed = list(ref.fixed)
   axes = []
+  gathered = set(ref.gathered)
   dynamic = set(ref.dynamic)
   limits = list(ref.limits)
   narrowed = set(ref.narrowed)
   multiples = multiples or [1] * len(indices)
+  lead = None                 # the first array of indices
   for ax, idx, mult in zip(ref.axes, indices, multiples):
     if ax.lanes is not None:
       raise UnsupportedIndex("indexing a window of an array of indices again "
@@ -223,39 +245,61 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
       fixed.append((ax.dim, sym_add(ax.start,
                                     sym_mul(index_sym(idx, ax.size), ax.step))))
     else:                     # a vector of indices: a block of pointers
+      if gather and ax.dim not in ref.dynamic:
+        gathered.add(ax.dim)
       dynamic.add(ax.dim)
       narrowed.add(ax.dim)
       hi = sym_add(ax.start, ax.step * ax.size)
       if (ax.start, hi) != (0, ref.array_shape[ax.dim]):
         limits.append((ax.dim, ax.start, hi, ax.dim not in ref.narrowed))
-      raw = idx.expr if idx.dtype == np.int32 else \
+      lanes = idx.expr if idx.dtype == np.int32 else \
           f"{paren(idx.expr)}.to(tl.int32)"
-      lanes = f"tl.where({paren(raw)} < 0, {paren(raw)} + {ax.size}, {raw})"
-      axes.append(Axis(ax.dim, ax.start, ax.step, int(idx.shape[0]),
-                       lanes=lanes, clamp_to=ax.size if gather else None))
+      shape = tuple(int(n) for n in idx.shape)
+      axes.append(Axis(ax.dim, ax.start, ax.step, math.prod(shape),
+                       lanes=lanes, wrap=ax.size,
+                       clamp_to=ax.size if gather else None,
+                       lanes_shape=shape, rides=lead is not None))
+      lead = ax.dim if lead is None else lead
   return dataclasses.replace(ref, fixed=tuple(sorted(fixed, key=lambda f: f[0])),
                              axes=tuple(axes), dynamic=tuple(sorted(dynamic)),
                              limits=tuple(limits),
-                             narrowed=tuple(sorted(narrowed)))
+                             narrowed=tuple(sorted(narrowed)),
+                             gathered=tuple(sorted(gathered)))
+
+
+def without_proven_wraps(ref: MemRef, inside) -> MemRef:
+  """`ref` without the wrap of negative indices and the clamp of the
+  arrays of indices that `inside(dim)` ((lower, upper) proven) proves
+  inside the axis they index."""
+  axes = []
+  for ax in ref.axes:
+    if ax.lanes is not None:
+      lower, upper = inside(ax.dim)
+      if lower:
+        ax = dataclasses.replace(ax, wrap=None)
+      if lower and upper:
+        ax = dataclasses.replace(ax, clamp_to=None)
+    axes.append(ax)
+  return dataclasses.replace(ref, axes=tuple(axes))
 
 
 def _check_array_indices(indices) -> None:
-  """Arrays of indices the Triton backend takes: one vector, among integer
-  indices next to each other (so that its lanes stay at its dim, as numpy
-  places them)."""
-  arrays = [k for k, i in enumerate(indices)
-            if isinstance(i, TVal) and i.shape]
+  """Arrays of indices the Triton backend takes: arrays of one shape (JAX's
+  indexers broadcast them to one), among integer indices next to each
+  other (so that their dims stay at their place, as numpy places them)."""
+  arrays = [i for i in indices if isinstance(i, TVal) and i.shape]
   if not arrays:
     return
-  if len(arrays) > 1 or len(indices[arrays[0]].shape) != 1:
-    raise UnsupportedIndex("the Triton backend takes one vector of indices "
-                           "per ref access (a block of pointers); index the "
-                           "other dims with scalars or pl.ds slices")
+  shapes = {tuple(a.shape) for a in arrays}
+  if len(shapes) > 1:
+    raise UnsupportedIndex(f"arrays of indices of shapes {sorted(shapes)} in "
+                           "one access: the Triton backend takes arrays "
+                           "broadcast to one shape")
   ints = [k for k, i in enumerate(indices)
           if not isinstance(i, indexing.Slice)]
   if ints != list(range(ints[0], ints[-1] + 1)):
-    raise UnsupportedIndex("a vector of indices separated from the other "
-                           "integer indices by a slice moves its dim to the "
+    raise UnsupportedIndex("an array of indices separated from the other "
+                           "integer indices by a slice moves its dims to the "
                            "front (numpy's rule), which the Triton backend "
                            "does not do; put the integer indices together")
 
@@ -270,9 +314,16 @@ def _axis_word(j: int, rank: int) -> str:
 
 def bcast(j: int, rank: int) -> str:
   """Indexing that places a 1-D vector on axis j of a rank-`rank` tensor."""
-  if rank <= 1:
+  return place(j, 1, rank)
+
+
+def place(j: int, k: int, rank: int) -> str:
+  """Indexing that places a k-D tensor on axes j..j+k-1 of a rank-`rank`
+  tensor."""
+  if k >= rank:
     return ""
-  return "[" + ", ".join(":" if k == j else "None" for k in range(rank)) + "]"
+  return "[" + ", ".join(":" if j <= i < j + k else "None"
+                         for i in range(rank)) + "]"
 
 
 def _bounds(coord: str, n: int, upper: bool, lower: bool) -> list[str]:
@@ -286,6 +337,25 @@ def _limits(coord: str, ref: MemRef, dim: int) -> list[str]:
           for side, v in ref.limit_bounds(dim)]
 
 
+def _emit_coordinates(ctx, ref: MemRef, j: int, ax: Axis, b: str,
+                      clamped: list) -> str:
+  """Binds the array coordinates of axis `j` (placed in the result by `b`)
+  and returns their name; a clamp's check goes to `clamped`."""
+  lanes = ax.lanes or f"tl.arange(0, {pow2(ax.size)})"
+  if ax.wrap is not None:
+    lanes = (f"tl.where({paren(lanes)} < 0, {paren(lanes)} + {ax.wrap}, "
+             f"{lanes})")
+  if ax.clamp_to is not None:
+    raw = ctx.bind_raw(lanes, f"{ref.base}_index")
+    lanes = f"tl.minimum(tl.maximum({raw}, 0), {ax.clamp_to - 1})"
+    clamped.append(f"({raw}{b} >= 0) & ({raw}{b} < {ax.clamp_to})")
+  coord = str(sym_add(ax.start, lanes if ax.step == 1 else
+                      f"{paren(lanes)} * {ax.step}"))
+  if ref.wide:
+    coord = f"({coord}).to(tl.int64)"
+  return ctx.bind_raw(coord, f"{ref.base}_{_axis_word(j, len(ref.axes))}")
+
+
 def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
                  check: str | None = None, comment: str | None = None):
   """Emits the pointers and mask of `ref`; returns (pointer expr, mask expr).
@@ -296,27 +366,19 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
   a lane the other masks keep outside the array fails a `tl.device_assert`
   instead.
   """
-  rank = len(ref.axes)
+  rank = len(ref.shape)
   terms, masks, inside, clamped = [], [], [], []
+  at = 0                      # the result dims of the axis (and riders)
   for j, ax in enumerate(ref.axes):
-    p = pow2(ax.size)
-    lanes = ax.lanes or f"tl.arange(0, {p})"
-    if ax.clamp_to is not None:
-      raw = ctx.bind_raw(lanes, f"{ref.base}_index")
-      lanes = f"tl.minimum(tl.maximum({raw}, 0), {ax.clamp_to - 1})"
-      b = bcast(j, rank)
-      clamped.append(f"({raw}{b} >= 0) & ({raw}{b} < {ax.clamp_to})")
-    coord = sym_add(ax.start, lanes if ax.step == 1 else
-                    f"{paren(lanes)} * {ax.step}")
-    coord = str(coord)
-    if ref.wide:
-      coord = f"({coord}).to(tl.int64)"
-    name = ctx.bind_raw(coord, f"{ref.base}_{_axis_word(j, rank)}")
-    b = bcast(j, rank)
+    if not ax.rides:
+      pos, k = at, len(ax.out_shape)
+      at += k
+      masks += [f"tl.arange(0, {pow2(n)}){bcast(pos + i, rank)} < {n}"
+                for i, n in enumerate(ax.out_shape) if pow2(n) != n]
+    b = place(pos, k, rank)
+    name = _emit_coordinates(ctx, ref, j, ax, b, clamped)
     stride = ref.strides[ax.dim]
     terms.append(f"{name}{b}" + (f" * {stride}" if stride != 1 else ""))
-    if p != ax.size:
-      masks.append(f"tl.arange(0, {p}){b} < {ax.size}")
     n = ref.array_shape[ax.dim]
     masks += _bounds(f"{name}{b}", n, ref.check_upper[ax.dim],
                      ref.check_lower[ax.dim])
@@ -354,8 +416,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
 
 
 def has_padding_or_bounds(ref: MemRef) -> bool:
-  if ref.valid or ref.unproven or any(pow2(a.size) != a.size
-                                      for a in ref.axes):
+  if ref.valid or ref.unproven or ref.padded_shape != ref.shape:
     return True
   dims = [a.dim for a in ref.axes] + [d for d, _ in ref.fixed]
   return any(ref.check_upper[d] or ref.check_lower[d] for d in dims)

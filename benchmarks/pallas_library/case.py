@@ -39,6 +39,12 @@ def rand(seed, shape, dtype=jnp.float32):
   return jax.random.normal(jax.random.key(seed), shape, dtype)
 
 
+def group_sizes():
+  """The group sizes of the grouped (megablox, ragged dot) cases: 256 rows
+  in two groups."""
+  return jnp.array([96, 160], jnp.int32)
+
+
 def vjp_case(op, reference, args, argnums, *, tol=2e-3,
              ref_tol=None) -> Case:
   """The cotangents of `args[argnums]` for a fixed random cotangent of the

@@ -11,6 +11,7 @@ benchmark suite.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 import traceback
@@ -18,11 +19,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as pallas_mgpu
 from jax.experimental.pallas import tpu as pallas_tpu
 
 import dsl as pl
-from benchmarks.pallas_library import matrix_gpu, matrix_tpu, swap
+from benchmarks.pallas_library import cases_mgpu, matrix_gpu, matrix_tpu, swap
 from benchmarks.pallas_library.case import Case, close, vjp_case
+from benchmarks.pallas_library.case import group_sizes as _group_sizes
 from benchmarks.pallas_library.case import rand as _rand
 from benchmarks.pallas_library.matrix_tpu import paged_dense as _paged_dense
 from benchmarks.pallas_library.matrix_tpu import paged_pages as _paged_pages
@@ -126,10 +129,6 @@ def _ragged_paged_attention():
       args=(_rand(0, (8, 4, 128)), _rand(1, (8, 16, 4, 128))))
 
 
-def _group_sizes():
-  return jnp.array([96, 160], jnp.int32)
-
-
 def _gmm():
   lhs, rhs = _rand(0, (256, 128)), _rand(1, (2, 128, 128))
   sizes = _group_sizes()
@@ -153,6 +152,29 @@ def _tgmm():
   return Case(lambda m, interpret: m.tgmm(lhs, rhs, sizes,
                                           interpret=interpret),
               reference)
+
+
+def _gmm_grad():
+  """jax.grad through megablox's own custom_vjp (its backward pass is its
+  gmm with the rhs transposed and its tgmm, both with traced grids)."""
+  lhs, rhs = _rand(0, (256, 128)), _rand(1, (2, 128, 128))
+  sizes = _group_sizes()
+
+  def loss(f, lhs, rhs):
+    return jnp.sum(f(lhs, rhs) ** 2)
+
+  def run(m, interpret):
+    f = lambda a, b: m.gmm(a, b, sizes, jnp.float32, (128, 128, 128), None,
+                           None, False, interpret)
+    return jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1)))(
+        lhs, rhs)
+
+  def reference(m):
+    rows = jnp.repeat(jnp.arange(2), sizes, total_repeat_length=256)
+    f = lambda a, b: jnp.einsum("mk,mkn->mn", a, b[rows],
+                                precision="highest")
+    return jax.grad(functools.partial(loss, f), argnums=(0, 1))(lhs, rhs)
+  return Case(run, reference, tol=2e-2)
 
 
 def _threefry():
@@ -211,6 +233,18 @@ def _gpu_norm(name):
       args=(_rand(0, (2, 4, 256)), _rand(1, (256,)), _rand(2, (256,))))
 
 
+def _gpu_norm_grad(name):
+  """The gradient through the op's custom_vjp: its backward kernels (dx,
+  and dw/db over row blocks, which index rows and columns with arrays)."""
+  def grad(f, x, w, b):
+    return jax.grad(lambda x, w, b: jnp.sum(jnp.sin(f(x, w, b))),
+                    argnums=(0, 1, 2))(x, w, b)
+  return Case(lambda m, interpret, *a: grad(functools.partial(
+      getattr(m, name), interpret=interpret), *a),
+      lambda m, *a: grad(getattr(m, f"{name}_reference"), *a),
+      args=(_rand(0, (2, 4, 256)), _rand(1, (256,)), _rand(2, (256,))))
+
+
 def _gpu_softmax():
   return Case(lambda m, interpret, x: m.softmax(x, interpret=interpret),
               lambda m, x: jax.nn.softmax(x, axis=-1),
@@ -231,14 +265,20 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
                                    _ragged_paged_attention),
     "tpu.megablox.gmm": ("tpu.megablox.gmm", _gmm),
     "tpu.megablox.tgmm": ("tpu.megablox.gmm", _tgmm),
+    "tpu.megablox.gmm (grad)": ("tpu.megablox.ops", _gmm_grad),
     "tpu.random.threefry": ("tpu.random.threefry", _threefry),
     "tpu.random.philox": ("tpu.random.philox", _philox),
     "gpu.attention": ("gpu.attention", _gpu_attention),
     "gpu.decode_attention": ("gpu.decode_attention", _gpu_decode_attention),
     "gpu.paged_attention": ("gpu.paged_attention", _gpu_paged_attention),
     "gpu.layer_norm": ("gpu.layer_norm", lambda: _gpu_norm("layer_norm")),
+    "gpu.layer_norm (grad)": ("gpu.layer_norm",
+                              lambda: _gpu_norm_grad("layer_norm")),
     "gpu.rms_norm": ("gpu.rms_norm", lambda: _gpu_norm("rms_norm")),
+    "gpu.rms_norm (grad)": ("gpu.rms_norm",
+                            lambda: _gpu_norm_grad("rms_norm")),
     "gpu.softmax": ("gpu.softmax", _gpu_softmax),
+    **cases_mgpu.CASES,
 }
 
 
@@ -275,11 +315,17 @@ def run_on_dsl(op: str, backend: str):
     return case, case.run(swap.swapped(module_of(op)), False, *case.args)
 
 
+def pallas_context(op: str):
+  """The context Pallas's original of `op` runs in: its interpret mode
+  forced where the op passes no `interpret` (TPU and Mosaic GPU ops)."""
+  return (pallas_tpu.force_tpu_interpret_mode() if op.startswith("tpu.")
+          else pallas_mgpu.force_gpu_interpret_mode() if swap.is_mgpu(op)
+          else contextlib.nullcontext())
+
+
 def run_on_pallas(op: str, case: Case):
   module = swap.original(module_of(op))
-  force = (pallas_tpu.force_tpu_interpret_mode() if op.startswith("tpu.")
-           else contextlib.nullcontext())
-  with force:
+  with pallas_context(op):
     return case.run(module, True, *case.args)
 
 

@@ -4,10 +4,10 @@ Nothing of Pallas's code lives in this repository: an import hook serves
 `pallas_ops_on_dsl.X` from the source of `jax.experimental.pallas.ops.X` in
 the installed JAX, with its Pallas imports rewritten to dsl's names
 (`import dsl as pl`, `from dsl import tpu as pltpu`, `from dsl import triton
-as plgpu`) and its imports of sibling ops pointed at the swapped copies.
-Nothing else of the source changes, line numbers included, so tracebacks
-point at the original file. The `*_mgpu` ops are not served: they need
-Pallas's Mosaic GPU API.
+as plgpu`, and for the `*_mgpu` ops `from dsl import mosaic_gpu as plgpu`)
+and its imports of sibling ops pointed at the swapped copies. Nothing else
+of the source changes, line numbers included, so tracebacks point at the
+original file.
 
     from benchmarks.pallas_library import swap
     swap.install()
@@ -32,15 +32,23 @@ PREFIX = "pallas_ops_on_dsl"
 # The package the sources come from.
 ORIGINAL = "jax.experimental.pallas.ops"
 
-# Line-for-line rewrites of the sources: (pattern, replacement).
-REWRITES = (
+# Line-for-line rewrites of Pallas's public imports to dsl's:
+# (pattern, replacement). tests/pallas/pallas_suite.py uses them too.
+PALLAS_IMPORTS = (
     (re.compile(r"^(\s*)from jax\.experimental import pallas as (\w+)\s*$",
                 re.M), r"\1import dsl as \2"),
     (re.compile(r"^(\s*)import jax\.experimental\.pallas as (\w+)\s*$", re.M),
      r"\1import dsl as \2"),
     (re.compile(r"^(\s*)from jax\.experimental\.pallas import "
-                r"(tpu|triton) as (\w+)\s*$", re.M),
+                r"(tpu|triton|mosaic_gpu) as (\w+)\s*$", re.M),
      r"\1from dsl import \2 as \3"),
+    (re.compile(r"^(\s*)import jax\.experimental\.pallas\."
+                r"(tpu|triton|mosaic_gpu) as (\w+)\s*$", re.M),
+     r"\1from dsl import \2 as \3"),
+)
+# The rewrites of an op's source: its Pallas imports, and its imports of
+# sibling ops pointed at the swapped copies.
+REWRITES = PALLAS_IMPORTS + (
     (re.compile(re.escape(ORIGINAL + ".")), PREFIX + "."),
 )
 
@@ -73,8 +81,6 @@ def _source_path(fullname: str) -> tuple[str, bool] | None:
   if fullname != PREFIX and not fullname.startswith(PREFIX + "."):
     return None
   parts = fullname.split(".")[1:]
-  if parts and parts[-1].endswith("_mgpu"):
-    return None
   base = os.path.join(ops_dir(), *parts)
   if os.path.isfile(os.path.join(base, "__init__.py")):
     return os.path.join(base, "__init__.py"), True
@@ -156,10 +162,20 @@ def original(name: str):
 # The dsl backends each family of ops runs on here.
 TPU_BACKENDS = ("interpret", "mosaic_interpret")
 GPU_BACKENDS = ("interpret", "triton_interpret")
+# plgpu kernels (the `*_mgpu` ops) run on the interpret backend's warpgroup
+# interpreter.
+MGPU_BACKENDS = ("interpret",)
+
+
+def is_mgpu(op: str) -> bool:
+  """Whether op `op` is one of the `*_mgpu` ops (Pallas's Mosaic GPU API)."""
+  return op.split(" ")[0].endswith("_mgpu")
 
 
 def backends_of(op: str) -> tuple[str, ...]:
   """The dsl backends op `op` ("tpu.matmul", "gpu.softmax") is checked on."""
+  if is_mgpu(op):
+    return MGPU_BACKENDS
   return TPU_BACKENDS if op.startswith("tpu.") else GPU_BACKENDS
 
 
@@ -178,6 +194,15 @@ NO_PALLAS = {
     "tpu.ragged_paged_attention":
         "Pallas's TPU interpret mode cannot run it ('ReshapeTransform' object "
         "has no attribute 'indices')",
+    "gpu.hopper_mixed_type_matmul_mgpu":
+        "Pallas's GPU interpret mode cannot run it (Expected shape (6,) but "
+        "got (64, 64))",
+    "gpu.attention_mgpu":
+        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
+        "effects: MemoryEffect, _WGMMAPipelineEffect)",
+    "gpu.attention_mgpu (causal)":
+        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
+        "effects: MemoryEffect, _WGMMAPipelineEffect)",
 }
 
 # The ops (cases.CASES has one cheap case for each), in the order of
@@ -186,6 +211,13 @@ OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
        "tpu.flash_attention", "tpu.paged_attention",
        "tpu.paged_attention (grad)", "tpu.splash_attention",
        "tpu.ragged_paged_attention", "tpu.megablox.gmm", "tpu.megablox.tgmm",
+       "tpu.megablox.gmm (grad)",
        "tpu.random.threefry", "tpu.random.philox", "gpu.attention",
        "gpu.decode_attention", "gpu.paged_attention", "gpu.layer_norm",
-       "gpu.rms_norm", "gpu.softmax")
+       "gpu.layer_norm (grad)", "gpu.rms_norm", "gpu.rms_norm (grad)",
+       "gpu.softmax", "gpu.hopper_matmul_mgpu",
+       "gpu.hopper_mixed_type_matmul_mgpu", "gpu.attention_mgpu",
+       "gpu.attention_mgpu (causal)", "gpu.ragged_dot_mgpu",
+       "gpu.transposed_ragged_dot_mgpu", "gpu.collective_matmul_mgpu",
+       "gpu.reduce_scatter_mgpu", "gpu.all_gather_mgpu",
+       "gpu.blackwell_matmul_mgpu", "gpu.blackwell_ragged_dot_mgpu")

@@ -28,6 +28,7 @@ import jax
 
 from dsl.core import config
 from dsl.core.errors import BackendError
+from dsl.core.fallbacks import missing as missing_rules
 from dsl.core.normalize import normalize
 
 
@@ -57,6 +58,9 @@ class Backend:
   # before using them (`emit_pipeline`); False where HBM refs are global
   # memory the kernel addresses directly (GPUs).
   copies_hbm_blocks: bool = True
+  # Whether it runs grids with a dim whose size is traced
+  # (dsl.core.dynamic_grid); those that cannot refuse such kernels.
+  dynamic_grid_sizes: bool = False
   # Filled by its package (`register_backend`): the MLIR lowering rule of
   # pallas_call, `lowering(ctx, *args, spec)`, and the RuleTable its walker
   # dispatches through (None where it lowers no jaxpr itself).
@@ -74,14 +78,17 @@ class Backend:
     """`spec` as this backend's lowering rule receives it."""
     if self.values_in_memory is None:
       return spec
-    return normalize(spec, values_in_memory=self.values_in_memory)
+    missing = (missing_rules(self.rules) if self.rules is not None
+               else frozenset())
+    return normalize(spec, values_in_memory=self.values_in_memory,
+                     missing=missing)
 
 
 _ANY_PLATFORM = ("cpu", "cuda", "rocm", "tpu")
 
 _BUILT_IN = (
     Backend("interpret", "dsl.interpret", _ANY_PLATFORM, on_host=True,
-            code="jax", values_in_memory=None),
+            code="jax", values_in_memory=None, dynamic_grid_sizes=True),
     Backend("triton", "lowering_triton", ("cuda", "rocm"), on_host=False,
             code="triton", compiler_params="dsl.triton:CompilerParams",
             copies_hbm_blocks=False),
@@ -91,10 +98,12 @@ _BUILT_IN = (
             copies_hbm_blocks=False),
     Backend("mosaic", "lowering_mosaic.tpu", ("tpu",), on_host=False,
             code="mosaic", values_in_memory=True,
-            compiler_params="dsl.tpu:CompilerParams"),
+            compiler_params="dsl.tpu:CompilerParams",
+            dynamic_grid_sizes=True),
     Backend("mosaic_interpret", "lowering_mosaic.tpu", _ANY_PLATFORM,
             on_host=True, code="mosaic", values_in_memory=True,
-            compiler_params="dsl.tpu:CompilerParams"),
+            compiler_params="dsl.tpu:CompilerParams",
+            dynamic_grid_sizes=True),
     Backend("mosaic_gpu", "lowering_mosaic.gpu", ("cuda",), on_host=False,
             code="mosaic_gpu", values_in_memory=True,
             compiler_params="dsl.mosaic_gpu:CompilerParams",

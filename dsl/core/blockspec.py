@@ -124,6 +124,23 @@ class BlockMapping:
   memory_space: Any = None
   whole_array: bool = False
   pipeline_mode: Buffered | None = None
+  # The user's "file:line" of the BlockSpec, for errors about it.
+  where: str | None = None
+
+  def to_spec(self, index_map: Callable[..., Any] | None = None,
+              lead: int = 0) -> BlockSpec:
+    """A BlockSpec giving this mapping again, every option kept (memory
+    space, pipeline mode, the user's line): what a derived kernel (vmap,
+    jvp, grad, a shard) passes for the same operand. `index_map` replaces
+    the traced one (for a derived kernel's own grid) and `lead` squeezed
+    dims go first (a batch)."""
+    shape = (None,) * lead + tuple(None if d is squeezed else d
+                                   for d in self.block_shape)
+    if index_map is None:
+      jaxpr = self.index_map_jaxpr
+      index_map = lambda *args: tuple(core.jaxpr_as_fun(jaxpr)(*args))
+    return BlockSpec(shape, index_map, memory_space=self.memory_space,
+                     pipeline_mode=self.pipeline_mode, where=self.where)
 
   @property
   def block_sizes(self) -> tuple[int, ...]:
@@ -163,68 +180,82 @@ def element_padding(bm: BlockMapping) -> dict[int, tuple[int, int]]:
           if isinstance(dim, Element)}
 
 
-def positional_arity(fn) -> tuple[int, int] | None:
-  """(required, most) positional parameters of `fn`: it can be called with
-  any count in between (parameters with defaults are optional); None if it
-  takes *args or has no signature."""
+def _positional_parameters(fn):
+  """(positional parameters, whether it takes *args) of `fn`; None when it
+  has no signature."""
   try:
     sig = inspect.signature(fn)
   except (TypeError, ValueError):
     return None
-  required = most = 0
-  for p in sig.parameters.values():
-    if p.kind == p.VAR_POSITIONAL:
-      return None
-    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-      most += 1
-      required += p.default is p.empty
-  return required, most
+  params = [p for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  var = any(p.kind == p.VAR_POSITIONAL for p in sig.parameters.values())
+  return params, var
 
 
-def takes(arity: tuple[int, int] | None, n: int) -> bool:
-  """Whether a function of `arity` (positional_arity) takes `n` arguments."""
-  return arity is None or arity[0] <= n <= arity[1]
+def _quoted_names(names) -> str:
+  quoted = [f"'{n}'" for n in names]
+  if len(quoted) <= 2:
+    return " and ".join(quoted)
+  return ", ".join(quoted[:-1]) + ", and " + quoted[-1]
 
 
-def arity_text(arity: tuple[int, int]) -> str:
-  low, high = arity
-  return str(low) if low == high else f"{low} to {high}"
+def call_mismatch(fn, n: int, name: str) -> str | None:
+  """What Python says when `fn` is called with `n` positional arguments
+  (`name() takes 1 positional argument but 2 were given`, `name() missing 2
+  required positional arguments: 'i' and 'j'`), or None when it takes
+  them (parameters with defaults are optional)."""
+  found = _positional_parameters(fn)
+  if found is None:
+    return None
+  params, var = found
+  required = [p.name for p in params if p.default is p.empty]
+  if n < len(required):
+    missing = required[n:]
+    plural = "s" if len(missing) > 1 else ""
+    return (f"{name}() missing {len(missing)} required positional "
+            f"argument{plural}: {_quoted_names(missing)}")
+  if not var and n > len(params):
+    low, most = len(required), len(params)
+    count = str(most) if low == most else f"from {low} to {most}"
+    plural = "" if count == "1" else "s"
+    were = "was" if n == 1 else "were"
+    return (f"{name}() takes {count} positional argument{plural} but {n} "
+            f"{were} given")
+  return None
 
 
-def _prefetch_args(prefetch_tree, refs) -> list:
-  """The scalar-prefetch arguments an index map is called with: the
-  operands' pytrees of refs (an operand None stays None, as in Pallas)."""
-  if prefetch_tree is None:
-    return list(refs)
-  return list(tree_util.tree_unflatten(prefetch_tree, list(refs)))
-
-
-def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
-                     prefetch_avals, rank: int, where: str,
+def _trace_index_map(kernel: str, origin: str, path: str, fn, grid_rank: int,
+                     prefetch_avals, block_shape, where: str,
                      prefetch_tree=None) -> ClosedJaxpr:
-  n_pf = (len(prefetch_avals) if prefetch_tree is None
-          else len(tree_util.treedef_children(prefetch_tree)))
+  """The index map's jaxpr: grid ids, then the prefetch refs flat; `fn`
+  gets the prefetch operands in their pytree (`prefetch_tree`), as the
+  kernel does."""
+  n_pf = (len(tree_util.tree_unflatten(prefetch_tree, list(prefetch_avals)))
+          if prefetch_tree is not None else len(prefetch_avals))
   n_args = grid_rank + n_pf
-  arity = positional_arity(fn)
   loc = function_location(fn)
-  if not takes(arity, n_args):
-    extra = f" and {n_pf} scalar-prefetch refs" if n_pf else ""
+  fn_name = getattr(fn, "__name__", "index_map")
+  mismatch = call_mismatch(fn, n_args, fn_name)
+  if mismatch is not None:
+    extra = f" and {n_pf} scalar-prefetch operands" if n_pf else ""
     raise KernelTypeError(
-        kernel, f"index_map takes {arity_text(arity)} arguments but the grid "
-        f"has rank "
+        kernel, f"index_map {mismatch}: the grid has rank "
         f"{grid_rank}{extra}, so it is called with {n_args}",
         f"{where} (index_map defined at {loc})", operand=origin)
   in_avals = [core.ShapedArray((), jnp.int32)] * grid_rank + list(prefetch_avals)
 
   def flat(*args):
-    out = fn(*args[:grid_rank],
-             *_prefetch_args(prefetch_tree, args[grid_rank:]))
+    pf = args[grid_rank:]
+    if prefetch_tree is not None:
+      pf = tree_util.tree_unflatten(prefetch_tree, pf)
+    out = fn(*args[:grid_rank], *pf)
     if not isinstance(out, (tuple, list)):
       out = (out,)
     return list(out)
 
-  dbg = api_util.debug_info("index_map", fn,
-                            tuple(range(grid_rank + len(prefetch_avals))), {})
+  dbg = api_util.debug_info("index_map", fn, tuple(range(len(in_avals))),
+                            {})
   try:
     jaxpr, out_avals, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(flat, debug_info=dbg), in_avals)
@@ -235,17 +266,19 @@ def _trace_index_map(kernel: str, origin: str, fn, grid_rank: int,
     raise cls(kernel, f"index_map failed: {type(e).__name__}: {e}",
                       f"{where} (index_map defined at {loc})",
                       operand=origin) from e
-  if len(out_avals) != rank:
+  # The wording of Pallas's errors, so code that matches them matches ours.
+  head = f"Index map function {fn_name} at {loc} for {path}"
+  if len(out_avals) != len(block_shape):
     raise KernelError(
-        kernel, f"index_map returns {len(out_avals)} indices but the block has "
-        f"rank {rank}", f"{where} (index_map defined at {loc})", operand=origin)
+        kernel, f"{head} must return {len(block_shape)} values to match the "
+        f"block shape {tuple(block_shape)}. Currently returning "
+        f"{len(out_avals)} values", where, operand=origin)
   for i, a in enumerate(out_avals):
     if not (isinstance(a, core.ShapedArray) and a.shape == ()
             and jnp.issubdtype(a.dtype, jnp.integer)):
       raise KernelTypeError(
-          kernel, f"index_map result {i} must be an integer scalar, got "
-          f"{a.str_short(short_dtypes=True)}", f"{where} (index_map defined at {loc})",
-          operand=origin)
+          kernel, f"{head} must return integer scalars. Output[{i}] has type "
+          f"{a.str_short()}", where, operand=origin)
   return close_jaxpr(jaxpr, consts)
 
 
@@ -257,8 +290,14 @@ def _zeros_index_map(grid_rank: int, n_prefetch: int, rank: int):
 
 def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
                        aval: core.ShapedArray, grid_rank: int, prefetch_avals,
-                       where: str, prefetch_tree=None) -> BlockMapping:
-  """Checks `spec` against the array `aval` and traces its index map."""
+                       where: str, path: str | None = None,
+                       prefetch_tree=None) -> BlockMapping:
+  """Checks `spec` against the array `aval` and traces its index map
+  (which takes the scalar-prefetch operands in their pytree
+  `prefetch_tree`; None: flat). `origin` names the spec (`in_specs[1]`),
+  `path` the operand in the call's arguments as Pallas names it
+  (`args[1]['a']`, `outputs[0]`)."""
+  path = path or origin
   if spec is None:
     spec = BlockSpec()
   if not isinstance(spec, BlockSpec):
@@ -285,9 +324,10 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
                         for d in block_shape)
     if len(block_shape) != rank:
       raise KernelError(
-          kernel, f"block shape {tuple(spec.block_shape)} has rank "
-          f"{len(block_shape)} but the array has shape {tuple(aval.shape)} "
-          f"(rank {rank})", where, operand=origin)
+          kernel, f"Block shape for {path} (= {tuple(spec.block_shape)}) must "
+          f"have the same number of dimensions as the array shape "
+          f"{tuple(aval.shape)}: rank {len(block_shape)} vs {rank}", where,
+          operand=origin)
     for i, (d, n) in enumerate(zip(block_shape, aval.shape)):
       if d is squeezed:
         continue
@@ -300,12 +340,12 @@ def resolve_block_spec(kernel: str, origin: str, spec: BlockSpec | None,
   index_map = spec.index_map
   if whole or index_map is None:
     index_map = _zeros_index_map(grid_rank, len(prefetch_avals), rank)
-  jaxpr = _trace_index_map(kernel, origin, index_map, grid_rank,
-                           prefetch_avals, rank, where, prefetch_tree)
+  jaxpr = _trace_index_map(kernel, origin, path, index_map, grid_rank,
+                           prefetch_avals, block_shape, where, prefetch_tree)
   return BlockMapping(origin, core.ShapedArray(aval.shape, aval.dtype,
                                                weak_type=aval.weak_type),
                       block_shape, jaxpr, memory_space, whole,
-                      spec.pipeline_mode)
+                      spec.pipeline_mode, spec.where)
 
 
 def _check_pipeline_mode(kernel, origin, mode, where) -> None:

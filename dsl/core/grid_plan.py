@@ -5,8 +5,11 @@ which grid dimensions are *parallel* (every output block belongs to exactly one
 point of those dimensions, so they run as one vectorized computation) and which
 are *sequential* (they revisit output blocks, so they run as a loop, in grid
 order). It also decides, per operand, how blocks are fetched: as a `view`
-(a reshape of the array whose block axes follow grid axes one to one; no
-gather) or by `gather` (a dynamic slice per grid point).
+(a reshape of the array whose block axes follow grid axes one to one, or,
+for an input's `Element` dims whose offsets step with one grid axis, its
+windows cut from shifted slices; no gather) or by `gather` (a dynamic
+slice per grid point). A grid with a dynamic dim (a traced size) has no
+static answer: its dims are sequential and its operands gathered.
 """
 from __future__ import annotations
 
@@ -18,10 +21,10 @@ import warnings
 import numpy as np
 from dsl.core.jax_internals import ClosedJaxpr, core, state_types
 
-from dsl.core.blockspec import BlockMapping
+from dsl.core.blockspec import BlockMapping, Element
+from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.errors import KernelError, KernelWarning, source_info_frame
-from dsl.core.index_maps import (blocks_per_dim, evaluate_index_map,
-                                 varies_along)
+from dsl.core.index_maps import blocks_per_dim, varies_along
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,11 @@ class OperandPlan:
   # many grid points to analyse), so not checked there: every access is
   # kept inside the buffer at run time.
   from_data: bool = False
+  # view of an input with `Element` dims: per array dim None, or (start,
+  # step) when its (overlapping) windows are the slices
+  # padded[start + step * g : start + step * g + block] of the padded
+  # array, g the grid coordinate of its source (step 0: one window).
+  windows: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,13 +70,58 @@ def _subsets_largest_first(dims: tuple[int, ...]):
     yield from itertools.combinations(dims, size)
 
 
-def _view_sources(bm: BlockMapping, idx, grid):
-  if idx is None or bm.has_element_dims or 0 in bm.block_sizes:
+# An `Element` dim whose windows overlap is built from at most this many
+# shifted slices (a block of b elements every s: ceil(b / s) slices).
+MAX_WINDOW_SLICES = 8
+
+
+def _element_window(bm: BlockMapping, j: int, col, coords, used):
+  """(source, (start, step)) for `Element` dim `j` of an input whose
+  element offsets `col` are `start + step * coords[d]` for one grid dim `d`
+  not in `used` (step 0: the same window at every point), so its windows
+  are slices of the padded array at a fixed stride; None otherwise."""
+  dim = bm.block_shape[j]
+  flat = col.reshape(-1)
+  end = bm.array_aval.shape[j] + sum(dim.padding)
+  if flat.size == 0 or flat.min() < 0 or flat.max() >= end:
+    return None       # outside the padded array: the gather says so
+  start = int(flat[0])
+  if np.all(flat == start):
+    return ("const", 0), (start, 0)
+  for d in range(coords.shape[0]):
+    if d in used or col.shape[d] < 2:
+      continue
+    step = int(np.take(col, 1, axis=d).reshape(-1)[0]) - start
+    if (step > 0 and -(-dim.block_size // step) <= MAX_WINDOW_SLICES
+        and np.array_equal(col, start + step * coords[d])):
+      return ("grid", d), (start, step)
+  return None
+
+
+def _view_sources(bm: BlockMapping, idx, grid, is_input: bool):
+  """(sources, windows) of an operand whose blocks are a view, or None.
+
+  Per array dim, `sources` says what picks its block (("grid", d) or
+  ("const", index)) and `windows` is None, or (start, step) for an
+  `Element` dim of an input whose windows are built from slices."""
+  if idx is None or 0 in bm.block_sizes:
+    return None
+  if bm.has_element_dims and not is_input:
     return None
   coords = np.indices(grid) if grid else np.zeros((0,))
-  sources, used = [], set()
+  sources, windows, used = [], [], set()
   for j, nb in enumerate(blocks_per_dim(bm)):
     col = idx[..., j]
+    if isinstance(bm.block_shape[j], Element):
+      found = _element_window(bm, j, col, coords, used)
+      if found is None:
+        return None
+      sources.append(found[0])
+      windows.append(found[1])
+      if found[0][0] == "grid":
+        used.add(found[0][1])
+      continue
+    windows.append(None)
     if col.size and col.min() < 0 or col.size and col.max() >= nb:
       return None
     flat = col.reshape(-1)
@@ -81,7 +134,7 @@ def _view_sources(bm: BlockMapping, idx, grid):
       return None
     used.add(match[0])
     sources.append(("grid", match[0]))
-  return tuple(sources)
+  return tuple(sources), tuple(windows)
 
 
 _SEMANTICS = ("parallel", "arbitrary", "core_parallel")
@@ -139,10 +192,10 @@ def check_parallel_carries(spec, compiler_params, where: str) -> None:
   if found is None:
     return
   forced = tuple(d for d in range(rank) if sem[d] == "arbitrary")
-  if any(gm.grid[d] > 1 for d in _plan_cached(gm, forced).sequential):
+  if any(_steps(gm.grid[d]) for d in _plan_cached(gm, forced).sequential):
     return
   dims = [d - gm.num_hidden_axes for d in range(gm.num_hidden_axes, rank)
-          if gm.grid[d] > 1]
+          if _steps(gm.grid[d])]
   if not dims:
     return
   k, eqn, certain = found
@@ -163,6 +216,11 @@ def check_parallel_carries(spec, compiler_params, where: str) -> None:
     raise KernelError(spec.name, message, line, operand="compiler_params")
   warnings.warn(KernelWarning(spec.name, message, line,
                               operand="compiler_params"), stacklevel=3)
+
+
+def _steps(size) -> bool:
+  """Whether a grid dim of `size` may take more than one step."""
+  return is_dynamic(size) or size > 1
 
 
 _PURE_WRITES = ("swap",)
@@ -341,10 +399,10 @@ def _zero_test_dim(index, defs, ids) -> int | None:
 def make_plan_uncached(gm,
                        forced: tuple[int, ...] = ()) -> Plan:
   grid = gm.grid
-  idxs = [evaluate_index_map(bm, grid) for bm in gm.block_mappings]
+  idxs = [gm.block_indices(bm) for bm in gm.block_mappings]
   out_idxs = idxs[gm.num_inputs:]
   parallel: tuple[int, ...] = ()
-  if all(i is not None for i in out_idxs):
+  if all(i is not None for i in out_idxs) and not gm.dynamic_dims:
     cand = tuple(d for d in range(len(grid)) if d not in forced
                  and all(varies_along(i, d) for i in out_idxs))
     if not out_idxs:
@@ -356,14 +414,16 @@ def make_plan_uncached(gm,
         break
   sequential = tuple(d for d in range(len(grid)) if d not in parallel)
   plans = []
-  for bm, idx in zip(gm.block_mappings, idxs):
-    sources = _view_sources(bm, idx, grid)
-    if sources is None:
+  for k, (bm, idx) in enumerate(zip(gm.block_mappings, idxs)):
+    found = _view_sources(bm, idx, grid, k < gm.num_inputs)
+    if found is None:
       plans.append(OperandPlan(bm, "gather", from_data=idx is None))
       continue
+    sources, windows = found
     par = tuple(d for d in parallel
                 if ("grid", d) in sources)
-    plans.append(OperandPlan(bm, "view", sources, par))
+    plans.append(OperandPlan(bm, "view", sources, par,
+                             windows=windows if any(windows) else ()))
   # An output in view mode must be batched over every parallel dim.
   for k, p in enumerate(plans[gm.num_inputs:], gm.num_inputs):
     if p.mode == "view" and len(p.par_dims) != len(parallel):

@@ -7,9 +7,11 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 from jax import tree_util
 from dsl.core.jax_internals import core, state_types
+from dsl.core.jax_internals import tree_util as jax_tree_util
 
 from dsl.core.blockspec import BlockMapping, BlockSpec, resolve_block_spec
-from dsl.core.errors import KernelError, KernelTypeError
+from dsl.core.dynamic_grid import is_dynamic
+from dsl.core.errors import KernelError, KernelTypeError, user_frame
 from dsl.core.index_maps import (evaluate_index_map, reads_prefetch,
                                  varies_along)
 from dsl.core.grid_plan import Plan, make_plan
@@ -43,17 +45,21 @@ class PrefetchScalarGridSpec(GridSpec):
 
 class KernelArgs(NamedTuple):
   """A kernel's operands by role, in the order every backend passes them:
-  grid indices (when present), scalar prefetch, inputs, outputs, scratch."""
+  grid indices (when present), scalar prefetch, inputs, outputs, scratch;
+  and, for the pallas_call's operands, the traced sizes of the grid's
+  dynamic dims (`split_operands`; they lead those operands)."""
   ids: tuple
   prefetch: tuple
   inputs: tuple
   outputs: tuple
   scratch: tuple
+  sizes: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GridMapping:
-  """The resolved grid: one BlockMapping per input then per output."""
+  """The resolved grid: one BlockMapping per input then per output. A grid
+  dim whose size is traced is `DYNAMIC` (dsl.core.dynamic_grid)."""
   grid: tuple[int, ...]
   block_mappings: tuple[BlockMapping, ...]
   num_inputs: int
@@ -82,8 +88,11 @@ class GridMapping:
     they are resolved)."""
     rank = len(self.grid)
     problems = []
-    if any(not isinstance(g, (int, np.integer)) or g < 0 for g in self.grid):
+    if any(not is_dynamic(g) and (not isinstance(g, (int, np.integer))
+                                  or g < 0) for g in self.grid):
       problems.append(f"grid {self.grid} is not of non-negative ints")
+    if any(d < self.num_hidden_axes for d in self.dynamic_dims):
+      problems.append(f"grid {self.grid}: an axis added by vmap is dynamic")
     if len(self.block_mappings) != self.num_inputs + self.num_outputs:
       problems.append(f"{len(self.block_mappings)} block mappings for "
                       f"{self.num_inputs} inputs and {self.num_outputs} "
@@ -109,6 +118,11 @@ class GridMapping:
                         f"{array_rank}")
     if problems:
       raise ValueError("inconsistent GridMapping: " + "; ".join(problems))
+
+  @property
+  def dynamic_dims(self) -> tuple[int, ...]:
+    """The grid dims whose size is traced (dsl.core.dynamic_grid)."""
+    return tuple(d for d, g in enumerate(self.grid) if is_dynamic(g))
 
   @property
   def in_mappings(self) -> tuple[BlockMapping, ...]:
@@ -148,7 +162,9 @@ class GridMapping:
   def block_indices(self, bm: BlockMapping) -> np.ndarray | None:
     """The block indices of `bm` at every grid point, an int array of shape
     (*grid, rank), read-only; None when its index map reads scalar-prefetch
-    data or the grid is too large to analyse."""
+    data, or the grid has a dynamic dim or is too large to analyse."""
+    if self.dynamic_dims:
+      return None
     return evaluate_index_map(bm, tuple(int(g) for g in self.grid))
 
   def reads_prefetch(self, bm: BlockMapping) -> bool:
@@ -183,18 +199,21 @@ class GridMapping:
     return KernelArgs(*parts)
 
   def split_operands(self, seq: Sequence[Any]) -> KernelArgs:
-    """The pallas_call's operands `seq` (scalar prefetch, then inputs) by
-    role; `ids`, `outputs` and `scratch` are empty."""
-    if len(seq) != self.num_scalar_prefetch + self.num_inputs:
-      raise ValueError(f"{len(seq)} operands for a kernel with "
-                       f"{self.num_scalar_prefetch} scalar prefetch and "
+    """The pallas_call's operands `seq` (the dynamic dims' sizes, scalar
+    prefetch, then inputs) by role; `ids`, `outputs` and `scratch` are
+    empty."""
+    n_sizes, n = len(self.dynamic_dims), self.num_scalar_prefetch
+    if len(seq) != n_sizes + n + self.num_inputs:
+      raise ValueError(f"{len(seq)} operands for a kernel with {n_sizes} "
+                       f"dynamic grid dims, {n} scalar prefetch and "
                        f"{self.num_inputs} inputs")
-    n = self.num_scalar_prefetch
-    return KernelArgs((), tuple(seq[:n]), tuple(seq[n:]), (), ())
+    return KernelArgs((), tuple(seq[n_sizes:n_sizes + n]),
+                      tuple(seq[n_sizes + n:]), (), (),
+                      tuple(seq[:n_sizes]))
 
   def unflatten_kernel_refs(self, refs: Sequence[Any]) -> list[Any]:
     """The kernel's positional arguments, in the pytree shape of the specs."""
-    _, prefetch, ins, outs, scratch = self.split(refs)
+    _, prefetch, ins, outs, scratch, _ = self.split(refs)
     args = (list(tree_util.tree_unflatten(self.prefetch_tree, prefetch))
             if self.prefetch_tree is not None else list(prefetch))
     args += list(tree_util.tree_unflatten(self.in_tree, ins))
@@ -233,6 +252,8 @@ def _zero_size_text(in_avals, out_avals) -> str:
 
 def normalize_grid(kernel: str, grid, where: str,
                    zero_size: str = "") -> tuple[int, ...]:
+  """The grid as a tuple of positive ints and DYNAMIC (a traced size,
+  lifted out by `dynamic_grid.lift_traced_sizes`)."""
   if grid is None:
     grid = ()
   if isinstance(grid, (int, np.integer)) and not isinstance(grid, bool):
@@ -244,11 +265,14 @@ def normalize_grid(kernel: str, grid, where: str,
   for i, g in enumerate(grid):
     if (isinstance(g, tuple) and len(g) == 2 and isinstance(g[0], str)):
       g = g[1]   # a named grid axis ("i", 4), as Pallas takes it
+    if is_dynamic(g):
+      out.append(g)
+      continue
     if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
       raise KernelTypeError(
-          kernel, f"grid[{i}] must be a positive integer, got {g!r} "
-          f"({type(g).__name__}); traced grid sizes are not supported",
-          where, operand="grid")
+          kernel, f"grid[{i}] must be a positive integer or a traced "
+          f"integer scalar, got {g!r} ({type(g).__name__})", where,
+          operand="grid")
     if g <= 0:
       raise KernelError(kernel, f"grid[{i}] must be a positive integer, got "
                         f"{int(g)}" + (zero_size if g == 0 else ""), where,
@@ -257,17 +281,24 @@ def normalize_grid(kernel: str, grid, where: str,
   return tuple(out)
 
 
+# The names Pallas gives each side of a spec pytree, for its wording.
+_TREE_NAMES = {"in_specs": ("`in_specs`", "`inputs`"),
+               "out_specs": ("`out_specs`", "`out_shape`")}
+
+
 def _flatten_specs(kernel, specs, n, what, where, tree_desc, tree=None):
   """One BlockSpec (None: the whole array) per operand leaf.
 
   `specs` is read as a flat list of per-leaf specs when it has one entry per
   leaf (None included); otherwise it is matched against the operands' pytree
   `tree` as Pallas matches it, where a `None` spec stands for an operand that
-  is itself `None` (no array) and for the whole array of one that is not."""
+  is itself `None` (no array) and for the whole array of one that is not.
+  `out_specs` may be one BlockSpec for one output; `in_specs` is a tuple or
+  a list (check_in_specs)."""
   if specs is None:
     return [None] * n
   if isinstance(specs, BlockSpec):
-    specs = [specs] if n == 1 or tree_desc == "single" else specs
+    specs = [specs] if n == 1 else specs
   leaves = tree_util.tree_leaves(specs, is_leaf=_is_spec_leaf)
   if isinstance(specs, BlockSpec):
     leaves = [specs]
@@ -276,9 +307,58 @@ def _flatten_specs(kernel, specs, n, what, where, tree_desc, tree=None):
                                                            list(range(n))))
     leaves = aligned if aligned is not None else leaves
   if len(leaves) != n:
-    raise KernelError(kernel, f"{what} has {len(leaves)} BlockSpecs but there "
-                      f"are {n} {tree_desc}", where, operand=what)
+    counts = f"{what} has {len(leaves)} BlockSpecs but there are {n} {tree_desc}"
+    mismatch = _tree_mismatch(what, specs, tree) if tree is not None else None
+    raise KernelError(kernel, f"{mismatch} ({counts})" if mismatch else counts,
+                      where, operand=what)
   return leaves
+
+
+def check_in_specs(kernel: str, in_specs) -> None:
+  """`in_specs` is a tuple or a list (one entry per input) or None, as in
+  Pallas, which checks it when `pallas_call` is called to make the kernel
+  function."""
+  if in_specs is not None and not isinstance(in_specs, (tuple, list)):
+    raise KernelTypeError(
+        kernel, f"`in_specs` must be a tuple or a list (one entry per "
+        f"input), got {in_specs!r}", user_frame(), operand="in_specs")
+
+
+def _as_tuples(x):
+  if isinstance(x, (list, tuple)):
+    return tuple(_as_tuples(v) for v in x)
+  if isinstance(x, dict):
+    return {k: _as_tuples(v) for k, v in x.items()}
+  return x
+
+
+def _tree_mismatch(what: str, specs, tree) -> str | None:
+  """How the pytree of `specs` differs from the operands' `tree`, in
+  Pallas's words (`Pytree for `in_specs` and `inputs` do not match ...`)."""
+  spec_tree = tree_util.tree_structure(_as_tuples(specs),
+                                       is_leaf=_is_spec_leaf)
+  errors = list(jax_tree_util.equality_errors_pytreedef(spec_tree, tree))
+  if not errors:
+    return None
+  name1, name2 = _TREE_NAMES[what]
+  path, thing1, thing2, explanation = errors[0]
+  at = f"at {tree_util.keystr(path)}, " if path else ""
+  return (f"Pytree for {name1} and {name2} do not match. There are "
+          f"{len(errors)} mismatches, including: {at}{name1} is a {thing1} "
+          f"but {name2} is a {thing2}, so {explanation}")
+
+
+def operand_paths(prefix: str, tree, skip: int = 0) -> list[str]:
+  """The name of each leaf of the operands' `tree` as Pallas names it:
+  `prefix` and its pytree path (`args[1]['a']`), the first index shifted
+  by `skip` (the scalar-prefetch arguments before the inputs)."""
+  numbered = tree_util.tree_unflatten(tree, list(range(tree.num_leaves)))
+  names = []
+  for path, _ in tree_util.tree_flatten_with_path(numbered)[0]:
+    if path and isinstance(path[0], tree_util.SequenceKey):
+      path = (tree_util.SequenceKey(path[0].idx + skip),) + tuple(path[1:])
+    names.append(prefix + tree_util.keystr(path))
+  return names
 
 
 def _align_specs(spec, operands):
@@ -325,14 +405,18 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
     p_refs.append(state_types.AbstractRef(
         core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type),
         memory_space=MemorySpace.SMEM))
+  in_paths = (operand_paths("args", in_tree, _top_level_count(prefetch_tree))
+              if in_tree is not None else [None] * len(in_avals))
+  out_paths = (operand_paths("outputs", out_tree) if out_tree is not None
+               else [None] * len(out_avals))
   mappings = []
   for i, (spec, aval) in enumerate(zip(in_leaves, in_avals)):
     mappings.append(resolve_block_spec(kernel, f"in_specs[{i}]", spec, aval,
-                                       len(grid), p_refs, where,
+                                       len(grid), p_refs, where, in_paths[i],
                                        prefetch_tree))
   for i, (spec, aval) in enumerate(zip(out_leaves, out_avals)):
     mappings.append(resolve_block_spec(kernel, f"out_specs[{i}]", spec, aval,
-                                       len(grid), p_refs, where,
+                                       len(grid), p_refs, where, out_paths[i],
                                        prefetch_tree))
   scratch_leaves, scratch_tree = tree_util.tree_flatten(
       list(scratch_shapes or ()),
@@ -344,6 +428,11 @@ def resolve_grid_mapping(kernel: str, *, grid, in_specs, out_specs,
                      num_scalar_prefetch, tuple(p_refs), scratch_avals,
                      in_tree, out_tree, scratch_tree, grid_names=names,
                      prefetch_tree=prefetch_tree)
+
+
+def _top_level_count(tree) -> int:
+  """How many arguments the tuple pytree `tree` (None: none) has."""
+  return 0 if tree is None else len(tree.children())
 
 
 def grid_names(kernel: str, grid, where: str) -> tuple | None:

@@ -95,11 +95,10 @@ def check_block_indices(kernel: str, gm, where: str) -> None:
   A block may hang over the array's end (a partial edge block of a `cdiv`
   grid) but must start inside it.
   """
-  grid = tuple(int(g) for g in gm.grid)
   for bm in gm.block_mappings:
     if bm.whole_array or not bm.block_shape:
       continue
-    idx = evaluate_index_map(bm, grid)
+    idx = gm.block_indices(bm)
     if idx is None or idx.size == 0:
       continue
     for j, (unit, end) in enumerate(dim_limits(bm)):

@@ -94,6 +94,8 @@ _TABLE: dict[str, tuple[str | tuple[str, ...], str | None]] = {
     "source_info_util": ("jax._src.source_info_util", None),
     "traceback_util": ("jax._src.traceback_util", None),
     "dtypes": ("jax._src.dtypes", None),
+    "pretty_printer": ("jax._src.pretty_printer", None),
+    "tree_util": ("jax._src.tree_util", None),
     # JAX's PRNG implementations (the registry `prngs`), for the tests that
     # load Pallas's PRNG ops twice.
     "prng": (("jax._src.random.prng", "jax._src.prng"), None),
@@ -126,6 +128,7 @@ _TABLE: dict[str, tuple[str | tuple[str, ...], str | None]] = {
     "ds": ("jax._src.state.indexing", "ds"),
     "get_ref_and_transforms": ("jax._src.state.primitives",
                                "get_ref_and_transforms"),
+    "pp_ref_transforms": ("jax._src.state.primitives", "pp_ref_transforms"),
     # devices, meshes, sharding, dispatch, callbacks
     "mesh": ("jax._src.mesh", None),
     "sharding_impls": ("jax._src.sharding_impls", None),
@@ -151,6 +154,9 @@ _TABLE: dict[str, tuple[str | tuple[str, ...], str | None]] = {
     "tpu": ("jax._src.lib", "tpu"),
     "mosaic_gpu_dialect": ("jax._src.lib", "mosaic_gpu_dialect"),
     "gpu_triton": ("jax._src.lib", "gpu_triton"),
+    # JAX's test base classes, for the stand-in of Pallas's test utilities
+    # that runs JAX's Pallas test files on dsl (tests/pallas/pallas_suite.py)
+    "test_util": ("jax._src.test_util", None),
 }
 
 

@@ -117,6 +117,31 @@ class RuleTable:
                   set(self._by_name))
 
 
+class RuleContextBase:
+  """What every backend's lowering rule asks of its equation, by the same
+  names on every backend: `eqn`, `primitive`, `avals_in`, `avals_out`,
+  `out_used(i)` (whether the kernel uses result i), `error(message)` (a
+  BackendError naming the primitive, the kernel and the user's line) and
+  `lower(jaxpr, consts, args)` (a sub-jaxpr lowered at the current point,
+  e.g. a loop body). Each backend's `RuleContext` derives from it and adds
+  what its rules emit with."""
+
+  eqn: Any
+
+  @property
+  def primitive(self) -> str:
+    return self.eqn.primitive.name
+
+  def out_used(self, i: int = 0) -> bool:
+    raise NotImplementedError
+
+  def error(self, message: str) -> BackendError:
+    raise NotImplementedError
+
+  def lower(self, jaxpr: core.Jaxpr, consts, args) -> list:
+    raise NotImplementedError
+
+
 class LoweringHost:
   """What `walk_jaxpr` needs from a lowering. Subclasses override these."""
 

@@ -329,7 +329,8 @@ def _run_scoped(ctx, eqn, invals, axes):
 
   def f(*refs):
     return _eval(ctx, closed.jaxpr, (), [*invals, *refs], body_axes)[0]
-  return run_scoped(f, *scoped)
+  return run_scoped(f, *scoped,
+                    collective_axes=eqn.params.get("collective_axes", ()))
 
 
 def _control_flow() -> dict:

@@ -13,6 +13,11 @@ operations, inlining calls and recursing into the jaxprs of control flow and
 `run_scoped`. Every new equation keeps the source line of the equation it
 replaces.
 
+For a lowering whose rule table has no rule for a primitive of
+`dsl.core.fallbacks.FALLBACKS` (math such as `erf_inv`, `cbrt`, `atan2`),
+`normalize(spec, missing=...)` also replaces its equations with the
+fallback's lax operations, which that lowering's own rules then lower.
+
 Primitives not in the table pass through unchanged, so a kernel that holds
 none of them comes back equal (and `normalize` returns the same spec).
 
@@ -51,6 +56,7 @@ from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
                                     state_primitives, state_types)
 import jax.extend.linear_util as lu
 
+from dsl.core import fallbacks
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 from dsl.core.memory import MemorySpace
 from dsl.core.primitives import run_scoped
@@ -370,6 +376,8 @@ def _eval_eqn(eqn, invals):
     return _eval(*body) if body is not None else _bind(eqn, invals)
   if eqn.primitive in _RULES.get():
     return _RULES.get()[eqn.primitive](*invals, **eqn.params)
+  if _falls_back(eqn):
+    return fallbacks.FALLBACKS[eqn.primitive].fn(*invals, **eqn.params)
   return _bind(eqn, invals)
 
 
@@ -395,11 +403,26 @@ def _rewritten(eqn) -> bool:
     strides = eqn.params["strides"]
     return strides is not None and any(s != 1 for s in strides) and (
         eqn.primitive in _RULES.get())
-  return eqn.primitive in _RULES.get()
+  return eqn.primitive in _RULES.get() or _falls_back(eqn)
 
 
 # The rewrites in force: DECOMPOSITIONS, plus VALUES_IN_MEMORY for Mosaic.
 _RULES = contextvars.ContextVar("normalize_rules", default=DECOMPOSITIONS)
+# The primitives replaced by their fallback (dsl.core.fallbacks): those the
+# lowering's rule table has no rule for.
+_FALLBACKS = contextvars.ContextVar("normalize_fallbacks",
+                                    default=frozenset())
+
+
+def _falls_back(eqn) -> bool:
+  return fallbacks.applies(eqn.primitive, [v.aval for v in eqn.invars],
+                           _FALLBACKS.get())
+
+
+def _holds_fallback(jaxpr: core.Jaxpr) -> bool:
+  return any(_falls_back(eqn)
+             or any(_holds_fallback(j) for j in sub_jaxprs(eqn.params))
+             for eqn in jaxpr.eqns)
 
 
 @contextlib.contextmanager
@@ -438,27 +461,44 @@ def rewrite_closed(closed: ClosedJaxpr, rules: dict) -> ClosedJaxpr:
 
 
 def normalize_closed(closed: ClosedJaxpr, *,
-                     values_in_memory: bool | None = None) -> ClosedJaxpr:
+                     values_in_memory: bool | None = None,
+                     missing: frozenset | None = None) -> ClosedJaxpr:
   """`closed` rewritten; `values_in_memory` (default: as the enclosing call)
-  also rewrites slices of values into buffer round trips."""
+  also rewrites slices of values into buffer round trips; `missing` (default:
+  as the enclosing call) are the primitives replaced by their fallback."""
+  if missing is not None:
+    token = _FALLBACKS.set(missing)
+    try:
+      return normalize_closed(closed, values_in_memory=values_in_memory)
+    finally:
+      _FALLBACKS.reset(token)
   if values_in_memory is not None:
     with _rules(values_in_memory):
       return normalize_closed(closed)
-  if not needs_normalizing(closed.jaxpr):
-    return closed
-  fn = lu.wrap_init(lambda *args: _eval(closed.jaxpr, closed.consts, args),
-                    debug_info=closed.jaxpr.debug_info)
-  jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-      fn, [v.aval for v in closed.jaxpr.invars])
-  return close_jaxpr(jaxpr, consts)
+  # A fallback may emit another fallback's primitive (erf_inv -> log1p):
+  # each pass replaces the ones it finds, and fallbacks do not cycle.
+  for _ in range(len(fallbacks.FALLBACKS) + 1):
+    if not needs_normalizing(closed.jaxpr):
+      return closed
+    fn = lu.wrap_init(lambda *args: _eval(closed.jaxpr, closed.consts, args),
+                      debug_info=closed.jaxpr.debug_info)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+        fn, [v.aval for v in closed.jaxpr.invars])
+    closed = close_jaxpr(jaxpr, consts)
+    if not _holds_fallback(closed.jaxpr):
+      return closed
+  return closed
 
 
 @functools.lru_cache(maxsize=256)
-def normalize(spec, values_in_memory: bool = False):
+def normalize(spec, values_in_memory: bool = False,
+              missing: frozenset = frozenset()):
   """`spec` with its kernel jaxpr in the primitives every lowering handles;
   `values_in_memory` for lowerings that cannot slice vectors at dynamic
-  offsets (Mosaic)."""
-  jaxpr = normalize_closed(spec.jaxpr, values_in_memory=values_in_memory)
+  offsets (Mosaic); `missing`: the primitives the lowering has no rule for,
+  replaced by their fallback (dsl.core.fallbacks)."""
+  jaxpr = normalize_closed(spec.jaxpr, values_in_memory=values_in_memory,
+                           missing=missing)
   if jaxpr is spec.jaxpr:
     return spec
   return dataclasses.replace(spec, jaxpr=jaxpr)

@@ -20,14 +20,14 @@ from dsl.core.jax_internals import (ClosedJaxpr, core, dispatch,
                                     mesh as mesh_lib)
 from jax.extend.core import Primitive
 
-from dsl.core import (backends, checks, config, host_failures, named_axes,
-                      sharding)
+from dsl.core import (backends, checks, config, dynamic_grid, host_failures,
+                      named_axes, sharding)
 from dsl.core.compiler_params import tuned_params
 from dsl.core.errors import (KernelError, KernelTypeError, api_boundary,
                              function_location, kernel_error_of, kernel_name,
                              user_frame)
-from dsl.core.gridspec import (GridMapping, GridSpec, is_shape_tuple,
-                               resolve_grid_mapping)
+from dsl.core.gridspec import (GridMapping, GridSpec, check_in_specs,
+                               is_shape_tuple, resolve_grid_mapping)
 from dsl.core.index_maps import check_block_indices
 from dsl.core.grid_plan import check_parallel_carries, check_semantics
 from dsl.core.tracing import kernel_ref_names, trace_kernel
@@ -137,7 +137,9 @@ def _pallas_call_abstract_eval(*avals, spec: KernelSpec):
       # Under jit over a mesh with Explicit axes: outputs are split as the
       # inputs imply along the grid dims the kernel partitions over
       # (dsl.core.sharding), replicated elsewhere.
-      shardings = sharding.explicit_out_shardings(spec, avals, mesh)
+      operands = spec.grid_mapping.split_operands(avals)
+      shardings = sharding.explicit_out_shardings(
+          spec, operands.prefetch + operands.inputs, mesh)
       return [core.ShapedArray(a.shape, a.dtype, sharding=sh)
               for a, sh in zip(outs, shardings)]
     return [core.ShapedArray(a.shape, a.dtype) for a in outs]
@@ -229,19 +231,25 @@ def check_operands(kernel: str, args, where: str) -> None:
 
 
 def _check_aliases(name, aliases, in_avals_all, out_avals, where):
+  """The `input_output_aliases` as (input, output) pairs; errors in
+  Pallas's wording, so code that matches its errors matches ours."""
   out = []
   for i, o in dict(aliases or {}).items():
+    mapping = f"input_output_aliases contains the mapping '{i}:{o}'"
     if not 0 <= i < len(in_avals_all):
-      raise KernelError(name, f"input {i} does not exist ({len(in_avals_all)} "
-                        "operands)", where, operand="input_output_aliases")
+      raise KernelError(name, f"{mapping} with input index {i} outside the "
+                        f"range [0, {len(in_avals_all)})", where,
+                        operand="input_output_aliases")
     if not 0 <= o < len(out_avals):
-      raise KernelError(name, f"output {o} does not exist ({len(out_avals)} "
-                        "outputs)", where, operand="input_output_aliases")
+      raise KernelError(name, f"{mapping} with output index {o} outside the "
+                        f"range [0, {len(out_avals)})", where,
+                        operand="input_output_aliases")
     a, b = in_avals_all[i], out_avals[o]
     if (a.shape, a.dtype) != (b.shape, b.dtype):
       raise KernelError(
-          name, f"input {i} ({a.str_short(short_dtypes=True)}) is aliased to output {o} "
-          f"({b.str_short(short_dtypes=True)}), but aliased buffers must have the same shape "
+          name, f"{mapping} referring to input[{i}] with abstract value "
+          f"{a.str_short()} and to output[{o}] with a different abstract "
+          f"value {b.str_short()}: aliased buffers must have the same shape "
           "and dtype", where, operand="input_output_aliases")
     out.append((int(i), int(o)))
   return tuple(out)
@@ -281,6 +289,8 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
 
   The kernel reads blocks of the inputs through refs and writes blocks of the
   outputs; `in_specs`/`out_specs` say which block each grid point sees.
+  A `grid` entry may be a traced integer scalar (under `jax.jit`): that dim's
+  size is known when the kernel runs (dsl.core.dynamic_grid).
   `metadata` (str -> str) is recorded with the kernel, as in Pallas: the
   Mosaic lowering puts it in the TPU call's `kernel_metadata`.
   """
@@ -294,6 +304,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     num_scalar_prefetch = getattr(grid_spec, "num_scalar_prefetch", 0)
   backend = backends.requested(backend, interpret)
   meta_items = _metadata_items(name, metadata)
+  check_in_specs(name, in_specs)
 
   @api_boundary
   def wrapped(*args):
@@ -306,8 +317,10 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     check_operands(name, args, where)
     args = tree_util.tree_map(as_operand, args)
     flat_args = tree_util.tree_leaves(args)
+    static_grid, sizes = dynamic_grid.lift_traced_sizes(name, grid, where)
     spec, out_tree = build_spec(
-        kernel, args, out_shape, name=name, grid=grid, in_specs=in_specs,
+        kernel, args, out_shape, name=name, grid=static_grid,
+        in_specs=in_specs,
         out_specs=out_specs, scratch_shapes=scratch_shapes,
         num_scalar_prefetch=num_scalar_prefetch,
         input_output_aliases=input_output_aliases, backend=backend,
@@ -316,7 +329,7 @@ def pallas_call(kernel: Callable[..., None], out_shape: Any, *, grid=(),
     check_semantics(spec.name, params, len(spec.grid_mapping.grid),
                     where)
     check_parallel_carries(spec, params, where)
-    outs = pallas_call_p.bind(*flat_args, spec=spec)
+    outs = pallas_call_p.bind(*sizes, *flat_args, spec=spec)
     return tree_util.tree_unflatten(out_tree, outs)
 
   return wrapped

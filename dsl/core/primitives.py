@@ -146,7 +146,7 @@ def _run_scoped_effects(jaxpr: core.Jaxpr, num_consts: int):
 
 
 @run_scoped_p.def_effectful_abstract_eval
-def _run_scoped_abstract_eval(*avals, jaxpr, num_consts):
+def _run_scoped_abstract_eval(*avals, jaxpr, num_consts, collective_axes=()):
   return ([v.aval for v in jaxpr.outvars],
           _run_scoped_effects(jaxpr, num_consts))
 
@@ -161,7 +161,10 @@ def _fresh(aval):
 
 
 @state_discharge.register_discharge_rule(run_scoped_p)
-def _run_scoped_discharge(ctx, *args, jaxpr, num_consts):
+def _run_scoped_discharge(ctx, *args, jaxpr, num_consts, collective_axes=()):
+  # One program per grid point: an allocation shared along `collective_axes`
+  # is this program's own (the warpgroups of a `plgpu.kernel` share theirs
+  # on the interpret backend, dsl/interpret/warpgroups.py).
   # A ref the outer discharge keeps (scalar prefetch in a derived kernel)
   # arrives as a ref: it stays one inside too.
   kept = [isinstance(jax.typeof(a), state_types.AbstractRef) for a in args]
@@ -179,13 +182,29 @@ def _run_scoped_discharge(ctx, *args, jaxpr, num_consts):
   return new_invals, outs
 
 
-def _run_scoped_lowering(ctx, *args, jaxpr, num_consts):
-  raise NotImplementedError("run_scoped must be discharged before lowering")
+def _run_scoped_of_values(*args, jaxpr, num_consts, collective_axes=()):
+  """A run_scoped whose body touches no ref of the kernel (`pl.run_state`
+  of values): JAX's discharge leaves it, having no ref to discharge, so it
+  reaches lowering, where its own refs are discharged."""
+  return _run_scoped_discharge(None, *args, jaxpr=jaxpr,
+                               num_consts=num_consts)[1]
 
 
-def run_scoped(f: Callable[..., Any], *types, **kw_types):
-  """Calls `f` with fresh scratch refs of `types` that live only inside it."""
-  kw_types.pop("collective_axes", None)
+mlir.register_lowering(run_scoped_p, mlir.lower_fun(_run_scoped_of_values,
+                                                    multiple_results=True))
+
+
+def run_scoped(f: Callable[..., Any], *types, collective_axes=(),
+               **kw_types):
+  """Calls `f` with fresh scratch refs of `types` that live only inside it.
+
+  With `collective_axes` (a grid axis name or a tuple of them), the programs
+  that differ only along those axes share one allocation (the warpgroups of
+  a `plgpu.kernel` along its thread axis); the primitive then carries them
+  as its `collective_axes` param."""
+  if not isinstance(collective_axes, (tuple, list)):
+    collective_axes = (collective_axes,)
+  collective_axes = tuple(collective_axes)
   flat_types, in_tree = tree_util.tree_flatten((types, kw_types))
   avals = []
   for t in flat_types:
@@ -209,5 +228,7 @@ def run_scoped(f: Callable[..., Any], *types, **kw_types):
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
       lu.wrap_init(flat_f, debug_info=dbg), avals)
   jaxpr = pe.convert_constvars_jaxpr(jaxpr)
-  outs = run_scoped_p.bind(*consts, jaxpr=jaxpr, num_consts=len(consts))
+  extra = {"collective_axes": collective_axes} if collective_axes else {}
+  outs = run_scoped_p.bind(*consts, jaxpr=jaxpr, num_consts=len(consts),
+                           **extra)
   return tree_util.tree_unflatten(out_tree_box[0], outs)

@@ -26,6 +26,7 @@ from jax import lax
 from dsl.core.jax_internals import ad_checkpoint, core, pjit, state_primitives
 
 from dsl.core import intervals as iv
+from dsl.core import mask_bounds
 from dsl.core import primitives as dsl_primitives
 from dsl.core import ref_ops
 from dsl.core.intervals import Interval, fit
@@ -44,7 +45,9 @@ RANGE_RULES = RangeTable("the range analysis")
 
 
 def top_rule(ctx, *args, **params):
-  """Every result anywhere in its dtype's range."""
+  """Every result anywhere in its dtype's range (and the refs among the
+  operands escape the analysis)."""
+  ctx.escape(args)
   return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
 
 
@@ -147,6 +150,7 @@ _SAME_VALUES = (
     lax.rev_p, lax.slice_p, lax.reduce_max_p, lax.reduce_min_p,
     lax.expand_dims_p if hasattr(lax, "expand_dims_p") else None,
     lax.copy_p, lax.dynamic_slice_p, lax.cummax_p,
+    state_primitives.broadcast_to_p,
     lax.cummin_p, dsl_primitives.multiple_of_p,
     dsl_primitives.max_contiguous_p, ad_checkpoint.name_p)
 
@@ -242,7 +246,7 @@ def _call(ctx, *args, **params):
     return known
   body = call_body(params, args)
   if body is None:
-    return top_rule(ctx)
+    return top_rule(ctx, *args)
   return ctx.walk(*body)
 
 
@@ -429,15 +433,47 @@ def _get(ctx, ref, *idx, tree, **params):
 
 @RANGE_RULES.register(state_primitives.swap_p, state_primitives.addupdate_p)
 def _swap(ctx, ref, val, *idx, tree, **params):
-  ctx.access(ref, _transforms(tree, idx))
-  return top_rule(ctx)
+  reads = (ctx.primitive is state_primitives.addupdate_p
+           or any(v in ctx.used for v in ctx.eqn.outvars))
+  ctx.access(ref, _transforms(tree, idx), reads)
+  return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
 
 
 @RANGE_RULES.register(ref_ops.masked_load_p, ref_ops.masked_store_p,
                       ref_ops.atomic_rmw_p, ref_ops.atomic_cas_p)
-def _ref_op(ctx, ref, *args, tree, **params):
-  ctx.access(ref, _transforms(tree, args[:tree.num_leaves]))
-  return top_rule(ctx)
+def _ref_op(ctx, ref, *args, tree, has_mask=False, **params):
+  n = tree.num_leaves
+  leaves = list(args[:n])
+  if has_mask:
+    # masked_load: (mask, other); masked_store, atomic_rmw: (value, mask)
+    at = 1 + n + (0 if ctx.primitive is ref_ops.masked_load_p else 1)
+    leaves = _under_mask(ctx, tree, leaves, ctx.eqn.invars[at])
+  ctx.access(ref, _transforms(tree, leaves),
+             reads=ctx.primitive is not ref_ops.masked_store_p)
+  return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
+
+
+def _under_mask(ctx, tree, leaves: list, mask) -> list:
+  """The indexer `leaves` with each array of indices of the mask's shape
+  narrowed to what the mask lets through (dsl.core.mask_bounds): lanes
+  the mask drops touch no memory. Only for a single indexer, whose lanes
+  are the access's."""
+  if len(_transforms(tree, leaves)) != 1:
+    return leaves
+  n = len(leaves)
+  lanes_of = (ctx.eqn.outvars[0] if ctx.primitive is ref_ops.masked_load_p
+              else ctx.eqn.invars[1 + n])
+  out = list(leaves)
+  for k, var in enumerate(ctx.eqn.invars[1:1 + n]):
+    shape = getattr(getattr(var, "aval", None), "shape", ())
+    if not shape or tuple(shape) != tuple(lanes_of.aval.shape):
+      continue
+    bound = mask_bounds.bounds_under_mask(var, mask, ctx.producers)
+    if bound is not None and out[k] is not None:
+      lo = max(out[k].lo, bound.lo)
+      bound = Interval(lo, max(lo, min(out[k].hi, bound.hi)))
+    out[k] = bound if bound is not None else out[k]
+  return out
 
 
 @RANGE_RULES.register(dsl_primitives.run_scoped_p)

@@ -26,6 +26,7 @@ from dsl.core.jax_internals import (ClosedJaxpr, core,
 
 from dsl.core import intervals as iv
 from dsl.core.blockspec import Element, squeezed
+from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.errors import BackendError
 from dsl.core.intervals import Interval
 from dsl.core.jaxpr_walk import LoweringHost, walk_jaxpr
@@ -70,6 +71,9 @@ class Window:
   axes: tuple[Axis, ...]
   fixed: tuple[tuple[int, MaybeInterval, MaybeInterval], ...] = ()
   # (array dim, coordinate, coordinate counted from the block's start)
+  indexed: tuple[tuple[int, bool, bool], ...] = ()
+  # (array dim, proven >= 0, proven below the size of the axis it indexes)
+  # of each integer index (scalar or array) an indexer put on a dim
 
   @classmethod
   def whole(cls, shape, origin: str) -> "Window":
@@ -84,7 +88,7 @@ class Window:
     if not isinstance(indexer, indexing.NDIndexer) or \
         len(indexer.indices) != len(self.axes):
       return None
-    axes, fixed = [], list(self.fixed)
+    axes, fixed, indexed = [], list(self.fixed), list(self.indexed)
     for ax, idx in zip(self.axes, indexer.indices):
       if isinstance(idx, indexing.Slice):
         start = _index_interval(idx.start, None)
@@ -99,7 +103,10 @@ class Window:
           return None
         delta = at.scale(ax.step)
         fixed.append((ax.dim, _add(ax.start, delta), _add(ax.offset, delta)))
-    return dataclasses.replace(self, axes=tuple(axes), fixed=tuple(fixed))
+        raw = idx if isinstance(idx, Interval) else Interval.const(int(idx))
+        indexed.append((ax.dim, raw.lo >= 0, raw.hi <= ax.size - 1))
+    return dataclasses.replace(self, axes=tuple(axes), fixed=tuple(fixed),
+                               indexed=tuple(indexed))
 
   def extents(self) -> dict[int, tuple[MaybeInterval, MaybeInterval]]:
     """Per array dim: (coordinates, coordinates counted from the block's
@@ -137,23 +144,34 @@ class Access:
   block_sizes: tuple[int, ...]
   coords: tuple[MaybeInterval, ...]
   offsets: tuple[MaybeInterval, ...]
+  # Per array dim: whether the integer indices an indexer put there are
+  # proven at or above 0 and below the size of the axis they index.
+  indices: tuple[tuple[bool, bool], ...] = ()
 
   @classmethod
   def of(cls, window: Window) -> "Access":
     ext = window.extents()
     rank = len(window.array_shape)
+    indices = [(True, True)] * rank
+    for d, lo, hi in window.indexed:
+      indices[d] = (indices[d][0] and lo, indices[d][1] and hi)
     return cls(window.origin, window.array_shape, window.block_sizes,
                tuple(ext.get(d, (None, None))[0] for d in range(rank)),
-               tuple(ext.get(d, (None, None))[1] for d in range(rank)))
+               tuple(ext.get(d, (None, None))[1] for d in range(rank)),
+               tuple(indices))
 
   def join(self, other: "Access") -> "Access":
     if (self.origin, self.array_shape) != (other.origin, other.array_shape):
       unknown = (None,) * len(self.array_shape)
-      return dataclasses.replace(self, coords=unknown, offsets=unknown)
+      return dataclasses.replace(
+          self, coords=unknown, offsets=unknown,
+          indices=((False, False),) * len(self.array_shape))
     j = lambda a, b: None if a is None or b is None else a.join(b)
+    both = lambda a, b: (a[0] and b[0], a[1] and b[1])
     return dataclasses.replace(
         self, coords=tuple(map(j, self.coords, other.coords)),
-        offsets=tuple(map(j, self.offsets, other.offsets)))
+        offsets=tuple(map(j, self.offsets, other.offsets)),
+        indices=tuple(map(both, self.indices, other.indices)))
 
   def in_array(self, dim: int) -> tuple[bool, bool]:
     """(no coordinate below 0, none at or past the end) on `dim`."""
@@ -171,6 +189,12 @@ class Access:
     a, b = self.in_array(dim), self.in_block(dim)
     return a[0] or b[0], a[1] or b[1]
 
+  def index_inside(self, dim: int) -> tuple[bool, bool]:
+    """(lower, upper): whether every integer index put on `dim` is proven
+    at or above 0 (none counts from the end), below the size of the axis
+    it indexes (none is clamped, as a gather clamps)."""
+    return self.indices[dim] if self.indices else (False, False)
+
 
 def _inside(coords: MaybeInterval, n: int) -> tuple[bool, bool]:
   if coords is None:
@@ -179,15 +203,21 @@ def _inside(coords: MaybeInterval, n: int) -> tuple[bool, bool]:
 
 
 class KernelRanges:
-  """The analysis's result: an `Access` per ref-accessing equation."""
+  """The analysis's result: an `Access` per ref-accessing equation; the
+  operands (by origin) some access reads, and those passed to a primitive
+  the analysis does not know (anything may happen to them)."""
 
   def __init__(self):
     self._accesses: dict[int, tuple[Any, Access]] = {}
+    self.read: set[str] = set()
+    self.escaped: set[str] = set()
 
-  def record(self, eqn, access: Access) -> None:
+  def record(self, eqn, access: Access, reads: bool = True) -> None:
     old = self._accesses.get(id(eqn))
     self._accesses[id(eqn)] = (eqn, access if old is None
                                else old[1].join(access))
+    if reads:
+      self.read.add(access.origin)
 
   def access(self, eqn) -> Access | None:
     """The coordinates `eqn` can touch; None when it was never reached (or
@@ -204,8 +234,16 @@ class KernelRanges:
 class _Context:
   """What a rule of `RANGE_RULES` sees."""
 
-  def __init__(self, host: "_RangeHost", eqn):
+  def __init__(self, host: "_RangeHost", eqn, used=frozenset(),
+               jaxpr=None):
     self.host, self.eqn, self.primitive = host, eqn, eqn.primitive
+    self.used = used            # the variables the eqn's jaxpr reads
+    self.jaxpr = jaxpr          # the jaxpr the eqn belongs to
+
+  @property
+  def producers(self) -> dict:
+    """The equation computing each variable of the eqn's jaxpr."""
+    return self.host.producers(self.jaxpr)
 
   def dtype(self, k: int = 0):
     aval = self.eqn.outvars[k].aval
@@ -223,15 +261,24 @@ class _Context:
       return self.walk(closed.jaxpr, closed.consts, args)
     return self.walk(closed, (), args)
 
-  def access(self, ref, transforms) -> None:
-    """Records the coordinates `ref[transforms...]` touches."""
+  def access(self, ref, transforms, reads: bool = True) -> None:
+    """Records the coordinates `ref[transforms...]` touches (and whether
+    the access reads them)."""
     if not isinstance(ref, Window):
       return
+    origin = ref.origin
     for t in transforms:
       ref = ref.index(t)
       if ref is None:
+        self.escape([origin])
         return
-    self.host.result.record(self.eqn, Access.of(ref))
+    self.host.result.record(self.eqn, Access.of(ref), reads)
+
+  def escape(self, args) -> None:
+    """Notes the refs among `args`: something the analysis does not follow
+    happens to them."""
+    self.host.result.escaped.update(a.origin for a in args
+                                    if isinstance(a, Window))
 
   def new_buffer(self, aval, origin: str) -> Window | None:
     inner = getattr(aval, "inner_aval", aval)
@@ -259,6 +306,7 @@ class _RangeHost(LoweringHost):
   def __init__(self, kernel: str, where: str):
     self.kernel, self.where = kernel, where
     self.result = KernelRanges()
+    self._producers: dict = {}
 
   def literal(self, atom):
     return _concrete_interval(atom.val)
@@ -269,7 +317,15 @@ class _RangeHost(LoweringHost):
     return _concrete_interval(value)
 
   def rule_context(self, eqn, used, position):
-    return _Context(self, eqn)
+    return _Context(self, eqn, used, position[0])
+
+  def producers(self, jaxpr) -> dict:
+    hit = self._producers.get(id(jaxpr))
+    if hit is None or hit[0] is not jaxpr:
+      hit = self._producers[id(jaxpr)] = (jaxpr, {
+          v: e for e in (jaxpr.eqns if jaxpr is not None else ())
+          for v in e.outvars})
+    return hit[1]
 
   def error(self, message, eqn=None):
     return BackendError(self.kernel, message, self.where)
@@ -278,9 +334,11 @@ class _RangeHost(LoweringHost):
 # ------------------------------------------------------------- the kernel
 
 def _grid_intervals(grid) -> list[Interval] | None:
-  if any(int(g) <= 0 for g in grid):
+  """The program ids of each dim: any int32 for a dynamic (traced) size."""
+  if any(not is_dynamic(g) and int(g) <= 0 for g in grid):
     return None                  # the kernel never runs
-  return [Interval(0, int(g) - 1) for g in grid]
+  top = int(np.iinfo(np.int32).max) - 1
+  return [Interval(0, top if is_dynamic(g) else int(g) - 1) for g in grid]
 
 
 def _block_window(host: _RangeHost, bm, ids, prefetch) -> Window:
@@ -308,12 +366,14 @@ def _block_window(host: _RangeHost, bm, ids, prefetch) -> Window:
                 tuple(axes), tuple(fixed))
 
 
-def _analyze(spec) -> KernelRanges:
+def _analyze(spec, pinned: dict[int, int] | None = None) -> KernelRanges:
   host = _RangeHost(spec.name, spec.where)
   gm = spec.grid_mapping
   ids = _grid_intervals(gm.grid)
   if ids is None:
     return host.result
+  for d, v in (pinned or {}).items():
+    ids[d] = Interval.const(v)
   prefetch = [Window.whole(getattr(a, "inner_aval", a).shape,
                            f"scalar prefetch {k}")
               for k, a in enumerate(gm.prefetch_avals)]
@@ -338,6 +398,12 @@ def analyze_kernel(spec) -> KernelRanges:
   if hit is None:
     hit = _CACHE[spec] = _analyze(spec)
   return hit
+
+
+def analyze_at(spec, pinned: dict[int, int]) -> KernelRanges:
+  """The same as `analyze_kernel` at the grid points whose index along
+  each grid dim `d` of `pinned` is `pinned[d]` (not cached)."""
+  return _analyze(spec, pinned)
 
 
 def analyze_jaxpr(jaxpr: ClosedJaxpr, args: Sequence) -> list:

@@ -3,7 +3,9 @@
 Each has an abstract eval and a discharge rule (the interpret backend's
 meaning); the lowerings give them their hardware meaning. Masked loads and
 stores also have jvp rules: the tangent is the same masked access of the
-tangent ref (so jvp and, through discharge, grad of kernels using them work).
+tangent ref (so jvp and, through discharge, grad of kernels using them work),
+and print in a jaxpr as JAX prints ref reads and writes (`y <- x[i]`,
+`x[i] <- v`).
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import enum
 import jax.numpy as jnp
 from jax import tree_util
 from dsl.core.jax_internals import (ad, ad_util, core, get_ref_and_transforms,
+                                    pp_ref_transforms, source_info_util,
                                     state_discharge, state_types)
+from dsl.core.jax_internals import pretty_printer as pp
 from jax.extend.core import Primitive
 
 from dsl.core import windows
@@ -164,6 +168,45 @@ def _store_jvp(primals, tangents, *, tree, has_mask, **params):
 
 ad.primitive_jvps[masked_load_p] = _load_jvp
 ad.primitive_jvps[masked_store_p] = _store_jvp
+
+
+def _pp_arrow(eqn, settings):
+  annotation = (source_info_util.summarize(eqn.source_info)
+                if settings.source_info else None)
+  return pp.text(" <- ", annotation=annotation)
+
+
+def _pp_named(context, names, values):
+  """` mask=m other=o` for the extra operands present."""
+  docs = []
+  for name, value in zip(names, values):
+    docs += [pp.text(f" {name}="), core.pp_var(value, context)]
+  return docs
+
+
+def _load_pp(eqn, context, settings):
+  """`y = masked_load x i` prints as `y <- x[i]` (then `mask=`, `other=`)."""
+  ref, *args = eqn.invars
+  p = eqn.params
+  transforms, extra = _split_args(args, p["tree"], 0)
+  names = ["mask"] * p["has_mask"] + ["other"] * p["has_other"]
+  lhs = core.pp_vars(eqn.outvars, context, print_shapes=settings.print_shapes)
+  return pp.concat([lhs, _pp_arrow(eqn, settings),
+                    pp_ref_transforms(context, ref, transforms),
+                    *_pp_named(context, names, extra)])
+
+
+def _store_pp(eqn, context, settings):
+  """`masked_store x i v` prints as `x[i] <- v` (then `mask=`)."""
+  ref, *args = eqn.invars
+  transforms, (val, *mask) = _split_args(args, eqn.params["tree"], 0)
+  return pp.concat([pp_ref_transforms(context, ref, transforms),
+                    _pp_arrow(eqn, settings), core.pp_var(val, context),
+                    *_pp_named(context, ["mask"], mask)])
+
+
+core.pp_eqn_rules[masked_load_p] = _load_pp
+core.pp_eqn_rules[masked_store_p] = _store_pp
 
 
 def _check_value(name, val, shape, dtype):

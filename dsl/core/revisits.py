@@ -66,10 +66,10 @@ def _dims(idx: np.ndarray):
 def check_output_revisits(kernel: str, gm, where, skip=()) -> None:
   """Raises KernelError for the first output whose block a TPU would revisit
   after writing it back. `skip`: output block mappings the pipeline does
-  not window (`ANY`)."""
-  grid = tuple(int(g) for g in gm.grid)
-  if not grid:
+  not window (`ANY`); a grid with a dynamic dim has no static answer."""
+  if not gm.grid or gm.dynamic_dims:
     return
+  grid = tuple(int(g) for g in gm.grid)
   hidden = gm.num_hidden_axes
   for bm in gm.block_mappings[gm.num_inputs:]:
     if bm.whole_array or not bm.block_shape or any(bm is s for s in skip):

@@ -4,7 +4,9 @@ The kernel jaxpr takes `(*grid_indices, *prefetch_refs, *in_refs, *out_refs,
 *scratch_refs)`. Grid indices are ordinary int32 inputs: `program_id(axis)`
 returns the tracer of that input, so every backend sees them the same way
 (Triton as `tl.program_id`, Mosaic as the kernel's index arguments, the
-interpreter as vectorized values).
+interpreter as vectorized values). `num_programs(axis)` is a static int, or
+for a dim whose size is traced a `num_programs` equation at the kernel's
+top level (dsl.core.dynamic_grid).
 """
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ from dsl.core.jax_internals import (api_util, close_jaxpr, ClosedJaxpr, core,
                                     linear_util as lu, mesh as mesh_lib,
                                     partial_eval as pe)
 
-from dsl.core import fixits, refs as refs_mod
-from dsl.core.blockspec import (BlockMapping, arity_text, positional_arity,
-                                takes)
+from dsl.core import dynamic_grid, fixits, refs as refs_mod
+from dsl.core.blockspec import BlockMapping, call_mismatch
 from dsl.core.errors import (KernelError, KernelTypeError, function_location,
-                             frame_of_traceback, raise_from_user_frames,
+                             frame_of_traceback, kernel_name,
+                             raise_from_user_frames,
                              source_excerpt, tracing_kernel, user_frame,
                              user_traceback)
 from dsl.core import named_axes
@@ -38,6 +40,7 @@ class _GridEnv:
   indices: tuple[Any, ...]
   sizes: tuple[int, ...]
   names: frozenset = frozenset()
+  trace: Any = None        # the kernel body's top-level trace
 
 
 _GRID_ENV: contextvars.ContextVar[_GridEnv | None] = contextvars.ContextVar(
@@ -57,7 +60,8 @@ def program_id(axis: int):
 
 
 def num_programs(axis: int):
-  """The grid's size along `axis` (a static int)."""
+  """The grid's size along `axis`: a static int, or an int32 scalar where
+  the size is traced."""
   env = _GRID_ENV.get()
   if env is None:
     raise KernelError("<none>", "num_programs can only be called inside a "
@@ -65,6 +69,8 @@ def num_programs(axis: int):
   if not 0 <= axis < len(env.sizes):
     raise KernelError(env.kernel, f"num_programs({axis}) is outside the grid "
                       f"of rank {len(env.sizes)}", user_frame())
+  if dynamic_grid.is_dynamic(env.sizes[axis]):
+    return dynamic_grid.bind_num_programs(env.trace, axis)
   return env.sizes[axis]
 
 
@@ -75,8 +81,11 @@ def in_kernel_body() -> bool:
 
 @contextlib.contextmanager
 def grid_env(kernel: str, indices, sizes, names=()):
+  """Inside it, `program_id` and `num_programs` speak of this grid; a
+  dynamic size's `num_programs` is bound in the trace current on entry."""
   token = _GRID_ENV.set(_GridEnv(kernel, tuple(indices), tuple(sizes),
-                                 frozenset(n for n in names or () if n)))
+                                 frozenset(n for n in names or () if n),
+                                 dynamic_grid.current_trace()))
   try:
     with tracing_kernel(kernel):
       yield
@@ -137,14 +146,13 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
                  ) -> ClosedJaxpr:
   """Traces `kernel_fn` over the block refs of `gm`; checks its arity."""
   n_refs = gm.num_refs
-  arity = positional_arity(kernel_fn)
   n_args = len(gm.unflatten_kernel_refs([object()] * n_refs))
-  if not takes(arity, n_args):
+  mismatch = call_mismatch(kernel_fn, n_args, kernel_name(kernel_fn))
+  if mismatch is not None:
     raise KernelTypeError(
-        name, f"the kernel takes {arity_text(arity)} refs but pallas_call "
-        f"passes {n_args}: "
+        name, f"{mismatch}: pallas_call passes "
         f"{gm.num_scalar_prefetch} scalar prefetch + {gm.num_inputs} inputs + "
-        f"{gm.num_outputs} outputs + {len(gm.scratch_avals)} scratch",
+        f"{gm.num_outputs} outputs + {len(gm.scratch_avals)} scratch refs",
         f"{where} (kernel defined at {function_location(kernel_fn)})")
   grid_avals = [core.ShapedArray((), jnp.int32)] * len(gm.grid)
   ref_avals = list(gm.ref_avals)
@@ -165,9 +173,13 @@ def trace_kernel(kernel_fn, name: str, gm: GridMapping, where: str
     finally:
       refs_mod._ACTIVE.reset(token)
     if out is not None:
-      raise KernelError(name, "a kernel writes its results to its output refs "
-                        f"and returns None, but it returned {type(out).__name__}",
-                        function_location(kernel_fn))
+      # Pallas's wording, so code that matches its error matches ours.
+      raise KernelError(
+          name, f"The kernel function in the pallas_call "
+          f"{kernel_name(kernel_fn)} at "
+          f"{function_location(kernel_fn)} should return None (it writes its "
+          f"results to its output refs), but it returned "
+          f"{type(out).__name__}", function_location(kernel_fn))
     return []
 
   dbg = api_util.debug_info(f"kernel {name}", kernel_fn,
@@ -220,10 +232,16 @@ def _raise_trace_error(e, name, gm, where, traced_names, origins):
 
 
 def _operand_in_traceback(tb, names: dict) -> str | None:
-  """Names the kernel ref that the failing statement touched, if any."""
+  """Names the kernel ref that the failing statement touched: the one ref
+  among the parameters of the innermost function that was passed exactly
+  one (a function passed several, such as the kernel body, does not say
+  which; other locals may be left over from loops)."""
   for frame, _ in reversed(list(traceback.walk_tb(tb))):
-    for value in frame.f_locals.values():
-      base = getattr(value, "ref", value)
-      if id(base) in names:
-        return names[id(base)]
+    code = frame.f_code
+    params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    found = {names[id(base)] for p in params
+             if id(base := getattr(frame.f_locals.get(p), "ref",
+                                   frame.f_locals.get(p))) in names}
+    if len(found) == 1:
+      return found.pop()
   return None

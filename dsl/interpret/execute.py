@@ -2,8 +2,12 @@
 
 The kernel jaxpr is discharged (refs become values), then run once per step
 of the sequential grid dims, vectorized with `jax.vmap` over the parallel
-dims. Blocks come from views (reshapes) of the padded operands or from
-per-point dynamic slices; output blocks are written back in place.
+dims. Blocks come from views (reshapes) of the padded operands, or of the
+overlapping windows of an input's `Element` dims cut from shifted slices,
+or from per-point dynamic slices; output blocks are written back in place.
+A grid dim whose size is traced (dsl.core.dynamic_grid) is sequential: the
+loop over the steps has a traced trip count, and the kernel's
+`num_programs` of that dim is its size.
 """
 from __future__ import annotations
 
@@ -17,9 +21,11 @@ from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core import config
 from dsl.core.blockspec import BlockMapping, Element
+from dsl.core.dynamic_grid import full_grid, sizes_as_inputs
 from dsl.core.grid_plan import OperandPlan, Plan
 from dsl.core.index_maps import block_offsets
 from dsl.core.poison import fresh_buffer, poison_full, poison_value
+from dsl.interpret import element_windows
 from dsl.interpret.vectorize import vectorizable
 from dsl.transforms.common import written_prefetch
 from dsl.transforms.discharge import discharged_kernel
@@ -94,28 +100,39 @@ def _kernel_perm(op: OperandPlan):
   return first, rest, [2 * j + 1 for j in range(r)]
 
 
-def state_perm(op: OperandPlan) -> list[int]:
+def state_perm(op: OperandPlan, plan: Plan) -> list[int]:
   """The layout an operand is carried in over the grid run, as a
   permutation of its view's axes: the view itself where a step's window is
-  a reshape of a slice of it, else the kernel layout (`_kernel_perm`),
-  transposed once before the run instead of once per step."""
+  a reshape of a slice of it (its axes longer than 1 come in kernel order),
+  else the kernel layout (`_kernel_perm`), transposed once before the run
+  instead of once per step."""
   first, rest, blocks = _kernel_perm(op)
-  if first + blocks == sorted(first + blocks):
+  extent = {2 * j + 1: b for j, b in enumerate(op.mapping.block_sizes)}
+  extent.update({2 * j: plan.grid[val] for j, (kind, val)
+                 in enumerate(op.sources) if kind == "grid"})
+  moved = [a for a in first + blocks if extent.get(a, 1) != 1]
+  if moved == sorted(moved):
     return list(range(2 * len(op.sources)))
   return first + rest + blocks
 
 
-def to_state(x, op: OperandPlan):
-  """An operand (padded) in the layout it is carried in (`state_perm`)."""
-  v = to_view(x, op.mapping)
-  perm = state_perm(op) if op.sources else []
+def to_state(x, op: OperandPlan, plan: Plan):
+  """An operand (not padded) in the layout it is carried in
+  (`state_perm`): its view, transposed where that layout asks."""
+  v = (element_windows.input_view(x, op, plan.grid) if op.windows
+       else to_view(pad(x, op.mapping), op.mapping))
+  perm = state_perm(op, plan) if op.sources else []
   return v.transpose(perm) if perm != sorted(perm) else v
 
 
-def from_state(s, op: OperandPlan):
-  perm = state_perm(op) if op.sources else []
+def from_state(s, op: OperandPlan, plan: Plan):
+  """An output's carried state back in the array's layout. The transpose
+  out of the kernel layout is a copy of its own: on XLA's CPU, the
+  kernel's last computation writing its result transposed runs several
+  times slower than the computation and the copy apart."""
+  perm = state_perm(op, plan) if op.sources else []
   if perm != sorted(perm):
-    s = s.transpose(np.argsort(perm))
+    s = lax.optimization_barrier(s).transpose(np.argsort(perm))
   return from_view(s, op.mapping)
 
 
@@ -134,7 +151,7 @@ def _state_window(op: OperandPlan, plan: Plan, seq_coords):
       sizes.append(1)
     starts.append(0)
     sizes.append(op.mapping.block_sizes[j])
-  perm = state_perm(op)
+  perm = state_perm(op, plan)
   starts = [starts[a] for a in perm]
   sizes = [sizes[a] for a in perm]
   return starts, sizes
@@ -150,7 +167,7 @@ def read_state_block(state, op: OperandPlan, plan: Plan, seq_coords):
     w = state
   else:
     w = lax.dynamic_slice(state, [jnp.asarray(s, jnp.int32) for s in starts],
-                          sizes)
+                          sizes, allow_negative_indices=False)
   return w.reshape(tuple(plan.grid[d] for d in op.par_dims) + bm.kernel_shape)
 
 
@@ -162,7 +179,8 @@ def write_state_block(state, block, op: OperandPlan, plan: Plan, seq_coords):
   if list(sizes) == list(state.shape):   # the step writes the whole operand
     return block
   return lax.dynamic_update_slice(
-      state, block, [jnp.asarray(s, jnp.int32) for s in starts])
+      state, block, [jnp.asarray(s, jnp.int32) for s in starts],
+      allow_negative_indices=False)
 
 
 def _window_inside(full, bm: BlockMapping, offsets):
@@ -272,8 +290,9 @@ def _initial_states(args, spec, plan: Plan):
   prefetch, inputs = list(args[:gm.num_scalar_prefetch]), args[gm.num_scalar_prefetch:]
   in_states = []
   for x, op in zip(inputs, plan.operands[:n_in]):
-    x = pad(jnp.asarray(x), op.mapping)
-    in_states.append(to_state(x, op) if op.mode == "view" else x)
+    x = jnp.asarray(x)
+    in_states.append(to_state(x, op, plan) if op.mode == "view"
+                     else pad(x, op.mapping))
   aliases = dict(spec.input_output_aliases)
   out_states = []
   for k, op in enumerate(plan.operands[n_in:]):
@@ -283,8 +302,8 @@ def _initial_states(args, spec, plan: Plan):
     # (uninitialized); an aliased output starts from its input.
     init = (jnp.asarray(args[src]).astype(bm.array_aval.dtype) if src is not None
             else poison_full(bm.array_aval.shape, bm.array_aval.dtype))
-    init = pad(init, bm)
-    out_states.append(to_state(init, op) if op.mode == "view" else init)
+    out_states.append(to_state(init, op, plan) if op.mode == "view"
+                      else pad(init, bm))
   par_shape = tuple(gm.grid[d] for d in plan.parallel)
   poison = config.poison_buffers()
   scratch = [fresh_buffer(a, poison, par_shape) for a in gm.scratch_avals]
@@ -293,18 +312,23 @@ def _initial_states(args, spec, plan: Plan):
   return prefetch, in_states, out_states, scratch
 
 
-def _point_fn(spec, plan: Plan):
+def _point_fn(spec, plan: Plan, sizes):
   """The kernel at one grid point, vmapped over the parallel dims: takes
   (*ids, *prefetch, *inputs, *outputs, *scratch) and returns the new output
   blocks, the new scratch (then the prefetch refs it writes) and the offsets
-  of the gathered output blocks."""
+  of the gathered output blocks. `sizes`: the traced sizes of the grid's
+  dynamic dims."""
   gm = spec.grid_mapping
   written = written_prefetch(spec)
-  dj = vectorizable(discharged_kernel(spec.jaxpr, len(gm.grid)))
+  jaxpr, n_lead = spec.jaxpr, len(gm.grid)
+  if gm.dynamic_dims:      # their sizes first, then the ids
+    jaxpr = sizes_as_inputs(jaxpr, gm.dynamic_dims)
+    n_lead += len(gm.dynamic_dims)
+  dj = vectorizable(discharged_kernel(jaxpr, n_lead))
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
 
   def point(*flat):
-    ids, pf, in_args, out_args, sc = gm.split(flat)
+    ids, pf, in_args, out_args, sc, _ = gm.split(flat)
     in_blocks = [a if op.mode == "view" else
                  read_gather_block(a, op.mapping,
                                    block_offsets(op.mapping, ids, pf),
@@ -319,7 +343,8 @@ def _point_fn(spec, plan: Plan):
         out_offs.append(jnp.stack(offs) if offs else jnp.zeros((0,), jnp.int32))
         out_blocks.append(read_gather_block(a, op.mapping, offs,
                                             op.from_data))
-    finals = gm.split(_eval(dj, *ids, *pf, *in_blocks, *out_blocks, *sc))
+    finals = gm.split(_eval(dj, *sizes, *ids, *pf, *in_blocks, *out_blocks,
+                            *sc))
     pf_finals = [p for p, w in zip(finals.prefetch, written) if w]
     return list(finals.outputs), list(finals.scratch) + pf_finals, out_offs
 
@@ -331,12 +356,12 @@ def _point_fn(spec, plan: Plan):
   return _nested_vmap(point, plan, arg_dims)
 
 
-def _step_fn(spec, plan: Plan, prefetch, in_states):
+def _step_fn(spec, plan: Plan, prefetch, in_states, sizes):
   """One step of the sequential grid dims: (coords, outputs, scratch) ->
   (outputs, scratch) with every parallel point of the step applied."""
   gm = spec.grid_mapping
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
-  vpoint = _point_fn(spec, plan)
+  vpoint = _point_fn(spec, plan, sizes)
   written = written_prefetch(spec)
   n_scr = len(gm.scratch_avals)
 
@@ -370,18 +395,26 @@ def _step_fn(spec, plan: Plan, prefetch, in_states):
 
 def _run_sequential(step, grid, seq, out_states, scratch):
   """Runs `step` once per point of the sequential dims `seq`, in row-major
-  order, carrying the output and scratch states."""
+  order, carrying the output and scratch states. A traced size makes the
+  number of steps traced."""
   seq_sizes = [grid[d] for d in seq]
   n_steps = math.prod(seq_sizes)
 
   def coords_of(s):
-    coords, rem = {}, s
-    for d, size in reversed(list(zip(seq, seq_sizes))):
+    """The coordinates of step `s`: a dim of size 1 is at 0, and the
+    first dim that may be longer (often the only one) at what is left of
+    `s` once the later ones took theirs."""
+    coords, rem = {d: 0 for d in seq}, s
+    longer = [(d, size) for d, size in zip(seq, seq_sizes)
+              if not isinstance(size, int) or size > 1]   # or traced
+    for d, size in reversed(longer[1:]):
       coords[d] = rem % size
       rem = rem // size
+    if longer:
+      coords[longer[0][0]] = rem
     return coords
 
-  if n_steps == 1:
+  if isinstance(n_steps, int) and n_steps == 1:
     return step({d: 0 for d in seq}, out_states, scratch)
 
   def body(s, carry):
@@ -394,12 +427,14 @@ def run(*args, spec):
   """Evaluates the pallas_call described by `spec` on `args`."""
   gm = spec.grid_mapping
   plan = gm.plan(spec.compiler_params, spec.jaxpr)
-  prefetch, in_states, out_states, scratch = _initial_states(args, spec, plan)
-  step = _step_fn(spec, plan, prefetch, in_states)
-  out_states, _ = _run_sequential(step, gm.grid, plan.sequential, out_states,
-                                  scratch)
+  operands = gm.split_operands(args)
+  prefetch, in_states, out_states, scratch = _initial_states(
+      operands.prefetch + operands.inputs, spec, plan)
+  step = _step_fn(spec, plan, prefetch, in_states, operands.sizes)
+  out_states, _ = _run_sequential(step, full_grid(gm.grid, operands.sizes),
+                                  plan.sequential, out_states, scratch)
   results = []
   for s, op in zip(out_states, plan.operands[gm.num_inputs:]):
-    full = from_state(s, op) if op.mode == "view" else s
+    full = from_state(s, op, plan) if op.mode == "view" else s
     results.append(unpad(full, op.mapping))
   return results

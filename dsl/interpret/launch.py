@@ -1,7 +1,8 @@
 """The pallas_call lowering rule of the interpret backend: the kernel runs
 as plain JAX ops (`execute.run`), with its run-time checks and waits made
 values first where it has any (dsl.transforms.runtime_checks); inside
-`dsl.profile`, as its own program in a host callback."""
+`dsl.profile`, as its own program in a host callback. A `plgpu.kernel`
+runs its warpgroups together in a host callback (`warpgroups.run_kernel`)."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ from dsl.core.jax_internals import config as jax_config, mlir
 
 from dsl.core import config, host_failures
 from dsl.tools import profiling
+from dsl.interpret import warpgroups
 from dsl.interpret.execute import run
 from dsl.transforms import runtime_checks
 from dsl.transforms.window_checks import has_run_time_windows
@@ -19,6 +21,14 @@ from dsl.transforms.window_checks import has_run_time_windows
 
 def interpret_lowering(ctx, *args, spec):
   """The pallas_call lowering rule of backend "interpret"."""
+  if warpgroups.mesh_of(spec) is not None:
+    # A plgpu.kernel: its warpgroups run together, on the host.
+    warpgroups.check_runnable(spec)
+    fn = _in_callback(functools.partial(warpgroups.run_kernel, spec), spec,
+                      ctx.module_context.axis_context)
+    with jax_config._check_vma(False):
+      return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+  warpgroups.check_single_programs(spec)
   fn = functools.partial(run, spec=spec)
   # With runtime asserts on, block indices read from data and windows
   # placed at run time are checked too.
@@ -42,11 +52,25 @@ def interpret_lowering(ctx, *args, spec):
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
+def _in_callback(run, spec, axis_context):
+  """A function of the kernel's (traced) operands that calls `run(*arrays)`
+  (numpy in, the outputs out) in a host callback; a KernelError it raises
+  reaches the caller (dsl.core.host_failures)."""
+  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
+            for a in spec.grid_mapping.out_avals]
+
+  def fn(*xs):
+    outs, failed = host_failures.call_host(run, shapes, *xs,
+                                           kernel=spec.name,
+                                           source=spec.kernel_src)
+    host_failures.raise_parked(axis_context, failed)
+    return outs
+  return fn
+
+
 def _on_host(fn, spec, axis_context):
   """`fn` compiled on its own and run in a host callback (`dsl.profile`):
   timed and named in traces, not fused with its neighbours."""
-  shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype)
-            for a in spec.grid_mapping.out_avals]
 
   def on_host(*xs):
     # Compiled ahead, so that its time in the profile is the kernel's alone.
@@ -55,9 +79,5 @@ def _on_host(fn, spec, axis_context):
 
     def run(*arrays):
       return [np.asarray(o) for o in jax.block_until_ready(compiled(*arrays))]
-    outs, failed = host_failures.call_host(run, shapes, *xs,
-                                           kernel=spec.name,
-                                           source=spec.kernel_src)
-    host_failures.raise_parked(axis_context, failed)
-    return outs
+    return _in_callback(run, spec, axis_context)(*xs)
   return on_host

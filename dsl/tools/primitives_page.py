@@ -5,7 +5,8 @@
 
 The page is made from the registry (dsl.core.backends): each backend's rule
 table, the rewrites that dsl.core.normalize makes before a backend's lowering,
-and the call primitives every walker inlines. A test compares it with what
+and the call primitives every walker inlines, and the fallbacks
+(dsl.core.fallbacks) a backend without a rule gets. A test compares it with what
 this module makes now, so a rule added without regenerating the page fails.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import sys
 
 from dsl.core import backends
+from dsl.core.fallbacks import FALLBACKS
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES
 from dsl.core.normalize import DECOMPOSITIONS, VALUES_IN_MEMORY
 
@@ -36,8 +38,11 @@ Every other backend lowers a kernel through its rule table
 `BackendError` naming the primitive, the kernel and the line. Below, a
 backend lowers a primitive when its table has a rule for it (`rule`), or
 when dsl rewrites the primitive into others before that backend's lowering
-(`rewritten`: `dsl.core.normalize` decomposes it, or inlines a call). Backends
-that share a table share a column.
+(`rewritten`: `dsl.core.normalize` decomposes it, or inlines a call), or
+when the backend has no rule and dsl replaces the primitive with its
+fallback, math written once as lax operations in `dsl.core.fallbacks` and
+lowered by the backend's own rules (`fallback`: float32, and float16 and
+bfloat16 computed in float32). Backends that share a table share a column.
 """
 
 
@@ -65,6 +70,8 @@ def _cell(record, name: str) -> str:
   table = backends.rule_table(record.name)
   if name in table.names():
     return "rule"
+  if name in {p.name for p in FALLBACKS}:
+    return "fallback"
   rewritten = {p.name for p in (*DECOMPOSITIONS, *CALL_PRIMITIVES)}
   if record.values_in_memory:
     rewritten |= {p.name for p in VALUES_IN_MEMORY}
@@ -80,6 +87,7 @@ def make_page() -> str:
     if table is not None:
       names |= set(table.names())
   names |= {p.name for p in DECOMPOSITIONS}
+  names |= {p.name for p in FALLBACKS}
   names |= {p.name for p in VALUES_IN_MEMORY}
   names |= {p.name for p in CALL_PRIMITIVES}
   lines = [_HEAD, "| primitive | " + " | ".join(h for h, _ in columns) + " |",

@@ -42,22 +42,12 @@ from dsl.core.jax_internals import (core, debugging, mlir, state_discharge,
 from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, KernelTypeError, user_frame
-from dsl.core.operand_layout import pack, position, unpack
+from dsl.core.operand_layout import (effects as _effects_for, pack, position,
+                                     ref_and_transforms as _ref_parts, unpack)
 from dsl.core.semaphores import (BarrierSemaphore, DeviceIdType,
                                  get_barrier_semaphore,
                                  get_barrier_semaphore_p, is_semaphore_aval)
 from dsl.core.tracing import grid_axis_names
-
-
-def _ref_parts(what: str, ref):
-  if isinstance(ref, state_types.TransformedRef):
-    return ref.ref, tuple(ref.transforms)
-  aval = core.typeof(ref)
-  if not isinstance(aval, state_types.AbstractRef):
-    raise KernelTypeError(None, f"{what} must be a ref, got "
-                          f"{getattr(aval, 'str_short', lambda: aval)()}",
-                          user_frame())
-  return ref, ()
 
 
 def view_shape(ref, transforms):
@@ -122,19 +112,6 @@ def _normalize_device_id(device_id, device_id_type):
                         f"{len(device_id)} values", user_frame())
     return tuple(jnp.asarray(v, jnp.int32) for v in device_id), None
   return (jnp.asarray(device_id, jnp.int32),), None
-
-
-def _effects_for(layout, reads=(), writes=()):
-  effs = set()
-  for name in reads:
-    pos = position(layout, name)
-    if pos is not None:
-      effs.add(state_types.ReadEffect(pos))
-  for name in writes:
-    pos = position(layout, name)
-    if pos is not None:
-      effs.add(state_types.WriteEffect(pos))
-  return effs
 
 
 # ------------------------------------------------------------ remote helpers

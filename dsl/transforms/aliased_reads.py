@@ -23,7 +23,7 @@ from dsl.core.grid_plan import first_read_before_write
 from dsl.core.memory import MemorySpace
 from dsl.core.pallas_call import KernelSpec
 from dsl.core.primitives import when
-from dsl.core.tracing import program_id
+from dsl.core.tracing import num_programs, program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
 from dsl.transforms.revisits import first_visit
 
@@ -51,7 +51,8 @@ def reading_aliased_outputs(spec: KernelSpec):
   """`(spec', operands)`: the kernel that starts each block of an aliased
   output it reads before writing from the aliased input, and the operand
   indices to pass once more after the kernel's own operands; None when
-  the kernel needs no such rewrite."""
+  the kernel needs no such rewrite. The operand indices count the
+  scalar-prefetch operands and inputs, not the grid sizes before them."""
   if spec.meta and spec.meta[0] == "aliased_reads":
     return None
   pairs = _read_first(spec)
@@ -60,10 +61,10 @@ def reading_aliased_outputs(spec: KernelSpec):
   gm = spec.grid_mapping
   n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
-  grid = tuple(int(g) for g in gm.grid)
 
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
+    grid = [num_programs(d) for d in range(n_grid)]   # traced where dynamic
     pf, ins, starts, outs, scr = split(refs, n_pf, n_in, len(pairs), n_out,
                                        n_scr)
     for (_, o), start in zip(pairs, starts):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from dsl.core.jax_internals import ClosedJaxpr, core
 
 from dsl.core import grid_plan
-from dsl.core.blockspec import BlockMapping, BlockSpec, squeezed
+from dsl.core.blockspec import BlockMapping, BlockSpec
 from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
 from dsl.core.ref_ops import masked_load_p
 from dsl.transforms.discharge import discharged_kernel
@@ -28,9 +28,6 @@ def block_spec_of(bm: BlockMapping, n_grid: int,
   `lead(ids)` gives block indices of `n_lead` extra leading (squeezed) dims.
   """
   jaxpr = bm.index_map_jaxpr
-  shape = tuple(None if d is squeezed else d for d in bm.block_shape)
-  if lead is not None:
-    shape = (None,) * n_lead + shape
 
   def index_map(*args):
     ids, pf = args[:n_grid], args[n_grid:]
@@ -39,7 +36,7 @@ def block_spec_of(bm: BlockMapping, n_grid: int,
       out = list(lead(ids)) + out
     return tuple(out)
 
-  return BlockSpec(shape, index_map, memory_space=bm.memory_space)
+  return bm.to_spec(index_map, lead=n_lead if lead is not None else 0)
 
 
 def sds(aval, batch: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:

@@ -32,7 +32,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dsl.core.sharding import (Layout, choose_axes, layout_of, log_once, pspec,
                                reads_program_ids, sharding_rule, spec_axes)
 from dsl.core import backends
-from dsl.core.blockspec import BlockSpec, squeezed
 from dsl.core.errors import BackendError
 from dsl.core.pallas_call import build_spec, pallas_call_p
 from dsl.core.tracing import program_id
@@ -75,8 +74,7 @@ def _with_grid_offsets(local):
     def index_map(*args):       # the offsets are not an index map's argument
       return tuple(core.jaxpr_as_fun(bm.index_map_jaxpr)(*args[:n],
                                                          *args[n + 1:]))
-    shape = tuple(None if d is squeezed else d for d in bm.block_shape)
-    return BlockSpec(shape, index_map, memory_space=bm.memory_space)
+    return bm.to_spec(index_map)
 
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   args = ([jax.ShapeDtypeStruct((n,), np.int32)]

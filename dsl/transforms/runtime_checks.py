@@ -34,7 +34,8 @@ from dsl.core import checks, host_failures, primitives
 from dsl.tpu import primitives as tp
 from dsl.core.blockspec import BlockSpec, Element, element_padding
 from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
-                             KernelRuntimeError, park, traceback_frame)
+                             KernelError, KernelRuntimeError, park,
+                             traceback_frame)
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.operand_layout import pack, unpack
 from dsl.core.pallas_call import KernelSpec
@@ -376,6 +377,7 @@ def checked_spec(spec: KernelSpec, keep_debug: bool = False,
   holds every blocked operand's block index at each grid point (for the
   message)."""
   gm = spec.grid_mapping
+  _refuse_dynamic_grid(spec)
   n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   names = dict(zip(spec.jaxpr.jaxpr.invars, _operand_names(spec)))
@@ -415,6 +417,22 @@ def checked_spec(spec: KernelSpec, keep_debug: bool = False,
   new = new.replace(name=spec.name, grid_mapping=dataclasses.replace(
       new.grid_mapping, num_hidden_axes=gm.num_hidden_axes))
   return new, err_tree
+
+
+def _refuse_dynamic_grid(spec: KernelSpec):
+  """The checked kernel writes an error state per grid point: a grid with
+  a traced size has no such array here."""
+  gm = spec.grid_mapping
+  if gm.dynamic_dims:
+    dim = gm.dynamic_dims[0] - gm.num_hidden_axes
+    raise KernelError(
+        spec.name, f"grid dim {dim} has a traced size, and the interpret "
+        "backend checks a kernel's run-time checks (pl.debug_check, "
+        "checkify, jax_pallas_enable_runtime_assert) and semaphore waits "
+        "per grid point of a static grid; run it without them, or with "
+        "backend='mosaic_interpret', which checks pl.debug_check and "
+        "runtime asserts as it runs (checkify.checkify needs a static "
+        "grid)", spec.where, operand="grid")
 
 
 # ------------------------------------------------------------ reporting

@@ -503,6 +503,7 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
                       "derive", spec.where)
   _, base, in_nz = spec.meta
   gm = base.grid_mapping
+  _refuse_dynamic_grid(base)
   n_out = gm.num_outputs
   n_primals = gm.num_scalar_prefetch + gm.num_inputs
   primals, tangent_args = args[:n_primals], args[n_primals:]
@@ -544,6 +545,22 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   tangent_cts = [sharded_like(c, getattr(t, "aval", None))
                  for c, t in zip(ct_ins, tangent_args)]
   return [None] * n_primals + tangent_cts
+
+
+def _refuse_dynamic_grid(base: KernelSpec):
+  """The transposed kernel walks the grid backwards and its per-point
+  records and cotangents are sized by the grid: a traced size has no
+  reverse mode here."""
+  gm = base.grid_mapping
+  if not gm.dynamic_dims:
+    return
+  dim = gm.dynamic_dims[0] - gm.num_hidden_axes
+  raise KernelError(
+      base.name, f"reverse mode (jax.grad, jax.vjp) cannot differentiate a "
+      f"kernel whose grid dim {dim} has a traced size: the backward kernel "
+      "is sized by the grid. Give the kernel a hand-written backward pass "
+      "with jax.custom_vjp (forward mode, jax.jvp, and jax.vmap work as "
+      "they are)", base.where, operand="grid")
 
 
 ad.primitive_linearizations[pallas_call_p] = pallas_call_linearize

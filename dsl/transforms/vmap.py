@@ -6,6 +6,8 @@ operand also gets a unit dim after the batch one, `(batch, 1, n)`, so its
 squeezed batch dim is not the second-minor one (a TPU block may squeeze its
 last two dims only where the array's are 1). The kernel body is
 unchanged and its own `program_id(k)` numbering does not see the new dim.
+The traced sizes of a grid's dynamic dims stay operands of the new kernel;
+batched ones (a size per batch element) take the loop fallback.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from dsl.core.jax_internals import batching
 
+from dsl.core.dynamic_grid import shift_axes
 from dsl.core.memory import MemorySpace
 from dsl.core.pallas_call import KernelSpec, pallas_call_p
 from dsl.core.tracing import program_id
@@ -22,8 +25,9 @@ from dsl.transforms.common import block_spec_of, derived_spec, eval_ref_jaxpr, s
 
 
 def _batched_by_loop(args, dims, spec):
-  """Fallback: one call per batch element (for batched scalar prefetch or
-  unblocked `ANY` operands, whose refs cannot take a batch block dim)."""
+  """Fallback: one call per batch element (for batched scalar prefetch,
+  grid sizes or unblocked `ANY` operands, whose refs cannot take a batch
+  block dim)."""
   args = [batching.moveaxis(a, d, 0) if d is not None else a
           for a, d in zip(args, dims)]
   batched = [d is not None for d in dims]
@@ -44,9 +48,13 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
   in_dims = gm.split_operands(dims)
   unblocked = any(d is not None and bm.memory_space is MemorySpace.ANY
                   for d, bm in zip(in_dims.inputs, gm.in_mappings))
-  if any(d is not None for d in in_dims.prefetch) or unblocked or any(
-      bm.memory_space is MemorySpace.ANY for bm in gm.out_mappings):
+  if any(d is not None for d in in_dims.prefetch + in_dims.sizes) or (
+      unblocked or any(bm.memory_space is MemorySpace.ANY
+                       for bm in gm.out_mappings)):
     return _batched_by_loop(args, dims, spec)
+  n_sizes = len(in_dims.sizes)
+  grid_sizes = list(args[:n_sizes])
+  args, dims = list(args[n_sizes:]), list(dims[n_sizes:])
   args = [batching.moveaxis(a, d, 0) if d is not None else a
           for a, d in zip(args, dims)]
   batched = [d is not None for d in dims]
@@ -56,11 +64,13 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
       args[i] = jnp.broadcast_to(args[i], (size,) + args[i].shape)
       batched[i] = True
 
+  jaxpr = shift_axes(spec.jaxpr, 1)
+
   def body(*refs):
     ids = [program_id(d + 1) for d in range(n_grid)]
-    eval_ref_jaxpr(spec.jaxpr, *ids, *refs)
+    eval_ref_jaxpr(jaxpr, *ids, *refs)
 
-  in_batched = gm.split_operands(batched)
+  in_batched = gm.split_operands([False] * n_sizes + batched)
   inner = lambda ids: ids[1:]
 
   def batch_spec(bm):
@@ -91,7 +101,7 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
   new = new.replace(grid_mapping=dataclasses.replace(
       new.grid_mapping, num_hidden_axes=gm.num_hidden_axes + 1),
       ref_names=spec.ref_names)
-  outs = pallas_call_p.bind(*args, spec=new)
+  outs = pallas_call_p.bind(*grid_sizes, *args, spec=new)
   outs = [o.reshape((size,) + tuple(bm.array_aval.shape))
           for o, bm in zip(outs, gm.out_mappings)]
   return outs, [0] * len(outs)

@@ -17,7 +17,7 @@ from jax.interpreters import mlir
 from dsl.core import backends as _backends
 from dsl.core.inspection import as_lowered, traced_kernels
 from lowering_mosaic.gpu import rules as _rules  # noqa: F401 (fills TABLE)
-from lowering_mosaic.gpu.host import TABLE
+from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
 from lowering_mosaic.gpu.plan import GpuPlan, make_gpu_plan
 from lowering_mosaic.gpu.launch import dump_gpu_module, mosaic_gpu_lowering

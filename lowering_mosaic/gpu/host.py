@@ -20,9 +20,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes
 from dsl.core.errors import BackendError, source_info_frame
-from dsl.core.jaxpr_walk import LoweringHost, RuleTable, walk_jaxpr
-
-TABLE = RuleTable("the Mosaic GPU backend")
+from dsl.core.jaxpr_walk import (LoweringHost, RuleContextBase, RuleTable,
+                                 walk_jaxpr)
 
 TRITON_HINT = "; use backend='triton' for this kernel"
 
@@ -176,12 +175,17 @@ def to_index(v) -> ir.Value:
 
 
 @dataclasses.dataclass
-class RuleContext:
+class RuleContext(RuleContextBase):
+  """What a lowering rule sees of its equation (RuleContextBase), and the
+  kernel's host (`host`)."""
   host: "GpuHost"
   eqn: Any
   avals_in: list
   avals_out: list
-  used_out: list
+  used: list
+
+  def out_used(self, i: int = 0) -> bool:
+    return self.used[i]
 
   def error(self, message: str) -> BackendError:
     return self.host.error(message, self.eqn)
@@ -191,10 +195,11 @@ class RuleContext:
 
 
 class GpuHost(LoweringHost):
-  """Lowers one kernel's jaxprs at the current insertion point."""
-  rules = TABLE
+  """Lowers one kernel's jaxprs at the current insertion point, through
+  `rules` (the rule table of lowering_mosaic.gpu.rules)."""
 
-  def __init__(self, kernel: str, where: str | None):
+  def __init__(self, kernel: str, where: str | None, rules: RuleTable):
+    self.rules = rules
     self.kernel = kernel
     self.where = where
     self.scoped = {}        # id(run_scoped equation) -> its SMEM buffers

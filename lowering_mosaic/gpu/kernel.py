@@ -40,7 +40,7 @@ from dsl.core.jaxpr_walk import walk_jaxpr
 from lowering_mosaic.gpu import specialized
 from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, constant,
                                       decode, i32, index_cast_i32)
-from lowering_mosaic.gpu.rules import memory as memory_rules
+from lowering_mosaic.gpu.rules import TABLE, memory as memory_rules
 from lowering_mosaic.gpu.plan import (MBARRIER_BYTES, SMEM_ALIGN, SWIZZLE,
                                       GpuPlan, make_gpu_plan)
 
@@ -391,7 +391,7 @@ def build_gpu_module(spec) -> GpuModule:
   """The Mosaic GPU module of `spec`; must run inside an MLIR context made
   by `jax.interpreters.mlir.make_ir_context()` (as lowering rules do)."""
   plan = make_gpu_plan(spec)
-  host = GpuHost(spec.name, spec.where)
+  host = GpuHost(spec.name, spec.where, TABLE)
   ins, outs, smem, where, starts = _shapes(plan)
   semantics = mgpu_lib.LoweringSemantics.Warpgroup
   try:

@@ -14,12 +14,12 @@ from jax.experimental.mosaic.gpu import core as mgpu_core
 
 from dsl.core.errors import BackendError
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
+from dsl.core import config
 
 
 def dump_gpu_module(spec, built: GpuModule) -> str | None:
   """Writes the dialect-level module and the lowered one to
   `jax_pallas_dump_mlir_to` if set; returns the first path."""
-  from dsl.core import config
   directory = config.dump_mlir_to()
   if not directory:
     return None

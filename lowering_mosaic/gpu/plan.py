@@ -370,7 +370,30 @@ def _params(spec):
       isinstance(consumers, int) and 1 <= consumers <= S.MAX_CONSUMERS):
     raise _err(spec, f"num_consumers must be an int from 1 to "
                f"{S.MAX_CONSUMERS}, got {consumers!r}", "compiler_params")
-  return ws, depth, consumers
+  return ws, _ring_depth(spec, depth), consumers
+
+
+def _ring_depth(spec, depth: int | None) -> int | None:
+  """The ring depth the kernel asks for: `pipeline_depth` of its compiler
+  params, or the `pipeline_mode=pl.Buffered(n)` of its input BlockSpecs
+  (one ring serves every moving input block, so they must agree). An
+  output block is written back once per step, through no ring: its
+  pipeline_mode has nothing to set (a derived kernel's cotangent output
+  keeps its input's)."""
+  gm = spec.grid_mapping
+  asked = {bm.origin: bm.pipeline_mode.buffer_count
+           for bm in gm.in_mappings if bm.pipeline_mode is not None}
+  counts = set(asked.values())
+  if len(counts) > 1:
+    raise _err(spec, "one ring of slots serves every moving input block, "
+               "so their pipeline_mode=pl.Buffered(n) must agree; got " +
+               ", ".join(f"{o}: {n}" for o, n in asked.items()),
+               next(iter(asked)))
+  if counts and depth is not None and counts != {depth}:
+    raise _err(spec, f"pipeline_mode=pl.Buffered({counts.pop()}) and "
+               f"compiler_params pipeline_depth={depth} disagree: give "
+               f"one", "compiler_params")
+  return depth if depth is not None else (counts.pop() if counts else None)
 
 
 def _split_dims(plan: GpuPlan, blocks, consumers: int) -> list[int]:

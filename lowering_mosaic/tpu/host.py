@@ -20,7 +20,7 @@ from dsl.core.jax_internals import arith, core, ir, mlir, tpu
 
 from dsl.core import config
 from dsl.core.errors import BackendError, marked_jaxpr, traceback_frame
-from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, LoweringHost,
+from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, LoweringHost, RuleContextBase,
                                  equation_traceback, walk_jaxpr)
 from lowering_mosaic import dialect
 
@@ -121,22 +121,22 @@ class LoweringContext:
 
 
 @dataclasses.dataclass
-class RuleContext:
-  """What a lowering rule sees of its equation."""
+class RuleContext(RuleContextBase):
+  """What a lowering rule sees of its equation (RuleContextBase), and the
+  kernel's LoweringContext (`lctx`)."""
   lctx: LoweringContext
   eqn: Any
   avals_in: list
   avals_out: list
-  outs_used: list = dataclasses.field(default_factory=list)
+  used: list = dataclasses.field(default_factory=list)
 
-  @property
-  def primitive(self) -> str:
-    return self.eqn.primitive.name
+  def out_used(self, i: int = 0) -> bool:
+    return self.used[i]
 
   def error(self, message: str) -> BackendError:
     return self.lctx.error(message, self.primitive)
 
-  def lower_sub(self, jaxpr: core.Jaxpr, consts, args):
+  def lower(self, jaxpr: core.Jaxpr, consts, args) -> list:
     return lower_jaxpr(self.lctx, jaxpr, consts, args)
 
 
@@ -189,8 +189,8 @@ def i32_const(v: int) -> ir.Value:
 
 
 def index_const(v: int) -> ir.Value:
-  return arith.ConstantOp(dialect.index_type(),
-                          ir.IntegerAttr.get(dialect.index_type(), int(v))).result
+  t = dialect.index_type()
+  return arith.ConstantOp(t, ir.IntegerAttr.get(t, int(v))).result
 
 
 def to_index(v) -> ir.Value:

@@ -81,8 +81,10 @@ def mosaic_lowering(ctx, *args, spec):
                     for a in spec.grid_mapping.out_avals)
   allow_fusion = (list(params.allow_input_fusion)
                   if params.allow_input_fusion is not None else None)
-  # booleans cross the call as int32 (the kernel's memrefs hold i32)
+  # booleans cross the call as int32 (the kernel's memrefs hold i32); the
+  # sizes of dynamic grid dims lead the operands (as Mosaic reads them)
   in_avals = [_in_memory(a) for a in ctx.avals_in]
+  n_sizes = len(spec.grid_mapping.dynamic_dims)
   args = mlir.lower_fun(_cast_all(in_avals), multiple_results=True)(
       ctx.replace(avals_out=in_avals), *args)
   outs = tpu_custom_call.lower_module_to_custom_call(
@@ -92,7 +94,8 @@ def mosaic_lowering(ctx, *args, spec):
       vmem_limit_bytes=params.vmem_limit_bytes,
       flags=dict(params.flags) if params.flags else None,
       allow_input_fusion=allow_fusion,
-      input_output_aliases=tuple(spec.input_output_aliases),
+      input_output_aliases=tuple((i + n_sizes, o)
+                                 for i, o in spec.input_output_aliases),
       internal_scratch_in_bytes=params.internal_scratch_in_bytes,
       collective_id=collective_id, collective_id_tag=tag,
       has_side_effects=bool(params.has_side_effects),

@@ -9,7 +9,9 @@ attributes Mosaic reads:
                                    (or the whole array in #tpu.memory_space<any>),
                   %scratch: memref<..., vmem> | memref<N x !tpu.dma_semaphore, semaphore_mem>)
     attributes {dimension_semantics = [#tpu.dimension_semantics<parallel|arbitrary>, ...],
-                iteration_bounds = array<i64: grid...>,
+                iteration_bounds = array<i64: grid...>  (a dim whose size is
+                    traced: MLIR's dynamic size; the custom call takes the
+                    size as a leading operand, `tpu.iteration_bound` reads it),
                 scalar_prefetch = P, scratch_operands = S,
                 tpu.core_type = #tpu.core_type<tc>,
                 window_params = [{transform_indices = @transform_0,
@@ -34,6 +36,7 @@ import re
 from dsl.core.jax_internals import MOSAIC_MODULE_NAMED, arith, func, ir
 
 from dsl.core.blockspec import Buffered, Element, RevisitMode, squeezed
+from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.grid_plan import declared_semantics
 from dsl.core.errors import BackendError
 from lowering_mosaic import dialect
@@ -266,7 +269,7 @@ def _entry_attributes(main, spec, lctx, window_params):
       for s in _dimension_semantics(spec, n_grid)])
   if n_grid:
     main.attributes["iteration_bounds"] = ir.DenseI64ArrayAttr.get(
-        list(gm.grid))
+        [dialect.DYNAMIC_SIZE if is_dynamic(g) else g for g in gm.grid])
     main.attributes["window_params"] = ir.ArrayAttr.get(window_params)
   main.attributes["scalar_prefetch"] = _i64(gm.num_scalar_prefetch)
   main.attributes["scratch_operands"] = _i64(len(gm.scratch_avals))

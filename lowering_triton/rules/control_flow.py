@@ -15,6 +15,8 @@ from dsl.core.jax_internals import ad_checkpoint, ClosedJaxpr, core
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
 from lowering_triton.rules import register
 from lowering_triton.values import TVal
+from lowering_triton.values import literal_value
+from lowering_triton.dtypes import tl_type
 
 
 def _typed(v) -> str:
@@ -92,7 +94,6 @@ def _counted(cond_jaxpr, body_jaxpr, cconsts, body_nconsts, init):
     return None
   b = eqn.invars[1]
   if isinstance(b, core.Literal):
-    from lowering_triton.values import literal_value
     bound = literal_value(int(np.asarray(b.val)), np.int32)
   elif b in cond.invars[:n_cc]:
     bound = cconsts[cond.invars.index(b)]
@@ -253,7 +254,6 @@ def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
   if counter is not None:
     start = init[counter]
     if start.literal is not None:
-      from lowering_triton.values import literal_value
       outs[counter] = literal_value(int(start.literal) + length, start.dtype)
     else:
       outs[counter] = ctx.bind(f"{start.expr} + {length}", (), start.dtype,
@@ -262,7 +262,6 @@ def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
 
 
 def _tl(dtype) -> str:
-  from lowering_triton.dtypes import tl_type
   return tl_type(dtype)
 
 

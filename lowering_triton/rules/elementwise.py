@@ -82,47 +82,6 @@ def _tanh(ctx, x, **params):
   return result(ctx, expr, np.float32, "tanh")
 
 
-@register(lax.log1p_p, fold=True)
-def _log1p(ctx, x, **params):
-  xf = _named_input(ctx, x)
-  u = ctx.bind_raw(f"1.0 + {xf}", "log1p_u")
-  expr = (f"tl.where({u} == 1.0, {xf}, tl.where({u} == float('inf'), {u}, "
-          f"tl.log({u}) * ({xf} / ({u} - 1.0))))")
-  return result(ctx, expr, np.float32, "log1p")
-
-
-@register(lax.expm1_p, fold=True)
-def _expm1(ctx, x, **params):
-  xf = _named_input(ctx, x)
-  u = ctx.bind_raw(f"tl.exp({xf})", "expm1_u")
-  expr = (f"tl.where({u} == 1.0, {xf}, tl.where({u} - 1.0 == -1.0, -1.0, "
-          f"tl.where({u} == float('inf'), {u}, "
-          f"({u} - 1.0) * ({xf} / tl.log({u})))))")
-  return result(ctx, expr, np.float32, "expm1")
-
-
-@register(lax.sinh_p)
-def _sinh(ctx, x, **params):
-  xf = _named_input(ctx, x)
-  return result(ctx, f"0.5 * (tl.exp({xf}) - tl.exp(-{xf}))", np.float32,
-                 "sinh")
-
-
-@register(lax.cosh_p)
-def _cosh(ctx, x, **params):
-  xf = _named_input(ctx, x)
-  return result(ctx, f"0.5 * (tl.exp({xf}) + tl.exp(-{xf}))", np.float32,
-                 "cosh")
-
-
-@register(lax.cbrt_p)
-def _cbrt(ctx, x, **params):
-  xf = _named_input(ctx, x)
-  expr = (f"tl.where({xf} < 0, -tl.exp2(tl.log2(-{xf}) / 3.0), "
-          f"tl.exp2(tl.log2({xf}) / 3.0))")
-  return result(ctx, expr, np.float32, "cbrt")
-
-
 @register(lax.sign_p, fold=True)
 def _sign(ctx, x, **params):
   xf = _named_input(ctx, x)

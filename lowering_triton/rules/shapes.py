@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 from jax import lax
+from dsl.core.jax_internals import state_primitives
 
 from lowering_triton import dtypes
 from lowering_triton.codegen import paren
@@ -104,6 +105,16 @@ def _broadcast_in_dim(ctx, x, *dyn, shape, broadcast_dimensions, **params):
   if padded(expanded) != padded(shape):
     expr = f"tl.broadcast_to({expr}, {padded(shape)})"
   return ctx.bind(expr, shape, x.dtype, hint)
+
+
+@register(state_primitives.broadcast_to_p)
+def _broadcast_to(ctx, x, *, shape, **params):
+  """JAX state's broadcast (numpy's rule: leading dims added, unit dims
+  stretched), which an indexer with several arrays of indices applies to
+  each of them."""
+  rank, extra = len(shape), len(shape) - len(x.shape)
+  return _broadcast_in_dim(ctx, x, shape=shape,
+                           broadcast_dimensions=tuple(range(extra, rank)))
 
 
 # ------------------------------------------------------------- reshapes

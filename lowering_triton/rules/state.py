@@ -24,7 +24,8 @@ from lowering_triton.check_values import check_values_comment
 from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
                                   apply_indexer, as_sym, bcast, emit_address,
-                                  has_padding_or_bounds, index_sym)
+                                  has_padding_or_bounds, index_sym,
+                                  without_proven_wraps)
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
 from lowering_triton.values import TVal, full_expr, padded, py_literal
@@ -56,6 +57,7 @@ def _with_proven(ctx, view: MemRef) -> MemRef:
   access = ctx.lowering.ranges.access(ctx.eqn) if view.dynamic else None
   if access is None or access.array_shape != view.array_shape:
     return view
+  view = without_proven_wraps(view, access.index_inside)
   proven = tuple((d, side) for d in view.dynamic
                  for side, ok in enumerate(access.proven(d)) if ok)
   proven_block = tuple((d, side) for d in view.dynamic
@@ -129,13 +131,16 @@ def poison(dtype) -> str:
 
 def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
           other: str | None = None, extra: str = "") -> TVal:
-  """A load of `view`: lanes outside the array (or masked off) read `other`,
-  poison when it is None (what the memory there holds is unspecified)."""
+  """A load of `view`: lanes outside the array (or masked off) read `other`;
+  when it is None, whatever the memory there holds (no `other`, so that
+  Triton may copy the tile straight to shared memory; the host backends'
+  loads give poison there: lowering_triton.interpret_memory)."""
   ctx.lowering.before_read(view.ptr)
   args = [ptr]
   if mask is not None:
     args.append(f"mask={mask}")
-    args.append(f"other={other if other is not None else poison(view.dtype)}")
+    if other is not None:
+      args.append(f"other={other}")
   if extra:
     args.append(extra)
   return ctx.bind(f"tl.load({', '.join(args)})", view.shape, view.dtype, hint,

@@ -20,7 +20,7 @@ COMPAT_PAGE = os.path.join(_ROOT, "docs", "pallas-compat.md")
 # The record the `vs Pallas` column comes from.
 SPEED_RECORD = os.path.join(_ROOT, "benchmarks", "results",
                             "pallas-ops-cpu.json")
-_SECTION = "## Pallas's kernel library on dsl"
+_SECTION = swap.SECTION
 
 _INTRO = (
     "Pallas's own kernel library (`jax.experimental.pallas.ops` in the "
@@ -30,7 +30,13 @@ _INTRO = (
     "runs one cheap shape per op on dsl's CPU backends (chosen with "
     "`dsl.default_backend`, since the ops name none) and compares it with "
     "the original op in Pallas's interpret mode and with the op's own "
-    "reference. Under `pytest -m slow` it runs each op's variants the same "
+    "reference. The `*_mgpu` ops (written against Pallas's Mosaic GPU API, "
+    "`plgpu`) run on the interpret backend's warpgroup interpreter, on a "
+    "simulated GPU of 2 SMs (`benchmarks/pallas_library/cases_mgpu.py`), "
+    "and are compared with Pallas's GPU interpret mode. The default suite "
+    "checks each op on one backend (`mosaic_interpret` for a TPU op, "
+    "`interpret` for a GPU op) and the others under `pytest -m slow`. "
+    "Under `pytest -m slow` it runs each op's variants the same "
     "way (`benchmarks/pallas_library/matrix_tpu.py`, `matrix_gpu.py`): "
     "other shapes and dtypes, the optional "
     "features, and gradients, through the op's own custom_vjp where it has "

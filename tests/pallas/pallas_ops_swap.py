@@ -8,25 +8,41 @@ here.
 from __future__ import annotations
 
 from benchmarks.pallas_library.swap import (  # noqa: F401 -- re-exported
-    GPU_BACKENDS, NO_PALLAS, OPS, ORIGINAL, PREFIX, REWRITES, TPU_BACKENDS,
-    backends_of, base_op, install, ops_dir, original, rewrite, swapped)
+    GPU_BACKENDS, MGPU_BACKENDS, NO_PALLAS, OPS, ORIGINAL, PALLAS_IMPORTS,
+    PREFIX, REWRITES, TPU_BACKENDS, backends_of, base_op, install, is_mgpu,
+    ops_dir, original, rewrite, swapped)
+
+# The section of docs/pallas-compat.md that lists the ops (written by
+# pallas_ops_page.py).
+SECTION = "## Pallas's kernel library on dsl"
+
+
+_NO_CORE_COUNT = ("reads the number of SMs from {}.core_count, which a CPU "
+                  "device does not have")
+_MULTIMEM = ("pl.semaphore_wait(decrement=False) is not supported, nor are "
+             "{} and plgpu.semaphore_signal_multicast on the interpret "
+             "backend, which runs one device's warpgroups")
+_BLACKWELL = ("Blackwell kernels: tcgen05 MMA and tensor memory (plgpu.TMEM, "
+              "tcgen05_mma, async_load_tmem) are not in dsl.mosaic_gpu")
 
 
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
 # (a fix shows up as an XPASS) and a row of docs/pallas-compat.md.
 XFAIL: dict[tuple[str, str], str] = {
-    ("tpu.megablox.gmm", "interpret"):
-        "traced grid sizes: the number of active tiles is computed from the "
-        "group sizes (grid[1] must be a positive integer, got a tracer)",
-    ("tpu.megablox.gmm", "mosaic_interpret"):
-        "traced grid sizes: the number of active tiles is computed from the "
-        "group sizes (grid[1] must be a positive integer, got a tracer)",
-    ("tpu.megablox.tgmm", "interpret"):
-        "traced grid sizes: the number of active tiles is computed from the "
-        "group sizes (grid[2] must be a positive integer, got a tracer)",
-    ("tpu.megablox.tgmm", "mosaic_interpret"):
-        "traced grid sizes: the number of active tiles is computed from the "
-        "group sizes (grid[2] must be a positive integer, got a tracer)",
+    ("gpu.transposed_ragged_dot_mgpu", "interpret"): _NO_CORE_COUNT.format(
+        "jax.devices()[0]"),
+    ("gpu.collective_matmul_mgpu", "interpret"): _NO_CORE_COUNT.format(
+        "jax.devices()[0]") + "; nor does the interpret backend, which runs "
+        "one device's warpgroups, signal peer devices (plgpu.remote_ref, "
+        "pl.semaphore_signal)",
+    ("gpu.reduce_scatter_mgpu", "interpret"): _MULTIMEM.format(
+        "plgpu.multimem_load_reduce"),
+    ("gpu.all_gather_mgpu", "interpret"): _MULTIMEM.format(
+        "plgpu.multimem_store"),
+    ("gpu.blackwell_matmul_mgpu", "interpret"): _BLACKWELL,
+    ("gpu.blackwell_ragged_dot_mgpu", "interpret"): _BLACKWELL + " (it "
+        "stops earlier: " + _NO_CORE_COUNT.format("jax.local_devices()[0]")
+        + ")",
 }
 
 # The matrix's megacore variants on mosaic_interpret (test_pallas_ops.py).
@@ -61,7 +77,33 @@ XFAIL.update({
 })
 
 # Cases too slow for the default suite (pytest -m slow runs them).
-SLOW: set[tuple[str, str]] = set()
+_TOO_SLOW = {
+    ("gpu.layer_norm (grad)", "interpret"),
+    ("gpu.rms_norm (grad)", "interpret"),
+    # 132 blocks (the op fixes the SM count of an H100)
+    ("gpu.ragged_dot_mgpu", "interpret"),
+    ("gpu.attention_mgpu (causal)", "interpret"),
+    ("gpu.hopper_mixed_type_matmul_mgpu", "interpret"),
+}
+# The backend the default suite checks an op on, first that is not too slow
+# and, for a TPU op, passes: the other backends run under -m slow.
+_PREFERRED = {"tpu": ("mosaic_interpret", "interpret"),
+              "gpu": ("interpret", "triton_interpret")}
+
+
+def default_backend(op: str) -> str | None:
+  """The one backend the default suite runs op `op` on (None: every case of
+  it is too slow)."""
+  backends = backends_of(op)
+  ranked = [b for b in _PREFERRED[op.split(".")[0]] if b in backends]
+  fine = [b for b in ranked if (op, b) not in _TOO_SLOW]
+  passing = [b for b in fine if (op, b) not in XFAIL]
+  return (passing or fine or [None])[0]
+
+
+SLOW: set[tuple[str, str]] = _TOO_SLOW | {
+    (op, b) for op in OPS for b in backends_of(op)
+    if b != default_backend(op)}
 
 
 if __name__ == "__main__":

@@ -215,6 +215,7 @@ class KernelReport:
   hot_labels: tuple[str, ...]
   dot16: bool            # a bf16/f16 dot on a tile of at least 64 x 64
   whole: bool            # whole blocks, every coordinate proven inside
+  launch: tuple[int, int, int] = (1, 1, 1)   # programs along x, y, z
 
   @property
   def occupancy(self) -> int:
@@ -294,7 +295,7 @@ def report(kernel: aot.AotKernel) -> KernelReport:
       stats.registers, stats.local_bytes, stats.kernel,
       tuple(lp.mix for lp in stats.hot_loops),
       tuple(lp.label for lp in stats.hot_loops), _has_dot16(kernel.spec),
-      _whole(kernel.spec))
+      _whole(kernel.spec), kernel.launch)
 
 
 def compile_case(name: str, tensor_descriptors: bool = True

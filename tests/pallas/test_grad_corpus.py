@@ -26,8 +26,18 @@ from tests.pallas.testing import check_values_and_grads as _check
 from tests.pallas.testing import uniform_arrays as _data
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("case", sorted(CASES))
+def _one_backend_per_case(cases):
+  """(case, backend) params: the default suite runs each case on one CPU
+  backend, in turn, so every backend gets its share; `-m slow` adds the
+  others."""
+  for i, case in enumerate(cases):
+    for j, backend in enumerate(CPU_BACKENDS):
+      marks = [] if j == i % len(CPU_BACKENDS) else [pytest.mark.slow]
+      yield pytest.param(case, backend, marks=marks, id=f"{case}-{backend}")
+
+
+@pytest.mark.parametrize("case,backend",
+                         list(_one_backend_per_case(sorted(CASES))))
 def test_check_grads(case, backend):
   _check(*CASES[case](backend))
 
@@ -97,9 +107,9 @@ def test_grad_through_a_masked_load_without_other(backend):
 
 # ------------------------------------------------------------ vmap
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("case", ["scratch_accumulator", "fori_loop_rows",
-                                  "scalar_prefetch", "layer_norm"])
+@pytest.mark.parametrize("case,backend", list(_one_backend_per_case(
+    ["scratch_accumulator", "fori_loop_rows", "scalar_prefetch",
+     "layer_norm"])))
 def test_vmap_and_grad_of_vmap(case, backend):
   """A batch of two: the batched kernel (a new leading grid dim, or one call
   per element with scalar prefetch) and its gradient, per element."""

@@ -14,6 +14,7 @@ MODULES = {
     "jax.experimental.pallas": "dsl",
     "jax.experimental.pallas.tpu": "dsl.tpu",
     "jax.experimental.pallas.triton": "dsl.triton",
+    "jax.experimental.pallas.mosaic_gpu": "dsl.mosaic_gpu",
 }
 STATUSES = ("supported", "differs", "not supported")
 _ROW = re.compile(r"^\| `([A-Za-z0-9_]+)` \| ([a-z ]+) \|(.*)\|$")
@@ -46,7 +47,7 @@ def page_tables() -> dict[str, dict[str, tuple[str, str]]]:
   `## \\`module\\`` section."""
   tables, current = {}, None
   for line in PAGE.read_text().splitlines():
-    head = re.match(r"^## `([a-z.]+)`", line)
+    head = re.match(r"^## `([a-z._]+)`", line)
     if head:
       current = tables.setdefault(head.group(1), {})
       continue

@@ -1,13 +1,14 @@
 """Pallas's own kernel library runs on dsl by its import swap alone.
 
-Each op of `jax.experimental.pallas.ops` (tests/pallas/pallas_ops_swap.py
+Each op of `jax.experimental.pallas.ops` (benchmarks/pallas_library/swap.py
 serves it with `import dsl as pl`) runs one cheap shape on dsl's CPU
 backends, chosen with `dsl.default_backend` (the ops name no backend), and
 is compared with the original op in Pallas's interpret mode and with the
-op's own reference where it has one. Under `-m slow`, the matrix of each
-op's other shapes, dtypes, optional features and gradients runs the same
-way. A case that fails today is a strict xfail whose reason is its cause
-(`pallas_ops_swap.XFAIL`), so a fix shows up as an XPASS;
+op's own reference where it has one. The default suite runs each op on one
+backend (`pallas_ops_swap.default_backend`), the others under `-m slow`,
+with the matrix of each op's other shapes, dtypes, optional features and
+gradients. A case that fails today is a strict xfail whose reason is its
+cause (`pallas_ops_swap.XFAIL`), so a fix shows up as an XPASS;
 docs/pallas-compat.md lists the same table.
 """
 from __future__ import annotations
@@ -57,14 +58,18 @@ def test_rewrite_points_pallas_imports_at_dsl():
             "import jax.experimental.pallas as pl2\n"
             "from jax.experimental.pallas import tpu as pltpu\n"
             "  from jax.experimental.pallas import triton as plgpu\n"
+            "from jax.experimental.pallas import mosaic_gpu as plgpu\n"
+            "import jax.experimental.pallas.mosaic_gpu as plgpu\n"
             "from jax.experimental.pallas.ops.tpu import matmul\n"
             "x = 1  # unchanged\n")
   assert swap.rewrite(source).splitlines() == [
       "import dsl as pl", "import dsl as pl2",
       "from dsl import tpu as pltpu", "  from dsl import triton as plgpu",
+      "from dsl import mosaic_gpu as plgpu",
+      "from dsl import mosaic_gpu as plgpu",
       f"from {swap.PREFIX}.tpu import matmul", "x = 1  # unchanged"]
-  with pytest.raises(ImportError, match="mosaic_gpu"):
-    swap.rewrite("from jax.experimental.pallas import mosaic_gpu as plgpu\n")
+  with pytest.raises(ImportError, match="fuser"):
+    swap.rewrite("from jax.experimental.pallas import fuser\n")
 
 
 def test_compat_page_lists_the_table():

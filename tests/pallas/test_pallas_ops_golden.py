@@ -19,12 +19,7 @@ TPU_OPS = [op for op in ops.CASES
            if op.startswith("tpu.") and not op.endswith("(grad)")]
 
 # op -> why dsl's module or call is not Pallas's yet.
-DIFFERS = {
-    "tpu.megablox.gmm":
-        "does not lower on dsl: traced grid sizes (test_pallas_ops.py)",
-    "tpu.megablox.tgmm":
-        "does not lower on dsl: traced grid sizes (test_pallas_ops.py)",
-}
+DIFFERS: dict[str, str] = {}
 
 
 def _params():

@@ -329,3 +329,53 @@ def test_clamped_and_remainder_starts_are_proven():
            if a.origin == "in_specs[1]"]
   assert [a.coords for a in loads] == [(Interval(0, 15),), (Interval(0, 15),)]
   assert all(a.proven(0) == (True, True) for a in loads)
+
+
+# -------------------------------------------------- what masks say
+
+def _mask_bound(fn, index_at, mask_at, *args):
+  """The bound `dsl.core.mask_bounds` finds for output `index_at` of
+  `fn(*args)` under its output `mask_at`."""
+  from dsl.core import mask_bounds
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+  return mask_bounds.bounds_under_mask(jaxpr.outvars[index_at],
+                                       jaxpr.outvars[mask_at], producers)
+
+
+def _on_cols(f):
+  """`f(cols)` for the columns `i * 16 + arange(16)` of program `i`."""
+  return lambda i: f(i * 16 + jnp.arange(16))
+
+
+@pytest.mark.parametrize("name,fn,bound", [
+    ("lt", _on_cols(lambda c: (c, c < 100)), Interval(-(1 << 63), 99)),
+    ("flipped", _on_cols(lambda c: (c, 50 > c)), Interval(-(1 << 63), 49)),
+    ("both_sides", _on_cols(lambda c: (c, (c >= 3) & (c <= 90))),
+     Interval(3, 90)),
+    # rows broadcast against columns, as Pallas's norms' backward does
+    ("rows_of_a_tile", _on_cols(lambda c: (
+        jnp.broadcast_to(c[:, None], (16, 8)),
+        (c[:, None] < 40) & (jnp.arange(8)[None, :] < 5))),
+     Interval(-(1 << 63), 39)),
+    # the mask bounds the columns, the index runs along the rows
+    ("other_axis", _on_cols(lambda c: (
+        jnp.broadcast_to(c[:, None], (16, 16)),
+        jnp.broadcast_to((c < 3)[None, :], (16, 16)))), None),
+    ("another_value", _on_cols(lambda c: (c, c + 1 < 100)), None),
+    ("or", _on_cols(lambda c: (c, (c < 100) | (c > 200))), None),
+])
+def test_a_mask_bounds_the_indices_it_compares_lane_for_lane(name, fn,
+                                                             bound):
+  assert _mask_bound(fn, 0, 1, 3) == bound
+
+
+@given(st.integers(0, 12), st.integers(-40, 200), st.integers(-40, 200))
+@hypothesis_settings(max_examples=40)
+def test_indices_under_a_mask_lie_inside_its_bound(i, lo, hi):
+  fn = _on_cols(lambda c: (c, (c >= lo) & (c < hi)))
+  bound = _mask_bound(fn, 0, 1, i)
+  cols, mask = fn(i)
+  kept = np.asarray(cols)[np.asarray(mask)]
+  if kept.size:
+    assert bound.lo <= kept.min() and kept.max() <= bound.hi

@@ -237,3 +237,40 @@ def test_windows_proven_inside_the_block_drop_its_limits(trips):
     assert_close(got, want)
   else:
     assert np.isnan(got).all()
+
+
+def _column_loop(trips, shift=0, masked=True):
+  """The loop of Pallas's GPU layer norm: columns `i * 128 + arange(128)`
+  read through an array of indices, masked at the row's end."""
+  def kernel(x_ref, o_ref):
+    def body(i, acc):
+      cols = i * 128 + shift + jnp.arange(128)
+      if not masked:
+        return acc + plt.load(x_ref.at[cols])
+      return acc + plt.load(x_ref.at[cols], mask=cols < 512, other=0.0)
+    o_ref[...] = lax.fori_loop(0, trips, body, jnp.zeros(128, jnp.float32))
+
+  def f(x, backend="triton"):
+    return pl.pallas_call(kernel, S((128,), jnp.float32),
+                          backend=backend)(x)
+  return f
+
+
+@pytest.mark.parametrize("trips,shift,masked,wrap,clamp", [
+    (4, 0, True, False, False),   # every index inside: plain pointers
+    (5, 0, True, False, False),   # past the end, but only where masked off
+    (5, 0, False, False, True),   # past the end: clamped as a gather clamps
+    (4, -1, True, True, True),    # maybe negative: counted from the end too
+])
+def test_arrays_of_indices_proven_inside_are_neither_wrapped_nor_clamped(
+    trips, shift, masked, wrap, clamp):
+  f = _column_loop(trips, shift, masked)
+  (src,) = lowering_triton.to_source(f, S((512,), jnp.float32))
+  body = _kernel_source(src)
+  assert ("< 0, " in body) == wrap
+  assert ("tl.minimum(tl.maximum(" in body) == clamp
+  x = array(3, (512,), jnp.float32)
+  got = jax.jit(lambda x: f(x, "triton_interpret"))(x)
+  assert_close(got, jax.jit(lambda x: f(x, "interpret"))(x))
+  if shift == 0 and masked:
+    assert_close(got, x.reshape(4, 128).sum(0))

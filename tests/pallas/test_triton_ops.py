@@ -35,21 +35,14 @@ def _whole(fn, x, out_dtype=None, out_shape=None):
 
 # ------------------------------------------------------------------ elementwise
 
+# Compositions of primitives (each primitive alone, on every dtype and
+# backend: test_op_table.py), at shapes that leave padded lanes.
 UNARY = {
-    "exp": jnp.exp, "log": lambda x: jnp.log(jnp.abs(x) + 0.5),
-    "tanh": jnp.tanh, "erf": jax.scipy.special.erf,
-    "rsqrt": lambda x: lax.rsqrt(jnp.abs(x) + 0.1),
-    "sqrt": lambda x: jnp.sqrt(jnp.abs(x)), "sigmoid": jax.nn.sigmoid,
-    "log1p": lambda x: jnp.log1p(jnp.abs(x)), "expm1": jnp.expm1,
-    "sin": jnp.sin, "cos": jnp.cos, "abs": jnp.abs, "neg": jnp.negative,
-    "floor": jnp.floor, "ceil": jnp.ceil, "round": jnp.round,
-    "sign": jnp.sign, "square": jnp.square, "cube": lambda x: x ** 3,
+    "exp_of_log": lambda x: jnp.exp(jnp.log(jnp.abs(x) + 0.5)),
     "recip_pow": lambda x: (jnp.abs(x) + 1) ** -2,
-    "pow": lambda x: jnp.power(jnp.abs(x) + 0.1, 1.7),
     "gelu": jax.nn.gelu, "silu": jax.nn.silu, "relu": jax.nn.relu,
     "softplus": jax.nn.softplus, "isfinite": lambda x: jnp.isfinite(1.0 / x),
-    "exp2": jnp.exp2, "log2": lambda x: jnp.log2(jnp.abs(x) + 1),
-    "tan": lambda x: jnp.tan(x * 0.5), "cbrt": jnp.cbrt,
+    "tanh_of_sin": lambda x: jnp.tanh(jnp.sin(x) * 3),
 }
 
 

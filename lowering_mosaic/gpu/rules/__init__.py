@@ -1,3 +1,8 @@
-"""The Mosaic GPU rule table, one module per family of primitives."""
-from lowering_mosaic.gpu.rules import (control, dot, elementwise,  # noqa
+"""The Mosaic GPU lowering's rule table, `TABLE`, and the rules that fill
+it, one module per family of primitives."""
+from dsl.core.jaxpr_walk import RuleTable
+
+TABLE = RuleTable("the Mosaic GPU backend")
+
+from lowering_mosaic.gpu.rules import (control, dot, elementwise,  # noqa: E402,F401
                                        memory, shapes)

@@ -10,7 +10,8 @@ from dsl.core.jax_internals import arith, ir, scf
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
 from dsl.core.normalize import scan_layout
 from dsl.core.primitives import run_scoped_p
-from lowering_mosaic.gpu.host import TABLE, TRITON_HINT, index_cast_i32, typed
+from lowering_mosaic.gpu.host import TRITON_HINT, index_cast_i32, typed
+from lowering_mosaic.gpu.rules import TABLE
 
 
 @TABLE.register(*CALL_PRIMITIVES)

@@ -18,7 +18,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes
 from lowering_mosaic.gpu.accumulators import dot_accumulate_p
-from lowering_mosaic.gpu.host import TABLE, TRITON_HINT, constant
+from lowering_mosaic.gpu.host import TRITON_HINT, constant
+from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.elementwise import convert
 
 WGMMA_INPUTS = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",

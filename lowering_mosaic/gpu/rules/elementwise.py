@@ -12,7 +12,8 @@ from dsl.core.jax_internals import (ad_util, arith, custom_derivatives,
 
 from dsl.core import dtypes, primitives
 from dsl.core.rule_helpers import power_by_squaring
-from lowering_mosaic.gpu.host import TABLE, constant, shape_of, to_shape, typed
+from lowering_mosaic.gpu.host import constant, shape_of, to_shape, typed
+from lowering_mosaic.gpu.rules import TABLE
 
 
 def _same_shape(ctx, args):

@@ -18,7 +18,8 @@ from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes, ref_ops
-from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_to,
+from lowering_mosaic.gpu.rules import TABLE
+from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_to,
                                       is_vector, phys, to_index)
 
 
@@ -108,7 +109,7 @@ def _get(ctx, ref, *idx, tree):
 @TABLE.register(state_primitives.swap_p)
 def _swap(ctx, ref, val, *idx, tree):
   view = window(ctx, ref, _unflatten(tree, idx))
-  old = load(view) if ctx.used_out[0] else None
+  old = load(view) if ctx.out_used(0) else None
   store(view, val)
   return old if old is not None else val
 

@@ -11,9 +11,12 @@ from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes
-from lowering_mosaic.gpu.host import (TABLE, TRITON_HINT, broadcast_in_dim,
+from lowering_mosaic.gpu.rules import TABLE
+from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_in_dim,
                                       constant, ir_type, is_ref, is_vector, phys,
                                       phys_position, reshape, typed)
+from lowering_mosaic.gpu.rules.dot import smem_source
+from lowering_mosaic.gpu.rules.elementwise import convert
 
 
 @TABLE.register(lax.broadcast_in_dim_p)
@@ -71,7 +74,6 @@ def _transpose(ctx, x, *, permutation):
   in the buffer the plan set aside for this equation. The float32 result
   of a dot of operands in shared memory becomes the product of their
   transposes."""
-  from lowering_mosaic.gpu.rules.dot import smem_source
   if len(phys(ctx.avals_in[0].shape)) < 2:
     return x                  # unit dims move: the same physical vector
   if tuple(permutation) != (1, 0):
@@ -99,7 +101,6 @@ def _iota(ctx, *_dyn, dtype, shape, dimension, **_):
     return constant(0, shape, dtype)
   v = mgpu.broadcasted_iota(out, phys_position(shape)[dimension])
   if np.dtype(dtype) != np.int32:
-    from lowering_mosaic.gpu.rules.elementwise import convert
     v = convert(v, np.int32, dtype, tuple(shape))
   return v
 

@@ -41,7 +41,7 @@ def _closed(j):
 
 def _lower_branch(ctx, branch, args):
   jaxpr, consts = _closed(branch)
-  return ctx.lower_sub(jaxpr, consts, args)
+  return ctx.lower(jaxpr, consts, args)
 
 
 @register(lax.cond_p)
@@ -115,7 +115,7 @@ def _fori(ctx, body, body_consts, consts, carry, length, unroll):
   if start is not None and unroll >= length > 0:
     state = carry[1:]
     for i in range(start, start + length):
-      state = ctx.lower_sub(body, body_consts,
+      state = ctx.lower(body, body_consts,
                             consts + [i32_const(i)] + list(state))[1:]
     return [i32_const(start + length)] + list(state)
   lb = carry[0]
@@ -125,7 +125,7 @@ def _fori(ctx, body, body_consts, consts, carry, length, unroll):
     loop.attributes["tpu.late_unroll"] = ir.IntegerAttr.get(
         ir.IntegerType.get_signless(32), int(unroll))
   with ir.InsertionPoint(loop.body):
-    outs = ctx.lower_sub(body, body_consts, consts + [loop.induction_variable]
+    outs = ctx.lower(body, body_consts, consts + [loop.induction_variable]
                          + list(loop.inner_iter_args))
     scf.YieldOp(outs[1:])
   return [ub] + list(loop.results)
@@ -147,7 +147,7 @@ def _scan(ctx, *args, jaxpr, length, reverse, unroll=1, **params):
     return _fori(ctx, body, body_consts, consts, carry, int(length), unroll)
   loop = scf.ForOp(i32_const(0), i32_const(int(length)), i32_const(1), carry)
   with ir.InsertionPoint(loop.body):
-    outs = ctx.lower_sub(body, body_consts,
+    outs = ctx.lower(body, body_consts,
                          consts + list(loop.inner_iter_args))
     scf.YieldOp(outs)
   return list(loop.results)
@@ -185,7 +185,7 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
     end = arith.AddIOp(lb, arith.SubIOp(ub, lb).result).result
     loop = scf.ForOp(lb, end, i32_const(1), init[2:])
     with ir.InsertionPoint(loop.body):
-      outs = ctx.lower_sub(body, body_consts, bconsts + [
+      outs = ctx.lower(body, body_consts, bconsts + [
           loop.induction_variable, ub] + list(loop.inner_iter_args))
       scf.YieldOp(outs[2:])
     return [arith.MaxSIOp(lb, ub).result, ub] + list(loop.results)
@@ -206,7 +206,7 @@ def _inline(ctx, *args, **params):
   body = call_body(params, args)
   if body is None:
     raise ctx.error("has no jaxpr to inline")
-  return ctx.lower_sub(*body)
+  return ctx.lower(*body)
 
 
 @register(dsl_primitives.run_scoped_p)
@@ -228,6 +228,6 @@ def _run_scoped(ctx, *consts, jaxpr, num_consts, **params):
         space = dialect.space_name(ms, dialect.VMEM)
         val = memref.AllocaOp(t, [], []).result
       scoped.append(RefVal(val, aval, space, f"run_scoped ref {k}"))
-    outs = ctx.lower_sub(jaxpr, (), list(consts) + scoped)
+    outs = ctx.lower(jaxpr, (), list(consts) + scoped)
     tpu.YieldOp(outs)
   return list(region.results)

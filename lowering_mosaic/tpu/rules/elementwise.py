@@ -277,38 +277,3 @@ def _copy(ctx, *args, **params):
 @register(lax.reduce_precision_p)
 def _reduce_precision(ctx, x, **params):
   return x
-
-
-# erf_inv(x) in float32: Giles' single-precision approximation (the one XLA
-# uses), with w = -log1p(-x * x), a polynomial in w - 2.5 for w < 5 and in
-# sqrt(w) - 3 beyond, times x; +-inf at +-1. The operations are Pallas's.
-_ERF_INV_CENTRAL = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06,
-                    -4.39150654e-06, 0.00021858087, -0.00125372503,
-                    -0.00417768164, 0.246640727, 1.50140941)
-_ERF_INV_TAIL = (-0.000200214257, 0.000100950558, 0.00134934322,
-                 -0.00367342844, 0.00573950773, -0.0076224613,
-                 0.00943887047, 1.00167406, 2.83297682)
-
-
-@register(lax.erf_inv_p)
-def _erf_inv(ctx, x, **_):
-  aval = ctx.avals_in[0]
-  if aval.dtype != jnp.float32:
-    raise ctx.error(f"is supported for float32 only, got {aval.dtype}")
-  k = lambda v: constant(v, aval.shape, aval.dtype)
-  w = arith.SubFOp(k(0.0), math.Log1pOp(arith.MulFOp(
-      x, arith.SubFOp(k(0.0), x).result).result).result).result
-  central = arith.CmpFOp(arith.CmpFPredicate.OLT, w, k(5.0)).result
-  shifted = arith.SelectOp(
-      central, arith.SubFOp(w, k(2.5)).result,
-      arith.SubFOp(math.SqrtOp(w).result, k(3.0)).result).result
-  coeff = lambda i: arith.SelectOp(central, k(_ERF_INV_CENTRAL[i]),
-                                   k(_ERF_INV_TAIL[i])).result
-  p = coeff(0)
-  for i in range(1, len(_ERF_INV_CENTRAL)):
-    c = coeff(i)
-    p = arith.AddFOp(c, arith.MulFOp(p, shifted).result).result
-  at_one = arith.CmpFOp(arith.CmpFPredicate.OEQ, math.AbsFOp(x).result,
-                        k(1.0)).result
-  return arith.SelectOp(at_one, arith.MulFOp(x, k(float("inf"))).result,
-                        arith.MulFOp(p, x).result).result

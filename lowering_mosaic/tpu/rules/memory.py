@@ -281,7 +281,7 @@ def _get(ctx, ref, *flat, tree):
 @register(state_primitives.swap_p)
 def _swap(ctx, ref, val, *flat, tree):
   view = view_of(ctx, ref, _transforms(tree, flat))
-  old = load(ctx, view) if ctx.outs_used[0] else None
+  old = load(ctx, view) if ctx.out_used(0) else None
   store(ctx, view, val)
   return old
 

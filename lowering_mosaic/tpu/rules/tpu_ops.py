@@ -24,6 +24,8 @@ reads) is:
   %b = tpu.sem_barrier          the kernel's barrier semaphore
   %d = tpu.device_id            this device's logical id (row-major over the
                                 mesh; `lax.axis_index` is computed from it)
+  %n = tpu.iteration_bound 1    the size of grid dim 1 (`pl.num_programs(1)`
+                                of a dim whose size is traced)
 
 A DMA semaphore counts bytes: a DMA adds the size of its copy when it lands
 (and, for remote copies, to the send semaphore when the source has been
@@ -37,12 +39,14 @@ copy's ends swapped and carries device and core id 0.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from dsl.core.jax_internals import (DEVICE_COORDINATES_UNSIGNED,
-                                    DMA_WAIT_NAMES_COPY, arith, checkify,
+                                    DMA_WAIT_NAMES_COPY, arith, cf, checkify,
                                     core, ir, lax_parallel, tpu)
 
 from dsl.core import primitives as dsl_primitives
+from dsl.core.dynamic_grid import num_programs_p
 from dsl.tpu import primitives as tp
 from dsl.tpu import vector as tpu_vector
 from dsl.core.semaphores import DeviceIdType
@@ -63,6 +67,13 @@ def _barrier_semaphore(ctx) -> ir.Value:
   ctx.lctx.uses_barrier = True
   return tpu.GetBarrierSemaphoreOp(
       dialect.semaphore_memref_type((), "regular")).result
+
+
+@register(num_programs_p)
+def _num_programs(ctx, *, axis):
+  """The size of a dynamic grid dim, where the kernel asks for it (as
+  Pallas)."""
+  return tpu.GetIterationBoundOp(axis).result
 
 
 @register(tp.get_barrier_semaphore_p)
@@ -351,8 +362,6 @@ def _check(ctx, *args, err_tree, debug, **params):
   on the negated error flag, with the check's message."""
   if debug:
     return []       # debug-only checks are dropped, as without checkify
-  import jax
-  from dsl.core.jax_internals import arith as _arith, cf
   error = jax.tree_util.tree_unflatten(err_tree, list(args))
   messages = []
   for md in error._metadata.values():
@@ -363,7 +372,7 @@ def _check(ctx, *args, err_tree, debug, **params):
       messages.append("check failed")
   message = "; ".join(messages) or "check failed"
   for failed in error._pred.values():
-    true = _arith.ConstantOp(failed.type, ir.IntegerAttr.get(failed.type, 1))
-    ok = _arith.XOrIOp(failed, true.result).result
+    true = arith.ConstantOp(failed.type, ir.IntegerAttr.get(failed.type, 1))
+    ok = arith.XOrIOp(failed, true.result).result
     cf.AssertOp(ok, message)
   return []

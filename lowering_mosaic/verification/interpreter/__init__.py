@@ -24,6 +24,7 @@ from lowering_mosaic.verification.interpreter.simulator import (InterpreterOptio
                                                                 KernelDeadlockError,
                                                                 KernelRaceError,
                                                                 KernelSimulationError)
+from dsl.core import config
 
 _OPTIONS: dict[int, InterpreterOptions] = {0: InterpreterOptions()}
 _IDS: dict[InterpreterOptions, int] = {InterpreterOptions(): 0}
@@ -45,7 +46,6 @@ def current_options() -> InterpreterOptions:
   `runtime_checks` from JAX's jax_pallas_poison_buffers and
   jax_pallas_enable_runtime_assert as they are now (a kernel reads them
   when it is lowered, as Pallas does)."""
-  from dsl.core import config
   return dataclasses.replace(
       _set_options(),
       poison_buffers=config.poison_buffers(),

@@ -415,6 +415,14 @@ def _device_id(op, c):
   return (lambda frame: np.int32(frame.device)), [], False
 
 
+@stateful("tpu.iteration_bound")
+def _iteration_bound(op, c):
+  """The size of a grid dim (dynamic ones come with the launch)."""
+  dim = ir.IntegerAttr(op.attributes["dim"]).value
+  return (lambda frame: np.int32(frame.world.devices[frame.device].grid[dim])
+          ), [], False
+
+
 @stateful("tpu.trace_start", "tpu.trace_stop")
 def _trace(op, c):
   """Profiler marks: nothing to do."""

@@ -18,7 +18,9 @@ NaN for floats; hardware reads garbage there) and is dropped on the way
 out, so no access leaves a buffer; with runtime checks on, a block index
 outside the array is an error naming the operand. Scratch buffers persist
 over the whole grid; they start at zero, or as poison with
-`poison_buffers`. In HBM, outputs not aliased start as poison, as a TPU
+`poison_buffers`. A grid dim whose `iteration_bounds` entry is dynamic
+takes its size from the launch's leading operands (one int32 scalar per
+such dim, in grid order), as a TPU does; `tpu.iteration_bound` reads it. In HBM, outputs not aliased start as poison, as a TPU
 hands a kernel uninitialized output memory: the blocks no grid point visits
 and what a kernel leaves unwritten in an `ANY` output read back as poison.
 """
@@ -349,7 +351,8 @@ def _next_output_block(world, prog, dev, op: Operand, idx, point, line):
   already written back is an error (a TPU would lose its earlier writes)."""
   if op.current is not None:
     _copy_out(world, op, op.current, line)
-    op.left[op.current] = (op.since, _previous(prog.grid, point))
+    op.left[op.current] = (op.since,
+                           _previous(world.devices[dev].grid, point))
   if idx in op.left:
     _revisit_error(world, prog, dev, op, idx, point)
   _poison_block(world, op, line)
@@ -385,7 +388,7 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
   n_pf = prog.num_prefetch
   prefetch = args[:n_pf]
   line = f"the grid pipeline of kernel '{prog.name}'"
-  for point in np.ndindex(*prog.grid):
+  for point in np.ndindex(*world.devices[dev].grid):
     ids = [np.int32(i) for i in point]
     for op in operands:
       if op.block is None:
@@ -423,6 +426,8 @@ def simulate(prog: KernelProgram, per_device_inputs, out_shapes,
   out_shapes = [tuple(s) for s in out_shapes]
   n = len(per_device_inputs)
   world = World(n, options, prog.name)
+  per_device_inputs = [_take_grid_sizes(world.devices[d], prog, inputs)
+                       for d, inputs in enumerate(per_device_inputs)]
   setups = [_setup_device(world, prog, d, per_device_inputs[d], out_shapes,
                           dtypes) for d in range(n)]
   with np.errstate(all="ignore"):
@@ -432,6 +437,18 @@ def simulate(prog: KernelProgram, per_device_inputs, out_shapes,
   for args, ops in setups:
     outs.append([np.array(op.hbm.array) for op in ops if op.is_output])
   return outs, world
+
+
+def _take_grid_sizes(device, prog: KernelProgram, inputs) -> list:
+  """Sets the grid `device` runs (a dynamic dim's size is one of the
+  leading `inputs`) and returns the kernel's own inputs."""
+  dynamic = [d for d, n in enumerate(prog.grid) if n == dialect.DYNAMIC_SIZE]
+  sizes = [int(np.asarray(x).reshape(())) for x in inputs[:len(dynamic)]]
+  grid = list(prog.grid)
+  for d, size in zip(dynamic, sizes):
+    grid[d] = max(size, 0)
+  device.grid = tuple(grid)
+  return list(inputs[len(dynamic):])
 
 
 # ------------------------------------------------------------ program cache

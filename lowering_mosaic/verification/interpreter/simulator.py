@@ -127,6 +127,7 @@ class Device:
     self.waiting: Wait | None = None
     self.done = False
     self.prng = None          # [key, key, draw counter] once seeded
+    self.grid: tuple = ()     # the grid it runs (dynamic sizes filled in)
 
   def add(self, buf: Buffer) -> Buffer:
     self.buffers[buf.key] = buf

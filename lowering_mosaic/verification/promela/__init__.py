@@ -15,7 +15,8 @@
 
 See docs/verification.md.
 """
-from lowering_mosaic.verification.promela.builder import Options, build
+from lowering_mosaic.verification.promela.builder import (Options, build,
+                                                          to_promela)
 from lowering_mosaic.verification.promela.dump import maybe_dump, write_model
 from lowering_mosaic.verification.promela.extract import ModelError, extract
 from lowering_mosaic.verification.promela.report import (KINDS, Report,
@@ -24,13 +25,6 @@ from lowering_mosaic.verification.promela.spin import (INSTALL_HINT, SpinError,
                                                        SpinNotFoundError,
                                                        find_spin, run_spin,
                                                        spin_available)
-
-
-def to_promela(module, num_devices=None, options=None) -> str:
-  """The Promela model (text) of a Mosaic module."""
-  options = options or Options()
-  km = extract(module, num_devices, max_parallel=options.max_parallel)
-  return build(km, options)
 
 
 __all__ = ["INSTALL_HINT", "KINDS", "ModelError", "Options", "Report",

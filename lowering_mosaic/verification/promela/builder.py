@@ -40,6 +40,7 @@ from typing import Optional
 from lowering_mosaic.verification.promela import errors as E
 from lowering_mosaic.verification.promela import model as M
 from lowering_mosaic.verification.promela.errors import fail
+from lowering_mosaic.verification.promela.extract import extract
 from lowering_mosaic.verification.promela.layout import Layout
 from lowering_mosaic.verification.promela.statements import (Lines, Statements,
                                                              clean)
@@ -319,3 +320,11 @@ class Builder:
 def build(km: M.KernelModel, options: Optional[Options] = None) -> str:
   """The Promela text of a kernel model."""
   return Builder(km, options or Options()).build()
+
+
+def to_promela(module, num_devices=None, options=None) -> str:
+  """The Promela model (text) of a Mosaic module: its model extracted
+  (extract.py), then built."""
+  options = options or Options()
+  km = extract(module, num_devices, max_parallel=options.max_parallel)
+  return build(km, options)

@@ -11,6 +11,8 @@ import os
 import re
 import warnings
 from typing import Optional
+from dsl.core import config
+from lowering_mosaic.verification.promela.builder import to_promela
 
 
 def _safe(name: str) -> str:
@@ -18,7 +20,6 @@ def _safe(name: str) -> str:
 
 
 def dump_directory() -> str:
-  from dsl.core import config
   return config.dump_promela_to()
 
 
@@ -62,7 +63,6 @@ def maybe_dump(module, kernel_name: str, num_devices: Optional[int] = None
   directory = dump_directory()
   if not directory:
     return None
-  from lowering_mosaic.verification.promela import to_promela
   try:
     text = to_promela(module, num_devices)
   except Exception as e:  # noqa: BLE001 - a dump must not break lowering

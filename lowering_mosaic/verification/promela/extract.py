@@ -296,6 +296,11 @@ def _grid(attrs, args) -> tuple[tuple, int]:
   """(the grid, how many leading arguments are grid ids)."""
   if "iteration_bounds" in attrs:
     grid = tuple(ir.DenseI64ArrayAttr(attrs["iteration_bounds"]))
+    dynamic = [d for d, n in enumerate(grid) if n < 0]
+    if dynamic:
+      raise ModelError(f"grid dim {dynamic[0]} has a dynamic size (traced "
+                       "when the kernel was called); a Promela model needs "
+                       "static grid sizes")
     if grid:
       return grid, len(grid)
   n_grid = 0

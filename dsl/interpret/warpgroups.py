@@ -1,0 +1,228 @@
+"""How the interpret backend runs a `plgpu.kernel`: every warpgroup of every
+block at once, on the host.
+
+A `plgpu.kernel` is a pallas_call whose compiler params carry its `Mesh`
+(dsl/mosaic_gpu/kernel.py); its last grid dim numbers the warpgroups of a
+block, and they wait for each other at mbarriers, which the vectorized grid
+run of `dsl.interpret.execute` cannot express. So such a kernel runs in a
+host callback (`dsl.core.host_failures.call_host`): each warpgroup is a
+coroutine over the kernel jaxpr (dsl/interpret/thread_eval.py) and a
+scheduler resumes them in turn, each until it waits for something that has
+not happened (round robin over blocks and warpgroups, in grid order, so a
+run is deterministic). When every warpgroup that has not finished waits,
+the kernel is deadlocked: a `KernelDeadlockError` names each wait and its
+line.
+
+Memory: the kernel's operands are GMEM, shared by every block; outputs start
+as poison (as on every host backend), or as the aliased input. A
+`run_scoped` allocation belongs to its warpgroup, or, with
+`collective_axes=thread axis`, to its block: the k-th time each warpgroup
+of a block enters that `run_scoped` they share one allocation. Fresh
+allocations hold poison under `jax_pallas_poison_buffers`, zeros otherwise;
+accumulators (`plgpu.ACC`) start at zero. `pl.get_global` gives one ref per
+call site for the whole launch.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from dsl.core import config
+from dsl.core.errors import BackendError, KernelDeadlockError
+from dsl.core.jaxpr_walk import sub_jaxprs
+from dsl.core.poison import poison_value
+from dsl.core.primitives import run_scoped_p
+from dsl.core.semaphores import is_semaphore_aval
+from dsl.core.state_scopes import get_global_p
+from dsl.interpret import plgpu_rules
+from dsl.interpret.thread_eval import TABLE, Cell, eval_jaxpr, where
+from dsl.mosaic_gpu.kernel import Mesh
+from dsl.mosaic_gpu.memory import (BarrierSpace, is_accumulator_aval,
+                                   is_barrier_aval)
+
+
+def mesh_of(spec) -> Mesh | None:
+  """The Mesh of a `plgpu.kernel`'s spec, None for other kernels."""
+  return getattr(spec.compiler_params, "mesh", None)
+
+
+def allocate(aval, label: str) -> Cell:
+  """A fresh ref of `aval` (see the module docstring for what it holds)."""
+  inner = aval.inner_aval
+  shape, dtype = tuple(inner.shape), np.dtype(inner.dtype)
+  if is_barrier_aval(aval):
+    space: BarrierSpace = aval.memory_space
+    n = math.prod(shape)
+    return Cell(np.arange(n, dtype=np.int32).reshape(shape), label,
+                [plgpu_rules.BarrierState(space.num_arrivals)
+                 for _ in range(n)])
+  poison = (config.poison_buffers() and not is_accumulator_aval(aval)
+            and not is_semaphore_aval(aval))
+  fill = poison_value(dtype) if poison else 0
+  return Cell(np.full(shape, fill, dtype), label)
+
+
+class Thread:
+  """One warpgroup: its coordinates, its coroutine, the mbarrier phases it
+  has waited for, how often it entered each shared `run_scoped`."""
+
+  def __init__(self, machine: "Machine", coords: tuple[int, ...]):
+    self.machine = machine
+    self.kernel = machine.kernel
+    self.coords = coords
+    self.block = coords[:machine.block_rank]
+    self.name = (f"warpgroup {coords[machine.block_rank:] or (0,)} of block "
+                 f"{self.block}")
+    self.waits: dict = {}
+    self.entries: dict = {}
+    self.blocked = None
+    self.done = False
+    self.routine = None
+
+  def step(self) -> bool:
+    """Runs until the warpgroup waits or ends; whether it moved."""
+    if self.done or (self.blocked is not None and not self.blocked.ready()):
+      return False
+    self.blocked = None
+    try:
+      self.blocked = next(self.routine)
+    except StopIteration:
+      self.done = True
+    return True
+
+
+class Machine:
+  """One launch of a `plgpu.kernel`: its shared memory and warpgroups."""
+
+  def __init__(self, spec, mesh: Mesh):
+    self.spec = spec
+    self.kernel = spec.name
+    self.mesh = mesh
+    self.block_rank = mesh.block_rank
+    self.threads_per_block = mesh.num_threads or 1
+    self.thread_axes = (() if mesh.thread_name is None
+                        else (mesh.thread_name,))
+    self.shared: dict = {}
+    self.globals: dict = {}
+
+  def run(self, operands) -> list[np.ndarray]:
+    spec, gm = self.spec, self.spec.grid_mapping
+    labels = spec.ref_labels()
+    ins = [Cell(np.array(x), labels[k]) for k, x in enumerate(operands)]
+    aliases = dict((o, i) for i, o in spec.input_output_aliases)
+    outs = []
+    for k, aval in enumerate(gm.out_avals):
+      label = labels[len(ins) + k]
+      if k in aliases:
+        outs.append(Cell(np.array(operands[aliases[k]]), label))
+      else:
+        outs.append(Cell(np.full(aval.shape, poison_value(aval.dtype),
+                                 aval.dtype), label))
+    scratch = {}
+    jaxpr = spec.jaxpr
+    threads = []
+    for coords in itertools.product(*(range(n) for n in gm.grid)):
+      th = Thread(self, coords)
+      block = th.block
+      if block not in scratch:
+        scratch[block] = [allocate(a, labels[len(ins) + len(outs) + j])
+                          for j, a in enumerate(gm.scratch_avals)]
+      ids = [np.int32(c) for c in coords]
+      th.routine = eval_jaxpr(th, jaxpr.jaxpr, jaxpr.consts,
+                              [*ids, *ins, *outs, *scratch[block]])
+      threads.append(th)
+    self._schedule(threads)
+    return [c.array for c in outs]
+
+  def _schedule(self, threads: list[Thread]) -> None:
+    while True:
+      moved = False
+      for th in threads:
+        moved |= th.step()
+      waiting = [th for th in threads if not th.done]
+      if not waiting:
+        return
+      if not moved:
+        raise self._deadlock(waiting)
+
+  def _deadlock(self, waiting: list[Thread]) -> KernelDeadlockError:
+    first = waiting[0].blocked
+    lines = [f"{th.name} {th.blocked.what} (at {where(th.blocked.eqn)})"
+             for th in waiting]
+    return KernelDeadlockError(
+        self.kernel, f"deadlock: every unfinished warpgroup waits; "
+        f"{waiting[0].name} {first.what}", where(first.eqn),
+        detail="\n".join(lines))
+
+
+@TABLE.register(run_scoped_p)
+def _run_scoped(thread: Thread, eqn, invals):
+  jaxpr = eqn.params["jaxpr"]
+  axes = tuple(eqn.params.get("collective_axes", ()))
+  machine = thread.machine
+  avals = [v.aval for v in jaxpr.invars[eqn.params["num_consts"]:]]
+  label = f"run_scoped at {where(eqn)}"
+  if axes and axes != machine.thread_axes:
+    raise BackendError(thread.kernel, f"run_scoped(collective_axes={axes}): "
+                       "the interpret backend shares allocations along the "
+                       f"thread axis {machine.thread_axes} only", where(eqn),
+                       operand="collective_axes")
+  if axes:
+    n = thread.entries.get(id(eqn), 0)
+    thread.entries[id(eqn)] = n + 1
+    key = (thread.block, id(eqn), n)
+    entry = machine.shared.get(key)
+    if entry is None:
+      entry = machine.shared[key] = [
+          [allocate(a, f"{label} [{i}]") for i, a in enumerate(avals)], 0]
+    cells = entry[0]
+  else:
+    cells = [allocate(a, f"{label} [{i}]") for i, a in enumerate(avals)]
+  outs = yield from eval_jaxpr(thread, jaxpr, (), [*invals, *cells])
+  if axes:
+    entry[1] += 1
+    if entry[1] == machine.threads_per_block:
+      del machine.shared[key]
+  return outs
+
+
+@TABLE.register(get_global_p)
+def _get_global(thread: Thread, eqn, invals):
+  cells = thread.machine.globals
+  if id(eqn) not in cells:
+    cells[id(eqn)] = allocate(eqn.params["what"],
+                              f"get_global at {where(eqn)}")
+  return [cells[id(eqn)]]
+
+
+def check_runnable(spec) -> None:
+  """A `plgpu.kernel` as the warpgroup interpreter runs it: its refs whole
+  arrays, its grid the mesh's (a kernel derived by `jax.vmap`, `jax.jvp`
+  or `jax.grad` is not)."""
+  gm = spec.grid_mapping
+  if gm.num_hidden_axes or not all(bm.whole_array
+                                   for bm in gm.block_mappings):
+    raise BackendError(spec.name, "a plgpu.kernel derived by jax.vmap, "
+                       "jax.jvp or jax.grad does not run on the interpret "
+                       "backend yet", spec.where)
+
+
+def check_single_programs(spec) -> None:
+  """A kernel that runs one grid point at a time (not a `plgpu.kernel`)
+  cannot use what only the warpgroup interpreter gives: `pl.get_global`."""
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is get_global_p:
+        raise BackendError(spec.name, "pl.get_global runs in plgpu.kernels "
+                           "only (the interpret backend's warpgroup "
+                           "interpreter)", where(eqn), operand="get_global")
+      for sub in sub_jaxprs(eqn.params):
+        visit(sub)
+  visit(spec.jaxpr.jaxpr)
+
+
+def run_kernel(spec, *arrays) -> list[np.ndarray]:
+  """Runs the `plgpu.kernel` of `spec` on numpy operands; its outputs."""
+  return Machine(spec, mesh_of(spec)).run([np.asarray(a) for a in arrays])

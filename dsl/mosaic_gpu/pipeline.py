@@ -1,0 +1,300 @@
+"""Pipelines over a grid of blocks inside a `plgpu` kernel, built from its
+TMA copies and mbarriers (no primitive of their own).
+
+- `emit_pipeline(body, grid=, in_specs=, out_specs=)`: one warpgroup walks
+  the grid in order; at each step the input blocks are copied into SMEM
+  buffers (a TMA copy per input, each with its barrier, waited for), `body`
+  runs on them, and the output blocks are copied back to GMEM.
+- `emit_pipeline_warp_specialized(...)`: a memory warpgroup (the last,
+  `memory_thread_idx == num_compute_wgs`) streams the input blocks into a
+  ring of `max_concurrent_steps` SMEM slots while the compute warpgroups run
+  `body` on them. Slot `s` of input `i` has two barriers: `loaded[i][s]`
+  (the TMA copy arrives on it) and `consumed[i][s]` (each compute
+  warpgroup arrives when done with the slot: after `body`, or in `body`
+  with `manual_consumed_barriers`); the memory warpgroup waits for
+  `consumed` before it refills a slot, and for the last steps' before it
+  leaves, so that the next pipeline over the same allocations starts from
+  quiet barriers. `get_allocations(*gmem_refs)` gives the scratch types of
+  the ring and its barriers, for a `pl.run_scoped(..., collective_axes=
+  wg_axis)` that several pipelines share; without `allocations=`, each call
+  allocates its own.
+
+What these pipelines leave out of Pallas's: `delay_release` (the interpret
+backend completes a WGMMA when it is issued, so a slot is free once `body`
+returns), `collective_axes` of a BlockSpec (each block of a cluster loads
+its own copy), `pipeline_state` (each pipeline drains its ring), outputs of a
+warp-specialized pipeline, and grids whose size is known only at run time
+for the warp-specialized one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+from jax import lax, tree_util
+
+from dsl.core import refs
+from dsl.core.blockspec import squeezed
+from dsl.core.errors import KernelError, user_frame
+from dsl.core.jax_internals import core, state_types
+from dsl.core.primitives import run_scoped, when
+from dsl.mosaic_gpu.helpers import unravel as _unravel
+from dsl.mosaic_gpu.memory import SMEM, Barrier, BlockSpec
+from dsl.mosaic_gpu.primitives import (barrier_arrive, barrier_wait,
+                                       commit_smem, copy_gmem_to_smem,
+                                       copy_smem_to_gmem, wait_smem_to_gmem)
+
+
+def _block_dims(spec, ref) -> list:
+  """Per dim of `ref`: the block size, or None for a squeezed dim."""
+  shape = spec.block_shape
+  if shape is None:
+    return list(ref.shape)
+  if len(shape) != len(ref.shape):
+    raise KernelError(None, f"block shape {tuple(shape)} has rank "
+                      f"{len(shape)} but the ref has shape {tuple(ref.shape)}",
+                      user_frame(), operand="in_specs")
+  return [None if d is None or d is squeezed else int(d) for d in shape]
+
+
+def _smem_type(spec, ref):
+  dims = [d for d in _block_dims(spec, ref) if d is not None]
+  transforms = getattr(spec, "transforms", ()) or ()
+  return SMEM(dims, ref.dtype, transforms=transforms)
+
+
+def _block_view(spec, ref, indices):
+  """The block of GMEM ref `ref` at `spec.index_map(*indices)`."""
+  dims = _block_dims(spec, ref)
+  if spec.index_map is None:
+    idx = [0] * len(dims)
+  else:
+    idx = spec.index_map(*indices)
+    idx = list(idx) if isinstance(idx, (tuple, list)) else [idx]
+  window = tuple(i if d is None else refs.ds(i * d, d)
+                 for i, d in zip(idx, dims))
+  return ref.at[window]
+
+
+def _is_ref(x) -> bool:
+  return isinstance(x, state_types.TransformedRef) or isinstance(
+      core.typeof(x), state_types.AbstractRef)
+
+
+def _specs(specs) -> tuple:
+  if isinstance(specs, BlockSpec) or not isinstance(specs, (list, tuple)):
+    specs = (specs,)
+  return tuple(specs)
+
+
+def emit_pipeline(body: Callable, *, grid: Sequence[Any], in_specs=(),
+                  out_specs=(), max_concurrent_steps: int = 1,
+                  init_carry=None, delay_release: int = 0) -> Callable:
+  """A function of GMEM refs that runs `body(indices, *in_smem, *out_smem)`
+  (`body(..., carry)` -> carry with `init_carry`) once per point of `grid`,
+  in order, on SMEM copies of the blocks."""
+  del max_concurrent_steps, delay_release
+  in_specs, out_specs = _specs(in_specs), _specs(out_specs)
+  if any(isinstance(g, int) and g <= 0 for g in grid):
+    raise KernelError(None, f"emit_pipeline: every grid dim must be positive, "
+                      f"got grid={tuple(grid)}", user_frame(), operand="grid")
+  num_steps = math.prod(grid) if all(isinstance(g, int) for g in grid) else (
+      jnp.prod(jnp.asarray(grid, jnp.int32)))
+
+  def pipeline(*gmem_refs):
+    if len(gmem_refs) != len(in_specs) + len(out_specs):
+      raise KernelError(None, f"the pipeline has {len(in_specs)} in_specs and "
+                        f"{len(out_specs)} out_specs but got {len(gmem_refs)} "
+                        "refs", user_frame(), operand="in_specs")
+    ins, outs = gmem_refs[:len(in_specs)], gmem_refs[len(in_specs):]
+    types = [_smem_type(s, r) for s, r in zip(in_specs, ins)]
+    types += [_smem_type(s, r) for s, r in zip(out_specs, outs)]
+    barriers = Barrier(num_barriers=max(len(ins), 1))
+
+    def scope(bars, *bufs):
+      in_bufs, out_bufs = bufs[:len(ins)], bufs[len(ins):]
+
+      def step(s, carry):
+        idx = _unravel(s, grid)
+        for k, (spec, ref, buf) in enumerate(zip(in_specs, ins, in_bufs)):
+          copy_gmem_to_smem(_block_view(spec, ref, idx), buf, bars.at[k])
+        for k in range(len(ins)):
+          barrier_wait(bars.at[k])
+        args = (idx, *in_bufs, *out_bufs)
+        carry = body(*args) if init_carry is None else body(*args, carry)
+        if outs:
+          commit_smem()
+          for spec, ref, buf in zip(out_specs, outs, out_bufs):
+            copy_smem_to_gmem(buf, _block_view(spec, ref, idx))
+          wait_smem_to_gmem(0, wait_read_only=True)
+        return None if init_carry is None else carry
+      return lax.fori_loop(jnp.int32(0), jnp.asarray(num_steps, jnp.int32),
+                           step, init_carry)
+    return run_scoped(scope, barriers, *types)
+  return pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """The scratch of a warp-specialized pipeline: per input its SMEM slots,
+  its `loaded` and its `consumed` barriers."""
+  slots: tuple
+  loaded: tuple
+  consumed: tuple
+
+
+tree_util.register_pytree_node(
+    _Ring, lambda r: ((r.slots, r.loaded, r.consumed), None),
+    lambda _, c: _Ring(*c))
+
+
+@dataclasses.dataclass(frozen=True)
+class WarpSpecializedPipeline:
+  """`pipeline(*gmem_refs, allocations=None)` runs it in every warpgroup
+  of the kernel; `get_allocations(*gmem_refs)` gives its scratch types."""
+  body: Callable
+  grid: tuple
+  in_specs: tuple
+  max_concurrent_steps: int
+  wg_axis: str
+  num_compute_wgs: int
+  memory_registers: int
+  manual_consumed_barriers: bool
+  compute_context: Callable | None
+
+  def get_allocations(self, *gmem_refs) -> _Ring:
+    slots = self.max_concurrent_steps
+    return _Ring(
+        tuple(SMEM((slots, *_smem_type(s, r).shape), r.dtype,
+                   transforms=getattr(s, "transforms", ()) or ())
+              for s, r in zip(self.in_specs, gmem_refs)),
+        tuple(Barrier(num_barriers=slots) for _ in gmem_refs),
+        tuple(Barrier(num_arrivals=self.num_compute_wgs, num_barriers=slots)
+              for _ in gmem_refs))
+
+  def __call__(self, *gmem_refs, allocations=None):
+    if len(gmem_refs) != len(self.in_specs):
+      raise KernelError(None, f"the pipeline has {len(self.in_specs)} "
+                        f"in_specs but got {len(gmem_refs)} refs",
+                        user_frame(), operand="in_specs")
+    if allocations is None:
+      return run_scoped(lambda ring: self._run(gmem_refs, ring),
+                        self.get_allocations(*gmem_refs),
+                        collective_axes=self.wg_axis)
+    return self._run(gmem_refs, allocations)
+
+  def _run(self, gmem_refs, ring: _Ring):
+    wg = lax.axis_index(self.wg_axis)
+    when(wg == self.num_compute_wgs)(lambda: self._memory(gmem_refs, ring))
+    when(wg < self.num_compute_wgs)(lambda: self._compute(ring))
+
+  @property
+  def num_steps(self) -> int:
+    return math.prod(self.grid)
+
+  def _memory(self, gmem_refs, ring: _Ring):
+    slots = self.max_concurrent_steps
+
+    def step(s, carry):
+      slot = lax.rem(s, jnp.int32(slots))
+      idx = _unravel(s, self.grid)
+
+      @when(s >= slots)
+      def _():
+        for consumed in ring.consumed:
+          barrier_wait(consumed.at[slot])
+      for spec, ref, buf, loaded in zip(self.in_specs, gmem_refs, ring.slots,
+                                        ring.loaded):
+        copy_gmem_to_smem(_block_view(spec, ref, idx), buf.at[slot],
+                          loaded.at[slot])
+      return carry
+    lax.fori_loop(jnp.int32(0), jnp.int32(self.num_steps), step, None)
+
+    # The last steps' slots: wait until the compute warpgroups are done.
+    def drain(s, carry):
+      slot = lax.rem(s, jnp.int32(slots))
+      for consumed in ring.consumed:
+        barrier_wait(consumed.at[slot])
+      return carry
+    lax.fori_loop(jnp.int32(max(self.num_steps - slots, 0)),
+                  jnp.int32(self.num_steps), drain, None)
+
+  def _compute(self, ring: _Ring):
+    slots = self.max_concurrent_steps
+    has_carry = self.compute_context is not None
+
+    def run(*carry):
+      init = (carry[0] if len(carry) == 1 else carry) if has_carry else None
+      # Refs in the carry (an accumulator) stay the same refs: only the
+      # values go around the loop.
+      leaves, tree = tree_util.tree_flatten(init)
+      is_ref = [_is_ref(x) for x in leaves]
+
+      def with_refs(values):
+        it = iter(values)
+        return tree_util.tree_unflatten(
+            tree, [x if r else next(it) for x, r in zip(leaves, is_ref)])
+
+      def step(s, values):
+        slot = lax.rem(s, jnp.int32(slots))
+        for loaded in ring.loaded:
+          barrier_wait(loaded.at[slot])
+        args = [_unravel(s, self.grid)] + [b.at[slot] for b in ring.slots]
+        if self.manual_consumed_barriers:
+          args += [b.at[slot] for b in ring.consumed]
+        c = (self.body(*args, with_refs(values)) if has_carry
+             else self.body(*args))
+        if not self.manual_consumed_barriers:
+          for consumed in ring.consumed:
+            barrier_arrive(consumed.at[slot])
+        if not has_carry:
+          return values
+        out = tree_util.tree_leaves(c)
+        return [x for x, r in zip(out, is_ref) if not r]
+      values = lax.fori_loop(jnp.int32(0), jnp.int32(self.num_steps), step,
+                             [x for x, r in zip(leaves, is_ref) if not r])
+      return with_refs(values) if has_carry else None
+
+    if has_carry:
+      self.compute_context(run)
+    else:
+      run()
+
+
+def emit_pipeline_warp_specialized(
+    body: Callable, *, grid: Sequence[int], memory_registers: int,
+    in_specs=(), out_specs=(), max_concurrent_steps: int = 2, wg_axis: str,
+    num_compute_wgs: int, pipeline_state=None,
+    manual_produced_barriers: bool = False,
+    manual_consumed_barriers: bool = False, compute_context=None,
+    memory_thread_idx: int | None = None) -> WarpSpecializedPipeline:
+  """A pipeline whose last warpgroup copies the input blocks while the
+  `num_compute_wgs` others run `body(indices, *in_smem[, *consumed
+  barriers][, carry])` on them (see the module docstring)."""
+  del pipeline_state
+  where = user_frame()
+  refuse = [(out_specs not in ((), []), "out_specs"),
+            (manual_produced_barriers, "manual_produced_barriers"),
+            (memory_thread_idx not in (None, num_compute_wgs),
+             "a memory thread other than the last")]
+  for bad, what in refuse:
+    if bad:
+      raise KernelError(None, f"emit_pipeline_warp_specialized: {what} is "
+                        "not supported yet", where, operand=what)
+  if not all(isinstance(g, int) and g > 0 for g in grid):
+    raise KernelError(None, f"emit_pipeline_warp_specialized: the grid must "
+                      f"be positive ints, got {tuple(grid)}", where,
+                      operand="grid")
+  in_specs = _specs(in_specs)
+  for spec in in_specs:
+    if max_concurrent_steps <= getattr(spec, "delay_release", 0):
+      raise KernelError(None, "max_concurrent_steps must be greater than "
+                        f"delay_release, got {max_concurrent_steps} and "
+                        f"{spec.delay_release}", where,
+                        operand="max_concurrent_steps")
+  return WarpSpecializedPipeline(
+      body, tuple(grid), in_specs, int(max_concurrent_steps), wg_axis,
+      int(num_compute_wgs), int(memory_registers),
+      bool(manual_consumed_barriers), compute_context)
