@@ -60,14 +60,6 @@ XFAIL.update({(v, "mosaic_interpret"): _ONE_CORE for v in (
 
 # The matrix's GPU gradients that the Triton backend cannot lower.
 XFAIL.update({
-    ("gpu.layer_norm [grad]", "triton_interpret"):
-        "the op's backward kernels index a ref with two arrays of indices "
-        "broadcast together (`x_ref.at[rows[:, None], cols[None]]`); the "
-        "Triton backend takes one vector of indices per ref access",
-    ("gpu.rms_norm [grad]", "triton_interpret"):
-        "the op's backward kernels index a ref with two arrays of indices "
-        "broadcast together (`x_ref.at[rows[:, None], cols[None]]`); the "
-        "Triton backend takes one vector of indices per ref access",
     ("gpu.paged_attention [grad]", "triton_interpret"):
         "the transposed kernel gathers from the K/V pages with a form of "
         "lax.gather (array indexing) the Triton backend does not lower",
