@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
                  "same kernel in shard_map and the replicated run, on 8 host "
                  "devices (--kernels softmax,layer_norm, --sizes, --backends "
                  "apply)")
+  p.add_argument("--suite", choices=("pallas-ops",), help="run a named "
+                 "suite instead of the kernels: pallas-ops times each op of "
+                 "Pallas's kernel library (jax.experimental.pallas.ops, "
+                 "import-swapped onto dsl) on dsl's interpret backend beside "
+                 "Pallas's interpret mode (--kernels picks ops; --repeats, "
+                 "--warmup, --stat, --single-run-after, --skip-slow-peers "
+                 "and --json apply)")
   p.add_argument("--kernels", help="comma-separated kernel names (see --list)")
   p.add_argument("--kernel", metavar="MODULE:FUNCTION",
                  help="benchmark your own kernel function instead of the "
@@ -457,6 +464,9 @@ def run(args) -> int:
   if args.sharding:
     from benchmarks import sharding
     return sharding.run(args)
+  if args.suite == "pallas-ops":
+    from benchmarks import pallas_ops
+    return pallas_ops.run(args)
   check_args(args)
   if args.kernel is not None:
     skipped, cases = [], user_cases(args)

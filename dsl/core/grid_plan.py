@@ -19,7 +19,7 @@ import itertools
 import warnings
 
 import numpy as np
-from dsl.core.jax_internals import ClosedJaxpr, core
+from dsl.core.jax_internals import ClosedJaxpr, core, state_types
 
 from dsl.core.blockspec import BlockMapping, Element
 from dsl.core.dynamic_grid import is_dynamic
@@ -312,7 +312,7 @@ def make_plan(gm, compiler_params=None,
   sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
   forced = tuple(d for d in range(rank) if sem and sem[d] == "arbitrary")
   plan = _plan_cached(gm, forced)
-  carried = _carried_scratch_refs(jaxpr, len(gm.scratch_avals))
+  carried = _carried_refs(jaxpr, gm)
   if not carried:
     return plan
   declared_parallel = {d for d in range(rank)
@@ -325,13 +325,34 @@ def make_plan(gm, compiler_params=None,
   return _plan_cached(gm, tuple(sorted(set(forced) | set(in_order))))
 
 
-def _carried_scratch_refs(jaxpr: ClosedJaxpr | None, num_scratch: int):
-  """The scratch refs a grid step may read before writing them whole."""
-  if jaxpr is None or not num_scratch:
+def _carried_refs(jaxpr: ClosedJaxpr | None, gm):
+  """The scratch refs a grid step may read before writing them whole, and
+  the scalar-prefetch refs it writes and may read first (SMEM keeps what a
+  step writes there for the next)."""
+  if jaxpr is None:
     return []
   invars = jaxpr.jaxpr.invars
-  return [ref for ref in invars[len(invars) - num_scratch:]
+  num_scratch = len(gm.scratch_avals)
+  n_grid = len(gm.grid)
+  written = written_prefetch(jaxpr, n_grid, gm.num_scalar_prefetch)
+  refs = ([v for v, w in zip(invars[n_grid:], written) if w]
+          + list(invars[len(invars) - num_scratch:] if num_scratch else []))
+  return [ref for ref in refs
           if first_read_before_write(jaxpr, [ref]) is not None]
+
+
+def written_prefetch(jaxpr: ClosedJaxpr, grid_rank: int,
+                     num_prefetch: int) -> tuple[bool, ...]:
+  """Which scalar-prefetch refs of the kernel `jaxpr` it writes: state it
+  carries from grid step to grid step (SMEM persists over the grid), as it
+  does in scratch."""
+  j = jaxpr.jaxpr
+  # An effect names its ref by the position or the variable of the input.
+  written = {j.invars[e.input] if isinstance(e.input, int) else e.input
+             for e in j.effects if isinstance(
+                 e, (state_types.WriteEffect, state_types.AccumEffect))}
+  return tuple(j.invars[grid_rank + k] in written
+               for k in range(num_prefetch))
 
 
 def reset_dim(jaxpr: ClosedJaxpr, ref, grid_rank: int) -> int | None:

@@ -3,12 +3,15 @@
 JAX's own transformations leave primitives in derived kernels (jvp, linear,
 transposed and recording kernels) that a user never writes: `empty2`
 allocations from scan's transpose, `one_minus_square` from tanh's derivative,
-`select_n` with three or more cases, `copy`, and calls (`jit`, `eval_jaxpr`,
-`custom_jvp_call`, `custom_vjp_call`). Before a kernel goes to a compiled or
-host lowering (Triton, Mosaic), `normalize` re-traces its jaxpr, replacing
-each primitive of `DECOMPOSITIONS` with plain lax operations, inlining calls
-and recursing into the jaxprs of control flow and `run_scoped`. Every new
-equation keeps the source line of the equation it replaces.
+`select_n` with three or more cases, `copy`, `broadcast_to` (JAX's state
+indexing broadcasts array indices with it), calls (`jit`, `eval_jaxpr`,
+`custom_jvp_call`, `custom_vjp_call`), and unused zeros of dtype float0 (the
+tangent type of integers), which become numpy constants. Before a kernel
+goes to a compiled or host lowering (Triton, Mosaic), `normalize` re-traces
+its jaxpr, replacing each primitive of `DECOMPOSITIONS` with plain lax
+operations, inlining calls and recursing into the jaxprs of control flow and
+`run_scoped`. Every new equation keeps the source line of the equation it
+replaces.
 
 For a lowering whose rule table has no rule for a primitive of
 `dsl.core.fallbacks.FALLBACKS` (math such as `erf_inv`, `cbrt`, `atan2`),
@@ -44,11 +47,13 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
+from jax import dtypes
 
 from jax import lax
 from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
                                     lax_internal, partial_eval as pe,
-                                    state_indexing as indexing, state_types)
+                                    state_indexing as indexing,
+                                    state_primitives, state_types)
 import jax.extend.linear_util as lu
 
 from dsl.core import fallbacks
@@ -86,6 +91,13 @@ def _one_minus_square(x):
 @_decomposes(lax_internal.copy_p)
 def _copy(x):
   return x
+
+
+@_decomposes(state_primitives.broadcast_to_p)
+def _broadcast_to(x, *, shape):
+  # JAX's state indexing broadcasts array indices with it (`x_ref.at[rows[:,
+  # None], cols[None]]`).
+  return jnp.broadcast_to(x, shape)
 
 
 @_decomposes(lax.select_n_p)
@@ -306,16 +318,59 @@ def _normalized_param(value):
   return value
 
 
+def _own_effects(closed: ClosedJaxpr) -> ClosedJaxpr:
+  """`closed` with the effects of its own equations only."""
+  j = closed.jaxpr
+  effs = pe.make_jaxpr_effects(j.constvars, j.invars, j.outvars, j.eqns)
+  return ClosedJaxpr(core.replace_jaxpr_effects(j, effs), closed.consts)
+
+
+def _rejoin_branch_effects(params: dict) -> dict:
+  """`lax.cond` gives each branch the effects of all of them (a ref read in
+  one branch is an effect of every branch). A rewrite that drops an effect
+  (a read made pure) leaves it on the branches it did not retrace: recompute
+  each branch's effects and join them again, as `lax.cond` does."""
+  own = [_own_effects(b) for b in params["branches"]]
+  joined = core.join_effects(*(core.positional_effects(b.jaxpr) for b in own))
+  branches = tuple(ClosedJaxpr(core.replace_jaxpr_effects(
+      b.jaxpr, core.resolve_input_effects(joined, b.jaxpr.invars)), b.consts)
+      for b in own)
+  return dict(params, branches=branches)
+
+
+# primitive -> fn(params) -> params: what a rewrite of the sub-jaxprs of an
+# equation of that primitive must also redo.
+_AFTER_REWRITE = {lax.cond_p: _rejoin_branch_effects}
+
+
 def _bind(eqn, invals):
   params = eqn.params
   if _sub_jaxpr_params(params):
     new = {k: _normalized_param(v) for k, v in params.items()}
     if all(v is not None for v in new.values()):
       params = new
+      if eqn.primitive in _AFTER_REWRITE:
+        params = _AFTER_REWRITE[eqn.primitive](params)
   return eqn.primitive.bind(*invals, **params)
 
 
+def _makes_float0(eqn) -> bool:
+  """An equation that makes only values of dtype float0 (the tangent type
+  of integers: zeros that JAX's transformations leave in derived kernels,
+  unused). No lowering has a type for them: they become numpy constants."""
+  return (bool(eqn.outvars) and not eqn.effects
+          and all(getattr(v.aval, "dtype", None) == dtypes.float0
+                  for v in eqn.outvars))
+
+
+def _float0_constants(eqn):
+  outs = [np.zeros(v.aval.shape, dtypes.float0) for v in eqn.outvars]
+  return outs if eqn.primitive.multiple_results else outs[0]
+
+
 def _eval_eqn(eqn, invals):
+  if _makes_float0(eqn):
+    return _float0_constants(eqn)
   if eqn.primitive in CALL_PRIMITIVES:
     body = call_body(eqn.params, invals)
     return _eval(*body) if body is not None else _bind(eqn, invals)
@@ -337,6 +392,8 @@ def needs_normalizing(jaxpr: core.Jaxpr) -> bool:
 
 
 def _rewritten(eqn) -> bool:
+  if _makes_float0(eqn):
+    return True
   if eqn.primitive is lax.scan_p:
     _, _, n_xs, n_ys = scan_layout(eqn.params)
     return bool(n_xs or n_ys)

@@ -27,6 +27,7 @@ from dsl.core.index_maps import block_offsets
 from dsl.core.poison import fresh_buffer, poison_full, poison_value
 from dsl.interpret import element_windows
 from dsl.interpret.vectorize import vectorizable
+from dsl.transforms.common import written_prefetch
 from dsl.transforms.discharge import discharged_kernel
 
 
@@ -281,7 +282,9 @@ def _nested_vmap(fn, plan: Plan, arg_dims: list[tuple[int, ...]]):
 
 def _initial_states(args, spec, plan: Plan):
   """The prefetch values and the carried states of inputs, outputs and
-  scratch: views for view operands, padded arrays otherwise."""
+  scratch: views for view operands, padded arrays otherwise. The carried
+  scratch ends with the scalar-prefetch refs the kernel writes (SMEM keeps
+  what a step writes there for the next), one copy per parallel point."""
   gm = spec.grid_mapping
   n_in = gm.num_inputs
   prefetch, inputs = list(args[:gm.num_scalar_prefetch]), args[gm.num_scalar_prefetch:]
@@ -304,15 +307,19 @@ def _initial_states(args, spec, plan: Plan):
   par_shape = tuple(gm.grid[d] for d in plan.parallel)
   poison = config.poison_buffers()
   scratch = [fresh_buffer(a, poison, par_shape) for a in gm.scratch_avals]
+  scratch += [jnp.broadcast_to(jnp.asarray(p), par_shape + jnp.shape(p))
+              for p, w in zip(prefetch, written_prefetch(spec)) if w]
   return prefetch, in_states, out_states, scratch
 
 
 def _point_fn(spec, plan: Plan, sizes):
   """The kernel at one grid point, vmapped over the parallel dims: takes
   (*ids, *prefetch, *inputs, *outputs, *scratch) and returns the new output
-  blocks, the new scratch and the offsets of the gathered output blocks.
-  `sizes`: the traced sizes of the grid's dynamic dims."""
+  blocks, the new scratch (then the prefetch refs it writes) and the offsets
+  of the gathered output blocks. `sizes`: the traced sizes of the grid's
+  dynamic dims."""
   gm = spec.grid_mapping
+  written = written_prefetch(spec)
   jaxpr, n_lead = spec.jaxpr, len(gm.grid)
   if gm.dynamic_dims:      # their sizes first, then the ids
     jaxpr = sizes_as_inputs(jaxpr, gm.dynamic_dims)
@@ -338,11 +345,13 @@ def _point_fn(spec, plan: Plan, sizes):
                                             op.from_data))
     finals = gm.split(_eval(dj, *sizes, *ids, *pf, *in_blocks, *out_blocks,
                             *sc))
-    return list(finals.outputs), list(finals.scratch), out_offs
+    pf_finals = [p for p, w in zip(finals.prefetch, written) if w]
+    return list(finals.outputs), list(finals.scratch) + pf_finals, out_offs
 
   dims = lambda ops: [op.par_dims if op.mode == "view" else () for op in ops]
   arg_dims = ([(d,) if d in plan.parallel else () for d in range(len(gm.grid))]
-              + [()] * gm.num_scalar_prefetch + dims(in_plans)
+              + [plan.parallel if w else () for w in written]
+              + dims(in_plans)
               + dims(out_plans) + [plan.parallel] * len(gm.scratch_avals))
   return _nested_vmap(point, plan, arg_dims)
 
@@ -353,8 +362,12 @@ def _step_fn(spec, plan: Plan, prefetch, in_states, sizes):
   gm = spec.grid_mapping
   in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
   vpoint = _point_fn(spec, plan, sizes)
+  written = written_prefetch(spec)
+  n_scr = len(gm.scratch_avals)
 
   def step(seq_coords, out_states, scratch):
+    states = iter(scratch[n_scr:])
+    pf = [next(states) if w else p for p, w in zip(prefetch, written)]
     ids = [jnp.arange(gm.grid[d], dtype=jnp.int32) if d in plan.parallel
            else jnp.asarray(seq_coords[d], jnp.int32)
            for d in range(len(gm.grid))]
@@ -362,8 +375,8 @@ def _step_fn(spec, plan: Plan, prefetch, in_states, sizes):
                else s for s, op in zip(in_states, in_plans)]
     out_args = [read_state_block(s, op, plan, seq_coords) if op.mode == "view"
                 else s for s, op in zip(out_states, out_plans)]
-    new_outs, new_scratch, offs = vpoint(*ids, *prefetch, *in_args, *out_args,
-                                         *scratch)
+    new_outs, new_scratch, offs = vpoint(*ids, *pf, *in_args, *out_args,
+                                         *scratch[:n_scr])
     offs = iter(offs)
     updated = []
     for s, blk, op in zip(out_states, new_outs, out_plans):

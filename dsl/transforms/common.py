@@ -5,12 +5,16 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from dsl.core.jax_internals import ClosedJaxpr, core
 
+from dsl.core import grid_plan
 from dsl.core.blockspec import BlockMapping, BlockSpec
 from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
+from dsl.core.ref_ops import masked_load_p
 from dsl.transforms.discharge import discharged_kernel
 from dsl.transforms.prefetch_reads import pure_reads
+from dsl.transforms.reversible_loops import reversible_loops
 from dsl.core.pallas_call import KernelSpec, build_spec, pallas_call_p
 
 
@@ -69,26 +73,55 @@ def eval_ref_jaxpr(jaxpr: ClosedJaxpr, *args):
   return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
-def point_function(spec: KernelSpec, prefetch_refs: bool = False):
+def written_prefetch(spec: KernelSpec) -> tuple[bool, ...]:
+  """Which scalar-prefetch refs the kernel writes (see `grid_plan`)."""
+  gm = spec.grid_mapping
+  return grid_plan.written_prefetch(spec.jaxpr, len(gm.grid),
+                                    gm.num_scalar_prefetch)
+
+
+def _zero_masked_lanes(ref, *args, tree, has_mask, has_other, out_aval,
+                       **params):
+  """A masked load whose masked-off lanes read 0 rather than poison."""
+  if has_mask and not has_other:
+    args = (*args, jnp.zeros(out_aval.shape, out_aval.dtype))
+  return masked_load_p.bind(ref, *args, tree=tree, has_mask=has_mask,
+                            has_other=has_mask or has_other,
+                            out_aval=out_aval, **params)
+
+
+def point_function(spec: KernelSpec, transposable: bool = False):
   """The kernel at one grid point as a pure function.
 
   `F(ids, pf, ins, outs, scratch) -> (outs', scratch')`: given the blocks it
-  sees on entry, the output and scratch blocks it leaves. With
-  `prefetch_refs`, `pf` are the scalar-prefetch refs themselves (read a
-  scalar at a time, as SMEM must be) rather than their values.
+  sees on entry, the output and scratch blocks it leaves. Every `pf` is a
+  value, except with `transposable` (the function the transposed kernel
+  linearizes and transposes): there the scalar-prefetch refs that the kernel
+  only reads are passed as the refs themselves (read a scalar at a time, as
+  SMEM must be) and those it writes as the values they hold on entry (state,
+  like scratch), its loops with a run-time trip count are reversible, and
+  the masked-off lanes of its masked loads without `other` read 0 (memory
+  there is unspecified: poison would reach the cotangents as `0 * NaN`).
   """
   gm = spec.grid_mapping
-  kept = gm.num_scalar_prefetch if prefetch_refs else 0
+  kept = (tuple(not w for w in written_prefetch(spec)) if transposable
+          else ())
   # What is differentiated: nonlinear cumulative ops as lax ops a TPU has.
   jaxpr = rewrite_closed(spec.jaxpr, SCANS_TO_DIFFERENTIATE)
+  if transposable:
+    jaxpr = rewrite_closed(jaxpr, {masked_load_p: _zero_masked_lanes})
   dj = discharged_kernel(jaxpr, len(gm.grid), kept)
-  if kept:
+  if any(kept):
     dj = pure_reads(dj)     # no ref effect in a `pl.when` to linearize
+  if transposable:
+    dj = reversible_loops(dj)
 
   def F(ids, pf, ins, outs, scratch):
-    finals = gm.split([None] * kept + core.eval_jaxpr(
-        dj.jaxpr, dj.consts, *ids, *pf, *ins, *outs, *scratch))
-    return list(finals.outputs), list(finals.scratch)
+    finals = iter(core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins,
+                                  *outs, *scratch))
+    pf_finals = [None if k else next(finals) for k in kept]
+    split = gm.split(pf_finals + list(finals))
+    return list(split.outputs), list(split.scratch)
   return F
 
 

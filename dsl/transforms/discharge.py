@@ -13,22 +13,24 @@ from dsl.tpu.prng_state import with_prng_state
 
 
 def discharged_kernel(jaxpr: ClosedJaxpr, grid_rank: int,
-                      kept_refs: int = 0):
-  """The kernel as a function of values; its first `kept_refs` refs after
-  the grid ids (scalar prefetch) may stay refs. Cached; what run_scoped
-  allocations start as (jax_pallas_poison_buffers) is part of the key."""
-  return _discharged_kernel(jaxpr, grid_rank, kept_refs,
+                      kept_refs: tuple[bool, ...] = ()):
+  """The kernel as a function of values; the refs after the grid ids that
+  `kept_refs` marks (a prefix: some scalar-prefetch refs) stay refs.
+  Cached; what run_scoped allocations start as (jax_pallas_poison_buffers)
+  is part of the key."""
+  return _discharged_kernel(jaxpr, grid_rank, tuple(kept_refs),
                             config.poison_buffers())
 
 
 @functools.lru_cache(maxsize=256)
 def _discharged_kernel(jaxpr: ClosedJaxpr, grid_rank: int,
-                       kept_refs: int, poison_buffers: bool):
+                       kept_refs: tuple[bool, ...], poison_buffers: bool):
   del poison_buffers     # read by run_scoped's discharge rule
   jaxpr = with_prng_state(jaxpr)      # the random state, if it draws
   j = jaxpr.jaxpr
-  kept = grid_rank + kept_refs
-  should = [False] * kept + [True] * (len(j.invars) - kept)
+  rest = len(j.invars) - grid_rank - len(kept_refs)
+  should = ([False] * grid_rank + [not k for k in kept_refs]
+            + [True] * rest)
   closed = close_jaxpr(j, jaxpr.consts)
   with windows.bounded_windows():
     return state_discharge.discharge_state(closed, should_discharge=should,

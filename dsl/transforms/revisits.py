@@ -42,11 +42,13 @@ def per_point_sds(shape, dtype, grid) -> jax.ShapeDtypeStruct:
       tuple(grid) + (1,) * _pad(shape) + tuple(shape), dtype)
 
 
-def per_point_spec(shape, n_grid, ids_fn=lambda ids: ids) -> BlockSpec:
+def per_point_spec(shape, n_grid, ids_fn=lambda ids: ids,
+                   memory_space=None) -> BlockSpec:
   """Grid point `ids` owns the block at `ids_fn(ids)` of a per-point array."""
   pad = _pad(shape)
   return BlockSpec((None,) * (n_grid + pad) + tuple(shape),
-                   lambda *a: (*ids_fn(a[:n_grid]),) + (0,) * (pad + len(shape)))
+                   lambda *a: (*ids_fn(a[:n_grid]),) + (0,) * (pad + len(shape)),
+                   memory_space=memory_space)
 
 
 def _block_index(bm, ids, pf_refs):

@@ -20,16 +20,16 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from dsl.core.jax_internals import ad, ClosedJaxpr, core, partial_eval as pe
+from dsl.core.jax_internals import ad, core, partial_eval as pe
 
-from dsl.core.errors import KernelError, source_info_frame
+from dsl.core.errors import KernelError
 from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.core.primitives import run_scoped, when
 from dsl.core.tracing import program_id
 from dsl.core.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   point_function, sds, split)
+                                   point_function, sds, split,
+                                   written_prefetch)
 from dsl.transforms.prefetch_reads import restore_reads
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
@@ -37,6 +37,8 @@ from dsl.transforms.revisits import (first_visit, per_point_sds,
                                     per_point_spec, revisits_consecutively,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
+from dsl.transforms.synchronous_dmas import synchronous_dmas
+from dsl.transforms import prefetch_state
 from dsl.core.blockspec import Element
 
 
@@ -136,6 +138,11 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   state_refs, kept = _state_refs(gm)
   state_avals = [a.inner_aval for a, k in zip(state_refs, kept) if k]
+  written = written_prefetch(spec)
+  pf_avals = prefetch_state.prefetch_states(spec)
+  # The replay lets each DMA land when it starts, as the differentiated
+  # function does: no DMA is in flight when a point's entry state is saved.
+  replayed = synchronous_dmas(spec.jaxpr)
 
   aliased = {o for _, o in spec.input_output_aliases}
   # A TPU never reads an output block in: at the first of a run of visits
@@ -154,7 +161,9 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   def body(*refs):
     # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
     ids = [program_id(d) for d in range(n_grid)]
-    base, rec, scr = split(refs, n_pf + n_in + n_out, len(state_avals), n_scr)
+    base, rec, pf_rec, scr = split(refs, n_pf + n_in + n_out,
+                                   len(state_avals), len(pf_avals), n_scr)
+    prefetch_state.save(pf_rec, base[:n_pf], written)
     ops = gm.split(base + scr)
     states = [s for s, k in zip(ops.outputs + ops.scratch, kept) if k]
     firsts = [None if bm is None else first_visit(
@@ -164,7 +173,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     pf_refs, in_refs = base[:n_pf], base[n_pf:n_pf + n_in]
     copied = [k for k, bm in enumerate(gm.in_mappings) if _overhangs(bm)]
     if not copied:
-      eval_ref_jaxpr(spec.jaxpr, *ids, *base, *scr)
+      eval_ref_jaxpr(replayed, *ids, *base, *scr)
       return
 
     # The replay sees zeros past the arrays, so the recorded states (an
@@ -176,15 +185,17 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
         buf[...] = _zero_past_array(in_refs[k][...], gm.in_mappings[k], ids,
                                     pf_refs)
         refs_in[k] = buf
-      eval_ref_jaxpr(spec.jaxpr, *ids, *pf_refs, *refs_in,
+      eval_ref_jaxpr(replayed, *ids, *pf_refs, *refs_in,
                      *base[n_pf + n_in:], *scr)
     run_scoped(replay, *[gm.in_mappings[k].ref_aval for k in copied])
 
-  rec_specs = [_record_block_spec(a, n_grid) for a in state_avals]
+  rec_specs = ([_record_block_spec(a, n_grid) for a in state_avals]
+               + [prefetch_state.record_spec(a, n_grid) for a in pf_avals])
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in gm.in_mappings])
   out_shapes = ([sds(bm.array_aval) for bm in gm.out_mappings]
-                + [_record_sds(a, gm.grid) for a in state_avals])
+                + [_record_sds(a, gm.grid) for a in state_avals]
+                + [prefetch_state.record_sds(a, gm.grid) for a in pf_avals])
   return derived_spec(
       spec, body, args, out_shapes, grid=gm.grid,
       in_specs=[block_spec_of(bm, n_grid) for bm in gm.in_mappings],
@@ -345,13 +356,45 @@ def _accumulate(r, c, kind, first):
     r[...] += c
 
 
+def _garbage_free_at(first, x, old, bm, ids, pf_refs):
+  """`x`, or where `first` holds `old()` with no garbage past the array."""
+  if first is None:
+    return x
+  return jnp.where(first, _zero_past_array(old(), bm, ids, pf_refs), x)
+
+
+def _entry_state(gm, rec_refs, ids, pf_refs, written):
+  """(outputs, scratch, prefetch) that the forward point at `ids` found:
+  the recorded states (`rec_refs`; zeros where the tangent map does not
+  depend on them, `rec_refs` None), and the scalar-prefetch refs, those the
+  kernel writes as the values recorded (the others stay refs, read a
+  scalar at a time)."""
+  state_refs, kept = _state_refs(gm)
+  recs = iter(rec_refs or ())
+  entry = [next(recs)[...] if rec_refs is not None and k
+           else jnp.zeros(a.inner_aval.shape, a.inner_aval.dtype)
+           for a, k in zip(state_refs, kept)]
+  pf = [prefetch_state.value_of(next(recs)) if w else r
+        for r, w in zip(pf_refs, written)]
+  n_out = gm.num_outputs
+  if rec_refs is not None:
+    # Past the array, an output block holds what the kernel wrote there at
+    # earlier visits (a TPU keeps the block in VMEM), and garbage at the
+    # forward pass's first visit.
+    entry[:n_out] = [_garbage_free_at(
+        None if in_hbm(bm.ref_aval) else first_visit(
+            bm, gm.grid, ids, lambda i: i, pf_refs), x, lambda x=x: x, bm,
+        ids, pf_refs) for x, bm in zip(entry, gm.out_mappings)]
+  return entry[:n_out], entry[n_out:], pf
+
+
 def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   """The transposed kernel's spec, and `_ct_in_kinds` of its ct_ins."""
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
-  n_pf, n_in, n_out = gm.num_scalar_prefetch, gm.num_inputs, gm.num_outputs
+  n_pf, n_in = gm.num_scalar_prefetch, gm.num_inputs
   sequential = set(gm.plan(spec.compiler_params, spec.jaxpr).sequential)
-  F = point_function(spec, prefetch_refs=True)
+  F = point_function(spec, transposable=True)
 
   def rev(ids):
     return [grid[d] - 1 - i if d in sequential else i
@@ -360,9 +403,10 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
   scr_f = [has_tangent(a.inner_aval.dtype) for a in gm.scratch_avals]
   state_refs, kept = _state_refs(gm)
-  all_states = [a.inner_aval for a in state_refs]
-  state_avals = [a for a, k in zip(all_states, kept) if k]
-  n_rec = len(state_avals) if recorded else 0
+  state_avals = [a.inner_aval for a, k in zip(state_refs, kept) if k]
+  written = written_prefetch(spec)
+  pf_avals = prefetch_state.prefetch_states(spec)
+  n_rec = len(state_avals) + len(pf_avals) if recorded else 0
   n_ct_out, n_ct_in = sum(out_f), sum(in_nz)
   ct_scr_avals = [a for a, f in zip(gm.scratch_avals, scr_f) if f]
   in_maps = list(gm.in_mappings)
@@ -380,7 +424,8 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     # An output block is not read in on a TPU: at the first of a run of
     # visits, the cotangent flowing in is the aliased input's block.
     out_first = [None if in_hbm(bm.ref_aval) else
-                 first_visit(bm, grid, raw, rev, pf_refs) for bm in ct_out_maps]
+                 first_visit(bm, grid, raw, rev, pf_refs)
+                 for bm in gm.out_mappings]
     in_first = [first_visit(bm, grid, raw, rev, pf_refs) if k == "inplace"
                 else None for bm, k in zip(ct_in_maps, kinds)]
     _staged(raw, in_refs, ct_in_refs, ct_out_refs, lambda *r: point(
@@ -390,23 +435,16 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   def point(ids, pf_refs, rec_refs, ct_scr_refs, firsts, in_refs, ct_in_refs,
             ct_out_refs):
     ct_out_in, out_first, in_first = firsts
-    pf = list(pf_refs)      # SMEM: read by the kernel a scalar at a time
     ins = [_zero_past_array(r[...], bm, ids, pf_refs)
            for r, bm in zip(in_refs, gm.in_mappings)]
-    recs = iter(rec_refs)
-    entry = [next(recs)[...] if recorded and k else jnp.zeros(a.shape, a.dtype)
-             for a, k in zip(all_states, kept)]
-    if recorded:
-      entry[:n_out] = [_zero_past_array(x, bm, ids, pf_refs)
-                       for x, bm in zip(entry, gm.out_mappings)]
-    outs_e, scr_e = entry[:n_out], entry[n_out:]
-
+    outs_e, scr_e, pf = _entry_state(gm, rec_refs if recorded else None, ids,
+                                     pf_refs, written)
     transposed = _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
-    ct_out_now = [_zero_past_array(
-        r[...] if first is None else jnp.where(first, r_in[...], r[...]),
-        bm, ids, pf_refs)
-        for r, r_in, first, bm in zip(ct_out_refs, ct_out_in, out_first,
-                                      ct_out_maps)]
+    ct_out_first = [f for f, keep in zip(out_first, out_f) if keep]
+    ct_out_now = [_garbage_free_at(first, r[...], lambda r_in=r_in: r_in[...],
+                                   bm, ids, pf_refs)
+                  for r, r_in, first, bm in zip(ct_out_refs, ct_out_in,
+                                                ct_out_first, ct_out_maps)]
     ct_scr_now = [r[...] for r in ct_scr_refs]
     ct_tin, ct_tout, ct_tscr = transposed((ct_out_now, ct_scr_now))
     for r, c, kind, first in zip(ct_in_refs, ct_tin, kinds, in_first):
@@ -417,29 +455,33 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
       r[...] = c.astype(r.dtype)
 
   args, out_shapes, kw = _transpose_io(gm, rev, recorded, state_avals,
-                                       ct_in_maps, ct_out_maps, kinds)
+                                       pf_avals, ct_in_maps, ct_out_maps,
+                                       kinds)
   new = derived_spec(spec, body, args, out_shapes, **kw,
                      scratch=ct_scr_avals, suffix="transpose")
   return new.replace(jaxpr=restore_reads(new.jaxpr)), kinds
 
 
-def _transpose_io(gm, rev, recorded, state_avals, ct_in_maps, ct_out_maps,
-                  kinds):
+def _transpose_io(gm, rev, recorded, state_avals, pf_avals, ct_in_maps,
+                  ct_out_maps, kinds):
   """The transposed kernel's operands, outputs, their specs and aliases:
   (args, out_shapes, and a dict of grid/in_specs/out_specs/aliases)."""
   grid, n_grid = gm.grid, len(gm.grid)
   in_maps = list(gm.in_mappings)
-  n_rec = len(state_avals) if recorded else 0
+  if not recorded:
+    state_avals, pf_avals = [], []
+  n_rec = len(state_avals) + len(pf_avals)
   n_ct_in, n_ct_out = len(ct_in_maps), len(ct_out_maps)
   spec_of = lambda bm: block_spec_of(bm, n_grid, rev)
   per_point = [k == "per_point" for k in kinds]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
           + [sds(bm.array_aval) for bm in in_maps]
-          + ([_record_sds(a, grid) for a in state_avals] if recorded else [])
+          + [_record_sds(a, grid) for a in state_avals]
+          + [prefetch_state.record_sds(a, grid) for a in pf_avals]
           + [sds(bm.array_aval) for bm in ct_out_maps])
   in_specs = ([spec_of(bm) for bm in in_maps]
-              + ([_record_block_spec(a, n_grid, rev) for a in state_avals]
-                 if recorded else [])
+              + [_record_block_spec(a, n_grid, rev) for a in state_avals]
+              + [prefetch_state.record_spec(a, n_grid, rev) for a in pf_avals]
               + [spec_of(bm) for bm in ct_out_maps])
   out_shapes = ([per_point_sds(bm.kernel_shape, bm.array_aval.dtype, grid)
                  if pp else sds(bm.array_aval)
@@ -477,16 +519,12 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
       ct_outs.append(ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct)
   ct_outs = [jnp.asarray(c).astype(bm.array_aval.dtype) for c, bm in
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
-  recorded = needs_entry_state(base)
+  recorded = needs_entry_state(base) or any(written_prefetch(base))
   rec = []
-  try:
-    if recorded:
-      rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
-      rec = list(rec_outs[n_out:])
-    tspec, kinds = _transpose_spec(base, in_nz, recorded)
-  except KernelError as e:
-    _raise_for_while_loop(base, e)
-    raise
+  if recorded:
+    rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
+    rec = list(rec_outs[n_out:])
+  tspec, kinds = _transpose_spec(base, in_nz, recorded)
   outs = pallas_call_p.bind(*primals, *rec, *ct_outs, spec=tspec)
   n_ct_in = sum(in_nz)
   ct_ins, ct_out_final = list(outs[:n_ct_in]), list(outs[n_ct_in:])
@@ -523,36 +561,6 @@ def _refuse_dynamic_grid(base: KernelSpec):
       "is sized by the grid. Give the kernel a hand-written backward pass "
       "with jax.custom_vjp (forward mode, jax.jvp, and jax.vmap work as "
       "they are)", base.where, operand="grid")
-
-
-def _while_loops(jaxpr: core.Jaxpr):
-  """The `while_loop` equations of a kernel, in its control flow and calls."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive is lax.while_p:
-      yield eqn
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, tuple) else (v,)):
-        if isinstance(sub, ClosedJaxpr):
-          yield from _while_loops(sub.jaxpr)
-        elif isinstance(sub, core.Jaxpr):
-          yield from _while_loops(sub)
-
-
-def _raise_for_while_loop(base: KernelSpec, err: KernelError):
-  """JAX cannot transpose a `while_loop` (nor a `fori_loop` whose bounds are
-  traced values, which becomes one): say so, at the loop's line."""
-  loop = next(_while_loops(base.jaxpr.jaxpr), None)
-  if loop is None or "while_loop" not in str(err):
-    return
-  line = source_info_frame(loop.source_info) or base.where
-  raise KernelError(
-      base.name, "reverse mode (jax.grad, jax.vjp) cannot differentiate a "
-      "while_loop, or a fori_loop whose bounds are traced values (read from a "
-      "ref or computed in the kernel): the number of iterations is unknown "
-      "when the backward pass is built. Use lax.fori_loop with static "
-      "(Python int) bounds, masking the iterations past the dynamic bound, or "
-      "give the kernel a hand-written backward pass with jax.custom_vjp "
-      "(forward mode, jax.jvp, works as it is)", line) from err
 
 
 ad.primitive_linearizations[pallas_call_p] = pallas_call_linearize

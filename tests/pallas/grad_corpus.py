@@ -312,6 +312,60 @@ def _prefetch_when(backend):
   return f, want, (x,)
 
 
+def _when_state_kernel(step_ref, x_ref, o_ref, acc_ref):
+  """A recurrence over the grid's steps in order, kept in scratch; the step
+  count is SMEM state (a scalar-prefetch ref the kernel writes) that the
+  `pl.when`s read. Every `pl.when` body reads and writes refs."""
+  t = step_ref[0]
+
+  @pl.when(t == 0)
+  def _():
+    acc_ref[...] = jnp.sin(x_ref[...])
+    step_ref[0] = 1
+
+  @pl.when(t > 0)
+  def _():
+    acc_ref[...] = acc_ref[...] * jnp.cos(x_ref[...]) + 0.5 * x_ref[...]
+    step_ref[0] = step_ref[0] + 1
+
+  @pl.when(pl.program_id(1) == 0)
+  def _():
+    o_ref[...] = acc_ref[...]
+
+  @pl.when(pl.program_id(1) > 0)
+  def _():
+    o_ref[...] = o_ref[...] + jnp.tanh(acc_ref[...])
+
+
+def _when_state(backend):
+  """`pl.when` bodies that read and write output, scratch and
+  scalar-prefetch refs (the reverse pass replays the SMEM state each step
+  found)."""
+  (x,) = _data((16, 256))
+
+  def f(x):
+    return pl.pallas_call(
+        _when_state_kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(2, 2),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, k, s: (i, k))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, k, s: (i, 0)),
+            scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary")),
+        backend=backend)(jnp.zeros((1,), jnp.int32), x)
+
+  def want(x):
+    blocks = [x[i * 8:(i + 1) * 8, k * 128:(k + 1) * 128]
+              for i in range(2) for k in range(2)]
+    acc = [jnp.sin(blocks[0])]
+    for b in blocks[1:]:
+      acc.append(acc[-1] * jnp.cos(b) + 0.5 * b)
+    return jnp.concatenate([acc[0] + jnp.tanh(acc[1]),
+                            acc[2] + jnp.tanh(acc[3])])
+  return f, want, (x,)
+
+
 CASES = {
     "softmax": _softmax,
     "layer_norm": _layer_norm,
@@ -326,6 +380,7 @@ CASES = {
     "dilated_window": _dilated_window,
     "cumulative": _cumulative,
     "prefetch_when": _prefetch_when,
+    "when_state": _when_state,
 }
 SLOW_CASES = {
     "softmax_two_pass": _softmax_two_pass,

@@ -1,5 +1,5 @@
 """Pallas's GPU kernel library compiled twice for sm_90: by dsl (the
-swapped copy, tests/pallas/pallas_ops_swap.py) and by Pallas's own Triton
+swapped copy, benchmarks/pallas_library/swap.py) and by Pallas's own Triton
 lowering (the original, tests/pallas/pallas_ptx.py), from the same source
 at the same shapes, kernel by kernel.
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from dsl.core import config as dsl_config
 from lowering_triton import aot
-from tests.pallas import pallas_ops_swap as swap
+from benchmarks.pallas_library import swap
 from tests.pallas import perf_contracts
 from tests.pallas.pallas_ptx import compile_with_pallas, figures, worse_than
 

@@ -1,182 +1,20 @@
-"""Pallas's own kernel library (`jax.experimental.pallas.ops`), swapped onto dsl.
-
-Nothing of Pallas's code lives in this repository: an import hook serves
-`pallas_ops_on_dsl.X` from the source of `jax.experimental.pallas.ops.X` in
-the installed JAX, with its Pallas imports rewritten to dsl's names
-(`import dsl as pl`, `from dsl import tpu as pltpu`, `from dsl import triton
-as plgpu`, and for the `*_mgpu` ops `from dsl import mosaic_gpu as plgpu`)
-and its imports of sibling ops pointed at the swapped copies. Nothing else
-of the source changes, line numbers included, so tracebacks point at the
-original file.
-
-    import tests.pallas.pallas_ops_swap as swap
-    swap.install()
-    from pallas_ops_on_dsl.tpu import matmul   # Pallas's matmul, on dsl
+"""The status of Pallas's kernel library on dsl in the tests: which cases
+fail today and why (strict xfails in test_pallas_ops.py, rows of
+docs/pallas-compat.md) and which are too slow for the default suite. The
+import swap itself and the ops' cases live in `benchmarks.pallas_library`
+(the `pallas-ops` benchmark suite runs them too); its names are re-exported
+here.
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import os
-import re
-import sys
+from benchmarks.pallas_library.swap import (  # noqa: F401 -- re-exported
+    GPU_BACKENDS, MGPU_BACKENDS, NO_PALLAS, OPS, ORIGINAL, PALLAS_IMPORTS,
+    PREFIX, REWRITES, TPU_BACKENDS, backends_of, base_op, install, is_mgpu,
+    ops_dir, original, rewrite, swapped)
 
-import jax
-
-from dsl.core import jax_internals
-
-# The package name the swapped copies live under.
-PREFIX = "pallas_ops_on_dsl"
-# The package the sources come from.
-ORIGINAL = "jax.experimental.pallas.ops"
-
-# Line-for-line rewrites of Pallas's public imports to dsl's:
-# (pattern, replacement). tests/pallas/pallas_suite.py uses them too.
-PALLAS_IMPORTS = (
-    (re.compile(r"^(\s*)from jax\.experimental import pallas as (\w+)\s*$",
-                re.M), r"\1import dsl as \2"),
-    (re.compile(r"^(\s*)import jax\.experimental\.pallas as (\w+)\s*$", re.M),
-     r"\1import dsl as \2"),
-    (re.compile(r"^(\s*)from jax\.experimental\.pallas import "
-                r"(tpu|triton|mosaic_gpu) as (\w+)\s*$", re.M),
-     r"\1from dsl import \2 as \3"),
-    (re.compile(r"^(\s*)import jax\.experimental\.pallas\."
-                r"(tpu|triton|mosaic_gpu) as (\w+)\s*$", re.M),
-     r"\1from dsl import \2 as \3"),
-)
-# The rewrites of an op's source: its Pallas imports, and its imports of
-# sibling ops pointed at the swapped copies.
-REWRITES = PALLAS_IMPORTS + (
-    (re.compile(re.escape(ORIGINAL + ".")), PREFIX + "."),
-)
-
-# A Pallas import left after the rewrites (the swapped copy would silently
-# run part of itself on Pallas).
-_LEFT_OVER = re.compile(
-    r"^\s*(from|import)\s+jax\.experimental\.pallas\b.*$", re.M)
-
-
-def ops_dir() -> str:
-  """The folder of the installed `jax.experimental.pallas.ops`."""
-  return os.path.join(os.path.dirname(jax.__file__), "experimental", "pallas",
-                      "ops")
-
-
-def rewrite(source: str, origin: str = "<source>") -> str:
-  """`source` of a Pallas op with its Pallas imports pointed at dsl."""
-  for pattern, replacement in REWRITES:
-    source = pattern.sub(replacement, source)
-  left = _LEFT_OVER.search(source)
-  if left is not None:
-    raise ImportError(f"{origin}: a Pallas import the swap does not rewrite: "
-                      f"{left.group(0).strip()!r}")
-  return source
-
-
-def _source_path(fullname: str) -> tuple[str, bool] | None:
-  """(file, is_package) holding the original of swapped module `fullname`,
-  or None when it is not one this hook serves."""
-  if fullname != PREFIX and not fullname.startswith(PREFIX + "."):
-    return None
-  parts = fullname.split(".")[1:]
-  base = os.path.join(ops_dir(), *parts)
-  if os.path.isfile(os.path.join(base, "__init__.py")):
-    return os.path.join(base, "__init__.py"), True
-  if os.path.isfile(base + ".py"):
-    return base + ".py", False
-  return None
-
-
-class _SwapLoader(importlib.abc.Loader):
-  """Executes the rewritten source of one op module."""
-
-  def __init__(self, path: str):
-    self.path = path
-
-  def create_module(self, spec):
-    return None
-
-  def exec_module(self, module):
-    with open(self.path, encoding="utf-8") as f:
-      source = rewrite(f.read(), self.path)
-    with _own_prng_registrations(self.path):
-      exec(compile(source, self.path, "exec"), module.__dict__)
-
-
-@contextlib.contextmanager
-def _own_prng_registrations(path: str):
-  """Lets the swapped copy of `path` register the PRNG implementations that
-  Pallas's original registered already (JAX refuses a name twice), and
-  leaves JAX's registry as it was: the swapped copy's implementations are
-  used through its functions, not by name."""
-  prngs = jax_internals.prng.prngs
-  saved = dict(prngs)
-  for name, impl in saved.items():
-    if getattr(getattr(impl.random_bits, "__code__", None), "co_filename",
-               None) == path:
-      del prngs[name]
-  try:
-    yield
-  finally:
-    prngs.clear()
-    prngs.update(saved)
-
-
-class _SwapFinder(importlib.abc.MetaPathFinder):
-  """Finds `PREFIX.X` in the installed `jax.experimental.pallas.ops`."""
-
-  def find_spec(self, fullname, path=None, target=None):
-    found = _source_path(fullname)
-    if found is None:
-      return None
-    file, is_package = found
-    return importlib.util.spec_from_file_location(
-        fullname, file, loader=_SwapLoader(file),
-        submodule_search_locations=[os.path.dirname(file)] if is_package
-        else None)
-
-
-_FINDER = _SwapFinder()
-
-
-def install() -> None:
-  """Puts the hook on `sys.meta_path` (once)."""
-  if _FINDER not in sys.meta_path:
-    sys.meta_path.insert(0, _FINDER)
-
-
-def swapped(name: str):
-  """The swapped copy of `jax.experimental.pallas.ops.<name>` (e.g.
-  "tpu.matmul"), imported through the hook."""
-  install()
-  return importlib.import_module(f"{PREFIX}.{name}")
-
-
-def original(name: str):
-  """Pallas's own `jax.experimental.pallas.ops.<name>`."""
-  return importlib.import_module(f"{ORIGINAL}.{name}")
-
-
-# The dsl backends each family of ops runs on here.
-TPU_BACKENDS = ("interpret", "mosaic_interpret")
-GPU_BACKENDS = ("interpret", "triton_interpret")
-# plgpu kernels (the `*_mgpu` ops) run on the interpret backend's warpgroup
-# interpreter.
-MGPU_BACKENDS = ("interpret",)
-
-
-def is_mgpu(op: str) -> bool:
-  """Whether op `op` is one of the `*_mgpu` ops (Pallas's Mosaic GPU API)."""
-  return op.split(" ")[0].endswith("_mgpu")
-
-
-def backends_of(op: str) -> tuple[str, ...]:
-  """The dsl backends op `op` ("tpu.matmul", "gpu.softmax") is checked on."""
-  if is_mgpu(op):
-    return MGPU_BACKENDS
-  return TPU_BACKENDS if op.startswith("tpu.") else GPU_BACKENDS
+# The section of docs/pallas-compat.md that lists the ops (written by
+# pallas_ops_page.py).
+SECTION = "## Pallas's kernel library on dsl"
 
 
 _NO_CORE_COUNT = ("reads the number of SMs from {}.core_count, which a CPU "
@@ -191,14 +29,6 @@ _BLACKWELL = ("Blackwell kernels: tcgen05 MMA and tensor memory (plgpu.TMEM, "
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
 # (a fix shows up as an XPASS) and a row of docs/pallas-compat.md.
 XFAIL: dict[tuple[str, str], str] = {
-    ("tpu.paged_attention (grad)", "interpret"):
-        "linearizing the derived transpose kernel meets a `pl.when` with a "
-        "ref effect, which JAX's cond partial eval rejects (State effect not "
-        "supported in cond partial-eval)",
-    ("tpu.paged_attention (grad)", "mosaic_interpret"):
-        "linearizing the derived transpose kernel meets a `pl.when` with a "
-        "ref effect, which JAX's cond partial eval rejects (State effect not "
-        "supported in cond partial-eval)",
     ("gpu.transposed_ragged_dot_mgpu", "interpret"): _NO_CORE_COUNT.format(
         "jax.devices()[0]"),
     ("gpu.collective_matmul_mgpu", "interpret"): _NO_CORE_COUNT.format(
@@ -215,8 +45,31 @@ XFAIL: dict[tuple[str, str], str] = {
         + ")",
 }
 
+# The matrix's megacore variants on mosaic_interpret (test_pallas_ops.py).
+_ONE_CORE = (
+    "mosaic_interpret runs the two megacore \"cores\" (grid dim 0, "
+    "\"parallel\") one after the other on one TensorCore with one SMEM, as "
+    "a chip without megacore does: the second core finds the first's "
+    "\"initialized\" flag cleared and waits for a DMA it never started (a "
+    "deadlock the op's docstring warns of without megacore; `interpret` "
+    "gives each core its own SMEM)")
+XFAIL.update({(v, "mosaic_interpret"): _ONE_CORE for v in (
+    "tpu.paged_attention [megacore kv_head]",
+    "tpu.paged_attention [megacore batch]",
+    "tpu.paged_attention (grad) [megacore batch]")})
+
+# The matrix's GPU gradients that the Triton backend cannot lower.
+XFAIL.update({
+    ("gpu.paged_attention [grad]", "triton_interpret"):
+        "the transposed kernel gathers from the K/V pages with a form of "
+        "lax.gather (array indexing) the Triton backend does not lower",
+    ("gpu.softmax [grad]", "triton_interpret"):
+        "the transposed kernel scatters (the transpose of the masked row "
+        "read), which the Triton backend does not lower",
+})
+
 # Cases too slow for the default suite (pytest -m slow runs them).
-SLOW: set[tuple[str, str]] = {
+_TOO_SLOW = {
     ("gpu.layer_norm (grad)", "interpret"),
     ("gpu.rms_norm (grad)", "interpret"),
     # 132 blocks (the op fixes the SM count of an H100)
@@ -224,94 +77,29 @@ SLOW: set[tuple[str, str]] = {
     ("gpu.attention_mgpu (causal)", "interpret"),
     ("gpu.hopper_mixed_type_matmul_mgpu", "interpret"),
 }
-
-# Ops compared with their reference only, and why.
-NO_PALLAS = {
-    "tpu.paged_attention (grad)":
-        "Pallas has no reverse mode through pallas_call",
-    "tpu.all_gather":
-        "Pallas's TPU interpret mode returns NaN in parts of the gathered "
-        "array here",
-    "tpu.ragged_paged_attention":
-        "Pallas's TPU interpret mode cannot run it ('ReshapeTransform' object "
-        "has no attribute 'indices')",
-    "gpu.hopper_mixed_type_matmul_mgpu":
-        "Pallas's GPU interpret mode cannot run it (Expected shape (6,) but "
-        "got (64, 64))",
-    "gpu.attention_mgpu":
-        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
-        "effects: MemoryEffect, _WGMMAPipelineEffect)",
-    "gpu.attention_mgpu (causal)":
-        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
-        "effects: MemoryEffect, _WGMMAPipelineEffect)",
-}
-
-COMPAT_PAGE = os.path.join(os.path.dirname(os.path.dirname(
-    os.path.dirname(os.path.abspath(__file__)))), "docs", "pallas-compat.md")
-SECTION = "## Pallas's kernel library on dsl"
+# The backend the default suite checks an op on, first that is not too slow
+# and, for a TPU op, passes: the other backends run under -m slow.
+_PREFERRED = {"tpu": ("mosaic_interpret", "interpret"),
+              "gpu": ("interpret", "triton_interpret")}
 
 
-# The ops checked (pallas_ops_cases.CASES has one case for each), in the
-# order of the table.
-OPS = ("tpu.matmul", "tpu.example_kernel", "tpu.all_gather",
-       "tpu.flash_attention", "tpu.paged_attention",
-       "tpu.paged_attention (grad)", "tpu.splash_attention",
-       "tpu.ragged_paged_attention", "tpu.megablox.gmm", "tpu.megablox.tgmm",
-       "tpu.megablox.gmm (grad)",
-       "tpu.random.threefry", "tpu.random.philox", "gpu.attention",
-       "gpu.decode_attention", "gpu.paged_attention", "gpu.layer_norm",
-       "gpu.layer_norm (grad)", "gpu.rms_norm", "gpu.rms_norm (grad)",
-       "gpu.softmax", "gpu.hopper_matmul_mgpu",
-       "gpu.hopper_mixed_type_matmul_mgpu", "gpu.attention_mgpu",
-       "gpu.attention_mgpu (causal)", "gpu.ragged_dot_mgpu",
-       "gpu.transposed_ragged_dot_mgpu", "gpu.collective_matmul_mgpu",
-       "gpu.reduce_scatter_mgpu", "gpu.all_gather_mgpu",
-       "gpu.blackwell_matmul_mgpu", "gpu.blackwell_ragged_dot_mgpu")
+def default_backend(op: str) -> str | None:
+  """The one backend the default suite runs op `op` on (None: every case of
+  it is too slow)."""
+  backends = backends_of(op)
+  ranked = [b for b in _PREFERRED[op.split(".")[0]] if b in backends]
+  fine = [b for b in ranked if (op, b) not in _TOO_SLOW]
+  passing = [b for b in fine if (op, b) not in XFAIL]
+  return (passing or fine or [None])[0]
 
 
-def compat_section() -> str:
-  """The section of docs/pallas-compat.md that lists each op of
-  `jax.experimental.pallas.ops` on each dsl CPU backend."""
-  lines = [
-      SECTION, "",
-      "Pallas's own kernel library (`jax.experimental.pallas.ops` in the "
-      "installed JAX) runs on dsl by its import swap alone: "
-      "`tests/pallas/pallas_ops_swap.py` serves each op's source with its "
-      "Pallas imports pointed at dsl, and `tests/pallas/test_pallas_ops.py` "
-      "runs one cheap shape per op on dsl's CPU backends (chosen with "
-      "`dsl.default_backend`, since the ops name none) and compares it with "
-      "the original op in Pallas's interpret mode and with the op's own "
-      "reference. The `*_mgpu` ops (written against Pallas's Mosaic GPU API, "
-      "`plgpu`) run on the interpret backend's warpgroup interpreter, on a "
-      "simulated GPU of 2 SMs, and are compared with Pallas's GPU interpret "
-      "mode. A failing case is a strict xfail whose reason is the cause "
-      "below. This table is generated (`python -m "
-      "tests.pallas.pallas_ops_swap`) and a test checks it.", "",
-      "| op | backend | result |", "|---|---|---|"]
-  for op in OPS:
-    for backend in backends_of(op):
-      cause = XFAIL.get((op, backend))
-      result = "pass" if cause is None else f"fails: {cause}"
-      if op in NO_PALLAS:
-        result += f" (compared with its reference only: {NO_PALLAS[op]})"
-      lines.append(f"| `{op}` | `{backend}` | {result} |")
-  return "\n".join(lines) + "\n"
-
-
-def write_compat_section(path: str = COMPAT_PAGE) -> None:
-  """Rewrites (or appends) the section in docs/pallas-compat.md."""
-  with open(path, encoding="utf-8") as f:
-    page = f.read()
-  start = page.find(SECTION + "\n")
-  if start < 0:
-    page = page.rstrip("\n") + "\n\n" + compat_section()
-  else:
-    end = page.find("\n## ", start + len(SECTION))
-    rest = "" if end < 0 else page[end:]
-    page = page[:start] + compat_section() + rest
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(page)
+SLOW: set[tuple[str, str]] = _TOO_SLOW | {
+    (op, b) for op in OPS for b in backends_of(op)
+    if b != default_backend(op)}
 
 
 if __name__ == "__main__":
-  write_compat_section()
+  # The page's table needs the cases, which need this module: the page
+  # module writes it (`python -m tests.pallas.pallas_ops_page` does too).
+  from tests.pallas import pallas_ops_page
+  pallas_ops_page.write_compat_section()

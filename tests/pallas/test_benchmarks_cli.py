@@ -131,6 +131,8 @@ def test_slow_peer_runs_once():
     ["--repeats", "0"],
     ["--no-such-flag"],
     ["--kernels", "add", "--json", "/no/such/dir/out.json"],
+    ["--suite", "pallas-ops", "--kernels", "tpu.nope"],
+    ["--suite", "no-such-suite"],
 ])
 def test_bad_arguments_exit_with_one_line(capsys, argv):
   rc, out, err = run_cli(capsys, *argv)
@@ -239,6 +241,20 @@ def test_sharding_rows(capsys, tmp_path):
     assert r["sharded"]["all_gathers"] == 0
     assert all(r[n]["ok"] for n in ("sharded", "shard_map", "replicated"))
   assert "shard_map ms" in text
+
+
+def test_pallas_ops_suite_times_dsl_beside_pallas(capsys, tmp_path):
+  """--suite pallas-ops: an op of Pallas's kernel library on dsl's
+  interpret beside Pallas's interpret mode, the outputs checked, the ratio
+  in the table and the JSON record."""
+  out = tmp_path / "pallas-ops.json"
+  code, text, _ = run_cli(capsys, "--suite", "pallas-ops", "--kernels",
+                          "gpu.softmax", "--json", str(out), *FAST)
+  assert code == 0, text
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["op"] == "gpu.softmax" and row["check"] == "ok"
+  assert row["ratio"] == pytest.approx(row["dsl_s"] / row["pallas_s"])
+  assert "vs Pallas" in text and "gpu.softmax" in text
 
 
 def test_grad_vs_hand_compares_gradients_and_prints_a_row(capsys):

@@ -79,6 +79,32 @@ def test_check_grads_masked_load_store(backend):
   _check(f, want, (x, init))
 
 
+def _masked_rows_kernel(x_ref, w_ref, init_ref, o_ref, *, n):
+  rows = (lax.broadcasted_iota(jnp.int32, (8, 128), 0) < n)
+  x = plt.load(x_ref, mask=rows)            # no `other`: rows >= n unspecified
+  plt.store(o_ref, jnp.dot(x, w_ref[...], precision="highest"), mask=rows)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "triton_interpret"])
+def test_grad_through_a_masked_load_without_other(backend):
+  """Rows past `n` are read from unspecified memory (poison on the CPU) and
+  never stored: their cotangent is 0, and the weight's gradient sums only the
+  rows that exist (poison must not reach it as 0 * NaN)."""
+  x, w, init = _data((8, 128), (128, 128), (8, 128))
+  n = 5
+  kernel = functools.partial(_masked_rows_kernel, n=n)
+
+  def f(x, w, init):
+    return pl.pallas_call(kernel, jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                          input_output_aliases={2: 0}, backend=backend)(
+                              x, w, init)
+
+  def want(x, w, init):
+    keep = (jnp.arange(8) < n)[:, None]
+    return jnp.where(keep, jnp.dot(x, w, precision="highest"), init)
+  _check(f, want, (x, w, init))
+
+
 # ------------------------------------------------------------ vmap
 
 @pytest.mark.parametrize("case,backend", list(_one_backend_per_case(

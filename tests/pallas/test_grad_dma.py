@@ -118,6 +118,56 @@ def accumulate(x, y, backend):
                         backend=backend)(x, y)
 
 
+def prefetch_next_step(x, backend):
+  """Paged attention's pattern: each grid step starts the DMA of the next
+  step's block (into the other slot) and waits for its own, which the step
+  before started; the slot and an "initialized" flag are SMEM state (scalar
+  prefetch the kernel writes). The row blocks accumulate over steps k."""
+  def kernel(flag_ref, slot_ref, x_hbm, o_ref, buf, sem):
+    n_k = pl.num_programs(1)
+    t = pl.program_id(0) * n_k + pl.program_id(1)
+    slot = slot_ref[0]
+
+    def fetch(step, into):
+      return pltpu.make_async_copy(x_hbm.at[pl.ds(step * 8, 8)],
+                                   buf.at[into], sem.at[into])
+
+    @pl.when(flag_ref[0] == 1)
+    def _():
+      fetch(t, slot).start()
+      flag_ref[0] = 0
+
+    @pl.when(t + 1 < pl.num_programs(0) * n_k)
+    def _():
+      fetch(t + 1, 1 - slot).start()
+      slot_ref[0] = 1 - slot
+    fetch(t, slot).wait()
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] = o_ref[...] * jnp.cos(buf[slot]) + jnp.sin(buf[slot])
+
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((x.shape[0] // 2, 128), f32),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2, grid=(x.shape[0] // 16, 2),
+          in_specs=[_any()],
+          out_specs=pl.BlockSpec((8, 128), lambda i, k, *_: (i, 0)),
+          scratch_shapes=[pltpu.VMEM((2, 8, 128), f32),
+                          pltpu.SemaphoreType.DMA((2,))]),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("arbitrary", "arbitrary")),
+      backend=backend)(jnp.ones((1,), jnp.int32), jnp.zeros((1,), jnp.int32),
+                       x)
+
+
+def _prefetch_next_step_want(x):
+  x = x.reshape(-1, 2, 8, 128)
+  return (jnp.sin(x[:, 0]) * jnp.cos(x[:, 1]) + jnp.sin(x[:, 1])).reshape(
+      -1, 128)
+
+
 def pipeline_matmul(x, y, backend):
   return pipe.matmul(pl, x, y, bm=8, bk=128, bn=128, backend=backend)
 
@@ -130,6 +180,8 @@ CASES = {   # name -> (kernel, reference, argument shapes)
     "dma_sin": (dma_sin, jnp.sin, [(16, 128)]),
     "double_buffered": (double_buffered, _double_buffered_want,
                         [(32, 128), (8, 128)]),
+    "prefetch_next_step": (prefetch_next_step, _prefetch_next_step_want,
+                           [(32, 128)]),
     "run_scoped": (scoped, lambda x: jnp.exp(x * x * 0.5) + x * x,
                    [(8, 256)]),
     "accumulating_dma": (accumulate, lambda x, y: x + y * y,

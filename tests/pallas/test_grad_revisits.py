@@ -10,6 +10,8 @@ import dsl as pl
 from dsl.core.blockspec import Element
 from dsl.transforms import revisits
 from tests.pallas.testing import CPU_BACKENDS, matmul_call
+from tests.pallas.testing import check_values_and_grads as _check
+from tests.pallas.testing import uniform_arrays as _data
 
 
 def _mapping(f, *args):
@@ -93,3 +95,45 @@ def test_scatter_contributions_adds_overlaps_and_drops_the_edge():
   out = revisits.scatter_contributions(contribs, bm, gm.grid, ())
   assert out.shape == (20, 128)
   np.testing.assert_array_equal(out, np.ones((20, 128), np.float32))
+
+
+def _lanes_kernel(x_ref, o_ref, m_ref):
+  @pl.when(pl.program_id(1) == 0)
+  def _():
+    m_ref[...] = jnp.zeros_like(m_ref)
+    o_ref[...] = jnp.zeros_like(o_ref)
+  x = x_ref[...]
+  rows = jax.lax.broadcast_in_dim(jnp.sum(jnp.sin(x), axis=1), m_ref.shape,
+                                  (0,))
+  m_prev = m_ref[...]
+  m_ref[...] = m_prev + rows
+  o_ref[...] = o_ref[...] + m_prev * x
+
+
+# A GPU reads a revisited block back from memory, where the lanes past the
+# array do not exist: this kernel needs a TPU's resident blocks.
+@pytest.mark.parametrize("backend", ["interpret", "mosaic_interpret"])
+def test_block_lanes_past_the_array_carry_between_visits(backend):
+  """m's (8, 128) block covers an (8, 1) array: its lanes past the array
+  hold the row sums the kernel broadcast there at the previous visit (a TPU
+  keeps the block in VMEM), and o is computed from them. Reverse mode keeps
+  those lanes (and their cotangents) from visit to visit, and zeros only
+  what enters from outside."""
+  (x,) = _data((8, 384))
+
+  def f(x):
+    return pl.pallas_call(
+        _lanes_kernel, (jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                        jax.ShapeDtypeStruct((8, 1), jnp.float32)),
+        grid=(1, 3), in_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((8, 128), lambda i, j: (i, 0))] * 2,
+        backend=backend)(x)
+
+  def want(x):
+    m, o = jnp.zeros((8, 1)), jnp.zeros((8, 128))
+    for j in range(3):
+      xj = x[:, j * 128:(j + 1) * 128]
+      o = o + m * xj
+      m = m + jnp.sum(jnp.sin(xj), axis=1, keepdims=True)
+    return o, m
+  _check(f, want, (x,))

@@ -1,26 +1,30 @@
 """Pallas's own kernel library runs on dsl by its import swap alone.
 
-Each op of `jax.experimental.pallas.ops` (tests/pallas/pallas_ops_swap.py
+Each op of `jax.experimental.pallas.ops` (benchmarks/pallas_library/swap.py
 serves it with `import dsl as pl`) runs one cheap shape on dsl's CPU
 backends, chosen with `dsl.default_backend` (the ops name no backend), and
 is compared with the original op in Pallas's interpret mode and with the
-op's own reference where it has one. A case that fails today is a strict
-xfail whose reason is its cause (`pallas_ops_swap.XFAIL`), so a fix shows
-up as an XPASS; docs/pallas-compat.md lists the same table.
+op's own reference where it has one. The default suite runs each op on one
+backend (`pallas_ops_swap.default_backend`), the others under `-m slow`,
+with the matrix of each op's other shapes, dtypes, optional features and
+gradients. A case that fails today is a strict xfail whose reason is its
+cause (`pallas_ops_swap.XFAIL`), so a fix shows up as an XPASS;
+docs/pallas-compat.md lists the same table.
 """
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.pallas_library.cases import CASES, MATRIX, check
+from tests.pallas import pallas_ops_page as page
 from tests.pallas import pallas_ops_swap as swap
-from tests.pallas.pallas_ops_cases import (CASES, close, run_on_dsl,
-                                           run_on_pallas)
 
 
 def _params():
-  for op in CASES:
+  for op in [*CASES, *MATRIX]:
     for backend in swap.backends_of(op):
-      marks = [pytest.mark.slow] if (op, backend) in swap.SLOW else []
+      slow = op in MATRIX or (op, backend) in swap.SLOW
+      marks = [pytest.mark.slow] if slow else []
       cause = swap.XFAIL.get((op, backend))
       if cause is not None:
         marks.append(pytest.mark.xfail(strict=True, reason=cause))
@@ -29,25 +33,19 @@ def _params():
 
 @pytest.mark.parametrize("op,backend", list(_params()))
 def test_op_on_dsl(op, backend):
-  case, got = run_on_dsl(op, backend)
-  if case.reference is not None:
-    want = case.reference(swap.original(CASES[op][0]))
-    close(got, want, case.ref_tol or case.tol, f"{op} on {backend} vs its "
-           "reference")
-  if op not in swap.NO_PALLAS:
-    close(got, run_on_pallas(op, case), case.tol,
-           f"{op} on {backend} vs Pallas's interpret mode")
+  check(op, backend)
 
 
 def test_the_table_lists_every_case():
   assert list(CASES) == list(swap.OPS)
-  known = {(op, b) for op in swap.OPS for b in swap.backends_of(op)}
+  assert {swap.base_op(v) for v in MATRIX} <= set(swap.OPS)
+  known = {(op, b) for op in [*CASES, *MATRIX] for b in swap.backends_of(op)}
   assert set(swap.XFAIL) <= known and swap.SLOW <= known
   assert set(swap.NO_PALLAS) <= set(swap.OPS)
 
 
 def test_swapped_modules_run_on_dsl_not_pallas():
-  for module, _ in CASES.values():
+  for module, _ in [*CASES.values(), *MATRIX.values()]:
     swapped = swap.swapped(module)
     pallas_names = {name for name, value in vars(swapped).items()
                     if getattr(value, "__name__", "").startswith(
@@ -75,8 +73,8 @@ def test_rewrite_points_pallas_imports_at_dsl():
 
 
 def test_compat_page_lists_the_table():
-  with open(swap.COMPAT_PAGE, encoding="utf-8") as f:
-    page = f.read()
-  assert swap.compat_section() in page, (
+  with open(page.COMPAT_PAGE, encoding="utf-8") as f:
+    text = f.read()
+  assert page.compat_section() in text, (
       "docs/pallas-compat.md is out of date: run "
-      "`python -m tests.pallas.pallas_ops_swap` to rewrite its section")
+      "`python -m tests.pallas.pallas_ops_page` to rewrite its section")

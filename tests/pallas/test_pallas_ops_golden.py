@@ -13,7 +13,7 @@ import pytest
 
 from tests.pallas import mosaic_golden as golden
 from tests.pallas import pallas_ops_swap as swap
-from tests.pallas import pallas_ops_cases as ops
+from benchmarks.pallas_library import cases as ops
 
 TPU_OPS = [op for op in ops.CASES
            if op.startswith("tpu.") and not op.endswith("(grad)")]
@@ -32,7 +32,7 @@ def _params():
 
 def _lower(op, module):
   case = ops.CASES[op][1]()
-  return golden.lower_tpu(lambda: case.run(module, False))
+  return golden.lower_tpu(lambda *a: case.run(module, False, *a), *case.args)
 
 
 @pytest.mark.parametrize("op", list(_params()))

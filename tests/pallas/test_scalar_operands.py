@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as jpl
+from jax.experimental.pallas import tpu as jpl_tpu
 
 import dsl
 from dsl import tpu as dtpu
@@ -126,3 +127,35 @@ def test_a_non_array_operand_is_a_clear_error():
   with pytest.raises(dsl.KernelTypeError, match="argument 1: expected an "
                      "array"):
     add(dsl, x, "one")
+
+
+def _gather_rows_kernel(rows_ref, unused_ref, x_ref, o_ref):
+  del rows_ref, unused_ref
+  o_ref[...] = x_ref[...] * 2
+
+
+@pytest.mark.parametrize("backend", ["interpret", "mosaic_interpret"])
+def test_none_scalar_prefetch_operand_reaches_the_index_map(backend):
+  """A scalar-prefetch operand that is None (splash attention passes its
+  mask data so) is an argument of the index maps, None, as in Pallas."""
+  x = jnp.arange(4 * 8 * 128, dtype=jnp.float32).reshape(32, 128)
+  rows = jnp.array([3, 0, 2, 1], jnp.int32)
+
+  def index_map(i, rows_ref, unused_ref):
+    assert unused_ref is None
+    return rows_ref[i], 0
+
+  def run(pl, tpu, **kw):
+    return pl.pallas_call(
+        _gather_rows_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+        grid_spec=tpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(4,),
+            in_specs=[pl.BlockSpec((8, 128), index_map)],
+            out_specs=pl.BlockSpec((8, 128), lambda i, r, u: (i, 0))),
+        **kw)(rows, None, x)
+
+  got = run(dsl, dtpu, backend=backend)
+  want = jnp.concatenate([x[8 * r:8 * r + 8] for r in [3, 0, 2, 1]]) * 2
+  assert_close(got, want)
+  with jpl_tpu.force_tpu_interpret_mode():
+    assert_close(got, run(jpl, jpl_tpu))

@@ -718,3 +718,22 @@ def test_fori_loops_with_run_time_bounds_become_for_loops():
   assert src.count("while ") == 1
   assert "mask=" not in src
   assert_close(jax.jit(f)(x), jax.jit(lambda x: f(x, "interpret"))(x))
+
+
+def test_broadcast_arrays_of_indices_say_what_triton_takes():
+  """`x_ref.at[rows[:, None], cols[None]]` (Pallas's GPU layer norm backward):
+  JAX broadcasts the two arrays of indices (its `broadcast_to` primitive,
+  which dsl rewrites into lax ops every lowering has); the Triton backend
+  then says what it takes instead."""
+  x = jnp.zeros((8, 16), jnp.float32)
+
+  def kernel(x_ref, o_ref):
+    rows, cols = jnp.arange(8), jnp.arange(16)
+    o_ref[...] = x_ref.at[rows[:, None], cols[None]][...] * 2
+  f = lambda x: pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape,
+                                                             x.dtype))(x)
+  with pytest.raises(pl.BackendError, match="one vector of indices"):
+    lowering_triton.to_source(f, x)
+  np.testing.assert_array_equal(
+      pl.pallas_call(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     backend="interpret")(x + 1), 2 * (x + 1))
