@@ -15,7 +15,18 @@ from dsl import triton as plt
 from dsl import tpu as pltpu
 from tests.pallas import testing
 from tests.pallas.testing import array, assert_close, call
-from tests.pallas.test_triton_source import add_kernel, blocked_add
+
+
+def add_kernel(x_ref, y_ref, o_ref):
+  o_ref[...] = x_ref[...] + y_ref[...]
+
+
+def blocked_add(x, y, block=128, **kw):
+  return pl.pallas_call(
+      add_kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+      grid=(pl.cdiv(x.shape[0], block),),
+      in_specs=[pl.BlockSpec((block,), lambda i: (i,))] * 2,
+      out_specs=pl.BlockSpec((block,), lambda i: (i,)), **kw)(x, y)
 
 
 def _line_of(marker):
