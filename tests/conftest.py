@@ -12,7 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from tests.pallas.suite_budget import SLOW  # noqa: E402 (needs ROOT on the path)
+import jax  # noqa: E402 (after XLA_FLAGS)
+
+import dsl as pl  # noqa: E402 (needs ROOT on the path)
+from tests.pallas.suite_budget import SLOW  # noqa: E402
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -22,3 +25,19 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid.split("tests/pallas/", 1)[-1] in SLOW:
       item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def runtime_asserts():
+  """jax_pallas_enable_runtime_assert on for the test."""
+  with pl.config.enable_runtime_assert_option(True):
+    yield
+
+
+@pytest.fixture
+def verbose_errors():
+  """jax_pallas_verbose_errors on for the test."""
+  old = pl.config.verbose_errors()
+  jax.config.update("jax_pallas_verbose_errors", True)
+  yield
+  jax.config.update("jax_pallas_verbose_errors", old)

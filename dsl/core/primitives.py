@@ -29,6 +29,16 @@ def cdiv(a, b):
 
 # ---------------------------------------------------------------- hints
 
+def allowed_everywhere(effect_type: type) -> type:
+  """Lets an effect of `effect_type` (a state a primitive keeps outside the
+  kernel's refs: the TPU's random state, a GPU fence) stand inside control
+  flow, custom derivatives and remat; returns `effect_type`."""
+  effects.control_flow_allowed_effects.add_type(effect_type)
+  effects.custom_derivatives_allowed_effects.add_type(effect_type)
+  effects.remat_allowed_effects.add_type(effect_type)
+  return effect_type
+
+
 def _identity_primitive(name: str) -> Primitive:
   prim = Primitive(name)
   prim.def_impl(lambda x, **_: x)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, KernelTypeError, user_frame
+from dsl.core.primitives import allowed_everywhere
 from dsl.core.jax_internals import core, effects, state_types
 from dsl.core.operand_layout import (effects as ref_effects, pack,
                                      ref_and_transforms as ref_parts)
@@ -35,6 +36,7 @@ from dsl.core.memory import MemorySpace as CoreMemorySpace
 from dsl.mosaic_gpu.memory import (GMEM, SMEM, is_barrier_aval, space_of)
 
 
+@allowed_everywhere
 class GPUEffect(effects.Effect):
   """The effect of a `plgpu` primitive that touches no ref of the kernel
   (a fence, a wait, a register budget): it keeps its place."""
@@ -44,9 +46,6 @@ class GPUEffect(effects.Effect):
 
 
 gpu_effect = GPUEffect()
-effects.control_flow_allowed_effects.add_type(GPUEffect)
-effects.custom_derivatives_allowed_effects.add_type(GPUEffect)
-effects.remat_allowed_effects.add_type(GPUEffect)
 
 
 def view_aval(ref, transforms):

@@ -34,9 +34,11 @@ from dsl.core.jax_internals import core, effects
 from jax.extend.core import Primitive
 
 from dsl.core.errors import KernelError, KernelTypeError, user_frame
+from dsl.core.primitives import allowed_everywhere
 from dsl.core.tracing import in_kernel_body
 
 
+@allowed_everywhere
 class PrngEffect(effects.Effect):
   """Reads and advances the core's random state."""
 
@@ -45,9 +47,6 @@ class PrngEffect(effects.Effect):
 
 
 prng_effect = PrngEffect()
-effects.control_flow_allowed_effects.add_type(PrngEffect)
-effects.custom_derivatives_allowed_effects.add_type(PrngEffect)
-effects.remat_allowed_effects.add_type(PrngEffect)
 
 prng_seed_p = Primitive("prng_seed")
 prng_seed_p.multiple_results = True

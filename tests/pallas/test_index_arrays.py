@@ -101,13 +101,6 @@ def test_arrays_of_indices_on_two_dims_read_and_write_as_pallas(backend):
   np.testing.assert_array_equal(got, want)
 
 
-@pytest.fixture
-def runtime_asserts():
-  jax.config.update("jax_pallas_enable_runtime_assert", True)
-  yield
-  jax.config.update("jax_pallas_enable_runtime_assert", False)
-
-
 def _gather(backend, idx):
   def kernel(i_ref, x_ref, o_ref):
     o_ref[...] = x_ref[i_ref[...]]

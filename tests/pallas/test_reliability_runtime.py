@@ -47,12 +47,6 @@ def _failure(f, *args, jit: bool):
   return raised, err
 
 
-@pytest.fixture
-def runtime_asserts():
-  with pl.config.enable_runtime_assert_option(True):
-    yield
-
-
 # ------------------------------------------------------------ deadlocks
 
 def dma_never_started(x_hbm, o_ref, buf, sem):

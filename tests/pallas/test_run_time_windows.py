@@ -11,21 +11,15 @@ import pytest
 import dsl as pl
 from dsl import tpu as pltpu
 from dsl import triton as plt
+from tests.pallas import testing
 from tests.pallas.testing import CPU_BACKENDS
 
 SMEM = pl.BlockSpec(memory_space=pltpu.SMEM)
 X = jnp.arange(16 * 128, dtype=jnp.float32).reshape(16, 128)
 
 
-@pytest.fixture
-def runtime_asserts():
-  jax.config.update("jax_pallas_enable_runtime_assert", True)
-  yield
-  jax.config.update("jax_pallas_enable_runtime_assert", False)
-
-
 def load_kernel(i_ref, x_ref, o_ref):
-  o_ref[...] = x_ref[pl.ds(i_ref[0], 8), :]
+  o_ref[...] = x_ref[pl.ds(i_ref[0], 8), :]   # LOAD-LINE
 
 
 def store_kernel(i_ref, o_ref):
@@ -87,7 +81,8 @@ def test_runtime_asserts_give_one_message_on_every_backend(runtime_asserts):
   load = loads["interpret"]
   assert "out-of-bounds load from x_ref[100:108, :]" in load
   assert "outside its ref of shape (16, 128) at grid point ()" in load
-  assert "test_run_time_windows.py:28" in load     # the user's line
+  line = testing.line_of(__file__, "# LOAD-LINE")
+  assert f"test_run_time_windows.py:{line}" in load     # the user's line
   assert "store to o_ref[14:18, :]" in stores["interpret"]
   # in range: no error
   for b in CPU_BACKENDS:

@@ -33,15 +33,6 @@ def _line_of(marker):
   return testing.line_of(__file__, marker)
 
 
-@pytest.fixture
-def verbose_errors():
-  from dsl.core import config
-  old = config.verbose_errors()
-  jax.config.update("jax_pallas_verbose_errors", True)
-  yield
-  jax.config.update("jax_pallas_verbose_errors", old)
-
-
 # ------------------------------------------------------------------ debugging
 
 def test_debug_print_uses_device_print(capsys):
@@ -59,13 +50,6 @@ def test_debug_print_uses_device_print(capsys):
       in_specs=[pl.BlockSpec((4,), lambda i: (i,))],
       out_specs=pl.BlockSpec((4,), lambda i: (i,)))(x), jnp.arange(8.))
   assert "tl.device_print('pid=', i)" in src
-
-
-@pytest.fixture
-def runtime_asserts():
-  jax.config.update("jax_pallas_enable_runtime_assert", True)
-  yield
-  jax.config.update("jax_pallas_enable_runtime_assert", False)
 
 
 def _checked_kernel(x_ref, o_ref):
