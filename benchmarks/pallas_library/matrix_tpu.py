@@ -339,4 +339,5 @@ NO_PALLAS = {
     "tpu.example_kernel [grad]": NO_PALLAS_GRAD,
     "tpu.paged_attention [megacore kv_head]": _MEGACORE_HANGS,
     "tpu.paged_attention [megacore batch]": _MEGACORE_HANGS,
+    "tpu.ragged_paged_attention [grad]": NO_PALLAS_GRAD,
 }
