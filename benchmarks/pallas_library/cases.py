@@ -24,7 +24,8 @@ from jax.experimental.pallas import tpu as pallas_tpu
 
 import dsl as pl
 from benchmarks.pallas_library import cases_mgpu, matrix_gpu, matrix_tpu, swap
-from benchmarks.pallas_library.case import Case, close, vjp_case
+from benchmarks.pallas_library.case import (NO_PALLAS_GRAD, Case, close,
+                                            vjp_case)
 from benchmarks.pallas_library.case import group_sizes as _group_sizes
 from benchmarks.pallas_library.case import rand as _rand
 from benchmarks.pallas_library.matrix_tpu import paged_dense as _paged_dense
@@ -307,6 +308,15 @@ def no_pallas(case_id: str) -> str | None:
   compared with Pallas's interpret mode too)."""
   return (MATRIX_NO_PALLAS.get(case_id)
           or swap.NO_PALLAS.get(swap.base_op(case_id)))
+
+
+def golden_cases() -> list[str]:
+  """The TPU cases (ops and variants) whose Mosaic modules dsl's lowering
+  for a TPU must give as Pallas's own does (test_pallas_ops_golden.py):
+  all but the gradients through dsl's automatic reverse mode, for which
+  Pallas lowers nothing."""
+  return [c for c in [*CASES, *MATRIX]
+          if c.startswith("tpu.") and no_pallas(c) != NO_PALLAS_GRAD]
 
 
 def run_on_dsl(op: str, backend: str):
