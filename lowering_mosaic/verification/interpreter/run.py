@@ -390,7 +390,8 @@ def _next_output_block(world, prog, dev, op: Operand, idx, point, line):
     _revisit_error(world, prog, dev, op, idx, point)
   if world.options.num_cores > 1:
     claim_output_block(world, dev, op.claims, _operand_name(prog, op), idx,
-                       point, _transform_line(prog, op))
+                       point, _transform_line(prog, op)
+                       or _first_line(prog.main))
   _poison_block(world, op, line)
 
 
