@@ -149,6 +149,17 @@ def test_cores_split_the_leading_parallel_dims(grid, semantics, n_split,
                                 want)
 
 
+def test_the_cores_apply_to_a_kernel_already_called():
+  f = _counter(pl, pltpu, (2, 2), ("parallel", "arbitrary"),
+               backend="mosaic_interpret")
+  jitted = jax.jit(f)
+  start = jnp.zeros((1,), jnp.int32)
+  for g in (f, jitted):
+    np.testing.assert_array_equal(g(start)[..., 0, 0], [[0, 1], [2, 3]])
+    with interpreter_options(num_cores=2):
+      np.testing.assert_array_equal(g(start)[..., 0, 0], [[0, 1], [0, 1]])
+
+
 _SLOW = pytest.mark.slow
 
 
