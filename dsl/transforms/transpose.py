@@ -23,6 +23,7 @@ import numpy as np
 from dsl.core.jax_internals import ad, core, partial_eval as pe
 
 from dsl.core.errors import KernelError
+from dsl.core.grid_plan import all_arbitrary
 from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.core.primitives import run_scoped, when
 from dsl.core.tracing import program_id
@@ -388,6 +389,10 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
                                        kinds)
   new = derived_spec(spec, body, args, out_shapes, **kw,
                      scratch=ct_scr_avals, suffix="transpose")
+  if "staged" in kinds:
+    # a cotangent staged whole through every point: cores may not split
+    # the grid (their read-modify-writes of it would race)
+    new = new.replace(compiler_params=all_arbitrary(new.compiler_params))
   return new.replace(jaxpr=simplify_closed(restore_reads(new.jaxpr))), kinds
 
 

@@ -45,19 +45,6 @@ XFAIL: dict[tuple[str, str], str] = {
         + ")",
 }
 
-# The matrix's megacore variants on mosaic_interpret (test_pallas_ops.py).
-_ONE_CORE = (
-    "mosaic_interpret runs the two megacore \"cores\" (grid dim 0, "
-    "\"parallel\") one after the other on one TensorCore with one SMEM, as "
-    "a chip without megacore does: the second core finds the first's "
-    "\"initialized\" flag cleared and waits for a DMA it never started (a "
-    "deadlock the op's docstring warns of without megacore; `interpret` "
-    "gives each core its own SMEM)")
-XFAIL.update({(v, "mosaic_interpret"): _ONE_CORE for v in (
-    "tpu.paged_attention [megacore kv_head]",
-    "tpu.paged_attention [megacore batch]",
-    "tpu.paged_attention (grad) [megacore batch]")})
-
 # The matrix's GPU gradients that the Triton backend cannot lower.
 XFAIL.update({
     ("gpu.paged_attention [grad]", "triton_interpret"):
