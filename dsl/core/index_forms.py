@@ -89,8 +89,11 @@ class Scope:
     ins = [self.static(v) for v in eqn.invars]
     if any(x is None for x in ins):
       return None
-    with jax.ensure_compile_time_eval():
-      outs = eqn.primitive.bind(*ins, **eqn.params)
+    try:
+      with jax.ensure_compile_time_eval():
+        outs = eqn.primitive.bind(*ins, **eqn.params)
+    except Exception:     # a primitive with no eager rule: not static
+      return None
     outs = outs if eqn.primitive.multiple_results else [outs]
     return np.asarray(outs[list(eqn.outvars).index(var)])
 
@@ -127,7 +130,8 @@ def point_components(scope: Scope, indices) -> list[Component] | None:
   """The columns of a point index array `[*batch, r]`, each a vector along
   one batch dim, or None when it is not built that way."""
   *batch, r = indices.aval.shape
-  eqn = scope.producers.get(indices)
+  eqn = (None if isinstance(indices, core.Literal)
+         else scope.producers.get(indices))
   parts = [indices]
   if (r > 1 and eqn is not None and eqn.primitive is lax.concatenate_p
       and eqn.params["dimension"] == len(batch)):
@@ -162,14 +166,20 @@ def _others(rank: int, axis: int) -> tuple[int, ...]:
   return tuple(d for d in range(rank) if d != axis)
 
 
-def _point_dnums(dn, rank: int) -> bool:
-  """Every operand dim collapsed (inserted) with slices of size 1, in
-  order, and no batching dims."""
+def _parts(dn) -> tuple[tuple[int, ...], ...]:
+  """(window dims, collapsed dims, index map) of a gather's or a scatter's
+  dimension numbers."""
   names = (("offset_dims", "collapsed_slice_dims", "start_index_map")
            if hasattr(dn, "offset_dims") else
            ("update_window_dims", "inserted_window_dims",
             "scatter_dims_to_operand_dims"))
-  window, collapsed, index_map = (tuple(getattr(dn, n)) for n in names)
+  return tuple(tuple(getattr(dn, n)) for n in names)
+
+
+def _point_dnums(dn, rank: int) -> bool:
+  """Every operand dim collapsed (inserted) with slices of size 1, in
+  order, and no batching dims."""
+  window, collapsed, index_map = _parts(dn)
   return (not window and collapsed == index_map == tuple(range(rank))
           and not getattr(dn, "operand_batching_dims", ()))
 
@@ -177,11 +187,7 @@ def _point_dnums(dn, rank: int) -> bool:
 def one_axis(dn, rank: int, indices_shape) -> int | None:
   """The axis of an `x[idx]` / `x.at[:, idx]` form: indices `[n, 1]`, one
   collapsed dim, the window dims all the others in order."""
-  names = (("offset_dims", "collapsed_slice_dims", "start_index_map")
-           if hasattr(dn, "offset_dims") else
-           ("update_window_dims", "inserted_window_dims",
-            "scatter_dims_to_operand_dims"))
-  window, collapsed, index_map = (tuple(getattr(dn, n)) for n in names)
+  window, collapsed, index_map = _parts(dn)
   if (len(collapsed) != 1 or index_map != collapsed
       or getattr(dn, "operand_batching_dims", ()) or
       len(indices_shape) != 2 or indices_shape[1] != 1):
