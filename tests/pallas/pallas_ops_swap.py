@@ -45,15 +45,6 @@ XFAIL: dict[tuple[str, str], str] = {
         + ")",
 }
 
-# The matrix's GPU gradients that the Triton backend cannot lower.
-XFAIL.update({
-    ("gpu.paged_attention [grad]", "triton_interpret"):
-        "the transposed kernel gathers from the K/V pages with a form of "
-        "lax.gather (array indexing) the Triton backend does not lower",
-    ("gpu.softmax [grad]", "triton_interpret"):
-        "the transposed kernel scatters (the transpose of the masked row "
-        "read), which the Triton backend does not lower",
-})
 
 # Cases too slow for the default suite (pytest -m slow runs them).
 _TOO_SLOW = {
