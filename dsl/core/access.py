@@ -166,6 +166,16 @@ class RefAccess:
     dims = tuple(DimWindow.of(i, n, static) for i, n in zip(indices, shape))
     return cls(shape[:len(dims)], dims, mask)
 
+  @classmethod
+  def at_run_time(cls, shape: Sequence, dims) -> "RefAccess":
+    """An access of a ref of `shape` placed at run time on `dims` and
+    covering the others whole: what a lowering that has composed a view's
+    indexers knows of it, before the range analysis's proofs."""
+    shape = tuple(int(n) for n in shape)
+    return cls(shape, tuple(
+        DimWindow(SLICE, None, n) if d in dims else
+        DimWindow(SLICE, 0, n, 1, 0) for d, n in enumerate(shape)))
+
   def proving(self, proven: Callable[[int], tuple[bool, bool]]
               ) -> "RefAccess":
     """The access with the range analysis's proofs: `proven(dim)` says

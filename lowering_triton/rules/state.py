@@ -8,8 +8,6 @@ back with `tl.where`.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 from jax import tree_util
 from dsl.core.jax_internals import state_indexing as indexing, state_primitives
@@ -25,7 +23,7 @@ from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
                                   apply_indexer, as_sym, bcast, emit_address,
                                   has_padding_or_bounds, index_sym,
-                                  without_proven_wraps)
+                                  with_proofs, without_proven_wraps)
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
 from lowering_triton.values import TVal, full_expr, padded, py_literal
@@ -58,11 +56,7 @@ def _with_proven(ctx, view: MemRef) -> MemRef:
   if access is None or access.array_shape != view.array_shape:
     return view
   view = without_proven_wraps(view, access.index_inside)
-  proven = tuple((d, side) for d in view.dynamic
-                 for side, ok in enumerate(access.proven(d)) if ok)
-  proven_block = tuple((d, side) for d in view.dynamic
-                       for side, ok in enumerate(access.in_block(d)) if ok)
-  return dataclasses.replace(view, proven=proven, proven_block=proven_block)
+  return with_proofs(view, access.proven, access.in_block)
 
 
 def _address(ctx, view: MemRef, verb: str, extra_mask: str | None = None,
