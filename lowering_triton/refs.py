@@ -227,8 +227,7 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
   narrowed = set(ref.narrowed)
   multiples = multiples or [1] * len(indices)
   lead = None                 # the first array of indices
-  at_run_time = RefAccess.of(indexer, [ax.size for ax in ref.axes],
-                             static=_static).leaving_dims(static=False)
+  at_run_time = run_time_dims(indexer, [ax.size for ax in ref.axes])
   for k, (ax, idx, mult) in enumerate(zip(ref.axes, indices, multiples)):
     if ax.lanes is not None:
       raise UnsupportedIndex("indexing a window of an array of indices again "
@@ -277,6 +276,13 @@ def _static(x) -> int | None:
   if isinstance(x, TVal):
     return None if x.literal is None else int(x.literal)
   return int(x) if isinstance(x, (int, np.integer)) else None
+
+
+def run_time_dims(indexer, shape) -> set[int]:
+  """The dims of a ref of `shape` where `indexer` may leave it at a place
+  computed at run time (the access model's run-time exits)."""
+  return RefAccess.of(indexer, shape, static=_static).leaving_dims(
+      static=False)
 
 
 def with_proofs(ref: MemRef, in_array, in_block) -> MemRef:

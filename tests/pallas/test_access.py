@@ -30,9 +30,8 @@ SETTINGS = hypothesis_settings(60)
 def _brute_force(entry, n: int) -> set[int]:
   """The sides of a dim of `n` that a static window leaves, from its
   coordinates listed one by one."""
-  if isinstance(entry, slice):
-    coords = list(range(n))[entry] if entry.start is None or \
-        -n <= entry.start else [entry.start]
+  if isinstance(entry, slice):       # as written: a negative bound counts
+    # from the end once
     start = entry.start + n if entry.start is not None and \
         entry.start < 0 else (entry.start or 0)
     stop = n if entry.stop is None else (
