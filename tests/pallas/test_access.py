@@ -209,15 +209,18 @@ def test_checked_kernel_fails_only_where_a_window_leaves(runtime_asserts,
     assert_close(call(i, x), expected)
 
 
-def test_only_windows_that_may_leave_become_bounded_twins():
+def test_only_windows_that_may_leave_and_strided_writes_become_twins():
   def kernel(i_ref, x_ref, o_ref):
     o_ref[...] = x_ref[...]
     o_ref[pl.ds(0, 4), :] = x_ref[pl.ds(i_ref[0], 4), :]
+    o_ref[pl.ds(1, 4, stride=2), :] = x_ref[pl.ds(0, 4, stride=3), :]
   spec = _spec(kernel, I, X)
   bounded = bounded_discharge.bound_windows(spec.jaxpr.jaxpr)
   assert _count(bounded, bounded_discharge.bounded_get_p) == 1
-  assert _count(bounded, state_primitives.get_p) == 2   # i_ref[0], x_ref[...]
+  # i_ref[0], x_ref[...], the strided read
+  assert _count(bounded, state_primitives.get_p) == 3
   assert _count(bounded, state_primitives.swap_p) == 2
+  assert _count(bounded, bounded_discharge.bounded_swap_p) == 1
 
 
 def test_jax_discharge_rules_stay_jaxs():
