@@ -260,3 +260,25 @@ def test_leaving_windows_read_poison_here_and_stay_jaxs_in_pallas():
   assert_close(ours[:4], x[12:16] * 2.0)
   assert np.isnan(ours[4:]).all()
   assert_close(theirs, x[8:16] * 2.0)
+
+
+def test_accesses_of_refs_the_discharge_keeps_stay_jaxs():
+  def kernel(i_ref, x_ref, o_ref):
+    j = i_ref[pl.ds(i_ref[0], 1)][0]              # a window of a kept ref
+    o_ref[pl.ds(0, 4), :] = x_ref[pl.ds(j, 4), :]
+  spec = _spec(kernel, I, X)
+  out = bounded_discharge.discharge(spec.jaxpr, [False, True, True])
+  assert _count(out.jaxpr, state_primitives.get_p) == 2
+  assert not any(e.primitive in (bounded_discharge.bounded_get_p,
+                                 bounded_discharge.bounded_swap_p)
+                 for e in _eqns(out.jaxpr))
+  f = core.jaxpr_as_fun(out)
+  x = jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8)
+  o = jnp.zeros((16, 8), jnp.float32)
+  for start, rows in ((0, 0), (13, 13)):
+    i = jax.new_ref(jnp.array([start], jnp.int32))
+    _, new_o = f(i, x, o)
+    got = np.asarray(new_o[:4])
+    inside = min(4, 16 - rows)
+    assert_close(got[:inside], x[rows:rows + inside])
+    assert np.isnan(got[inside:]).all()
