@@ -11,11 +11,11 @@ import dataclasses
 import sys
 
 import numpy as np
-from dsl.core.jax_internals import (core, ds, NDIndexer, Slice,
+from dsl.core.jax_internals import (ds, NDIndexer, Slice,
                                     TransformedRef,
                                     state_indexing as indexing)
 
-from dsl.core.access import RefAccess
+from dsl.core.access import RefAccess, static_int
 from dsl.core.errors import KernelError, source_excerpt, user_frame
 
 dslice = ds
@@ -25,18 +25,9 @@ _ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "dsl_kernel_refs", default=None)
 
 
-def _static_int(x):
-  if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-    return int(x)
-  try:
-    return int(core.concrete_or_error(None, x))
-  except Exception:
-    return None
-
-
 def _text(x) -> str:
   """An index for a message: its value when static, else `...`."""
-  v = _static_int(x)
+  v = static_int(x)
   return "..." if v is None else str(v)
 
 
@@ -89,7 +80,7 @@ def check_static_indices(indices, shape) -> None:
     ip = next(k for k, i in enumerate(indices) if i is ...)
     indices = (indices[:ip] + (slice(None),) * (len(shape) - len(indices) + 1)
                + indices[ip + 1:])
-  access = RefAccess.of(indices, shape, static=_static_int)
+  access = RefAccess.of(indices, shape)
   outside = access.leaving_dims(static=True)
   for dim, (idx, n) in enumerate(zip(indices, shape)):
     message = _static_error(idx, dim, n, tuple(shape), dim in outside)
@@ -101,7 +92,7 @@ def _static_error(idx, dim: int, n, shape, outside: bool) -> str | None:
   """What is wrong with index `idx` on `dim` (of `n`), if anything:
   `outside` when its window lies outside the ref."""
   if isinstance(idx, Slice):
-    size = _static_int(idx.size)
+    size = static_int(idx.size)
     if size is not None and size < 0:
       return (f"pl.ds({_text(idx.start)}, {size}) on dim {dim} has a "
               f"negative size: pl.ds(start, size) takes the window's size "
@@ -129,7 +120,7 @@ def past_bounds(ref, indices):
   room = list(shape)
   for dim, idx in enumerate(indices[:len(room)]):
     if isinstance(idx, Slice):
-      start, size = _static_int(idx.start), _static_int(idx.size)
+      start, size = static_int(idx.start), static_int(idx.size)
       if start is not None and size is not None:
         room[dim] = max(room[dim], start + size)
   indexer = _original_from_indices_shape(NDIndexer, tuple(indices),
