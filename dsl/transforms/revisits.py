@@ -57,12 +57,30 @@ def _block_index(bm, ids, pf_refs):
   return core.jaxpr_as_fun(bm.index_map_jaxpr)(*ids, *pf_refs)
 
 
+def _every_step_new(bm, grid, ids_fn) -> bool:
+  """Whether, visiting `grid` row-major, every step's block of `bm` (at
+  `ids_fn(step)`) differs from the previous step's (known at trace time:
+  the index map reads no scalar prefetch)."""
+  if not all(isinstance(g, (int, np.integer)) for g in grid):
+    return False       # a grid size traced
+  if math.prod(grid) > 1 << 16:
+    return False
+  idx = evaluate_index_map(bm, tuple(grid))
+  if idx is None:
+    return False
+  steps = [np.asarray(c).reshape(-1) for c in np.indices(grid)]
+  at = [np.asarray(i).reshape(-1) for i in ids_fn(steps)]
+  blocks = idx[tuple(at)].reshape(len(steps[0]), -1)
+  return bool(np.all(np.any(blocks[1:] != blocks[:-1], axis=1)))
+
+
 def first_visit(bm, grid, raw, ids_fn, pf_refs):
   """Whether the step at `raw` (the kernel's own ids, row-major) starts a
   run of visits to its block of `bm` (whose index map takes `ids_fn(raw)`):
-  the first step, or one whose block differs from the previous step's."""
-  if not grid:
-    return jnp.bool_(True)
+  the first step, or one whose block differs from the previous step's.
+  A Python True where every step starts one (decided at trace time)."""
+  if not grid or _every_step_new(bm, grid, ids_fn):
+    return True
   prev, borrow = list(raw), jnp.bool_(True)
   for d in reversed(range(len(grid))):
     wrap = borrow & (raw[d] == 0)

@@ -134,8 +134,11 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
 
   def record(rec, states, firsts):
     for r, s, first in zip(rec, states, firsts):
-      r[...] = s[...] if first is None else jnp.where(
-          first, jnp.zeros(s.shape, s.dtype), s[...])
+      if first is True:
+        r[...] = jnp.zeros(s.shape, s.dtype)
+      else:
+        r[...] = s[...] if first is None else jnp.where(
+            first, jnp.zeros(s.shape, s.dtype), s[...])
 
   def body(*refs):
     # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
@@ -280,6 +283,8 @@ def _accumulate(r, c, kind, first):
   c = c.astype(r.dtype)
   if kind == "per_point":
     r[...] = c.reshape(r.shape)
+  elif kind == "inplace" and first is True:     # a new block every step
+    r[...] = c
   elif kind == "inplace":
     r[...] = jnp.where(first, jnp.zeros(r.shape, r.dtype), r[...]) + c
   else:
@@ -287,10 +292,12 @@ def _accumulate(r, c, kind, first):
 
 
 def _garbage_free_at(first, x, old, bm, ids, pf_refs):
-  """`x`, or where `first` holds `old()` with no garbage past the array."""
+  """`x()`, or where `first` holds `old()` with no garbage past the array
+  (`first` True: at every step, and `x` is not read)."""
   if first is None:
-    return x
-  return jnp.where(first, zero_past_array(old(), bm, ids, pf_refs), x)
+    return x()
+  fresh = zero_past_array(old(), bm, ids, pf_refs)
+  return fresh if first is True else jnp.where(first, fresh, x())
 
 
 def _entry_state(gm, rec_refs, ids, pf_refs, written):
@@ -313,8 +320,9 @@ def _entry_state(gm, rec_refs, ids, pf_refs, written):
     # forward pass's first visit.
     entry[:n_out] = [_garbage_free_at(
         None if in_hbm(bm.ref_aval) else first_visit(
-            bm, gm.grid, ids, lambda i: i, pf_refs), x, lambda x=x: x, bm,
-        ids, pf_refs) for x, bm in zip(entry, gm.out_mappings)]
+            bm, gm.grid, ids, lambda i: i, pf_refs), lambda x=x: x,
+        lambda x=x: x, bm, ids, pf_refs) for x, bm in zip(entry,
+                                                          gm.out_mappings)]
   return entry[:n_out], entry[n_out:], pf
 
 
@@ -371,8 +379,9 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
                                      pf_refs, written)
     transposed = transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
     ct_out_first = [f for f, keep in zip(out_first, out_f) if keep]
-    ct_out_now = [_garbage_free_at(first, r[...], lambda r_in=r_in: r_in[...],
-                                   bm, ids, pf_refs)
+    ct_out_now = [_garbage_free_at(first, lambda r=r: r[...],
+                                   lambda r_in=r_in: r_in[...], bm, ids,
+                                   pf_refs)
                   for r, r_in, first, bm in zip(ct_out_refs, ct_out_in,
                                                 ct_out_first, ct_out_maps)]
     ct_scr_now = [r[...] for r in ct_scr_refs]
