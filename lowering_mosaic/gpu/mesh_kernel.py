@@ -40,8 +40,8 @@ from dsl.core.jax_internals import (ClosedJaxpr, arith, core, gpu, ir,
 from dsl.core.jaxpr_walk import walk_jaxpr
 from dsl.core.primitives import run_scoped_p
 from dsl.mosaic_gpu.compiler_params import LoweringSemantics
-from dsl.mosaic_gpu.memory import (SMEM, BarrierSpace, is_accumulator_aval,
-                                   space_of)
+from dsl.mosaic_gpu.memory import (SMEM, BarrierSpace, TransformedSpace,
+                                   is_accumulator_aval, space_of)
 from lowering_mosaic.gpu.host import TRITON_HINT, GpuHost, ir_type
 from lowering_mosaic.gpu.kernel import GpuModule
 from lowering_mosaic.gpu.rules import TABLE
@@ -93,6 +93,9 @@ def _allocation(aval) -> MeshResources:
     return MeshResources()
   if space_of(aval) is not SMEM:
     raise NotImplementedError(f"allocations in {aval.memory_space}")
+  if isinstance(aval.memory_space, TransformedSpace):
+    raise NotImplementedError("SMEM allocations with tiling or swizzle "
+                              f"transforms ({aval.memory_space})")
   size = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
   return MeshResources(_align(size))
 

@@ -180,6 +180,46 @@ def test_lane_semantics_are_refused_by_name():
     jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
 
 
+def wgmma_kernel(pl, plgpu, transforms=(), **extra):
+  """One WGMMA of two f16 tiles in SMEM into an accumulator, stored."""
+  def body(a_ref, b_ref, o_ref):
+    def scope(a, b, out, barrier, acc):
+      plgpu.copy_gmem_to_smem(a_ref, a, barrier)
+      plgpu.barrier_wait(barrier)
+      plgpu.copy_gmem_to_smem(b_ref, b, barrier)
+      plgpu.barrier_wait(barrier)
+      plgpu.wgmma(acc, a, b)
+      plgpu.wgmma_wait(0)
+      out[...] = acc[...].astype(jnp.float16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out, o_ref)
+      plgpu.wait_smem_to_gmem(0)
+    smem = lambda: plgpu.SMEM((64, 64), jnp.float16, transforms=transforms)
+    pl.run_scoped(scope, smem(), smem(), smem(), plgpu.Barrier(),
+                  plgpu.ACC((64, 64), F32))
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64),
+                                                          jnp.float16),
+                      **extra)
+
+
+_SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def test_swizzled_smem_is_refused_by_name():
+  a = jnp.ones((64, 64), jnp.float16)
+  with pytest.raises(BackendError, match="tiling or swizzle transforms"):
+    jax.jit(wgmma_kernel(pl, plgpu, _SWIZZLED, backend="mosaic_gpu")).trace(
+        a, a).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.xfail(strict=True, raises=BackendError,
+                   reason="plgpu.ACC accumulators (wgmma) do not lower yet")
+def test_wgmma_kernel_lowers():
+  a = jnp.ones((64, 64), jnp.float16)
+  jax.jit(wgmma_kernel(pl, plgpu, backend="mosaic_gpu")).trace(a, a).lower(
+      lowering_platforms=("cuda",))
+
+
 def _hopper_matmul(module):
   a = jnp.ones((128, 128), jnp.float16)
   config = module.TuningConfig(tile_m=64, tile_n=64, tile_k=64,

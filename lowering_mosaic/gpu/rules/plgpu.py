@@ -159,19 +159,22 @@ def _copy_smem_to_gmem(ctx, *args, layout, commit_group, reduction_op):
   return []
 
 
+def _the_barrier(ctx, args, layout):
+  """The one mbarrier a barrier primitive names."""
+  ops, avals = _parts(ctx, args, layout)
+  return _barrier(ctx, ops["barrier"], ops["barrier_t"],
+                  avals["barrier"].shape)
+
+
 @TABLE.register(plgpu_p.barrier_wait_p)
 def _barrier_wait(ctx, *args, layout):
-  ops, avals = _parts(ctx, args, layout)
-  _barrier(ctx, ops["barrier"], ops["barrier_t"],
-                     avals["barrier"].shape).wait()
+  _the_barrier(ctx, args, layout).wait()
   return []
 
 
 @TABLE.register(plgpu_p.barrier_arrive_p)
 def _barrier_arrive(ctx, *args, layout):
-  ops, avals = _parts(ctx, args, layout)
-  _barrier(ctx, ops["barrier"], ops["barrier_t"],
-                     avals["barrier"].shape).arrive()
+  _the_barrier(ctx, args, layout).arrive()
   return []
 
 
