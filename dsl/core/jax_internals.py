@@ -146,6 +146,7 @@ _TABLE: dict[str, tuple[str | tuple[str, ...], str | None]] = {
     "cf": ("jax._src.lib.mlir.dialects", "cf"),
     "func": ("jax._src.lib.mlir.dialects", "func"),
     "gpu": ("jax._src.lib.mlir.dialects", "gpu"),
+    "llvm": ("jax._src.lib.mlir.dialects", "llvm"),
     "mlir_math": ("jax._src.lib.mlir.dialects", "math"),
     "memref": ("jax._src.lib.mlir.dialects", "memref"),
     "nvvm": ("jax._src.lib.mlir.dialects", "nvvm"),

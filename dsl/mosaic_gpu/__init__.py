@@ -16,7 +16,8 @@ and `CompilerParams` (also the Mosaic GPU backend's schedule overrides). docs/mo
 API (plgpu)", says what each does here and what differs from Pallas.
 
 The interpret backend runs `plgpu.kernel`s on any platform
-(dsl/interpret/warpgroups.py).
+(dsl/interpret/warpgroups.py); backend "mosaic_gpu" lowers those whose
+primitives it has rules for (lowering_mosaic/gpu/mesh_kernel.py).
 """
 from dsl.core.semaphores import SemaphoreType
 from dsl.mosaic_gpu.collectives import (PeerMemRef, multimem_load_reduce,

@@ -142,7 +142,7 @@ def kernel(body=None, *, out_type: Any = (), scratch_types: Any = (),
                *(() if named else scratch_types), collective_axes=threads,
                **(scratch_types if named else {}))
   with_scratch.__name__ = with_scratch.__qualname__ = kname
-  kernel_fn = with_scratch if scratch_types else body
+  kernel_fn = with_scratch   # (as Pallas: a scope even without scratch)
 
   @functools.wraps(body)
   @api_boundary

@@ -6,6 +6,8 @@ mbarriers, `wgmma`). Importing the package registers backend "mosaic_gpu";
 `jax_pallas_use_mosaic_gpu=True` makes it the default for CUDA.
 
 - `build_gpu_module(spec)`: KernelSpec -> GpuModule (kernel.py, rules/)
+- `build_mesh_module(spec)`: a `plgpu.kernel`'s KernelSpec -> GpuModule
+  (mesh_kernel.py, rules/plgpu.py); `build_module` picks one of the two
 - `to_gpu_modules(f, *args)`: the GpuModules of the pallas_calls in `f`
   (also written to `jax_pallas_dump_mlir_to` when set)
 
@@ -20,7 +22,8 @@ from lowering_mosaic.gpu import rules as _rules  # noqa: F401 (fills TABLE)
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
 from lowering_mosaic.gpu.plan import GpuPlan, make_gpu_plan
-from lowering_mosaic.gpu.launch import dump_gpu_module, mosaic_gpu_lowering
+from lowering_mosaic.gpu.launch import (build_module, dump_gpu_module,
+                                       mosaic_gpu_lowering)
 
 _backends.register_backend("mosaic_gpu", mosaic_gpu_lowering, rules=TABLE)
 
@@ -32,10 +35,13 @@ def to_gpu_modules(f, *args, **kwargs) -> list[GpuModule]:
   with mlir.make_ir_context(), ir.Location.unknown():
     for spec, mesh_axes in traced_kernels(f, *args, **kwargs):
       spec = as_lowered(spec, "mosaic_gpu", mesh_axes)
-      out.append(build_gpu_module(spec))
+      out.append(build_module(spec))
       dump_gpu_module(spec, out[-1])
   return out
 
 
-__all__ = ["TABLE", "GpuModule", "GpuPlan", "build_gpu_module",
+from lowering_mosaic.gpu.mesh_kernel import MeshPlan, build_mesh_module
+
+__all__ = ["TABLE", "GpuModule", "GpuPlan", "MeshPlan", "build_gpu_module",
+           "build_mesh_module", "build_module",
            "make_gpu_plan", "to_gpu_modules"]

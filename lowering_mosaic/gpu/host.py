@@ -206,6 +206,15 @@ class GpuHost(LoweringHost):
     # (byte offset, bytes) of the shared scratch of cross-warp reductions
     self.reduction_scratch = None
 
+  @contextlib.contextmanager
+  def scope(self, ctx, jaxpr, num_consts, collective_axes):
+    """The refs of a `run_scoped` equation (`ctx`): shared-memory buffers
+    the plan set aside for it (each run_scoped gets its own)."""
+    bufs = self.scoped.get(id(ctx.eqn))
+    if bufs is None:
+      raise ctx.error("internal error: no buffers planned for this run_scoped")
+    yield bufs
+
   def literal(self, atom):
     return self._constant(atom.val, atom.aval)
 

@@ -14,7 +14,16 @@ from jax.experimental.mosaic.gpu import core as mgpu_core
 
 from dsl.core.errors import BackendError
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
+from lowering_mosaic.gpu.mesh_kernel import build_mesh_module, is_mesh_kernel
 from dsl.core import config
+
+
+def build_module(spec) -> GpuModule:
+  """The module of `spec`: a `plgpu.kernel` (mesh_kernel.py) or a
+  pallas_call whose schedule the lowering chooses (kernel.py)."""
+  if is_mesh_kernel(spec):
+    return build_mesh_module(spec)
+  return build_gpu_module(spec)
 
 
 def dump_gpu_module(spec, built: GpuModule) -> str | None:
@@ -27,10 +36,7 @@ def dump_gpu_module(spec, built: GpuModule) -> str | None:
   digest = hashlib.sha1(built.dialect_text.encode()).hexdigest()[:8]
   os.makedirs(directory, exist_ok=True)
   head = (f"// kernel {spec.name} defined at {spec.kernel_src}, called at "
-          f"{spec.where}\n// Mosaic GPU, grid {built.plan.grid}: parallel "
-          f"dims {built.plan.parallel} -> CUDA grid {built.plan.cuda_grid}, "
-          f"sequential dims {built.plan.sequential} -> {built.plan.steps} "
-          f"steps per CTA, {built.plan.smem_bytes} bytes of shared memory\n")
+          f"{spec.where}\n// Mosaic GPU, {built.plan.summary()}\n")
   first = os.path.join(directory, f"{spec.name}-{digest}.mosaic_gpu.mlir")
   with open(first, "w") as fh:
     fh.write(head + "// stage: mosaic_gpu dialect, before layout inference\n")
@@ -49,7 +55,7 @@ def mosaic_gpu_lowering(ctx, *args, spec):
         spec.name, "backend 'mosaic_gpu' lowers for NVIDIA GPUs (cuda), but "
         f"this computation is lowered for {', '.join(platforms) or 'none'}; "
         "use backend='interpret' elsewhere", spec.where)
-  built = build_gpu_module(spec)
+  built = build_module(spec)
   dump_gpu_module(spec, built)
   return mgpu_core._mosaic_gpu_lowering_rule(
       ctx, *args, module=built.module, out_types=built.out_shapes,

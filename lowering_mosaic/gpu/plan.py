@@ -113,6 +113,12 @@ class GpuPlan:
   def steps(self) -> int:
     return math.prod(self.grid[d] for d in self.sequential)
 
+  def summary(self) -> str:
+    return (f"grid {self.grid}: parallel dims {self.parallel} -> CUDA grid "
+            f"{self.cuda_grid}, sequential dims {self.sequential} -> "
+            f"{self.steps} steps per CTA, {self.smem_bytes} bytes of shared "
+            "memory")
+
   @property
   def carried(self) -> tuple[int, ...]:
     """Positions, among the kernel's refs (prefetch, blocks, scratch), of

@@ -84,10 +84,8 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
 
 
 @TABLE.register(run_scoped_p)
-def _run_scoped(ctx, *consts, jaxpr, num_consts, **_):
-  """The scope's refs are shared-memory buffers the plan set aside for this
-  equation (each run_scoped gets its own; nothing is reused)."""
-  bufs = ctx.host.scoped.get(id(ctx.eqn))
-  if bufs is None:
-    raise ctx.error("internal error: no buffers planned for this run_scoped")
-  return ctx.lower(jaxpr, (), list(consts) + list(bufs))
+def _run_scoped(ctx, *consts, jaxpr, num_consts, collective_axes=(), **_):
+  """The scope's refs come from the host: buffers the plan set aside for
+  this equation, or (a plgpu kernel) allocations made here."""
+  with ctx.host.scope(ctx, jaxpr, num_consts, collective_axes) as refs:
+    return ctx.lower(jaxpr, (), list(consts) + list(refs))

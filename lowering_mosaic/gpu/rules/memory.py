@@ -29,8 +29,10 @@ def _static(x):
   return int(x)
 
 
-def window(ctx, ref: ir.Value, transforms) -> ir.Value:
-  """The subview of `ref` that its NDIndexer transforms select."""
+def window(ctx, ref: ir.Value, transforms, static_ints=True) -> ir.Value:
+  """The subview of `ref` that its NDIndexer transforms select; with
+  `static_ints=False`, integer indices are index values (Pallas's choice
+  for plgpu refs: a subview at a run-time offset)."""
   for t in transforms or ():
     if not isinstance(t, indexing.NDIndexer):
       raise ctx.error(f"ref transform {type(t).__name__} is not supported by "
@@ -55,6 +57,8 @@ def window(ctx, ref: ir.Value, transforms) -> ir.Value:
           whole = False
       else:
         i = _static(idx)
+        if isinstance(i, int) and not static_ints:
+          i = arith.constant(ir.IndexType.get(), i)
         index.append(i if isinstance(i, int) else to_index(i))
         whole = False
     if not whole:

@@ -1,0 +1,198 @@
+"""The primitives of Pallas's Mosaic GPU API (`dsl.mosaic_gpu`, "plgpu") in
+a `plgpu.kernel`: TMA copies between global and shared memory, mbarriers,
+the fences and waits around them, as `mosaic_gpu` dialect ops and the
+library's barrier refs (`DialectBarrierRef`: a barrier group, its phases
+tracked per thread).
+
+The refs of such a kernel: global-memory operands (memrefs), shared-memory
+allocations (memrefs sliced from the kernel's shared memory) and barrier
+groups; a ref's transforms (`x.at[...]`) select a window of it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from dsl.core.jax_internals import (arith, core, ir, llvm,
+                                    mosaic_gpu_dialect as mgpu,
+                                    state_indexing as indexing)
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+from dsl.core.operand_layout import unpack
+from dsl.mosaic_gpu import primitives as plgpu_p
+from dsl.mosaic_gpu.memory import OOBFillMode
+from lowering_mosaic.gpu.host import TRITON_HINT, i32, to_index
+from lowering_mosaic.gpu.rules import TABLE
+from lowering_mosaic.gpu.rules.memory import window
+
+
+def _parts(ctx, args, layout):
+  """The named operands of a packed primitive (integer literals among them
+  as Python ints, which fold into the ops that use them), with their
+  avals."""
+  args = [int(v.val) if isinstance(v, core.Literal) and not v.aval.shape
+          and np.issubdtype(v.aval.dtype, np.integer) else a
+          for a, v in zip(args, ctx.eqn.invars)]
+  return unpack(args, layout), unpack(ctx.avals_in, layout)
+
+
+def _as_index(v) -> ir.Value:
+  if isinstance(v, int):
+    return arith.constant(ir.IndexType.get(), v)
+  return to_index(v)
+
+
+def _barrier(ctx, ref, transforms, shape):
+  """One mbarrier of a group of `shape` (`barriers.at[i]`): the group at
+  the row-major offset its indices select."""
+  if not transforms:
+    return ref
+  if len(transforms) != 1 or not isinstance(transforms[0], indexing.NDIndexer):
+    raise ctx.error("barriers are selected with indices (barriers.at[i, j])")
+  offset = None
+  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+  for idx, stride in zip(transforms[0].indices, strides):
+    if isinstance(idx, indexing.Slice):
+      if int(idx.stride) != 1:
+        raise ctx.error("barriers are not selected with strided slices")
+      idx = idx.start
+    term = arith.muli(_as_index(_static(idx)), _as_index(stride))
+    offset = term if offset is None else arith.addi(offset, term)
+  return ref[offset]
+
+
+def _static(x):
+  return x if isinstance(x, ir.Value) else int(x)
+
+
+def _gmem_window(ctx, transforms, shape):
+  """(indices (i32), slice lengths) of the window of a global-memory ref
+  that `transforms` select (-1: an integer-indexed, dropped dim)."""
+  starts = [None] * len(shape)
+  lengths = list(shape)
+  dims = list(range(len(shape)))
+  for t in transforms:
+    if not isinstance(t, indexing.NDIndexer) or t.int_indexer_shape:
+      raise ctx.error("only windows (x.at[...] with slices and indices) of "
+                      "global-memory refs are copied by TMA" + TRITON_HINT)
+    kept = []
+    for d, idx in zip(dims, t.indices):
+      if isinstance(idx, indexing.Slice):
+        if int(idx.stride) != 1:
+          raise ctx.error("strided windows are not copied by TMA" + TRITON_HINT)
+        start, length = _static(idx.start), int(idx.size)
+        kept.append(d)
+      else:
+        start, length = _static(idx), -1
+      starts[d] = start if starts[d] is None else _add(starts[d], start)
+      lengths[d] = length
+    dims = kept
+  return starts, lengths
+
+
+def _add(a, b):
+  if isinstance(a, int) and isinstance(b, int):
+    return a + b
+  as_i32 = lambda v: i32(v) if isinstance(v, int) else _i32(v)
+  return arith.addi(as_i32(a), as_i32(b))
+
+
+def _i32(v):
+  t = ir.IntegerType.get_signless(32)
+  if isinstance(v.type, ir.IndexType):
+    return arith.index_cast(t, v)
+  return v
+
+
+def _copy_indices(ctx, transforms, shape, box):
+  """(indices, slice lengths) of a TMA copy of the window of a
+  global-memory ref of `shape`; `box`: the shared-memory side's shape."""
+  if not transforms:
+    zero = i32(0)
+    return [zero] * len(box), list(box)
+  starts, lengths = _gmem_window(ctx, transforms, shape)
+  indices = [i32(s) if isinstance(s, int) else _i32(s)
+             for s in (0 if s is None else s for s in starts)]
+  return indices, lengths
+
+
+@TABLE.register(plgpu_p.copy_gmem_to_smem_p)
+def _copy_gmem_to_smem(ctx, *args, layout, collective_axes, leader_tracked,
+                       oob_mode):
+  ops, avals = _parts(ctx, args, layout)
+  if collective_axes or leader_tracked is not None:
+    raise ctx.error("collective (multicast) TMA copies do not lower yet"
+                    + TRITON_HINT)
+  if ops["predicate"]:
+    raise ctx.error("predicated TMA copies do not lower yet" + TRITON_HINT)
+  dst = window(ctx, ops["dst"], ops["dst_t"], static_ints=False)
+  barrier = _barrier(ctx, ops["barrier"], ops["barrier_t"],
+                     avals["barrier"].shape)
+  box = ir.MemRefType(dst.type).shape
+  indices, lengths = _copy_indices(ctx, ops["src_t"],
+                                   avals["src"].shape, box)
+  nbytes = math.prod(box) * np.dtype(avals["src"].dtype).itemsize
+  memref = barrier.as_barrier_memref()
+  mgpu.arrive_expect_tx(memref, i32(nbytes))
+  mode = OOBFillMode.ZEROS if oob_mode is None else oob_mode
+  mgpu.async_load(ops["src"], dst, indices, lengths,
+                  collective=ir.ArrayAttr.get([]), barrier=memref,
+                  oob_fill_mode=ir.IntegerAttr.get(
+                      ir.IntegerType.get_signless(32), int(mode)))
+  return []
+
+
+@TABLE.register(plgpu_p.copy_smem_to_gmem_p)
+def _copy_smem_to_gmem(ctx, *args, layout, commit_group, reduction_op):
+  ops, avals = _parts(ctx, args, layout)
+  if ops["predicate"]:
+    raise ctx.error("predicated TMA copies do not lower yet" + TRITON_HINT)
+  src = window(ctx, ops["src"], ops["src_t"], static_ints=False)
+  box = ir.MemRefType(src.type).shape
+  indices, lengths = _copy_indices(ctx, ops["dst_t"],
+                                   avals["dst"].shape, box)
+  reduction = None if reduction_op is None else getattr(
+      mgpu.TMAReduction, reduction_op.capitalize())
+  mgpu.async_store(src, ops["dst"], indices, lengths,
+                   commit_group=commit_group, reduction_op=reduction,
+                   is_global_broadcast=False)
+  return []
+
+
+def _the_barrier(ctx, args, layout):
+  """The one mbarrier a barrier primitive names."""
+  ops, avals = _parts(ctx, args, layout)
+  return _barrier(ctx, ops["barrier"], ops["barrier_t"],
+                  avals["barrier"].shape)
+
+
+@TABLE.register(plgpu_p.barrier_wait_p)
+def _barrier_wait(ctx, *args, layout):
+  _the_barrier(ctx, args, layout).wait()
+  return []
+
+
+@TABLE.register(plgpu_p.barrier_arrive_p)
+def _barrier_arrive(ctx, *args, layout):
+  _the_barrier(ctx, args, layout).arrive()
+  return []
+
+
+@TABLE.register(plgpu_p.commit_smem_p)
+def _commit_smem(ctx):
+  mgpu_utils.commit_shared()
+  return []
+
+
+@TABLE.register(plgpu_p.wait_smem_to_gmem_p)
+def _wait_smem_to_gmem(ctx, *, n, wait_read_only):
+  ctx.host.launch_ctx.await_async_copy(allow_groups=n,
+                                       await_read_only=wait_read_only)
+  return []
+
+
+@TABLE.register(plgpu_p.commit_group_p)
+def _commit_group(ctx):
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                  "cp.async.bulk.commit_group;", "", has_side_effects=True)
+  return []

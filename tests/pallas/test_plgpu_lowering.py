@@ -1,0 +1,244 @@
+"""`plgpu.kernel`s (Pallas's Mosaic GPU API on dsl) lowered by backend
+"mosaic_gpu" for CUDA on a CPU, compared with the module Pallas's own
+Mosaic GPU lowering builds from the same source.
+
+Both lowerings hand their module to jaxlib's Mosaic GPU library
+(`core.lower_mgpu_module`: layout inference, dialect lowering); the tests
+catch it there, before (the `mosaic_gpu` dialect, as emitted) and after,
+and compare the two texts with SSA names dropped (`canonical`). Kernels are
+written once against a `(pl, plgpu)` pair and built with each library.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+from jax.experimental import pallas as jpl
+from jax.experimental.mosaic.gpu import core as mgpu_core
+from jax.experimental.pallas import mosaic_gpu as jplgpu
+
+import dsl as pl
+from dsl import mosaic_gpu as plgpu
+from dsl.core.errors import BackendError
+from benchmarks.pallas_library.cases_mgpu import simulated_gpu
+from benchmarks.pallas_library.swap import original, swapped
+
+F32 = jnp.float32
+
+
+@pytest.fixture
+def captured(monkeypatch):
+  """The (dialect text, lowered text) of each module the library lowers
+  while the test runs."""
+  out = []
+  lower = mgpu_core.lower_mgpu_module
+
+  def capture(module, *args, **kwargs):
+    before = module.operation.get_asm(enable_debug_info=False)
+    result = lower(module, *args, **kwargs)
+    out.append((before, module.operation.get_asm(enable_debug_info=False)))
+    return result
+  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", capture)
+  return out
+
+
+def canonical(text: str) -> list[str]:
+  """`text` without SSA names, block labels and the dump counter."""
+  text = re.sub(r"%[\w#:-]+", "%v", text)
+  text = re.sub(r"\^bb\d+", "^bb", text)
+  text = re.sub(r'dump_basename = "(\w+?)_\d+"', r'dump_basename = "\1"', text)
+  return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+# The warpgroup index: thread index (x + y * dx + z * dx * dy) >> 7,
+# broadcast from lane 0 of the warp. dsl computes each mesh axis index once,
+# at the top of the block; Pallas at each `lax.axis_index`.
+_WG_INDEX = re.compile(
+    r"(%v = gpu\.thread_id x\n(?:.*\n){17}%v = arith\.constant 7 : i32\n"
+    r"%v = arith\.shrui %v, %v : i32\n(?:.*\n){3}%v = nvvm\.shfl\.sync[^\n]*\n)")
+
+
+def without_wg_index(lines: list[str]) -> tuple[list[str], int]:
+  """`lines` without the computations of the warpgroup index, and their
+  count."""
+  text, n = _WG_INDEX.subn("", "\n".join(lines) + "\n")
+  return text.splitlines(), n
+
+
+def lower_both(make, *args, captured):
+  """[(dialect, lowered) of dsl's module, the same of Pallas's]."""
+  modules = []
+  for lib, extra in (((pl, plgpu), dict(backend="mosaic_gpu")),
+                     ((jpl, jplgpu), {})):
+    captured.clear()
+    jax.jit(make(*lib, **extra)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    (module,) = captured
+    modules.append(module)
+  return modules
+
+
+# ------------------------------------------------------------------ kernels
+
+def copy_kernel(pl, plgpu, **extra):
+  """GMEM -> SMEM (TMA, a barrier) -> GMEM."""
+  def body(x_ref, o_ref, smem, barrier):
+    plgpu.copy_gmem_to_smem(x_ref, smem, barrier)
+    plgpu.barrier_wait(barrier)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, o_ref)
+    plgpu.wait_smem_to_gmem(0)
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 128), F32),
+                      scratch_types=(plgpu.SMEM((64, 128), F32),
+                                     plgpu.Barrier()), **extra)
+
+
+def producer_consumer(pl, plgpu, **extra):
+  """Two blocks of two warpgroups: warpgroup 1 loads two halves of a
+  window into SMEM slots (a barrier each), warpgroup 0 waits for each and
+  stores it back; then a second scope reuses the shared memory."""
+  def body(x_ref, o_ref):
+    def scope(smem, barriers):
+      wg = lax.axis_index("wg")
+
+      @pl.when(wg == 1)
+      def _():
+        for i in range(2):
+          plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * 64, 64)], smem.at[i],
+                                  barriers.at[i])
+
+      @pl.when(wg == 0)
+      def _():
+        for i in range(2):
+          plgpu.barrier_wait(barriers.at[i])
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(smem.at[i], o_ref.at[pl.ds(i * 64, 64)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scope, plgpu.SMEM((2, 64, 128), F32),
+                  plgpu.Barrier(num_barriers=2), collective_axes="wg")
+
+    def again(smem, barrier):
+      plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, 64)], smem, barrier)
+      plgpu.barrier_wait(barrier)
+    pl.run_scoped(again, plgpu.SMEM((64, 128), F32), plgpu.Barrier(),
+                  collective_axes="wg")
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128, 128), F32),
+                      num_threads=2, thread_name="wg", grid=(2,),
+                      grid_names=("x",), **extra)
+
+
+# -------------------------------------------------------------------- tests
+
+def test_copy_kernel_module_is_pallas_module(captured):
+  x = jnp.ones((64, 128), F32)
+  (ours, ours_low), (theirs, theirs_low) = lower_both(copy_kernel, x,
+                                                      captured=captured)
+  assert "mosaic_gpu.async_load" in ours and "mosaic_gpu.async_store" in ours
+  assert canonical(ours) == canonical(theirs)
+  assert canonical(ours_low) == canonical(theirs_low)
+
+
+def test_warpgroups_module_is_pallas_module_but_for_hoisted_axis_index(
+    captured):
+  x = jnp.ones((128, 128), F32)
+  (ours, ours_low), (theirs, theirs_low) = lower_both(
+      producer_consumer, x, captured=captured)
+  ours, n_ours = without_wg_index(canonical(ours))
+  theirs, n_theirs = without_wg_index(canonical(theirs))
+  assert (n_ours, n_theirs) == (1, 1)
+  assert ours == theirs
+  # The shared memory: the larger of the two scopes (64 KiB), then the
+  # barriers; the launch: 2 blocks of 256 threads.
+  assert "dynamic_shared_memory_size %v" in "\n".join(ours)
+  assert any("65536xi8" in line for line in ours)
+  # Lowered (CSE merges the thread index computations): the same ops, the
+  # warpgroup index's last two at another place.
+  assert sorted(canonical(ours_low)) == sorted(canonical(theirs_low))
+
+
+def test_lowered_plgpu_kernel_is_a_mosaic_gpu_custom_call():
+  x = jnp.ones((64, 128), F32)
+  text = jax.jit(copy_kernel(pl, plgpu, backend="mosaic_gpu")).trace(x).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu_v2" in text
+
+
+def test_lane_semantics_are_refused_by_name():
+  x = jnp.ones((64, 128), F32)
+  params = plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+  def body(x_ref, o_ref):
+    plgpu.wait_smem_to_gmem(0)
+  f = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 128), F32),
+                   compiler_params=params, backend="mosaic_gpu")
+  with pytest.raises(BackendError, match="Warpgroup semantics"):
+    jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
+
+
+def wgmma_kernel(pl, plgpu, transforms=(), **extra):
+  """One WGMMA of two f16 tiles in SMEM into an accumulator, stored."""
+  def body(a_ref, b_ref, o_ref):
+    def scope(a, b, out, barrier, acc):
+      plgpu.copy_gmem_to_smem(a_ref, a, barrier)
+      plgpu.barrier_wait(barrier)
+      plgpu.copy_gmem_to_smem(b_ref, b, barrier)
+      plgpu.barrier_wait(barrier)
+      plgpu.wgmma(acc, a, b)
+      plgpu.wgmma_wait(0)
+      out[...] = acc[...].astype(jnp.float16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out, o_ref)
+      plgpu.wait_smem_to_gmem(0)
+    smem = lambda: plgpu.SMEM((64, 64), jnp.float16, transforms=transforms)
+    pl.run_scoped(scope, smem(), smem(), smem(), plgpu.Barrier(),
+                  plgpu.ACC((64, 64), F32))
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((64, 64),
+                                                          jnp.float16),
+                      **extra)
+
+
+_SWIZZLED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def test_swizzled_smem_is_refused_by_name():
+  a = jnp.ones((64, 64), jnp.float16)
+  with pytest.raises(BackendError, match="tiling or swizzle transforms"):
+    jax.jit(wgmma_kernel(pl, plgpu, _SWIZZLED, backend="mosaic_gpu")).trace(
+        a, a).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.xfail(strict=True, raises=BackendError,
+                   reason="plgpu.ACC accumulators (wgmma) do not lower yet")
+def test_wgmma_kernel_lowers():
+  a = jnp.ones((64, 64), jnp.float16)
+  jax.jit(wgmma_kernel(pl, plgpu, backend="mosaic_gpu")).trace(a, a).lower(
+      lowering_platforms=("cuda",))
+
+
+def _hopper_matmul(module):
+  a = jnp.ones((128, 128), jnp.float16)
+  config = module.TuningConfig(tile_m=64, tile_n=64, tile_k=64,
+                               max_concurrent_steps=2)
+  with simulated_gpu(module):
+    return jax.jit(lambda a, b: module.matmul(a, b, None, config)).trace(
+        a, a).lower(lowering_platforms=("cuda",))
+
+
+def test_pallas_lowers_hopper_matmul_on_a_cpu(captured):
+  _hopper_matmul(original("gpu.hopper_matmul_mgpu"))
+  ((dialect, _),) = captured
+  assert dialect.count("mosaic_gpu.wgmma") == 1
+
+
+@pytest.mark.xfail(strict=True, raises=BackendError,
+                   reason="plgpu.ACC accumulators (wgmma), "
+                   "emit_pipeline_warp_specialized's loops and nd_loop do "
+                   "not lower yet")
+def test_hopper_matmul_lowers(captured):
+  with pl.default_backend("mosaic_gpu"):
+    _hopper_matmul(swapped("gpu.hopper_matmul_mgpu"))
