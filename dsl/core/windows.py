@@ -26,11 +26,12 @@ import contextvars
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax, tree_util
+from jax import lax
 from dsl.core.jax_internals import (core, state_discharge,
                                     state_indexing as indexing,
                                     state_primitives)
 
+from dsl.core.operand_layout import ref_operands
 from dsl.core.poison import poison_value
 
 # ------------------------------------------------------------ index kinds
@@ -365,22 +366,21 @@ def bounded_windows():
     _BOUNDED.reset(token)
 
 
-def _tree_transforms(tree, idx):
-  return tree_util.tree_unflatten(tree, list(idx))
+def _get(ctx, *args, **params):
+  ops = ref_operands(state_primitives.get_p, args, params)
+  return (None,) * len(args), read(ops.ref, ops.transforms)
 
 
-def _get(ctx, x, *idx, tree):
-  return (None,) * (1 + len(idx)), read(x, _tree_transforms(tree, idx))
+def _swap(ctx, *args, **params):
+  ops = ref_operands(state_primitives.swap_p, args, params)
+  old, new = update(ops.ref, ops.transforms, lambda old: ops.value)
+  return (new,) + (None,) * (len(args) - 1), old
 
 
-def _swap(ctx, x, val, *idx, tree):
-  old, new = update(x, _tree_transforms(tree, idx), lambda old: val)
-  return (new, None) + (None,) * len(idx), old
-
-
-def _addupdate(ctx, x, val, *idx, tree):
-  _, new = update(x, _tree_transforms(tree, idx), lambda old: old + val)
-  return (new, None) + (None,) * len(idx), []
+def _addupdate(ctx, *args, **params):
+  ops = ref_operands(state_primitives.addupdate_p, args, params)
+  _, new = update(ops.ref, ops.transforms, lambda old: old + ops.value)
+  return (new,) + (None,) * (len(args) - 1), []
 
 
 def _install():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from jax import tree_util
 from dsl.core.jax_internals import state_indexing as indexing, state_primitives
 
 from dsl.core import checks, config
@@ -19,6 +18,7 @@ from dsl.core import primitives as dsl_primitives
 from dsl.core import ref_ops
 from dsl.core.poison import poison_value
 from dsl.core.errors import source_info_frame
+from dsl.core.operand_layout import ref_operands
 from lowering_triton import dtypes, tma
 from lowering_triton.check_values import check_values_comment
 from lowering_triton.codegen import paren
@@ -31,11 +31,14 @@ from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
 from lowering_triton.values import TVal, full_expr, padded, py_literal
 
 
-def _transforms(ctx, tree, flat):
+def _operands(ctx, args, params):
+  """The ref primitive's operands by role (dsl.core.operand_layout), its
+  transforms read (an error naming the kernel where they cannot be)."""
+  ops = ref_operands(ctx.eqn.primitive, args, params)
   try:
-    return list(tree_util.tree_unflatten(tree, list(flat)))
-  except Exception as e:
-    raise ctx.error(f"cannot read the ref indexers: {e}")
+    return ops, ops.transforms
+  except ValueError as e:
+    raise ctx.error(str(e)) from e
 
 
 def _view(ctx, ref: MemRef, transforms, multiples=None,
@@ -335,12 +338,12 @@ def value_write(ctx, vref: ValueRef, transforms, v: TVal,
 # ------------------------------------------------------------- JAX state
 
 @register(state_primitives.get_p)
-def _get(ctx, ref, *flat, tree, **params):
-  transforms = _transforms(ctx, tree, flat)
+def _get(ctx, *args, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref = ops.ref
   if isinstance(ref, ValueRef):
     return value_read(ctx, ref, transforms, ctx.hint(ref.var))
-  view = _view(ctx, ref, transforms,
-               tma.index_multiples(ctx, tree, ctx.eqn.invars[1:]), gather=True)
+  view = _view(ctx, ref, transforms, tma.index_multiples(ctx), gather=True)
   loaded = tma.load(ctx, view, ctx.hint(view.base))
   if loaded is not None:
     return loaded
@@ -349,8 +352,9 @@ def _get(ctx, ref, *flat, tree, **params):
 
 
 @register(state_primitives.swap_p)
-def _swap(ctx, ref, val, *flat, tree, **params):
-  transforms = _transforms(ctx, tree, flat)
+def _swap(ctx, *args, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, val = ops.ref, ops.value
   if isinstance(ref, ValueRef):
     old = value_read(ctx, ref, transforms, "old") if ctx.out_used(0) else None
     value_write(ctx, ref, transforms, val)
@@ -366,8 +370,9 @@ def _swap(ctx, ref, val, *flat, tree, **params):
 
 
 @register(state_primitives.addupdate_p)
-def _addupdate(ctx, ref, val, *flat, tree, **params):
-  transforms = _transforms(ctx, tree, flat)
+def _addupdate(ctx, *args, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, val = ops.ref, ops.value
   cd = dtypes.compute_dtype(val.dtype)
   if isinstance(ref, ValueRef):
     cur = value_read(ctx, ref, transforms, "cur")
@@ -387,11 +392,6 @@ def _addupdate(ctx, ref, val, *flat, tree, **params):
 
 # ------------------------------------------------------------- dsl ref ops
 
-def _split_extra(flat, tree, n_extra):
-  n_idx = tree.num_leaves
-  return list(flat[:n_idx]), list(flat[n_idx:])
-
-
 def _hints(cache_modifier=None, eviction_policy=None, volatile=False) -> str:
   parts = []
   if cache_modifier:
@@ -404,13 +404,10 @@ def _hints(cache_modifier=None, eviction_policy=None, volatile=False) -> str:
 
 
 @register(ref_ops.masked_load_p)
-def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
-                 cache_modifier=None, eviction_policy=None, volatile=False,
-                 **params):
-  flat, extra = _split_extra(args, tree, has_mask + has_other)
-  transforms = _transforms(ctx, tree, flat)
-  mask = extra.pop(0) if has_mask else None
-  other = extra.pop(0) if has_other else None
+def _masked_load(ctx, *args, cache_modifier=None, eviction_policy=None,
+                 volatile=False, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, mask, other = ops.ref, ops.mask, ops.other
   if isinstance(ref, ValueRef):
     val = value_read(ctx, ref, transforms, ctx.hint("load"))
     if mask is None or other is None:   # masked-off lanes read the buffer
@@ -431,12 +428,9 @@ def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
 
 
 @register(ref_ops.masked_store_p)
-def _masked_store(ctx, ref, *args, tree, has_mask, eviction_policy=None,
-                  **params):
-  flat, extra = _split_extra(args, tree, 1 + has_mask)
-  transforms = _transforms(ctx, tree, flat)
-  val = extra[0]
-  mask = extra[1] if has_mask else None
+def _masked_store(ctx, *args, eviction_policy=None, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, val, mask = ops.ref, ops.value, ops.mask
   if isinstance(ref, ValueRef):
     value_write(ctx, ref, transforms, val, mask)
     return []
@@ -467,11 +461,9 @@ _ATOMIC_EXPR = {
 
 
 @register(ref_ops.atomic_rmw_p)
-def _atomic_rmw(ctx, ref, *args, tree, has_mask, op, out_aval, **params):
-  flat, extra = _split_extra(args, tree, 1 + has_mask)
-  transforms = _transforms(ctx, tree, flat)
-  val = extra[0]
-  mask = extra[1] if has_mask else None
+def _atomic_rmw(ctx, *args, op, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, val, mask = ops.ref, ops.value, ops.mask
   ctx.lowering.has_side_effects = True
   if isinstance(ref, ValueRef):
     # A scratch ref is private to the program: no atomicity is needed.
@@ -494,9 +486,9 @@ def _atomic_rmw(ctx, ref, *args, tree, has_mask, op, out_aval, **params):
 
 
 @register(ref_ops.atomic_cas_p)
-def _atomic_cas(ctx, ref, *args, tree, out_aval, **params):
-  flat, (cmp, val) = _split_extra(args, tree, 2)
-  transforms = _transforms(ctx, tree, flat)
+def _atomic_cas(ctx, *args, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, cmp, val = ops.ref, ops.cmp, ops.value
   ctx.lowering.has_side_effects = True
   if isinstance(ref, ValueRef):
     old = value_read(ctx, ref, transforms, "old")
