@@ -20,6 +20,7 @@ import numpy as np
 from dsl.core import checks, config
 from dsl.core.blockspec import Element, element_padding, squeezed
 from dsl.core.errors import BackendError
+from dsl.core.gridspec import KernelArgs
 from dsl.core.index_maps import reads_prefetch
 from dsl.core.ranges import analyze_kernel
 from lowering_triton import dtypes
@@ -245,22 +246,25 @@ def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
     buf.line(f"{ids[d]} = {expr}")
 
 
-def _pointer_params(gm, stems, names) -> tuple[list[KernelParam], list[str]]:
-  """A pointer parameter per prefetch, input and output operand."""
+def _pointer_params(gm, stems, names) -> tuple[list[KernelParam], KernelArgs]:
+  """A pointer parameter per prefetch, input and output operand; their
+  names by role."""
   stem_of = gm.split(stems)
   pf_avals = [getattr(a, "inner_aval", a) for a in gm.prefetch_avals]
   roles = (("prefetch", stem_of.prefetch, pf_avals),
            ("input", stem_of.inputs, [bm.array_aval for bm in gm.in_mappings]),
            ("output", stem_of.outputs,
             [bm.array_aval for bm in gm.out_mappings]))
-  params, ptrs = [], []
+  params, ptrs = [], {}
   for kind, role_stems, avals in roles:
+    ptrs[kind] = []
     for k, (stem, aval) in enumerate(zip(role_stems, avals)):
       ptr = names.fresh(f"{stem}_ptr")
-      ptrs.append(ptr)
+      ptrs[kind].append(ptr)
       params.append(KernelParam(ptr, kind, k, np.dtype(aval.dtype),
                                 tuple(aval.shape)))
-  return params, ptrs
+  return params, KernelArgs((), tuple(ptrs["prefetch"]),
+                            tuple(ptrs["input"]), tuple(ptrs["output"]), ())
 
 
 def _grid_id_values(plan: GridPlan, grid_ids, rank: int) -> list[Any]:
@@ -279,7 +283,7 @@ def _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids) -> None:
   id_vals = _grid_id_values(plan, grid_ids, len(gm.grid))
   stem_of = gm.split(stems)
   prefetch_refs = [_prefetch_ref(aval, stem, ptr) for aval, stem, ptr in
-                   zip(gm.prefetch_avals, stem_of.prefetch, ptrs)]
+                   zip(gm.prefetch_avals, stem_of.prefetch, ptrs.prefetch)]
   scratch_refs = [_scratch(lowering, aval, stem, k) for k, (aval, stem) in
                   enumerate(zip(gm.scratch_avals, stem_of.scratch))]
   for ref, label in zip(scratch_refs, gm.split(spec.ref_labels()).scratch):
@@ -432,17 +436,18 @@ def _emit_step(lowering, spec, gm, stems, ptrs, id_vals, jaxpr, consts, *,
                prefetch_refs, scratch_refs, describe=True):
   """Emits the block refs at grid point `id_vals` and `jaxpr` on them."""
   buf = lowering.buf
-  n_pf = gm.num_scalar_prefetch
   lowering.grid_point = tuple(as_sym(v) for v in id_vals)
-  labels = spec.ref_labels()
+  stem_of, label_of = gm.split(stems), gm.split(spec.ref_labels())
   block_refs = []
-  for i, bm in enumerate(gm.block_mappings):
-    stem = stems[n_pf + i]
+  for bm, stem, ptr, label in zip(gm.block_mappings,
+                                  stem_of.inputs + stem_of.outputs,
+                                  ptrs.inputs + ptrs.outputs,
+                                  label_of.inputs + label_of.outputs):
     if describe:
       buf.comment(_describe_block(bm, stem))
     block_refs.append(dataclasses.replace(
-        _block_ref(lowering, bm, stem, ptrs[n_pf + i], id_vals,
-                   prefetch_refs), origin=labels[n_pf + i]))
+        _block_ref(lowering, bm, stem, ptr, id_vals, prefetch_refs),
+        origin=label))
   if describe:
     buf.comment(f"kernel body ({spec.kernel_src})")
   lowering.reset_comments()

@@ -401,7 +401,7 @@ def make_plan_uncached(gm,
                        forced: tuple[int, ...] = ()) -> Plan:
   grid = gm.grid
   idxs = [gm.block_indices(bm) for bm in gm.block_mappings]
-  out_idxs = idxs[gm.num_inputs:]
+  out_idxs = gm.split_blocks(idxs).outputs
   parallel: tuple[int, ...] = ()
   if all(i is not None for i in out_idxs) and not gm.dynamic_dims:
     cand = tuple(d for d in range(len(grid)) if d not in forced
