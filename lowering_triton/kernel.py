@@ -25,7 +25,7 @@ from dsl.core.index_maps import reads_prefetch
 from dsl.core.ranges import analyze_kernel
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
-from lowering_triton.host import Lowering
+from lowering_triton.host import TritonHost
 from lowering_triton.grid import GridPlan, plan_grid
 from lowering_triton.naming import grid_names, operand_names
 from lowering_triton.peel import peel
@@ -123,7 +123,7 @@ def _describe_block(bm, name: str) -> str:
   return text
 
 
-def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
+def _block_starts(lowering: TritonHost, bm, base: str, grid_ids, prefetch_refs):
   """Per array dim: the block's first element (a Sym), and for the dims
   whose block index is read from data, the condition that it lies inside
   the array (None for the others)."""
@@ -160,7 +160,7 @@ def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
   return starts, inside, block
 
 
-def _check_blocks_inside(lowering: Lowering, bm, inside, block) -> None:
+def _check_blocks_inside(lowering: TritonHost, bm, inside, block) -> None:
   """With jax_pallas_enable_runtime_assert on, a block index read from data
   that lies outside the array fails a run-time check, worded as on every
   backend (the values come from the comment, see interpret_backend)."""
@@ -180,7 +180,7 @@ def _check_blocks_inside(lowering: Lowering, bm, inside, block) -> None:
   lowering.has_side_effects = True
 
 
-def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
+def _block_ref(lowering: TritonHost, bm, base: str, ptr: str, grid_ids,
                prefetch_refs) -> MemRef:
   a = bm.array_aval
   shape = tuple(int(n) for n in a.shape)
@@ -227,7 +227,7 @@ def _prefetch_ref(aval, base: str, ptr: str) -> MemRef:
                 "scalar prefetch")
 
 
-def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
+def _emit_program_ids(lowering: TritonHost, plan: GridPlan, ids: list[str]):
   buf = lowering.buf
   if not plan.parallel:
     return
@@ -325,7 +325,7 @@ def _generate(spec, tensor_descriptors: bool = True) -> GeneratedKernel:
   grid_ids = grid_names(spec, names)
   params, ptrs = _pointer_params(gm, stems, names)
   buf = CodeBuffer()
-  lowering = Lowering(spec.name, spec.where, names, buf, TABLE, spec.jaxpr,
+  lowering = TritonHost(spec.name, spec.where, names, buf, TABLE, spec.jaxpr,
                       analyze_kernel(spec))
   lowering.tensor_descriptors = tensor_descriptors
   with buf.indent():
@@ -377,7 +377,7 @@ def _unique(stems: list[str]) -> list[str]:
   return out
 
 
-def _scratch(lowering: Lowering, aval, stem: str, k: int):
+def _scratch(lowering: TritonHost, aval, stem: str, k: int):
   inner = getattr(aval, "inner_aval", aval)
   space = str(getattr(aval, "memory_space", "") or "")
   if space.startswith("semaphore"):
@@ -456,7 +456,7 @@ def _emit_step(lowering, spec, gm, stems, ptrs, id_vals, jaxpr, consts, *,
 
 
 def _module_source(spec, gm, plan: GridPlan, fn_name: str, params, stems,
-                   grid_ids, body: CodeBuffer, lowering: Lowering,
+                   grid_ids, body: CodeBuffer, lowering: TritonHost,
                    num_warps: int, num_stages: int,
                    preamble: CodeBuffer) -> str:
   out = CodeBuffer()

@@ -99,7 +99,7 @@ def index_multiples(ctx) -> list[list[int]] | None:
     transforms = eqn_ref_operands(ctx.eqn).transforms
   except ValueError:    # then nothing is known
     return None
-  known = ctx.lowering.producers(ctx.jaxpr)
+  known = ctx.host.producers(ctx.jaxpr)
   out = []
   for t in transforms:
     if not isinstance(t, indexing.NDIndexer):
@@ -148,7 +148,7 @@ def load(ctx, view: MemRef, hint: str) -> TVal | None:
   """`view` loaded through a tensor descriptor, or None where a pointer
   load it stays: outside loops, with descriptors off, or a window that does
   not qualify."""
-  lowering = ctx.lowering
+  lowering = ctx.host
   if not lowering.tensor_descriptors or not lowering.loop_depth:
     return None
   shape = box(view)

@@ -57,7 +57,7 @@ def _view(ctx, ref: MemRef, transforms, multiples=None,
 def _with_proven(ctx, view: MemRef) -> MemRef:
   """`view` with the bounds of its run-time coordinates that the range
   analysis proves (no mask, no check there)."""
-  access = ctx.lowering.ranges.access(ctx.eqn) if view.dynamic else None
+  access = ctx.host.ranges.access(ctx.eqn) if view.dynamic else None
   if access is None or access.array_shape != view.array_shape:
     return view
   view = without_proven_wraps(view, access.index_inside)
@@ -120,11 +120,11 @@ def _window_check(ctx, name: str, verb: str, transforms, block):
   access = checks.window_access(verb, name, window, shape)
   message = checks.window_message(access, "{block}" if block else None,
                                   "{point}")
-  where = source_info_frame(ctx.eqn.source_info) or ctx.lowering.where
-  ctx.lowering.uses_asserts = True
-  ctx.lowering.has_side_effects = True
+  where = source_info_frame(ctx.eqn.source_info) or ctx.host.where
+  ctx.host.uses_asserts = True
+  ctx.host.has_side_effects = True
   return (checks.check_text(message, where),
-          check_values_comment(ctx.lowering, values, block))
+          check_values_comment(ctx.host, values, block))
 
 
 def poison(dtype) -> str:
@@ -138,7 +138,7 @@ def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
   when it is None, whatever the memory there holds (no `other`, so that
   Triton may copy the tile straight to shared memory; the host backends'
   loads give poison there: lowering_triton.interpret_memory)."""
-  ctx.lowering.before_read(view.ptr)
+  ctx.host.before_read(view.ptr)
   args = [ptr]
   if mask is not None:
     args.append(f"mask={mask}")
@@ -152,7 +152,7 @@ def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
 
 def _store(ctx, ptr: str, value: str, mask: str | None, extra: str = "",
            base: str | None = None):
-  ctx.lowering.wrote(base or ptr.split(" ")[0])
+  ctx.host.wrote(base or ptr.split(" ")[0])
   args = [ptr, value]
   if mask is not None:
     args.append(f"mask={mask}")
@@ -464,7 +464,7 @@ _ATOMIC_EXPR = {
 def _atomic_rmw(ctx, *args, op, **params):
   ops, transforms = _operands(ctx, args, params)
   ref, val, mask = ops.ref, ops.value, ops.mask
-  ctx.lowering.has_side_effects = True
+  ctx.host.has_side_effects = True
   if isinstance(ref, ValueRef):
     # A scratch ref is private to the program: no atomicity is needed.
     old = value_read(ctx, ref, transforms, "old")
@@ -475,8 +475,8 @@ def _atomic_rmw(ctx, *args, op, **params):
   view = _view(ctx, ref, transforms)
   ptr, m = _address(ctx, view, "atomic update of",
                     mask.expr if mask is not None else None, transforms)
-  ctx.lowering.before_read(view.ptr)
-  ctx.lowering.wrote(view.ptr)
+  ctx.host.before_read(view.ptr)
+  ctx.host.wrote(view.ptr)
   call = f"tl.{_ATOMIC_NAMES[op]}({ptr}, {ctx.value(val)}"
   call += f", mask={m})" if m is not None else ")"
   if ctx.out_used(0):
@@ -489,7 +489,7 @@ def _atomic_rmw(ctx, *args, op, **params):
 def _atomic_cas(ctx, *args, **params):
   ops, transforms = _operands(ctx, args, params)
   ref, cmp, val = ops.ref, ops.cmp, ops.value
-  ctx.lowering.has_side_effects = True
+  ctx.host.has_side_effects = True
   if isinstance(ref, ValueRef):
     old = value_read(ctx, ref, transforms, "old")
     new = ctx.bind(f"tl.where({old.expr} == {ctx.value(cmp)}, {ctx.value(val)}"
@@ -503,8 +503,8 @@ def _atomic_cas(ctx, *args, **params):
                     "is not proven inside the array) is not supported: "
                     "Triton's atomic_cas takes no mask")
   ptr, _ = emit_address(ctx, view)
-  ctx.lowering.before_read(view.ptr)
-  ctx.lowering.wrote(view.ptr)
+  ctx.host.before_read(view.ptr)
+  ctx.host.wrote(view.ptr)
   return ctx.bind(f"tl.atomic_cas({ptr}, {ctx.value(cmp)}, {ctx.value(val)})",
                   view.shape, view.dtype, ctx.hint("old"), pure=False)
 
