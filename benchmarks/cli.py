@@ -15,7 +15,7 @@ import shlex
 import sys
 import time
 
-from benchmarks.errors import UsageError
+from benchmarks.usage_errors import UsageError
 
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -33,10 +33,10 @@ import numpy as np
 from dsl.core.jax_internals import core, ir
 
 from dsl.core import checks
-from dsl.core.revisits import FIX
+from dsl.core.output_revisits import FIX
 from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter import (prng)  # noqa: F401  (its ops)
-from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
+from lowering_mosaic.verification.interpreter.buffers import (Buffer, MemRef,
                                                              fresh_array,
                                                              poison_of,
                                                              poison_of_dtype)

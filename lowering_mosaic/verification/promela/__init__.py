@@ -11,7 +11,7 @@
   `jax_pallas_dump_promela_to` when that option is set (dump.py)
 - `run_spin(text)` -> `Report`: `spin -a`, gcc, `pan` (spin.py), with the
   counterexample trail translated to kernel source lines (trail.py)
-- errors.py: the errors a model reports, their codes and their messages
+- error_table.py: the errors a model reports, their codes and their messages
 
 See docs/verification.md.
 """

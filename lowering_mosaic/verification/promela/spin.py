@@ -19,7 +19,7 @@ import time
 from typing import Optional
 
 from lowering_mosaic.verification.promela import trail as T
-from lowering_mosaic.verification.promela.errors import KIND_OF_ASSERTION
+from lowering_mosaic.verification.promela.error_table import KIND_OF_ASSERTION
 from lowering_mosaic.verification.promela.report import Report
 
 INSTALL_HINT = ("SPIN (the Promela model checker) is needed to verify "
