@@ -19,7 +19,7 @@ from lowering_mosaic.verification.promela.builder import (Options, build,
                                                           to_promela)
 from lowering_mosaic.verification.promela.dump import maybe_dump, write_model
 from lowering_mosaic.verification.promela.extract import ModelError, extract
-from lowering_mosaic.verification.promela.report import (KINDS, Report,
+from lowering_mosaic.verification.promela.spin_report import (KINDS, Report,
                                                          Reports, TrailStep)
 from lowering_mosaic.verification.promela.spin import (INSTALL_HINT, SpinError,
                                                        SpinNotFoundError,

@@ -17,7 +17,7 @@ from typing import Optional
 
 from lowering_mosaic.verification.promela.error_table import ERRORS
 from lowering_mosaic.verification.promela.model import c_div, c_rem
-from lowering_mosaic.verification.promela.report import TrailStep
+from lowering_mosaic.verification.promela.spin_report import TrailStep
 
 
 def display_line(line: Optional[str]) -> Optional[str]:
