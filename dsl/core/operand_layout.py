@@ -173,11 +173,6 @@ def register_ref_layout(primitive, layout: RefLayout) -> None:
   REF_LAYOUTS[primitive] = layout
 
 
-def is_ref_access(primitive) -> bool:
-  """Whether `primitive` reads or writes a ref through transforms."""
-  return primitive in REF_LAYOUTS
-
-
 def ref_operands(primitive, operands, params) -> RefOperands:
   """The operands of a ref primitive (rule arguments or an equation's
   invars) by role."""
