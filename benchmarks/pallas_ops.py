@@ -26,7 +26,6 @@ import json
 
 import jax
 
-import dsl
 from benchmarks import platform_info, report, sharding
 from benchmarks.usage_errors import UsageError
 from benchmarks.pallas_library import cases, swap
@@ -76,7 +75,7 @@ def measure(op: str, *, repeats: int, warmup: int, stat: str,
   try:
     prepared["dsl"] = _prepared(
         lambda *a: case.run(ours, False, *a), case.args,
-        dsl.default_backend(BACKEND), trust_first=False, slow_s=slow_s)
+        cases.dsl_context(op, BACKEND), trust_first=False, slow_s=slow_s)
   except Exception as e:  # noqa: BLE001 -- the row says what failed
     row.dsl_note = f"error: {_first_line(e)}"
     return row

@@ -19,6 +19,7 @@ import math
 from typing import Union
 
 import numpy as np
+from dsl.core.access import ABOVE, BELOW, RefAccess
 from dsl.core.jax_internals import state_indexing as indexing
 
 from lowering_triton.codegen import paren
@@ -114,19 +115,21 @@ class MemRef:
   valid: tuple[str, ...] = ()    # scalar conditions for the whole window
   # (a block index read from data lies inside the array)
   dynamic: tuple[int, ...] = ()  # array dims an indexer put a coordinate
-  # computed at run time on: bounded to the array (masked), and checked
-  # with jax_pallas_enable_runtime_assert on, where not proven inside
+  # computed at run time on (the access model's run-time exits,
+  # dsl.core.access): bounded to the array (masked), and checked with
+  # jax_pallas_enable_runtime_assert on, where not proven inside
   limits: tuple[tuple[int, Sym, Sym, bool], ...] = ()  # (array dim, lo,
   # hi, whole): the ref's extent on a dim a run-time coordinate was put on
   # (the block, or a window of it when not `whole`): lanes outside [lo, hi)
   # read poison and write nothing
   block: tuple[Sym, ...] = ()    # the block index, for messages
   narrowed: tuple[int, ...] = ()  # array dims a window narrowed the block on
-  proven: tuple[tuple[int, int], ...] = ()  # (array dim, 0: lower / 1:
-  # upper bound) of those that the range analysis (dsl.core.ranges) proves
-  # inside the array
-  proven_block: tuple[tuple[int, int], ...] = ()  # the same, inside the
-  # operand's block
+  exits: tuple[tuple[int, int], ...] | None = None  # (array dim, side:
+  # BELOW / ABOVE) where the access may leave the array, once the range
+  # analysis's proofs are attached (`with_proofs`; None: all sides of the
+  # `dynamic` dims)
+  block_exits: tuple[tuple[int, int], ...] | None = None  # the same for
+  # the operand's block
   gathered: tuple[int, ...] = ()  # array dims read through an array of
   # indices into an axis placed at trace time: clamped (or proven) inside
   # that axis, so no mask keeps them inside the array
@@ -137,8 +140,12 @@ class MemRef:
     at run time and not proven inside."""
     if dim not in self.dynamic or dim in self.gathered:
       return False, False
-    return (not self.check_upper[dim] and (dim, 1) not in self.proven,
-            not self.check_lower[dim] and (dim, 0) not in self.proven)
+    return (not self.check_upper[dim] and self._exits(dim, ABOVE),
+            not self.check_lower[dim] and self._exits(dim, BELOW))
+
+  def _exits(self, dim: int, side: int, block: bool = False) -> bool:
+    exits = self.block_exits if block else self.exits
+    return exits is None or (dim, side) in exits
 
   def limit_bounds(self, dim: int) -> list[tuple[str, Sym]]:
     """The bounds ("lo" / "hi", value) that keep a coordinate on `dim`
@@ -148,10 +155,10 @@ class MemRef:
     for d, lo, hi, whole in self.limits:
       if d != dim or dim in self.gathered:
         continue
-      if lo != 0 and not (whole and (dim, 0) in self.proven_block):
+      if lo != 0 and not (whole and not self._exits(dim, BELOW, True)):
         out.append(("lo", lo))
       if hi != self.array_shape[dim] and not (
-          whole and (dim, 1) in self.proven_block):
+          whole and not self._exits(dim, ABOVE, True)):
         out.append(("hi", hi))
     return out
 
@@ -220,12 +227,12 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
   narrowed = set(ref.narrowed)
   multiples = multiples or [1] * len(indices)
   lead = None                 # the first array of indices
-  for ax, idx, mult in zip(ref.axes, indices, multiples):
+  at_run_time = run_time_dims(indexer, [ax.size for ax in ref.axes])
+  for k, (ax, idx, mult) in enumerate(zip(ref.axes, indices, multiples)):
     if ax.lanes is not None:
       raise UnsupportedIndex("indexing a window of an array of indices again "
                              "is not supported by the Triton backend")
-    start = idx.start if isinstance(idx, indexing.Slice) else idx
-    if isinstance(start, TVal) and start.literal is None:
+    if k in at_run_time:
       dynamic.add(ax.dim)
       hi = sym_add(ax.start, ax.step * ax.size)
       if (ax.start, hi) != (0, ref.array_shape[ax.dim]):
@@ -247,11 +254,7 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
     else:                     # a vector of indices: a block of pointers
       if gather and ax.dim not in ref.dynamic:
         gathered.add(ax.dim)
-      dynamic.add(ax.dim)
       narrowed.add(ax.dim)
-      hi = sym_add(ax.start, ax.step * ax.size)
-      if (ax.start, hi) != (0, ref.array_shape[ax.dim]):
-        limits.append((ax.dim, ax.start, hi, ax.dim not in ref.narrowed))
       lanes = idx.expr if idx.dtype == np.int32 else \
           f"{paren(idx.expr)}.to(tl.int32)"
       shape = tuple(int(n) for n in idx.shape)
@@ -265,6 +268,34 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
                              limits=tuple(limits),
                              narrowed=tuple(sorted(narrowed)),
                              gathered=tuple(sorted(gathered)))
+
+
+def _static(x) -> int | None:
+  """An index value known when the kernel is generated (for the access
+  model): an int, or a TVal holding a literal."""
+  if isinstance(x, TVal):
+    return None if x.literal is None else int(x.literal)
+  return int(x) if isinstance(x, (int, np.integer)) else None
+
+
+def run_time_dims(indexer, shape) -> set[int]:
+  """The dims of a ref of `shape` where `indexer` may leave it at a place
+  computed at run time (the access model's run-time exits)."""
+  return RefAccess.of(indexer, shape, static=_static).leaving_dims(
+      static=False)
+
+
+def with_proofs(ref: MemRef, in_array, in_block) -> MemRef:
+  """`ref` with the sides of its run-time coordinates that may still leave
+  the array and the block once the range analysis's proofs are attached
+  (`in_array(dim)`, `in_block(dim)`: (lower, upper) proven), as the access
+  model decides them."""
+  access = RefAccess.at_run_time(ref.array_shape, ref.dynamic)
+
+  def exits(proven):
+    return tuple((e.dim, e.side) for e in access.proving(proven).exits())
+  return dataclasses.replace(ref, exits=exits(in_array),
+                             block_exits=exits(in_block))
 
 
 def without_proven_wraps(ref: MemRef, inside) -> MemRef:

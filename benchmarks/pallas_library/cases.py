@@ -23,8 +23,10 @@ from jax.experimental.pallas import mosaic_gpu as pallas_mgpu
 from jax.experimental.pallas import tpu as pallas_tpu
 
 import dsl as pl
+from lowering_mosaic import interpreter_options
 from benchmarks.pallas_library import cases_mgpu, matrix_gpu, matrix_tpu, swap
-from benchmarks.pallas_library.case import Case, close, vjp_case
+from benchmarks.pallas_library.case import (NO_PALLAS_GRAD, Case, close,
+                                            vjp_case)
 from benchmarks.pallas_library.case import group_sizes as _group_sizes
 from benchmarks.pallas_library.case import rand as _rand
 from benchmarks.pallas_library.matrix_tpu import paged_dense as _paged_dense
@@ -309,16 +311,41 @@ def no_pallas(case_id: str) -> str | None:
           or swap.NO_PALLAS.get(swap.base_op(case_id)))
 
 
+def golden_cases() -> list[str]:
+  """The TPU cases (ops and variants) whose Mosaic modules dsl's lowering
+  for a TPU must give as Pallas's own does (test_pallas_ops_golden.py):
+  all but the gradients through dsl's automatic reverse mode, for which
+  Pallas lowers nothing."""
+  return [c for c in [*CASES, *MATRIX]
+          if c.startswith("tpu.") and no_pallas(c) != NO_PALLAS_GRAD]
+
+
+def num_cores(case_id: str) -> int:
+  """The TensorCores per device the case's chip has (2: megacore)."""
+  return matrix_tpu.NUM_CORES.get(case_id, 1)
+
+
+@contextlib.contextmanager
+def dsl_context(op: str, backend: str):
+  """The context `op` runs in on dsl's `backend`: the backend, and on
+  mosaic_interpret a chip of the case's cores."""
+  with pl.default_backend(backend), interpreter_options(
+      num_cores=num_cores(op)):
+    yield
+
+
 def run_on_dsl(op: str, backend: str):
   case = make_case(op)
-  with pl.default_backend(backend):
+  with dsl_context(op, backend):
     return case, case.run(swap.swapped(module_of(op)), False, *case.args)
 
 
 def pallas_context(op: str):
   """The context Pallas's original of `op` runs in: its interpret mode
-  forced where the op passes no `interpret` (TPU and Mosaic GPU ops)."""
-  return (pallas_tpu.force_tpu_interpret_mode() if op.startswith("tpu.")
+  forced where the op passes no `interpret` (TPU and Mosaic GPU ops), on a
+  chip of the case's cores (TPU)."""
+  return (pallas_tpu.force_tpu_interpret_mode(pallas_tpu.InterpretParams(
+      num_cores_or_threads=num_cores(op))) if op.startswith("tpu.")
           else pallas_mgpu.force_gpu_interpret_mode() if swap.is_mgpu(op)
           else contextlib.nullcontext())
 

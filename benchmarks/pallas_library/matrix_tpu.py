@@ -54,12 +54,6 @@ def _as_bf16(x):
   return x.astype(bf16).astype(f32)
 
 
-# The megacore modes (a "parallel" grid dim of two "cores", each with its
-# own "initialized" flag in SMEM on a TPU).
-_MEGACORE_HANGS = ("Pallas's TPU interpret mode does not finish it (it "
-                   "blocks, idle)")
-
-
 def _paged(quantized=False, grad=False, soft_cap=None, **kw):
   q, k_pages, v_pages, lengths, page_indices = paged_pages()
 
@@ -197,6 +191,67 @@ def _ragged(grad=False, dtype=f32, **kw):
   return Case(op, reference, tol=tol, args=(q, kv_pages))
 
 
+# --- megablox --------------------------------------------------------------
+
+def _group_rows(sizes):
+  """The group of each row, for groups of `sizes` rows."""
+  return jnp.repeat(jnp.arange(len(sizes)), jnp.array(sizes),
+                    total_repeat_length=sum(sizes))
+
+
+def _gmm(sizes=(96, 160), offset=None, k=128, transpose_rhs=False,
+         dtype=f32, existing=False, grad=False):
+  """gmm over groups of `sizes` rows; with `offset`, the rhs holds the
+  groups from `offset` on only (a shard): the other rows are zeros, or
+  `existing_out`'s."""
+  groups = len(sizes) - (offset or 0)
+  lhs = rand(0, (sum(sizes), k), dtype)
+  rhs = rand(1, (groups, 128, k) if transpose_rhs else (groups, k, 128),
+             dtype)
+  group_sizes = jnp.array(sizes, jnp.int32)
+  start = None if offset is None else jnp.array(offset, jnp.int32)
+  existing_out = rand(2, (sum(sizes), 128)) if existing else None
+
+  def op(m, interpret, lhs, rhs):
+    # Positional: the custom_vjp of megablox.ops takes no keywords.
+    return m.gmm(lhs, rhs, group_sizes, f32, (128, 128, 128), start,
+                 existing_out, transpose_rhs, interpret)
+
+  def reference(m, lhs, rhs):
+    rows = _group_rows(sizes) - (offset or 0)
+    mine = (rows >= 0)[:, None]
+    r = rhs.swapaxes(1, 2) if transpose_rhs else rhs
+    out = jnp.einsum("mk,mkn->mn", lhs.astype(f32),
+                     r[jnp.maximum(rows, 0)].astype(f32), precision="highest")
+    return jnp.where(mine, out, 0.0 if existing_out is None else existing_out)
+
+  tol = 2e-2 if dtype == bf16 else 2e-3
+  if grad:
+    return vjp_case(op, reference, (lhs, rhs), (0, 1), tol=2e-2)
+  return Case(op, reference, tol=tol, args=(lhs, rhs))
+
+
+def _tgmm(sizes=(96, 160), offset=None, dtype=f32):
+  """tgmm over groups of `sizes` rows, from group `offset` on."""
+  groups = len(sizes) - (offset or 0)
+  lhs, rhs = rand(0, (128, sum(sizes)), dtype), rand(1, (sum(sizes), 128),
+                                                     dtype)
+  group_sizes = jnp.array(sizes, jnp.int32)
+  start = None if offset is None else jnp.array(offset, jnp.int32)
+
+  def op(m, interpret, lhs, rhs):
+    return m.tgmm(lhs, rhs, group_sizes, f32, (128, 128, 128), start,
+                  groups if offset else None, None, interpret)
+
+  def reference(m, lhs, rhs):
+    rows = _group_rows(sizes) - (offset or 0)
+    onehot = (rows[:, None] == jnp.arange(groups)).astype(f32)
+    return jnp.einsum("km,mg,mn->gkn", lhs.astype(f32), onehot,
+                      rhs.astype(f32), precision="highest")
+  return Case(op, reference, tol=2e-2 if dtype == bf16 else 2e-3,
+              args=(lhs, rhs))
+
+
 # --- matmul, example kernel, all-gather, random bits -------------------------
 
 def _matmul(m_=256, k_=256, n_=256, block=(128, 128), block_k=128,
@@ -322,6 +377,23 @@ _VARIANTS: dict[str, tuple[str, Callable[[], Case]]] = {
                                                 sm_scale=0.1)),
     "tpu.ragged_paged_attention [grad]": (
         "tpu.ragged_paged_attention.kernel", _P(_ragged, grad=True)),
+    "tpu.megablox.gmm [bfloat16]": ("tpu.megablox.gmm",
+                                    _P(_gmm, dtype=bf16)),
+    "tpu.megablox.gmm [transpose_rhs, k of 192 (a partial k tile)]": (
+        "tpu.megablox.gmm", _P(_gmm, transpose_rhs=True, k=192)),
+    "tpu.megablox.gmm [group offset: groups 1-2 of 3]": (
+        "tpu.megablox.gmm", _P(_gmm, (128, 96, 160), offset=1)),
+    "tpu.megablox.gmm [group offset, existing_out]": (
+        "tpu.megablox.gmm", _P(_gmm, (128, 96, 160), offset=1,
+                               existing=True)),
+    "tpu.megablox.tgmm [bfloat16]": ("tpu.megablox.gmm",
+                                     _P(_tgmm, dtype=bf16)),
+    "tpu.megablox.tgmm [group offset, num_actual_groups: groups 1-2 of 3]": (
+        "tpu.megablox.gmm", _P(_tgmm, (128, 96, 160), offset=1)),
+    "tpu.megablox.gmm (grad) [transpose_rhs]": (
+        "tpu.megablox.ops", _P(_gmm, transpose_rhs=True, grad=True)),
+    "tpu.megablox.gmm (grad) [group offset: groups 1-2 of 3]": (
+        "tpu.megablox.ops", _P(_gmm, (128, 96, 160), offset=1, grad=True)),
     "tpu.random.threefry [3-D, 2 x 16 x 256]": (
         "tpu.random.threefry", _P(_threefry, (2, 16, 256))),
     "tpu.random.threefry [padded, 20 x 1000]": (
@@ -337,6 +409,18 @@ MATRIX = _VARIANTS
 NO_PALLAS = {
     "tpu.matmul [grad]": NO_PALLAS_GRAD,
     "tpu.example_kernel [grad]": NO_PALLAS_GRAD,
-    "tpu.paged_attention [megacore kv_head]": _MEGACORE_HANGS,
-    "tpu.paged_attention [megacore batch]": _MEGACORE_HANGS,
+    "tpu.ragged_paged_attention [grad]": NO_PALLAS_GRAD,
+}
+
+# Variants that run on a megacore chip: the TensorCores per device that
+# mosaic_interpret (`lowering_mosaic.interpreter_options(num_cores=...)`)
+# and Pallas's TPU interpret mode (`InterpretParams(num_cores_or_threads=
+# ...)`) simulate; 1 for the others. The megacore modes split a leading
+# "parallel" grid dim of two between the cores, each of which keeps its own
+# "initialized" flag in SMEM: on one core the second half finds the flag
+# cleared and waits for a DMA it never started.
+NUM_CORES = {
+    "tpu.paged_attention [megacore kv_head]": 2,
+    "tpu.paged_attention [megacore batch]": 2,
+    "tpu.paged_attention (grad) [megacore batch]": 2,
 }

@@ -26,6 +26,7 @@ import sys
 import jax
 
 from dsl.core import jax_internals
+from benchmarks.pallas_library.case import NO_PALLAS_GRAD
 
 # The package name the swapped copies live under.
 PREFIX = "pallas_ops_on_dsl"
@@ -186,8 +187,7 @@ def base_op(case_id: str) -> str:
 
 # Ops compared with their reference only, and why.
 NO_PALLAS = {
-    "tpu.paged_attention (grad)":
-        "Pallas has no reverse mode through pallas_call",
+    "tpu.paged_attention (grad)": NO_PALLAS_GRAD,
     "tpu.all_gather":
         "Pallas's TPU interpret mode returns NaN in parts of the gathered "
         "array here",

@@ -157,6 +157,18 @@ def declared_semantics(compiler_params, grid_rank: int,
   return tuple(sem) if len(sem) == grid_rank else None
 
 
+def all_arbitrary(compiler_params):
+  """`compiler_params` with every declared grid dim "arbitrary" (grid axes
+  added by vmap stay parallel): for a derived kernel that carries state
+  over its whole grid, which no two cores may split. Unchanged when it
+  declares no `dimension_semantics`."""
+  sem = getattr(compiler_params, "dimension_semantics", None)
+  if sem is None:
+    return compiler_params
+  return dataclasses.replace(compiler_params,
+                             dimension_semantics=("arbitrary",) * len(sem))
+
+
 def check_semantics(kernel: str, compiler_params, grid_rank: int,
                     where: str) -> None:
   """Raises KernelError when `dimension_semantics` does not fit the grid."""

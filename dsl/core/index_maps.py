@@ -18,9 +18,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dsl.core.jax_internals import ClosedJaxpr, core, state_discharge
+from dsl.core.jax_internals import ClosedJaxpr, core
 
-from dsl.core import windows
+from dsl.core import bounded_discharge
 from dsl.core.blockspec import BlockMapping, Element
 from dsl.core.errors import KernelError
 
@@ -143,9 +143,7 @@ def discharged_index_map(jaxpr: ClosedJaxpr, grid_rank: int):
   if n == grid_rank:
     return jaxpr
   should = [False] * grid_rank + [True] * (n - grid_rank)
-  with windows.bounded_windows():
-    return state_discharge.discharge_state(jaxpr, should_discharge=should,
-                                           strip_memory_space=True)
+  return bounded_discharge.discharge(jaxpr, should)
 
 
 def block_offsets(bm: BlockMapping, ids, prefetch):

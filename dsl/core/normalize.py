@@ -56,7 +56,7 @@ from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
                                     state_primitives, state_types)
 import jax.extend.linear_util as lu
 
-from dsl.core import fallbacks
+from dsl.core import fallbacks, index_forms
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 from dsl.core.memory import MemorySpace
 from dsl.core.primitives import run_scoped
@@ -368,7 +368,7 @@ def _float0_constants(eqn):
   return outs if eqn.primitive.multiple_results else outs[0]
 
 
-def _eval_eqn(eqn, invals):
+def _eval_eqn(eqn, invals, scope: index_forms.Scope):
   if _makes_float0(eqn):
     return _float0_constants(eqn)
   if eqn.primitive in CALL_PRIMITIVES:
@@ -378,21 +378,37 @@ def _eval_eqn(eqn, invals):
     return _RULES.get()[eqn.primitive](*invals, **eqn.params)
   if _falls_back(eqn):
     return fallbacks.FALLBACKS[eqn.primitive].fn(*invals, **eqn.params)
+  form = _index_form(scope, eqn)
+  if form is not None:
+    return index_forms.rewrite(scope, eqn, form, invals)
   return _bind(eqn, invals)
 
 
 def _eval(jaxpr: core.Jaxpr, consts, args) -> list:
-  return retrace(jaxpr, consts, args, _eval_eqn)
+  scope = index_forms.Scope(jaxpr, consts, args)
+
+  def eval_eqn(eqn, invals):
+    outs = _eval_eqn(eqn, invals, scope)
+    scope.record(eqn, outs)
+    return outs
+  return retrace(jaxpr, consts, args, eval_eqn)
+
+
+def _index_form(scope: index_forms.Scope, eqn):
+  """What rewriting a gather or scatter into the forms the lowerings
+  handle needs (dsl.core.index_forms), or None; only when normalizing."""
+  return index_forms.form(scope, eqn) if _INDEX_FORMS.get() else None
 
 
 def needs_normalizing(jaxpr: core.Jaxpr) -> bool:
-  return any(_rewritten(eqn) or eqn.primitive in CALL_PRIMITIVES
+  scope = index_forms.Scope(jaxpr)
+  return any(_rewritten(eqn, scope) or eqn.primitive in CALL_PRIMITIVES
              or any(needs_normalizing(j) for j in sub_jaxprs(eqn.params))
              for eqn in jaxpr.eqns)
 
 
-def _rewritten(eqn) -> bool:
-  if _makes_float0(eqn):
+def _rewritten(eqn, scope: index_forms.Scope) -> bool:
+  if _makes_float0(eqn) or _index_form(scope, eqn) is not None:
     return True
   if eqn.primitive is lax.scan_p:
     _, _, n_xs, n_ys = scan_layout(eqn.params)
@@ -412,6 +428,9 @@ _RULES = contextvars.ContextVar("normalize_rules", default=DECOMPOSITIONS)
 # lowering's rule table has no rule for.
 _FALLBACKS = contextvars.ContextVar("normalize_fallbacks",
                                     default=frozenset())
+# Whether gathers and scatters become the forms the lowerings handle (not
+# in `rewrite_closed`, which rewrites only what it is given).
+_INDEX_FORMS = contextvars.ContextVar("normalize_index_forms", default=True)
 
 
 def _falls_back(eqn) -> bool:
@@ -452,11 +471,16 @@ def rewrite_closed(closed: ClosedJaxpr, rules: dict) -> ClosedJaxpr:
   it holds none."""
   if not _holds(closed.jaxpr, rules):
     return closed
-  with _rules_in_force(rules):
-    fn = lu.wrap_init(lambda *args: _eval(closed.jaxpr, closed.consts, args),
-                      debug_info=closed.jaxpr.debug_info)
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-        fn, [v.aval for v in closed.jaxpr.invars])
+  token = _INDEX_FORMS.set(False)
+  try:
+    with _rules_in_force(rules):
+      fn = lu.wrap_init(lambda *args: _eval(closed.jaxpr, closed.consts,
+                                            args),
+                        debug_info=closed.jaxpr.debug_info)
+      jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
+          fn, [v.aval for v in closed.jaxpr.invars])
+  finally:
+    _INDEX_FORMS.reset(token)
   return close_jaxpr(jaxpr, consts)
 
 

@@ -147,9 +147,12 @@ class Access:
   # Per array dim: whether the integer indices an indexer put there are
   # proven at or above 0 and below the size of the axis they index.
   indices: tuple[tuple[bool, bool], ...] = ()
+  # The array dim of each dim of the ref its first indexer indexes (() when
+  # joined over refs that differ).
+  ref_dims: tuple[int, ...] = ()
 
   @classmethod
-  def of(cls, window: Window) -> "Access":
+  def of(cls, window: Window, ref_dims: tuple[int, ...] = ()) -> "Access":
     ext = window.extents()
     rank = len(window.array_shape)
     indices = [(True, True)] * rank
@@ -158,20 +161,21 @@ class Access:
     return cls(window.origin, window.array_shape, window.block_sizes,
                tuple(ext.get(d, (None, None))[0] for d in range(rank)),
                tuple(ext.get(d, (None, None))[1] for d in range(rank)),
-               tuple(indices))
+               tuple(indices), tuple(ref_dims))
 
   def join(self, other: "Access") -> "Access":
     if (self.origin, self.array_shape) != (other.origin, other.array_shape):
       unknown = (None,) * len(self.array_shape)
       return dataclasses.replace(
           self, coords=unknown, offsets=unknown,
-          indices=((False, False),) * len(self.array_shape))
+          indices=((False, False),) * len(self.array_shape), ref_dims=())
     j = lambda a, b: None if a is None or b is None else a.join(b)
     both = lambda a, b: (a[0] and b[0], a[1] and b[1])
     return dataclasses.replace(
         self, coords=tuple(map(j, self.coords, other.coords)),
         offsets=tuple(map(j, self.offsets, other.offsets)),
-        indices=tuple(map(both, self.indices, other.indices)))
+        indices=tuple(map(both, self.indices, other.indices)),
+        ref_dims=self.ref_dims if self.ref_dims == other.ref_dims else ())
 
   def in_array(self, dim: int) -> tuple[bool, bool]:
     """(no coordinate below 0, none at or past the end) on `dim`."""
@@ -188,6 +192,14 @@ class Access:
     one whose index, read from data, lies outside the array)."""
     a, b = self.in_array(dim), self.in_block(dim)
     return a[0] or b[0], a[1] or b[1]
+
+  def inside_ref(self, k: int) -> tuple[bool, bool]:
+    """(lower, upper) proven inside the ref on its dim `k` (a kernel ref:
+    its block; a scratch or scoped buffer: all of it), for the access
+    model (`dsl.core.access.RefAccess.proving`)."""
+    if k >= len(self.ref_dims):
+      return False, False
+    return self.in_block(self.ref_dims[k])
 
   def index_inside(self, dim: int) -> tuple[bool, bool]:
     """(lower, upper): whether every integer index put on `dim` is proven
@@ -266,13 +278,13 @@ class _Context:
     the access reads them)."""
     if not isinstance(ref, Window):
       return
-    origin = ref.origin
+    origin, ref_dims = ref.origin, tuple(ax.dim for ax in ref.axes)
     for t in transforms:
       ref = ref.index(t)
       if ref is None:
         self.escape([origin])
         return
-    self.host.result.record(self.eqn, Access.of(ref), reads)
+    self.host.result.record(self.eqn, Access.of(ref, ref_dims), reads)
 
   def escape(self, args) -> None:
     """Notes the refs among `args`: something the analysis does not follow

@@ -6,15 +6,16 @@ outside the block is an error at trace time instead of a silent clamp.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import sys
 
 import numpy as np
-from dsl.core.jax_internals import (core, ds, NDIndexer, Slice,
+from dsl.core.jax_internals import (ds, NDIndexer, Slice,
+                                    TransformedRef,
                                     state_indexing as indexing)
 
+from dsl.core.access import RefAccess, static_int
 from dsl.core.errors import KernelError, source_excerpt, user_frame
 
 dslice = ds
@@ -24,18 +25,9 @@ _ACTIVE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
     "dsl_kernel_refs", default=None)
 
 
-def _static_int(x):
-  if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-    return int(x)
-  try:
-    return int(core.concrete_or_error(None, x))
-  except Exception:
-    return None
-
-
 def _text(x) -> str:
   """An index for a message: its value when static, else `...`."""
-  v = _static_int(x)
+  v = static_int(x)
   return "..." if v is None else str(v)
 
 
@@ -73,6 +65,9 @@ def _bounds_error(names, message):
 
 
 def check_static_indices(indices, shape) -> None:
+  """While a kernel is traced: an index whose place is static and outside
+  the ref (the access model's static exits, `dsl.core.access`) is a
+  KernelError naming the kernel, the ref and the user's line."""
   names = _ACTIVE.get()
   if names is None:
     return
@@ -85,83 +80,70 @@ def check_static_indices(indices, shape) -> None:
     ip = next(k for k, i in enumerate(indices) if i is ...)
     indices = (indices[:ip] + (slice(None),) * (len(shape) - len(indices) + 1)
                + indices[ip + 1:])
+  access = RefAccess.of(indices, shape)
+  outside = access.leaving_dims(static=True)
   for dim, (idx, n) in enumerate(zip(indices, shape)):
-    if not isinstance(n, (int, np.integer)):
-      continue
-    if isinstance(idx, slice):
-      if idx.step not in (None, 1) and _static_int(idx.step) is None:
-        continue
-      start = 0 if idx.start is None else _static_int(idx.start)
-      stop = n if idx.stop is None else _static_int(idx.stop)
-      if start is not None and start < 0:
-        start += n
-      if stop is not None and stop < 0:
-        stop += n
-      if (start is not None and not 0 <= start <= n) or (
-          stop is not None and stop > n):
-        _bounds_error(names, f"slice {idx.start}:{idx.stop} on dim {dim} is "
-                      f"outside the ref's shape {tuple(shape)}")
-    elif isinstance(idx, Slice):
-      start, size = _static_int(idx.start), _static_int(idx.size)
-      if size is not None and size < 0:
-        _bounds_error(names, f"pl.ds({_text(idx.start)}, {size}) on dim {dim} "
-                      f"has a negative size: pl.ds(start, size) takes the "
-                      f"window's size (not its end), which must be >= 0")
-      if size is not None and size > n:
-        _bounds_error(names, f"pl.ds(..., {size}) on dim {dim} is larger than "
-                      f"the ref's shape {tuple(shape)}")
-      if start is not None and size is not None and (
-          start < 0 or start + size * max(idx.stride, 1) - (idx.stride - 1) > n):
-        _bounds_error(names, f"pl.ds({start}, {size}) on dim {dim} is outside "
-                      f"the ref's shape {tuple(shape)}")
-    else:
-      i = _static_int(idx)
-      if i is not None and not -n <= i < n:
-        _bounds_error(names, f"index {i} on dim {dim} is outside the ref's "
-                      f"shape {tuple(shape)}")
+    message = _static_error(idx, dim, n, tuple(shape), dim in outside)
+    if message is not None:
+      _bounds_error(names, message)
 
 
-# Set while windows that may reach past their ref are made.
-_UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "dsl_unchecked_bounds", default=False)
+def _static_error(idx, dim: int, n, shape, outside: bool) -> str | None:
+  """What is wrong with index `idx` on `dim` (of `n`), if anything:
+  `outside` when its window lies outside the ref."""
+  if isinstance(idx, Slice):
+    size = static_int(idx.size)
+    if size is not None and size < 0:
+      return (f"pl.ds({_text(idx.start)}, {size}) on dim {dim} has a "
+              f"negative size: pl.ds(start, size) takes the window's size "
+              f"(not its end), which must be >= 0")
+    if size is not None and isinstance(n, (int, np.integer)) and size > n:
+      return (f"pl.ds(..., {size}) on dim {dim} is larger than the ref's "
+              f"shape {shape}")
+    if outside:
+      return (f"pl.ds({_text(idx.start)}, {size}) on dim {dim} is outside "
+              f"the ref's shape {shape}")
+  elif outside and isinstance(idx, slice):
+    return (f"slice {idx.start}:{idx.stop} on dim {dim} is outside the "
+            f"ref's shape {shape}")
+  elif outside:
+    return f"index {_text(idx)} on dim {dim} is outside the ref's shape {shape}"
+  return None
 
 
-@contextlib.contextmanager
-def unchecked_bounds():
-  """Windows made inside are not bounds-checked (by dsl or JAX): for the
-  DMAs of `emit_pipeline`'s edge blocks on a TPU, which reach into the
-  padding that an array in HBM has up to whole tiles."""
-  token = _UNCHECKED.set(True)
-  try:
-    yield
-  finally:
-    _UNCHECKED.reset(token)
-
-
-def _past_bounds(cls, indices, shape):
-  """The indexer of `indices` on `shape`, whose static `pl.ds` windows may
-  reach past `shape`."""
+def past_bounds(ref, indices):
+  """`ref.at[indices]`, whose static `pl.ds` windows may reach past the
+  ref (not bounds-checked, by dsl or JAX): for the DMAs of
+  `emit_pipeline`'s edge blocks on a TPU, which reach into the padding that
+  an array in HBM has up to whole tiles."""
+  shape = tuple(ref.shape)
   room = list(shape)
-  if isinstance(indices, tuple) and all(i is not ... for i in indices):
-    for dim, idx in enumerate(indices[:len(room)]):
-      if isinstance(idx, Slice):
-        start, size = _static_int(idx.start), _static_int(idx.size)
-        if start is not None and size is not None:
-          room[dim] = max(room[dim], start + size)
-  out = _original_from_indices_shape(cls, indices, tuple(room))
-  return dataclasses.replace(out, shape=tuple(shape), validate=False)
+  for dim, idx in enumerate(indices[:len(room)]):
+    if isinstance(idx, Slice):
+      start, size = static_int(idx.start), static_int(idx.size)
+      if start is not None and size is not None:
+        room[dim] = max(room[dim], start + size)
+  indexer = _original_from_indices_shape(NDIndexer, tuple(indices),
+                                         tuple(room))
+  indexer = dataclasses.replace(indexer, shape=shape, validate=False)
+  if isinstance(ref, TransformedRef):
+    return TransformedRef(ref.ref, (*ref.transforms, indexer))
+  return TransformedRef(ref, (indexer,))
 
 
 _original_from_indices_shape = NDIndexer.from_indices_shape.__func__
 
 
 def _checked_from_indices_shape(cls, indices, shape):
-  if _UNCHECKED.get():
-    return _past_bounds(cls, indices, shape)
   check_static_indices(indices, shape)
   return _original_from_indices_shape(cls, indices, shape)
 
 
+# The one hook in JAX's indexing: `x_ref[...]`, `x_ref.at[...]` and
+# `jax.ref.get/swap` build their indexer here, from the user's own indices
+# (a Python slice, which JAX clamps to the ref, still as written), before
+# anything of dsl sees them; docs/architecture.md ("The access model") says
+# why no local rule can take its place.
 NDIndexer.from_indices_shape = classmethod(_checked_from_indices_shape)
 
 __all__ = ["ds", "dslice", "Slice", "NDIndexer", "check_static_indices"]

@@ -14,72 +14,36 @@ costs what it cost before. Windows of strided slices or arrays of indices
 pad the ref with poison on both sides instead, and move their indices into
 the padding where they leave the ref.
 
-The discharge rules of JAX's `get`, `swap` and `addupdate` follow these
-semantics while `bounded_windows()` is active (the interpret backend's
-discharge); elsewhere (Pallas's own interpreter in the same process) they
-are JAX's.
+Which windows may leave their ref is the access model's decision
+(`dsl.core.access`). JAX's `get`, `swap` and `addupdate` follow these
+semantics where dsl discharges a kernel (`dsl.core.bounded_discharge`
+gives the accesses that may leave a primitive of dsl's own); elsewhere
+(Pallas's own interpreter in the same process) they are JAX's.
 """
 from __future__ import annotations
-
-import contextlib
-import contextvars
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from dsl.core.jax_internals import (core, state_discharge,
-                                    state_indexing as indexing,
-                                    state_primitives)
+from dsl.core.jax_internals import state_discharge, state_indexing as indexing
 
-from dsl.core.operand_layout import ref_operands
+from dsl.core.access import INDICES, SLICE, RefAccess
 from dsl.core.poison import poison_value
 
 # ------------------------------------------------------------ index kinds
-
-
-def _static(i) -> bool:
-  if isinstance(i, (int, np.integer)):
-    return True
-  try:
-    core.concrete_or_error(None, i)
-    return True
-  except Exception:  # noqa: BLE001 - a traced value
-    return False
 
 
 def _is_array(i) -> bool:
   return not isinstance(i, indexing.Slice) and np.ndim(i) > 0
 
 
-def _static_int(i):
-  return int(core.concrete_or_error(None, i)) if _static(i) else None
-
-
-def _static_index(i, n: int):
-  """A static integer index into a dim of `n`, a negative one counted from
-  the end as in numpy (`x_ref[-1]`); None for a traced one (which is not
-  counted from the end: a negative value there lies outside)."""
-  v = _static_int(i)
-  return v + n if v is not None and -n <= v < 0 else v
-
-
 def may_leave(indexer, shape) -> bool:
-  """Whether an indexer's window may leave a ref of `shape`: it is placed
-  by traced values (starts, indices, arrays of indices), or by static ones
-  outside the ref (which kernels get past the trace-time checks only in
-  derived kernels)."""
-  if not isinstance(indexer, indexing.NDIndexer):
-    return False
-  for i, n in zip(indexer.indices, shape):
-    if isinstance(i, indexing.Slice):
-      start = _static_int(i.start)
-      if start is None or start < 0 or (
-          start + (int(i.size) - 1) * int(i.stride) >= n):
-        return True
-    elif _is_array(i) or _static_index(i, n) is None or not (
-        0 <= _static_index(i, n) < n):
-      return True
-  return False
+  """Whether an indexer's window may leave a ref of `shape` (the access
+  model's decision, `dsl.core.access`): it is placed by traced values
+  (starts, indices, arrays of indices), or by static ones outside the ref
+  (which kernels get past the trace-time checks only in derived kernels)."""
+  return (isinstance(indexer, indexing.NDIndexer)
+          and RefAccess.of(indexer, shape).may_leave())
 
 
 def _fast(indexer) -> bool:
@@ -98,21 +62,18 @@ def _i32(x):
 def _window(x, indexer):
   """(start, clamped start, size) per dim, and the dims a scalar index
   squeezes."""
+  access = RefAccess.of(indexer, x.shape)
+  leaving = access.leaving_dims()
   dims, squeeze = [], []
-  for d, (i, n) in enumerate(zip(indexer.indices, x.shape)):
-    if isinstance(i, indexing.Slice):
-      start, size = i.start, int(i.size)
-    else:
-      start, size = i, 1
+  for d, (w, n) in enumerate(zip(access.dims, x.shape)):
+    if w.squeezed:
       squeeze.append(d)
-    static = (_static_int(start) if isinstance(i, indexing.Slice)
-              else _static_index(start, n))
-    if static is not None and 0 <= static <= n - size:
-      dims.append((static, static, size))
+    if d not in leaving:
+      dims.append((w.static_start, w.static_start, w.size))
     else:
-      start = _i32(start)
+      start = _i32(w.start)
       dims.append((start, lax.clamp(np.int32(0), start,
-                                    np.int32(max(n - size, 0))), size))
+                                    np.int32(max(n - w.size, 0))), w.size))
   return dims, tuple(squeeze)
 
 
@@ -180,11 +141,10 @@ def _write_strided(x, indexer, val):
   interior pad: its transpose is a strided slice, which every lowering
   loads as a strided ref read (a scatter's transpose would be a gather)."""
   pads, sizes, squeeze = [], [], []
-  for d, (i, n) in enumerate(zip(indexer.indices, x.shape)):
-    if isinstance(i, indexing.Slice):
-      start, size, stride = _static_int(i.start), int(i.size), int(i.stride)
-    else:
-      start, size, stride = _static_index(i, n), 1, 1
+  access = RefAccess.of(indexer, x.shape)
+  for d, (w, n) in enumerate(zip(access.dims, x.shape)):
+    start, size, stride = w.static_start, w.size, w.stride
+    if w.squeezed:
       squeeze.append(d)
     last = start + (size - 1) * stride if size else start - 1
     pads.append((start, n - 1 - last, stride - 1))
@@ -213,28 +173,24 @@ def _padded(x, indexer, clamp_arrays: bool = False):
   ones count from the end, and with `clamp_arrays` (a read: a gather) the
   ones still outside are clamped to the ref as JAX clamps a gather's."""
   pads, indices = [], []
-  for i, n in zip(indexer.indices, x.shape):
-    if isinstance(i, indexing.Slice):
-      start = _static_int(i.start)
-      if start is not None and 0 <= start and (
-          start + (int(i.size) - 1) * int(i.stride) < n):
-        pads.append((0, 0))
-        indices.append(i)
-        continue
-      room = (int(i.size) - 1) * int(i.stride) + 1
+  access = RefAccess.of(indexer, x.shape)
+  leaving = access.leaving_dims()
+  for d, (i, w, n) in enumerate(zip(indexer.indices, access.dims, x.shape)):
+    if d not in leaving:
+      pads.append((0, 0))
+      indices.append(i if w.kind == SLICE
+                     else np.asarray(w.static_start, np.int32))
+    elif w.kind == SLICE:
+      room = (w.size - 1) * w.stride + 1
       start = lax.clamp(np.int32(0), _i32(i.start) + np.int32(room),
                         np.int32(n + room))
       pads.append((room, room))
       indices.append(indexing.Slice(start, i.size, i.stride))
-    elif not _is_array(i) and _static_index(i, n) is not None and (
-        0 <= _static_index(i, n) < n):
-      pads.append((0, 0))
-      indices.append(np.asarray(_static_index(i, n), np.int32))
-    elif _is_array(i) and clamp_arrays:
+    elif w.kind == INDICES and clamp_arrays:
       pads.append((0, 0))
       indices.append(jnp.clip(_wrapped(i, n), 0, n - 1).astype(np.int32))
     else:
-      i = _wrapped(i, n) if _is_array(i) else _i32(i)
+      i = _wrapped(i, n) if w.kind == INDICES else _i32(i)
       pads.append((1, 1))
       indices.append(jnp.where((i >= 0) & (i < n), i + 1, 0).astype(
           np.int32))
@@ -348,52 +304,3 @@ def lanes_inside(shape, indexer):
     return read_one(ones, indexer) == 1
   padded, moved, _ = _padded(ones, indexer)
   return state_discharge.transform_array(padded, [moved]) == 1
-
-
-# ------------------------------------------------------------ JAX's rules
-
-_BOUNDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "dsl_bounded_windows", default=False)
-
-
-@contextlib.contextmanager
-def bounded_windows():
-  """Discharges JAX's ref reads and writes with these semantics."""
-  token = _BOUNDED.set(True)
-  try:
-    yield
-  finally:
-    _BOUNDED.reset(token)
-
-
-def _get(ctx, *args, **params):
-  ops = ref_operands(state_primitives.get_p, args, params)
-  return (None,) * len(args), read(ops.ref, ops.transforms)
-
-
-def _swap(ctx, *args, **params):
-  ops = ref_operands(state_primitives.swap_p, args, params)
-  old, new = update(ops.ref, ops.transforms, lambda old: ops.value)
-  return (new,) + (None,) * (len(args) - 1), old
-
-
-def _addupdate(ctx, *args, **params):
-  ops = ref_operands(state_primitives.addupdate_p, args, params)
-  _, new = update(ops.ref, ops.transforms, lambda old: old + ops.value)
-  return (new,) + (None,) * (len(args) - 1), []
-
-
-def _install():
-  ours = {state_primitives.get_p: _get, state_primitives.swap_p: _swap,
-          state_primitives.addupdate_p: _addupdate}
-  for prim, rule in ours.items():
-    theirs = state_discharge._discharge_rules[prim]
-
-    def dispatch(ctx, *args, _theirs=theirs, _rule=rule, **params):
-      if _BOUNDED.get() and ctx.strip_memory_space:
-        return _rule(ctx, *args, **params)
-      return _theirs(ctx, *args, **params)
-    state_discharge._discharge_rules[prim] = dispatch
-
-
-_install()

@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from dsl.core import backends
+from dsl.core import backends, index_forms
 from dsl.core.fallbacks import FALLBACKS
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES
 from dsl.core.normalize import DECOMPOSITIONS, VALUES_IN_MEMORY
@@ -42,7 +42,11 @@ when dsl rewrites the primitive into others before that backend's lowering
 when the backend has no rule and dsl replaces the primitive with its
 fallback, math written once as lax operations in `dsl.core.fallbacks` and
 lowered by the backend's own rules (`fallback`: float32, and float16 and
-bfloat16 computed in float32). Backends that share a table share a column.
+bfloat16 computed in float32). `some forms`: the gathers and scatters that
+`dsl.core.index_forms` rewrites into gathers along one axis (which the
+backend's `gather` rule lowers) and element-wise operations and reductions
+(docs/triton.md lists the forms). Backends that share a table share a
+column.
 """
 
 
@@ -72,6 +76,9 @@ def _cell(record, name: str) -> str:
     return "rule"
   if name in {p.name for p in FALLBACKS}:
     return "fallback"
+  if ("gather" in table.names()
+      and name in {p.name for p in index_forms.REWRITES}):
+    return "some forms"
   rewritten = {p.name for p in (*DECOMPOSITIONS, *CALL_PRIMITIVES)}
   if record.values_in_memory:
     rewritten |= {p.name for p in VALUES_IN_MEMORY}
@@ -90,6 +97,7 @@ def make_page() -> str:
   names |= {p.name for p in FALLBACKS}
   names |= {p.name for p in VALUES_IN_MEMORY}
   names |= {p.name for p in CALL_PRIMITIVES}
+  names |= {p.name for p in index_forms.REWRITES}
   lines = [_HEAD, "| primitive | " + " | ".join(h for h, _ in columns) + " |",
            "|---" * (len(columns) + 1) + "|"]
   for name in sorted(names):

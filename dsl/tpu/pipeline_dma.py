@@ -55,7 +55,7 @@ from dsl.core.errors import KernelError, user_frame
 from dsl.core.memory import MemorySpace
 from dsl.core.poison import poison_full
 from dsl.core.primitives import run_scoped, when
-from dsl.core.refs import ds, unchecked_bounds
+from dsl.core.refs import ds, past_bounds
 from dsl.core.semaphores import SemaphoreType
 from dsl.tpu.pipeline_blocks import (block_indices, block_view, block_window,
                                      kernel_name, run_body)
@@ -176,9 +176,8 @@ class _Stream:
         window[dim] = ds(self.ref.shape[dim] // size * size, partial[dim])
       inner.append(ds(0, partial.get(dim, size)))
     # on a TPU, an edge window may reach into the array's tile padding
-    with (unchecked_bounds() if partial and self.whole_tiles
-          else contextlib.nullcontext()):
-      hbm = self.ref.at[tuple(window)]
+    hbm = (past_bounds(self.ref, tuple(window))
+           if partial and self.whole_tiles else self.ref.at[tuple(window)])
     vmem = self.buf.at[tuple(inner)] if partial else self.buf.at[slot]
     src, dst = (hbm, vmem) if inward else (vmem, hbm)
     return make_async_copy(src, dst, self.sem.at[slot])

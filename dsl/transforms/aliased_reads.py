@@ -91,7 +91,9 @@ def reading_aliased_outputs(spec: KernelSpec):
   names = (list(labels.prefetch + labels.inputs)
            + [f"{labels.outputs[o]} (its aliased input)" for _, o in pairs]
            + list(labels.outputs + labels.scratch))
+  # The user's cost estimate stays (the copy is one more block read).
   new = new.replace(local=spec.local, ref_names=tuple(names),
+                    cost_estimate=spec.cost_estimate,
                     grid_mapping=dataclasses.replace(
                         new.grid_mapping, num_hidden_axes=gm.num_hidden_axes))
   return new, tuple(i for i, _ in pairs)

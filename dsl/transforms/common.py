@@ -47,9 +47,10 @@ def sds(aval, batch: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
 
 def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
                  out_specs, scratch, aliases=(), suffix: str,
-                 meta: tuple = ()) -> KernelSpec:
+                 meta: tuple = (), compiler_params=None) -> KernelSpec:
   """Builds the KernelSpec of a kernel derived from `spec` by a transform,
-  named `<kernel>_<suffix>` (the kernel's own name for an empty suffix)."""
+  named `<kernel>_<suffix>` (the kernel's own name for an empty suffix),
+  with `spec`'s compiler params unless given."""
   gm = spec.grid_mapping
   new_spec, _ = build_spec(
       body, tuple(args), list(out_shapes),
@@ -57,7 +58,9 @@ def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
       grid=grid, in_specs=list(in_specs), out_specs=list(out_specs),
       scratch_shapes=list(scratch), num_scalar_prefetch=gm.num_scalar_prefetch,
       input_output_aliases=dict(aliases), backend=spec.backend,
-      debug=False, compiler_params=spec.compiler_params,
+      debug=False, compiler_params=(spec.compiler_params
+                                    if compiler_params is None
+                                    else compiler_params),
       where=spec.where, meta=meta, metadata=spec.metadata)
   return new_spec.replace(kernel_src=spec.kernel_src)
 
@@ -92,6 +95,26 @@ def _zero_masked_lanes(*args, out_aval, **params):
   return masked_load_p.bind(*args, **{**params, **layout}, out_aval=out_aval)
 
 
+def discharged_point(spec: KernelSpec, transposable: bool = False):
+  """(jaxpr, kept): the kernel at one grid point as a pure jaxpr
+  `(ids, pf, ins, outs, scratch) -> (pf', outs', scratch')` (see
+  `point_function`), and which scalar-prefetch refs stay refs (are not
+  among its results)."""
+  gm = spec.grid_mapping
+  kept = (tuple(not w for w in written_prefetch(spec)) if transposable
+          else ())
+  # What is differentiated: nonlinear cumulative ops as lax ops a TPU has.
+  jaxpr = rewrite_closed(spec.jaxpr, SCANS_TO_DIFFERENTIATE)
+  if transposable:
+    jaxpr = rewrite_closed(jaxpr, {masked_load_p: _zero_masked_lanes})
+  dj = discharged_kernel(jaxpr, len(gm.grid), kept)
+  if any(kept):
+    dj = pure_reads(dj)     # no ref effect in a `pl.when` to linearize
+  if transposable:
+    dj = reversible_loops(dj)
+  return dj, kept
+
+
 def point_function(spec: KernelSpec, transposable: bool = False):
   """The kernel at one grid point as a pure function.
 
@@ -106,17 +129,7 @@ def point_function(spec: KernelSpec, transposable: bool = False):
   there is unspecified: poison would reach the cotangents as `0 * NaN`).
   """
   gm = spec.grid_mapping
-  kept = (tuple(not w for w in written_prefetch(spec)) if transposable
-          else ())
-  # What is differentiated: nonlinear cumulative ops as lax ops a TPU has.
-  jaxpr = rewrite_closed(spec.jaxpr, SCANS_TO_DIFFERENTIATE)
-  if transposable:
-    jaxpr = rewrite_closed(jaxpr, {masked_load_p: _zero_masked_lanes})
-  dj = discharged_kernel(jaxpr, len(gm.grid), kept)
-  if any(kept):
-    dj = pure_reads(dj)     # no ref effect in a `pl.when` to linearize
-  if transposable:
-    dj = reversible_loops(dj)
+  dj, kept = discharged_point(spec, transposable)
 
   def F(ids, pf, ins, outs, scratch):
     finals = iter(core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins,

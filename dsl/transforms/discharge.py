@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import functools
 
-from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
-                                    state_discharge)
+from dsl.core.jax_internals import close_jaxpr, ClosedJaxpr
 
-from dsl.core import config, windows
+from dsl.core import bounded_discharge, config
 from dsl.tpu.prng_state import with_prng_state
 
 
@@ -32,6 +31,4 @@ def _discharged_kernel(jaxpr: ClosedJaxpr, grid_rank: int,
   should = ([False] * grid_rank + [not k for k in kept_refs]
             + [True] * rest)
   closed = close_jaxpr(j, jaxpr.consts)
-  with windows.bounded_windows():
-    return state_discharge.discharge_state(closed, should_discharge=should,
-                                           strip_memory_space=True)
+  return bounded_discharge.discharge(closed, should)

@@ -43,10 +43,12 @@ def per_point_sds(shape, dtype, grid) -> jax.ShapeDtypeStruct:
 
 
 def per_point_spec(shape, n_grid, ids_fn=lambda ids: ids,
-                   memory_space=None) -> BlockSpec:
-  """Grid point `ids` owns the block at `ids_fn(ids)` of a per-point array."""
+                   memory_space=None, n_lead=None) -> BlockSpec:
+  """Grid point `ids` owns the block at `ids_fn(ids)` of a per-point array
+  (over a grid of rank `n_lead`, the kernel's own by default)."""
   pad = _pad(shape)
-  return BlockSpec((None,) * (n_grid + pad) + tuple(shape),
+  n_lead = n_grid if n_lead is None else n_lead
+  return BlockSpec((None,) * (n_lead + pad) + tuple(shape),
                    lambda *a: (*ids_fn(a[:n_grid]),) + (0,) * (pad + len(shape)),
                    memory_space=memory_space)
 

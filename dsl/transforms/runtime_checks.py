@@ -39,6 +39,7 @@ from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.operand_layout import pack, unpack
 from dsl.core.pallas_call import KernelSpec
+from dsl.core.ranges import analyze_kernel
 from dsl.core.tracing import program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds, split
 from dsl.transforms.window_checks import WindowOutsideRef, window_check_eqn
@@ -135,7 +136,8 @@ def _prepare(jaxpr: core.Jaxpr, names: dict, keep_debug: bool,
              check_windows: bool = False) -> core.Jaxpr:
   """Drops debug-only checks (unless `keep_debug`), names the semaphore of
   every wait (an `origin` param that only the wait checks read) and, with
-  `check_windows`, checks every window placed at run time."""
+  `check_windows` (the kernel's range analysis, `KernelRanges`), checks
+  every window placed at run time that it does not prove inside."""
   eqns = []
   for eqn in jaxpr.eqns:
     if (eqn.primitive is checks.check_p and eqn.params["debug"]
@@ -145,7 +147,7 @@ def _prepare(jaxpr: core.Jaxpr, names: dict, keep_debug: bool,
               for k, v in eqn.params.items()}
     if check_windows and (check := window_check_eqn(
         eqn, names.get(eqn.invars[0]) if eqn.invars and isinstance(
-            eqn.invars[0], core.Var) else None)) is not None:
+            eqn.invars[0], core.Var) else None, check_windows)) is not None:
       eqns.append(check)
     if _waits_on_a_semaphore(eqn):
       sem = unpack(eqn.invars, eqn.params["layout"])["sem"]
@@ -380,7 +382,8 @@ def checked_spec(spec: KernelSpec, keep_debug: bool = False,
   n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
   names = dict(zip(spec.jaxpr.jaxpr.invars, _operand_names(spec)))
   jaxpr = close_jaxpr(_prepare(spec.jaxpr.jaxpr, names, keep_debug,
-                                    check_windows), spec.jaxpr.consts)
+                              check_windows and analyze_kernel(spec)),
+                      spec.jaxpr.consts)
   err_tree, err_avals = _error_structure(spec, jaxpr, enabled_errors,
                                          check_blocks)
   n_err = len(err_avals)

@@ -23,6 +23,7 @@ import numpy as np
 from dsl.core.jax_internals import ad, core, partial_eval as pe
 
 from dsl.core.errors import KernelError
+from dsl.core.grid_plan import all_arbitrary
 from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.core.primitives import run_scoped, when
 from dsl.core.tracing import program_id
@@ -31,6 +32,7 @@ from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
                                    point_function, sds, split,
                                    written_prefetch)
 from dsl.transforms.prefetch_reads import restore_reads
+from dsl.transforms.simplify import simplify_closed
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
 from dsl.transforms.revisits import (first_visit, per_point_sds,
@@ -38,8 +40,10 @@ from dsl.transforms.revisits import (first_visit, per_point_sds,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 from dsl.transforms.synchronous_dmas import synchronous_dmas
-from dsl.transforms import prefetch_state
-from dsl.core.blockspec import Element
+from dsl.transforms import prefetch_state, reductions
+from dsl.transforms.dependencies import dependencies
+from dsl.transforms.points import (float_call, overhangs, transposed_point,
+                                   zero_past_array)
 
 
 # ----------------------------------------------------------- linearize
@@ -65,19 +69,6 @@ def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
 
 # ----------------------------------------------------------- entry state
 
-def _deps(jaxpr: core.Jaxpr) -> dict:
-  """Which jaxpr inputs each variable depends on (conservatively)."""
-  deps = {v: {k} for k, v in enumerate(jaxpr.invars)}
-  for eqn in jaxpr.eqns:
-    d = set()
-    for v in eqn.invars:
-      if isinstance(v, core.Var):
-        d |= deps.get(v, set())
-    for v in eqn.outvars:
-      deps[v] = d
-  return deps
-
-
 def needs_entry_state(spec: KernelSpec) -> bool:
   """Does the tangent map at a point depend on its entry output/scratch state?"""
   gm = spec.grid_mapping
@@ -94,7 +85,7 @@ def needs_entry_state(spec: KernelSpec) -> bool:
 
   def jvp_point(ids, pf, ins, outs, scr, tins, touts, tscr):
     def f(fi, fo, fs):
-      return _float_call(F, ids, pf, ins, outs, scr, fi, fo, fs)
+      return float_call(F, ids, pf, ins, outs, scr, fi, fo, fs)
     return jax.jvp(f, (fl(ins), fl(outs), fl(scr)), (tins, touts, tscr))
 
   closed = jax.make_jaxpr(jvp_point)(ids, pf, ins, outs, scr, fl(ins),
@@ -104,23 +95,11 @@ def needs_entry_state(spec: KernelSpec) -> bool:
   unknowns = [False] * n_primal + [True] * n_tan
   known, _, out_uk, res_avals = pe.partial_eval_jaxpr_nounits(
       closed, unknowns, instantiate=False)
-  deps = _deps(known.jaxpr)
+  deps = dependencies(known.jaxpr)
   state_inputs = set(range(len(ids) + len(pf) + len(ins), n_primal))
   residuals = known.jaxpr.outvars[len(known.jaxpr.outvars) - len(res_avals):]
   return any(isinstance(v, core.Var) and deps.get(v, set()) & state_inputs
              for v in residuals)
-
-
-def _fill_floats(values, floats):
-  it = iter(floats)
-  return [next(it) if has_tangent(v.dtype) else v for v in values]
-
-
-def _float_call(F, ids, pf, ins, outs, scr, fi, fo, fs):
-  o, s = F(ids, pf, _fill_floats(ins, fi), _fill_floats(outs, fo),
-           _fill_floats(scr, fs))
-  return ([x for x in o if has_tangent(x.dtype)],
-          [x for x in s if has_tangent(x.dtype)])
 
 
 def _state_refs(gm):
@@ -171,7 +150,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     with_vmem_copies(states, [True] * len(states), [False] * len(states),
                      lambda *s: record(rec, s, firsts))
     pf_refs, in_refs = base[:n_pf], base[n_pf:n_pf + n_in]
-    copied = [k for k, bm in enumerate(gm.in_mappings) if _overhangs(bm)]
+    copied = [k for k, bm in enumerate(gm.in_mappings) if overhangs(bm)]
     if not copied:
       eval_ref_jaxpr(replayed, *ids, *base, *scr)
       return
@@ -182,7 +161,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     def replay(*bufs):
       refs_in = list(in_refs)
       for k, buf in zip(copied, bufs):
-        buf[...] = _zero_past_array(in_refs[k][...], gm.in_mappings[k], ids,
+        buf[...] = zero_past_array(in_refs[k][...], gm.in_mappings[k], ids,
                                     pf_refs)
         refs_in[k] = buf
       eval_ref_jaxpr(replayed, *ids, *pf_refs, *refs_in,
@@ -214,55 +193,6 @@ def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
 
 
 # ----------------------------------------------------------- transpose
-
-def _overhangs(bm) -> bool:
-  """Whether a block of `bm` may lie partly past its array."""
-  return not bm.whole_array and any(
-      isinstance(d, Element) or (b and n % b)
-      for d, n, b in zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes))
-
-
-def _zero_past_array(x, bm, ids, pf_refs):
-  """`x`, the block of `bm` at grid point `ids`, with the positions past
-  the array set to 0. The transposed kernel reads primal inputs, recorded
-  output states and output cotangents there: the cotangent of a position
-  that does not exist is 0, and a primal value there is garbage on hardware
-  (poison on the CPU) that `0 * garbage` would carry into the cotangents of
-  the array."""
-  if not _overhangs(bm):
-    return x
-  dims = list(zip(bm.block_shape, bm.array_aval.shape, bm.block_sizes))
-  j = bm.index_map_jaxpr
-  idx = core.eval_jaxpr(j.jaxpr, j.consts, *ids, *pf_refs)[:len(dims)]
-  mask = jnp.bool_(True)
-  for k, ((d, n, b), o) in enumerate(zip(dims, bm.element_offsets(idx))):
-    start = o - d.padding[0] if isinstance(d, Element) else o
-    pos = start + jax.lax.broadcasted_iota(jnp.int32, bm.block_sizes, k)
-    mask = mask & (pos >= 0) & (pos < n)
-  return jnp.where(mask.reshape(bm.kernel_shape), x, jnp.zeros_like(x))
-
-
-def _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz):
-  """The transpose of the kernel's tangent map at one grid point, linearized
-  at the entry state (`ins`, `outs_e`, `scr_e`): cotangents of the outputs
-  and scratch it leaves -> cotangents of the tangent inputs (`in_nz`) and of
-  the outputs and scratch it found."""
-  fl = lambda xs: [x for x in xs if has_tangent(x.dtype)]
-
-  def tangent_map(t_in, t_out, t_scr):
-    given = iter(t_in)
-    t_in_all = [next(given) if nz else jnp.zeros(x.shape, x.dtype)
-                for x, nz in zip(ins, in_nz) if has_tangent(x.dtype)]
-
-    def f(fi, fo, fs):
-      return _float_call(F, ids, pf, ins, outs_e, scr_e, fi, fo, fs)
-    _, tangents = jax.jvp(f, (fl(ins), fl(outs_e), fl(scr_e)),
-                          (t_in_all, t_out, t_scr))
-    return tangents
-
-  t_in_ex = [x for x, nz in zip(ins, in_nz) if nz]
-  return jax.linear_transpose(tangent_map, t_in_ex, fl(outs_e), fl(scr_e))
-
 
 def _zero_at_first_point(ids, refs):
   """Zeros `refs` at the first grid point (e.g. the cotangent of the
@@ -360,7 +290,7 @@ def _garbage_free_at(first, x, old, bm, ids, pf_refs):
   """`x`, or where `first` holds `old()` with no garbage past the array."""
   if first is None:
     return x
-  return jnp.where(first, _zero_past_array(old(), bm, ids, pf_refs), x)
+  return jnp.where(first, zero_past_array(old(), bm, ids, pf_refs), x)
 
 
 def _entry_state(gm, rec_refs, ids, pf_refs, written):
@@ -435,11 +365,11 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   def point(ids, pf_refs, rec_refs, ct_scr_refs, firsts, in_refs, ct_in_refs,
             ct_out_refs):
     ct_out_in, out_first, in_first = firsts
-    ins = [_zero_past_array(r[...], bm, ids, pf_refs)
+    ins = [zero_past_array(r[...], bm, ids, pf_refs)
            for r, bm in zip(in_refs, gm.in_mappings)]
     outs_e, scr_e, pf = _entry_state(gm, rec_refs if recorded else None, ids,
                                      pf_refs, written)
-    transposed = _transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
+    transposed = transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
     ct_out_first = [f for f, keep in zip(out_first, out_f) if keep]
     ct_out_now = [_garbage_free_at(first, r[...], lambda r_in=r_in: r_in[...],
                                    bm, ids, pf_refs)
@@ -459,7 +389,11 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
                                        kinds)
   new = derived_spec(spec, body, args, out_shapes, **kw,
                      scratch=ct_scr_avals, suffix="transpose")
-  return new.replace(jaxpr=restore_reads(new.jaxpr)), kinds
+  if "staged" in kinds:
+    # a cotangent staged whole through every point: cores may not split
+    # the grid (their read-modify-writes of it would race)
+    new = new.replace(compiler_params=all_arbitrary(new.compiler_params))
+  return new.replace(jaxpr=simplify_closed(restore_reads(new.jaxpr))), kinds
 
 
 def _transpose_io(gm, rev, recorded, state_avals, pf_avals, ct_in_maps,
@@ -520,6 +454,11 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   ct_outs = [jnp.asarray(c).astype(bm.array_aval.dtype) for c, bm in
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
   recorded = needs_entry_state(base) or any(written_prefetch(base))
+  red = None if recorded else reductions.find(base)
+  if red is not None:
+    ct_ins = reductions.transpose(base, red, in_nz, primals, ct_outs)
+    return [None] * n_primals + [sharded_like(c, getattr(t, "aval", None))
+                                 for c, t in zip(ct_ins, tangent_args)]
   rec = []
   if recorded:
     rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))

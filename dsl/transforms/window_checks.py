@@ -19,6 +19,7 @@ from dsl.core.jax_internals import (checkify as jax_checkify, core,
 from jax.extend.core import Primitive
 
 from dsl.core import ref_ops, windows
+from dsl.core.access import RefAccess
 from dsl.core.checks import window_access
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.operand_layout import (RefLayout, eqn_ref_operands,
@@ -64,14 +65,16 @@ _ACCESSES = {
 }
 
 
-def window_check_eqn(eqn, name: str | None):
+def window_check_eqn(eqn, name: str | None, ranges=None):
   """A `window_check` equation for the ref access `eqn` when its window is
-  placed by values computed at run time, else None."""
+  placed by values computed at run time and may leave its ref (what
+  `ranges`, the kernel's `dsl.core.ranges.KernelRanges`, proves inside is
+  not checked), else None."""
   if eqn.primitive not in _ACCESSES:
     return None
   ops = eqn_ref_operands(eqn)
-  if all(isinstance(v, core.Literal) for v in ops.leaves):
-    return None       # static windows are checked when the kernel is traced
+  if not _leaves_at_run_time(ops, ranges.access(eqn) if ranges else None):
+    return None
   shape = tuple(ops.ref.aval.inner_aval.shape)
   invars, layout = _CHECK.flatten(None, leaves=ops.leaves, tree=ops.tree,
                                   mask=ops.mask)
@@ -79,6 +82,25 @@ def window_check_eqn(eqn, name: str | None):
                 ref=name or "a ref")
   return core.new_jaxpr_eqn(invars, [], window_check_p, params, set(),
                             eqn.source_info, eqn.ctx)
+
+
+def _leaves_at_run_time(ops, proofs) -> bool:
+  """Whether the first indexer of an access (the one that places its
+  window) may leave its ref at a place computed at run time: the access
+  model's run-time exits (static ones are refused when the kernel is
+  traced, or, in derived kernels, read poison), but the sides that the
+  range analysis's `proofs` (a `dsl.core.ranges.Access`, or None) prove
+  inside, where that indexer is the only one."""
+  try:
+    transforms = [t for t in ops.transforms if t is not None]
+  except ValueError:  # transforms we cannot read: check
+    return True
+  if not transforms or not isinstance(transforms[0], indexing.NDIndexer):
+    return False
+  access = RefAccess.of(transforms[0])
+  if proofs is not None and len(transforms) == 1:
+    access = access.proving(proofs.inside_ref)
+  return bool(access.leaving_dims(static=False))
 
 
 def _indexer_parts(indexer, values: list) -> str:

@@ -57,7 +57,8 @@ def _digest(arrays) -> str:
 # What the simulator found -> the error the user gets.
 _ERROR_KINDS = {"check": KernelCheckError, "deadlock": KernelDeadlockError,
                 "race": KernelRaceError, "unsupported": BackendError}
-_PREFIX = re.compile(r"^kernel '[^']*'(?: on (device \d+))?: ", re.S)
+_PREFIX = re.compile(
+    r"^kernel '[^']*'(?: on ((?:device \d+)?(?:, )?(?:core \d+)?))?: ", re.S)
 
 
 def kernel_error(e: interp.KernelSimulationError, kernel: str) -> KernelError:

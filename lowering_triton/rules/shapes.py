@@ -261,7 +261,10 @@ def _slice(ctx, x, start_indices, limit_indices, strides=None, **params):
     st = 1 if strides is None else int(strides[axis])
     n_in = x.shape[axis]
     n_out = max(0, -(-(int(l) - int(s)) // st))
-    if int(s) == 0 and st == 1 and n_out == n_in:
+    if int(s) == 0 and st == 1 and pow2(n_out) == pow2(n_in):
+      # A prefix of the same padded length: the lanes past it are padding.
+      y = TVal(y.expr, y.shape[:axis] + (n_out,) + y.shape[axis + 1:],
+               y.dtype, y.literal)
       continue
     idx = lanes(n_out) if st == 1 else f"{lanes(n_out)} * {st}"
     if int(s):
@@ -390,7 +393,12 @@ def _pad(ctx, x, padding_value, padding_config, **params):
     if step > 1:
       src = ctx.bind_raw(f"{pos} // {step}", "pad_src")
       valid = f"{valid} & ({pos} % {step} == 0)"
-    piece = take(ctx, y, axis, clamp(src, 0, n - 1), m, "padded")
+    if lo == 0 and step == 1 and pow2(m) == pow2(n):
+      # Padding at the end within the padded length: no lane moves.
+      piece = TVal(y.expr, y.shape[:axis] + (m,) + y.shape[axis + 1:],
+                   y.dtype, y.literal)
+    else:
+      piece = take(ctx, y, axis, clamp(src, 0, n - 1), m, "padded")
     rank = len(y.shape)
     pv = ctx.value(padding_value)
     y = ctx.bind(f"tl.where(({valid}){bcast(axis, rank)}, {piece.expr}, "

@@ -8,8 +8,6 @@ back with `tl.where`.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 from dsl.core.jax_internals import state_indexing as indexing, state_primitives
 
@@ -25,6 +23,7 @@ from lowering_triton.codegen import paren
 from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
                                   apply_indexer, as_sym, bcast, emit_address,
                                   has_padding_or_bounds, index_sym,
+                                  run_time_dims, with_proofs,
                                   without_proven_wraps)
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
@@ -61,11 +60,7 @@ def _with_proven(ctx, view: MemRef) -> MemRef:
   if access is None or access.array_shape != view.array_shape:
     return view
   view = without_proven_wraps(view, access.index_inside)
-  proven = tuple((d, side) for d in view.dynamic
-                 for side, ok in enumerate(access.proven(d)) if ok)
-  proven_block = tuple((d, side) for d in view.dynamic
-                       for side, ok in enumerate(access.in_block(d)) if ok)
-  return dataclasses.replace(view, proven=proven, proven_block=proven_block)
+  return with_proofs(view, access.proven, access.in_block)
 
 
 def _address(ctx, view: MemRef, verb: str, extra_mask: str | None = None,
@@ -192,6 +187,7 @@ def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
   if _is_full(indexer, x.shape):
     return x
   drop = []
+  at_run_time = run_time_dims(indexer, x.shape)
   for axis, idx in enumerate(indexer.indices):
     n = x.shape[axis]
     if isinstance(idx, indexing.Slice):
@@ -201,17 +197,17 @@ def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
       pos = lanes(size) if st == 1 else f"{lanes(size)} * {st}"
       if s != 0:
         pos = f"{pos} + {paren(s)}"
-      if not isinstance(s, int):
+      if axis in at_run_time:
         pos = ctx.bind_raw(pos, f"{hint}_pos")
       x = take(ctx, x, axis, clamp(pos, 0, n - 1), size, hint)
-      if not isinstance(s, int):
+      if axis in at_run_time:
         x = _poison_outside(ctx, x, f"({pos} >= 0) & ({pos} < {n})",
                             bcast(axis, len(x.shape)), hint)
     elif isinstance(idx, TVal) and idx.shape == () or isinstance(idx, int):
       s = index_sym(idx, n)
       x = take(ctx, x, axis, clamp(f"tl.full((1,), {s}, tl.int32)", 0, n - 1),
                1, hint)
-      if not isinstance(s, int):
+      if axis in at_run_time:
         x = _poison_outside(ctx, x, f"({paren(s)} >= 0) & ({paren(s)} < {n})",
                             "", hint)
       drop.append(axis)
@@ -239,13 +235,15 @@ def _check_value_window(ctx, vref: ValueRef, verb: str, transforms) -> None:
       or not isinstance(indexer, indexing.NDIndexer)):
     return
   inside = []
-  for idx, n in zip(indexer.indices, vref.shape):
+  at_run_time = run_time_dims(indexer, vref.shape)
+  for axis, (idx, n) in enumerate(zip(indexer.indices, vref.shape)):
+    if axis not in at_run_time:
+      continue
     if isinstance(idx, indexing.Slice):
       s = as_sym(idx.start)
-      if not isinstance(s, int):
-        last = (int(idx.size) - 1) * int(idx.stride)
-        inside.append(f"({paren(s)} >= 0) & ({paren(s)} + {last} < {n})")
-    elif not isinstance(index_sym(idx, n), int):
+      last = (int(idx.size) - 1) * int(idx.stride)
+      inside.append(f"({paren(s)} >= 0) & ({paren(s)} + {last} < {n})")
+    else:
       s = paren(index_sym(idx, n))
       inside.append(f"({s} >= 0) & ({s} < {n})")
   if inside:

@@ -433,6 +433,18 @@ def bool_operands(pl, pltpu):
   return f, (jnp.arange(8 * 128).reshape(8, 128) % 3 == 0, f32(8, 128))
 
 
+
+@case
+def bool_squeezed_windows(pl, pltpu):
+  def mask_row_kernel(m_ref, x_ref, o_ref, b_ref):
+    m = m_ref[1]                    # a squeezed window of a bool block
+    o_ref[...] = jnp.where(m, x_ref[...], 0.0)
+    b_ref[0] = jnp.logical_not(m)
+  f = pl.pallas_call(mask_row_kernel,
+                     (sds((8, 128)), sds((1, 8, 128), jnp.bool_)))
+  return f, (jnp.arange(2 * 8 * 128).reshape(2, 8, 128) % 3 == 0,
+             f32(8, 128))
+
 @case
 def when_inside_loop(pl, pltpu):
   def loop_when_kernel(s_ref, x_ref, o_ref):

@@ -12,7 +12,7 @@ import os
 
 from benchmarks import pallas_ops as speed
 from tests.pallas import pallas_ops_swap as swap
-from benchmarks.pallas_library.cases import MATRIX, no_pallas
+from benchmarks.pallas_library.cases import MATRIX, golden_cases, no_pallas
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -47,8 +47,22 @@ _INTRO = (
     "in Pallas's interpret mode (lower is faster; `python -m benchmarks "
     "--suite pallas-ops`, the record in "
     "`benchmarks/results/pallas-ops-cpu.json`, see "
-    "[benchmarks.md](benchmarks.md)). This table is generated (`python -m "
-    "tests.pallas.pallas_ops_page`) and a test checks it.")
+    "[benchmarks.md](benchmarks.md)). `TPU module` (on the "
+    "`mosaic_interpret` row, whose module is the one the `mosaic` backend "
+    "gives a TPU) is what `tests/pallas/test_pallas_ops_golden.py` finds "
+    "when it lowers the op and each variant for a TPU, on the CPU, through "
+    "dsl and through Pallas's own lowering of the original source: every "
+    "`tpu_custom_call` the case emits (the backward kernels of the op's "
+    "custom_vjp included) has the same canonicalized Mosaic module, "
+    "backend config and call attributes (`equal`), or differs for the "
+    "cause named; gradients through dsl's automatic reverse mode have no "
+    "Pallas module to compare with. The variants that lower in well under "
+    "a second are compared by default, the others under `pytest -m slow`. "
+    "This table is generated (`python -m tests.pallas.pallas_ops_page`) "
+    "and a test checks it.")
+# The backend row the `TPU module` column fills: its module is the one the
+# `mosaic` backend gives a TPU.
+_GOLDEN_BACKEND = "mosaic_interpret"
 
 
 def _variant(case_id: str) -> str:
@@ -86,14 +100,36 @@ def _ratio(op: str, backend: str, ratios: dict) -> str:
   return "-" if r is None else speed.report.fmt_ratio(r)
 
 
+def _golden(op: str, backend: str) -> str:
+  """Whether the op's and its variants' Mosaic modules are Pallas's."""
+  if backend != _GOLDEN_BACKEND or not op.startswith("tpu."):
+    return ""
+  cases = [op] + [v for v in MATRIX if swap.base_op(v) == op]
+  label = lambda c: "the op" if c == op else _variant(c)
+  golden = set(golden_cases())
+  compared = [c for c in cases if c in golden]
+  differ = [c for c in compared if c in swap.GOLDEN_DIFFERS]
+  parts = []
+  if len(differ) < len(compared):
+    n = len(compared)
+    parts.append(f"equal: {n - len(differ)} of {n} cases" if n > 1
+                 else "equal")
+  parts += [f"{label(c)} differs: {swap.GOLDEN_DIFFERS[c]}" for c in differ]
+  rest = [label(c) for c in cases if c not in golden]
+  if rest:
+    parts.append("no Pallas module (dsl's reverse mode): " + ", ".join(rest))
+  return "; ".join(parts)
+
+
 def compat_section() -> str:
   """The section of docs/pallas-compat.md that lists each op of
   `jax.experimental.pallas.ops` on each dsl CPU backend."""
   ratios = (speed.ratios(SPEED_RECORD) if os.path.exists(SPEED_RECORD)
             else {})
   lines = [_SECTION, "", _INTRO, "",
-           "| op | backend | result | variants (`-m slow`) | vs Pallas |",
-           "|---|---|---|---|---|"]
+           "| op | backend | result | variants (`-m slow`) | vs Pallas | "
+           "TPU module |",
+           "|---|---|---|---|---|---|"]
   for op in swap.OPS:
     for backend in swap.backends_of(op):
       cause = swap.XFAIL.get((op, backend))
@@ -103,7 +139,8 @@ def compat_section() -> str:
                    f"{swap.NO_PALLAS[op]})")
       lines.append(f"| `{op}` | `{backend}` | {result} | "
                    f"{_variants(op, backend)} | "
-                   f"{_ratio(op, backend, ratios)} |")
+                   f"{_ratio(op, backend, ratios)} | "
+                   f"{_golden(op, backend)} |")
   return "\n".join(lines) + "\n"
 
 

@@ -89,6 +89,40 @@ def test_ring_all_gather(backend, shared_sems):
   np.testing.assert_array_equal(out, jnp.tile(x, (N, 1)))
 
 
+def _shift_right_by_core(x, cores):
+  """Each grid point (one per core on a megacore chip) sends its 8 rows to
+  the right neighbour, on its own semaphores."""
+  def kernel(x_hbm, o_hbm, send_sem, recv_sem):
+    c, me = pl.program_id(0), jax.lax.axis_index("x")
+    _barrier(me)
+    copy = pltpu.make_async_remote_copy(
+        x_hbm.at[pl.ds(c * 8, 8)], o_hbm.at[pl.ds(c * 8, 8)], send_sem,
+        recv_sem, device_id=((me + 1) % N,),
+        device_id_type=pltpu.DeviceIdType.MESH)
+    copy.start()
+    copy.wait()
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
+  call = pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((16, 128), x.dtype), grid=(2,),
+      in_specs=[any_spec], out_specs=any_spec,
+      scratch_shapes=[pltpu.SemaphoreType.DMA, pltpu.SemaphoreType.DMA],
+      compiler_params=pltpu.CompilerParams(
+          collective_id=0, dimension_semantics=("parallel",)),
+      backend="mosaic_interpret")
+  mesh = _mesh()
+  f = jax.shard_map(call, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                    check_vma=False)
+  with interpreter_options(num_cores=cores):
+    return jax.jit(f)(jax.device_put(x, NamedSharding(mesh, P("x"))))
+
+
+@pytest.mark.parametrize("cores", [1, 2])
+def test_remote_copies_reach_the_same_core_of_the_peer(cores):
+  x = jnp.arange(N * 16 * 128, dtype=jnp.float32).reshape(N * 16, 128)
+  out = _shift_right_by_core(x, cores)
+  np.testing.assert_array_equal(out, jnp.roll(x, 16, axis=0))
+
+
 def reduce_scatter_kernel(x_ref, o_ref, acc, recv, send_sem, recv_sems,
                           credit, *, with_credits=True):
   """Ring reduce-scatter: device d ends with sum over devices of chunk d.

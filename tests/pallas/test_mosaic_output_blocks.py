@@ -14,6 +14,7 @@ import pytest
 
 import dsl as pl
 from dsl import tpu as pltpu
+from tests.pallas import mosaic_golden as golden
 
 MI = "mosaic_interpret"
 F32 = jnp.float32
@@ -67,6 +68,19 @@ def test_aliased_output_reads_the_input_ref():
   want = np.asarray(x).copy()
   want[:, :64] *= 2
   np.testing.assert_array_equal(_aliased(kernel, x), want)
+
+
+def test_aliased_output_copy_in_keeps_the_cost_estimate():
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  cost = pl.CostEstimate(flops=4096, transcendentals=0, bytes_accessed=16384)
+  f = pl.pallas_call(_half_write, jax.ShapeDtypeStruct((16, 128), F32),
+                     grid=(2,), in_specs=[spec], out_specs=spec,
+                     input_output_aliases={0: 0}, cost_estimate=cost)
+  (call,) = golden.lower_tpu(f, jnp.ones((16, 128), F32))
+  assert call.module.count("transform_indices") == 3   # the input's copy
+  assert call.config["custom_call_config"]["cost_estimate"] == {
+      "flops": 4096, "transcendentals": 0, "bytes_accessed": 16384,
+      "remote_bytes_transferred": 0}
 
 
 def _revisiting_call(backend, out_map):

@@ -205,8 +205,9 @@ def load(ctx, view: View) -> ir.Value:
     x = tpu.StridedLoadOp(t, ref.value, _indices(view), view.strides).result
   else:
     x = vector.LoadOp(t, ref.value, _indices(view)).result
-  x = _from_memory(x, view.load_shape, dtype)
-  return emit.reshape(x, view.load_shape, view.shape, dtype)
+  # Booleans leave memory after the window's squeeze, as Pallas's do.
+  x = emit.reshape(x, view.load_shape, view.shape, _stored(dtype))
+  return _from_memory(x, view.shape, dtype)
 
 
 def _stored(dtype):
@@ -247,8 +248,9 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
     memref.StoreOp(_to_memory(val, (), dtype), ref.value, _indices(view))
     return
   val = emit.broadcast_to(val, view.shape, dtype)
-  val = emit.reshape(val, view.shape, view.load_shape, dtype)
-  val = _to_memory(val, view.load_shape, dtype)
+  # Booleans enter memory before the window's unsqueeze, as Pallas's do.
+  val = _to_memory(val, view.shape, dtype)
+  val = emit.reshape(val, view.shape, view.load_shape, _stored(dtype))
   if mask is not None:
     if _element_bits(ref) != 32:
       raise ctx.error(

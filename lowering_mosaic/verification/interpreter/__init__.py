@@ -34,7 +34,7 @@ _options_id = jax_config.int_state(
     "jax_mosaic_interpret_options", 0,
     "Internal: which lowering_mosaic.InterpreterOptions the mosaic_interpret "
     "backend uses (set with lowering_mosaic.interpreter_options).",
-    include_in_jit_key=True)
+    include_in_jit_key=True, include_in_trace_context=True)
 
 
 def _set_options() -> InterpreterOptions:

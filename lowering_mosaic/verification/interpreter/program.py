@@ -412,7 +412,8 @@ def _sem_barrier(op, c):
 
 @stateful("tpu.device_id")
 def _device_id(op, c):
-  return (lambda frame: np.int32(frame.device)), [], False
+  return (lambda frame: np.int32(frame.world.devices[frame.device].chip)
+          ), [], False
 
 
 @stateful("tpu.iteration_bound")
@@ -451,8 +452,8 @@ def _log(op, c):
       text = tag.format(*vals)
     except (IndexError, KeyError, ValueError):
       text = tag + " " + " ".join(str(v) for v in vals)
-    prefix = (f"[device {frame.device}] " if len(frame.world.devices) > 1
-              else "")
+    where = frame.world.where(frame.device)
+    prefix = f"[{where}] " if where else ""
     print(prefix + text, flush=True)
   return fn, list(op.operands), False
 

@@ -23,6 +23,9 @@ takes its size from the launch's leading operands (one int32 scalar per
 such dim, in grid order), as a TPU does; `tpu.iteration_bound` reads it. In HBM, outputs not aliased start as poison, as a TPU
 hands a kernel uninitialized output memory: the blocks no grid point visits
 and what a kernel leaves unwritten in an `ANY` output read back as poison.
+On a chip of several cores (`InterpreterOptions.num_cores`), each core runs
+its share of the grid (cores.py) on its own copy of everything but the HBM
+buffers, which the chip's cores share.
 """
 from __future__ import annotations
 
@@ -37,9 +40,12 @@ from dsl.core.output_revisits import FIX
 from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter import (prng)  # noqa: F401  (its ops)
 from lowering_mosaic.verification.interpreter.buffers import (Buffer, MemRef,
-                                                             fresh_array,
-                                                             poison_of,
-                                                             poison_of_dtype)
+                                                              fresh_array,
+                                                              poison_of,
+                                                              poison_of_dtype)
+from lowering_mosaic.verification.interpreter.cores import (claim_output_block,
+                                                            core_points,
+                                                            semantics_of)
 from lowering_mosaic.verification.interpreter.program import (CFunc, Frame,
                                                               compile_module,
                                                               run_block,
@@ -74,6 +80,7 @@ class KernelProgram:
   operand_names: list
   aliases: list                 # [(operand index, output index)]
   entry: str = "main"
+  semantics: tuple = ()         # dimension_semantics, one per grid dim
 
   @property
   def main(self) -> CFunc:
@@ -143,7 +150,7 @@ def program_from_module(module: ir.Module) -> KernelProgram:
           if "dsl.kernel_name" in a else "kernel")
   return KernelProgram(name, funcs, grid, n_pf, n_in, n_ops - n_in, n_sc,
                        windows, main.arg_types[len(grid):], names[len(grid):],
-                       aliases, entry)
+                       aliases, entry, semantics_of(a))
 
 
 # ------------------------------------------------------------ buffers
@@ -167,32 +174,34 @@ class Operand:
   since: tuple | None = None      # the grid point that entered `current`
   # output blocks written back: block index -> (first, last) grid point
   left: dict = dataclasses.field(default_factory=dict)
+  # output blocks the chip's cores started: block index -> (core, point)
+  claims: dict = dataclasses.field(default_factory=dict)
 
 
-def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
-                  out_shapes, dtypes=None):
-  """Buffers of one device; returns (kernel args, operands). `dtypes`: the
+def _setup_chip(world: World, prog: KernelProgram, chip: int, inputs,
+                out_shapes, dtypes=None) -> list:
+  """Buffers of one chip: (kernel args, operands) per core. `dtypes`: the
   dtype of every kernel operand (None for semaphores), for its poison."""
   dtypes = list(dtypes or [])
   dtype_of = lambda p: dtypes[p] if p < len(dtypes) else None
-  device = world.devices[dev]
-  n_pf = prog.num_prefetch
-  args, operands = [], []
-  for i in range(n_pf):
-    t = prog.arg_types[i]
-    arr = np.array(inputs[i], dtype=dialect.numpy_dtype(
-        ir.MemRefType(t).element_type)).reshape(tuple(ir.MemRefType(t).shape))
-    buf = device.add(Buffer(_name(prog, i, f"scalar prefetch {i}"),
-                            ("prefetch", i), arr, dialect.SMEM, dev))
-    args.append(MemRef(buf))
+  cores = [d.index for d in world.devices if d.chip == chip]
+  hbm = _hbm_buffers(prog, cores[0], inputs, out_shapes, dtype_of)
+  claims = {k: {} for k in hbm}
+  return [_setup_core(world, prog, dev, inputs, hbm, claims, dtype_of)
+          for dev in cores]
+
+
+def _hbm_buffers(prog: KernelProgram, dev: int, inputs, out_shapes,
+                 dtype_of) -> dict:
+  """Operand index -> its HBM buffer (an aliased output shares its
+  input's), which the chip's cores share."""
   hbm = {}
-  n_in = prog.num_inputs
+  n_pf, n_in = prog.num_prefetch, prog.num_inputs
   alias_of = {o: i for i, o in prog.aliases}
-  for k, win in enumerate(prog.windows):
+  for k in range(len(prog.windows)):
     t = prog.arg_types[n_pf + k]
     name = _name(prog, n_pf + k, f"operand {k}")
-    is_out = k >= n_in
-    if not is_out:
+    if k < n_in:
       arr = np.array(inputs[n_pf + k], copy=True)
     else:
       src = alias_of.get(k - n_in)
@@ -208,9 +217,32 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
         arr = np.full(out_shapes[k - n_in], poison_of_dtype(
             dtype_of(n_pf + k) or dtype, dtype), dtype)
     if k not in hbm:
-      hbm[k] = device.add(Buffer(f"{name} (HBM)", ("hbm", k), arr,
-                                 dialect.ANY, dev))
+      hbm[k] = Buffer(f"{name} (HBM)", ("hbm", k), arr, dialect.ANY, dev)
       hbm[k].poison = poison_of_dtype(dtype_of(n_pf + k), arr.dtype)
+  return hbm
+
+
+def _setup_core(world: World, prog: KernelProgram, dev: int, inputs, hbm,
+                claims, dtype_of):
+  """The buffers of one core (its SMEM prefetch copies, blocks, scratch,
+  barrier semaphore) beside its chip's `hbm`; returns (kernel args,
+  operands)."""
+  device = world.devices[dev]
+  for buf in hbm.values():
+    device.add(buf)
+  n_pf = prog.num_prefetch
+  args, operands = [], []
+  for i in range(n_pf):
+    t = prog.arg_types[i]
+    arr = np.array(inputs[i], dtype=dialect.numpy_dtype(
+        ir.MemRefType(t).element_type)).reshape(tuple(ir.MemRefType(t).shape))
+    buf = device.add(Buffer(_name(prog, i, f"scalar prefetch {i}"),
+                            ("prefetch", i), arr, dialect.SMEM, dev))
+    args.append(MemRef(buf))
+  for k, win in enumerate(prog.windows):
+    t = prog.arg_types[n_pf + k]
+    name = _name(prog, n_pf + k, f"operand {k}")
+    is_out = k >= prog.num_inputs
     if win.transform is None:
       operands.append(Operand(k, is_out, win, hbm[k], None))
       args.append(MemRef(hbm[k]))
@@ -218,7 +250,8 @@ def _setup_device(world: World, prog: KernelProgram, dev: int, inputs,
       blk = device.add(Buffer(f"{name} block", ("block", k), fresh_array(t),
                               _space(t), dev))
       blk.poison = poison_of_dtype(dtype_of(n_pf + k), blk.array.dtype)
-      operands.append(Operand(k, is_out, win, hbm[k], blk))
+      operands.append(Operand(k, is_out, win, hbm[k], blk,
+                              claims=claims[k]))
       args.append(MemRef(blk))
   for i in range(prog.num_scratch):
     t = prog.arg_types[n_pf + len(prog.windows) + i]
@@ -355,7 +388,22 @@ def _next_output_block(world, prog, dev, op: Operand, idx, point, line):
                            _previous(world.devices[dev].grid, point))
   if idx in op.left:
     _revisit_error(world, prog, dev, op, idx, point)
+  if world.options.num_cores > 1:
+    claim_output_block(world, dev, op.claims, _operand_name(prog, op), idx,
+                       point, _transform_line(prog, op)
+                       or _first_line(prog.main))
   _poison_block(world, op, line)
+
+
+def _operand_name(prog, op: Operand) -> str:
+  return op.window.origin or _name(prog, prog.num_prefetch + op.index,
+                                   f"operand {op.index}")
+
+
+def _transform_line(prog, op: Operand) -> str | None:
+  """The user's line of the operand's index map."""
+  f = prog.funcs.get(op.window.transform)
+  return _first_line(f) if f is not None else None
 
 
 def _previous(grid, point) -> tuple:
@@ -366,10 +414,8 @@ def _previous(grid, point) -> tuple:
 
 def _revisit_error(world, prog, dev, op: Operand, idx, point):
   first, last = op.left[idx]
-  name = op.window.origin or _name(prog, prog.num_prefetch + op.index,
-                                   f"operand {op.index}")
-  f = prog.funcs.get(op.window.transform)
-  where = _first_line(f) if f is not None else None
+  name = _operand_name(prog, op)
+  where = _transform_line(prog, op)
   block = tuple(int(i) for i in idx)
   span = (f"grid point {first}" if first == last
           else f"grid points {first} to {last}")
@@ -383,12 +429,15 @@ def _revisit_error(world, prog, dev, op: Operand, idx, point):
 
 def device_program(world: World, prog: KernelProgram, dev: int, args,
                    operands):
-  """The whole grid on one device (a generator for the scheduler)."""
+  """The grid points of one core (the whole grid on a chip of one core;
+  a generator for the scheduler)."""
   main = prog.main
   n_pf = prog.num_prefetch
   prefetch = args[:n_pf]
   line = f"the grid pipeline of kernel '{prog.name}'"
-  for point in np.ndindex(*world.devices[dev].grid):
+  device = world.devices[dev]
+  for point in core_points(device.grid, prog.semantics,
+                           world.options.num_cores, device.core):
     ids = [np.int32(i) for i in point]
     for op in operands:
       if op.block is None:
@@ -420,21 +469,26 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
 
 def simulate(prog: KernelProgram, per_device_inputs, out_shapes,
              options: InterpreterOptions, dtypes=None):
-  """Runs the kernel on len(per_device_inputs) devices; returns the outputs
-  of every device (list per device). `dtypes`: every kernel operand's
-  dtype (the module's integer types are signless), for its poison."""
+  """Runs the kernel on len(per_device_inputs) devices (chips of
+  `options.num_cores` cores); returns the outputs of every device (list per
+  device). `dtypes`: every kernel operand's dtype (the module's integer
+  types are signless), for its poison."""
   out_shapes = [tuple(s) for s in out_shapes]
   n = len(per_device_inputs)
   world = World(n, options, prog.name)
-  per_device_inputs = [_take_grid_sizes(world.devices[d], prog, inputs)
-                       for d, inputs in enumerate(per_device_inputs)]
-  setups = [_setup_device(world, prog, d, per_device_inputs[d], out_shapes,
-                          dtypes) for d in range(n)]
+  chips = []
+  for chip, inputs in enumerate(per_device_inputs):
+    cores = [d for d in world.devices if d.chip == chip]
+    for d in cores:
+      own = _take_grid_sizes(d, prog, inputs)
+    chips.append(_setup_chip(world, prog, chip, own, out_shapes, dtypes))
   with np.errstate(all="ignore"):
-    world.run(device_program(world, prog, d, args, ops)
-              for d, (args, ops) in enumerate(setups))
+    world.run(device_program(world, prog, d.index, args, ops)
+              for d, (args, ops) in zip(world.devices,
+                                        [c for chip in chips for c in chip]))
   outs = []
-  for args, ops in setups:
+  for chip in chips:
+    _, ops = chip[0]
     outs.append([np.array(op.hbm.array) for op in ops if op.is_output])
   return outs, world
 

@@ -26,6 +26,13 @@ wait on the send semaphore (local copies: the one wait covers both). Then:
 A wait that can never finish (every device blocked, no DMA in flight) is a
 deadlock; a kernel that ends with DMAs not waited for or semaphores not back
 to zero is reported too. Reports name the kernel's source lines.
+
+A device is a chip of `InterpreterOptions.num_cores` TensorCores (1 by
+default: a chip without megacore). Each core is a process of its own here
+(a `Device`: its SMEM, VMEM, scratch, semaphores and grid share; run.py
+splits the grid), and the cores of one chip share its HBM buffers. Device
+ids in the kernel (`tpu.device_id`, remote DMAs and signals) name chips: a
+remote DMA or signal lands on the core of the same index on the peer chip.
 """
 from __future__ import annotations
 
@@ -77,6 +84,12 @@ class InterpreterOptions:
     it, such a block reads poison and its writes are dropped);
     jax_pallas_enable_runtime_assert.
   The last two follow JAX's options when a kernel is lowered.
+  num_cores: the TensorCores of each simulated chip. 1 (default) is a chip
+    without megacore, which runs the whole grid on one core; 2 models a
+    megacore chip (TPU v4, v5p), which splits the leading "parallel" (or
+    "core_parallel") grid dims between its cores, each with its own SMEM,
+    VMEM, scratch and semaphores, as Pallas's
+    `InterpretParams(num_cores_or_threads=2)` does.
   """
   seed: int = 0
   dma_completion_prob: float = 0.3
@@ -85,6 +98,13 @@ class InterpreterOptions:
   max_steps: int = 5_000_000
   poison_buffers: bool = False
   runtime_checks: bool = False
+  num_cores: int = 1
+
+  def __post_init__(self):
+    n = self.num_cores
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"InterpreterOptions num_cores must be a positive "
+                       f"int (the TensorCores of a chip), got {n!r}")
 
 
 @dataclasses.dataclass
@@ -107,21 +127,21 @@ class Dma:
   src_sem: tuple | None
   nbytes: int
   line: str | None
-  device: int           # the device that started it
+  device: int           # the core that started it
+  remote: bool = False  # between two chips
   landed: bool = False
   src_synced: bool = False
   dst_synced: bool = False
 
-  @property
-  def remote(self) -> bool:
-    return self.src.buf.device != self.dst.buf.device
-
 
 class Device:
-  """One simulated device: its buffers by key and its allocation counters."""
+  """One simulated TensorCore (the whole device on a chip of one core): its
+  buffers by key (its chip's HBM buffers too) and allocation counters."""
 
-  def __init__(self, index: int):
-    self.index = index
+  def __init__(self, index: int, chip: int = 0, core: int = 0):
+    self.index = index        # chip * cores per chip + core
+    self.chip = chip          # the device id the kernel sees
+    self.core = core
     self.buffers: dict[Any, Buffer] = {}
     self.alloc_counts: dict[Any, int] = {}
     self.waiting: Wait | None = None
@@ -139,7 +159,10 @@ class World:
 
   def __init__(self, num_devices: int, options: InterpreterOptions,
                kernel: str = "kernel"):
-    self.devices = [Device(i) for i in range(num_devices)]
+    cores = options.num_cores
+    self.num_chips = num_devices
+    self.devices = [Device(chip * cores + core, chip, core)
+                    for chip in range(num_devices) for core in range(cores)]
     self.options = options
     self.kernel = kernel
     self.rng = random.Random(options.seed)
@@ -158,26 +181,38 @@ class World:
       return
     raise err
 
+  def where(self, device: int) -> str:
+    """"device 1", "core 0", "device 1, core 0"; "" for one core of one
+    device."""
+    d = self.devices[device]
+    parts = ([f"device {d.chip}"] if self.num_chips > 1 else []) + (
+        [f"core {d.core}"] if self.options.num_cores > 1 else [])
+    return ", ".join(parts)
+
   def _prefix(self, device: int) -> str:
-    n = len(self.devices)
-    return (f"kernel '{self.kernel}'" + (f" on device {device}" if n > 1
-                                          else ""))
+    where = self.where(device)
+    return f"kernel '{self.kernel}'" + (f" on {where}" if where else "")
 
   # ---------------------------------------------------------- buffers
 
+  def peer(self, device: int, chip: int) -> int:
+    """The core of `device`'s index on chip `chip` (a device id of the
+    kernel's), which its remote DMAs and signals reach."""
+    if not 0 <= chip < self.num_chips:
+      raise KernelSimulationError(
+          "device", f"{self._prefix(device)}: device id {chip} does "
+          f"not exist ({self.num_chips} devices)")
+    return chip * self.options.num_cores + self.devices[device].core
+
   def buffer_on(self, device: int, buf: Buffer) -> Buffer:
-    """The buffer of `buf`'s allocation on another device."""
+    """The buffer of `buf`'s allocation on another core."""
     if device == buf.device:
       return buf
-    if not 0 <= device < len(self.devices):
-      raise KernelSimulationError(
-          "device", f"{self._prefix(buf.device)}: device id {device} does "
-          f"not exist ({len(self.devices)} devices)")
     other = self.devices[device].buffers.get(buf.key)
     if other is None:
       raise KernelSimulationError(
           "device", f"{self._prefix(buf.device)}: {buf.name} has no "
-          f"counterpart on device {device}")
+          f"counterpart on {self.where(device)}")
     return other
 
   def view_on(self, device: int, ref: MemRef) -> MemRef:
@@ -257,14 +292,14 @@ class World:
           "dma", f"{self._prefix(device)}: DMA at {line} copies "
           f"{src.shape} {src.buf.array.dtype} into {dst.shape} "
           f"{dst.buf.array.dtype}", (line,))
-    target = device if target is None else int(target)
+    target = device if target is None else self.peer(device, int(target))
     dst_view = self.view_on(target, dst)
     nbytes = int(np.prod(src.shape, dtype=np.int64)) * src.buf.array.itemsize
     dst_cell = (target, dst_sem.buf.key, tuple(dst_sem.base))
     src_cell = (device, src_sem.buf.key, tuple(src_sem.base)) \
         if src_sem is not None else None
     dma = Dma(self.next_dma, src, dst_view, dst_cell, src_cell, nbytes, line,
-              device)
+              device, self.devices[target].chip != self.devices[device].chip)
     self.next_dma += 1
     self._check_new_dma(dma)
     self.inflight.append(dma)
@@ -354,7 +389,7 @@ class World:
     lines, parts = [], []
     for d in alive:
       w = d.waiting
-      parts.append(f"device {d.index} waits at {w.line} for {w.what}"
+      parts.append(f"{self.where(d.index)} waits at {w.line} for {w.what}"
                    if len(self.devices) > 1 else
                    f"the wait at {w.line} for {w.what}")
       lines.append(w.line)

@@ -115,7 +115,8 @@ def _sem_signal(op, c):
   args = [v.semaphore, v.amount] + ([v.device_id] if has_dev else [])
 
   def fn(frame, sem, amount, *dev):
-    target = int(dev[0]) if dev else frame.device
+    target = (frame.world.peer(frame.device, int(dev[0])) if dev
+              else frame.device)
     frame.world.sem_add(target, sem, int(amount))
     yield PREEMPT
   return fn, args, True

@@ -1,0 +1,429 @@
+"""Reverse mode of a kernel that accumulates along its sequential grid dim.
+
+A matmul over a K grid dim keeps `acc += x @ y` in a scratch (or output)
+block: zeroed at the first K step, added to at every step, read at the last
+(the epilogue). The generic transposed kernel (`transpose.py`) carries the
+accumulator's cotangent backwards through the K steps, so every grid point
+depends on the one after it, and the cotangents of `x` and `y`, whose
+blocks the grid revisits along the *other* dims, are written per point and
+summed outside the kernel.
+
+Here the derivation reads what each step does to the kernel's state from the
+point function itself (`specialize`: the step with its id fixed at the first
+or last step, or known to lie between): when every step in between only adds
+to the state (`s' = s + e`, `e` not reading the state), the first step does
+not read the state it finds in scratch, and the last step reads it only
+through its own sum, the cotangent of the state is the same at every step of
+one reduction: the one the epilogue gives it, `c`. So:
+
+- a *finalize* kernel over the other grid dims runs the transposed last step
+  and keeps `c`, and the cotangents of inputs only the epilogue reads (a
+  bias); it is skipped when `c` is an output's cotangent as it is;
+- one kernel per group of inputs whose blocks stay put along the same grid
+  dims applies every step's transposed map to `c` and sums the cotangents:
+  its grid visits those dims innermost (they become its reduction, with an
+  accumulator in scratch), so `dx = c @ y.T` is a matmul kernel over a
+  reduction of its own, as one writes it by hand.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsl.core.dtypes import has_tangent
+from dsl.core.jax_internals import core
+from dsl.core.memory import MemorySpace
+from dsl.core.pallas_call import KernelSpec, pallas_call_p
+from dsl.core.primitives import when
+from dsl.core.tracing import program_id
+from dsl.transforms.common import (block_spec_of, derived_spec,
+                                   discharged_point, point_function, sds,
+                                   split)
+from dsl.transforms.dependencies import dependencies
+from dsl.transforms.points import transposed_point, zero_past_array
+from dsl.transforms.revisits import (per_point_sds, per_point_spec,
+                                     scatter_contributions, zero_unvisited)
+from dsl.transforms.simplify import simplify_closed
+from dsl.transforms.specialize import at_step
+from dsl.transforms.staging import in_hbm, is_semaphore
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+  dim: int                            # the sequential grid dim
+  carried: tuple[bool, ...]           # per state block (outputs, scratch)
+  identity: tuple[int | None, ...]    # per state: output whose ct `c` is
+  direct: tuple[int, ...]             # inputs only the last step reads
+  const_dims: tuple[tuple[int, ...], ...]   # per input: dims it stays put
+
+
+def _constant_dims(gm, bm) -> tuple[int, ...] | None:
+  idx = gm.block_indices(bm)
+  if idx is None:
+    return None
+  return tuple(e for e in range(len(gm.grid))
+               if bool(np.all(idx == np.take(idx, [0], axis=e))))
+
+
+def _fits(spec: KernelSpec) -> int | None:
+  """The sequential dim of a kernel this derivation can take, or None."""
+  gm = spec.grid_mapping
+  if (gm.num_scalar_prefetch or spec.input_output_aliases or gm.dynamic_dims
+      or any(in_hbm(bm.ref_aval) or bm.has_element_dims
+             for bm in gm.block_mappings)):
+    return None
+  states = [bm.ref_aval for bm in gm.out_mappings] + list(gm.scratch_avals)
+  if any(is_semaphore(a) or not has_tangent(a.inner_aval.dtype)
+         for a in states):
+    return None
+  seq = gm.plan(spec.compiler_params, spec.jaxpr).sequential
+  if len(seq) != 1 or gm.grid[seq[0]] < 2:
+    return None
+  d = seq[0]
+  for bm in gm.out_mappings:
+    const = _constant_dims(gm, bm)
+    if const is None or d not in const:
+      return None
+  return d
+
+
+def _roles(closed, n_ids, n_in):
+  """Per state block, what the step does to it: ("pass",), ("fresh",
+  deps) (a value not read from the state), ("acc", sum var, deps of the
+  addend) (`s + e`) or ("other",)."""
+  jx = closed.jaxpr
+  state = set(range(n_ids + n_in, len(jx.invars)))
+  deps = dependencies(jx)
+  dep = lambda v: deps.get(v, set()) if isinstance(v, core.Var) else set()
+  defs = {v: e for e in jx.eqns for v in e.outvars}
+  roles = []
+  # The point's results: its inputs (as they were), then its state.
+  for sv, ov in zip(jx.invars[n_ids + n_in:], jx.outvars[n_in:]):
+    if ov is sv:
+      roles.append(("pass",))
+      continue
+    if not dep(ov) & state:
+      roles.append(("fresh", dep(ov)))
+      continue
+    e = defs.get(ov)
+    role = ("other",)
+    if e is not None and e.primitive.name in ("add", "add_any"):
+      for x, y in (e.invars, e.invars[::-1]):
+        if x is sv and not dep(y) & state:
+          role = ("acc", ov, dep(y))
+    roles.append(role)
+  return roles
+
+
+def _steps(spec, d):
+  gm = spec.grid_mapping
+  dj, _ = discharged_point(spec, transposable=True)
+  avals = ([jax.ShapeDtypeStruct((), jnp.int32)] * len(gm.grid)
+           + [sds(bm.ref_aval.inner_aval) for bm in gm.in_mappings]
+           + [sds(bm.ref_aval.inner_aval) for bm in gm.out_mappings]
+           + [sds(a.inner_aval) for a in gm.scratch_avals])
+  n = gm.grid[d]
+  names = ("first", "last") + (("inside",) if n > 2 else ())
+  return {s: at_step(dj, len(gm.grid), d, n, s, avals) for s in names}
+
+
+def find(spec: KernelSpec) -> Reduction | None:
+  """The reduction structure of `spec` (see the module docstring), or None
+  when the kernel does not have it."""
+  d = _fits(spec)
+  if d is None:
+    return None
+  gm = spec.grid_mapping
+  n_ids, n_in, n_out = len(gm.grid), gm.num_inputs, gm.num_outputs
+  steps = _steps(spec, d)
+  roles = {s: _roles(j, n_ids, n_in) for s, j in steps.items()}
+  inputs = set(range(n_ids, n_ids + n_in))
+  first, last = roles["first"], roles["last"]
+  if any(r[0] != "fresh" and not (r[0] == "pass" and i < n_out)
+         for i, r in enumerate(first)):
+    return None
+  carried = tuple(r[0] == "acc" for r in last)
+  if any(c and r[0] not in ("pass", "acc")
+         for c, r in zip(carried, roles.get("inside", ()))):
+    return None
+  # The last step reads the state it finds only through its sums.
+  jx = steps["last"].jaxpr
+  cuts = {r[1]: ("sum", i) for i, r in enumerate(last) if r[0] == "acc"}
+  deps = dependencies(jx, cuts=cuts)
+  reads = set().union(*(deps.get(v, set()) for v in jx.outvars[n_in:]
+                        if isinstance(v, core.Var)))
+  if reads & set(range(n_ids + n_in, len(jx.invars))):
+    return None
+  added = set()
+  for step in roles.values():
+    for r in step:
+      if r[0] in ("fresh", "acc"):
+        added |= r[-1] & inputs
+  direct = reads & inputs
+  if direct & added:
+    return None
+  const = [_constant_dims(gm, bm) for bm in gm.in_mappings]
+  if any(c is None for c in const):
+    return None
+  return Reduction(d, carried, _identities(spec, d, carried),
+                   tuple(sorted(k - n_ids for k in direct)), tuple(const))
+
+
+def _identities(spec, d, carried):
+  """Per state block: the output whose cotangent its `c` is, unchanged
+  (the epilogue copies the sum out), or None."""
+  gm = spec.grid_mapping
+  F = point_function(spec, transposable=True)
+  n_ids, n_out = len(gm.grid), gm.num_outputs
+
+  def c_of(*args):
+    ids, ins, cts = split(args, n_ids, gm.num_inputs, n_out)
+    zeros = _zero_states(gm)
+    tp = transposed_point(F, ids, [], ins, zeros[:n_out], zeros[n_out:],
+                          [False] * len(ins))
+    _, ct_out, ct_scr = tp((list(cts), zeros[n_out:]))
+    return list(ct_out) + list(ct_scr)
+  avals = ([jax.ShapeDtypeStruct((), jnp.int32)] * n_ids
+           + [sds(bm.ref_aval.inner_aval) for bm in gm.in_mappings]
+           + [sds(bm.ref_aval.inner_aval) for bm in gm.out_mappings])
+  closed = at_step(jax.make_jaxpr(c_of)(*avals), n_ids, d, gm.grid[d],
+                   "last", avals)
+  jx = closed.jaxpr
+  ct_vars = jx.invars[n_ids + gm.num_inputs:]
+  defs = {v: e for e in jx.eqns for v in e.outvars}
+  zero = {v for v, x in zip(jx.constvars, closed.consts)
+          if not np.any(np.asarray(x))}
+  zero |= {e.outvars[0] for e in jx.eqns if e.primitive.name ==
+           "broadcast_in_dim" and isinstance(e.invars[0], core.Literal)
+           and not np.any(e.invars[0].val)}
+  return tuple(_copied_from(v, defs, zero, ct_vars) if c else None
+               for c, v in zip(carried, jx.outvars))
+
+
+def _copied_from(v, defs, zero, sources):
+  """The position in `sources` of the value `v` is a copy of (through
+  same-dtype conversions and additions of zeros), or None."""
+  while v not in sources:
+    e = defs.get(v)
+    if e is None:
+      return None
+    name = e.primitive.name
+    if (name == "convert_element_type"
+        and e.invars[0].aval.dtype == v.aval.dtype):
+      v = e.invars[0]
+    elif name in ("add", "add_any") and len(e.invars) == 2:
+      a, b = e.invars
+      if a in zero:
+        v = b
+      elif b in zero:
+        v = a
+      else:
+        return None
+    else:
+      return None
+  return sources.index(v)
+
+
+def _zero_states(gm):
+  avals = ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
+           + [a.inner_aval for a in gm.scratch_avals])
+  # Concrete zeros: the clean-up of the transposed step sees them as such.
+  return [np.zeros(a.shape, a.dtype) for a in avals]
+
+
+def _state_shapes(gm):
+  return ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
+          + [a.inner_aval for a in gm.scratch_avals])
+
+
+# ----------------------------------------------------------- the kernels
+
+def _with_dim(ids, d, value):
+  return list(ids[:d]) + [value] + list(ids[d:])
+
+
+def _finalize(spec, red, in_nz, primals, ct_outs):
+  """Runs the transposed last step over the other grid dims: the carried
+  states' `c` (per point) and the direct inputs' cotangents."""
+  gm = spec.grid_mapping
+  d, n_out = red.dim, gm.num_outputs
+  grid_p = tuple(s for e, s in enumerate(gm.grid) if e != d)
+  n_p = len(grid_p)
+  full = lambda p: _with_dim(p, d, gm.grid[d] - 1)
+  shapes = _state_shapes(gm)
+  keep = [c and i is None for c, i in zip(red.carried, red.identity)]
+  direct = [k for k in red.direct if in_nz[k]]
+  mask = [k in direct for k in range(gm.num_inputs)]
+  F = point_function(spec, transposable=True)
+
+  def body(*refs):
+    ids = full([program_id(e) for e in range(n_p)])
+    in_refs, ct_refs, c_refs, dir_refs = split(
+        refs, gm.num_inputs, n_out, sum(keep), len(direct))
+    ins = [zero_past_array(r[...], bm, ids, [])
+           for r, bm in zip(in_refs, gm.in_mappings)]
+    zeros = _zero_states(gm)
+    cts = [zero_past_array(r[...], bm, ids, [])
+           for r, bm in zip(ct_refs, gm.out_mappings)]
+    tp = transposed_point(F, ids, [], ins, zeros[:n_out], zeros[n_out:], mask)
+    ct_tin, ct_tout, ct_tscr = tp((cts, zeros[n_out:]))
+    found = iter(c_refs)
+    for c, k in zip(list(ct_tout) + list(ct_tscr), keep):
+      if k:
+        r = next(found)
+        r[...] = c.reshape(r.shape).astype(r.dtype)
+    for r, c in zip(dir_refs, ct_tin):
+      r[...] = c.reshape(r.shape).astype(r.dtype)
+
+  spec_of = lambda bm: block_spec_of(bm, n_p, full)
+  args = ([sds(bm.array_aval) for bm in gm.in_mappings]
+          + [sds(bm.array_aval) for bm in gm.out_mappings])
+  in_specs = ([spec_of(bm) for bm in gm.in_mappings]
+              + [spec_of(bm) for bm in gm.out_mappings])
+  c_avals = [a for a, k in zip(shapes, keep) if k]
+  dir_maps = [gm.in_mappings[k] for k in direct]
+  out_shapes = ([per_point_sds(a.shape, a.dtype, grid_p) for a in c_avals]
+                + [per_point_sds(bm.kernel_shape, bm.array_aval.dtype, grid_p)
+                   for bm in dir_maps])
+  out_specs = ([per_point_spec(a.shape, n_p) for a in c_avals]
+               + [per_point_spec(bm.kernel_shape, n_p) for bm in dir_maps])
+  fin = derived_spec(spec, body, args, out_shapes, grid=grid_p,
+                     in_specs=in_specs, out_specs=out_specs, scratch=[],
+                     suffix="finalize",
+                     compiler_params=_semantics(spec, ("parallel",) * n_p))
+  fin = fin.replace(jaxpr=simplify_closed(fin.jaxpr))
+  outs = list(pallas_call_p.bind(*primals, *ct_outs, spec=fin))
+  cs, dirs = outs[:len(c_avals)], outs[len(c_avals):]
+  fgm = fin.grid_mapping
+  dir_cts = {k: scatter_contributions(c, fgm.in_mappings[k], grid_p, ())
+             for k, c in zip(direct, dirs)}
+  return cs, dir_cts
+
+
+def _semantics(spec, semantics):
+  """The kernel's compiler params with `dimension_semantics` for a derived
+  grid (when the params have that field and set it)."""
+  cp = spec.compiler_params
+  if getattr(cp, "dimension_semantics", None) is None:
+    return cp
+  return dataclasses.replace(cp, dimension_semantics=tuple(semantics))
+
+
+def _groups(red, in_nz, n_in):
+  """The inputs each accumulating kernel takes: those with cotangents that
+  the sums read, grouped by the grid dims their blocks stay put along."""
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for k in range(n_in):
+    if in_nz[k] and k not in red.direct:
+      groups.setdefault(red.const_dims[k], []).append(k)
+  return groups
+
+
+def _accumulating(spec, red, const, ks, primals, feed_args):
+  """The kernel summing the cotangents of inputs `ks`, whose blocks stay
+  put along grid dims `const`: its grid visits those dims innermost and
+  accumulates each block in scratch over them."""
+  gm = spec.grid_mapping
+  grid, n, d, n_out = gm.grid, len(gm.grid), red.dim, gm.num_outputs
+  perm = [e for e in range(n) if e not in const] + list(const)
+  grid_perm = tuple(grid[e] for e in perm)
+  inner = list(range(n - len(const), n))
+  to_orig = lambda raw: [raw[perm.index(e)] for e in range(n)]
+  shapes = _state_shapes(gm)
+  mask = [k in ks for k in range(gm.num_inputs)]
+  maps = [gm.in_mappings[k] for k in ks]
+  acc_dtypes = [jnp.promote_types(bm.array_aval.dtype, jnp.float32)
+                for bm in maps]
+  F = point_function(spec, transposable=True)
+
+  def feeds_at(feed_refs, ids):
+    refs, out = iter(feed_refs), []
+    for a, c, j in zip(shapes, red.carried, red.identity):
+      if not c:
+        out.append(np.zeros(a.shape, a.dtype))
+      elif j is not None:
+        x = zero_past_array(next(refs)[...], gm.out_mappings[j], ids, [])
+        out.append(x.astype(a.dtype))
+      else:
+        out.append(next(refs)[...].reshape(a.shape))
+    return out
+
+  def body(*refs):
+    raw = [program_id(p) for p in range(n)]
+    ids = to_orig(raw)
+    in_refs, feed_refs, out_refs, acc_refs = split(
+        refs, gm.num_inputs, len(feed_args), len(ks),
+        len(ks) if inner else 0)
+    ins = [zero_past_array(r[...], bm, ids, [])
+           for r, bm in zip(in_refs, gm.in_mappings)]
+    zeros = _zero_states(gm)
+    fed = feeds_at(feed_refs, ids)
+    tp = transposed_point(F, ids, [], ins, zeros[:n_out], zeros[n_out:], mask)
+    ct_tin = tp((fed[:n_out], fed[n_out:]))[0]
+    if not inner:
+      for r, c in zip(out_refs, ct_tin):
+        r[...] = c.reshape(r.shape).astype(r.dtype)
+      return
+    # `program_id(p) == 0` as such: the grid plan reads it as the reset of
+    # an accumulator, so the outer dims stay parallel.
+    first = raw[inner[0]] == 0
+    last = raw[inner[0]] == grid_perm[inner[0]] - 1
+    for p in inner[1:]:
+      first = first & (raw[p] == 0)
+      last = last & (raw[p] == grid_perm[p] - 1)
+
+    @when(first)
+    def _():
+      for a in acc_refs:
+        a[...] = jnp.zeros(a.shape, a.dtype)
+    for a, c in zip(acc_refs, ct_tin):
+      a[...] += c.reshape(a.shape).astype(a.dtype)
+
+    @when(last)
+    def _():
+      for r, a in zip(out_refs, acc_refs):
+        r[...] = a[...].astype(r.dtype)
+
+  spec_of = lambda bm: block_spec_of(bm, n, to_orig)
+  drop_d = lambda raw: [i for e, i in enumerate(to_orig(raw)) if e != d]
+  feed_specs = []
+  for a, c, j in zip(shapes, red.carried, red.identity):
+    if c:
+      feed_specs.append(spec_of(gm.out_mappings[j]) if j is not None
+                        else per_point_spec(a.shape, n, drop_d, n_lead=n - 1))
+  args = [sds(bm.array_aval) for bm in gm.in_mappings] + [
+      jax.ShapeDtypeStruct(x.shape, x.dtype) for x in feed_args]
+  in_specs = [spec_of(bm) for bm in gm.in_mappings] + feed_specs
+  scratch = ([jax.ShapeDtypeStruct(bm.kernel_shape, t)
+              for bm, t in zip(maps, acc_dtypes)] if inner else [])
+  semantics = ["parallel"] * (n - len(const)) + ["arbitrary"] * len(const)
+  acc = derived_spec(spec, body, args,
+                     [sds(bm.array_aval) for bm in maps], grid=grid_perm,
+                     in_specs=in_specs, out_specs=[spec_of(bm) for bm in maps],
+                     scratch=[MemorySpace.VMEM(s.shape, s.dtype) for s in scratch],
+                     suffix="transpose",
+                     compiler_params=_semantics(spec, semantics))
+  acc = acc.replace(jaxpr=simplify_closed(acc.jaxpr))
+  outs = pallas_call_p.bind(*primals, *feed_args, spec=acc)
+  return [zero_unvisited(c, bm, grid) for c, bm in zip(outs, maps)]
+
+
+def transpose(spec: KernelSpec, red: Reduction, in_nz, primals, ct_outs):
+  """The cotangents of the inputs flagged in `in_nz` (in order), given the
+  outputs' (one per output: all are float here)."""
+  gm = spec.grid_mapping
+  fin_needed = (any(c and j is None for c, j in zip(red.carried,
+                                                      red.identity))
+                or any(in_nz[k] for k in red.direct))
+  cs, got = (_finalize(spec, red, in_nz, primals, ct_outs) if fin_needed
+             else ([], {}))
+  cs = iter(cs)
+  feed_args = [ct_outs[j] if j is not None else next(cs)
+               for c, j in zip(red.carried, red.identity) if c]
+  for const, ks in _groups(red, in_nz, gm.num_inputs).items():
+    got.update(zip(ks, _accumulating(spec, red, const, ks, primals,
+                                     feed_args)))
+  return [got[k] for k in range(gm.num_inputs) if in_nz[k]]
