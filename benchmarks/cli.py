@@ -15,7 +15,7 @@ import shlex
 import sys
 import time
 
-from benchmarks.errors import UsageError
+from benchmarks.usage_errors import UsageError
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -462,8 +462,8 @@ def run(args) -> int:
     print(list_text())
     return 0
   if args.sharding:
-    from benchmarks import sharding
-    return sharding.run(args)
+    from benchmarks import sharding_runs
+    return sharding_runs.run(args)
   if args.suite == "pallas-ops":
     from benchmarks import pallas_ops
     return pallas_ops.run(args)

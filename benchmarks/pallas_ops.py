@@ -27,7 +27,7 @@ import json
 import jax
 
 from benchmarks import platform_info, report, sharding
-from benchmarks.errors import UsageError
+from benchmarks.usage_errors import UsageError
 from benchmarks.pallas_library import cases, swap
 from dsl.tools import timing
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.errors import UsageError
+from benchmarks.usage_errors import UsageError
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _DIM = re.compile(r"^\s*(\d+)\s*([kKmMgG]?)\s*$")

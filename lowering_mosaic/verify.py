@@ -34,11 +34,11 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dsl.tools.targets import load_function
-from lowering_mosaic.tpu.inspection import to_modules
+from lowering_mosaic.tpu.mlir_modules import to_modules
 from lowering_mosaic.verification.promela import Options, to_promela
 from lowering_mosaic.verification.promela.dump import (kernel_name_of,
                                                       maybe_dump_text)
-from lowering_mosaic.verification.promela.report import Report, Reports
+from lowering_mosaic.verification.promela.spin_report import Report, Reports
 from lowering_mosaic.verification.promela.spin import (SpinNotFoundError,
                                                        require_spin, run_spin)
 

@@ -1,7 +1,7 @@
 """The lowering of kernel jaxprs to Triton source: environment, emission,
 source-line comments and error reporting.
 
-`Lowering` walks a jaxpr equation by equation and calls the rule that the
+`TritonHost` walks a jaxpr equation by equation and calls the rule that the
 rules table (`lowering_triton.rules`) holds for its primitive; each rule gets a
 `RuleContext` (the equation, helpers to emit code and bind names) and the
 lowered operands, and returns the lowered results.
@@ -77,7 +77,7 @@ def _subjaxprs_using(eqn) -> bool:
              for v in eqn.params.values())
 
 
-class Lowering(LoweringHost):
+class TritonHost(LoweringHost):
   """State of one kernel's generation: its code buffer, names and consts."""
 
   def __init__(self, kernel: str, where: str, names: Names, buf: CodeBuffer,
@@ -348,27 +348,15 @@ class RuleContext(RuleContextBase):
   """What a lowering rule sees: its equation (RuleContextBase) and the
   emission helpers."""
 
-  def __init__(self, lowering: Lowering, eqn, used: set, hint: str | None,
+  def __init__(self, host: "TritonHost", eqn, used: set, hint: str | None,
                jaxpr=None):
-    self.lowering = lowering
+    self.host = host
     self.eqn = eqn
     self.jaxpr = jaxpr          # the jaxpr `eqn` belongs to
     self._used = used
     self._hint = hint
 
   # equation facts
-  @property
-  def avals_in(self):
-    return [v.aval for v in self.eqn.invars]
-
-  @property
-  def avals_out(self):
-    return [v.aval for v in self.eqn.outvars]
-
-  @property
-  def out_aval(self):
-    return self.eqn.outvars[0].aval
-
   def out_used(self, i: int = 0) -> bool:
     v = self.eqn.outvars[i]
     return not isinstance(v, core.DropVar) and v in self._used
@@ -379,31 +367,27 @@ class RuleContext(RuleContextBase):
   # emission
   @property
   def buf(self) -> CodeBuffer:
-    return self.lowering.buf
+    return self.host.buf
 
   def emit(self, line: str) -> None:
-    self.lowering.emit(line)
+    self.host.emit(line)
 
   def fresh(self, hint: str) -> str:
-    return self.lowering.fresh(hint)
+    return self.host.fresh(hint)
 
   def bind_raw(self, expr: str, hint: str, pure: bool = True) -> str:
-    return self.lowering.bind_raw(expr, hint, pure)
+    return self.host.bind_raw(expr, hint, pure)
 
   def bind(self, expr: str, shape, dtype, hint: str | None = None,
            pure: bool = True) -> TVal:
-    return self.lowering.bind(expr, shape, dtype,
+    return self.host.bind(expr, shape, dtype,
                               hint or self.hint(self.primitive), pure)
 
   def error(self, message: str) -> BackendError:
-    return self.lowering.error(message, self.eqn)
+    return self.host.error(message, self.eqn)
 
   def lower(self, jaxpr: core.Jaxpr, consts, args) -> list:
-    return self.lowering.lower_jaxpr(jaxpr, consts, args)
-
-  def lower_closed(self, closed, args):
-    """`lower` of a ClosedJaxpr (or of a Jaxpr without consts)."""
-    return self.lowering.lower_closed(closed, args)
+    return self.host.lower_jaxpr(jaxpr, consts, args)
 
   # values
   def value(self, v: TVal) -> str:

@@ -20,11 +20,12 @@ import numpy as np
 from dsl.core import checks, config
 from dsl.core.blockspec import Element, element_padding, squeezed
 from dsl.core.errors import BackendError
+from dsl.core.gridspec import KernelArgs
 from dsl.core.index_maps import reads_prefetch
 from dsl.core.ranges import analyze_kernel
 from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
-from lowering_triton.host import Lowering
+from lowering_triton.host import TritonHost
 from lowering_triton.grid import GridPlan, plan_grid
 from lowering_triton.naming import grid_names, operand_names
 from lowering_triton.peel import peel
@@ -122,7 +123,7 @@ def _describe_block(bm, name: str) -> str:
   return text
 
 
-def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
+def _block_starts(lowering: TritonHost, bm, base: str, grid_ids, prefetch_refs):
   """Per array dim: the block's first element (a Sym), and for the dims
   whose block index is read from data, the condition that it lies inside
   the array (None for the others)."""
@@ -159,7 +160,7 @@ def _block_starts(lowering: Lowering, bm, base: str, grid_ids, prefetch_refs):
   return starts, inside, block
 
 
-def _check_blocks_inside(lowering: Lowering, bm, inside, block) -> None:
+def _check_blocks_inside(lowering: TritonHost, bm, inside, block) -> None:
   """With jax_pallas_enable_runtime_assert on, a block index read from data
   that lies outside the array fails a run-time check, worded as on every
   backend (the values come from the comment, see interpret_backend)."""
@@ -179,7 +180,7 @@ def _check_blocks_inside(lowering: Lowering, bm, inside, block) -> None:
   lowering.has_side_effects = True
 
 
-def _block_ref(lowering: Lowering, bm, base: str, ptr: str, grid_ids,
+def _block_ref(lowering: TritonHost, bm, base: str, ptr: str, grid_ids,
                prefetch_refs) -> MemRef:
   a = bm.array_aval
   shape = tuple(int(n) for n in a.shape)
@@ -226,7 +227,7 @@ def _prefetch_ref(aval, base: str, ptr: str) -> MemRef:
                 "scalar prefetch")
 
 
-def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
+def _emit_program_ids(lowering: TritonHost, plan: GridPlan, ids: list[str]):
   buf = lowering.buf
   if not plan.parallel:
     return
@@ -245,22 +246,25 @@ def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
     buf.line(f"{ids[d]} = {expr}")
 
 
-def _pointer_params(gm, stems, names) -> tuple[list[KernelParam], list[str]]:
-  """A pointer parameter per prefetch, input and output operand."""
+def _pointer_params(gm, stems, names) -> tuple[list[KernelParam], KernelArgs]:
+  """A pointer parameter per prefetch, input and output operand; their
+  names by role."""
   stem_of = gm.split(stems)
   pf_avals = [getattr(a, "inner_aval", a) for a in gm.prefetch_avals]
   roles = (("prefetch", stem_of.prefetch, pf_avals),
            ("input", stem_of.inputs, [bm.array_aval for bm in gm.in_mappings]),
            ("output", stem_of.outputs,
             [bm.array_aval for bm in gm.out_mappings]))
-  params, ptrs = [], []
+  params, ptrs = [], {}
   for kind, role_stems, avals in roles:
+    ptrs[kind] = []
     for k, (stem, aval) in enumerate(zip(role_stems, avals)):
       ptr = names.fresh(f"{stem}_ptr")
-      ptrs.append(ptr)
+      ptrs[kind].append(ptr)
       params.append(KernelParam(ptr, kind, k, np.dtype(aval.dtype),
                                 tuple(aval.shape)))
-  return params, ptrs
+  return params, KernelArgs((), tuple(ptrs["prefetch"]),
+                            tuple(ptrs["input"]), tuple(ptrs["output"]), ())
 
 
 def _grid_id_values(plan: GridPlan, grid_ids, rank: int) -> list[Any]:
@@ -279,7 +283,7 @@ def _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids) -> None:
   id_vals = _grid_id_values(plan, grid_ids, len(gm.grid))
   stem_of = gm.split(stems)
   prefetch_refs = [_prefetch_ref(aval, stem, ptr) for aval, stem, ptr in
-                   zip(gm.prefetch_avals, stem_of.prefetch, ptrs)]
+                   zip(gm.prefetch_avals, stem_of.prefetch, ptrs.prefetch)]
   scratch_refs = [_scratch(lowering, aval, stem, k) for k, (aval, stem) in
                   enumerate(zip(gm.scratch_avals, stem_of.scratch))]
   for ref, label in zip(scratch_refs, gm.split(spec.ref_labels()).scratch):
@@ -321,7 +325,7 @@ def _generate(spec, tensor_descriptors: bool = True) -> GeneratedKernel:
   grid_ids = grid_names(spec, names)
   params, ptrs = _pointer_params(gm, stems, names)
   buf = CodeBuffer()
-  lowering = Lowering(spec.name, spec.where, names, buf, TABLE, spec.jaxpr,
+  lowering = TritonHost(spec.name, spec.where, names, buf, TABLE, spec.jaxpr,
                       analyze_kernel(spec))
   lowering.tensor_descriptors = tensor_descriptors
   with buf.indent():
@@ -373,7 +377,7 @@ def _unique(stems: list[str]) -> list[str]:
   return out
 
 
-def _scratch(lowering: Lowering, aval, stem: str, k: int):
+def _scratch(lowering: TritonHost, aval, stem: str, k: int):
   inner = getattr(aval, "inner_aval", aval)
   space = str(getattr(aval, "memory_space", "") or "")
   if space.startswith("semaphore"):
@@ -432,17 +436,18 @@ def _emit_step(lowering, spec, gm, stems, ptrs, id_vals, jaxpr, consts, *,
                prefetch_refs, scratch_refs, describe=True):
   """Emits the block refs at grid point `id_vals` and `jaxpr` on them."""
   buf = lowering.buf
-  n_pf = gm.num_scalar_prefetch
   lowering.grid_point = tuple(as_sym(v) for v in id_vals)
-  labels = spec.ref_labels()
+  stem_of, label_of = gm.split(stems), gm.split(spec.ref_labels())
   block_refs = []
-  for i, bm in enumerate(gm.block_mappings):
-    stem = stems[n_pf + i]
+  for bm, stem, ptr, label in zip(gm.block_mappings,
+                                  stem_of.inputs + stem_of.outputs,
+                                  ptrs.inputs + ptrs.outputs,
+                                  label_of.inputs + label_of.outputs):
     if describe:
       buf.comment(_describe_block(bm, stem))
     block_refs.append(dataclasses.replace(
-        _block_ref(lowering, bm, stem, ptrs[n_pf + i], id_vals,
-                   prefetch_refs), origin=labels[n_pf + i]))
+        _block_ref(lowering, bm, stem, ptr, id_vals, prefetch_refs),
+        origin=label))
   if describe:
     buf.comment(f"kernel body ({spec.kernel_src})")
   lowering.reset_comments()
@@ -451,7 +456,7 @@ def _emit_step(lowering, spec, gm, stems, ptrs, id_vals, jaxpr, consts, *,
 
 
 def _module_source(spec, gm, plan: GridPlan, fn_name: str, params, stems,
-                   grid_ids, body: CodeBuffer, lowering: Lowering,
+                   grid_ids, body: CodeBuffer, lowering: TritonHost,
                    num_warps: int, num_stages: int,
                    preamble: CodeBuffer) -> str:
   out = CodeBuffer()

@@ -34,10 +34,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from jax import lax, tree_util
+from jax import lax
 from dsl.core.jax_internals import core, state_indexing as indexing
 
 from dsl.core import primitives as dsl_primitives
+from dsl.core.operand_layout import eqn_ref_operands
 from lowering_triton.refs import MemRef, has_padding_or_bounds
 from lowering_triton.values import TVal
 
@@ -88,17 +89,17 @@ def known_multiple(jaxpr: core.Jaxpr, atom, producers: dict,
   return UNKNOWN
 
 
-def index_multiples(ctx, tree, atoms) -> list[list[int]] | None:
-  """Per ref transform of the current equation (its index operands
-  `atoms`, flattened by `tree`), per index: a number the start is known to
-  be a multiple of; None when the transforms are not indexers."""
+def index_multiples(ctx) -> list[list[int]] | None:
+  """Per ref transform of the current equation (a ref access), per index:
+  a number the start is known to be a multiple of; None when the
+  transforms are not indexers."""
   if ctx.jaxpr is None:
     return None
   try:
-    transforms = tree_util.tree_unflatten(tree, list(atoms))
-  except Exception:    # noqa: BLE001 - then nothing is known
+    transforms = eqn_ref_operands(ctx.eqn).transforms
+  except ValueError:    # then nothing is known
     return None
-  known = ctx.lowering.producers(ctx.jaxpr)
+  known = ctx.host.producers(ctx.jaxpr)
   out = []
   for t in transforms:
     if not isinstance(t, indexing.NDIndexer):
@@ -147,7 +148,7 @@ def load(ctx, view: MemRef, hint: str) -> TVal | None:
   """`view` loaded through a tensor descriptor, or None where a pointer
   load it stays: outside loops, with descriptors off, or a window that does
   not qualify."""
-  lowering = ctx.lowering
+  lowering = ctx.host
   if not lowering.tensor_descriptors or not lowering.loop_depth:
     return None
   shape = box(view)

@@ -1,6 +1,6 @@
 """`python -m benchmarks.gpu_check` (`make gpu-check`): the one GPU check.
 
-Runs the phases of `plan.PHASES` (each a process with its own time budget),
+Runs the phases of `phases.PHASES` (each a process with its own time budget),
 writes one record per run into benchmarks/results/, prints the rows more
 than 10% slower than the last record of the same device kind, refreshes
 the shipped GPU defaults from the run's winners (on by default), and ends
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.gpu_check import plan, record, refresh, summary
+from benchmarks.gpu_check import phases, record, refresh, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
     __file__))))
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--plan", action="store_true", help="print the phases, "
                  "their commands and budgets, then exit (no GPU needed)")
   p.add_argument("--only", help="comma-separated phases to run "
-                 f"({', '.join(plan.NAMES)})")
+                 f"({', '.join(phases.NAMES)})")
   p.add_argument("--skip", help="comma-separated phases to leave out")
   p.add_argument("--update-defaults", action=argparse.BooleanOptionalAction,
                  default=True, help="refresh dsl/tools/data/gpu_configs.json and "
@@ -87,7 +87,7 @@ def no_gpu_message(platform: str) -> str:
           "would run.")
 
 
-def run_phase(phase: plan.Phase, out_dir: str) -> dict:
+def run_phase(phase: phases.Phase, out_dir: str) -> dict:
   """Runs one phase in its own process group, stopped at its budget."""
   log = os.path.join(out_dir, f"{phase.name}.log")
   cmd = phase.command(out_dir)
@@ -113,7 +113,7 @@ def run_phase(phase: plan.Phase, out_dir: str) -> dict:
           "command": shlex.join(["python"] + cmd[1:]), "tail": tail}
 
 
-def collect(phase: plan.Phase, result: dict, out_dir: str, rec: dict) -> None:
+def collect(phase: phases.Phase, result: dict, out_dir: str, rec: dict) -> None:
   """Adds a finished phase's rows (or test counts) to the record."""
   path = os.path.join(out_dir, phase.output) if phase.output else None
   if path is None or not os.path.exists(path):
@@ -133,12 +133,12 @@ def collect(phase: plan.Phase, result: dict, out_dir: str, rec: dict) -> None:
 
 
 def run(args) -> int:
-  phases = plan.select(_names(args.only), _names(args.skip))
+  chosen = phases.select(_names(args.only), _names(args.skip))
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   out_dir = os.path.abspath(args.out or os.path.join(ROOT, "out", "gpu_check",
                                                      stamp))
   if args.plan:
-    print(plan.describe(phases, out_dir))
+    print(phases.describe(chosen, out_dir))
     return 0
   if args.replay:
     return replay(args)
@@ -153,7 +153,7 @@ def run(args) -> int:
              args.argv), "phases": {}, "rows": [], **environment()}
   print(f"gpu_check: {rec['device_kind']}, commit "
         f"{rec['commit']['sha'][:10]}; outputs in {out_dir}", flush=True)
-  for phase in phases:
+  for phase in chosen:
     print(f"gpu_check: {phase.name} (budget {phase.budget_s} s) ...",
           flush=True)
     result = run_phase(phase, out_dir)
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     return run(args)
-  except plan.PlanError as e:
+  except phases.PlanError as e:
     print(f"gpu_check: error: {e}", file=sys.stderr)
     return 2
   except SystemExit as e:          # argparse: usage errors exit 2

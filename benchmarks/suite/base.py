@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.errors import UsageError
+from benchmarks.usage_errors import UsageError
 from dsl.tools import gpu_defaults
 
 Size = tuple[int, ...]

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from benchmarks.errors import UsageError
+from benchmarks.usage_errors import UsageError
 from benchmarks.suite.base import (KernelBench, pow2_at_most, random_inputs,
                                    unique_configs)
 

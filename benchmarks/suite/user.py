@@ -29,7 +29,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from benchmarks.errors import UsageError
+from benchmarks.usage_errors import UsageError
 from dsl.tools import targets
 from benchmarks.suite.base import KernelBench
 

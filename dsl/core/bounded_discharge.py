@@ -13,7 +13,6 @@ are left as they are, for every other user of JAX in the process
 """
 from __future__ import annotations
 
-from jax import tree_util
 from jax.extend.core import Primitive
 from dsl.core.jax_internals import (ClosedJaxpr, core, state_discharge,
                                     state_indexing as indexing,
@@ -21,14 +20,18 @@ from dsl.core.jax_internals import (ClosedJaxpr, core, state_discharge,
 
 from dsl.core import windows
 from dsl.core.access import RefAccess
+from dsl.core.operand_layout import (REF_LAYOUTS, eqn_ref_operands,
+                                     ref_operands, register_ref_layout)
 
 
 def _bounded(prim: Primitive) -> Primitive:
-  """dsl's twin of JAX's ref primitive `prim`."""
+  """dsl's twin of JAX's ref primitive `prim` (its operands laid out as
+  `prim`'s)."""
   twin = Primitive(f"bounded_{prim.name}")
   twin.multiple_results = prim.multiple_results
   twin.def_effectful_abstract_eval(
       lambda *avals, **params: prim.abstract_eval(*avals, **params))
+  register_ref_layout(twin, REF_LAYOUTS[prim])
   return twin
 
 
@@ -36,47 +39,45 @@ bounded_get_p = _bounded(state_primitives.get_p)
 bounded_swap_p = _bounded(state_primitives.swap_p)
 bounded_addupdate_p = _bounded(state_primitives.addupdate_p)
 
-# JAX's primitive -> (dsl's twin, where its index leaves start)
-_TWINS = {state_primitives.get_p: (bounded_get_p, 1),
-          state_primitives.swap_p: (bounded_swap_p, 2),
-          state_primitives.addupdate_p: (bounded_addupdate_p, 2)}
-
-
-def _transforms(tree, idx):
-  return tree_util.tree_unflatten(tree, list(idx))
+# JAX's primitive -> dsl's twin
+_TWINS = {state_primitives.get_p: bounded_get_p,
+          state_primitives.swap_p: bounded_swap_p,
+          state_primitives.addupdate_p: bounded_addupdate_p}
 
 
 @state_discharge.register_discharge_rule(bounded_get_p)
-def _get(ctx, x, *idx, tree):
-  return (None,) * (1 + len(idx)), windows.read(x, _transforms(tree, idx))
+def _get(ctx, *args, **params):
+  ops = ref_operands(bounded_get_p, args, params)
+  return (None,) * len(args), windows.read(ops.ref, ops.transforms)
 
 
 @state_discharge.register_discharge_rule(bounded_swap_p)
-def _swap(ctx, x, val, *idx, tree):
-  old, new = windows.update(x, _transforms(tree, idx), lambda old: val)
-  return (new, None) + (None,) * len(idx), old
+def _swap(ctx, *args, **params):
+  ops = ref_operands(bounded_swap_p, args, params)
+  old, new = windows.update(ops.ref, ops.transforms, lambda old: ops.value)
+  return (new,) + (None,) * (len(args) - 1), old
 
 
 @state_discharge.register_discharge_rule(bounded_addupdate_p)
-def _addupdate(ctx, x, val, *idx, tree):
-  _, new = windows.update(x, _transforms(tree, idx),
-                          lambda old: old + val)
-  return (new, None) + (None,) * len(idx), []
+def _addupdate(ctx, *args, **params):
+  ops = ref_operands(bounded_addupdate_p, args, params)
+  _, new = windows.update(ops.ref, ops.transforms,
+                          lambda old: old + ops.value)
+  return (new,) + (None,) * (len(args) - 1), []
 
 
 # ------------------------------------------------------------ the rewrite
 
-def _needs_twin(eqn, first: int) -> bool:
+def _needs_twin(eqn) -> bool:
   """Whether dsl discharges `eqn` (JAX's get/swap/addupdate) otherwise
   than JAX: a window of it may leave its ref (the access model's decision,
   its index atoms read as a literal is static, a variable computed at run
   time), or it writes through a strided slice (`windows.write_one` spreads
   the value with a pad, whose transpose is a strided read, where JAX's
   scatter would transpose to a gather)."""
-  tree = eqn.params["tree"]
   try:
-    transforms = _transforms(tree, eqn.invars[first:first + tree.num_leaves])
-  except Exception:  # noqa: BLE001 - transforms we cannot read: bound them
+    transforms = eqn_ref_operands(eqn).transforms
+  except ValueError:  # transforms we cannot read: bound them
     return True
   indexers = [t for t in transforms if isinstance(t, indexing.NDIndexer)]
   writes = eqn.primitive is not state_primitives.get_p
@@ -116,10 +117,10 @@ def _rewrite(jaxpr: core.Jaxpr, swap) -> core.Jaxpr:
 
 def _twin(eqn):
   twin = _TWINS.get(eqn.primitive)
-  return twin[0] if twin is not None and _needs_twin(eqn, twin[1]) else None
+  return twin if twin is not None and _needs_twin(eqn) else None
 
 
-_ORIGINALS = {twin: prim for prim, (twin, _) in _TWINS.items()}
+_ORIGINALS = {twin: prim for prim, twin in _TWINS.items()}
 
 
 def bound_windows(jaxpr: core.Jaxpr) -> core.Jaxpr:

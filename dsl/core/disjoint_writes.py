@@ -53,7 +53,7 @@ def _dims(spec) -> tuple[int, ...]:
   if (not dims or spec.input_output_aliases
       or carried_scratch(spec.jaxpr, len(gm.scratch_avals))):
     return ()
-  outputs = {bm.origin: bm for bm in gm.block_mappings[gm.num_inputs:]}
+  outputs = {bm.origin: bm for bm in gm.out_mappings}
   whole = ranges.analyze_kernel(spec)
   if (whole.read | whole.escaped) & set(outputs):
     return ()

@@ -25,6 +25,7 @@ from dsl.core.blockspec import BlockMapping, Element
 from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.errors import KernelError, KernelWarning, source_info_frame
 from dsl.core.index_maps import blocks_per_dim, varies_along
+from dsl.core.operand_layout import eqn_ref_operands
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +245,9 @@ def _full_write(eqn, ref, used: set) -> bool:
   ref are dropped.)"""
   if eqn.primitive.name not in _PURE_WRITES or eqn.invars[0] is not ref:
     return False
-  val = eqn.invars[1].aval
-  return (tuple(val.shape) == tuple(ref.aval.inner_aval.shape)
-          and all(isinstance(i, core.Literal) for i in eqn.invars[2:])
+  ops = eqn_ref_operands(eqn)
+  return (tuple(ops.value.aval.shape) == tuple(ref.aval.inner_aval.shape)
+          and all(isinstance(i, core.Literal) for i in ops.leaves)
           and not any(o in used for o in eqn.outvars
                       if isinstance(o, core.Var)))
 
@@ -412,7 +413,7 @@ def make_plan_uncached(gm,
                        forced: tuple[int, ...] = ()) -> Plan:
   grid = gm.grid
   idxs = [gm.block_indices(bm) for bm in gm.block_mappings]
-  out_idxs = idxs[gm.num_inputs:]
+  out_idxs = gm.split_blocks(idxs).outputs
   parallel: tuple[int, ...] = ()
   if all(i is not None for i in out_idxs) and not gm.dynamic_dims:
     cand = tuple(d for d in range(len(grid)) if d not in forced

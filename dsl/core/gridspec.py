@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 from jax import tree_util
@@ -145,9 +145,8 @@ class GridMapping:
   @property
   def ref_avals(self) -> tuple[state_types.AbstractRef, ...]:
     """The kernel's refs, in order: prefetch, block refs, scratch."""
-    return (tuple(self.prefetch_avals)
-            + tuple(bm.ref_aval for bm in self.block_mappings)
-            + tuple(self.scratch_avals))
+    ref_aval = lambda bm: bm.ref_aval
+    return tuple(self.per_ref(lambda a: a, ref_aval, ref_aval, lambda a: a))
 
   @property
   def ref_origins(self) -> tuple[str, ...]:
@@ -197,6 +196,26 @@ class GridMapping:
       parts.append(tuple(seq[start:start + n]))
       start += n
     return KernelArgs(*parts)
+
+  def split_blocks(self, seq: Sequence[Any]) -> KernelArgs:
+    """`seq`, one entry per block mapping (as `block_mappings`: inputs
+    then outputs), by role; `ids`, `prefetch` and `scratch` are empty."""
+    if len(seq) != len(self.block_mappings):
+      raise ValueError(f"{len(seq)} entries for {self.num_inputs} inputs "
+                       f"and {self.num_outputs} outputs")
+    n = self.num_inputs
+    return KernelArgs((), (), tuple(seq[:n]), tuple(seq[n:]), ())
+
+  def per_ref(self, prefetch: Callable, inputs: Callable, outputs: Callable,
+              scratch: Callable) -> list:
+    """One entry per kernel ref, in order: `prefetch(aval)` of each
+    scalar-prefetch ref, `inputs(bm)` and `outputs(bm)` of each block
+    mapping, `scratch(aval)` of each scratch ref (the inverse of
+    `split`)."""
+    return ([prefetch(a) for a in self.prefetch_avals]
+            + [inputs(bm) for bm in self.in_mappings]
+            + [outputs(bm) for bm in self.out_mappings]
+            + [scratch(a) for a in self.scratch_avals])
 
   def split_operands(self, seq: Sequence[Any]) -> KernelArgs:
     """The pallas_call's operands `seq` (the dynamic dims' sizes, scalar

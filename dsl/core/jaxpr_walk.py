@@ -120,10 +120,12 @@ class RuleTable:
 class RuleContextBase:
   """What every backend's lowering rule asks of its equation, by the same
   names on every backend: `eqn`, `primitive`, `avals_in`, `avals_out`,
-  `out_used(i)` (whether the kernel uses result i), `error(message)` (a
+  `out_aval` (the first result's), `out_used(i)` (whether the kernel uses
+  result i), `error(message)` (a
   BackendError naming the primitive, the kernel and the user's line) and
   `lower(jaxpr, consts, args)` (a sub-jaxpr lowered at the current point,
-  e.g. a loop body). Each backend's `RuleContext` derives from it and adds
+  e.g. a loop body) and `lower_closed(closed, args)` (the same of a
+  ClosedJaxpr). Each backend's `RuleContext` derives from it and adds
   what its rules emit with."""
 
   eqn: Any
@@ -131,6 +133,18 @@ class RuleContextBase:
   @property
   def primitive(self) -> str:
     return self.eqn.primitive.name
+
+  @property
+  def avals_in(self) -> list:
+    return [v.aval for v in self.eqn.invars]
+
+  @property
+  def avals_out(self) -> list:
+    return [v.aval for v in self.eqn.outvars]
+
+  @property
+  def out_aval(self):
+    return self.eqn.outvars[0].aval
 
   def out_used(self, i: int = 0) -> bool:
     raise NotImplementedError
@@ -140,6 +154,12 @@ class RuleContextBase:
 
   def lower(self, jaxpr: core.Jaxpr, consts, args) -> list:
     raise NotImplementedError
+
+  def lower_closed(self, closed, args) -> list:
+    """`lower` of a ClosedJaxpr (or of a Jaxpr without consts)."""
+    if isinstance(closed, ClosedJaxpr):
+      return self.lower(closed.jaxpr, closed.consts, args)
+    return self.lower(closed, (), args)
 
 
 class LoweringHost:

@@ -126,13 +126,13 @@ def _ref_axes(gm) -> list[frozenset]:
   every = frozenset(n for n in names if n is not None)
   if not every:
     return [frozenset()] * gm.num_refs
-  ins = []
-  for bm in gm.in_mappings:
+
+  def input_axes(bm):
     read = _inputs_read(bm.index_map_jaxpr.jaxpr)
-    ins.append(frozenset(n for k, n in enumerate(names)
-                         if n is not None and k in read))
-  return ([frozenset()] * gm.num_scalar_prefetch + ins
-          + [every] * (gm.num_outputs + len(gm.scratch_avals)))
+    return frozenset(n for k, n in enumerate(names)
+                     if n is not None and k in read)
+  return gm.per_ref(lambda a: frozenset(), input_axes, lambda bm: every,
+                    lambda a: every)
 
 
 def _inputs_read(jaxpr: core.Jaxpr) -> set[int]:

@@ -32,6 +32,7 @@ from dsl.core import ref_ops
 from dsl.core.intervals import Interval, fit
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, RuleTable, call_body
 from dsl.core.normalize import scan_layout
+from dsl.core.operand_layout import eqn_ref_operands, ref_operands
 
 
 class RangeTable(RuleTable):
@@ -421,50 +422,47 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
 
 # ------------------------------------------------------------------ refs
 
-def _transforms(tree, leaves):
-  return list(jax.tree_util.tree_unflatten(tree, list(leaves)))
-
-
 @RANGE_RULES.register(state_primitives.get_p)
-def _get(ctx, ref, *idx, tree, **params):
-  ctx.access(ref, _transforms(tree, idx))
+def _get(ctx, *args, **params):
+  ops = ref_operands(ctx.primitive, args, params)
+  ctx.access(ops.ref, ops.transforms)
   return ctx.top()
 
 
 @RANGE_RULES.register(state_primitives.swap_p, state_primitives.addupdate_p)
-def _swap(ctx, ref, val, *idx, tree, **params):
+def _swap(ctx, *args, **params):
+  ops = ref_operands(ctx.primitive, args, params)
   reads = (ctx.primitive is state_primitives.addupdate_p
            or any(v in ctx.used for v in ctx.eqn.outvars))
-  ctx.access(ref, _transforms(tree, idx), reads)
+  ctx.access(ops.ref, ops.transforms, reads)
   return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
 
 
 @RANGE_RULES.register(ref_ops.masked_load_p, ref_ops.masked_store_p,
                       ref_ops.atomic_rmw_p, ref_ops.atomic_cas_p)
-def _ref_op(ctx, ref, *args, tree, has_mask=False, **params):
-  n = tree.num_leaves
-  leaves = list(args[:n])
-  if has_mask:
-    # masked_load: (mask, other); masked_store, atomic_rmw: (value, mask)
-    at = 1 + n + (0 if ctx.primitive is ref_ops.masked_load_p else 1)
-    leaves = _under_mask(ctx, tree, leaves, ctx.eqn.invars[at])
-  ctx.access(ref, _transforms(tree, leaves),
+def _ref_op(ctx, *args, **params):
+  ops = ref_operands(ctx.primitive, args, params)
+  leaves = list(ops.leaves)
+  if ops.mask is not None:
+    leaves = _under_mask(ctx, ops, leaves)
+  ctx.access(ops.ref, ops.transforms_of(leaves),
              reads=ctx.primitive is not ref_ops.masked_store_p)
   return [ctx.top(k) for k in range(len(ctx.eqn.outvars))]
 
 
-def _under_mask(ctx, tree, leaves: list, mask) -> list:
+def _under_mask(ctx, ops, leaves: list) -> list:
   """The indexer `leaves` with each array of indices of the mask's shape
   narrowed to what the mask lets through (dsl.core.mask_bounds): lanes
   the mask drops touch no memory. Only for a single indexer, whose lanes
   are the access's."""
-  if len(_transforms(tree, leaves)) != 1:
+  if len(ops.transforms) != 1:
     return leaves
-  n = len(leaves)
+  eqn_ops = eqn_ref_operands(ctx.eqn)
   lanes_of = (ctx.eqn.outvars[0] if ctx.primitive is ref_ops.masked_load_p
-              else ctx.eqn.invars[1 + n])
+              else eqn_ops.value)
+  mask = eqn_ops.mask
   out = list(leaves)
-  for k, var in enumerate(ctx.eqn.invars[1:1 + n]):
+  for k, var in enumerate(eqn_ops.leaves):
     shape = getattr(getattr(var, "aval", None), "shape", ())
     if not shape or tuple(shape) != tuple(lanes_of.aval.shape):
       continue

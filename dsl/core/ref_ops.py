@@ -9,10 +9,10 @@ and print in a jaxpr as JAX prints ref reads and writes (`y <- x[i]`,
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import jax.numpy as jnp
-from jax import tree_util
 from dsl.core.jax_internals import (ad, ad_util, core, get_ref_and_transforms,
                                     pp_ref_transforms, source_info_util,
                                     state_discharge, state_types)
@@ -21,6 +21,9 @@ from jax.extend.core import Primitive
 
 from dsl.core import windows
 from dsl.core.errors import KernelError, KernelTypeError, user_frame
+from dsl.core.operand_layout import (RefLayout, eqn_ref_operands,
+                                     flat_ref_operands, ref_operands,
+                                     register_ref_layout)
 from dsl.core.poison import poison_full, poison_value
 
 
@@ -47,6 +50,9 @@ def _masked_swap(x, transforms, new_of_old):
 # ------------------------------------------------------------------- load
 
 masked_load_p = Primitive("masked_load")
+_LOAD = RefLayout(after=("mask", "other"),
+                  flags=(("mask", "has_mask"), ("other", "has_other")))
+register_ref_layout(masked_load_p, _LOAD)
 
 
 @masked_load_p.def_effectful_abstract_eval
@@ -55,26 +61,17 @@ def _load_abstract_eval(ref_aval, *args, tree, has_mask, has_other, out_aval,
   return out_aval, _ref_effects(ref_aval, False)
 
 
-def _split_args(args, tree, n_extra):
-  n_idx = tree.num_leaves
-  idx, extra = args[:n_idx], args[n_idx:]
-  return tree_util.tree_unflatten(tree, idx), extra
-
-
 @state_discharge.register_discharge_rule(masked_load_p)
-def _load_discharge(ctx, x, *args, tree, has_mask, has_other, out_aval, **_):
-  transforms, extra = _split_args(args, tree, has_mask + has_other)
-  y = windows.read(x, transforms)
-  extra = list(extra)
-  mask = extra.pop(0) if has_mask else None
-  other = extra.pop(0) if has_other else None
-  if mask is not None:
+def _load_discharge(ctx, *args, **params):
+  ops = ref_operands(masked_load_p, args, params)
+  y = windows.read(ops.ref, ops.transforms)
+  if ops.mask is not None:
     # Masked-off lanes without `other` read poison: the memory there is
     # unspecified (dsl/core/poison.py).
-    fill = (poison_full(y.shape, y.dtype) if other is None else
-            jnp.broadcast_to(jnp.asarray(other, y.dtype), y.shape))
-    y = jnp.where(mask, y, fill)
-  return (None,) * (1 + len(args)), y
+    fill = (poison_full(y.shape, y.dtype) if ops.other is None else
+            jnp.broadcast_to(jnp.asarray(ops.other, y.dtype), y.shape))
+    y = jnp.where(ops.mask, y, fill)
+  return (None,) * len(args), y
 
 
 def _check_mask(name, mask, shape):
@@ -94,15 +91,13 @@ def load(ref, idx=None, *, mask=None, other=None, cache_modifier=None,
   """Reads `ref[idx]`; where `mask` is False the result is `other` (poison
   without it: the memory there is unspecified)."""
   ref, transforms, shape, dtype = _indexed_aval(ref, idx)
-  flat, tree = tree_util.tree_flatten(transforms)
-  extra = []
   if mask is not None:
-    extra.append(_check_mask("load", mask, shape))
+    mask = _check_mask("load", mask, shape)
   if other is not None:
-    extra.append(jnp.broadcast_to(jnp.asarray(other, dtype), shape))
+    other = jnp.broadcast_to(jnp.asarray(other, dtype), shape)
+  flat, layout = _LOAD.flatten(ref, transforms, mask=mask, other=other)
   return masked_load_p.bind(
-      ref, *flat, *extra, tree=tree, has_mask=mask is not None,
-      has_other=other is not None, out_aval=core.ShapedArray(shape, dtype),
+      *flat, **layout, out_aval=core.ShapedArray(shape, dtype),
       cache_modifier=cache_modifier, eviction_policy=eviction_policy,
       volatile=volatile)
 
@@ -111,6 +106,8 @@ def load(ref, idx=None, *, mask=None, other=None, cache_modifier=None,
 
 masked_store_p = Primitive("masked_store")
 masked_store_p.multiple_results = True
+_STORE = RefLayout(after=("value", "mask"), flags=(("mask", "has_mask"),))
+register_ref_layout(masked_store_p, _STORE)
 
 
 @masked_store_p.def_effectful_abstract_eval
@@ -119,15 +116,12 @@ def _store_abstract_eval(ref_aval, *args, tree, has_mask, **_):
 
 
 @state_discharge.register_discharge_rule(masked_store_p)
-def _store_discharge(ctx, x, *args, tree, has_mask, **_):
-  transforms, extra = _split_args(args, tree, 1 + has_mask)
-  val = extra[0]
-  if not has_mask:
-    x_new, _ = _masked_swap(x, transforms, lambda old: val)
-    return (x_new,) + (None,) * len(args), []
-  x_new, _ = _masked_swap(x, transforms,
-                          lambda old: jnp.where(extra[1], val, old))
-  return (x_new,) + (None,) * len(args), []
+def _store_discharge(ctx, *args, **params):
+  ops = ref_operands(masked_store_p, args, params)
+  new = ((lambda old: ops.value) if ops.mask is None else
+         (lambda old: jnp.where(ops.mask, ops.value, old)))
+  x_new, _ = _masked_swap(ops.ref, ops.transforms, new)
+  return (x_new,) + (None,) * (len(args) - 1), []
 
 
 def _instantiate(t, like):
@@ -135,34 +129,27 @@ def _instantiate(t, like):
           else t)
 
 
-def _load_jvp(primals, tangents, *, tree, has_mask, has_other, out_aval,
-              **params):
-  ref, *args = primals
-  out = masked_load_p.bind(ref, *primals[1:], tree=tree, has_mask=has_mask,
-                           has_other=has_other, out_aval=out_aval, **params)
+def _load_jvp(primals, tangents, **params):
+  out = masked_load_p.bind(*primals, **params)
   if isinstance(tangents[0], ad_util.Zero):
     return out, ad_util.Zero(core.typeof(out).to_tangent_aval())
-  n_idx = tree.num_leaves
-  extra = list(args[n_idx:n_idx + has_mask])
+  ops = ref_operands(masked_load_p, primals, params)
   # Masked-off lanes take `other`, so their tangent is `other`'s.
-  extra.append(_instantiate(tangents[-1], out) if has_other
-               else jnp.zeros(out.shape, out.dtype))
-  t = masked_load_p.bind(tangents[0], *args[:n_idx], *extra, tree=tree,
-                         has_mask=has_mask, has_other=True, out_aval=out_aval,
-                         **params)
-  return out, t
+  other = (_instantiate(tangents[-1], out) if ops.other is not None
+           else jnp.zeros(out.shape, out.dtype))
+  flat, layout = flat_ref_operands(masked_load_p, dataclasses.replace(
+      ops, ref=tangents[0], other=other))
+  return out, masked_load_p.bind(*flat, **{**params, **layout})
 
 
-def _store_jvp(primals, tangents, *, tree, has_mask, **params):
-  ref, *args = primals
-  masked_store_p.bind(ref, *args, tree=tree, has_mask=has_mask, **params)
+def _store_jvp(primals, tangents, **params):
+  masked_store_p.bind(*primals, **params)
   if not isinstance(tangents[0], ad_util.Zero):
-    n_idx = tree.num_leaves
-    val = args[n_idx]
-    t_args = list(args)
-    t_args[n_idx] = _instantiate(tangents[1 + n_idx], val)
-    masked_store_p.bind(tangents[0], *t_args, tree=tree, has_mask=has_mask,
-                        **params)
+    ops = ref_operands(masked_store_p, primals, params)
+    t_value = ref_operands(masked_store_p, tangents, params).value
+    flat, layout = flat_ref_operands(masked_store_p, dataclasses.replace(
+        ops, ref=tangents[0], value=_instantiate(t_value, ops.value)))
+    masked_store_p.bind(*flat, **{**params, **layout})
   return [], []
 
 
@@ -176,33 +163,31 @@ def _pp_arrow(eqn, settings):
   return pp.text(" <- ", annotation=annotation)
 
 
-def _pp_named(context, names, values):
-  """` mask=m other=o` for the extra operands present."""
+def _pp_named(context, ops, names):
+  """` mask=m other=o` for the values of `ops` named and present."""
   docs = []
-  for name, value in zip(names, values):
-    docs += [pp.text(f" {name}="), core.pp_var(value, context)]
+  for name in names:
+    value = getattr(ops, name)
+    if value is not None:
+      docs += [pp.text(f" {name}="), core.pp_var(value, context)]
   return docs
 
 
 def _load_pp(eqn, context, settings):
   """`y = masked_load x i` prints as `y <- x[i]` (then `mask=`, `other=`)."""
-  ref, *args = eqn.invars
-  p = eqn.params
-  transforms, extra = _split_args(args, p["tree"], 0)
-  names = ["mask"] * p["has_mask"] + ["other"] * p["has_other"]
+  ops = eqn_ref_operands(eqn)
   lhs = core.pp_vars(eqn.outvars, context, print_shapes=settings.print_shapes)
   return pp.concat([lhs, _pp_arrow(eqn, settings),
-                    pp_ref_transforms(context, ref, transforms),
-                    *_pp_named(context, names, extra)])
+                    pp_ref_transforms(context, ops.ref, ops.transforms),
+                    *_pp_named(context, ops, ("mask", "other"))])
 
 
 def _store_pp(eqn, context, settings):
   """`masked_store x i v` prints as `x[i] <- v` (then `mask=`)."""
-  ref, *args = eqn.invars
-  transforms, (val, *mask) = _split_args(args, eqn.params["tree"], 0)
-  return pp.concat([pp_ref_transforms(context, ref, transforms),
-                    _pp_arrow(eqn, settings), core.pp_var(val, context),
-                    *_pp_named(context, ["mask"], mask)])
+  ops = eqn_ref_operands(eqn)
+  return pp.concat([pp_ref_transforms(context, ops.ref, ops.transforms),
+                    _pp_arrow(eqn, settings), core.pp_var(ops.value, context),
+                    *_pp_named(context, ops, ("mask",))])
 
 
 core.pp_eqn_rules[masked_load_p] = _load_pp
@@ -233,12 +218,10 @@ def store(ref, idx=None, val=None, *, mask=None, eviction_policy=None):
     idx, val = None, idx
   ref, transforms, shape, dtype = _indexed_aval(ref, idx)
   val = _check_value("store", val, shape, dtype)
-  flat, tree = tree_util.tree_flatten(transforms)
-  extra = [val]
   if mask is not None:
-    extra.append(_check_mask("store", mask, shape))
-  masked_store_p.bind(ref, *flat, *extra, tree=tree, has_mask=mask is not None,
-                      eviction_policy=eviction_policy)
+    mask = _check_mask("store", mask, shape)
+  flat, layout = _STORE.flatten(ref, transforms, value=val, mask=mask)
+  masked_store_p.bind(*flat, **layout, eviction_policy=eviction_policy)
 
 
 # ------------------------------------------------------------------- atomics
@@ -264,6 +247,7 @@ _ATOMIC_COMBINE = {
 }
 
 atomic_rmw_p = Primitive("atomic_rmw")
+register_ref_layout(atomic_rmw_p, _STORE)
 
 
 @atomic_rmw_p.def_effectful_abstract_eval
@@ -272,22 +256,21 @@ def _atomic_abstract_eval(ref_aval, *args, tree, has_mask, op, out_aval):
 
 
 @state_discharge.register_discharge_rule(atomic_rmw_p)
-def _atomic_discharge(ctx, x, *args, tree, has_mask, op, out_aval):
-  transforms, extra = _split_args(args, tree, 1 + has_mask)
-  old, x_new = windows.atomic_update(x, transforms, _ATOMIC_COMBINE[op],
-                                     extra[0], extra[1] if has_mask else None)
-  return (x_new,) + (None,) * len(args), old
+def _atomic_discharge(ctx, *args, op, **params):
+  ops = ref_operands(atomic_rmw_p, args, params)
+  old, x_new = windows.atomic_update(ops.ref, ops.transforms,
+                                     _ATOMIC_COMBINE[op], ops.value, ops.mask)
+  return (x_new,) + (None,) * (len(args) - 1), old
 
 
 def _atomic(op: AtomicOp):
   def atomic(ref, idx, val, *, mask=None):
     ref, transforms, shape, dtype = _indexed_aval(ref, idx)
     val = _check_value(f"atomic_{op.value}", val, shape, dtype)
-    flat, tree = tree_util.tree_flatten(transforms)
-    extra = [val] + ([_check_mask("atomic", mask, shape)] if mask is not None
-                     else [])
-    return atomic_rmw_p.bind(ref, *flat, *extra, tree=tree,
-                             has_mask=mask is not None, op=op,
+    if mask is not None:
+      mask = _check_mask("atomic", mask, shape)
+    flat, layout = _STORE.flatten(ref, transforms, value=val, mask=mask)
+    return atomic_rmw_p.bind(*flat, **layout, op=op,
                              out_aval=core.ShapedArray(shape, dtype))
   atomic.__name__ = f"atomic_{op.value}"
   atomic.__doc__ = (f"Atomically applies `{op.value}` of `val` to `ref[idx]`; "
@@ -304,6 +287,8 @@ atomic_xor = _atomic(AtomicOp.XOR)
 atomic_xchg = _atomic(AtomicOp.XCHG)
 
 atomic_cas_p = Primitive("atomic_cas")
+_CAS = RefLayout(after=("cmp", "value"))
+register_ref_layout(atomic_cas_p, _CAS)
 
 
 @atomic_cas_p.def_effectful_abstract_eval
@@ -312,12 +297,13 @@ def _cas_abstract_eval(ref_aval, *args, tree, out_aval):
 
 
 @state_discharge.register_discharge_rule(atomic_cas_p)
-def _cas_discharge(ctx, x, *args, tree, out_aval):
-  transforms, (cmp, val) = _split_args(args, tree, 2)
-  old = state_discharge.transform_array(x, transforms)
-  new = jnp.where(old == cmp, val, old)
-  _, x_new = state_discharge.transform_swap_array(x, transforms, new)
-  return (x_new,) + (None,) * len(args), old
+def _cas_discharge(ctx, *args, **params):
+  ops = ref_operands(atomic_cas_p, args, params)
+  old = state_discharge.transform_array(ops.ref, ops.transforms)
+  new = jnp.where(old == ops.cmp, ops.value, old)
+  _, x_new = state_discharge.transform_swap_array(ops.ref, ops.transforms,
+                                                  new)
+  return (x_new,) + (None,) * (len(args) - 1), old
 
 
 def atomic_cas(ref, cmp, val):
@@ -325,6 +311,6 @@ def atomic_cas(ref, cmp, val):
   ref, transforms, shape, dtype = _indexed_aval(ref, None)
   cmp = _check_value("atomic_cas", cmp, shape, dtype)
   val = _check_value("atomic_cas", val, shape, dtype)
-  flat, tree = tree_util.tree_flatten(transforms)
-  return atomic_cas_p.bind(ref, *flat, cmp, val, tree=tree,
+  flat, layout = _CAS.flatten(ref, transforms, cmp=cmp, value=val)
+  return atomic_cas_p.bind(*flat, **layout,
                            out_aval=core.ShapedArray(shape, dtype))

@@ -216,8 +216,8 @@ def _raise_trace_error(e, name, gm, where, traced_names, origins):
   __tracebackhide__ = True
   line = frame_of_traceback(e.__traceback__) or where
   operand = _operand_in_traceback(e.__traceback__, traced_names)
-  mappings = ([None] * gm.num_scalar_prefetch + list(gm.block_mappings)
-              + [None] * len(gm.scratch_avals))
+  mappings = gm.per_ref(lambda a: None, lambda bm: bm, lambda bm: bm,
+                        lambda a: None)
   params = {pn: (bm if isinstance(bm, BlockMapping) else None)
             for pn, bm in zip(origins, mappings)}
   labels = {pn: f"{pn} ({o})" for pn, o in origins.items()}

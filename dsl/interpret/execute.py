@@ -280,27 +280,31 @@ def _nested_vmap(fn, plan: Plan, arg_dims: list[tuple[int, ...]]):
   return fn
 
 
-def _initial_states(args, spec, plan: Plan):
+def _initial_states(operands, spec, plan: Plan):
   """The prefetch values and the carried states of inputs, outputs and
-  scratch: views for view operands, padded arrays otherwise. The carried
-  scratch ends with the scalar-prefetch refs the kernel writes (SMEM keeps
-  what a step writes there for the next), one copy per parallel point."""
+  scratch (`operands`: the pallas_call's, by role): views for view
+  operands, padded arrays otherwise. The carried scratch ends with the
+  scalar-prefetch refs the kernel writes (SMEM keeps what a step writes
+  there for the next), one copy per parallel point."""
   gm = spec.grid_mapping
-  n_in = gm.num_inputs
-  prefetch, inputs = list(args[:gm.num_scalar_prefetch]), args[gm.num_scalar_prefetch:]
+  prefetch = list(operands.prefetch)
+  # what input_output_aliases number: scalar prefetch, then inputs
+  aliased = operands.prefetch + operands.inputs
+  plans = gm.split_blocks(plan.operands)
   in_states = []
-  for x, op in zip(inputs, plan.operands[:n_in]):
+  for x, op in zip(operands.inputs, plans.inputs):
     x = jnp.asarray(x)
     in_states.append(to_state(x, op, plan) if op.mode == "view"
                      else pad(x, op.mapping))
   aliases = dict(spec.input_output_aliases)
   out_states = []
-  for k, op in enumerate(plan.operands[n_in:]):
+  for k, op in enumerate(plans.outputs):
     bm = op.mapping
     src = next((i for i, o in aliases.items() if o == k), None)
     # Output memory the kernel never writes is poison, as on hardware
     # (uninitialized); an aliased output starts from its input.
-    init = (jnp.asarray(args[src]).astype(bm.array_aval.dtype) if src is not None
+    init = (jnp.asarray(aliased[src]).astype(bm.array_aval.dtype)
+            if src is not None
             else poison_full(bm.array_aval.shape, bm.array_aval.dtype))
     out_states.append(to_state(init, op, plan) if op.mode == "view"
                       else pad(init, bm))
@@ -325,7 +329,7 @@ def _point_fn(spec, plan: Plan, sizes):
     jaxpr = sizes_as_inputs(jaxpr, gm.dynamic_dims)
     n_lead += len(gm.dynamic_dims)
   dj = vectorizable(discharged_kernel(jaxpr, n_lead))
-  in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
+  _, _, in_plans, out_plans, _, _ = gm.split_blocks(plan.operands)
 
   def point(*flat):
     ids, pf, in_args, out_args, sc, _ = gm.split(flat)
@@ -360,7 +364,7 @@ def _step_fn(spec, plan: Plan, prefetch, in_states, sizes):
   """One step of the sequential grid dims: (coords, outputs, scratch) ->
   (outputs, scratch) with every parallel point of the step applied."""
   gm = spec.grid_mapping
-  in_plans, out_plans = plan.operands[:gm.num_inputs], plan.operands[gm.num_inputs:]
+  _, _, in_plans, out_plans, _, _ = gm.split_blocks(plan.operands)
   vpoint = _point_fn(spec, plan, sizes)
   written = written_prefetch(spec)
   n_scr = len(gm.scratch_avals)
@@ -429,12 +433,12 @@ def run(*args, spec):
   plan = gm.plan(spec.compiler_params, spec.jaxpr)
   operands = gm.split_operands(args)
   prefetch, in_states, out_states, scratch = _initial_states(
-      operands.prefetch + operands.inputs, spec, plan)
+      operands, spec, plan)
   step = _step_fn(spec, plan, prefetch, in_states, operands.sizes)
   out_states, _ = _run_sequential(step, full_grid(gm.grid, operands.sizes),
                                   plan.sequential, out_states, scratch)
   results = []
-  for s, op in zip(out_states, plan.operands[gm.num_inputs:]):
+  for s, op in zip(out_states, gm.split_blocks(plan.operands).outputs):
     full = from_state(s, op, plan) if op.mode == "view" else s
     results.append(unpad(full, op.mapping))
   return results

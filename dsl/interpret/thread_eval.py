@@ -40,6 +40,7 @@ from dsl.core.jax_internals import (ClosedJaxpr, NDIndexer, Slice, core,
 from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, RuleTable, call_body,
                                  sub_jaxprs)
 from dsl.core.normalize import scan_layout
+from dsl.core.operand_layout import ref_operands
 
 TABLE = RuleTable("the warpgroup interpreter")
 
@@ -142,10 +143,6 @@ def write(cell: Cell, transforms, value, what: str = "ref") -> None:
     return
   target = _apply(base, transforms[-1], what) if transforms else base
   _check_view(target, cell, what)[...] = value.astype(target.dtype)
-
-
-def transforms_of(tree, leaves):
-  return tree_util.tree_unflatten(tree, list(leaves))
 
 
 # ------------------------------------------------------------- evaluation
@@ -341,25 +338,23 @@ def _scan(thread, eqn, invals):
 
 @TABLE.register(state_primitives.get_p)
 def _get(thread, eqn, invals):
-  cell, *flat = invals
-  return [read(cell, transforms_of(eqn.params["tree"], flat), cell.label)]
+  ops = ref_operands(eqn.primitive, invals, eqn.params)
+  return [read(ops.ref, ops.transforms, ops.ref.label)]
 
 
 @TABLE.register(state_primitives.swap_p)
 def _swap(thread, eqn, invals):
-  cell, value, *flat = invals
-  transforms = transforms_of(eqn.params["tree"], flat)
-  old = read(cell, transforms, cell.label)
-  write(cell, transforms, value, cell.label)
+  ops = ref_operands(eqn.primitive, invals, eqn.params)
+  old = read(ops.ref, ops.transforms, ops.ref.label)
+  write(ops.ref, ops.transforms, ops.value, ops.ref.label)
   return [old]
 
 
 @TABLE.register(state_primitives.addupdate_p)
 def _addupdate(thread, eqn, invals):
-  cell, value, *flat = invals
-  transforms = transforms_of(eqn.params["tree"], flat)
-  old = read(cell, transforms, cell.label)
-  write(cell, transforms, old + np.asarray(value), cell.label)
+  ops = ref_operands(eqn.primitive, invals, eqn.params)
+  old = read(ops.ref, ops.transforms, ops.ref.label)
+  write(ops.ref, ops.transforms, old + np.asarray(ops.value), ops.ref.label)
   return []
 
 

@@ -109,12 +109,13 @@ class Machine:
 
   def run(self, operands) -> list[np.ndarray]:
     spec, gm = self.spec, self.spec.grid_mapping
-    labels = spec.ref_labels()
-    ins = [Cell(np.array(x), labels[k]) for k, x in enumerate(operands)]
+    labels = gm.split(spec.ref_labels())
+    ins = [Cell(np.array(x), label)
+           for x, label in zip(operands, labels.inputs)]
     aliases = dict((o, i) for i, o in spec.input_output_aliases)
     outs = []
     for k, aval in enumerate(gm.out_avals):
-      label = labels[len(ins) + k]
+      label = labels.outputs[k]
       if k in aliases:
         outs.append(Cell(np.array(operands[aliases[k]]), label))
       else:
@@ -127,8 +128,8 @@ class Machine:
       th = Thread(self, coords)
       block = th.block
       if block not in scratch:
-        scratch[block] = [allocate(a, labels[len(ins) + len(outs) + j])
-                          for j, a in enumerate(gm.scratch_avals)]
+        scratch[block] = [allocate(a, label) for a, label
+                          in zip(gm.scratch_avals, labels.scratch)]
       ids = [np.int32(c) for c in coords]
       th.routine = eval_jaxpr(th, jaxpr.jaxpr, jaxpr.consts,
                               [*ids, *ins, *outs, *scratch[block]])

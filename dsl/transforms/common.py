@@ -2,6 +2,7 @@
 kernels from BlockMappings, and a kernel's per-grid-point pure function."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -11,6 +12,7 @@ from dsl.core.jax_internals import ClosedJaxpr, core
 from dsl.core import grid_plan
 from dsl.core.blockspec import BlockMapping, BlockSpec
 from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
+from dsl.core.operand_layout import flat_ref_operands, ref_operands
 from dsl.core.ref_ops import masked_load_p
 from dsl.transforms.discharge import discharged_kernel
 from dsl.transforms.prefetch_reads import pure_reads
@@ -83,14 +85,14 @@ def written_prefetch(spec: KernelSpec) -> tuple[bool, ...]:
                                     gm.num_scalar_prefetch)
 
 
-def _zero_masked_lanes(ref, *args, tree, has_mask, has_other, out_aval,
-                       **params):
+def _zero_masked_lanes(*args, out_aval, **params):
   """A masked load whose masked-off lanes read 0 rather than poison."""
-  if has_mask and not has_other:
-    args = (*args, jnp.zeros(out_aval.shape, out_aval.dtype))
-  return masked_load_p.bind(ref, *args, tree=tree, has_mask=has_mask,
-                            has_other=has_mask or has_other,
-                            out_aval=out_aval, **params)
+  ops = ref_operands(masked_load_p, args, params)
+  if ops.mask is not None and ops.other is None:
+    ops = dataclasses.replace(ops, other=jnp.zeros(out_aval.shape,
+                                                   out_aval.dtype))
+  args, layout = flat_ref_operands(masked_load_p, ops)
+  return masked_load_p.bind(*args, **{**params, **layout}, out_aval=out_aval)
 
 
 def discharged_point(spec: KernelSpec, transposable: bool = False):

@@ -26,7 +26,7 @@ from dsl.core.jax_internals import core
 
 from dsl.core.blockspec import BlockSpec
 from dsl.core.index_maps import block_offsets, evaluate_index_map
-from dsl.core.revisits import first_revisit
+from dsl.core.output_revisits import first_revisit
 
 
 def _pad(shape) -> int:

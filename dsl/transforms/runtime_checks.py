@@ -317,10 +317,8 @@ def _checkify_kernel(spec, jaxpr, enabled_errors, check_blocks, args):
   grid ids, prefetch, inputs, outputs, scratch."""
   ctx, err = jax_checkify.CheckifyContext(), jax_checkify.init_error
   if check_blocks:
-    gm = spec.grid_mapping
-    n_grid = len(gm.grid)
-    err = _block_index_errors(ctx, err, spec, args[:n_grid],
-                              args[n_grid:n_grid + gm.num_scalar_prefetch])
+    by_role = spec.grid_mapping.split(args)
+    err = _block_index_errors(ctx, err, spec, by_role.ids, by_role.prefetch)
   err, _ = jax_checkify.checkify_jaxpr(ctx, jaxpr, enabled_errors, err,
                                        *args)
   return err

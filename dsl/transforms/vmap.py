@@ -53,8 +53,10 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
                        for bm in gm.out_mappings)):
     return _batched_by_loop(args, dims, spec)
   n_sizes = len(in_dims.sizes)
-  grid_sizes = list(args[:n_sizes])
-  args, dims = list(args[n_sizes:]), list(dims[n_sizes:])
+  operands = gm.split_operands(args)
+  grid_sizes = list(operands.sizes)
+  args = list(operands.prefetch + operands.inputs)
+  dims = list(in_dims.prefetch + in_dims.inputs)
   args = [batching.moveaxis(a, d, 0) if d is not None else a
           for a, d in zip(args, dims)]
   batched = [d is not None for d in dims]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jax import tree_util
 from dsl.core.jax_internals import (checkify as jax_checkify, core,
                                     state_indexing as indexing,
                                     state_primitives)
@@ -23,6 +22,8 @@ from dsl.core import ref_ops, windows
 from dsl.core.access import RefAccess
 from dsl.core.checks import window_access
 from dsl.core.jaxpr_walk import sub_jaxprs
+from dsl.core.operand_layout import (RefLayout, eqn_ref_operands,
+                                     ref_operands, register_ref_layout)
 
 
 class WindowOutsideRef(jax_checkify.FailedCheckError):
@@ -48,25 +49,19 @@ window_check_p = Primitive("window_check")
 window_check_p.multiple_results = True
 window_check_p.def_impl(lambda *args, **params: [])
 window_check_p.def_abstract_eval(lambda *avals, **params: [])
+# The access's index leaves, then its mask: the ref is not an operand.
+_CHECK = RefLayout(after=("mask",), flags=(("mask", "has_mask"),),
+                   has_ref=False)
+register_ref_layout(window_check_p, _CHECK)
 
-
-# primitive -> (the verb of messages, where its index leaves start, whether
-# a mask follows its index leaves and values).
-def _masked_layout(eqn):
-  n_idx = eqn.params["tree"].num_leaves
-  n_val = 1 if eqn.primitive is not ref_ops.masked_load_p else 0
-  mask = (eqn.invars[1 + n_idx + n_val] if eqn.params.get("has_mask")
-          else None)
-  return 1, mask
-
-
+# the ref accesses checked -> the verb of their messages
 _ACCESSES = {
-    state_primitives.get_p: ("load from", lambda e: (1, None)),
-    state_primitives.swap_p: ("store to", lambda e: (2, None)),
-    state_primitives.addupdate_p: ("update of", lambda e: (2, None)),
-    ref_ops.masked_load_p: ("load from", _masked_layout),
-    ref_ops.masked_store_p: ("store to", _masked_layout),
-    ref_ops.atomic_rmw_p: ("atomic update of", _masked_layout),
+    state_primitives.get_p: "load from",
+    state_primitives.swap_p: "store to",
+    state_primitives.addupdate_p: "update of",
+    ref_ops.masked_load_p: "load from",
+    ref_ops.masked_store_p: "store to",
+    ref_ops.atomic_rmw_p: "atomic update of",
 }
 
 
@@ -77,24 +72,19 @@ def window_check_eqn(eqn, name: str | None, ranges=None):
   not checked), else None."""
   if eqn.primitive not in _ACCESSES:
     return None
-  verb, layout = _ACCESSES[eqn.primitive]
-  first, mask = layout(eqn)
-  tree = eqn.params["tree"]
-  leaves = eqn.invars[first:first + tree.num_leaves]
-  if not _leaves_at_run_time(tree, leaves,
-                             ranges.access(eqn) if ranges else None):
+  ops = eqn_ref_operands(eqn)
+  if not _leaves_at_run_time(ops, ranges.access(eqn) if ranges else None):
     return None
-  ref = eqn.invars[0]
-  shape = tuple(ref.aval.inner_aval.shape)
-  params = dict(tree=tree, shape=shape, verb=verb, ref=name or "a ref",
-                has_mask=mask is not None)
-  return core.new_jaxpr_eqn(list(leaves) + ([mask] if mask is not None
-                                            else []),
-                            [], window_check_p, params, set(),
+  shape = tuple(ops.ref.aval.inner_aval.shape)
+  invars, layout = _CHECK.flatten(None, leaves=ops.leaves, tree=ops.tree,
+                                  mask=ops.mask)
+  params = dict(layout, shape=shape, verb=_ACCESSES[eqn.primitive],
+                ref=name or "a ref")
+  return core.new_jaxpr_eqn(invars, [], window_check_p, params, set(),
                             eqn.source_info, eqn.ctx)
 
 
-def _leaves_at_run_time(tree, leaves, proofs) -> bool:
+def _leaves_at_run_time(ops, proofs) -> bool:
   """Whether the first indexer of an access (the one that places its
   window) may leave its ref at a place computed at run time: the access
   model's run-time exits (static ones are refused when the kernel is
@@ -102,9 +92,8 @@ def _leaves_at_run_time(tree, leaves, proofs) -> bool:
   range analysis's `proofs` (a `dsl.core.ranges.Access`, or None) prove
   inside, where that indexer is the only one."""
   try:
-    transforms = [t for t in tree_util.tree_unflatten(tree, list(leaves))
-                  if t is not None]
-  except Exception:  # noqa: BLE001 - transforms we cannot read: check
+    transforms = [t for t in ops.transforms if t is not None]
+  except ValueError:  # transforms we cannot read: check
     return True
   if not transforms or not isinstance(transforms[0], indexing.NDIndexer):
     return False
@@ -144,17 +133,16 @@ def _indexer_parts(indexer, values: list) -> str:
   return ", ".join(parts)
 
 
-def _check_rule(ctx, error, enabled_errors, *args, tree, shape, verb, ref,
-                has_mask):
-  leaves = args[:tree.num_leaves]
-  transforms = [t for t in tree_util.tree_unflatten(tree, list(leaves))
-                if t is not None]
+def _check_rule(ctx, error, enabled_errors, *args, shape, verb, ref,
+                **params):
+  ops = ref_operands(window_check_p, args, params)
+  transforms = [t for t in ops.transforms if t is not None]
   if not transforms or not isinstance(transforms[0], indexing.NDIndexer):
     return error, []
   # The first indexer places the window; later ones narrow it.
   bad = ~windows.lanes_inside(shape, transforms[0])
-  if has_mask and len(transforms) == 1:
-    bad = bad & jnp.broadcast_to(args[tree.num_leaves], bad.shape)
+  if ops.mask is not None and len(transforms) == 1:
+    bad = bad & jnp.broadcast_to(ops.mask, bad.shape)
   values: list = []
   window = _indexer_parts(transforms[0], values)
   fmt = window_access(verb, ref, window, shape)

@@ -29,13 +29,14 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from jax import lax, tree_util
+from jax import lax
 from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
                                     partial_eval as pe, state_discharge,
                                     state_indexing as indexing,
                                     state_primitives, state_types)
 
 from dsl.core.jaxpr_walk import sub_jaxprs, used_vars
+from dsl.core.operand_layout import eqn_ref_operands
 
 # dot_accumulate(a, b, acc; dot_general's params) = acc + dot_general(a, b)
 dot_accumulate_p = core.Primitive("dot_accumulate")
@@ -75,11 +76,6 @@ def _whole(transforms) -> bool:
   return True
 
 
-def _access_transforms(eqn):
-  n = len(eqn.invars) - eqn.params["tree"].num_leaves
-  return tree_util.tree_unflatten(eqn.params["tree"], eqn.invars[n:])
-
-
 def _uses(jaxpr: core.Jaxpr, var) -> tuple[bool, bool]:
   """(every use of `var` in `jaxpr` accesses it whole, some use reads it)."""
   ok, reads = True, False
@@ -89,7 +85,7 @@ def _uses(jaxpr: core.Jaxpr, var) -> tuple[bool, bool]:
     if not positions:
       continue
     if eqn.primitive in _REF_ACCESS and positions == [0]:
-      ok &= _whole(_access_transforms(eqn))
+      ok &= _whole(eqn_ref_operands(eqn).transforms)
       reads |= (eqn.primitive is not state_primitives.swap_p
                 or eqn.outvars[0] in used)
     elif eqn.primitive is lax.cond_p and 0 not in positions:

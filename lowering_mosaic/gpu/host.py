@@ -180,8 +180,6 @@ class RuleContext(RuleContextBase):
   kernel's host (`host`)."""
   host: "GpuHost"
   eqn: Any
-  avals_in: list
-  avals_out: list
   used: list
 
   def out_used(self, i: int = 0) -> bool:
@@ -230,9 +228,7 @@ class GpuHost(LoweringHost):
       raise self.error(f"{e}{TRITON_HINT}") from e
 
   def rule_context(self, eqn, used, position):
-    return RuleContext(self, eqn, [v.aval for v in eqn.invars],
-                       [v.aval for v in eqn.outvars],
-                       [v in used for v in eqn.outvars])
+    return RuleContext(self, eqn, [v in used for v in eqn.outvars])
 
   def error(self, message, eqn=None):
     line = source_info_frame(eqn.source_info) if eqn is not None else None

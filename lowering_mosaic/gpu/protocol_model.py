@@ -42,7 +42,7 @@ import tempfile
 
 from lowering_mosaic.gpu.schedule import Op, Role, Schedule
 from lowering_mosaic.verification.promela import run_spin
-from lowering_mosaic.verification.promela.report import Report
+from lowering_mosaic.verification.promela.spin_report import Report
 from lowering_mosaic.verification.promela.spin import require_spin
 
 

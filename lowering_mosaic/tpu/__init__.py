@@ -4,7 +4,7 @@
   host.py, rules/)
 - `check_tpu_rules(spec)`: TPU tiling / VMEM / SMEM rules (constraints.py)
 - `to_mlir(f, *args)`, `to_modules(f, *args)`: the modules of the
-  pallas_calls in `f` (inspection.py)
+  pallas_calls in `f` (mlir_modules.py)
 
 Importing the package registers two backends with dsl: "mosaic" (launch.py:
 the module in a `tpu_custom_call`, what a TPU runs) and "mosaic_interpret"
@@ -13,7 +13,7 @@ lowering_mosaic.verification.interpreter).
 """
 from dsl.core import backends as _backends
 from lowering_mosaic.tpu.constraints import check_tpu_rules
-from lowering_mosaic.tpu.inspection import dump_module, to_mlir, to_modules
+from lowering_mosaic.tpu.mlir_modules import dump_module, to_mlir, to_modules
 from lowering_mosaic.tpu.interpret_launch import interpret_lowering
 from lowering_mosaic.tpu.launch import mosaic_lowering
 from lowering_mosaic.tpu.lowering import build_module, module_text

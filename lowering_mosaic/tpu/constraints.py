@@ -9,8 +9,9 @@
    to whole tiles) fit in `vmem_limit_bytes` (default 16 MiB).
 3. Scalars in SMEM: a 0-d operand or scratch cannot live in VMEM.
 4. Output blocks: a block already written back is never visited again (the
-   pipeline does not read output blocks from HBM; dsl/core/revisits.py), where
-   the index maps can be evaluated at trace time.
+   pipeline does not read output blocks from HBM;
+   dsl/core/output_revisits.py), where the index maps can be evaluated at
+   trace time.
 
 A violation raises `KernelError` naming the operand, the rule, the numbers
 and a block shape that would pass.
@@ -26,7 +27,7 @@ from dsl.core.jax_internals import core
 from dsl.core import checks
 from dsl.core.blockspec import squeezed
 from dsl.core.errors import BackendError, KernelError
-from dsl.core.revisits import check_output_revisits
+from dsl.core.output_revisits import check_output_revisits
 from dsl.core.semaphores import SemaphoreSpace
 from lowering_mosaic import dialect
 

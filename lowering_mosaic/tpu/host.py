@@ -2,10 +2,10 @@
 emits MLIR.
 
 `lower_jaxpr(lctx, jaxpr, consts, args)` lowers a jaxpr at the current
-insertion point with `dsl.core.jaxpr_walk.walk_jaxpr` through the rule table of
-`lctx` (`lowering_mosaic.tpu.rules.TABLE`): `_Walk` is the walker's host (MLIR
-constants, source-line locations, named scopes as trace marks), a rule gets
-a `RuleContext` and MLIR values or `RefVal`s for refs.
+insertion point with `dsl.core.jaxpr_walk.walk_jaxpr` through the rule table
+of `lctx` (`lowering_mosaic.tpu.rules.TABLE`): `TpuHost` is the walker's host
+(MLIR constants, source-line locations, named scopes as trace marks), a rule
+gets a `RuleContext` and MLIR values or `RefVal`s for refs.
 """
 from __future__ import annotations
 
@@ -126,8 +126,6 @@ class RuleContext(RuleContextBase):
   kernel's LoweringContext (`lctx`)."""
   lctx: LoweringContext
   eqn: Any
-  avals_in: list
-  avals_out: list
   used: list = dataclasses.field(default_factory=list)
 
   def out_used(self, i: int = 0) -> bool:
@@ -235,7 +233,7 @@ def _location(eqn, lctx: LoweringContext, walk) -> ir.Location:
 
 # ------------------------------------------------------------ the jaxpr walk
 
-class _Walk(LoweringHost):
+class TpuHost(LoweringHost):
   """The shared walker's hooks for one jaxpr lowered into `lctx`."""
 
   def __init__(self, lctx: LoweringContext):
@@ -285,9 +283,7 @@ class _Walk(LoweringHost):
     return constant(np.asarray(value), var.aval.shape, var.aval.dtype)
 
   def rule_context(self, eqn, used, position):
-    return RuleContext(self.lctx, eqn, [v.aval for v in eqn.invars],
-                       [v.aval for v in eqn.outvars],
-                       [v in used for v in eqn.outvars])
+    return RuleContext(self.lctx, eqn, [v in used for v in eqn.outvars])
 
   def error(self, message, eqn=None):
     line = traceback_frame(self.traceback(eqn)) if eqn else None
@@ -307,7 +303,7 @@ class _Walk(LoweringHost):
 
 def lower_jaxpr(lctx: LoweringContext, jaxpr: core.Jaxpr, consts, args):
   """Lowers `jaxpr` at the current insertion point; returns its outputs."""
-  walk = _Walk(lctx)
+  walk = TpuHost(lctx)
   try:
     outs = walk_jaxpr(walk, jaxpr, consts, args)
     walk.close_scopes()

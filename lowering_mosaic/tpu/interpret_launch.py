@@ -22,7 +22,7 @@ from dsl.core import checks, host_failures
 from dsl.core.errors import (BackendError, KernelCheckError,
                              KernelDeadlockError, KernelError, KernelRaceError,
                              KernelRuntimeError)
-from lowering_mosaic.tpu.inspection import dump_module
+from lowering_mosaic.tpu.mlir_modules import dump_module
 from lowering_mosaic.tpu.launch import mesh_axes_from_context, num_devices
 from lowering_mosaic.tpu.lowering import build_module_and_context, module_text
 from lowering_mosaic.verification import interpreter as interp

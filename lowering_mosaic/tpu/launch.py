@@ -15,7 +15,7 @@ from dsl import tpu
 from dsl.core.errors import BackendError, KernelError
 from dsl.core.inspection import mesh_axes_of
 from dsl.core.semaphores import barrier_tag
-from lowering_mosaic.tpu.inspection import dump_module
+from lowering_mosaic.tpu.mlir_modules import dump_module
 from lowering_mosaic.tpu.lowering import (build_module_and_context, entry_name,
                                           strip_annotations)
 from lowering_mosaic.verification import promela

@@ -203,14 +203,13 @@ def _operand_refs(spec, args) -> list[RefVal]:
   gm = spec.grid_mapping
   names = _param_names(spec)[len(gm.grid):]
   avals = gm.ref_avals
-  spaces = ([dialect.SMEM] * gm.num_scalar_prefetch
-            + [dialect.block_space(bm) for bm in gm.block_mappings]
-            + [dialect.space_name(a.memory_space, dialect.VMEM)
-               for a in gm.scratch_avals])
-  hidden = ([()] * gm.num_scalar_prefetch
-            + [() if dialect.block_space(bm) == dialect.ANY
-               else tuple(squeezed_dims(bm)) for bm in gm.block_mappings]
-            + [()] * len(gm.scratch_avals))
+  spaces = gm.per_ref(lambda a: dialect.SMEM, dialect.block_space,
+                      dialect.block_space,
+                      lambda a: dialect.space_name(a.memory_space,
+                                                   dialect.VMEM))
+  squeezed = lambda bm: (() if dialect.block_space(bm) == dialect.ANY
+                         else tuple(squeezed_dims(bm)))
+  hidden = gm.per_ref(lambda a: (), squeezed, squeezed, lambda a: ())
   return [RefVal(a, aval, space, nm, hid) for a, aval, space, nm, hid
           in zip(args, avals, spaces, names, hidden)]
 

@@ -70,11 +70,11 @@ def _cond(ctx, index, *ops, branches, **params):
     arms += [("else:", n - 1)]
   for header, k in arms:
     with ctx.buf.indent(header):
-      ctx.lowering.reset_comments()
+      ctx.host.reset_comments()
       results = ctx.lower_closed(branches[k], list(ops))
       for o, r in zip(outs, results):
         ctx.emit(f"{o.expr} = {_typed(r)}")
-  ctx.lowering.reset_comments()
+  ctx.host.reset_comments()
   return outs
 
 
@@ -121,16 +121,16 @@ def _counted_for(ctx, k, bound, bconsts, body_jaxpr, init):
   iv = _loop_var_name(ctx, body_jaxpr.jaxpr)
   start = init[k]
   header = f"for {iv} in tl.range({start.expr}, {bound.expr}):"
-  with ctx.buf.indent(header), ctx.lowering.in_loop():
-    ctx.lowering.reset_comments()
-    mark = ctx.lowering.writes_mark()
+  with ctx.buf.indent(header), ctx.host.in_loop():
+    ctx.host.reset_comments()
+    mark = ctx.host.writes_mark()
     loop_args = list(carries)
     loop_args[k] = TVal(iv, (), np.dtype(np.int32))
     new = ctx.lower_closed(body_jaxpr, bconsts + loop_args)
     _assign(ctx, [c for c in carries if c is not None],
             [v for n, v in enumerate(new) if n != k])
-    ctx.lowering.end_of_loop_body(mark)
-  ctx.lowering.reset_comments()
+    ctx.host.end_of_loop_body(mark)
+  ctx.host.reset_comments()
   carries[k] = ctx.bind(f"tl.maximum({start.expr}, {bound.expr})", (),
                         np.dtype(np.int32), "index_end")
   return carries
@@ -153,15 +153,15 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts,
   go = ctx.fresh("keep_going")
   (pred,) = ctx.lower_closed(cond_jaxpr, cconsts + carries)
   ctx.emit(f"{go} = {_typed(pred)}")
-  with ctx.buf.indent(f"while {go}:"), ctx.lowering.in_loop():
-    ctx.lowering.reset_comments()
-    mark = ctx.lowering.writes_mark()
+  with ctx.buf.indent(f"while {go}:"), ctx.host.in_loop():
+    ctx.host.reset_comments()
+    mark = ctx.host.writes_mark()
     new = ctx.lower_closed(body_jaxpr, bconsts + carries)
     _assign(ctx, carries, new)
     (pred,) = ctx.lower_closed(cond_jaxpr, cconsts + carries)
     ctx.emit(f"{go} = {_typed(pred)}")
-    ctx.lowering.end_of_loop_body(mark)
-  ctx.lowering.reset_comments()
+    ctx.host.end_of_loop_body(mark)
+  ctx.host.reset_comments()
   return carries
 
 
@@ -230,8 +230,8 @@ def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
                               int(unroll) > 1 and int(unroll) >= length)
   rng = "tl.static_range" if static else "tl.range"
   header = f"for {iv} in {rng}(0, {length}):"
-  with ctx.buf.indent(header), ctx.lowering.in_loop():
-    ctx.lowering.reset_comments()
+  with ctx.buf.indent(header), ctx.host.in_loop():
+    ctx.host.reset_comments()
     loop_args = list(carries)
     if counter is not None:
       start = init[counter]
@@ -243,13 +243,13 @@ def _scan(ctx, *args, jaxpr, length, reverse=False, unroll=1, **params):
         if start.dtype != np.int32:
           expr = f"{start.expr} + {iv}.to({_tl(start.dtype)})"
         loop_args[counter] = ctx.bind(expr, (), start.dtype, "index")
-    mark = ctx.lowering.writes_mark()
+    mark = ctx.host.writes_mark()
     new = ctx.lower_closed(jaxpr, consts + loop_args)
     targets = [c for c in carries if c is not None]
     values = [v for k, v in enumerate(new[:n_carry]) if k != counter]
     _assign(ctx, targets, values)
-    ctx.lowering.end_of_loop_body(mark)
-  ctx.lowering.reset_comments()
+    ctx.host.end_of_loop_body(mark)
+  ctx.host.reset_comments()
   outs = list(carries)
   if counter is not None:
     start = init[counter]
@@ -270,7 +270,7 @@ def _inline(ctx, *args, **params):
   body = call_body(params, args)
   if body is None:
     raise ctx.error(f"cannot inline '{ctx.primitive}': no jaxpr parameter")
-  return ctx.lowering.lower_jaxpr(*body)
+  return ctx.host.lower_jaxpr(*body)
 
 
 @register(ad_checkpoint.name_p)

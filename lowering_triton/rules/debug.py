@@ -49,7 +49,7 @@ def _prefixes(fmt: str, n: int) -> list[str]:
 
 @register(dsl_primitives.debug_print_p)
 def _debug_print(ctx, *args, fmt, **params):
-  ctx.lowering.has_side_effects = True
+  ctx.host.has_side_effects = True
   if not args:
     ctx.emit(f"tl.device_print({fmt!r})")
     return []
@@ -64,9 +64,9 @@ def _check(ctx, *args, err_tree, debug, **params):
     ctx.emit("# a debug-only check: skipped")
     return []
   error = tree_util.tree_unflatten(err_tree, list(args))
-  where = source_info_frame(ctx.eqn.source_info) or ctx.lowering.where
-  ctx.lowering.uses_asserts = True
-  ctx.lowering.has_side_effects = True
+  where = source_info_frame(ctx.eqn.source_info) or ctx.host.where
+  ctx.host.uses_asserts = True
+  ctx.host.has_side_effects = True
   for effect, failed in error._pred.items():
     code = error._code.get(effect) if isinstance(error._code, dict) else None
     code = int(code.literal) if getattr(code, "literal", None) is not None \

@@ -97,7 +97,7 @@ NAN_REDUCTIONS = {"_max_nan_combine": "max", "_min_nan_combine": "min",
 
 
 def _nan_reduce(ctx, source: str, name: str) -> str:
-  fn = ctx.lowering.need_helper(name, source)
+  fn = ctx.host.need_helper(name, source)
   return "tl.reduce({x}, {axis}, " + fn + ")"
 
 
@@ -142,7 +142,7 @@ def _min_combine(a, b):
 
 @register(lax.reduce_prod_p)
 def _prod(ctx, x, axes, **params):
-  fn = ctx.lowering.need_helper("_mul_combine", _MUL_COMBINE)
+  fn = ctx.host.need_helper("_mul_combine", _MUL_COMBINE)
   return _reduce(ctx, x, axes, "tl.reduce({x}, {axis}, " + fn + ")",
                  lambda d: 1, "prod")
 
@@ -157,7 +157,7 @@ def _arg(ctx, x, axes, fn: str, op: str, identity, hint: str):
     expr = f"tl.{fn}({expr}, axis={axis}, tie_break_left=True)"
     return ctx.finish(expr, out.shape, out.dtype, np.int32, hint=ctx.hint(hint))
   name = f"_{fn}_nan_combine"
-  helper = ctx.lowering.need_helper(
+  helper = ctx.host.need_helper(
       name, _ARG_NAN_COMBINE.format(name=name, op=op))
   values = ctx.bind_raw(expr, f"{hint}_values")
   shape = padded(x.shape)
@@ -185,10 +185,10 @@ def _cumulative(prim, template: str, identity, hint: str):
     expr = fill_padding(ctx, _input(ctx, x, cd), x.shape, [axis],
                         py_literal(identity(cd), cd))
     expr = template.format(x=expr, axis=axis, reverse=bool(reverse),
-                           max=ctx.lowering.need_helper("_max_combine",
+                           max=ctx.host.need_helper("_max_combine",
                                                         _MAX_COMBINE)
                            if "{max}" in template else "",
-                           min=ctx.lowering.need_helper("_min_combine",
+                           min=ctx.host.need_helper("_min_combine",
                                                         _MIN_COMBINE)
                            if "{min}" in template else "")
     return ctx.finish(expr, out.shape, out.dtype, cd, hint=ctx.hint(hint))

@@ -211,7 +211,7 @@ def _first_combine(a, b):
 
 
 def _first_combine(ctx) -> str:
-  return ctx.lowering.need_helper("_first_combine", _FIRST_COMBINE)
+  return ctx.host.need_helper("_first_combine", _FIRST_COMBINE)
 
 
 @register(lax.reshape_p)

@@ -9,7 +9,6 @@ back with `tl.where`.
 from __future__ import annotations
 
 import numpy as np
-from jax import tree_util
 from dsl.core.jax_internals import state_indexing as indexing, state_primitives
 
 from dsl.core import checks, config
@@ -17,6 +16,7 @@ from dsl.core import primitives as dsl_primitives
 from dsl.core import ref_ops
 from dsl.core.poison import poison_value
 from dsl.core.errors import source_info_frame
+from dsl.core.operand_layout import ref_operands
 from lowering_triton import dtypes, tma
 from lowering_triton.check_values import check_values_comment
 from lowering_triton.codegen import paren
@@ -30,11 +30,14 @@ from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
 from lowering_triton.values import TVal, full_expr, padded, py_literal
 
 
-def _transforms(ctx, tree, flat):
+def _operands(ctx, args, params):
+  """The ref primitive's operands by role (dsl.core.operand_layout), its
+  transforms read (an error naming the kernel where they cannot be)."""
+  ops = ref_operands(ctx.eqn.primitive, args, params)
   try:
-    return list(tree_util.tree_unflatten(tree, list(flat)))
-  except Exception as e:
-    raise ctx.error(f"cannot read the ref indexers: {e}")
+    return ops, ops.transforms
+  except ValueError as e:
+    raise ctx.error(str(e)) from e
 
 
 def _view(ctx, ref: MemRef, transforms, multiples=None,
@@ -53,7 +56,7 @@ def _view(ctx, ref: MemRef, transforms, multiples=None,
 def _with_proven(ctx, view: MemRef) -> MemRef:
   """`view` with the bounds of its run-time coordinates that the range
   analysis proves (no mask, no check there)."""
-  access = ctx.lowering.ranges.access(ctx.eqn) if view.dynamic else None
+  access = ctx.host.ranges.access(ctx.eqn) if view.dynamic else None
   if access is None or access.array_shape != view.array_shape:
     return view
   view = without_proven_wraps(view, access.index_inside)
@@ -112,11 +115,11 @@ def _window_check(ctx, name: str, verb: str, transforms, block):
   access = checks.window_access(verb, name, window, shape)
   message = checks.window_message(access, "{block}" if block else None,
                                   "{point}")
-  where = source_info_frame(ctx.eqn.source_info) or ctx.lowering.where
-  ctx.lowering.uses_asserts = True
-  ctx.lowering.has_side_effects = True
+  where = source_info_frame(ctx.eqn.source_info) or ctx.host.where
+  ctx.host.uses_asserts = True
+  ctx.host.has_side_effects = True
   return (checks.check_text(message, where),
-          check_values_comment(ctx.lowering, values, block))
+          check_values_comment(ctx.host, values, block))
 
 
 def poison(dtype) -> str:
@@ -130,7 +133,7 @@ def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
   when it is None, whatever the memory there holds (no `other`, so that
   Triton may copy the tile straight to shared memory; the host backends'
   loads give poison there: lowering_triton.interpret_memory)."""
-  ctx.lowering.before_read(view.ptr)
+  ctx.host.before_read(view.ptr)
   args = [ptr]
   if mask is not None:
     args.append(f"mask={mask}")
@@ -144,7 +147,7 @@ def _load(ctx, view: MemRef, ptr: str, mask: str | None, hint: str,
 
 def _store(ctx, ptr: str, value: str, mask: str | None, extra: str = "",
            base: str | None = None):
-  ctx.lowering.wrote(base or ptr.split(" ")[0])
+  ctx.host.wrote(base or ptr.split(" ")[0])
   args = [ptr, value]
   if mask is not None:
     args.append(f"mask={mask}")
@@ -333,12 +336,12 @@ def value_write(ctx, vref: ValueRef, transforms, v: TVal,
 # ------------------------------------------------------------- JAX state
 
 @register(state_primitives.get_p)
-def _get(ctx, ref, *flat, tree, **params):
-  transforms = _transforms(ctx, tree, flat)
+def _get(ctx, *args, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref = ops.ref
   if isinstance(ref, ValueRef):
     return value_read(ctx, ref, transforms, ctx.hint(ref.var))
-  view = _view(ctx, ref, transforms,
-               tma.index_multiples(ctx, tree, ctx.eqn.invars[1:]), gather=True)
+  view = _view(ctx, ref, transforms, tma.index_multiples(ctx), gather=True)
   loaded = tma.load(ctx, view, ctx.hint(view.base))
   if loaded is not None:
     return loaded
@@ -347,8 +350,9 @@ def _get(ctx, ref, *flat, tree, **params):
 
 
 @register(state_primitives.swap_p)
-def _swap(ctx, ref, val, *flat, tree, **params):
-  transforms = _transforms(ctx, tree, flat)
+def _swap(ctx, *args, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, val = ops.ref, ops.value
   if isinstance(ref, ValueRef):
     old = value_read(ctx, ref, transforms, "old") if ctx.out_used(0) else None
     value_write(ctx, ref, transforms, val)
@@ -364,8 +368,9 @@ def _swap(ctx, ref, val, *flat, tree, **params):
 
 
 @register(state_primitives.addupdate_p)
-def _addupdate(ctx, ref, val, *flat, tree, **params):
-  transforms = _transforms(ctx, tree, flat)
+def _addupdate(ctx, *args, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, val = ops.ref, ops.value
   cd = dtypes.compute_dtype(val.dtype)
   if isinstance(ref, ValueRef):
     cur = value_read(ctx, ref, transforms, "cur")
@@ -385,11 +390,6 @@ def _addupdate(ctx, ref, val, *flat, tree, **params):
 
 # ------------------------------------------------------------- dsl ref ops
 
-def _split_extra(flat, tree, n_extra):
-  n_idx = tree.num_leaves
-  return list(flat[:n_idx]), list(flat[n_idx:])
-
-
 def _hints(cache_modifier=None, eviction_policy=None, volatile=False) -> str:
   parts = []
   if cache_modifier:
@@ -402,13 +402,10 @@ def _hints(cache_modifier=None, eviction_policy=None, volatile=False) -> str:
 
 
 @register(ref_ops.masked_load_p)
-def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
-                 cache_modifier=None, eviction_policy=None, volatile=False,
-                 **params):
-  flat, extra = _split_extra(args, tree, has_mask + has_other)
-  transforms = _transforms(ctx, tree, flat)
-  mask = extra.pop(0) if has_mask else None
-  other = extra.pop(0) if has_other else None
+def _masked_load(ctx, *args, cache_modifier=None, eviction_policy=None,
+                 volatile=False, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, mask, other = ops.ref, ops.mask, ops.other
   if isinstance(ref, ValueRef):
     val = value_read(ctx, ref, transforms, ctx.hint("load"))
     if mask is None or other is None:   # masked-off lanes read the buffer
@@ -429,12 +426,9 @@ def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval,
 
 
 @register(ref_ops.masked_store_p)
-def _masked_store(ctx, ref, *args, tree, has_mask, eviction_policy=None,
-                  **params):
-  flat, extra = _split_extra(args, tree, 1 + has_mask)
-  transforms = _transforms(ctx, tree, flat)
-  val = extra[0]
-  mask = extra[1] if has_mask else None
+def _masked_store(ctx, *args, eviction_policy=None, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, val, mask = ops.ref, ops.value, ops.mask
   if isinstance(ref, ValueRef):
     value_write(ctx, ref, transforms, val, mask)
     return []
@@ -465,12 +459,10 @@ _ATOMIC_EXPR = {
 
 
 @register(ref_ops.atomic_rmw_p)
-def _atomic_rmw(ctx, ref, *args, tree, has_mask, op, out_aval, **params):
-  flat, extra = _split_extra(args, tree, 1 + has_mask)
-  transforms = _transforms(ctx, tree, flat)
-  val = extra[0]
-  mask = extra[1] if has_mask else None
-  ctx.lowering.has_side_effects = True
+def _atomic_rmw(ctx, *args, op, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, val, mask = ops.ref, ops.value, ops.mask
+  ctx.host.has_side_effects = True
   if isinstance(ref, ValueRef):
     # A scratch ref is private to the program: no atomicity is needed.
     old = value_read(ctx, ref, transforms, "old")
@@ -481,8 +473,8 @@ def _atomic_rmw(ctx, ref, *args, tree, has_mask, op, out_aval, **params):
   view = _view(ctx, ref, transforms)
   ptr, m = _address(ctx, view, "atomic update of",
                     mask.expr if mask is not None else None, transforms)
-  ctx.lowering.before_read(view.ptr)
-  ctx.lowering.wrote(view.ptr)
+  ctx.host.before_read(view.ptr)
+  ctx.host.wrote(view.ptr)
   call = f"tl.{_ATOMIC_NAMES[op]}({ptr}, {ctx.value(val)}"
   call += f", mask={m})" if m is not None else ")"
   if ctx.out_used(0):
@@ -492,10 +484,10 @@ def _atomic_rmw(ctx, ref, *args, tree, has_mask, op, out_aval, **params):
 
 
 @register(ref_ops.atomic_cas_p)
-def _atomic_cas(ctx, ref, *args, tree, out_aval, **params):
-  flat, (cmp, val) = _split_extra(args, tree, 2)
-  transforms = _transforms(ctx, tree, flat)
-  ctx.lowering.has_side_effects = True
+def _atomic_cas(ctx, *args, **params):
+  ops, transforms = _operands(ctx, args, params)
+  ref, cmp, val = ops.ref, ops.cmp, ops.value
+  ctx.host.has_side_effects = True
   if isinstance(ref, ValueRef):
     old = value_read(ctx, ref, transforms, "old")
     new = ctx.bind(f"tl.where({old.expr} == {ctx.value(cmp)}, {ctx.value(val)}"
@@ -509,8 +501,8 @@ def _atomic_cas(ctx, ref, *args, tree, out_aval, **params):
                     "is not proven inside the array) is not supported: "
                     "Triton's atomic_cas takes no mask")
   ptr, _ = emit_address(ctx, view)
-  ctx.lowering.before_read(view.ptr)
-  ctx.lowering.wrote(view.ptr)
+  ctx.host.before_read(view.ptr)
+  ctx.host.wrote(view.ptr)
   return ctx.bind(f"tl.atomic_cas({ptr}, {ctx.value(cmp)}, {ctx.value(val)})",
                   view.shape, view.dtype, ctx.hint("old"), pure=False)
 

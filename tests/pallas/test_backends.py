@@ -145,9 +145,9 @@ def test_mosaic_gpu_imports_without_the_tpu_lowering_or_verification():
 
 def test_lowering_mosaic_names_load_from_their_sub_packages():
   import lowering_mosaic
-  from lowering_mosaic.tpu import inspection
+  from lowering_mosaic.tpu import mlir_modules
   from lowering_mosaic.verification import interpreter, promela
-  assert lowering_mosaic.to_mlir is inspection.to_mlir
+  assert lowering_mosaic.to_mlir is mlir_modules.to_mlir
   assert lowering_mosaic.interpreter is interpreter
   assert lowering_mosaic.promela is promela
   assert lowering_mosaic.interpreter_options is interpreter.interpreter_options

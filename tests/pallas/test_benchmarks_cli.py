@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import autotune, sizes
-from benchmarks.errors import UsageError
+from benchmarks.usage_errors import UsageError
 from benchmarks.progress import Progress
 # The CLI runner and the per-test autotune cache (an autouse fixture).
 from tests.pallas.cli_testing import private_autotune_cache  # noqa: F401

@@ -12,7 +12,7 @@ import sys
 import jax
 import pytest
 
-from benchmarks.gpu_check import cli, plan, record, refresh, summary
+from benchmarks.gpu_check import cli, phases, record, refresh, summary
 from dsl.tools import gpu_defaults
 
 H200 = "NVIDIA H200"
@@ -21,18 +21,18 @@ H200 = "NVIDIA H200"
 # ------------------------------------------------------------ plan, args
 
 def test_the_plan_fits_in_eight_minutes():
-  assert plan.total_budget() <= plan.LIMIT_S == 480
-  assert all(p.budget_s > 0 for p in plan.PHASES)
-  assert plan.NAMES == ("tests", "triton", "attention", "mosaic", "quick",
+  assert phases.total_budget() <= phases.LIMIT_S == 480
+  assert all(p.budget_s > 0 for p in phases.PHASES)
+  assert phases.NAMES == ("tests", "triton", "attention", "mosaic", "quick",
                         "tune")
-  assert [p.name for p in plan.select(["tune", "tests"])] == ["tests", "tune"]
-  assert [p.name for p in plan.select(skip=["tests"])] == list(plan.NAMES[1:])
-  with pytest.raises(plan.PlanError, match="unknown phase 'x'"):
-    plan.select(["x"])
-  tests = plan.select(["tests"])[0]
+  assert [p.name for p in phases.select(["tune", "tests"])] == ["tests", "tune"]
+  assert [p.name for p in phases.select(skip=["tests"])] == list(phases.NAMES[1:])
+  with pytest.raises(phases.PlanError, match="unknown phase 'x'"):
+    phases.select(["x"])
+  tests = phases.select(["tests"])[0]
   assert tests.command("/o")[:4] == [sys.executable, "-m", "pytest", "-m"]
   assert tests.environment("/o")["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-  tune = plan.select(["tune"])[0]
+  tune = phases.select(["tune"])[0]
   assert tune.environment("/o")["DSL_AUTOTUNE_CACHE"] == "/o/autotune.json"
   assert "--tune-budget" in tune.command("/o")
 
@@ -41,7 +41,7 @@ def test_plan_and_usage_need_no_gpu(capsys):
   assert cli.main(["--plan", "--out", "/tmp/x"]) == 0
   out = capsys.readouterr().out
   assert "tests" in out and "$ python -m pytest -m gpu" in out
-  assert f"{plan.total_budget()}s" in out
+  assert f"{phases.total_budget()}s" in out
   assert cli.main(["--only", "nope"]) == 2
   assert "unknown phase 'nope'" in capsys.readouterr().err
   assert cli.main(["--no-such-flag"]) == 2
@@ -297,9 +297,9 @@ def test_backend_choice_from_triton_and_mosaic_gpu_rows(tables):
 # ------------------------------------------------------------ whole runs
 
 def test_a_phase_is_stopped_at_its_budget(tmp_path):
-  ok = plan.Phase("a", "t", 60, ("-c", "print('hi')"), None)
-  slow = plan.Phase("b", "t", 1, ("-c", "import time; time.sleep(30)"), None)
-  bad = plan.Phase("c", "t", 60, ("-c", "raise SystemExit(3)"), None)
+  ok = phases.Phase("a", "t", 60, ("-c", "print('hi')"), None)
+  slow = phases.Phase("b", "t", 1, ("-c", "import time; time.sleep(30)"), None)
+  bad = phases.Phase("c", "t", 60, ("-c", "raise SystemExit(3)"), None)
   r = cli.run_phase(ok, str(tmp_path))
   assert (r["status"], r["returncode"], r["tail"]) == ("ok", 0, "hi\n")
   r = cli.run_phase(slow, str(tmp_path))
@@ -328,15 +328,15 @@ def test_a_whole_check_with_fabricated_phases(tables, tmp_path, monkeypatch,
                              1.0e-3)],
            "meta": {"peak": {"bytes_per_s": 4.2e12},
                     "peak_notes": ["%peak: 1 row(s) ran above the copy"]}}
-  phases = (
-      plan.Phase("triton", "t", 60, _writer("triton.json", TRITON_OUT),
+  fake = (
+      phases.Phase("triton", "t", 60, _writer("triton.json", TRITON_OUT),
                  "triton.json"),
-      plan.Phase("quick", "t", 60, _writer("quick.json", quick), "quick.json"),
-      plan.Phase("tune", "t", 1, ("-c", "import time; time.sleep(30)"),
+      phases.Phase("quick", "t", 60, _writer("quick.json", quick), "quick.json"),
+      phases.Phase("tune", "t", 1, ("-c", "import time; time.sleep(30)"),
                  "tune.json"),
   )
-  monkeypatch.setattr(plan, "PHASES", phases)
-  monkeypatch.setattr(plan, "NAMES", tuple(p.name for p in phases))
+  monkeypatch.setattr(phases, "PHASES", fake)
+  monkeypatch.setattr(phases, "NAMES", tuple(p.name for p in fake))
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(cli, "environment", lambda: {
       "device_kind": H200, "device": {"compute_capability": "9.0"},

@@ -16,7 +16,7 @@ from dsl import tpu as pltpu
 import lowering_mosaic
 import lowering_mosaic.verify as verify
 from lowering_mosaic.verification import promela
-from lowering_mosaic.tpu.inspection import to_modules
+from lowering_mosaic.tpu.mlir_modules import to_modules
 from lowering_mosaic.verification.promela import spin as spin_mod
 from benchmarks import promela_corpus as corpus
 

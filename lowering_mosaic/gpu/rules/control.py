@@ -24,7 +24,7 @@ def _call(ctx, *args, **params):
 
 
 def _branch(ctx, closed, args):
-  outs = ctx.lower(closed.jaxpr, closed.consts, args)
+  outs = ctx.lower_closed(closed, args)
   scf.yield_(outs)
 
 
@@ -57,8 +57,7 @@ def _scan(ctx, *args, jaxpr, length, reverse, **params):
   lo, hi, one = (arith.constant(ir.IndexType.get(), v) for v in (0, length, 1))
   for_op = scf.ForOp(lo, hi, one, carry)
   with ir.InsertionPoint(for_op.body):
-    outs = ctx.lower(jaxpr.jaxpr, jaxpr.consts,
-                     consts + list(for_op.inner_iter_args))
+    outs = ctx.lower_closed(jaxpr, consts + list(for_op.inner_iter_args))
     scf.yield_(outs)
   return list(for_op.results)
 
@@ -72,13 +71,11 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
   op = scf.WhileOp(types, carry)
   before = op.before.blocks.append(*types)
   with ir.InsertionPoint(before):
-    (pred,) = ctx.lower(cond_jaxpr.jaxpr, cond_jaxpr.consts,
-                        cconsts + list(before.arguments))
+    (pred,) = ctx.lower_closed(cond_jaxpr, cconsts + list(before.arguments))
     scf.condition(pred, list(before.arguments))
   after = op.after.blocks.append(*types)
   with ir.InsertionPoint(after):
-    outs = ctx.lower(body_jaxpr.jaxpr, body_jaxpr.consts,
-                     bconsts + list(after.arguments))
+    outs = ctx.lower_closed(body_jaxpr, bconsts + list(after.arguments))
     scf.yield_(outs)
   return list(op.results)
 

@@ -156,7 +156,7 @@ def _wgmma(ctx, lhs, rhs, acc, dimension_numbers, precision):
   """One wgmma of `lhs` and `rhs` into `acc` (zeros if None)."""
   (lc, rc), (lb, rb) = dimension_numbers
   a_aval, b_aval = ctx.avals_in[:2]
-  out_aval = ctx.avals_out[0]
+  out_aval = ctx.out_aval
   if lb or rb or len(a_aval.shape) != 2 or len(b_aval.shape) != 2:
     raise ctx.error("only 2-D dots without batch dimensions lower to wgmma"
                     + TRITON_HINT)

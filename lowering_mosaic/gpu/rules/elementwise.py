@@ -17,7 +17,7 @@ from lowering_mosaic.gpu.rules import TABLE
 
 
 def _same_shape(ctx, args):
-  shape = tuple(ctx.avals_out[0].shape)
+  shape = tuple(ctx.out_aval.shape)
   return [to_shape(a, aval.shape, shape, aval.dtype)
           for a, aval in zip(args, ctx.avals_in[-len(args):])]
 
@@ -183,7 +183,7 @@ def _clamp(ctx, lo, x, hi, **_):
 def _select_n(ctx, which, *cases, **_):
   if len(cases) != 2:
     raise ctx.error("select_n with more than two cases is not supported")
-  shape = tuple(ctx.avals_out[0].shape)
+  shape = tuple(ctx.out_aval.shape)
   which = to_shape(which, ctx.avals_in[0].shape, shape, ctx.avals_in[0].dtype)
   if not dtypes.is_bool(ctx.avals_in[0].dtype):
     aval = ctx.avals_in[0]
@@ -226,7 +226,7 @@ def convert(x, src, dst, shape):
 @TABLE.register(lax.convert_element_type_p)
 def _convert(ctx, x, *, new_dtype, **_):
   return convert(x, ctx.avals_in[0].dtype, new_dtype,
-                 tuple(ctx.avals_out[0].shape))
+                 tuple(ctx.out_aval.shape))
 
 
 @TABLE.register(lax.bitcast_convert_type_p)

@@ -8,7 +8,6 @@ share it); scalars are `memref.load` / `memref.store`.
 """
 from __future__ import annotations
 
-from jax import tree_util
 from dsl.core.jax_internals import (arith, ir, memref,
                                     mosaic_gpu_dialect as mgpu,
                                     state_indexing as indexing,
@@ -18,6 +17,7 @@ from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes, ref_ops
+from dsl.core.operand_layout import ref_operands
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_to,
                                       is_vector, phys, to_index)
@@ -101,29 +101,32 @@ def store(ref: ir.Value, val: ir.Value) -> None:
   mgpu.vector_store(val, ref)
 
 
-def _unflatten(tree, idx):
-  return tree_util.tree_unflatten(tree, list(idx))
+def _window(ctx, args, params):
+  """The ref primitive's operands by role, and the window they access."""
+  ops = ref_operands(ctx.eqn.primitive, args, params)
+  return ops, window(ctx, ops.ref, ops.transforms)
 
 
 @TABLE.register(state_primitives.get_p)
-def _get(ctx, ref, *idx, tree):
-  return load(window(ctx, ref, _unflatten(tree, idx)))
+def _get(ctx, *args, **params):
+  return load(_window(ctx, args, params)[1])
 
 
 @TABLE.register(state_primitives.swap_p)
-def _swap(ctx, ref, val, *idx, tree):
-  view = window(ctx, ref, _unflatten(tree, idx))
+def _swap(ctx, *args, **params):
+  ops, view = _window(ctx, args, params)
   old = load(view) if ctx.out_used(0) else None
-  store(view, val)
-  return old if old is not None else val
+  store(view, ops.value)
+  return old if old is not None else ops.value
 
 
 @TABLE.register(state_primitives.addupdate_p)
-def _addupdate(ctx, ref, val, *idx, tree):
-  view = window(ctx, ref, _unflatten(tree, idx))
+def _addupdate(ctx, *args, **params):
+  ops, view = _window(ctx, args, params)
   old = load(view)
-  val = broadcast_to(val, phys(ctx.avals_in[1].shape)) if is_vector(old) \
-      else val
+  val = ops.value
+  if is_vector(old):
+    val = broadcast_to(val, phys(ctx.avals_in[1].shape))
   add = arith.addf if dtypes.is_float(ctx.avals_in[1].dtype) else arith.addi
   store(view, add(old, val))
   return []
@@ -141,21 +144,22 @@ TABLE.register(ref_ops.atomic_rmw_p, ref_ops.atomic_cas_p)(
 
 
 @TABLE.register(ref_ops.masked_load_p)
-def _masked_load(ctx, ref, *args, tree, has_mask, has_other, **_):
-  if has_mask:
+def _masked_load(ctx, *args, **params):
+  ops = ref_operands(ctx.eqn.primitive, args, params)
+  if ops.mask is not None:
     raise ctx.error("loads with a mask cannot be expressed in the Mosaic GPU "
                     "lowering (TMA fills out-of-bounds elements of edge "
                     "blocks with zeros; arbitrary masks need per-element "
                     "predication)" + TRITON_HINT)
-  return load(window(ctx, ref, _unflatten(tree, args[:tree.num_leaves])))
+  return load(window(ctx, ops.ref, ops.transforms))
 
 
 @TABLE.register(ref_ops.masked_store_p)
-def _masked_store(ctx, ref, *args, tree, has_mask, **_):
-  if has_mask:
+def _masked_store(ctx, *args, **params):
+  ops = ref_operands(ctx.eqn.primitive, args, params)
+  if ops.mask is not None:
     raise ctx.error("stores with a mask cannot be expressed in the Mosaic GPU "
                     "lowering (TMA clips edge blocks; arbitrary masks need "
                     "per-element predication)" + TRITON_HINT)
-  n = tree.num_leaves
-  store(window(ctx, ref, _unflatten(tree, args[:n])), args[n])
+  store(window(ctx, ops.ref, ops.transforms), ops.value)
   return []

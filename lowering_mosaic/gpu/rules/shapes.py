@@ -28,8 +28,8 @@ def _broadcast_in_dim(ctx, x, *_dyn, shape, broadcast_dimensions, **_):
 @TABLE.register(lax.reshape_p, lax.squeeze_p,
                 getattr(lax, "expand_dims_p", None))
 def _reshape_rule(ctx, x, *_dyn, **_):
-  return reshape(x, ctx.avals_in[0].shape, ctx.avals_out[0].shape,
-                 ctx.avals_out[0].dtype)
+  return reshape(x, ctx.avals_in[0].shape, ctx.out_aval.shape,
+                 ctx.out_aval.dtype)
 
 
 def _zeros(v) -> bool:

@@ -17,7 +17,7 @@ from lowering_mosaic.tpu.rules import register
 
 def _operands(ctx, args):
   """Operands broadcast to the output shape (jaxprs may mix in scalars)."""
-  out = ctx.avals_out[0]
+  out = ctx.out_aval
   return [emit.broadcast_to(a, out.shape, av.dtype)
           for a, av in zip(args, ctx.avals_in)]
 
@@ -176,7 +176,7 @@ def _integer_pow(ctx, x, *, y, **_):
 
 @register(lax.clamp_p)
 def _clamp(ctx, lo, x, hi, **_):
-  aval = ctx.avals_out[0]
+  aval = ctx.out_aval
   lo = emit.broadcast_to(lo, aval.shape, aval.dtype)
   hi = emit.broadcast_to(hi, aval.shape, aval.dtype)
   if emit.is_float(aval.dtype):
@@ -198,7 +198,7 @@ _UNSIGNED_CMP = {"eq": arith.CmpIPredicate.eq, "ne": arith.CmpIPredicate.ne,
 def _compare(kind):
   def rule(ctx, x, y, **_):
     dtype = ctx.avals_in[0].dtype
-    shape = ctx.avals_out[0].shape
+    shape = ctx.out_aval.shape
     x = emit.broadcast_to(x, shape, dtype)
     y = emit.broadcast_to(y, shape, dtype)
     if emit.is_float(dtype):
@@ -215,7 +215,7 @@ for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
 
 @register(lax.select_n_p)
 def _select_n(ctx, which, *cases, **_):
-  out = ctx.avals_out[0]
+  out = ctx.out_aval
   cases = [emit.broadcast_to(c, out.shape, out.dtype) for c in cases]
   waval = ctx.avals_in[0]
   if len(cases) == 1:
@@ -249,7 +249,7 @@ def _convert(ctx, x, *, new_dtype, weak_type=False, sharding=None):
 
 @register(lax.bitcast_convert_type_p)
 def _bitcast_convert(ctx, x, *, new_dtype):
-  aval, out = ctx.avals_in[0], ctx.avals_out[0]
+  aval, out = ctx.avals_in[0], ctx.out_aval
   if emit.bits(aval.dtype) != emit.bits(new_dtype):
     raise ctx.error("between types of different widths is not supported; "
                     "use dsl.tpu.bitcast")

@@ -48,7 +48,7 @@ def _eq(x, value, shape, dtype):
 
 
 def _int_operands(ctx, x, y):
-  out = ctx.avals_out[0]
+  out = ctx.out_aval
   dtype = ctx.avals_in[0].dtype
   return (emit.broadcast_to(x, out.shape, dtype),
           emit.broadcast_to(y, out.shape, dtype), out.shape, dtype)

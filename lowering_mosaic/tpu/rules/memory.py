@@ -12,13 +12,13 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
-from jax import tree_util
 from dsl.core.jax_internals import (arith, ir, memref,
                                     state_indexing as indexing,
                                     state_primitives, state_types, tpu,
                                     vector)
 
 from dsl.core import ref_ops
+from dsl.core.operand_layout import ref_operands
 from lowering_mosaic import dialect
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, to_i32, to_index
@@ -270,53 +270,52 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
     tpu.VectorStoreOp(val, ref.value, _indices(view), [])
 
 
-def _transforms(tree, flat):
-  return tree_util.tree_unflatten(tree, list(flat))
+def _view(ctx, args, params):
+  """The ref primitive's operands by role, and the view they access."""
+  ops = ref_operands(ctx.eqn.primitive, args, params)
+  return ops, view_of(ctx, ops.ref, ops.transforms)
 
 
 @register(state_primitives.get_p)
-def _get(ctx, ref, *flat, tree):
-  view = view_of(ctx, ref, _transforms(tree, flat))
+def _get(ctx, *args, **params):
+  _, view = _view(ctx, args, params)
   return load(ctx, view)
 
 
 @register(state_primitives.swap_p)
-def _swap(ctx, ref, val, *flat, tree):
-  view = view_of(ctx, ref, _transforms(tree, flat))
+def _swap(ctx, *args, **params):
+  ops, view = _view(ctx, args, params)
   old = load(ctx, view) if ctx.out_used(0) else None
-  store(ctx, view, val)
+  store(ctx, view, ops.value)
   return old
 
 
 @register(state_primitives.addupdate_p)
-def _addupdate(ctx, ref, val, *flat, tree):
-  view = view_of(ctx, ref, _transforms(tree, flat))
+def _addupdate(ctx, *args, **params):
+  ops, view = _view(ctx, args, params)
   old = load(ctx, view)
-  val = emit.broadcast_to(val, view.shape, ref.dtype)
-  add = arith.AddFOp if emit.is_float(ref.dtype) else arith.AddIOp
+  val = emit.broadcast_to(ops.value, view.shape, ops.ref.dtype)
+  add = arith.AddFOp if emit.is_float(ops.ref.dtype) else arith.AddIOp
   store(ctx, view, add(old, val).result)
   return []
 
 
 @register(ref_ops.masked_load_p)
-def _masked_load(ctx, ref, *args, tree, has_mask, has_other, out_aval, **_):
-  n = tree.num_leaves
-  view = view_of(ctx, ref, _transforms(tree, args[:n]))
-  extra = list(args[n:])
+def _masked_load(ctx, *args, **params):
+  ops, view = _view(ctx, args, params)
   x = load(ctx, view)
-  if has_mask:
-    mask = extra.pop(0)
-    other = extra.pop(0) if has_other else emit.zeros(view.shape, ref.dtype)
-    x = emit.select(mask, x, emit.broadcast_to(other, view.shape, ref.dtype))
+  if ops.mask is not None:
+    dtype = ops.ref.dtype
+    other = (ops.other if ops.other is not None
+             else emit.zeros(view.shape, dtype))
+    x = emit.select(ops.mask, x, emit.broadcast_to(other, view.shape, dtype))
   return x
 
 
 @register(ref_ops.masked_store_p)
-def _masked_store(ctx, ref, *args, tree, has_mask, **_):
-  n = tree.num_leaves
-  view = view_of(ctx, ref, _transforms(tree, args[:n]))
-  extra = list(args[n:])
-  store(ctx, view, extra[0], extra[1] if has_mask else None)
+def _masked_store(ctx, *args, **params):
+  ops, view = _view(ctx, args, params)
+  store(ctx, view, ops.value, ops.mask)
   return []
 
 

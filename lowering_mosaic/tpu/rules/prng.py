@@ -59,4 +59,4 @@ def _threefry_jaxpr(avals):
 @register(threefry2x32_p)
 def _threefry2x32(ctx, k1, k2, x1, x2):
   closed = _threefry_jaxpr(tuple(ctx.avals_in))
-  return ctx.lower(closed.jaxpr, closed.consts, [k1, k2, x1, x2])
+  return ctx.lower_closed(closed, [k1, k2, x1, x2])

@@ -38,13 +38,13 @@ def _reshape(ctx, x, *dyn, new_sizes, dimensions=None, sharding=None):
 
 @register(lax.squeeze_p)
 def _squeeze(ctx, x, *, dimensions):
-  aval, out = ctx.avals_in[0], ctx.avals_out[0]
+  aval, out = ctx.avals_in[0], ctx.out_aval
   return emit.reshape(x, aval.shape, out.shape, aval.dtype)
 
 
 @register(lax.transpose_p)
 def _transpose(ctx, x, *, permutation):
-  out = ctx.avals_out[0]
+  out = ctx.out_aval
   if tuple(permutation) == tuple(range(len(permutation))):
     return x
   return tpu.TransposeOp(emit.vtype(out.shape, out.dtype), x,
@@ -68,7 +68,7 @@ def _iota(ctx, *dyn, dtype, shape, dimension, sharding=None):
 def _concatenate(ctx, *xs, dimension):
   xs = [x for x, a in zip(xs, ctx.avals_in) if not has_zero_size(a)]
   if not xs:
-    return ZeroSize(ctx.avals_out[0])
+    return ZeroSize(ctx.out_aval)
   if len(xs) == 1:
     return xs[0]
   return tpu.ConcatenateOp(xs, dimension).result
@@ -95,7 +95,7 @@ def _extract(x, out, offsets, sizes):
 
 @register(lax.slice_p)
 def _slice(ctx, x, *, start_indices, limit_indices, strides):
-  aval, out = ctx.avals_in[0], ctx.avals_out[0]
+  aval, out = ctx.avals_in[0], ctx.out_aval
   strides = list(strides) if strides is not None else [1] * len(aval.shape)
   if any(s != 1 for s in strides):
     raise ctx.error("with strides is not supported by the Mosaic lowering")
@@ -119,7 +119,7 @@ def _split(ctx, x, *, sizes, axis):
 @register(lax_internal.unstack_p)
 def _unstack(ctx, x, *, axis):
   """One unit slice per index along `axis`, its dim dropped (as Pallas)."""
-  aval, out = ctx.avals_in[0], ctx.avals_out[0]
+  aval, out = ctx.avals_in[0], ctx.out_aval
   unit = list(aval.shape)
   unit[axis] = 1
   sliced = aval.update(shape=tuple(unit))
@@ -162,7 +162,7 @@ def _dot_general(ctx, lhs, rhs, *, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None, **params):
   (lc, rc), (lb, rb) = dimension_numbers
   la, ra = ctx.avals_in
-  out = ctx.avals_out[0]
+  out = ctx.out_aval
   if len(lc) != 1 or len(la.shape) < 2 or len(ra.shape) < 2:
     raise ctx.error("needs 2D (or batched 2D) operands with one contracting "
                     f"dim, got {la.str_short()} x {ra.str_short()}")

@@ -328,7 +328,7 @@ def _repeat(ctx, x, *, repeats, axis):
 
 @register(tpu_vector.bitcast_p)
 def _bitcast(ctx, x, *, ty):
-  out = ctx.avals_out[0]
+  out = ctx.out_aval
   return tpu.BitcastOp(emit.vtype(out.shape, out.dtype), x).result
 
 

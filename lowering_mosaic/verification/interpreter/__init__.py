@@ -1,6 +1,6 @@
 """The Mosaic MLIR interpreter behind the `"mosaic_interpret"` backend.
 
-- memory.py: buffers and memref views
+- buffers.py: buffers and memref views
 - value_ops.py: numpy meaning of arith/math/vector/tpu value ops
 - program.py: compiles a module into closures; memory, DMA, semaphore and
   control-flow ops

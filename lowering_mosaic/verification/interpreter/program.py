@@ -16,7 +16,7 @@ from dsl.core.jax_internals import ir
 from dsl.core import checks
 from dsl.core.jaxpr_walk import RuleTable
 from lowering_mosaic import dialect
-from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
+from lowering_mosaic.verification.interpreter.buffers import (Buffer, MemRef,
                                                              fresh_array,
                                                              poison_of)
 from lowering_mosaic.verification.interpreter.simulator import (

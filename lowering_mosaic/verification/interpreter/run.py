@@ -36,16 +36,16 @@ import numpy as np
 from dsl.core.jax_internals import core, ir
 
 from dsl.core import checks
-from dsl.core.revisits import FIX
+from dsl.core.output_revisits import FIX
 from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter import (prng)  # noqa: F401  (its ops)
+from lowering_mosaic.verification.interpreter.buffers import (Buffer, MemRef,
+                                                              fresh_array,
+                                                              poison_of,
+                                                              poison_of_dtype)
 from lowering_mosaic.verification.interpreter.cores import (claim_output_block,
                                                             core_points,
                                                             semantics_of)
-from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
-                                                             fresh_array,
-                                                             poison_of,
-                                                             poison_of_dtype)
 from lowering_mosaic.verification.interpreter.program import (CFunc, Frame,
                                                               compile_module,
                                                               run_block,

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from lowering_mosaic.verification.interpreter.memory import (Buffer, MemRef,
+from lowering_mosaic.verification.interpreter.buffers import (Buffer, MemRef,
                                                              boxes_overlap,
                                                              describe_box)
 

@@ -12,7 +12,7 @@ import numpy as np
 from dsl.core.jax_internals import ir
 
 from dsl.core.jaxpr_walk import RuleTable
-from lowering_mosaic.verification.interpreter.memory import MemRef
+from lowering_mosaic.verification.interpreter.buffers import MemRef
 from lowering_mosaic.verification.interpreter.simulator import (
     PREEMPT, KernelSimulationError, Wait)
 

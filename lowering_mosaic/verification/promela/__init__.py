@@ -11,7 +11,7 @@
   `jax_pallas_dump_promela_to` when that option is set (dump.py)
 - `run_spin(text)` -> `Report`: `spin -a`, gcc, `pan` (spin.py), with the
   counterexample trail translated to kernel source lines (trail.py)
-- errors.py: the errors a model reports, their codes and their messages
+- error_table.py: the errors a model reports, their codes and their messages
 
 See docs/verification.md.
 """
@@ -19,7 +19,7 @@ from lowering_mosaic.verification.promela.builder import (Options, build,
                                                           to_promela)
 from lowering_mosaic.verification.promela.dump import maybe_dump, write_model
 from lowering_mosaic.verification.promela.extract import ModelError, extract
-from lowering_mosaic.verification.promela.report import (KINDS, Report,
+from lowering_mosaic.verification.promela.spin_report import (KINDS, Report,
                                                          Reports, TrailStep)
 from lowering_mosaic.verification.promela.spin import (INSTALL_HINT, SpinError,
                                                        SpinNotFoundError,

@@ -24,7 +24,7 @@ The model (one Promela file, self-describing):
   of this file can be translated back to kernel source lines on its own.
 
 Failures print `@@E code args...` and then assert a variable whose name is
-the kind: `no_race`, `sem_balanced`, `valid_model` (errors.py holds the
+the kind: `no_race`, `sem_balanced`, `valid_model` (error_table.py holds the
 codes, their arguments and their messages).
 A blocked kernel process at the end of a run is SPIN's "invalid end state":
 a deadlock.
@@ -37,9 +37,9 @@ import importlib.resources
 import string
 from typing import Optional
 
-from lowering_mosaic.verification.promela import errors as E
+from lowering_mosaic.verification.promela import error_table as E
 from lowering_mosaic.verification.promela import model as M
-from lowering_mosaic.verification.promela.errors import fail
+from lowering_mosaic.verification.promela.error_table import fail
 from lowering_mosaic.verification.promela.extract import extract
 from lowering_mosaic.verification.promela.layout import Layout
 from lowering_mosaic.verification.promela.statements import (Lines, Statements,

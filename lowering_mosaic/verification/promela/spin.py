@@ -19,8 +19,8 @@ import time
 from typing import Optional
 
 from lowering_mosaic.verification.promela import trail as T
-from lowering_mosaic.verification.promela.errors import KIND_OF_ASSERTION
-from lowering_mosaic.verification.promela.report import Report
+from lowering_mosaic.verification.promela.error_table import KIND_OF_ASSERTION
+from lowering_mosaic.verification.promela.spin_report import Report
 
 INSTALL_HINT = ("SPIN (the Promela model checker) is needed to verify "
                 "kernels; install it with `apt-get install spin` (Debian/"

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lowering_mosaic.verification.promela import errors as E
+from lowering_mosaic.verification.promela import error_table as E
 from lowering_mosaic.verification.promela import model as M
-from lowering_mosaic.verification.promela.errors import fail
+from lowering_mosaic.verification.promela.error_table import fail
 from lowering_mosaic.verification.promela.layout import Layout
 
 

@@ -15,9 +15,9 @@ import os
 import re
 from typing import Optional
 
-from lowering_mosaic.verification.promela.errors import ERRORS
+from lowering_mosaic.verification.promela.error_table import ERRORS
 from lowering_mosaic.verification.promela.model import c_div, c_rem
-from lowering_mosaic.verification.promela.report import TrailStep
+from lowering_mosaic.verification.promela.spin_report import TrailStep
 
 
 def display_line(line: Optional[str]) -> Optional[str]:
@@ -381,7 +381,7 @@ def translate(info: ModelInfo, output: str, kind: str) -> Translation:
 
 def _message(info: ModelInfo, texts: _Texts, kind, error, pid, blocked):
   """(message, kernel line) of a failed run: its deadlock, or the error
-  its model printed (`@@E code args...`, worded from errors.ERRORS)."""
+  its model printed (`@@E code args...`, worded from error_table.ERRORS)."""
   if kind == "deadlock":
     if not blocked:
       return "deadlock: some process can never finish", None
@@ -401,7 +401,7 @@ def _message(info: ModelInfo, texts: _Texts, kind, error, pid, blocked):
 
 
 def _fields(info: ModelInfo, texts: _Texts, v: dict, pid) -> dict:
-  """The words for the arguments `v` of an error (see errors.py)."""
+  """The words for the arguments `v` of an error (see error_table.py)."""
   actor = info.procs.get(pid, "a process") if pid is not None else "a process"
   f = {"actor": actor.replace(" kernel", ""), "devices": info.devices}
   if "stmt" in v:

@@ -3,8 +3,8 @@
 prints the table of docs/verification.md: per kernel, the kind SPIN
 reported, the states it explored and the time it took.
 
-    .venv/bin/python scripts/promela_corpus.py            # markdown table
-    .venv/bin/python scripts/promela_corpus.py --json     # one JSON per line
+    .venv/bin/python scripts/promela_corpus_table.py            # markdown table
+    .venv/bin/python scripts/promela_corpus_table.py --json     # one JSON per line
 """
 from __future__ import annotations
 

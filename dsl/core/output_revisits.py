@@ -71,7 +71,7 @@ def check_output_revisits(kernel: str, gm, where, skip=()) -> None:
     return
   grid = tuple(int(g) for g in gm.grid)
   hidden = gm.num_hidden_axes
-  for bm in gm.block_mappings[gm.num_inputs:]:
+  for bm in gm.out_mappings:
     if bm.whole_array or not bm.block_shape or any(bm is s for s in skip):
       continue
     idx = gm.block_indices(bm)
