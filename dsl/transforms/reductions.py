@@ -34,16 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsl.core.dtypes import has_tangent
-from dsl.core.jax_internals import core
+from dsl.core.jax_internals import core, partial_eval as pe
 from dsl.core.memory import MemorySpace
 from dsl.core.pallas_call import KernelSpec, pallas_call_p
 from dsl.core.primitives import when
 from dsl.core.tracing import program_id
 from dsl.transforms.common import (block_spec_of, derived_spec,
-                                   discharged_point, point_function, sds,
-                                   split)
+                                   discharged_point, eval_ref_jaxpr,
+                                   point_function, sds, split)
 from dsl.transforms.dependencies import dependencies
-from dsl.transforms.points import transposed_point, zero_past_array
+from dsl.transforms.points import (overhangs, transposed_point,
+                                   zero_past_array)
 from dsl.transforms.revisits import (per_point_sds, per_point_spec,
                                      scatter_contributions, zero_unvisited)
 from dsl.transforms.simplify import simplify_closed
@@ -58,6 +59,10 @@ class Reduction:
   identity: tuple[int | None, ...]    # per state: output whose ct `c` is
   direct: tuple[int, ...]             # inputs only the last step reads
   const_dims: tuple[tuple[int, ...], ...]   # per input: dims it stays put
+  # The last step's tangent map reads the state it finds (a relu epilogue):
+  # that state is recorded per reduction, and every kernel here
+  # linearizes there (the other steps' maps read no state).
+  recorded: bool = False
 
 
 def _constant_dims(gm, bm) -> tuple[int, ...] | None:
@@ -130,15 +135,22 @@ def _steps(spec, d):
   return {s: at_step(dj, len(gm.grid), d, n, s, avals) for s in names}
 
 
-def find(spec: KernelSpec) -> Reduction | None:
+def find(spec: KernelSpec, reads_state: bool = False) -> Reduction | None:
   """The reduction structure of `spec` (see the module docstring), or None
-  when the kernel does not have it."""
+  when the kernel does not have it. `reads_state`: the kernel's tangent
+  map reads the state a step finds somewhere (`needs_entry_state`)."""
   d = _fits(spec)
   if d is None:
     return None
   gm = spec.grid_mapping
+  if reads_state and (d != len(gm.grid) - 1
+                      or any(overhangs(bm) for bm in gm.in_mappings)):
+    return None      # the record per reduction must be revisited in a row
   n_ids, n_in, n_out = len(gm.grid), gm.num_inputs, gm.num_outputs
   steps = _steps(spec, d)
+  if reads_state and any(_tangent_reads_state(j, n_ids, n_in)
+                         for s, j in steps.items() if s != "last"):
+    return None
   roles = {s: _roles(j, n_ids, n_in) for s, j in steps.items()}
   inputs = set(range(n_ids, n_ids + n_in))
   first, last = roles["first"], roles["last"]
@@ -169,7 +181,35 @@ def find(spec: KernelSpec) -> Reduction | None:
   if any(c is None for c in const):
     return None
   return Reduction(d, carried, _identities(spec, d, carried),
-                   tuple(sorted(k - n_ids for k in direct)), tuple(const))
+                   tuple(sorted(k - n_ids for k in direct)), tuple(const),
+                   reads_state)
+
+
+def _tangent_reads_state(closed, n_ids, n_in) -> bool:
+  """Whether the tangent map of the step `closed` (ids, inputs, state ->
+  inputs, state) depends on the state it finds."""
+  jx = closed.jaxpr
+  n = len(jx.invars)
+  floats = [k for k in range(n_ids, n) if has_tangent(jx.invars[k].aval.dtype)]
+
+  def jvp(*args):
+    primals, tangents = args[:n], args[n:]
+
+    def f(*xs):
+      full = list(primals)
+      for k, x in zip(floats, xs):
+        full[k] = x
+      return core.eval_jaxpr(jx, closed.consts, *full)
+    return jax.jvp(f, [primals[k] for k in floats], list(tangents))
+  avals = [sds(v.aval) for v in jx.invars]
+  traced = jax.make_jaxpr(jvp)(*avals, *[avals[k] for k in floats])
+  known, _, _, res_avals = pe.partial_eval_jaxpr_nounits(
+      traced, [False] * n + [True] * len(floats), instantiate=False)
+  deps = dependencies(known.jaxpr)
+  residuals = known.jaxpr.outvars[len(known.jaxpr.outvars) - len(res_avals):]
+  state = set(range(n_ids + n_in, n))
+  return any(isinstance(v, core.Var) and deps.get(v, set()) & state
+             for v in residuals)
 
 
 def _identities(spec, d, carried):
@@ -234,6 +274,49 @@ def _zero_states(gm):
   return [np.zeros(a.shape, a.dtype) for a in avals]
 
 
+def _entry_states(gm, rec_refs):
+  """The state a step finds, as the kernels here linearize at it: the
+  recorded state of the reduction's last step (`rec_refs`, one per state
+  block), or zeros where no step's tangent map reads it."""
+  if not rec_refs:
+    return _zero_states(gm)
+  return [r[...].reshape(a.shape) for r, a in zip(rec_refs,
+                                                   _state_shapes(gm))]
+
+
+def _record_at_last(spec, red, primals):
+  """Replays the forward kernel, recording the state its reduction's last
+  step finds, per reduction (arrays over the other grid dims)."""
+  gm = spec.grid_mapping
+  d, n, n_out = red.dim, len(gm.grid), gm.num_outputs
+  grid_p = tuple(s for e, s in enumerate(gm.grid) if e != d)
+  drop_d = lambda ids: [i for e, i in enumerate(ids) if e != d]
+  shapes = _state_shapes(gm)
+
+  def body(*refs):
+    ids = [program_id(e) for e in range(n)]
+    ins, outs, recs, scr = split(refs, gm.num_inputs, n_out, len(shapes),
+                                 len(gm.scratch_avals))
+
+    @when(ids[d] == gm.grid[d] - 1)
+    def _():
+      for r, state in zip(recs, list(outs) + list(scr)):
+        r[...] = state[...].reshape(r.shape)
+    eval_ref_jaxpr(spec.jaxpr, *ids, *ins, *outs, *scr)
+
+  out_shapes = ([sds(bm.array_aval) for bm in gm.out_mappings]
+                + [per_point_sds(a.shape, a.dtype, grid_p) for a in shapes])
+  out_specs = ([block_spec_of(bm, n) for bm in gm.out_mappings]
+               + [per_point_spec(a.shape, n, drop_d, n_lead=n - 1)
+                  for a in shapes])
+  rec = derived_spec(spec, body, [sds(bm.array_aval) for bm in gm.in_mappings],
+                     out_shapes, grid=gm.grid,
+                     in_specs=[block_spec_of(bm, n) for bm in gm.in_mappings],
+                     out_specs=out_specs, scratch=list(gm.scratch_avals),
+                     suffix="record")
+  return list(pallas_call_p.bind(*primals, spec=rec))[n_out:]
+
+
 def _state_shapes(gm):
   return ([bm.ref_aval.inner_aval for bm in gm.out_mappings]
           + [a.inner_aval for a in gm.scratch_avals])
@@ -245,7 +328,7 @@ def _with_dim(ids, d, value):
   return list(ids[:d]) + [value] + list(ids[d:])
 
 
-def _finalize(spec, red, in_nz, primals, ct_outs):
+def _finalize(spec, red, in_nz, primals, ct_outs, recs):
   """Runs the transposed last step over the other grid dims: the carried
   states' `c` (per point) and the direct inputs' cotangents."""
   gm = spec.grid_mapping
@@ -261,14 +344,15 @@ def _finalize(spec, red, in_nz, primals, ct_outs):
 
   def body(*refs):
     ids = full([program_id(e) for e in range(n_p)])
-    in_refs, ct_refs, c_refs, dir_refs = split(
-        refs, gm.num_inputs, n_out, sum(keep), len(direct))
+    in_refs, ct_refs, rec_refs, c_refs, dir_refs = split(
+        refs, gm.num_inputs, n_out, len(recs), sum(keep), len(direct))
     ins = [zero_past_array(r[...], bm, ids, [])
            for r, bm in zip(in_refs, gm.in_mappings)]
-    zeros = _zero_states(gm)
+    entry = _entry_states(gm, rec_refs)
     cts = [zero_past_array(r[...], bm, ids, [])
            for r, bm in zip(ct_refs, gm.out_mappings)]
-    tp = transposed_point(F, ids, [], ins, zeros[:n_out], zeros[n_out:], mask)
+    tp = transposed_point(F, ids, [], ins, entry[:n_out], entry[n_out:], mask)
+    zeros = _zero_states(gm)
     ct_tin, ct_tout, ct_tscr = tp((cts, zeros[n_out:]))
     found = iter(c_refs)
     for c, k in zip(list(ct_tout) + list(ct_tscr), keep):
@@ -280,9 +364,11 @@ def _finalize(spec, red, in_nz, primals, ct_outs):
 
   spec_of = lambda bm: block_spec_of(bm, n_p, full)
   args = ([sds(bm.array_aval) for bm in gm.in_mappings]
-          + [sds(bm.array_aval) for bm in gm.out_mappings])
+          + [sds(bm.array_aval) for bm in gm.out_mappings]
+          + [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in recs])
   in_specs = ([spec_of(bm) for bm in gm.in_mappings]
-              + [spec_of(bm) for bm in gm.out_mappings])
+              + [spec_of(bm) for bm in gm.out_mappings]
+              + [per_point_spec(a.shape, n_p) for a in shapes][:len(recs)])
   c_avals = [a for a, k in zip(shapes, keep) if k]
   dir_maps = [gm.in_mappings[k] for k in direct]
   out_shapes = ([per_point_sds(a.shape, a.dtype, grid_p) for a in c_avals]
@@ -295,7 +381,7 @@ def _finalize(spec, red, in_nz, primals, ct_outs):
                      suffix="finalize",
                      compiler_params=_semantics(spec, ("parallel",) * n_p))
   fin = fin.replace(jaxpr=simplify_closed(fin.jaxpr))
-  outs = list(pallas_call_p.bind(*primals, *ct_outs, spec=fin))
+  outs = list(pallas_call_p.bind(*primals, *ct_outs, *recs, spec=fin))
   cs, dirs = outs[:len(c_avals)], outs[len(c_avals):]
   fgm = fin.grid_mapping
   dir_cts = {k: scatter_contributions(c, fgm.in_mappings[k], grid_p, ())
@@ -322,7 +408,7 @@ def _groups(red, in_nz, n_in):
   return groups
 
 
-def _accumulating(spec, red, const, ks, primals, feed_args):
+def _accumulating(spec, red, const, ks, primals, feed_args, recs):
   """The kernel summing the cotangents of inputs `ks`, whose blocks stay
   put along grid dims `const`: its grid visits those dims innermost and
   accumulates each block in scratch over them."""
@@ -354,14 +440,14 @@ def _accumulating(spec, red, const, ks, primals, feed_args):
   def body(*refs):
     raw = [program_id(p) for p in range(n)]
     ids = to_orig(raw)
-    in_refs, feed_refs, out_refs, acc_refs = split(
-        refs, gm.num_inputs, len(feed_args), len(ks),
+    in_refs, feed_refs, rec_refs, out_refs, acc_refs = split(
+        refs, gm.num_inputs, len(feed_args), len(recs), len(ks),
         len(ks) if inner else 0)
     ins = [zero_past_array(r[...], bm, ids, [])
            for r, bm in zip(in_refs, gm.in_mappings)]
-    zeros = _zero_states(gm)
+    entry = _entry_states(gm, rec_refs)
     fed = feeds_at(feed_refs, ids)
-    tp = transposed_point(F, ids, [], ins, zeros[:n_out], zeros[n_out:], mask)
+    tp = transposed_point(F, ids, [], ins, entry[:n_out], entry[n_out:], mask)
     ct_tin = tp((fed[:n_out], fed[n_out:]))[0]
     if not inner:
       for r, c in zip(out_refs, ct_tin):
@@ -395,8 +481,10 @@ def _accumulating(spec, red, const, ks, primals, feed_args):
       feed_specs.append(spec_of(gm.out_mappings[j]) if j is not None
                         else per_point_spec(a.shape, n, drop_d, n_lead=n - 1))
   args = [sds(bm.array_aval) for bm in gm.in_mappings] + [
-      jax.ShapeDtypeStruct(x.shape, x.dtype) for x in feed_args]
-  in_specs = [spec_of(bm) for bm in gm.in_mappings] + feed_specs
+      jax.ShapeDtypeStruct(x.shape, x.dtype) for x in feed_args + recs]
+  in_specs = ([spec_of(bm) for bm in gm.in_mappings] + feed_specs
+              + [per_point_spec(a.shape, n, drop_d, n_lead=n - 1)
+                 for a in shapes][:len(recs)])
   scratch = ([jax.ShapeDtypeStruct(bm.kernel_shape, t)
               for bm, t in zip(maps, acc_dtypes)] if inner else [])
   semantics = ["parallel"] * (n - len(const)) + ["arbitrary"] * len(const)
@@ -407,7 +495,7 @@ def _accumulating(spec, red, const, ks, primals, feed_args):
                      suffix="transpose",
                      compiler_params=_semantics(spec, semantics))
   acc = acc.replace(jaxpr=simplify_closed(acc.jaxpr))
-  outs = pallas_call_p.bind(*primals, *feed_args, spec=acc)
+  outs = pallas_call_p.bind(*primals, *feed_args, *recs, spec=acc)
   return [zero_unvisited(c, bm, grid) for c, bm in zip(outs, maps)]
 
 
@@ -418,12 +506,13 @@ def transpose(spec: KernelSpec, red: Reduction, in_nz, primals, ct_outs):
   fin_needed = (any(c and j is None for c, j in zip(red.carried,
                                                       red.identity))
                 or any(in_nz[k] for k in red.direct))
-  cs, got = (_finalize(spec, red, in_nz, primals, ct_outs) if fin_needed
-             else ([], {}))
+  recs = _record_at_last(spec, red, primals) if red.recorded else []
+  cs, got = (_finalize(spec, red, in_nz, primals, ct_outs, recs)
+             if fin_needed else ([], {}))
   cs = iter(cs)
   feed_args = [ct_outs[j] if j is not None else next(cs)
                for c, j in zip(red.carried, red.identity) if c]
   for const, ks in _groups(red, in_nz, gm.num_inputs).items():
     got.update(zip(ks, _accumulating(spec, red, const, ks, primals,
-                                     feed_args)))
+                                     feed_args, recs)))
   return [got[k] for k in range(gm.num_inputs) if in_nz[k]]

@@ -463,7 +463,8 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   ct_outs = [jnp.asarray(c).astype(bm.array_aval.dtype) for c, bm in
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
   recorded = needs_entry_state(base) or any(written_prefetch(base))
-  red = None if recorded else reductions.find(base)
+  red = None if any(written_prefetch(base)) else reductions.find(
+      base, reads_state=recorded)
   if red is not None:
     ct_ins = reductions.transpose(base, red, in_nz, primals, ct_outs)
     return [None] * n_primals + [sharded_like(c, getattr(t, "aval", None))

@@ -100,25 +100,30 @@ _SHAPES = {"interpret": [(64, 64, 64, (32, 32, 16)),
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("bias", [False, True])
-def test_matmul_grads_match_the_reference(backend, bias):
+@pytest.mark.parametrize("bias,act", [(False, None), (True, None),
+                                      (True, "relu"), (False, "gelu")])
+def test_matmul_grads_match_the_reference(backend, bias, act):
   for m, k, n, blocks in _SHAPES[backend]:
     x, y, b, ct = _data((m, k), (k, n), (n,), (m, n))
     b = b if bias else None
     argnums = (0, 1, 2) if bias else (0, 1)
 
     def loss(x, y, b):
-      return jnp.sum(mm.matmul_2d(x, y, b, backend=backend,
+      return jnp.sum(mm.matmul_2d(x, y, b, activation=act, backend=backend,
                                   blocks=blocks) * ct)
     got = jax.grad(loss, argnums)(x, y, b)
-    want = jax.grad(lambda x, y, b: jnp.sum(mm.reference(x, y, bias=b) * ct),
-                    argnums)(x, y, b)
+    want = jax.grad(lambda x, y, b: jnp.sum(
+        mm.reference(x, y, bias=b, activation=act) * ct), argnums)(x, y, b)
     for g, w in zip(got, want):
       np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
     names = _kernels(jax.grad(loss, argnums), x, y, b)
-    # No recording pass; the epilogue's own kernel only for the bias.
-    assert names == ["matmul"] + ["matmul_finalize"] * bias + [
-        "matmul_transpose"] * 2, names
+    if act is not None and k % blocks[2]:
+      continue       # a partial K block: the per-point derivation
+    # A recording pass only for a nonlinear epilogue, which also has its
+    # own kernel, as the bias has.
+    assert names == (["matmul"] + ["matmul_record"] * (act is not None)
+                     + ["matmul_finalize"] * (bias or act is not None)
+                     + ["matmul_transpose"] * 2), names
 
 
 def test_accumulating_kernels_keep_outer_dims_parallel():
