@@ -28,8 +28,7 @@ import jax
 
 from dsl.core import config
 from dsl.core.errors import BackendError
-from dsl.core.fallbacks import missing as missing_rules
-from dsl.core.normalize import normalize
+from dsl.core.normalize import missing as missing_rules, normalize
 
 
 @dataclasses.dataclass

@@ -72,7 +72,7 @@ def missing(rules) -> frozenset:
 def applies(primitive, avals_in: Iterable, primitives: frozenset) -> bool:
   """Whether an equation of `primitive` over operands of `avals_in` is
   replaced by its fallback, when `primitives` are the ones replaced."""
-  if primitive not in primitives:
+  if primitive not in primitives or primitive not in FALLBACKS:
     return False
   return all(FALLBACKS[primitive].serves(a.dtype) for a in avals_in)
 

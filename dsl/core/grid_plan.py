@@ -191,27 +191,23 @@ def check_parallel_carries(spec, compiler_params, where: str) -> None:
   """A grid dim declared "parallel" may not carry scratch from one step to
   the next: its steps run at once (vectorized on the CPU, as separate
   programs on a GPU, split over cores on a TPU). When a scratch buffer is
-  read at a step before it is written and no grid dim runs in order (none
-  revisits output blocks or is declared "arbitrary"), the carry is along
-  the "parallel" dims: a KernelError where the kernel certainly reads it
-  first, a KernelWarning where it may (a read under `pl.when` or in a loop
-  before any write)."""
+  read at a step before it is written, it is carried along every grid dim,
+  or, where the kernel writes it whole first whenever a dim `d` starts over
+  (`reset_dim`), along `d` and the dims after it. Where one of those that
+  take steps runs in order (revisits output blocks or is declared
+  "arbitrary"), the carry is taken to go along it (the cores of a chip run
+  their shares of the leading parallel dims in order); where none does, the
+  carry is along the "parallel" ones: a KernelError where the kernel
+  certainly reads it first, a KernelWarning where it may (a read under
+  `pl.when` or in a loop before any write)."""
   gm = spec.grid_mapping
-  rank = len(gm.grid)
-  sem = declared_semantics(compiler_params, rank, gm.num_hidden_axes)
+  sem = declared_semantics(compiler_params, len(gm.grid), gm.num_hidden_axes)
   if sem is None:
     return
-  found = first_carried_scratch(spec.jaxpr, len(gm.scratch_avals))
+  found = _parallel_carry(spec, sem)
   if found is None:
     return
-  forced = tuple(d for d in range(rank) if sem[d] == "arbitrary")
-  if any(_steps(gm.grid[d]) for d in _plan_cached(gm, forced).sequential):
-    return
-  dims = [d - gm.num_hidden_axes for d in range(gm.num_hidden_axes, rank)
-          if _steps(gm.grid[d])]
-  if not dims:
-    return
-  k, eqn, certain = found
+  k, eqn, certain, dims = found
   name = spec.ref_labels()[-len(gm.scratch_avals) + k]
   what = (f"grid dim {dims[0]} is" if len(dims) == 1 else
           f"grid dims {', '.join(map(str, dims))} are")
@@ -229,6 +225,32 @@ def check_parallel_carries(spec, compiler_params, where: str) -> None:
     raise KernelError(spec.name, message, line, operand="compiler_params")
   warnings.warn(KernelWarning(spec.name, message, line,
                               operand="compiler_params"), stacklevel=3)
+
+
+def _parallel_carry(spec, sem):
+  """(k, eqn, certain, dims) for the first scratch ref `k` that a grid step
+  may read before writing it (`eqn`: its first use; `certain`: see
+  `first_read_before_write`) and carries along parallel grid dims only:
+  `dims`, numbered as the user's grid; or None."""
+  gm = spec.grid_mapping
+  rank, hidden, n = len(gm.grid), gm.num_hidden_axes, len(gm.scratch_avals)
+  if spec.jaxpr is None or not n:
+    return None
+  forced = tuple(d for d in range(rank) if sem[d] == "arbitrary")
+  sequential = None
+  invars = spec.jaxpr.jaxpr.invars
+  for k, ref in enumerate(invars[len(invars) - n:]):
+    found = first_read_before_write(spec.jaxpr, [ref])
+    if found is None:
+      continue
+    reset = reset_dim(spec.jaxpr, ref, rank)
+    carrying = [d for d in range(reset or 0, rank) if _steps(gm.grid[d])]
+    if sequential is None:
+      sequential = _plan_cached(gm, forced).sequential
+    dims = [d - hidden for d in carrying if d >= hidden]
+    if dims and not set(carrying) & set(sequential):
+      return k, found[1], found[2], dims
+  return None
 
 
 def _steps(size) -> bool:

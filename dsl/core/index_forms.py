@@ -24,6 +24,11 @@ compiled lowering (`dsl.core.normalize`):
   (scatter-add) or, for a scatter, reduced to the last update that writes
   each row, then gathered.
 
+For a lowering without a gather rule (Mosaic), only the forms without a
+gather are made (a scatter-add by the onehot compare, summed); gathers and
+scatters that would need one stay as they are, and that lowering refuses
+them by their own names.
+
 The structure of an index array comes from the jaxpr that computes it:
 `Scope` holds the producer of each variable of the jaxpr being retraced and
 the values the retrace gave them.
@@ -210,8 +215,10 @@ def take(x, axis: int, index, mode=None, fill_value=None):
                     fill_value=fill_value)
 
 
-def _gather_form(scope: Scope, eqn) -> list[Component] | None:
+def _gather_form(scope: Scope, eqn, gathers: bool) -> list[Component] | None:
   x, indices = eqn.invars
+  if not gathers:
+    return None
   rank = len(x.aval.shape)
   dn = eqn.params["dimension_numbers"]
   if (rank < 2 or not _point_dnums(dn, rank)
@@ -241,14 +248,18 @@ def _gather(scope: Scope, eqn, comps, x, indices):
 
 # -- scatters ----------------------------------------------------------------
 
-def _scatter_form(scope: Scope, eqn) -> tuple[int, Component] | None:
-  """(axis, its index component) of a scatter along one axis."""
+def _scatter_form(scope: Scope, eqn,
+                  gathers: bool) -> tuple[int, Component, bool] | None:
+  """(axis, its index component, `gathers`) of a scatter along one axis;
+  without gathers, only a scatter-add has a form."""
+  if not gathers and eqn.primitive is not lax.scatter_add_p:
+    return None
   operand, indices, _ = eqn.invars
   shape = tuple(operand.aval.shape)
   dn = eqn.params["dimension_numbers"]
   axis = one_axis(dn, len(shape), indices.aval.shape)
   if axis is not None:
-    return axis, Component(indices, 0)
+    return axis, Component(indices, 0), gathers
   if (not shape or not _point_dnums(dn, len(shape))
       or len(indices.aval.shape) != len(shape) + 1):
     return None
@@ -263,7 +274,7 @@ def _scatter_form(scope: Scope, eqn) -> tuple[int, Component] | None:
   if len(moving) > 1:
     return None
   axis = moving[0] if moving else 0
-  return axis, comps[axis]
+  return axis, comps[axis], gathers
 
 
 def _runs(values: np.ndarray, keep: np.ndarray):
@@ -387,10 +398,11 @@ def _set_onehot(operand, updates, axis: int, index):
 
 
 def _scatter(scope: Scope, eqn, form, operand, indices, updates):
-  axis, comp = form
+  axis, comp, gathers = form
   m, n = operand.shape[axis], updates.shape[axis]
   index = _vector(scope, comp, n)
-  static = _static_vector(scope, comp, n)
+  # Runs place updates by gathers and pads: without gathers, the onehot form.
+  static = _static_vector(scope, comp, n) if gathers else None
   clip = (lax.GatherScatterMode.from_any(eqn.params["mode"])
           == lax.GatherScatterMode.CLIP)
   if clip:
@@ -411,8 +423,8 @@ def _scatter(scope: Scope, eqn, form, operand, indices, updates):
   return (_add_onehot if add else _set_onehot)(operand, updates, axis, index)
 
 
-# primitive -> (form(scope, eqn): what the rewrite needs, or None where it
-# does not apply; rewrite(scope, eqn, form, *operands)).
+# primitive -> (form(scope, eqn, gathers): what the rewrite needs, or None
+# where it does not apply; rewrite(scope, eqn, form, *operands)).
 REWRITES = {
     lax.gather_p: (_gather_form, _gather),
     lax.scatter_p: (_scatter_form, _scatter),
@@ -420,10 +432,11 @@ REWRITES = {
 }
 
 
-def form(scope: Scope, eqn):
-  """What rewriting `eqn` needs, or None when it stays as it is."""
+def form(scope: Scope, eqn, gathers: bool = True):
+  """What rewriting `eqn` needs, or None when it stays as it is;
+  `gathers`: whether the lowering has a gather rule."""
   entry = REWRITES.get(eqn.primitive)
-  return None if entry is None else entry[0](scope, eqn)
+  return None if entry is None else entry[0](scope, eqn, gathers)
 
 
 def rewrite(scope: Scope, eqn, form_, invals: Sequence):

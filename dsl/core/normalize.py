@@ -17,6 +17,9 @@ For a lowering whose rule table has no rule for a primitive of
 `dsl.core.fallbacks.FALLBACKS` (math such as `erf_inv`, `cbrt`, `atan2`),
 `normalize(spec, missing=...)` also replaces its equations with the
 fallback's lax operations, which that lowering's own rules then lower.
+Gathers and scatters of values become the forms of `dsl.core.index_forms`;
+for a lowering without a `gather` rule (`gather` in `missing`), only those
+that need no gather.
 
 Primitives not in the table pass through unchanged, so a kernel that holds
 none of them comes back equal (and `normalize` returns the same spec).
@@ -396,8 +399,12 @@ def _eval(jaxpr: core.Jaxpr, consts, args) -> list:
 
 def _index_form(scope: index_forms.Scope, eqn):
   """What rewriting a gather or scatter into the forms the lowerings
-  handle needs (dsl.core.index_forms), or None; only when normalizing."""
-  return index_forms.form(scope, eqn) if _INDEX_FORMS.get() else None
+  handle needs (dsl.core.index_forms), or None; only when normalizing, and
+  into forms without a gather where the lowering has no gather rule."""
+  if not _INDEX_FORMS.get():
+    return None
+  return index_forms.form(scope, eqn,
+                          gathers=lax.gather_p not in _FALLBACKS.get())
 
 
 def needs_normalizing(jaxpr: core.Jaxpr) -> bool:
@@ -424,8 +431,9 @@ def _rewritten(eqn, scope: index_forms.Scope) -> bool:
 
 # The rewrites in force: DECOMPOSITIONS, plus VALUES_IN_MEMORY for Mosaic.
 _RULES = contextvars.ContextVar("normalize_rules", default=DECOMPOSITIONS)
-# The primitives replaced by their fallback (dsl.core.fallbacks): those the
-# lowering's rule table has no rule for.
+# The primitives the lowering's rule table has no rule for (`missing`): those
+# of dsl.core.fallbacks are replaced by their fallback; without `gather`,
+# gathers and scatters get only the index forms that need none.
 _FALLBACKS = contextvars.ContextVar("normalize_fallbacks",
                                     default=frozenset())
 # Whether gathers and scatters become the forms the lowerings handle (not
@@ -442,6 +450,14 @@ def _holds_fallback(jaxpr: core.Jaxpr) -> bool:
   return any(_falls_back(eqn)
              or any(_holds_fallback(j) for j in sub_jaxprs(eqn.params))
              for eqn in jaxpr.eqns)
+
+
+def missing(rules) -> frozenset:
+  """The primitives `normalize(spec, missing=...)` is told a lowering whose
+  rule table is `rules` (`p in rules` asks it) has no rule for: those of
+  `dsl.core.fallbacks.FALLBACKS`, and `gather`."""
+  return fallbacks.missing(rules) | frozenset(
+      p for p in (lax.gather_p,) if p not in rules)
 
 
 @contextlib.contextmanager

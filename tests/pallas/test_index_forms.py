@@ -15,7 +15,8 @@ from jax import lax
 
 import dsl as pl
 from dsl import triton as plgpu
-from dsl.core.normalize import normalize_closed
+from dsl.core import backends
+from dsl.core.normalize import missing as normalize_missing, normalize_closed
 from tests.pallas.testing import (assert_all_equal, run_backends, run_on,
                                   uniform_arrays)
 
@@ -31,11 +32,15 @@ def _value_kernel(fn):
   return kernel
 
 
-def _check(fn, out_shape, *args):
+def _check_on(backends_, fn, out_shape, *args):
   want = fn(*args)
-  results = run_backends(BACKENDS, _value_kernel(fn),
+  results = run_backends(backends_, _value_kernel(fn),
                          jax.ShapeDtypeStruct(out_shape, want.dtype), *args)
   assert_all_equal(results, want)
+
+
+def _check(fn, out_shape, *args):
+  _check_on(BACKENDS, fn, out_shape, *args)
 
 
 _X = jnp.arange(10, dtype=f32) * 3 + 1
@@ -153,3 +158,48 @@ def test_grads_through_indexed_ref_reads(backend):
   got = jax.jit(lambda p: jax.vjp(paged, p)[1](ct)[0])(pages)
   want = jax.vjp(lambda p: jnp.tanh(p[table]) * 2.0, pages)[1](ct)[0]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# -- on Mosaic, which has no gather rule ------------------------------------
+
+_ROWS = jnp.array([3, 0, 1, 1, 7, 1, 1, 1], jnp.int32)
+_BLOCK = jnp.arange(8 * 128, dtype=f32).reshape(8, 128)
+
+
+def _scatter_set(x_ref, i_ref, u_ref, o_ref):
+  o_ref[...] = x_ref[...].at[i_ref[...]].set(u_ref[...])
+
+
+def _row_gather(x_ref, r_ref, c_ref, o_ref):
+  o_ref[...] = x_ref[...][r_ref[...][:, None], c_ref[...][None, :]]
+
+
+def test_scatter_add_runs_on_mosaic_without_a_gather():
+  """Mosaic has no gather rule: a scatter-add gets the onehot form, which
+  needs none, and agrees with jax.numpy and Pallas."""
+  closed = normalize_closed(
+      jax.make_jaxpr(lambda x, i, u: x.at[i].add(u))(_BLOCK, _ROWS, _BLOCK),
+      missing=normalize_missing(backends.rule_table("mosaic_interpret")))
+  prims = {e.primitive for e in closed.jaxpr.eqns}
+  assert not prims & {lax.gather_p, lax.scatter_add_p}, prims
+  _check_on(("mosaic_interpret",), lambda x, i, u: x.at[i].add(u),
+            (8, 128), _BLOCK, _ROWS, -_BLOCK)
+
+
+@pytest.mark.parametrize("kernel,primitive,args", [
+    (_scatter_set, "scatter", (_BLOCK, _ROWS, _BLOCK)),
+    (_row_gather, "gather", (_BLOCK, _ROWS, jnp.arange(128, dtype=jnp.int32))),
+])
+def test_mosaic_refuses_a_scatter_or_gather_by_its_own_name(kernel, primitive,
+                                                            args):
+  """A scatter (or a gather) whose index form would need a gather is left
+  as the user wrote it: Mosaic refuses it naming the kernel, that
+  primitive and the user's line."""
+  with pytest.raises(pl.KernelError) as info:
+    run_on("mosaic_interpret", kernel, jax.ShapeDtypeStruct((8, 128), f32),
+           *args)
+  msg = str(info.value)
+  assert f"primitive '{primitive}' is not supported" in msg, msg
+  assert f"kernel '{kernel.__name__}'" in msg, msg
+  line = kernel.__code__.co_firstlineno + 1
+  assert f"{__file__}:{line}" in msg, msg

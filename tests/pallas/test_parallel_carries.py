@@ -110,3 +110,59 @@ def test_carry_along_a_reduction_axis_beside_a_parallel_dim():
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary")))(x)
   np.testing.assert_array_equal(out, np.full((16, 128), 4.0, np.float32))
+
+
+def _accumulate_over_dim(d):
+  """Sums the x blocks along grid dim `d` into scratch, reset (written
+  whole, by a `[:, :]` store as Pallas's flash attention backward writes
+  its dk/dq scratch) when dim `d` starts over; the output block gets the
+  running sum at every step."""
+  def kernel(x_ref, o_ref, acc_ref):
+    @pl.when(pl.program_id(d) == 0)
+    def _():
+      acc_ref[:, :] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+    acc_ref[...] += x_ref[...]
+    o_ref[...] = acc_ref[...]
+  return kernel
+
+
+def _heads_call(kernel, grid, sem, backend):
+  """x (heads, steps * 8, 128) on a grid (heads, steps), as flash
+  attention's backward kernels have it: heads parallel, the reduction
+  arbitrary; the output block of each step its own."""
+  h, s = grid
+  spec = pl.BlockSpec((None, 8, 128), lambda i, j: (i, j, 0))
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((h, s * 8, 128), jnp.float32), grid=grid,
+      in_specs=[spec], out_specs=spec,
+      scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=sem),
+      backend=backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("steps", [1, 3])
+def test_scratch_reset_at_the_start_of_an_arbitrary_dim(backend, steps):
+  """Reset whenever the arbitrary dim starts over, the scratch carries
+  along that dim only, never along the parallel one before it, even where
+  the arbitrary dim takes one step (no dim then runs in order): no
+  warning, and each head gets its own running sum."""
+  x = jnp.arange(2 * steps * 8 * 128, dtype=jnp.float32).reshape(
+      2, steps * 8, 128)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", pl.KernelWarning)
+    out = _heads_call(_accumulate_over_dim(1), (2, steps),
+                      ("parallel", "arbitrary"), backend)(x)
+  want = np.cumsum(np.asarray(x).reshape(2, steps, 8, 128), axis=1)
+  np.testing.assert_array_equal(out, want.reshape(x.shape))
+
+
+def test_a_reset_does_not_excuse_the_parallel_dim_it_resets_along():
+  """Reset when the parallel dim 1 starts over, the scratch carries along
+  dim 1: still a warning naming dim 1, though dim 0, before the reset dim,
+  runs in order."""
+  x = jnp.ones((2, 4 * 8, 128), jnp.float32)
+  with pytest.warns(pl.KernelWarning, match="grid dim 1 is declared "
+                    "\"parallel\", but the kernel may read acc_ref"):
+    _heads_call(_accumulate_over_dim(1), (2, 4), ("arbitrary", "parallel"),
+                "interpret")(x)
