@@ -52,8 +52,10 @@ def _rand(seed, *shapes):
                for s in shapes)
 
 
-def _loss(f, ct):
-  return lambda *xs: jnp.sum(f(*xs) * ct)
+def _grad(f, args, ct):
+  """The gradient of `sum(f(*args) * ct)` in every arg."""
+  return jax.grad(lambda *xs: jnp.sum(f(*xs) * ct),
+                  tuple(range(len(args))))
 
 
 def softmax_case(backend, rows=2048, cols=1024, block_rows=64):
@@ -178,9 +180,7 @@ def gradients(name: str, backend: str, small: bool = False, **sizes):
   """(label, {"hand": grad fn, "auto": grad fn}, args) of case `name` (at
   its `--small` sizes, or `sizes`)."""
   label, fns, args, ct = pair(name, backend, small, **sizes)
-  argnums = tuple(range(len(args)))
-  return label, {side: jax.grad(_loss(f, ct), argnums)
-                 for side, f in fns.items()}, args
+  return label, {side: _grad(f, args, ct) for side, f in fns.items()}, args
 
 
 def compile_pair(name: str, target: str = "sm_90", small: bool = False,
@@ -191,12 +191,11 @@ def compile_pair(name: str, target: str = "sm_90", small: bool = False,
   seconds."""
   sizes = {} if small else AOT[name]
   label, fns, args, ct = pair(name, "triton", small, **sizes)
-  argnums = tuple(range(len(args)))
   sides = {}
   for side, f in fns.items():
     t0, kernels = time.perf_counter(), []
     sides[side] = grad_structure.compile_side(
-        jax.grad(_loss(f, ct), argnums), f, args, target, kernels)
+        _grad(f, args, ct), f, args, target, kernels)
     if compiled is not None:
       compiled[side] = (kernels, time.perf_counter() - t0)
   return label, sides
