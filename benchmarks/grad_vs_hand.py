@@ -13,11 +13,18 @@ the gradients are checked to agree before timing. Samples are taken in
 alternating rounds (`dsl.tools.timing.run_interleaved`, the benchmark timer), so
 the ratio is fair on a shared machine; `--stat min` is steadier on a loaded one.
 
+The cases: softmax, layer_norm, rms_norm, matmul, and flash attention
+causal (`flash_attention`), non-causal and with grouped kv heads
+(`flash_attention_gqa`: 4 query heads on 2 kv heads).
+
 `--aot sm_90` runs no kernel: it compiles both gradients' Triton kernels
-ahead of time for that architecture (no GPU needed) and prints, per
-kernel, the compile time, launch grid, registers, shared memory, programs
-per SM and hot-loop instructions: the compile path of `--backend triton`,
-and the structure its timings will depend on.
+ahead of time for that architecture (no GPU needed; at the `AOT` sizes,
+whose kernels compile in seconds, or `--small`) and prints, per kernel,
+the compile time, launch grid, registers, shared memory, programs per SM
+and hot-loop instructions: the compile path of `--backend triton`, and
+the structure its timings will depend on. Then it compares the derived
+backward kernels with the hand-written ones (`benchmarks.grad_structure`:
+hot loops, registers, occupancy, spills, wgmma, passes over the inputs).
 """
 from __future__ import annotations
 
@@ -32,9 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import grad_structure
 from dsl.tools import timing
-from lowering_triton import aot
-from lowering_triton.kernel import generate
 from lowering_triton.ptx_stats import blocks_per_sm
 
 _mod = lambda name: importlib.import_module(f"kernels.{name}")
@@ -46,8 +52,10 @@ def _rand(seed, *shapes):
                for s in shapes)
 
 
-def _loss(f, ct):
-  return lambda *xs: jnp.sum(f(*xs) * ct)
+def _grad(f, args, ct):
+  """The gradient of `sum(f(*args) * ct)` in every arg."""
+  return jax.grad(lambda *xs: jnp.sum(f(*xs) * ct),
+                  tuple(range(len(args))))
 
 
 def softmax_case(backend, rows=2048, cols=1024, block_rows=64):
@@ -73,22 +81,42 @@ def layer_norm_case(backend, rows=2048, cols=1024, block_rows=64):
   return f"layer_norm {rows}x{cols}", hand, auto, (x, w, b), ct
 
 
+def rms_norm_case(backend, rows=2048, cols=1024, block_rows=64):
+  rn = _mod("rms_norm")
+  x, w = _rand(0, (rows, cols), (cols,))
+  (ct,) = _rand(1, (rows, cols))
+  hand = functools.partial(rn.rms_norm, backend=backend,
+                           block_rows=block_rows)
+
+  def auto(x, w):
+    return rn.forward(x, w, eps=1e-6, backend=backend,
+                      block_rows=block_rows)[0]
+  return f"rms_norm {rows}x{cols}", hand, auto, (x, w), ct
+
+
 def flash_attention_case(backend, batch=1, seq=512, heads=4, head_dim=64,
-                         block=128):
+                         block=128, causal=True, kv_heads=None):
+  """`kv_heads` < `heads`: grouped-query attention (each kv head serves
+  `heads // kv_heads` query heads)."""
   fa = _mod("flash_attention")
-  shape = (batch, seq, heads, head_dim)
-  q, k, v = _rand(0, shape, shape, shape)
-  (ct,) = _rand(1, shape)
+  kv_heads = heads if kv_heads is None else kv_heads
+  q_shape = (batch, seq, heads, head_dim)
+  kv_shape = (batch, seq, kv_heads, head_dim)
+  q, k, v = _rand(0, q_shape, kv_shape, kv_shape)
+  (ct,) = _rand(1, q_shape)
   scale = 1 / math.sqrt(head_dim)
-  hand = functools.partial(fa.flash_attention, causal=True, sm_scale=scale,
+  hand = functools.partial(fa.flash_attention, causal=causal, sm_scale=scale,
                            backend=backend, block_q=block, block_k=block)
 
   def auto(q, k, v):
     # The grid kernel: reverse mode cannot differentiate the Triton loops,
     # whose trip counts depend on the program id.
-    return fa.forward(q, k, v, causal=True, sm_scale=scale, backend=backend,
-                      block_q=block, block_k=block, loops=False)[0]
-  return (f"flash_attention causal {batch}x{seq}x{heads}x{head_dim}", hand,
+    return fa.forward(q, k, v, causal=causal, sm_scale=scale,
+                      backend=backend, block_q=block, block_k=block,
+                      loops=False)[0]
+  kind = ("causal" if causal else "non-causal") + (
+      f" gqa {heads}/{kv_heads}" if kv_heads != heads else "")
+  return (f"flash_attention {kind} {batch}x{seq}x{heads}x{head_dim}", hand,
           auto, (q, k, v), ct)
 
 
@@ -102,12 +130,29 @@ def matmul_case(backend, m=1024, k=1024, n=1024, blocks=(64, 64, 32)):
 
 
 CASES = {"softmax": softmax_case, "layer_norm": layer_norm_case,
-         "matmul": matmul_case, "flash_attention": flash_attention_case}
+         "rms_norm": rms_norm_case, "matmul": matmul_case,
+         "flash_attention": flash_attention_case,
+         "flash_attention_noncausal": functools.partial(
+             flash_attention_case, causal=False),
+         "flash_attention_gqa": functools.partial(flash_attention_case,
+                                                  kv_heads=2)}
 # `--small`: seconds-long smoke runs (the tests use them).
+_SMALL_ATTENTION = dict(seq=32, heads=1, head_dim=32, block=16)
 SMALL = {"softmax": dict(rows=16, cols=128, block_rows=8),
          "layer_norm": dict(rows=16, cols=128, block_rows=8),
+         "rms_norm": dict(rows=16, cols=128, block_rows=8),
          "matmul": dict(m=32, k=32, n=32, blocks=(16, 16, 16)),
-         "flash_attention": dict(seq=32, heads=1, head_dim=32, block=16)}
+         "flash_attention": _SMALL_ATTENTION,
+         "flash_attention_noncausal": _SMALL_ATTENTION,
+         "flash_attention_gqa": dict(_SMALL_ATTENTION, heads=2, kv_heads=1)}
+# `--aot`: sizes whose kernels compile in seconds (row tiles of 16 rows,
+# 64 x 64 attention tiles); the tests and the docs' table use them.
+_AOT_ATTENTION = dict(seq=256, heads=2, head_dim=64, block=64)
+AOT = {"softmax": dict(block_rows=16), "layer_norm": dict(block_rows=16),
+       "rms_norm": dict(block_rows=16), "matmul": {},
+       "flash_attention": _AOT_ATTENTION,
+       "flash_attention_noncausal": _AOT_ATTENTION,
+       "flash_attention_gqa": dict(_AOT_ATTENTION, heads=4, kv_heads=2)}
 
 
 def measure(name: str, backend: str, repeats: int, small: bool = False,
@@ -123,39 +168,67 @@ def measure(name: str, backend: str, repeats: int, small: bool = False,
           "spread": max(stats["hand"].spread, stats["auto"].spread)}
 
 
+def pair(name: str, backend: str, small: bool = False, **sizes):
+  """(label, {"hand": f, "auto": f}, args, ct) of case `name` (at its
+  `--small` sizes, or `sizes`): the two functions whose gradients meet."""
+  label, hand, auto, args, ct = CASES[name](
+      backend, **(SMALL[name] if small else sizes))
+  return label, {"hand": hand, "auto": auto}, args, ct
+
+
 def gradients(name: str, backend: str, small: bool = False, **sizes):
   """(label, {"hand": grad fn, "auto": grad fn}, args) of case `name` (at
   its `--small` sizes, or `sizes`)."""
-  label, hand, auto, args, ct = CASES[name](
-      backend, **(SMALL[name] if small else sizes))
-  argnums = tuple(range(len(args)))
-  return label, {"hand": jax.grad(_loss(hand, ct), argnums),
-                 "auto": jax.grad(_loss(auto, ct), argnums)}, args
+  label, fns, args, ct = pair(name, backend, small, **sizes)
+  return label, {side: _grad(f, args, ct) for side, f in fns.items()}, args
 
 
-def compile_report(name: str, target: str, small: bool = False) -> list[str]:
-  """Lines describing both gradients' Triton kernels compiled for `target`
-  (see the module docstring)."""
-  label, fns, args = gradients(name, "triton", small)
-  out = []
-  for side, fn in fns.items():
-    t0 = time.perf_counter()
-    compiled = aot.compile_aot(fn, *args, target=target)
-    out.append(f"{label} {side}: {len(compiled)} kernels compiled for "
-               f"{target} in {time.perf_counter() - t0:.1f} s")
-    for k in compiled:
-      st = k.stats()
-      hot = [lp.mix.instructions for lp in st.hot_loops]
-      grid = k.spec.grid_mapping.grid
-      launch = generate(k.spec).launch_grid
-      out.append(
-          f"  {k.name:36} grid {str(tuple(grid)):16} launch "
-          f"{str(launch):14} w{k.num_warps} s{k.num_stages} "
+def compile_pair(name: str, target: str = "sm_90", small: bool = False,
+                 compiled: dict | None = None):
+  """(label, {"hand": Side, "auto": Side}) of case `name` at its `AOT`
+  sizes (or `--small` ones), compiled for `target` (`grad_structure`);
+  `compiled`, when given, receives each side's AotKernels and compile
+  seconds."""
+  sizes = {} if small else AOT[name]
+  label, fns, args, ct = pair(name, "triton", small, **sizes)
+  sides = {}
+  for side, f in fns.items():
+    t0, kernels = time.perf_counter(), []
+    sides[side] = grad_structure.compile_side(
+        _grad(f, args, ct), f, args, target, kernels)
+    if compiled is not None:
+      compiled[side] = (kernels, time.perf_counter() - t0)
+  return label, sides
+
+
+def _kernel_line(k) -> str:
+  st = k.stats()
+  hot = [lp.mix.instructions for lp in st.hot_loops]
+  grid = k.spec.grid_mapping.grid
+  return (f"  {k.name:36} grid {str(tuple(grid)):16} launch "
+          f"{str(k.launch):14} w{k.num_warps} s{k.num_stages} "
           f"{st.registers} regs {k.shared // 1024} KiB "
           f"{blocks_per_sm(st.registers, k.num_warps, k.shared)}/SM "
           + (f"hot loops {hot} instr" if hot else
              f"{st.kernel.instructions} instr, no loop")
           + (" SPILLS" if st.spills else ""))
+
+
+def compile_report(name: str, target: str, small: bool = False) -> list[str]:
+  """Lines describing both gradients' Triton kernels compiled for `target`
+  and how the derived backward kernels compare (see the module
+  docstring)."""
+  compiled = {}
+  label, sides = compile_pair(name, target, small, compiled)
+  out = []
+  for side, (kernels, seconds) in compiled.items():
+    out.append(f"{label} {side}: {len(kernels)} kernels compiled for "
+               f"{target} in {seconds:.1f} s")
+    out += [_kernel_line(k) for k in kernels]
+  verdicts = grad_structure.compare(sides["hand"], sides["auto"])
+  out.append(f"{label} auto vs hand (backward kernels; goal "
+             f"<= {grad_structure.SLACK}x):")
+  out += [f"  {'ok  ' if v.holds else 'MISS'} {v}" for v in verdicts.values()]
   return out
 
 

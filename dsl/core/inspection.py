@@ -8,9 +8,14 @@ kernel jaxpr normalized as the backend's registry record says). The tools
 that show generated code without running it (`lowering_triton.to_source`,
 `lowering_mosaic.to_mlir`, `lowering_mosaic.gpu.to_gpu_modules`) use both,
 so what they show is what the lowering builds.
+
+`traced_kernel_calls(f, *args)` also says which of `f`'s inputs each kernel
+reads (directly or through a reshape, transpose, slice or cast of them):
+how many passes over its inputs a function makes.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
 import jax
@@ -29,6 +34,23 @@ def mesh_axes_of(mesh) -> tuple:
   return tuple((n, int(s)) for n, s in dict(shape).items())
 
 
+# Primitives whose result is (part of) its first operand's data, laid out
+# again: a kernel that reads the result reads that operand.
+VIEW_PRIMITIVES = frozenset({
+    jax.lax.reshape_p, jax.lax.squeeze_p, jax.lax.transpose_p,
+    jax.lax.broadcast_in_dim_p, jax.lax.convert_element_type_p,
+    jax.lax.copy_p, jax.lax.slice_p, jax.lax.dynamic_slice_p})
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCall:
+  """One pallas_call of a traced function."""
+  spec: KernelSpec
+  mesh_axes: tuple            # ((axis name, size), ...) of its shard_map
+  reads_inputs: tuple[int, ...]   # its operands that are the function's
+  # inputs or views of them (VIEW_PRIMITIVES), by position
+
+
 def kernel_specs(jaxpr: core.Jaxpr, mesh_axes: tuple = (),
                  platform: str | None = None
                  ) -> Iterator[tuple[KernelSpec, tuple]]:
@@ -37,15 +59,42 @@ def kernel_specs(jaxpr: core.Jaxpr, mesh_axes: tuple = (),
   `jax.lax.platform_dependent` choice (the kernel library's versions per
   platform), only the version for `platform` (a lowering platform; None:
   this process's) counts, as only it is lowered."""
-  platform = backends.lowering_platform(platform)
+  for call in kernel_calls(jaxpr, (), mesh_axes, platform):
+    yield call.spec, call.mesh_axes
+
+
+def kernel_calls(jaxpr: core.Jaxpr, watched=(), mesh_axes: tuple = (),
+                 platform: str | None = None) -> list[KernelCall]:
+  """The pallas_calls of `jaxpr` as `kernel_specs` finds them, each with
+  the operands it reads of `watched` (vars of `jaxpr`) or of their views."""
+  out = []
+  _walk(jaxpr, set(watched), mesh_axes,
+        backends.lowering_platform(platform), out)
+  return out
+
+
+def traced_kernel_calls(f, *args, **kwargs) -> list[KernelCall]:
+  """The pallas_calls `f(*args, **kwargs)` makes, in program order, with
+  the operands each reads of `f`'s (array) inputs."""
+  closed = jax.make_jaxpr(f)(*args, **kwargs)
+  return kernel_calls(closed.jaxpr, closed.jaxpr.invars)
+
+
+def _walk(jaxpr, watched: set, mesh_axes, platform, out: list) -> list:
+  """Appends `jaxpr`'s KernelCalls to `out`; returns whether each of its
+  outputs is watched."""
   choices = {}
   for eqn in jaxpr.eqns:
+    ins = [isinstance(v, core.Var) and v in watched for v in eqn.invars]
     if eqn.primitive is pallas_call_p:
-      yield eqn.params["spec"], mesh_axes
+      out.append(KernelCall(eqn.params["spec"], mesh_axes,
+                            tuple(i for i, w in enumerate(ins) if w)))
       continue
     if eqn.primitive.name == "platform_index":
       choices[eqn.outvars[0]] = eqn.params
       continue
+    if eqn.primitive in VIEW_PRIMITIVES and ins[0]:
+      watched.update(eqn.outvars)
     inner_mesh = mesh_axes
     if "mesh" in eqn.params and eqn.primitive.name == "shard_map":
       inner_mesh = mesh_axes_of(eqn.params["mesh"])
@@ -55,7 +104,15 @@ def kernel_specs(jaxpr: core.Jaxpr, mesh_axes: tuple = (),
         index in choices:
       subs = _platform_branch(subs, choices[index], platform)
     for sub in subs:
-      yield from kernel_specs(sub, inner_mesh, platform)
+      # A sub-jaxpr's inputs are the trailing operands (after a cond's
+      # index, a while's condition consts).
+      fed = ins[len(ins) - len(sub.invars):] if len(sub.invars) <= len(
+          ins) else []
+      outs = _walk(sub, {v for v, w in zip(sub.invars, fed) if w},
+                   inner_mesh, platform, out)
+      if len(outs) == len(eqn.outvars):
+        watched.update(v for v, w in zip(eqn.outvars, outs) if w)
+  return [isinstance(v, core.Var) and v in watched for v in jaxpr.outvars]
 
 
 def _platform_branch(branches: list, params: dict, platform: str) -> list:

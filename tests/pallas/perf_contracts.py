@@ -157,11 +157,10 @@ def _kernels(name, dtype, backward=False):
 
 # Automatic reverse mode: jax.grad through a kernel's forward alone, whose
 # backward kernels (linear, recording, transposed) dsl derives: the cases of
-# benchmarks/grad_vs_hand.py (float32), with row tiles that compile in
-# seconds.
-GRAD_SIZES = {"softmax": dict(block_rows=16), "layer_norm": dict(block_rows=16),
-              "matmul": {}, "flash_attention": dict(seq=256, heads=2,
-                                                    head_dim=64, block=64)}
+# benchmarks/grad_vs_hand.py (float32), at its `AOT` sizes (row tiles that
+# compile in seconds).
+GRAD_SIZES = {name: grad_vs_hand.AOT[name] for name in (
+    "softmax", "layer_norm", "matmul", "flash_attention")}
 
 
 def derived_backward(name):

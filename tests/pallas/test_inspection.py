@@ -12,7 +12,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import dsl as pl
-from dsl.core.inspection import as_lowered, kernel_specs, traced_kernels
+from dsl.core.inspection import (as_lowered, kernel_specs,
+                                 traced_kernel_calls, traced_kernels)
 from dsl.core.normalize import needs_normalizing
 
 
@@ -46,6 +47,29 @@ def test_kernels_are_found_in_branches_loops_and_shard_map():
       ("in_cond", ()), ("in_loop", ()), ("in_shard_map", (("d", 2),))]
   jaxpr = jax.make_jaxpr(f)(x, True).jaxpr
   assert [s for s, _ in kernel_specs(jaxpr)] == [s for s, _ in found]
+
+
+def test_kernel_calls_say_which_read_the_functions_inputs():
+  """A kernel reads an input when its operand is the input or a view of it
+  (reshape, transpose, slice, cast), also through jit and cond; not when
+  the operand is computed from it or another kernel's output."""
+  def f(x, y, p):          # x: (128, 16)
+    a = _call(x.T.reshape(16, 128), "view")
+    b = _call(a, "of_a_kernel")
+    c = _call(x.T * 2, "computed")
+    d = jax.jit(lambda v: _call(v, "in_jit"))(y[:16].astype(jnp.float32))
+    e = lax.cond(p, lambda v: _call(v, "in_cond"), lambda v: v, b)
+    g = lax.cond(p, lambda v: _call(v, "in_cond"), lambda v: v, x.T)
+    return a + b + c + d + e + g
+
+  x = jnp.ones((16, 128), jnp.float32)
+  y = jnp.ones((32, 128), jnp.bfloat16)
+  calls = traced_kernel_calls(f, x.T, y, True)
+  assert [(c.spec.name, c.reads_inputs) for c in calls] == [
+      ("view", (0,)), ("of_a_kernel", ()), ("computed", ()),
+      ("in_jit", (0,)), ("in_cond", ()), ("in_cond", (0,))]
+  assert [c.spec for c in calls] == [
+      s for s, _ in traced_kernels(f, x.T, y, True)]
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic", "mosaic_gpu"])
