@@ -23,7 +23,7 @@ import numpy as np
 from dsl.core.jax_internals import ad, core, partial_eval as pe
 
 from dsl.core.errors import KernelError
-from dsl.core.grid_plan import all_arbitrary
+from dsl.core.grid_plan import all_arbitrary, reset_dim
 from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.core.primitives import run_scoped, when
 from dsl.core.tracing import program_id
@@ -131,6 +131,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   fresh = [bm if o not in aliased else None
            for o, bm in enumerate(gm.out_mappings)] + [None] * n_scr
   fresh = [f for f, k in zip(fresh, kept) if k]
+  resets = scratch_reset_dims(spec)
 
   def record(rec, states, firsts):
     for r, s, first in zip(rec, states, firsts):
@@ -147,6 +148,12 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
                                    len(state_avals), len(pf_avals), n_scr)
     prefetch_state.save(pf_rec, base[:n_pf], written)
     ops = gm.split(base + scr)
+    # A scratch the kernel starts afresh at the first step of a dim holds
+    # garbage there that it never reads: zeroed first, the grid plan sees
+    # the reset, and the dims before it stay parallel.
+    fresh_scr = [(r, d) for r, d, a in zip(scr, resets, gm.scratch_avals)
+                 if d is not None and not is_semaphore(a)]
+    _zero_at_reset(ids, [r for r, _ in fresh_scr], [d for _, d in fresh_scr])
     states = [s for s, k in zip(ops.outputs + ops.scratch, kept) if k]
     firsts = [None if bm is None else first_visit(
         bm, gm.grid, ids, lambda i: i, base[:n_pf]) for bm in fresh]
@@ -196,6 +203,38 @@ def _record_block_spec(aval, n_grid, ids_fn=lambda ids: ids):
 
 
 # ----------------------------------------------------------- transpose
+
+def scratch_reset_dims(spec: KernelSpec) -> list[int | None]:
+  """Per scratch buffer, the grid dim at whose first step the kernel
+  writes it whole before reading it (the accumulator pattern), or None."""
+  gm = spec.grid_mapping
+  n_scr = len(gm.scratch_avals)
+  if not n_scr:
+    return []
+  refs = spec.jaxpr.jaxpr.invars[len(spec.jaxpr.jaxpr.invars) - n_scr:]
+  sequential = gm.plan(spec.compiler_params, spec.jaxpr).sequential
+  # Only a sequential dim after which no dim takes steps: then its first
+  # step starts the scratch afresh for the rest of the grid's order.
+  fits = lambda d: (d is not None and d in sequential
+                    and all(n == 1 for n in gm.grid[d + 1:]))
+  return [d if fits(d) else None
+          for d in (reset_dim(spec.jaxpr, r, len(gm.grid)) for r in refs)]
+
+
+def _zero_at_reset(ids, refs, dims):
+  """Zeros each of `refs` at the first step of its dim in `dims` (where
+  the forward kernel starts that scratch afresh, so no cotangent flows
+  past it; written as `pl.when(program_id(d) == 0)`, which the grid plan
+  reads as a reset: the dims before it stay parallel), and the rest at
+  the first grid point."""
+  rest = [r for r, d in zip(refs, dims) if d is None]
+  _zero_at_first_point(ids, rest)
+  for r, d in zip(refs, dims):
+    if d is not None:
+      @when(ids[d] == 0)
+      def _(r=r):
+        r[...] = jnp.zeros(r.shape, r.dtype)
+
 
 def _zero_at_first_point(ids, refs):
   """Zeros `refs` at the first grid point (e.g. the cotangent of the
@@ -351,6 +390,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   ct_out_maps = [bm for bm, f in zip(gm.out_mappings, out_f) if f]
   ct_in_maps = [bm for bm, nz in zip(in_maps, in_nz) if nz]
   kinds = _ct_in_kinds(gm, in_nz, sequential)
+  resets = scratch_reset_dims(spec)
 
   def body(*refs):
     raw = [program_id(d) for d in range(n_grid)]
@@ -358,7 +398,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     (pf_refs, in_refs, rec_refs, ct_out_in, ct_in_refs, ct_out_refs,
      ct_scr_refs) = split(refs, n_pf, n_in, n_rec, n_ct_out, n_ct_in,
                           n_ct_out, len(ct_scr_avals))
-    _zero_at_first_point(raw, ct_scr_refs)
+    _zero_at_reset(raw, ct_scr_refs, [d for d, f in zip(resets, scr_f) if f])
     # An output block is not read in on a TPU: at the first of a run of
     # visits, the cotangent flowing in is the aliased input's block.
     out_first = [None if in_hbm(bm.ref_aval) else
