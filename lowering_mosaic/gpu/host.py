@@ -213,6 +213,11 @@ class GpuHost(LoweringHost):
       raise ctx.error("internal error: no buffers planned for this run_scoped")
     yield bufs
 
+  def scope_body(self, jaxpr, num_consts):
+    """The jaxpr a `run_scoped` lowers (its refs from `scope`): its own
+    body (a plgpu.kernel discharges its accumulators there)."""
+    return jaxpr
+
   def literal(self, atom):
     return self._constant(atom.val, atom.aval)
 

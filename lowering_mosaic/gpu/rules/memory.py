@@ -19,6 +19,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from dsl.core import dtypes, ref_ops
 from dsl.core.operand_layout import ref_operands
 from lowering_mosaic.gpu.rules import TABLE
+from lowering_mosaic.gpu.smem_layout import memref_of
 from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_to,
                                       is_vector, phys, to_index)
 
@@ -33,6 +34,7 @@ def window(ctx, ref: ir.Value, transforms, static_ints=True) -> ir.Value:
   """The subview of `ref` that its NDIndexer transforms select; with
   `static_ints=False`, integer indices are index values (Pallas's choice
   for plgpu refs: a subview at a run-time offset)."""
+  ref = memref_of(ref)
   for t in transforms or ():
     if not isinstance(t, indexing.NDIndexer):
       raise ctx.error(f"ref transform {type(t).__name__} is not supported by "

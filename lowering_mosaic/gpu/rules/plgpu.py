@@ -19,9 +19,11 @@ from dsl.core.jax_internals import (arith, core, ir, llvm,
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core.operand_layout import unpack
-from dsl.mosaic_gpu import primitives as plgpu_p
+from dsl.mosaic_gpu import compute, primitives as plgpu_p
 from dsl.mosaic_gpu.memory import OOBFillMode
 from lowering_mosaic.gpu.host import TRITON_HINT, i32, to_index
+from lowering_mosaic.gpu.mesh_accumulators import (acc_fence_p, wgmma_acc_p,
+                                                   wgmma_asm, wgmma_fence)
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.memory import window
 
@@ -195,4 +197,35 @@ def _wait_smem_to_gmem(ctx, *, n, wait_read_only):
 def _commit_group(ctx):
   llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
                   "cp.async.bulk.commit_group;", "", has_side_effects=True)
+  return []
+
+
+# ------------------------------------------------------------- WGMMA
+
+@TABLE.register(wgmma_acc_p)
+def _wgmma_acc(ctx, *args, layout, a_is_ref):
+  """`mosaic_gpu.wgmma` on the accumulator's value and the operands'
+  shared memory (or `a` in registers), committed to a WGMMA group."""
+  ops, _ = _parts(ctx, args, layout)
+  a = ops["a"]
+  if a_is_ref:
+    a = window(ctx, a, ops["a_t"], static_ints=False)
+  b = window(ctx, ops["b"], ops["b_t"], static_ints=False)
+  new = mgpu.wgmma(ops["acc"], a, b)
+  wgmma_asm("commit_group")
+  return new
+
+
+@TABLE.register(acc_fence_p)
+def _acc_fence(ctx, x):
+  x = mgpu.optimization_barrier([x])
+  wgmma_fence()
+  return x
+
+
+@TABLE.register(compute.wgmma_wait_p)
+def _wgmma_wait(ctx, *, n):
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
+                  f"wgmma.wait_group.sync.aligned {int(n)};", "",
+                  has_side_effects=True)
   return []
