@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from dsl.core.jax_internals import (arith, core, ir,
+from dsl.core.jax_internals import (arith, core, ir, llvm,
                                     mosaic_gpu_dialect as mgpu, vector)
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
@@ -143,6 +143,13 @@ def to_shape(x, in_shape, shape, dtype) -> ir.Value:
   offset = len(shape) - len(in_shape)
   return broadcast_in_dim(x, in_shape, shape,
                           list(range(offset, len(shape))), dtype)
+
+
+def void_asm(text: str) -> None:
+  """One PTX instruction with side effects, no operands and no results
+  (`wgmma.fence.sync.aligned;`), as inline assembly."""
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), [], text, "",
+                  has_side_effects=True)
 
 
 def i32(v: int) -> ir.Value:

@@ -23,26 +23,19 @@ from __future__ import annotations
 
 from jax.extend.core import Primitive
 
-from dsl.core.jax_internals import (ClosedJaxpr, close_jaxpr, core, ir,
-                                    llvm, state_discharge, state_primitives)
+from dsl.core.jax_internals import (ClosedJaxpr, close_jaxpr, core,
+                                    state_discharge, state_primitives)
 from dsl.core.operand_layout import (effects as ref_effects, position,
                                      unpack)
 from dsl.core.primitives import run_scoped_p
 from dsl.mosaic_gpu.compute import wgmma_p, wgmma_wait_p
 from dsl.mosaic_gpu.memory import is_accumulator_aval
-
-
-def wgmma_asm(instruction: str) -> None:
-  """One of the warpgroup's WGMMA synchronization instructions
-  (`wgmma.fence`, `wgmma.commit_group`, `wgmma.wait_group N`)."""
-  llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
-                  f"wgmma.{instruction}.sync.aligned;", "",
-                  has_side_effects=True)
+from lowering_mosaic.gpu.host import void_asm
 
 
 def wgmma_fence() -> None:
   """Orders the warpgroup's register writes before the WGMMAs that follow."""
-  wgmma_asm("fence")
+  void_asm("wgmma.fence.sync.aligned;")
 
 
 # ------------------------------------------------------------ primitives
