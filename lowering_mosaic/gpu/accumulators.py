@@ -63,7 +63,7 @@ class Body:
 
 # ------------------------------------------------------------ carried refs
 
-def _whole(transforms) -> bool:
+def selects_whole(transforms) -> bool:
   """Whether a ref access's transforms select the whole ref."""
   for t in transforms or ():
     if not isinstance(t, indexing.NDIndexer) or t.int_indexer_shape:
@@ -85,7 +85,7 @@ def _uses(jaxpr: core.Jaxpr, var) -> tuple[bool, bool]:
     if not positions:
       continue
     if eqn.primitive in _REF_ACCESS and positions == [0]:
-      ok &= _whole(eqn_ref_operands(eqn).transforms)
+      ok &= selects_whole(eqn_ref_operands(eqn).transforms)
       reads |= (eqn.primitive is not state_primitives.swap_p
                 or eqn.outvars[0] in used)
     elif eqn.primitive is lax.cond_p and 0 not in positions:

@@ -210,6 +210,8 @@ class GpuHost(LoweringHost):
     self.scoped = {}        # id(run_scoped equation) -> its SMEM buffers
     # (byte offset, bytes) of the shared scratch of cross-warp reductions
     self.reduction_scratch = None
+    # transcendental functions computed approximately (fastmath afn)
+    self.approx_math = False
 
   @contextlib.contextmanager
   def scope(self, ctx, jaxpr, num_consts, collective_axes):

@@ -25,11 +25,12 @@ from jax.extend.core import Primitive
 
 from dsl.core.jax_internals import (ClosedJaxpr, close_jaxpr, core,
                                     state_discharge, state_primitives)
-from dsl.core.operand_layout import (effects as ref_effects, position,
-                                     unpack)
+from dsl.core.operand_layout import (effects as ref_effects,
+                                     eqn_ref_operands, position, unpack)
 from dsl.core.primitives import run_scoped_p
 from dsl.mosaic_gpu.compute import wgmma_p, wgmma_wait_p
 from dsl.mosaic_gpu.memory import is_accumulator_aval
+from lowering_mosaic.gpu.accumulators import selects_whole
 from lowering_mosaic.gpu.host import void_asm
 
 
@@ -147,3 +148,14 @@ def accumulator_body(jaxpr: core.Jaxpr, num_consts: int) -> core.Jaxpr:
   should = [i >= num_consts and is_accumulator_aval(v.aval)
             for i, v in enumerate(jaxpr.invars)]
   return discharged(jaxpr, should) if any(should) else jaxpr
+
+
+def written_first(jaxpr: core.Jaxpr, acc: core.Var) -> bool:
+  """Whether the first use of accumulator `acc` in `jaxpr` writes all of
+  it (`acc[...] = x`), so that its initial value is never read."""
+  for eqn in jaxpr.eqns:
+    if any(v is acc for v in eqn.invars):
+      return (eqn.primitive is state_primitives.swap_p
+              and eqn.invars[0] is acc and eqn.invars[1] is not acc
+              and selects_whole(eqn_ref_operands(eqn).transforms))
+  return False

@@ -45,7 +45,7 @@ from dsl.mosaic_gpu.memory import (SMEM, BarrierSpace, TransformedSpace,
 from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, ir_type,
                                       scalar_constant)
 from lowering_mosaic.gpu.mesh_accumulators import (accumulator_body,
-                                                   wgmma_fence)
+                                                   wgmma_fence, written_first)
 from lowering_mosaic.gpu.kernel import GpuModule
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.smem_layout import LaidOutSmem, tiled_shape
@@ -195,7 +195,8 @@ class MeshHost(GpuHost):
         if isinstance(aval.memory_space, BarrierSpace):
           refs.append(stack.enter_context(self._barrier(aval)))
         elif is_accumulator_aval(aval):
-          refs.append(_zero_accumulator(ctx, aval, collective_axes))
+          refs.append(_fresh_accumulator(ctx, aval, collective_axes,
+                                         written_first(jaxpr, v)))
         else:
           refs.append(stack.enter_context(self._smem(aval)))
       yield refs
@@ -207,15 +208,19 @@ class MeshHost(GpuHost):
       raise self.error(f"{e} do not lower yet" + TRITON_HINT) from None
 
 
-def _zero_accumulator(ctx, aval, collective_axes):
+def _fresh_accumulator(ctx, aval, collective_axes, written: bool):
   """A fresh accumulator's value: zeros that no WGMMA reads before they
-  are written (an optimization barrier, then `wgmma.fence`)."""
+  are written (an optimization barrier, then `wgmma.fence`); for one the
+  scope writes before anything else (`pl.run_state` of `ACC.init(x)`),
+  zeros that nothing uses (the write fences its value)."""
   if collective_axes:
     raise ctx.error("plgpu.ACC accumulators are allocated by one warpgroup "
                     "(run_scoped without collective_axes)")
   zero = vector.broadcast(ir.VectorType.get(list(aval.shape),
                                             ir_type(aval.dtype)),
                           scalar_constant(0, aval.dtype))
+  if written:
+    return zero
   zero = mgpu.optimization_barrier([zero])
   wgmma_fence()
   return zero
@@ -301,6 +306,7 @@ def build_mesh_module(spec):
   name = spec.name
   host = MeshHost(name, spec.where, TABLE, rs.smem_bytes, None)
   host.thread_axis = mesh.thread_name
+  host.approx_math = bool(params.approx_math)
 
   def body(launch_ctx, *buffers):
     *gmem, (_, barrier_refs, _) = buffers

@@ -295,3 +295,56 @@ def test_hopper_matmul_module_is_pallas_module(captured):
   _hopper_matmul(original("gpu.hopper_matmul_mgpu"))
   ((ours, _), (theirs, _)) = captured
   assert canonical(ours)[5:] == canonical(theirs)[5:]
+
+
+# ------------------------------------------------ Pallas's kernel library
+
+_KEYS = ("mosaic_gpu.wgmma", "wgmma.mma_async", "wgmma.fence",
+         "wgmma.commit_group", "wgmma.wait_group", "cp.async.bulk.tensor",
+         "mbarrier.try_wait", "mbarrier.arrive", "setmaxnreg", "bar.sync",
+         "fastmath<afn>", "optimization_barrier")
+
+
+def key_ops(text: str) -> dict[str, int]:
+  """How often `text` names each of the instructions that set a kernel's
+  speed: WGMMAs and their fences and waits, TMA copies, mbarrier waits and
+  arrivals, register budgets, block barriers, approximate math."""
+  return {k: text.count(k) for k in _KEYS}
+
+
+def _attention(module, causal):
+  q = jnp.ones((1, 256, 1, 64), jnp.float16)
+  config = module.TuningConfig(block_q=64, block_kv=64,
+                               max_concurrent_steps=2, causal=causal)
+  with simulated_gpu(module):
+    jax.jit(lambda q, k, v: module.attention(q, k, v, config)).trace(
+        q, q, q).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("causal", [False, pytest.param(True,
+                                                        marks=pytest.mark.slow)])
+def test_attention_has_pallas_instructions(captured, causal):
+  with pl.default_backend("mosaic_gpu"):
+    _attention(swapped("gpu.attention_mgpu"), causal)
+  _attention(original("gpu.attention_mgpu"), causal)
+  ((ours, ours_low), (theirs, theirs_low)) = captured
+  assert key_ops(ours) == key_ops(theirs)
+  assert key_ops(ours_low) == key_ops(theirs_low)
+  assert key_ops(ours)["mosaic_gpu.wgmma"] == 2        # QK^T and PV
+  assert key_ops(ours)["fastmath<afn>"] == 2           # approx_math's exp2
+  assert key_ops(ours_low)["wgmma.mma_async"] > 0
+
+
+def test_ragged_dot_lowers(captured):
+  module = swapped("gpu.ragged_dot_mgpu")
+  lhs, rhs = jnp.ones((256, 128), jnp.float16), jnp.ones((2, 128, 128),
+                                                         jnp.float16)
+  sizes = jnp.array([128, 128], jnp.int32)
+  with simulated_gpu(module), pl.default_backend("mosaic_gpu"):
+    jax.jit(lambda a, b, s: module.ragged_dot(
+        a, b, group_sizes=s, block_m=64, block_n=64, block_k=64,
+        max_concurrent_steps=2, grid_block_n=1)).trace(
+            lhs, rhs, sizes).lower(lowering_platforms=("cuda",))
+  ((dialect, lowered),) = captured
+  assert key_ops(dialect)["mosaic_gpu.wgmma"] == 1
+  assert key_ops(lowered)["wgmma.mma_async"] > 0
