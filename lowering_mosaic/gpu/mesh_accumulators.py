@@ -23,14 +23,14 @@ from __future__ import annotations
 
 from jax.extend.core import Primitive
 
-from dsl.core.jax_internals import (ClosedJaxpr, close_jaxpr, core,
-                                    state_discharge, state_primitives)
+from dsl.core.jax_internals import (ClosedJaxpr, core, state_discharge,
+                                    state_primitives)
 from dsl.core.operand_layout import (effects as ref_effects,
                                      eqn_ref_operands, position, unpack)
 from dsl.core.primitives import run_scoped_p
 from dsl.mosaic_gpu.compute import wgmma_p, wgmma_wait_p
 from dsl.mosaic_gpu.memory import is_accumulator_aval
-from lowering_mosaic.gpu.accumulators import selects_whole
+from lowering_mosaic.gpu.accumulators import map_jaxpr_param, selects_whole
 from lowering_mosaic.gpu.host import void_asm
 
 
@@ -93,7 +93,7 @@ def _is_acc(v) -> bool:
 
 def _rewrite_eqn(eqn) -> list:
   """The equations that replace `eqn` in an accumulator's scope."""
-  params = {k: _rewrite_param(v) for k, v in eqn.params.items()}
+  params = {k: map_jaxpr_param(v, _rewrite) for k, v in eqn.params.items()}
   if eqn.primitive is run_scoped_p:
     return [eqn.replace(primitive=nested_scope_p, params=params)]
   eqn = eqn.replace(params=params)
@@ -110,17 +110,6 @@ def _rewrite_eqn(eqn) -> list:
     invars = [eqn.invars[0], fenced, *eqn.invars[2:]]
     return [fence, eqn.replace(invars=invars)]
   return [eqn]
-
-
-def _rewrite_param(value):
-  if isinstance(value, ClosedJaxpr):
-    return close_jaxpr(_rewrite(value.jaxpr), value.consts)
-  if isinstance(value, core.Jaxpr):
-    return _rewrite(value)
-  if isinstance(value, tuple) and value and isinstance(
-      value[0], (core.Jaxpr, ClosedJaxpr)):
-    return tuple(_rewrite_param(v) for v in value)
-  return value
 
 
 def _rewrite(jaxpr: core.Jaxpr) -> core.Jaxpr:
