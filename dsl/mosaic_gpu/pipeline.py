@@ -4,7 +4,9 @@ TMA copies and mbarriers (no primitive of their own).
 - `emit_pipeline(body, grid=, in_specs=, out_specs=)`: one warpgroup walks
   the grid in order; at each step the input blocks are copied into SMEM
   buffers (a TMA copy per input, each with its barrier, waited for), `body`
-  runs on them, and the output blocks are copied back to GMEM.
+  runs on them, and the output blocks are copied back to GMEM. Before the
+  copies refill the buffers, the step waits for the WGMMAs that `body`
+  left in flight (`wgmma_wait(0)`), which may still read them.
 - `emit_pipeline_warp_specialized(...)`: a memory warpgroup (the last,
   `memory_thread_idx == num_compute_wgs`) streams the input blocks into a
   ring of `max_concurrent_steps` SMEM slots while the compute warpgroups run
@@ -40,6 +42,7 @@ from dsl.core.blockspec import squeezed
 from dsl.core.errors import KernelError, user_frame
 from dsl.core.jax_internals import core, state_types
 from dsl.core.primitives import run_scoped, when
+from dsl.mosaic_gpu.compute import wgmma_wait
 from dsl.mosaic_gpu.helpers import unravel as _unravel
 from dsl.mosaic_gpu.memory import SMEM, Barrier, BlockSpec
 from dsl.mosaic_gpu.primitives import (barrier_arrive, barrier_wait,
@@ -118,6 +121,9 @@ def emit_pipeline(body: Callable, *, grid: Sequence[Any], in_specs=(),
 
       def step(s, carry):
         idx = _unravel(s, grid)
+        # The previous step's WGMMAs (issued by `body`, asynchronous) may
+        # still read the buffers the copies below refill.
+        wgmma_wait(0)
         for k, (spec, ref, buf) in enumerate(zip(in_specs, ins, in_bufs)):
           copy_gmem_to_smem(_block_view(spec, ref, idx), buf, bars.at[k])
         for k in range(len(ins)):

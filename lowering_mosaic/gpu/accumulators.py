@@ -63,7 +63,7 @@ class Body:
 
 # ------------------------------------------------------------ carried refs
 
-def _whole(transforms) -> bool:
+def selects_whole(transforms) -> bool:
   """Whether a ref access's transforms select the whole ref."""
   for t in transforms or ():
     if not isinstance(t, indexing.NDIndexer) or t.int_indexer_shape:
@@ -85,7 +85,7 @@ def _uses(jaxpr: core.Jaxpr, var) -> tuple[bool, bool]:
     if not positions:
       continue
     if eqn.primitive in _REF_ACCESS and positions == [0]:
-      ok &= _whole(eqn_ref_operands(eqn).transforms)
+      ok &= selects_whole(eqn_ref_operands(eqn).transforms)
       reads |= (eqn.primitive is not state_primitives.swap_p
                 or eqn.outvars[0] in used)
     elif eqn.primitive is lax.cond_p and 0 not in positions:
@@ -181,14 +181,16 @@ def _fuse_eqns(eqns, outvars) -> list:
   return [e for e in out if e is not None]
 
 
-def _fuse_param(value):
+def map_jaxpr_param(value, fn):
+  """`value` (an equation's param) with `fn` applied to each jaxpr in it
+  (a jaxpr, a closed jaxpr, or a tuple of them: cond's branches)."""
   if isinstance(value, ClosedJaxpr):
-    return close_jaxpr(_fuse_jaxpr(value.jaxpr), value.consts)
+    return close_jaxpr(fn(value.jaxpr), value.consts)
   if isinstance(value, core.Jaxpr):
-    return _fuse_jaxpr(value)
+    return fn(value)
   if isinstance(value, tuple) and value and isinstance(
       value[0], (core.Jaxpr, ClosedJaxpr)):
-    return tuple(_fuse_param(v) for v in value)
+    return tuple(map_jaxpr_param(v, fn) for v in value)
   return value
 
 
@@ -196,7 +198,8 @@ def _fuse_jaxpr(jaxpr: core.Jaxpr) -> core.Jaxpr:
   eqns = []
   for e in jaxpr.eqns:
     if any(True for _ in sub_jaxprs(e.params)):
-      e = e.replace(params={k: _fuse_param(v) for k, v in e.params.items()})
+      e = e.replace(params={k: map_jaxpr_param(v, _fuse_jaxpr)
+                            for k, v in e.params.items()})
     eqns.append(e)
   return jaxpr.replace(eqns=_fuse_eqns(eqns, jaxpr.outvars))
 

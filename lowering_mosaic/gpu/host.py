@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-from dsl.core.jax_internals import (arith, core, ir,
+from dsl.core.jax_internals import (arith, core, ir, llvm,
                                     mosaic_gpu_dialect as mgpu, vector)
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
@@ -145,6 +145,13 @@ def to_shape(x, in_shape, shape, dtype) -> ir.Value:
                           list(range(offset, len(shape))), dtype)
 
 
+def void_asm(text: str) -> None:
+  """One PTX instruction with side effects, no operands and no results
+  (`wgmma.fence.sync.aligned;`), as inline assembly."""
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), [], text, "",
+                  has_side_effects=True)
+
+
 def i32(v: int) -> ir.Value:
   return scalar_constant(v, np.int32)
 
@@ -203,6 +210,8 @@ class GpuHost(LoweringHost):
     self.scoped = {}        # id(run_scoped equation) -> its SMEM buffers
     # (byte offset, bytes) of the shared scratch of cross-warp reductions
     self.reduction_scratch = None
+    # transcendental functions computed approximately (fastmath afn)
+    self.approx_math = False
 
   @contextlib.contextmanager
   def scope(self, ctx, jaxpr, num_consts, collective_axes):
@@ -212,6 +221,11 @@ class GpuHost(LoweringHost):
     if bufs is None:
       raise ctx.error("internal error: no buffers planned for this run_scoped")
     yield bufs
+
+  def scope_body(self, jaxpr, num_consts):
+    """The jaxpr a `run_scoped` lowers (its refs from `scope`): its own
+    body (a plgpu.kernel discharges its accumulators there)."""
+    return jaxpr
 
   def literal(self, atom):
     return self._constant(atom.val, atom.aval)

@@ -36,15 +36,19 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core.errors import BackendError
 from dsl.core.jax_internals import (ClosedJaxpr, arith, core, gpu, ir,
-                                    mosaic_gpu_dialect as mgpu)
+                                    mosaic_gpu_dialect as mgpu, vector)
 from dsl.core.jaxpr_walk import walk_jaxpr
 from dsl.core.primitives import run_scoped_p
 from dsl.mosaic_gpu.compiler_params import LoweringSemantics
 from dsl.mosaic_gpu.memory import (SMEM, BarrierSpace, TransformedSpace,
                                    is_accumulator_aval, space_of)
-from lowering_mosaic.gpu.host import TRITON_HINT, GpuHost, ir_type
+from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, ir_type,
+                                      scalar_constant)
+from lowering_mosaic.gpu.mesh_accumulators import (accumulator_body,
+                                                   wgmma_fence, written_first)
 from lowering_mosaic.gpu.kernel import GpuModule
 from lowering_mosaic.gpu.rules import TABLE
+from lowering_mosaic.gpu.smem_layout import LaidOutSmem, tiled_shape
 
 SMEM_ALIGN = 1024      # every allocation starts on a swizzle-atom boundary
 
@@ -93,9 +97,6 @@ def _allocation(aval) -> MeshResources:
     return MeshResources()
   if space_of(aval) is not SMEM:
     raise NotImplementedError(f"allocations in {aval.memory_space}")
-  if isinstance(aval.memory_space, TransformedSpace):
-    raise NotImplementedError("SMEM allocations with tiling or swizzle "
-                              f"transforms ({aval.memory_space})")
   size = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
   return MeshResources(_align(size))
 
@@ -157,10 +158,15 @@ class MeshHost(GpuHost):
   @contextlib.contextmanager
   def _smem(self, aval):
     offset = self.smem_used
-    ty = ir.MemRefType.get(list(aval.shape), ir_type(aval.dtype),
-                           memory_space=mgpu_utils.smem())
+    space = aval.memory_space
+    transforms = (space.transforms if isinstance(space, TransformedSpace)
+                  else ())
+    ty = ir.MemRefType.get(list(tiled_shape(aval.shape, transforms)),
+                           ir_type(aval.dtype), memory_space=mgpu_utils.smem())
     self.alias_ids += 1
     view = mgpu.slice_smem(ty, offset, alias_id=self.alias_ids)
+    if transforms:
+      view = LaidOutSmem(view, tuple(aval.shape), transforms)
     size = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
     self.smem_used = offset + _align(size)
     try:
@@ -189,10 +195,35 @@ class MeshHost(GpuHost):
         if isinstance(aval.memory_space, BarrierSpace):
           refs.append(stack.enter_context(self._barrier(aval)))
         elif is_accumulator_aval(aval):
-          raise ctx.error("plgpu.ACC accumulators do not lower yet")
+          refs.append(_fresh_accumulator(ctx, aval, collective_axes,
+                                         written_first(jaxpr, v)))
         else:
           refs.append(stack.enter_context(self._smem(aval)))
       yield refs
+
+  def scope_body(self, jaxpr, num_consts):
+    try:
+      return accumulator_body(jaxpr, num_consts)
+    except NotImplementedError as e:
+      raise self.error(f"{e} do not lower yet" + TRITON_HINT) from None
+
+
+def _fresh_accumulator(ctx, aval, collective_axes, written: bool):
+  """A fresh accumulator's value: zeros that no WGMMA reads before they
+  are written (an optimization barrier, then `wgmma.fence`); for one the
+  scope writes before anything else (`pl.run_state` of `ACC.init(x)`),
+  zeros that nothing uses (the write fences its value)."""
+  if collective_axes:
+    raise ctx.error("plgpu.ACC accumulators are allocated by one warpgroup "
+                    "(run_scoped without collective_axes)")
+  zero = vector.broadcast(ir.VectorType.get(list(aval.shape),
+                                            ir_type(aval.dtype)),
+                          scalar_constant(0, aval.dtype))
+  if written:
+    return zero
+  zero = mgpu.optimization_barrier([zero])
+  wgmma_fence()
+  return zero
 
 
 # ---------------------------------------------------------------- launch
@@ -275,6 +306,7 @@ def build_mesh_module(spec):
   name = spec.name
   host = MeshHost(name, spec.where, TABLE, rs.smem_bytes, None)
   host.thread_axis = mesh.thread_name
+  host.approx_math = bool(params.approx_math)
 
   def body(launch_ctx, *buffers):
     *gmem, (_, barrier_refs, _) = buffers

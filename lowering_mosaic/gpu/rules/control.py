@@ -10,6 +10,7 @@ from dsl.core.jax_internals import arith, ir, scf
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
 from dsl.core.normalize import scan_layout
 from dsl.core.primitives import run_scoped_p
+from lowering_mosaic.gpu.mesh_accumulators import nested_scope_p
 from lowering_mosaic.gpu.host import TRITON_HINT, index_cast_i32, typed
 from lowering_mosaic.gpu.rules import TABLE
 
@@ -80,9 +81,11 @@ def _while(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
   return list(op.results)
 
 
-@TABLE.register(run_scoped_p)
+@TABLE.register(run_scoped_p, nested_scope_p)
 def _run_scoped(ctx, *consts, jaxpr, num_consts, collective_axes=(), **_):
   """The scope's refs come from the host: buffers the plan set aside for
   this equation, or (a plgpu kernel) allocations made here."""
   with ctx.host.scope(ctx, jaxpr, num_consts, collective_axes) as refs:
-    return ctx.lower(jaxpr, (), list(consts) + list(refs))
+    body = ctx.host.scope_body(jaxpr, num_consts)
+    outs = ctx.lower(body, (), list(consts) + list(refs))
+    return outs[:len(jaxpr.outvars)]

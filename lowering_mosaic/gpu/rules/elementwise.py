@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 from dsl.core.jax_internals import (ad_util, arith, custom_derivatives,
-                                    mlir_math)
+                                    mlir_math, mosaic_gpu_dialect as mgpu)
 
 from dsl.core import dtypes, primitives
 from dsl.core.rule_helpers import power_by_squaring
@@ -75,6 +75,10 @@ _UNARY_FLOAT = {
     lax.round_p: mlir_math.roundeven,
 }
 
+# What `approx_math` (plgpu.CompilerParams) computes approximately.
+_APPROXIMABLE = (lax.exp_p, lax.exp2_p, lax.log_p, lax.tanh_p, lax.sqrt_p,
+                 lax.rsqrt_p, lax.sin_p, lax.cos_p)
+
 
 def _unary_rule(prim):
   build = _UNARY_FLOAT[prim]
@@ -86,6 +90,8 @@ def _unary_rule(prim):
       raise ctx.error(f"'{prim.name}' needs a floating-point operand")
     if prim is lax.round_p and int(params.get("rounding_method", 0)) == 0:
       return mlir_math.round(x)         # away from zero
+    if ctx.host.approx_math and prim in _APPROXIMABLE:
+      return build(x, fastmath=arith.FastMathFlags.afn)
     return build(x)
   return rule
 
@@ -237,11 +243,20 @@ def _bitcast(ctx, x, *, new_dtype):
 
 
 @TABLE.register(primitives.multiple_of_p, primitives.max_contiguous_p,
-                lax.copy_p, custom_derivatives.stop_gradient_p,
-                lax.optimization_barrier_p)
+                lax.copy_p, custom_derivatives.stop_gradient_p)
 def _identity(ctx, *xs, **_):
   return xs[0] if len(xs) == 1 and not ctx.eqn.primitive.multiple_results \
       else list(xs)
+
+
+@TABLE.register(lax.optimization_barrier_p)
+def _optimization_barrier(ctx, *xs):
+  """`mosaic_gpu.optimization_barrier`: the kernel's values are computed
+  before it and used after it, as the kernel orders them."""
+  if not xs:
+    return []
+  out = mgpu.optimization_barrier(list(xs))
+  return [out] if len(xs) == 1 else list(out)
 
 
 @TABLE.register(getattr(lax, "square_p", None))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dsl.core.jax_internals import (arith, ir, memref,
                                     mosaic_gpu_dialect as mgpu,
                                     state_indexing as indexing,
-                                    state_primitives)
+                                    state_primitives, state_types)
 from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -19,6 +19,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from dsl.core import dtypes, ref_ops
 from dsl.core.operand_layout import ref_operands
 from lowering_mosaic.gpu.rules import TABLE
+from lowering_mosaic.gpu.smem_layout import memref_of
 from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_to,
                                       is_vector, phys, to_index)
 
@@ -29,11 +30,17 @@ def _static(x):
   return int(x)
 
 
-def window(ctx, ref: ir.Value, transforms, static_ints=True) -> ir.Value:
+def window(ctx, ref: ir.Value, transforms, static_ints=True,
+           transposes=False) -> ir.Value:
   """The subview of `ref` that its NDIndexer transforms select; with
   `static_ints=False`, integer indices are index values (Pallas's choice
-  for plgpu refs: a subview at a run-time offset)."""
+  for plgpu refs: a subview at a run-time offset); with `transposes`,
+  transposed views (`x.T`, for wgmma's operands) are `memref.transpose`."""
+  ref = memref_of(ref)
   for t in transforms or ():
+    if transposes and isinstance(t, state_types.TransposeTransform):
+      ref = mgpu_utils.memref_transpose(ref, tuple(t.permutation))
+      continue
     if not isinstance(t, indexing.NDIndexer):
       raise ctx.error(f"ref transform {type(t).__name__} is not supported by "
                       "the Mosaic GPU lowering" + TRITON_HINT)

@@ -13,15 +13,19 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from dsl.core.jax_internals import (arith, core, ir, llvm,
+from dsl.core.jax_internals import (arith, core, ir,
                                     mosaic_gpu_dialect as mgpu,
                                     state_indexing as indexing)
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core.operand_layout import unpack
-from dsl.mosaic_gpu import primitives as plgpu_p
-from dsl.mosaic_gpu.memory import OOBFillMode
-from lowering_mosaic.gpu.host import TRITON_HINT, i32, to_index
+from dsl.mosaic_gpu import compute, primitives as plgpu_p
+from dsl.mosaic_gpu.memory import Layout, OOBFillMode, ReducedLayout
+from lowering_mosaic.gpu.host import TRITON_HINT, i32, to_index, void_asm
+from lowering_mosaic.gpu.mesh_accumulators import (acc_fence_p, wgmma_acc_p,
+                                                   wgmma_fence)
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.memory import window
 
@@ -193,6 +197,68 @@ def _wait_smem_to_gmem(ctx, *, n, wait_read_only):
 
 @TABLE.register(plgpu_p.commit_group_p)
 def _commit_group(ctx):
-  llvm.inline_asm(ir.Type.parse("!llvm.void"), [],
-                  "cp.async.bulk.commit_group;", "", has_side_effects=True)
+  void_asm("cp.async.bulk.commit_group;")
   return []
+
+
+# ------------------------------------------------------------- WGMMA
+
+@TABLE.register(wgmma_acc_p)
+def _wgmma_acc(ctx, *args, layout, a_is_ref):
+  """`mosaic_gpu.wgmma` on the accumulator's value and the operands'
+  shared memory (or `a` in registers), committed to a WGMMA group."""
+  ops, _ = _parts(ctx, args, layout)
+  a = ops["a"]
+  if a_is_ref:
+    a = window(ctx, a, ops["a_t"], static_ints=False, transposes=True)
+  b = window(ctx, ops["b"], ops["b_t"], static_ints=False, transposes=True)
+  new = mgpu.wgmma(ops["acc"], a, b)
+  void_asm("wgmma.commit_group.sync.aligned;")
+  return new
+
+
+@TABLE.register(acc_fence_p)
+def _acc_fence(ctx, x):
+  x = mgpu.optimization_barrier([x])
+  wgmma_fence()
+  return x
+
+
+@TABLE.register(compute.wgmma_wait_p)
+def _wgmma_wait(ctx, *, n):
+  void_asm(f"wgmma.wait_group.sync.aligned {int(n)};")
+  return []
+
+
+@TABLE.register(compute.set_max_registers_p)
+def _set_max_registers(ctx, *, n, action):
+  verb = "inc" if action == "increase" else "dec"
+  void_asm(f"setmaxnreg.{verb}.sync.aligned.u32 {int(n)};")
+  return []
+
+
+# ------------------------------------------------------------- layouts
+
+# plgpu's register layouts the Mosaic GPU library names
+_LAYOUTS = {
+    Layout.WGMMA: fa.WGMMA_LAYOUT,
+    Layout.WGMMA_TRANSPOSED: fa.WGMMA_TRANSPOSED_LAYOUT,
+    Layout.WGMMA_8BIT: fa.WGMMA_LAYOUT_8BIT,
+    Layout.WGMMA_UPCAST_2X: fa.WGMMA_LAYOUT_UPCAST_2X,
+    Layout.WGMMA_UPCAST_4X: fa.WGMMA_LAYOUT_UPCAST_4X,
+}
+
+
+def _library_layout(ctx, layout):
+  if isinstance(layout, ReducedLayout):
+    return _library_layout(ctx, layout.layout).reduce(layout.axes)
+  if layout not in _LAYOUTS:
+    raise ctx.error(f"the register layout {layout} does not lower yet "
+                    "(WGMMA layouts and their reductions do)" + TRITON_HINT)
+  return _LAYOUTS[layout]
+
+
+@TABLE.register(compute.layout_cast_p)
+def _layout_cast(ctx, x, *, new_layout):
+  return mgpu.layout_cast(
+      x, layouts.to_layout_attr(_library_layout(ctx, new_layout)))
