@@ -7,6 +7,7 @@ import functools
 import re
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -150,3 +151,22 @@ def test_not_worse_than_pallas_on_the_same_source(name):
   assert len(theirs) == len(ours) == 1
   found = worse_than(ours[0], theirs[0])
   assert not found, f"{name}: " + "; ".join(found)
+
+
+def test_pallas_ttir_is_compiled_as_a_gpu_run_compiles_it():
+  """XLA compiles Pallas's Triton IR starting with Triton's front-end
+  passes (canonicalization, the dot/add combiner, CSE); the comparison
+  does too: a zero accumulator plus a dot becomes the dot alone, and the
+  bias it is added to becomes the dot's accumulator."""
+  def kernel(x_ref, y_ref, b_ref, o_ref):
+    acc = jnp.zeros((64, 64), jnp.float32) + jpl_triton.dot(x_ref[...],
+                                                           y_ref[...])
+    o_ref[...] = acc + b_ref[...]
+
+  s = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  fn = lambda x, y, b: jpl.pallas_call(kernel, out_shape=s)(x, y, b)
+  (theirs,) = compile_with_pallas(fn, s, s, s)
+  dots = re.findall(r"tt\.dot (%\w+), (%\w+), (%\w+)", theirs.ttir)
+  assert len(dots) == 1
+  assert "tt.splat %cst" not in theirs.ttir
+  assert "arith.addf" not in theirs.ttir      # both adds folded into the dot
