@@ -227,16 +227,26 @@ def _prefetch_ref(aval, base: str, ptr: str) -> MemRef:
                 "scalar prefetch")
 
 
+<<<<<<< HEAD
 def _emit_program_ids(lowering: TritonHost, plan: GridPlan, ids: list[str]):
+=======
+def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
+  """Binds the grid's program ids, each with its range stated to the
+  compiler (`tl.assume(id < size)`: the launch grid is exact), which lets it
+  prove index arithmetic free of overflow and loop trip counts positive."""
+>>>>>>> ptx
   buf = lowering.buf
   if not plan.parallel:
     return
   if not plan.flattened:
     for d in plan.parallel:
       buf.line(f"{ids[d]} = tl.program_id({plan.program_axis(d)})")
+    for d in plan.parallel:
+      buf.line(f"tl.assume({ids[d]} < {plan.grid[d]})")
     return
   pid = lowering.fresh("pid")
   buf.line(f"{pid} = tl.program_id(0)")
+  buf.line(f"tl.assume({pid} < {plan.launch[0]})")
   sizes = [plan.grid[d] for d in plan.parallel]
   for k, d in enumerate(plan.parallel):
     inner = math.prod(sizes[k + 1:])

@@ -56,10 +56,11 @@ def _cond(ctx, index, *ops, branches, **params):
   n = len(branches)
   if n == 2:
     src = index.bool_source
-    pred = src.expr if src is not None else f"{index.expr} != 0"
-    arms = [(f"if {pred}:", 1), ("else:", 0)]
+    # JAX's order: branch 0 (a false predicate's) first, as `index == 0`
+    arms = [(f"if {index.expr} == 0:", 0), ("else:", 1)]
     if not outs and _is_empty(branches[0]):
-      arms = arms[:1]
+      pred = src.expr if src is not None else f"{index.expr} != 0"
+      arms = [(f"if {pred}:", 1)]
     elif not outs and _is_empty(branches[1]):
       neg = f"{index.expr} == 0" if src is None else f"~{src.expr}" \
           if src.expr.isidentifier() else f"~({src.expr})"

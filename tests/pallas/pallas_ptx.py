@@ -4,8 +4,11 @@
 (TTIR) inside a `__gpu$xla.gpu.triton` custom call; its lowering asks the
 device for a compute capability, so the function is lowered under an
 abstract mesh whose device is an H100. The TTIR is then compiled by the
-`triton` package for sm_90 exactly as our generated source is, and the two
-PTX outputs can be compared (tests only: dsl never imports Pallas):
+`triton` package for sm_90 exactly as our generated source is (first
+Triton's front-end passes, `make_ttir`: canonicalization, the dot/add
+combiner, CSE; XLA's Triton pipeline runs them on every Pallas kernel, and
+`triton.compile` skips them for IR read from a file), and the two PTX
+outputs can be compared (tests only: dsl never imports Pallas):
 `worse_than(ours, theirs)` says where ours is worse, `figures` gives the
 totals a table reports.
 """
@@ -22,7 +25,9 @@ from dsl.core.jax_internals import ir, mesh as mesh_lib
 from tests.pallas.pallas_internals import triton_lowering as pallas_triton_lowering
 from lowering_triton.ptx_stats import blocks_per_sm, ptx_stats
 import triton
+from triton._C.libtriton import ir as triton_ir
 from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import IRSource, make_backend
 
 H100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
                                num_cores=132, platform="gpu")
@@ -59,6 +64,21 @@ def _ttir(config) -> str:
     return str(ir.Module.parse(code))
 
 
+def front_end_passes(path: str, arch: int, options: dict) -> str:
+  """The TTIR in file `path` after Triton's front-end passes (`make_ttir`),
+  as a GPU run of Pallas compiles it: XLA's Triton pipeline starts with
+  them, where `triton.compile` of a .ttir file starts after them."""
+  target = GPUTarget("cuda", arch, 32)
+  backend = make_backend(target)
+  context = triton_ir.context()
+  source = IRSource(path, context, backend)
+  options = backend.parse_options(options)
+  module = source.make_ir(target, options,
+                          backend.get_codegen_implementation(options),
+                          backend.get_module_map(), context)
+  return str(backend.make_ttir(module, {}, options, arch))
+
+
 def compile_with_pallas(fn, *args, arch: int = 90) -> list[PallasKernel]:
   """The Triton kernels Pallas makes of `fn(*args)`, compiled for `arch`."""
   mesh = mesh_lib.AbstractMesh((1,), ("x",), abstract_device=H100)
@@ -73,14 +93,17 @@ def compile_with_pallas(fn, *args, arch: int = 90) -> list[PallasKernel]:
     text = _ttir(config)
     with tempfile.TemporaryDirectory() as tmp:
       path = os.path.join(tmp, "kernel.ttir")
-      with open(path, "w") as f:
-        f.write(text)
       # FP fusion stated as ours compiles it (on by default), not left to
       # Triton's default, which Triton 3.10 turns off.
-      compiled = triton.compile(
-          path, target=GPUTarget("cuda", arch, 32),
-          options=dict(num_warps=num_warps, num_stages=num_stages,
-                       sanitize_overflow=False, enable_fp_fusion=True))
+      options = dict(num_warps=num_warps, num_stages=num_stages,
+                     sanitize_overflow=False, enable_fp_fusion=True)
+      with open(path, "w") as f:
+        f.write(text)
+      text = front_end_passes(path, arch, options)
+      with open(path, "w") as f:
+        f.write(text)
+      compiled = triton.compile(path, target=GPUTarget("cuda", arch, 32),
+                                options=options)
     launch = tuple(ir.IntegerAttr(config[f"grid_{a}"]).value for a in "xyz")
     out.append(PallasKernel(
         ir.StringAttr(config["name"]).value, num_warps, num_stages, text,

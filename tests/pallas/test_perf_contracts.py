@@ -7,6 +7,7 @@ import functools
 import re
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -42,7 +43,9 @@ KNOWN_BY_RELEASE: dict[str, dict[str, str]] = {
         "kernels.softmax.fwd.f32": _OCCUPANCY_39,
         "kernels.flash_attention_d64.bwd.bf16": _OCCUPANCY_39 + " (dkdv)",
         "kernels.flash_attention_causal.fwd.bf16": _SASS_39 + " (the "
-        "diagonal loop)",
+        "loop off the diagonal: 590 instructions against 529; the baseline "
+        "keeps 3.6's figures from before its diagonal, a single block, "
+        "stopped being a loop)",
         "kernels.flash_attention_causal.fwd.f32": _SASS_39 + " (the diagonal "
         "loop, with more selects)",
         "kernels.flash_attention.bwd.f32": _SASS_39 + " (dq)",
@@ -93,7 +96,8 @@ def test_causal_attention_loops_off_the_diagonal_are_the_non_causal_loop(
   below the diagonal compiles to the non-causal kernel's loop (no select
   for the causal mask, the same wgmma and async copies, as many
   instructions within the contracts' slack); the masked diagonal loop comes
-  beside it."""
+  beside it, or, where the compiler proves it runs once (a diagonal of one
+  block), its body follows the loop."""
   causal = perf_contracts.compiled(
       f"kernels.flash_attention_causal.{which}.bf16")
   plain = perf_contracts.compiled(f"kernels.flash_attention.{which}.bf16")
@@ -101,12 +105,14 @@ def test_causal_attention_loops_off_the_diagonal_are_the_non_causal_loop(
   for c, p in zip(causal, plain):
     if not p.hot_loops:
       continue
-    assert len(c.hot_loops) == 2, c.name     # off the diagonal, on it
+    assert len(c.hot_loops) in (1, 2), c.name     # off the diagonal, on it
     (loop,) = p.hot_loops
     off = min(c.hot_loops, key=lambda m: m.selp)
     on = max(c.hot_loops, key=lambda m: m.selp)
     assert off.selp <= loop.selp, c.name
-    assert on.selp > loop.selp, c.name        # the mask lives here only
+    if len(c.hot_loops) == 2:
+      assert on.selp > loop.selp, c.name      # the mask lives here only
+    assert c.kernel.selp - off.selp > p.kernel.selp - loop.selp, c.name
     assert (off.wgmma, off.cp_async) == (loop.wgmma, loop.cp_async), c.name
     assert off.instructions <= loop.instructions * 1.1 + 4, c.name
 
@@ -150,3 +156,22 @@ def test_not_worse_than_pallas_on_the_same_source(name):
   assert len(theirs) == len(ours) == 1
   found = worse_than(ours[0], theirs[0])
   assert not found, f"{name}: " + "; ".join(found)
+
+
+def test_pallas_ttir_is_compiled_as_a_gpu_run_compiles_it():
+  """XLA compiles Pallas's Triton IR starting with Triton's front-end
+  passes (canonicalization, the dot/add combiner, CSE); the comparison
+  does too: a zero accumulator plus a dot becomes the dot alone, and the
+  bias it is added to becomes the dot's accumulator."""
+  def kernel(x_ref, y_ref, b_ref, o_ref):
+    acc = jnp.zeros((64, 64), jnp.float32) + jpl_triton.dot(x_ref[...],
+                                                           y_ref[...])
+    o_ref[...] = acc + b_ref[...]
+
+  s = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  fn = lambda x, y, b: jpl.pallas_call(kernel, out_shape=s)(x, y, b)
+  (theirs,) = compile_with_pallas(fn, s, s, s)
+  dots = re.findall(r"tt\.dot (%\w+), (%\w+), (%\w+)", theirs.ttir)
+  assert len(dots) == 1
+  assert "tt.splat %cst" not in theirs.ttir
+  assert "arith.addf" not in theirs.ttir      # both adds folded into the dot

@@ -278,7 +278,33 @@ def test_programs_start_in_row_major_grid_order():
   (src,) = lowering_triton.to_source(f, x)
   assert "a = tl.program_id(2)" in src and "c = tl.program_id(0)" in src
   assert "GRID = (5, 3, 2)" in src
+  # each id's range is stated to the compiler (the interpreter checks it)
+  for name, size in (("a", 2), ("b", 3), ("c", 5)):
+    assert f"tl.assume({name} < {size})" in src
   assert_close(jax.jit(f)(x), x * 2)
+
+
+def test_a_two_branch_cond_runs_branch_zero_first_as_jax_numbers_them():
+  """`lax.cond(p, t, f)` is `cond(index, f, t)` in JAX: the lowering tests
+  `index == 0` for `f` (as Pallas's lowering does; the compiler then proves
+  more of what follows, e.g. a loop's trip count under the condition)."""
+  def kernel(n_ref, x_ref, o_ref):
+    n = n_ref[0]
+    o_ref[...] = lax.cond(n > 3, lambda: x_ref[...] * 2,
+                          lambda: x_ref[...] + 1)
+  x = array(6, (16,), jnp.float32)
+  for n, want in ((5, x * 2), (1, x + 1)):
+    f = lambda n, x: pl.pallas_call(
+        kernel, jax.ShapeDtypeStruct(x.shape, x.dtype),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((16,))],
+        backend="triton_interpret")(n, x)
+    (src,) = lowering_triton.to_source(f, jnp.array([n], jnp.int32), x)
+    body = src[src.index("@triton.jit"):]
+    header = re.search(r"\n( *)if (.*) == 0:\n", body)
+    assert header and ".to(tl.int32)" in header.group(2)
+    false_arm = body[header.end():body.index("else:", header.end())]
+    assert " + 1" in false_arm and " * 2" not in false_arm
+    assert_close(jax.jit(f)(jnp.array([n], jnp.int32), x), want)
 
 
 def test_compiler_params_reach_source_and_binary():
