@@ -41,13 +41,14 @@ from dsl.core import refs
 from dsl.core.blockspec import squeezed
 from dsl.core.errors import KernelError, user_frame
 from dsl.core.jax_internals import core, state_types
-from dsl.core.primitives import run_scoped, when
-from dsl.mosaic_gpu.compute import wgmma_wait
+from dsl.core.primitives import loop, run_scoped
+from dsl.mosaic_gpu.compute import set_max_registers, wgmma_wait
 from dsl.mosaic_gpu.helpers import unravel as _unravel
 from dsl.mosaic_gpu.memory import SMEM, Barrier, BlockSpec
 from dsl.mosaic_gpu.primitives import (barrier_arrive, barrier_wait,
-                                       commit_smem, copy_gmem_to_smem,
-                                       copy_smem_to_gmem, wait_smem_to_gmem)
+                                       commit_smem, commit_smem_to_gmem_group,
+                                       copy_gmem_to_smem, copy_smem_to_gmem,
+                                       wait_smem_to_gmem)
 
 
 def _block_dims(spec, ref) -> list:
@@ -144,16 +145,36 @@ def emit_pipeline(body: Callable, *, grid: Sequence[Any], in_specs=(),
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-  """The scratch of a warp-specialized pipeline: per input its SMEM slots,
-  its `loaded` and its `consumed` barriers."""
-  slots: tuple
-  loaded: tuple
+  """The scratch of a warp-specialized pipeline: the `consumed` barriers
+  (one, or one per input with manual consumed barriers), per input its
+  SMEM slots, and the `produced` barrier every input's copy arrives on."""
   consumed: tuple
+  slots: tuple
+  produced: tuple
 
 
 tree_util.register_pytree_node(
-    _Ring, lambda r: ((r.slots, r.loaded, r.consumed), None),
+    _Ring, lambda r: ((r.consumed, r.slots, r.produced), None),
     lambda _, c: _Ring(*c))
+
+
+def next_indices(indices: tuple, grid) -> tuple:
+  """The grid point after `indices` in row-major order (the last wraps
+  around to zeros)."""
+  out, carry = [], True
+  for idx, size in zip(reversed(indices), reversed(tuple(grid))):
+    bumped = lax.select(carry, idx + 1, idx)
+    carry = bumped == size
+    out.append(lax.select(carry, jnp.zeros_like(idx), bumped))
+  return tuple(out[::-1])
+
+
+def compute_registers(memory_registers: int, num_compute_wgs: int) -> int:
+  """Registers per thread of a compute warpgroup: the 512 a lone warpgroup
+  could hold, less the memory warpgroup's, shared out (at most 256, a
+  multiple of 8)."""
+  per_wg = min(256.0, (512 - memory_registers) / num_compute_wgs)
+  return int(per_wg // 8) * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,16 +190,22 @@ class WarpSpecializedPipeline:
   memory_registers: int
   manual_consumed_barriers: bool
   compute_context: Callable | None
+  delay_release: int
+
+  @property
+  def num_steps(self) -> int:
+    return math.prod(self.grid)
 
   def get_allocations(self, *gmem_refs) -> _Ring:
     slots = self.max_concurrent_steps
+    consumed = Barrier(num_arrivals=self.num_compute_wgs, num_barriers=slots)
+    n_consumed = len(gmem_refs) if self.manual_consumed_barriers else 1
     return _Ring(
+        (consumed,) * n_consumed,
         tuple(SMEM((slots, *_smem_type(s, r).shape), r.dtype,
                    transforms=getattr(s, "transforms", ()) or ())
               for s, r in zip(self.in_specs, gmem_refs)),
-        tuple(Barrier(num_barriers=slots) for _ in gmem_refs),
-        tuple(Barrier(num_arrivals=self.num_compute_wgs, num_barriers=slots)
-              for _ in gmem_refs))
+        (Barrier(num_arrivals=len(gmem_refs), num_barriers=slots),))
 
   def __call__(self, *gmem_refs, allocations=None):
     if len(gmem_refs) != len(self.in_specs):
@@ -193,49 +220,89 @@ class WarpSpecializedPipeline:
 
   def _run(self, gmem_refs, ring: _Ring):
     wg = lax.axis_index(self.wg_axis)
-    when(wg == self.num_compute_wgs)(lambda: self._memory(gmem_refs, ring))
-    when(wg < self.num_compute_wgs)(lambda: self._compute(ring))
+    lax.cond(wg != self.num_compute_wgs, lambda: self._compute(ring),
+             lambda: self._memory(gmem_refs, ring))
 
-  @property
-  def num_steps(self) -> int:
-    return math.prod(self.grid)
+  def _copy_in(self, gmem_refs, ring: _Ring, slot, indices):
+    (produced,) = ring.produced
+    for spec, ref, buf in zip(self.in_specs, gmem_refs, ring.slots):
+      copy_gmem_to_smem(_block_view(spec, ref, indices), buf.at[slot],
+                        produced.at[slot],
+                        collective_axes=getattr(spec, "collective_axes",
+                                                None) or None)
 
   def _memory(self, gmem_refs, ring: _Ring):
-    slots = self.max_concurrent_steps
+    """Prologue: the first `max_concurrent_steps` steps' copies; steady
+    state: each later step's copies once the compute warpgroups are done
+    with its slot; then the wait for the last steps' slots, which leaves
+    the barriers quiet for the next pipeline on the same allocations."""
+    set_max_registers(self.memory_registers, action="decrease")
+    slots, n = self.max_concurrent_steps, self.num_steps
+    zeros = (jnp.asarray(0, jnp.int32),) * len(self.grid)
 
-    def step(s, carry):
-      slot = lax.rem(s, jnp.int32(slots))
-      idx = _unravel(s, self.grid)
+    def prologue(step, indices):
+      self._copy_in(gmem_refs, ring, step, indices)
+      return next_indices(indices, self.grid)
+    indices = lax.fori_loop(0, slots, prologue, zeros, unroll=True)
 
-      @when(s >= slots)
-      def _():
-        for consumed in ring.consumed:
-          barrier_wait(consumed.at[slot])
-      for spec, ref, buf, loaded in zip(self.in_specs, gmem_refs, ring.slots,
-                                        ring.loaded):
-        copy_gmem_to_smem(_block_view(spec, ref, idx), buf.at[slot],
-                          loaded.at[slot])
-      return carry
-    lax.fori_loop(jnp.int32(0), jnp.int32(self.num_steps), step, None)
+    def steady(step, carry):
+      (indices,) = carry
+      slot = lax.rem(step, slots)
+      if not self.manual_consumed_barriers:
+        barrier_wait(ring.consumed[0].at[slot])
+      for consumed in ring.consumed if self.manual_consumed_barriers else ():
+        barrier_wait(consumed.at[slot])
+      self._copy_in(gmem_refs, ring, slot, indices)
+      return (next_indices(indices, self.grid),)
+    lax.fori_loop(0, n - slots, steady, (indices,))
 
-    # The last steps' slots: wait until the compute warpgroups are done.
-    def drain(s, carry):
-      slot = lax.rem(s, jnp.int32(slots))
+    @loop(n - slots, n - self.delay_release, unroll=True)
+    def _(step):
+      slot = lax.rem(step, slots)
       for consumed in ring.consumed:
         barrier_wait(consumed.at[slot])
-      return carry
-    lax.fori_loop(jnp.int32(max(self.num_steps - slots, 0)),
-                  jnp.int32(self.num_steps), drain, None)
 
   def _compute(self, ring: _Ring):
-    slots = self.max_concurrent_steps
-    has_carry = self.compute_context is not None
+    set_max_registers(compute_registers(self.memory_registers,
+                                        self.num_compute_wgs),
+                      action="increase")
+    slots, delay = self.max_concurrent_steps, self.delay_release
+    (produced,) = ring.produced
 
-    def run(*carry):
-      init = (carry[0] if len(carry) == 1 else carry) if has_carry else None
+    def step(k, carry):
+      indices, last_stores, body_carry = carry
+      slot = lax.rem(k, slots)
+      consumed_slot = lax.rem(k - delay, slots)
+      barrier_wait(produced.at[slot])
+      args = [b.at[slot] for b in ring.slots]
+      if self.manual_consumed_barriers:
+        args += [b.at[consumed_slot] for b in ring.consumed]
+      if self.compute_context is not None:
+        args.append(body_carry)
+      body_carry = self.body(indices, *args)
+      if not self.manual_consumed_barriers:
+        arrive = lambda: barrier_arrive(ring.consumed[0].at[consumed_slot])
+        if delay:
+          lax.cond(k < delay, lambda: None, arrive)
+        else:
+          arrive()
+      commit_smem_to_gmem_group()
+      return next_indices(indices, self.grid), last_stores, body_carry
+
+    zeros = (jnp.asarray(0, jnp.int32),) * len(self.grid)
+    if self.compute_context is None:
+      lax.fori_loop(0, self.num_steps, step, (zeros, [], None))
+      return
+    ran = []
+
+    def run(init_carry):
+      if ran:
+        raise KernelError(None, "the pipeline runs once per compute_context",
+                          user_frame(), operand="compute_context")
+      ran.append(True)
       # Refs in the carry (an accumulator) stay the same refs: only the
       # values go around the loop.
-      leaves, tree = tree_util.tree_flatten(init)
+      leaves, tree = tree_util.tree_flatten(init_carry)
       is_ref = [_is_ref(x) for x in leaves]
 
       def with_refs(values):
@@ -243,30 +310,17 @@ class WarpSpecializedPipeline:
         return tree_util.tree_unflatten(
             tree, [x if r else next(it) for x, r in zip(leaves, is_ref)])
 
-      def step(s, values):
-        slot = lax.rem(s, jnp.int32(slots))
-        for loaded in ring.loaded:
-          barrier_wait(loaded.at[slot])
-        args = [_unravel(s, self.grid)] + [b.at[slot] for b in ring.slots]
-        if self.manual_consumed_barriers:
-          args += [b.at[slot] for b in ring.consumed]
-        c = (self.body(*args, with_refs(values)) if has_carry
-             else self.body(*args))
-        if not self.manual_consumed_barriers:
-          for consumed in ring.consumed:
-            barrier_arrive(consumed.at[slot])
-        if not has_carry:
-          return values
-        out = tree_util.tree_leaves(c)
-        return [x for x, r in zip(out, is_ref) if not r]
-      values = lax.fori_loop(jnp.int32(0), jnp.int32(self.num_steps), step,
-                             [x for x, r in zip(leaves, is_ref) if not r])
-      return with_refs(values) if has_carry else None
-
-    if has_carry:
-      self.compute_context(run)
-    else:
-      run()
+      def values_step(k, carry):
+        indices, stores, values = step(k, carry[:2] + (with_refs(carry[2]),))
+        out = tree_util.tree_leaves(values)
+        return indices, stores, [x for x, r in zip(out, is_ref) if not r]
+      values = [x for x, r in zip(leaves, is_ref) if not r]
+      return with_refs(lax.fori_loop(0, self.num_steps, values_step,
+                                     (zeros, [], values))[2])
+    self.compute_context(run)
+    if not ran:
+      raise KernelError(None, "compute_context did not run the pipeline",
+                        user_frame(), operand="compute_context")
 
 
 def emit_pipeline_warp_specialized(
@@ -294,13 +348,20 @@ def emit_pipeline_warp_specialized(
                       f"be positive ints, got {tuple(grid)}", where,
                       operand="grid")
   in_specs = _specs(in_specs)
-  for spec in in_specs:
-    if max_concurrent_steps <= getattr(spec, "delay_release", 0):
-      raise KernelError(None, "max_concurrent_steps must be greater than "
-                        f"delay_release, got {max_concurrent_steps} and "
-                        f"{spec.delay_release}", where,
-                        operand="max_concurrent_steps")
+  delays = {int(getattr(spec, "delay_release", 0) or 0) for spec in in_specs}
+  if len(delays) > 1:
+    raise KernelError(None, "every input of the pipeline must have the same "
+                      f"delay_release, got {sorted(delays)}", where,
+                      operand="in_specs")
+  delay_release = delays.pop() if delays else 0
+  if max_concurrent_steps <= delay_release:
+    raise KernelError(None, "max_concurrent_steps must be greater than "
+                      f"delay_release, got {max_concurrent_steps} and "
+                      f"{delay_release}", where,
+                      operand="max_concurrent_steps")
+  # No more slots than steps.
+  max_concurrent_steps = min(int(max_concurrent_steps), math.prod(grid))
   return WarpSpecializedPipeline(
-      body, tuple(grid), in_specs, int(max_concurrent_steps), wg_axis,
+      body, tuple(grid), in_specs, max_concurrent_steps, wg_axis,
       int(num_compute_wgs), int(memory_registers),
-      bool(manual_consumed_barriers), compute_context)
+      bool(manual_consumed_barriers), compute_context, delay_release)
