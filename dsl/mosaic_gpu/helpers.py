@@ -129,7 +129,7 @@ def planar_snake(lin_idx, shape, minor_dim: int, tile_width: int):
     else:
       strip, major, minor = (lax.select(in_full, f, l)
                              for f, l in zip(full(), last()))
-  backwards = lax.rem(strip, jnp.int32(2)) != 0
-  major = lax.select(backwards, major_size - 1 - major, major)
+  forwards = lax.rem(strip, jnp.int32(2)) == 0
+  major = lax.select(forwards, major, major_size - 1 - major)
   minor = strip * width + minor
   return (minor, major) if minor_dim == 0 else (major, minor)
