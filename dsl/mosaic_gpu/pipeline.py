@@ -31,9 +31,11 @@ for the warp-specialized one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax, tree_util
 
@@ -42,7 +44,7 @@ from dsl.core.blockspec import squeezed
 from dsl.core.errors import KernelError, user_frame
 from dsl.core.jax_internals import core, state_types
 from dsl.core.primitives import loop, run_scoped
-from dsl.mosaic_gpu.compute import set_max_registers, wgmma_wait
+from dsl.mosaic_gpu.compute import set_max_registers
 from dsl.mosaic_gpu.helpers import unravel as _unravel
 from dsl.mosaic_gpu.memory import SMEM, Barrier, BlockSpec
 from dsl.mosaic_gpu.primitives import (barrier_arrive, barrier_wait,
@@ -93,54 +95,166 @@ def _specs(specs) -> tuple:
   return tuple(specs)
 
 
+def _uses_indices(spec, rank: int) -> bool:
+  """Whether `spec`'s index map reads the grid indices (a block that does
+  not moves once)."""
+  if spec.index_map is None or rank == 0:
+    return False
+  jaxpr = jax.make_jaxpr(spec.index_map)(*([jnp.int32(0)] * rank)).jaxpr
+  used = {v for e in jaxpr.eqns for v in e.invars if isinstance(v, core.Var)}
+  used |= {v for v in jaxpr.outvars if isinstance(v, core.Var)}
+  return any(v in used for v in jaxpr.invars)
+
+
 def emit_pipeline(body: Callable, *, grid: Sequence[Any], in_specs=(),
                   out_specs=(), max_concurrent_steps: int = 1,
-                  init_carry=None, delay_release: int = 0) -> Callable:
+                  init_carry=None) -> Callable:
   """A function of GMEM refs that runs `body(indices, *in_smem, *out_smem)`
   (`body(..., carry)` -> carry with `init_carry`) once per point of `grid`,
-  in order, on SMEM copies of the blocks."""
-  del max_concurrent_steps, delay_release
+  in order, on SMEM copies of the blocks (see the module docstring)."""
   in_specs, out_specs = _specs(in_specs), _specs(out_specs)
+  where = user_frame()
   if any(isinstance(g, int) and g <= 0 for g in grid):
     raise KernelError(None, f"emit_pipeline: every grid dim must be positive, "
-                      f"got grid={tuple(grid)}", user_frame(), operand="grid")
-  num_steps = math.prod(grid) if all(isinstance(g, int) for g in grid) else (
-      jnp.prod(jnp.asarray(grid, jnp.int32)))
+                      f"got grid={tuple(grid)}", where, operand="grid")
+  delays = sorted({int(getattr(s, "delay_release", 0) or 0)
+                   for s in in_specs} or {0})
+  if max_concurrent_steps <= delays[0]:
+    raise KernelError(None, "max_concurrent_steps must be greater than every "
+                      f"delay_release, got {max_concurrent_steps} and "
+                      f"{delays}", where, operand="max_concurrent_steps")
+  num_steps = math.prod(grid)
+  static = isinstance(num_steps, int)
+  if static:
+    max_concurrent_steps = min(max_concurrent_steps, num_steps)
+  schedule = _Schedule(body, tuple(jnp.asarray(g, jnp.int32) for g in grid),
+                       in_specs, out_specs, max_concurrent_steps, init_carry,
+                       tuple(delays), num_steps)
 
   def pipeline(*gmem_refs):
     if len(gmem_refs) != len(in_specs) + len(out_specs):
       raise KernelError(None, f"the pipeline has {len(in_specs)} in_specs and "
                         f"{len(out_specs)} out_specs but got {len(gmem_refs)} "
                         "refs", user_frame(), operand="in_specs")
-    ins, outs = gmem_refs[:len(in_specs)], gmem_refs[len(in_specs):]
-    types = [_smem_type(s, r) for s, r in zip(in_specs, ins)]
-    types += [_smem_type(s, r) for s, r in zip(out_specs, outs)]
-    barriers = Barrier(num_barriers=max(len(ins), 1))
-
-    def scope(bars, *bufs):
-      in_bufs, out_bufs = bufs[:len(ins)], bufs[len(ins):]
-
-      def step(s, carry):
-        idx = _unravel(s, grid)
-        # The previous step's WGMMAs (issued by `body`, asynchronous) may
-        # still read the buffers the copies below refill.
-        wgmma_wait(0)
-        for k, (spec, ref, buf) in enumerate(zip(in_specs, ins, in_bufs)):
-          copy_gmem_to_smem(_block_view(spec, ref, idx), buf, bars.at[k])
-        for k in range(len(ins)):
-          barrier_wait(bars.at[k])
-        args = (idx, *in_bufs, *out_bufs)
-        carry = body(*args) if init_carry is None else body(*args, carry)
-        if outs:
-          commit_smem()
-          for spec, ref, buf in zip(out_specs, outs, out_bufs):
-            copy_smem_to_gmem(buf, _block_view(spec, ref, idx))
-          wait_smem_to_gmem(0, wait_read_only=True)
-        return None if init_carry is None else carry
-      return lax.fori_loop(jnp.int32(0), jnp.asarray(num_steps, jnp.int32),
-                           step, init_carry)
-    return run_scoped(scope, barriers, *types)
+    slots = max_concurrent_steps
+    types = [SMEM((slots, *_smem_type(s, r).shape), r.dtype,
+                  transforms=getattr(s, "transforms", ()) or ())
+             for s, r in zip(in_specs + out_specs, gmem_refs)]
+    barrier = (Barrier(num_arrivals=len(in_specs), num_barriers=slots)
+               if in_specs else None)
+    n_in = len(in_specs)
+    return run_scoped(
+        lambda bufs, bar: schedule.run(gmem_refs[:n_in], gmem_refs[n_in:],
+                                       bufs[:n_in], bufs[n_in:], bar),
+        types, barrier)
   return pipeline
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+  """One warpgroup's pipeline over `grid`: a prologue fetches the first
+  `slots` steps' input blocks; step `s` waits for its slot's barrier, runs
+  `body`, copies its output blocks out (where they move) and fetches step
+  `s + slots - delay_release` into the slot it frees."""
+  body: Callable
+  grid: tuple
+  in_specs: tuple
+  out_specs: tuple
+  slots: int
+  init_carry: Any
+  delays: tuple
+  num_steps: Any
+
+  def run(self, ins, outs, in_bufs, out_bufs, barrier):
+    slots, grid = self.slots, self.grid
+    zeros = (jnp.asarray(0, jnp.int32),) * len(grid)
+    prologue_steps = (slots if isinstance(self.num_steps, int) else
+                      lax.min(jnp.asarray(slots, jnp.int32), self.num_steps))
+
+    def prologue(step, indices):
+      for spec, ref, buf in zip(self.in_specs, ins, in_bufs):
+        copy_gmem_to_smem(_block_view(spec, ref, indices), buf.at[step],
+                          barrier.at[step])
+      return next_indices(indices, grid)
+    lax.fori_loop(0, prologue_steps, prologue, zeros,
+                  unroll=isinstance(self.num_steps, int))
+    moving = [_uses_indices(s, len(grid)) for s in self.out_specs]
+    fetch_levels = []
+    for delay in self.delays:
+      fetch = zeros
+      for _ in range(slots - delay):
+        fetch = next_indices(fetch, grid)
+      fetch_levels.append(fetch)
+    last_stores = [(jnp.array(-1),) * len(s.block_shape) if m else None
+                   for s, m in zip(self.out_specs, moving)]
+    step = functools.partial(self._step, ins, outs, in_bufs, out_bufs,
+                             barrier, moving)
+    last, _, _, carry = lax.fori_loop(
+        0, self.num_steps, step,
+        (zeros, fetch_levels, last_stores, self.init_carry))
+    self._epilogue(outs, out_bufs, moving, last)
+    return carry
+
+  def _step(self, ins, outs, in_bufs, out_bufs, barrier, moving, step,
+            carry):
+    indices, fetch_levels, last_stores, body_carry = carry
+    slots = self.slots
+    slot = lax.rem(step, jnp.asarray(slots, step.dtype))
+    if barrier is not None:
+      barrier_wait(barrier.at[slot])
+    copies_out = any(moving)
+    if copies_out:
+      wait_smem_to_gmem(slots - 1, wait_read_only=True)
+    args = [b.at[slot] for b in (*in_bufs, *out_bufs)]
+    if self.init_carry is not None:
+      args.append(body_carry)
+    body_carry = self.body(indices, *args)
+    if copies_out:
+      commit_smem()
+    new_stores = list(last_stores)
+    for k, (spec, ref, buf) in enumerate(zip(self.out_specs, outs,
+                                             out_bufs)):
+      if not moving[k]:
+        continue
+      new_stores[k] = spec.index_map(*indices)
+      same = functools.reduce(lax.bitwise_and, [
+          old == new for old, new in zip(last_stores[k], new_stores[k])])
+      copy_smem_to_gmem(buf.at[slot], _block_view(spec, ref, indices),
+                        predicate=lax.bitwise_or(lax.bitwise_not(same),
+                                                 step == self.num_steps - 1),
+                        commit_group=False)
+    if copies_out:
+      commit_smem_to_gmem_group()
+    for delay, fetch in zip(self.delays, fetch_levels):
+      fetch_step = step + (slots - delay)
+      fetch_slot = lax.rem(fetch_step, jnp.asarray(slots, fetch_step.dtype))
+
+      def do_fetch(delay=delay, fetch=fetch, fetch_slot=fetch_slot):
+        for spec, ref, buf in zip(self.in_specs, ins, in_bufs):
+          if int(getattr(spec, "delay_release", 0) or 0) == delay:
+            copy_gmem_to_smem(_block_view(spec, ref, fetch), buf.at[fetch_slot],
+                              barrier.at[fetch_slot])
+      lax.cond(lax.bitwise_and(step >= delay, fetch_step < self.num_steps),
+               do_fetch, lambda: None)
+    return (next_indices(indices, self.grid),
+            [next_indices(f, self.grid) for f in fetch_levels], new_stores,
+            body_carry if self.init_carry is not None else None)
+
+  def _epilogue(self, outs, out_bufs, moving, last):
+    """Blocks that never move are copied out once, after the last step;
+    then every copy out is waited for."""
+    still = [k for k, m in enumerate(moving) if not m]
+    if still:
+      if all(not m for m in moving):
+        commit_smem()
+      last_slot = lax.rem(jnp.asarray(self.num_steps - 1), self.slots)
+      for k in still:
+        copy_smem_to_gmem(out_bufs[k].at[last_slot],
+                          _block_view(self.out_specs[k], outs[k], last),
+                          commit_group=False)
+      commit_smem_to_gmem_group()
+    if self.out_specs:
+      wait_smem_to_gmem(0)
 
 
 @dataclasses.dataclass(frozen=True)
