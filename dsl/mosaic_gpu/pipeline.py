@@ -1,32 +1,32 @@
 """Pipelines over a grid of blocks inside a `plgpu` kernel, built from its
-TMA copies and mbarriers (no primitive of their own).
+TMA copies and mbarriers (no primitive of their own), with Pallas's
+schedules.
 
-- `emit_pipeline(body, grid=, in_specs=, out_specs=)`: one warpgroup walks
-  the grid in order; at each step the input blocks are copied into SMEM
-  buffers (a TMA copy per input, each with its barrier, waited for), `body`
-  runs on them, and the output blocks are copied back to GMEM. Before the
-  copies refill the buffers, the step waits for the WGMMAs that `body`
-  left in flight (`wgmma_wait(0)`), which may still read them.
+- `emit_pipeline(body, grid=, in_specs=, out_specs=, max_concurrent_steps=)`:
+  one warpgroup walks the grid in order over `max_concurrent_steps` SMEM
+  slots per operand and one barrier per slot (every input's copy arrives on
+  it). A prologue fetches the first steps; step `s` waits for its slot,
+  runs `body`, copies out the output blocks that move (those that stay,
+  once after the last step) and fetches step `s + slots - delay_release`
+  into the slot it frees. The body waits for the WGMMAs that read a slot
+  before it returns.
 - `emit_pipeline_warp_specialized(...)`: a memory warpgroup (the last,
-  `memory_thread_idx == num_compute_wgs`) streams the input blocks into a
-  ring of `max_concurrent_steps` SMEM slots while the compute warpgroups run
-  `body` on them. Slot `s` of input `i` has two barriers: `loaded[i][s]`
-  (the TMA copy arrives on it) and `consumed[i][s]` (each compute
-  warpgroup arrives when done with the slot: after `body`, or in `body`
-  with `manual_consumed_barriers`); the memory warpgroup waits for
-  `consumed` before it refills a slot, and for the last steps' before it
-  leaves, so that the next pipeline over the same allocations starts from
-  quiet barriers. `get_allocations(*gmem_refs)` gives the scratch types of
-  the ring and its barriers, for a `pl.run_scoped(..., collective_axes=
-  wg_axis)` that several pipelines share; without `allocations=`, each call
-  allocates its own.
+  `memory_thread_idx == num_compute_wgs`; `setmaxnreg` down to
+  `memory_registers`) fetches the first `max_concurrent_steps` steps, then
+  each later step once the compute warpgroups released its slot (one
+  `consumed` barrier, or one per input with `manual_consumed_barriers`),
+  and at the end waits for the last slots' release, which leaves the
+  barriers quiet for the next pipeline on the same allocations. The compute
+  warpgroups (`setmaxnreg` up) wait for the slot's `produced` barrier, run
+  `body` and release the slot. `get_allocations(*gmem_refs)` gives the
+  scratch types, for a `pl.run_scoped(..., collective_axes=wg_axis)` that
+  several pipelines share; without `allocations=`, each call allocates its
+  own.
 
-What these pipelines leave out of Pallas's: `delay_release` (the interpret
-backend completes a WGMMA when it is issued, so a slot is free once `body`
-returns), `collective_axes` of a BlockSpec (each block of a cluster loads
-its own copy), `pipeline_state` (each pipeline drains its ring), outputs of a
-warp-specialized pipeline, and grids whose size is known only at run time
-for the warp-specialized one.
+What these pipelines leave out of Pallas's: `collective_axes` of a
+BlockSpec (each block of a cluster loads its own copy), `pipeline_state`,
+outputs of a warp-specialized pipeline, and grids whose size is known only
+at run time for the warp-specialized one.
 """
 from __future__ import annotations
 
