@@ -36,22 +36,6 @@ class NDLoopInfo:
   num_local_steps: Any
 
 
-def _axes(collective_axes) -> tuple[Hashable, ...]:
-  if isinstance(collective_axes, (tuple, list)):
-    return tuple(collective_axes)
-  return (collective_axes,)
-
-
-def _linear_axis_index(axes):
-  """The program's index along `axes` (row-major) and their total size."""
-  index, size = jnp.int32(0), 1
-  for name in axes:
-    n = lax.axis_size(name)
-    index = index * n + lax.axis_index(name)
-    size *= n
-  return index, size
-
-
 def unravel(step, dims) -> tuple:
   """Row-major coordinates of `step` (an int32 scalar) in a grid of
   `dims`."""
@@ -70,9 +54,10 @@ def nd_loop(grid: Sequence[Any], *, collective_axes,
   """Decorator: runs `body(NDLoopInfo)` (or `body(info, carry=c)` -> new
   carry, with `init_carry`) for the items of `grid` this program owns: item
   `s` (row-major; with `tiling`, tile by tile) belongs to the program whose
-  linear index along `collective_axes` is `s % size`."""
-  axes = _axes(collective_axes)
-  index, size = _linear_axis_index(axes)
+  index along `collective_axes` is `s % size`; programs below
+  `total % size` run one item more."""
+  index = lax.axis_index(collective_axes)
+  size = lax.axis_size(collective_axes)
   dims = list(grid)
   if tiling:
     if len(tiling) != len(dims):
@@ -83,42 +68,68 @@ def nd_loop(grid: Sequence[Any], *, collective_axes,
         raise ValueError(f"Tiling {tuple(tiling)} does not divide grid "
                          f"{tuple(grid)}")
     dims = [d // t for d, t in zip(dims, tiling)] + list(tiling)
-  total = math.prod(dims) if all(isinstance(d, int) for d in dims) else (
-      jnp.prod(jnp.asarray(dims, jnp.int32)))
-  total = jnp.asarray(total, jnp.int32)
-  steps = lax.div(total - index + (size - 1), jnp.int32(size))
+  total = 1
+  for d in dims:
+    total = total * d
+  total = jnp.astype(total, index.dtype)
+  steps = lax.div(total, jnp.astype(size, index.dtype)) + (
+      lax.convert_element_type(index < total % size, index.dtype))
 
   def decorate(body):
     def one(local, carry):
       coords = list(unravel(local * size + index, dims))
       if tiling:
         n = len(tiling)
-        coords = [tile * t + sub for tile, sub, t in
+        coords = [sub + tile * t for tile, sub, t in
                   zip(coords[:n], coords[n:], tiling)]
       info = NDLoopInfo(tuple(coords), local, steps)
       if init_carry is None:
         body(info)
         return carry
       return body(info, carry=carry)
-    return lax.fori_loop(jnp.int32(0), steps, one, init_carry)
+    return lax.fori_loop(0, steps, one, init_carry)
   return decorate
+
+
+def _divmod(a, b):
+  return lax.div(a, b), lax.rem(a, b)
 
 
 def planar_snake(lin_idx, shape, minor_dim: int, tile_width: int):
   """The (row, col) of the `lin_idx`-th tile of a 2D grid of `shape` in an
   order that keeps neighbours close: the minor dim (`minor_dim`) is cut into
   strips of `tile_width`, each strip is walked along the major dim, every
-  other strip backwards."""
-  lin_idx = jnp.asarray(lin_idx, jnp.int32)
-  minor_size = jnp.int32(shape[minor_dim])
-  major_size = jnp.int32(shape[1 - minor_dim])
+  other strip backwards; the last strip may be narrower. A power-of-two
+  width branches between full and last strips; another computes both and
+  selects (or branches, when the major size is a power of two)."""
+  major_dim = 1 - minor_dim
+  width_pow2 = tile_width & (tile_width - 1) == 0
+  major_pow2 = isinstance(shape[major_dim], int) and (
+      shape[major_dim] & (shape[major_dim] - 1) == 0)
   width = jnp.int32(tile_width)
-  strip = lax.div(lin_idx, width * major_size)
-  within = lax.rem(lin_idx, width * major_size)
-  # the last strip may be narrower
-  this_width = jnp.minimum(width, minor_size - strip * width)
-  major = lax.div(within, this_width)
-  major = jnp.where(lax.rem(strip, jnp.int32(2)) == 0, major,
-                    major_size - 1 - major)
-  minor = strip * width + lax.rem(within, this_width)
+  major_size = jnp.int32(shape[major_dim])
+  minor_size = jnp.int32(shape[minor_dim])
+  strip_size = width * major_size
+  full_strips, last_width = _divmod(minor_size, width)
+  in_full = lin_idx < full_strips * strip_size
+  if width_pow2:
+    strip, within = _divmod(lin_idx, strip_size)
+    major, minor = lax.cond(in_full, lambda: _divmod(within, width),
+                            lambda: _divmod(within, last_width))
+  else:
+    def full():
+      line, minor = _divmod(lin_idx, width)
+      return (*_divmod(line, major_size), minor)
+
+    def last():
+      return (full_strips,
+              *_divmod(lin_idx - full_strips * strip_size, last_width))
+    if major_pow2:
+      strip, major, minor = lax.cond(in_full, full, last)
+    else:
+      strip, major, minor = (lax.select(in_full, f, l)
+                             for f, l in zip(full(), last()))
+  forwards = lax.rem(strip, jnp.int32(2)) == 0
+  major = lax.select(forwards, major, major_size - 1 - major)
+  minor = strip * width + minor
   return (minor, major) if minor_dim == 0 else (major, minor)

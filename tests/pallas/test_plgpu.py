@@ -254,6 +254,38 @@ def test_pipelines_stream_blocks():
       x[:, :128].reshape(4, 64, 128).sum(0)), rtol=1e-5)
 
 
+def test_pipeline_keeps_slots_in_flight():
+  """emit_pipeline with three slots and a carry: blocks stream in ahead of
+  the body (a fetch after each step), an output that moves is copied out
+  each step, one that stays (the running sum) once at the end."""
+  x = jax.random.normal(jax.random.key(1), (5 * 64, 128), jnp.float32)
+
+  def body(x_ref, o_ref, last_ref):
+    def step(idx, x_smem, o_smem, last_smem, total):
+      total = total + x_smem[...]
+      o_smem[...] = total
+      last_smem[...] = total * 2
+      return total
+
+    plgpu.emit_pipeline(
+        step, grid=(5,), max_concurrent_steps=3,
+        init_carry=jnp.zeros((64, 128), jnp.float32),
+        in_specs=[plgpu.BlockSpec((64, 128), lambda i: (i, 0))],
+        out_specs=[plgpu.BlockSpec((64, 128), lambda i: (i, 0)),
+                   plgpu.BlockSpec((64, 128), lambda i: (0, 0))])(
+                       x_ref, o_ref, last_ref)
+
+  f = plgpu.kernel(body, out_type=(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                   jax.ShapeDtypeStruct((64, 128), x.dtype)))
+  with pl.default_backend("interpret"):
+    running, last = f(x)
+  expected = jnp.cumsum(x.reshape(5, 64, 128), axis=0)
+  np.testing.assert_allclose(np.asarray(running),
+                             np.asarray(expected.reshape(x.shape)), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(last), np.asarray(2 * expected[-1]),
+                             rtol=1e-5)
+
+
 def test_nd_loop_shares_items_among_blocks():
   def body(o_ref):
     @plgpu.nd_loop((2, 5), collective_axes="sm")
