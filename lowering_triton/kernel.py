@@ -227,14 +227,10 @@ def _prefetch_ref(aval, base: str, ptr: str) -> MemRef:
                 "scalar prefetch")
 
 
-<<<<<<< HEAD
 def _emit_program_ids(lowering: TritonHost, plan: GridPlan, ids: list[str]):
-=======
-def _emit_program_ids(lowering: Lowering, plan: GridPlan, ids: list[str]):
   """Binds the grid's program ids, each with its range stated to the
   compiler (`tl.assume(id < size)`: the launch grid is exact), which lets it
   prove index arithmetic free of overflow and loop trip counts positive."""
->>>>>>> ptx
   buf = lowering.buf
   if not plan.parallel:
     return
