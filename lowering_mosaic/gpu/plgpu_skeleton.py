@@ -41,7 +41,8 @@ import numpy as np
 from dsl.core.errors import KernelError, source_info_frame
 from dsl.core.jax_internals import NDIndexer, Slice, lax_control_flow as cf
 from dsl.core.jax_internals import core, state_primitives, state_types
-from dsl.core.jaxpr_walk import CALL_PRIMITIVES, RuleTable, call_body
+from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, RuleTable, call_body,
+                                 sub_jaxprs)
 from dsl.core.normalize import scan_layout
 from dsl.core.operand_layout import ref_operands, unpack
 from dsl.core.primitives import run_scoped_p
@@ -50,7 +51,8 @@ from dsl.mosaic_gpu.memory import (SMEM, is_accumulator_aval, is_barrier_aval,
                                    space_of)
 
 MAX_CELLS = 8          # cells per SMEM buffer
-MAX_EVENTS = 20_000    # per kernel: beyond, verify at smaller sizes
+MAX_EVENTS = 20_000
+LIBRARY_FILES = "/pallas/ops/"   # Pallas's kernel library, served onto dsl    # per kernel: beyond, verify at smaller sizes
 
 
 class ModelError(KernelError):
@@ -169,24 +171,37 @@ class Skeleton(_Names):
 
 def _scope_params(jaxpr: core.Jaxpr) -> tuple[str, ...]:
   """The parameter names of the function a `run_scoped` traced, read from
-  the traceback of its first equation: the frame that dsl's run_scoped
-  called (a `plgpu.kernel`'s body: its operands', then its scratch's)."""
-  for eqn in jaxpr.eqns:
+  the tracebacks of its equations: the frame that dsl's run_scoped called
+  (a `plgpu.kernel`'s body: its operands', then its scratch's)."""
+  for eqn in _eqns(jaxpr):
     tb = getattr(eqn.source_info, "traceback", None)
-    if tb is None:
-      continue
-    codes, _ = tb.raw_frames()
+    codes = tb.raw_frames()[0] if tb is not None else ()
     for callee, caller in zip(codes, codes[1:]):
-      if caller.co_filename.endswith("dsl/core/primitives.py"):
+      if caller.co_name == "flat_f" and caller.co_filename.endswith(
+          "dsl/core/primitives.py"):
         return tuple(callee.co_varnames[:callee.co_argcount])
-    return ()
   return ()
 
 
+def _eqns(jaxpr: core.Jaxpr):
+  """`jaxpr`'s equations, then those of its sub-jaxprs (not of nested
+  scopes, whose frames are their own)."""
+  yield from jaxpr.eqns
+  for eqn in jaxpr.eqns:
+    if eqn.primitive is not run_scoped_p:
+      for sub in sub_jaxprs(eqn.params):
+        yield from _eqns(sub)
+
+
 def _scope_names(jaxpr: core.Jaxpr, n: int) -> list[str] | None:
-  """The names of a `run_scoped`'s `n` allocations (its last parameters)."""
+  """The names of a `run_scoped`'s `n` allocations: its last parameters,
+  or `p[k]` for the leaves of one parameter `p` that holds a pytree."""
   names = _scope_params(jaxpr)
-  return list(names[-n:]) if n and len(names) >= n else None
+  if n and len(names) >= n:
+    return list(names[-n:])
+  if n and len(names) == 1:
+    return [f"{names[0]}[{k}]" for k in range(n)]
+  return None
 
 
 def _operand_names(spec, n: int) -> list[str]:
@@ -322,7 +337,18 @@ class _Walk:
 
 
 def _line(eqn) -> str | None:
-  return source_info_frame(eqn.source_info) if eqn is not None else None
+  """The kernel line of `eqn`: the user's frame, else (a kernel of Pallas's
+  library served onto dsl, whose file lies in JAX's package) the innermost
+  frame of that library."""
+  if eqn is None:
+    return None
+  line = source_info_frame(eqn.source_info)
+  tb = getattr(eqn.source_info, "traceback", None)
+  if line is None and tb is not None:
+    for frame in tb.frames:
+      if LIBRARY_FILES in frame.file_name:
+        return f"{frame.file_name}:{frame.line_num}"
+  return line
 
 
 def _evaluate(eqn, invals) -> list:
@@ -604,8 +630,9 @@ def _run_scoped(walk: _Walk, eqn, invals):
   shared = bool(eqn.params.get("collective_axes"))
   bufs = walk.b.shared.get(key) if shared else None
   if bufs is None:
+    where = f" at {_line(eqn)}" if _line(eqn) else ""
     names = _scope_names(jaxpr, len(avals)) or [
-        f"run_scoped at {_line(eqn)} [{k}]" for k in range(len(avals))]
+        f"scratch{where}[{k}]" for k in range(len(avals))]
     bufs = [walk.b.allocate(a, nm) for a, nm in zip(avals, names)]
     if shared:
       walk.b.shared[key] = bufs
