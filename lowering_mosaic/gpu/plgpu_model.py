@@ -41,8 +41,13 @@ import os
 import re
 import subprocess
 import tempfile
+import warnings
 
-from lowering_mosaic.gpu.plgpu_skeleton import Choice, Event, Skeleton
+from dsl.core import config
+from lowering_mosaic.gpu.plgpu_skeleton import (Choice, Event, Skeleton,
+                                                skeleton)
+from lowering_mosaic.verification.promela.dump import (maybe_dump_text,
+                                                      write_model)
 from lowering_mosaic.verification.promela.spin import require_spin, run_spin
 from lowering_mosaic.verification.promela.spin_report import Report, TrailStep
 
@@ -323,6 +328,42 @@ def verify(sk: Skeleton, **spin_args) -> Report:
   return verify_model(to_promela(sk), **spin_args)
 
 
+def is_plgpu_kernel(spec) -> bool:
+  """Whether `spec` is a `plgpu.kernel`'s (its compiler params carry a
+  Mesh)."""
+  return getattr(spec.compiler_params, "mesh", None) is not None
+
+
+def kernel_model(spec) -> str:
+  """The Promela model of the `plgpu.kernel` of `spec` (a KernelSpec)."""
+  return to_promela(skeleton(spec))
+
+
+def verify_kernel(spec, **spin_args) -> Report:
+  """SPIN's verdict on the protocol of the `plgpu.kernel` of `spec`; the
+  model is written to `jax_pallas_dump_promela_to` when set."""
+  text = kernel_model(spec)
+  maybe_dump_text(text, spec.name)
+  return verify_model(text, **spin_args)
+
+
+def maybe_dump(spec) -> str | None:
+  """Writes the model of a `plgpu.kernel` to `jax_pallas_dump_promela_to`
+  when that option is set (the mosaic_gpu backend calls it on each kernel
+  it lowers); returns the path. A kernel the model cannot follow gives a
+  warning, never a failed lowering."""
+  directory = config.dump_promela_to()
+  if not directory or not is_plgpu_kernel(spec):
+    return None
+  try:
+    text = kernel_model(spec)
+  except Exception as e:  # noqa: BLE001 - a dump must not break lowering
+    warnings.warn(f"jax_pallas_dump_promela_to: no Promela model for kernel "
+                  f"{spec.name}: {e}", RuntimeWarning, stacklevel=2)
+    return None
+  return write_model(text, spec.name, directory)
+
+
 def without(sk: Skeleton, wg: int, kind: str, barrier: str) -> Skeleton:
   """`sk` with warpgroup `wg`'s `kind` events ("wait", "arrive", "load")
   on the mbarriers named `barrier` (`loaded` or `loaded[1]`) removed: a
@@ -341,5 +382,6 @@ def without(sk: Skeleton, wg: int, kind: str, barrier: str) -> Skeleton:
   return dataclasses.replace(sk, programs=programs)
 
 
-__all__ = ["MARK", "explain", "is_plgpu_model", "to_promela", "verify",
-           "verify_model", "without"]
+__all__ = ["MARK", "explain", "is_plgpu_kernel", "is_plgpu_model",
+           "kernel_model", "maybe_dump", "to_promela", "verify",
+           "verify_kernel", "verify_model", "without"]
