@@ -8,7 +8,8 @@
 `f(*args)` is traced (args may be arrays or `jax.ShapeDtypeStruct`s), every
 `pallas_call` in it is lowered to its Mosaic module, the module becomes a
 Promela model (lowering_mosaic/verification/promela/) and SPIN searches all of its
-interleavings. Command line:
+interleavings. A `plgpu.kernel` is checked on the mbarrier protocol its
+warpgroups write instead (lowering_mosaic/gpu/plgpu_model.py). Command line:
 
     python -m lowering_mosaic.verify kernel.pml
     python -m lowering_mosaic.verify my.module:function f32[8,128] ...
