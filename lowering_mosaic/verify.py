@@ -8,7 +8,8 @@
 `f(*args)` is traced (args may be arrays or `jax.ShapeDtypeStruct`s), every
 `pallas_call` in it is lowered to its Mosaic module, the module becomes a
 Promela model (lowering_mosaic/verification/promela/) and SPIN searches all of its
-interleavings. Command line:
+interleavings. A `plgpu.kernel` is checked on the mbarrier protocol its
+warpgroups write instead (lowering_mosaic/gpu/plgpu_model.py). Command line:
 
     python -m lowering_mosaic.verify kernel.pml
     python -m lowering_mosaic.verify my.module:function f32[8,128] ...
@@ -33,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from dsl.core.inspection import traced_kernels
 from dsl.tools.targets import load_function
-from lowering_mosaic.tpu.mlir_modules import to_modules
+from lowering_mosaic.gpu import plgpu_model
+from lowering_mosaic.tpu.mlir_modules import module_of
 from lowering_mosaic.verification.promela import Options, to_promela
 from lowering_mosaic.verification.promela.dump import (kernel_name_of,
                                                       maybe_dump_text)
@@ -42,7 +45,7 @@ from lowering_mosaic.verification.promela.spin_report import Report, Reports
 from lowering_mosaic.verification.promela.spin import (SpinNotFoundError,
                                                        require_spin, run_spin)
 
-__all__ = ["verify", "verify_module", "verify_promela", "main",
+__all__ = ["verify", "verify_module", "verify_promela", "models", "main",
            "SpinNotFoundError"]
 
 
@@ -82,6 +85,10 @@ def verify_promela(model: str, *, max_depth: int = 200_000,
   if path:
     name = re.sub(r"[^A-Za-z0-9_.-]", "_",
                   os.path.splitext(os.path.basename(path))[0]) or "model"
+  if plgpu_model.is_plgpu_model(text):
+    return plgpu_model.verify_model(text, max_depth=max_depth,
+                                    timeout_s=timeout_s, memory_mb=memory_mb,
+                                    keep_dir=keep_dir, name=name)
   workdir = None
   if keep_dir:
     os.makedirs(keep_dir, exist_ok=True)
@@ -114,18 +121,33 @@ def verify(f, *args, num_devices: Optional[int] = None,
   `SpinNotFoundError` (saying `apt-get install spin`) without SPIN.
   """
   require_spin()
-  modules = to_modules(f, *args, **kwargs)
-  if not modules:
+  kernels = list(traced_kernels(f, *args, **kwargs))
+  if not kernels:
     raise ValueError("verify: the function calls no pallas_call")
+  search = dict(max_depth=max_depth, timeout_s=timeout_s, memory_mb=memory_mb)
   reports = []
-  for k, m in enumerate(modules):
+  for k, (spec, mesh_axes) in enumerate(kernels):
     sub = os.path.join(keep_dir, f"kernel{k}") if keep_dir and len(
-        modules) > 1 else keep_dir
+        kernels) > 1 else keep_dir
+    if plgpu_model.is_plgpu_kernel(spec):
+      reports.append(plgpu_model.verify_kernel(spec, keep_dir=sub, **search))
+      continue
     reports.append(verify_module(
-        m, num_devices=num_devices, max_depth=max_depth, timeout_s=timeout_s,
-        memory_mb=memory_mb, queue=queue, check_entry=check_entry,
-        max_parallel=max_parallel, max_cells=max_cells, keep_dir=sub))
+        module_of(spec, mesh_axes), num_devices=num_devices, queue=queue,
+        check_entry=check_entry, max_parallel=max_parallel,
+        max_cells=max_cells, keep_dir=sub, **search))
   return reports[0] if len(reports) == 1 else Reports(reports)
+
+
+def models(f, *args, num_devices: Optional[int] = None,
+           options: Optional[Options] = None, **kwargs) -> list[str]:
+  """The Promela model of every pallas_call in `f(*args)`: a
+  `plgpu.kernel`'s mbarrier protocol (lowering_mosaic/gpu/plgpu_model.py),
+  any other kernel's Mosaic module."""
+  return [plgpu_model.kernel_model(spec)
+          if plgpu_model.is_plgpu_kernel(spec) else
+          to_promela(module_of(spec, mesh_axes), num_devices, options)
+          for spec, mesh_axes in traced_kernels(f, *args, **kwargs)]
 
 
 # ------------------------------------------------------------ CLI
@@ -269,9 +291,10 @@ def main(argv=None) -> int:
       args = [parse_shape(s) for s in a.shapes]
       fn, args = _target(fn, a.axis, a.num_devices, args)
       if a.emit:
-        for m in to_modules(fn, *args):
-          print(to_promela(m, a.num_devices, _options(
-              a.queue, not a.no_entry_check, 4, 16)))
+        for text in models(fn, *args, num_devices=a.num_devices,
+                           options=_options(a.queue, not a.no_entry_check,
+                                            4, 16)):
+          print(text)
         return 0
       rep = verify(fn, *args, num_devices=a.num_devices,
                    max_depth=a.max_depth, timeout_s=a.timeout,

@@ -11,13 +11,17 @@ from lowering_mosaic.tpu.lowering import build_module, module_text
 
 def to_modules(f, *args, **kwargs):
   """The Mosaic modules (ir.Module) of the pallas_calls in `f(*args)`."""
-  mods = []
-  for spec, mesh_axes in traced_kernels(f, *args, **kwargs):
-    spec = as_lowered(spec, "mosaic", mesh_axes)
-    module = build_module(spec, mesh_axes)
-    dump_module(spec, module)
-    mods.append(module)
-  return mods
+  return [module_of(spec, mesh_axes)
+          for spec, mesh_axes in traced_kernels(f, *args, **kwargs)]
+
+
+def module_of(spec, mesh_axes=()):
+  """The Mosaic module of one traced kernel (written to
+  `jax_pallas_dump_mlir_to` when set)."""
+  spec = as_lowered(spec, "mosaic", mesh_axes)
+  module = build_module(spec, mesh_axes)
+  dump_module(spec, module)
+  return module
 
 
 def to_mlir(f, *args, debug_info: bool = False, **kwargs) -> str:

@@ -1,0 +1,217 @@
+"""The mbarrier protocol of explicit plgpu kernels, exported to Promela and
+checked by SPIN (lowering_mosaic/gpu/plgpu_skeleton.py, plgpu_model.py):
+kernels that are right verify clean; seeded bugs (a missing barrier_wait,
+a wrong arrival count) come back with the warpgroup, the barrier and the
+line."""
+from __future__ import annotations
+
+import glob
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import dsl as pl
+import lowering_mosaic.verify
+from benchmarks.pallas_library.cases_mgpu import simulated_gpu
+from benchmarks.pallas_library.swap import swapped
+from dsl import mosaic_gpu as plgpu
+from dsl.core.errors import KernelDeadlockError
+from dsl.core.inspection import traced_kernels
+from lowering_mosaic.gpu import plgpu_model
+from lowering_mosaic.gpu.plgpu_skeleton import skeleton
+from lowering_mosaic.verification import promela
+
+SPIN_OK, SPIN_WHY = promela.spin_available()
+needs_spin = pytest.mark.skipif(not SPIN_OK, reason=SPIN_WHY)
+
+HERE = os.path.basename(__file__)
+STEPS, SLOTS, BLOCK = 4, 2, (64, 128)
+
+
+def ring_kernel(*, wait_loaded=True, loaded_arrivals=1):
+  """Warpgroup 1 streams blocks of x into a ring of SMEM slots, warpgroup 0
+  computes 2x + 1 on each and stores it back (mbarriers both ways).
+  `wait_loaded=False` drops the consumer's wait for the copy (a race);
+  `loaded_arrivals=2` expects two arrivals where the copy makes one."""
+  def body(x_ref, o_ref, ring, out, loaded, consumed):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 1)
+    def _producer():
+      @pl.loop(0, STEPS)
+      def _(i):
+        slot = lax.rem(i, SLOTS)
+
+        @pl.when(i >= SLOTS)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * BLOCK[0], BLOCK[0])],
+                                ring.at[slot], loaded.at[slot])
+
+    @pl.when(wg == 0)
+    def _consumer():
+      @pl.loop(0, STEPS)
+      def _(i):
+        slot = lax.rem(i, SLOTS)
+        if wait_loaded:
+          plgpu.barrier_wait(loaded.at[slot])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out[...] = ring[slot] * 2 + 1                    # the read
+        plgpu.barrier_arrive(consumed.at[slot])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds(i * BLOCK[0], BLOCK[0])])
+      plgpu.wait_smem_to_gmem(0)
+
+  def call(x):
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        num_threads=2, thread_name="wg",
+        scratch_types=(plgpu.SMEM((SLOTS, *BLOCK), x.dtype),
+                       plgpu.SMEM(BLOCK, x.dtype),
+                       plgpu.Barrier(num_arrivals=loaded_arrivals,
+                                     num_barriers=SLOTS),
+                       plgpu.Barrier(num_barriers=SLOTS)))(x)
+  return call
+
+
+X = jax.ShapeDtypeStruct((STEPS * BLOCK[0], BLOCK[1]), jnp.float32)
+
+
+def _source_line(text: str) -> str:
+  with open(__file__) as fh:
+    for n, line in enumerate(fh, start=1):
+      if text in line:
+        return f"{HERE}:{n}"
+  raise AssertionError(text)
+
+
+def _spec(f, *args):
+  ((spec, _),) = traced_kernels(f, *args)
+  return spec
+
+
+# ----------------------------------------------------------- the skeleton
+
+def test_skeleton_follows_the_ring():
+  sk = skeleton(_spec(ring_kernel(), X))
+  consumer, producer = ([(e.kind, e.what) for e in p] for p in sk.programs)
+  loads = [w for k, w in producer if k == "load"]
+  assert loads == [f"starts a TMA copy x_ref[{64 * i}:{64 * i + 64}] -> "
+                   f"ring[{i % 2}], arriving on loaded[{i % 2}]"
+                   for i in range(STEPS)]
+  assert [w for k, w in producer if k == "wait"] == [
+      "waits on consumed[0]", "waits on consumed[1]"]
+  assert [w for k, w in consumer if k in ("wait", "read", "arrive")][:3] == [
+      "waits on loaded[0]", "reads ring[0]", "arrives on consumed[0]"]
+  assert consumer[-1] == ("retire", "waits for its SMEM -> GMEM copies of "
+                          "out")
+  assert sorted(sk.loops.values()) == [[STEPS], [STEPS]]
+
+
+# ------------------------------------------------------------- SPIN runs
+
+@needs_spin
+def test_ring_kernel_verifies_clean():
+  rep = lowering_mosaic.verify(ring_kernel(), X)
+  assert rep.kind == "ok", str(rep)
+  assert rep.states > 10
+
+
+@needs_spin
+def test_missing_barrier_wait_is_a_race():
+  rep = lowering_mosaic.verify(ring_kernel(wait_loaded=False), X)
+  assert rep.kind == "race", str(rep)
+  read = _source_line("out[...] = ring[slot] * 2 + 1")
+  assert "warpgroup wg=0 reads ring[" in rep.message
+  assert rep.error_line.endswith(read)
+  assert rep.trail[-1].process == "warpgroup wg=0"
+  assert rep.trail[-1].line.endswith(read)
+  copies = [s for s in rep.trail if s.process == "warpgroup wg=1"]
+  assert copies and "arriving on loaded[0]" in copies[0].what
+
+
+@needs_spin
+def test_wrong_arrival_count_deadlocks():
+  f = ring_kernel(loaded_arrivals=2)
+  rep = lowering_mosaic.verify(f, X)
+  assert rep.kind == "deadlock", str(rep)
+  wait = _source_line("plgpu.barrier_wait(loaded.at[slot])")
+  (blocked,) = [b for b in rep.blocked if b.process == "warpgroup wg=0"]
+  assert blocked.what == "blocked: waits on loaded[0]"
+  assert blocked.line.endswith(wait)
+  assert "warpgroup wg=0 waits on loaded[0]" in rep.message
+  # The interpret backend runs into the same deadlock.
+  x = jnp.ones(X.shape, X.dtype)
+  with pytest.raises(KernelDeadlockError, match="loaded|waits"):
+    with pl.default_backend("interpret"):
+      f(x)
+
+
+def test_ring_kernel_computes_on_the_interpret_backend():
+  x = jnp.arange(np.prod(X.shape), dtype=X.dtype).reshape(X.shape)
+  with pl.default_backend("interpret"):
+    got = ring_kernel()(x)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(x * 2 + 1))
+
+
+@needs_spin
+def test_dumped_model_verifies_on_its_own(tmp_path):
+  jax.config.update("jax_pallas_dump_promela_to", str(tmp_path))
+  try:
+    rep = lowering_mosaic.verify(ring_kernel(wait_loaded=False), X)
+  finally:
+    jax.config.update("jax_pallas_dump_promela_to", "")
+  (path,) = glob.glob(str(tmp_path / "body-*.pml"))
+  again = lowering_mosaic.verify.verify_promela(path)
+  assert again.kind == rep.kind == "race"
+  assert again.message == rep.message
+  text = lowering_mosaic.verify.models(ring_kernel(), X)[0]
+  assert plgpu_model.is_plgpu_model(text) and "proctype wg1()" in text
+
+
+def test_mosaic_gpu_lowering_dumps_the_model(tmp_path):
+  jax.config.update("jax_pallas_dump_promela_to", str(tmp_path))
+  try:
+    with pl.default_backend("mosaic_gpu"):
+      jax.jit(ring_kernel()).trace(X).lower(lowering_platforms=("cuda",))
+  finally:
+    jax.config.update("jax_pallas_dump_promela_to", "")
+  (path,) = glob.glob(str(tmp_path / "body-*.pml"))
+  with open(path) as fh:
+    assert plgpu_model.MARK in fh.read()
+
+
+# ------------------------------------------------ Pallas's Hopper matmul
+
+def _hopper_matmul_spec():
+  m = swapped("gpu.hopper_matmul_mgpu")
+  a = jax.ShapeDtypeStruct((128, 256), jnp.float16)
+  b = jax.ShapeDtypeStruct((256, 128), jnp.float16)
+  config = m.TuningConfig(tile_m=64, tile_n=64, tile_k=64,
+                          max_concurrent_steps=2)
+  with simulated_gpu(m):
+    return _spec(lambda a, b: m.matmul(a, b, None, config), a, b)
+
+
+@needs_spin
+def test_hopper_matmul_verifies_clean_and_a_seeded_bug_is_caught():
+  sk = skeleton(_hopper_matmul_spec())
+  assert len(sk.programs) == 3                    # 2 compute wgs, 1 memory
+  loads = [e for e in sk.programs[2] if e.kind == "load"]
+  assert len(loads) == 2 * 4                      # 2 inputs x 4 k steps
+  rep = plgpu_model.verify(sk)
+  assert rep.kind == "ok", str(rep)
+  # A compute warpgroup that no longer waits for its first input's copies.
+  first_wait = next(e for e in sk.programs[0] if e.kind == "wait")
+  barrier = sk.barrier_name(first_wait.barrier).split("[")[0]
+  if sk.barrier_name(first_wait.barrier).count("[") > 1:
+    barrier = sk.barrier_name(first_wait.barrier).rsplit("[", 1)[0]
+  bad = plgpu_model.verify(plgpu_model.without(sk, 0, "wait", barrier))
+  assert bad.kind == "race", str(bad)
+  assert bad.message.startswith(f"kernel {rep.kernel}: race: warpgroup wg=0 "
+                                "issues a WGMMA")
+  assert "hopper_matmul_mgpu.py:" in bad.error_line
