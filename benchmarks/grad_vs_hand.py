@@ -120,7 +120,7 @@ def flash_attention_case(backend, batch=1, seq=512, heads=4, head_dim=64,
           auto, (q, k, v), ct)
 
 
-def matmul_case(backend, m=1024, k=1024, n=1024, blocks=(64, 64, 32)):
+def matmul_case(backend, m=1024, k=1024, n=1024, blocks=None):
   mm = _mod("matmul")
   x, y = _rand(0, (m, k), (k, n))
   (ct,) = _rand(1, (m, n))

@@ -26,7 +26,7 @@ import json
 
 import jax
 
-from benchmarks import platform_info, report, sharding
+from benchmarks import platform_info, report, sharding_runs
 from benchmarks.usage_errors import UsageError
 from benchmarks.pallas_library import cases, swap
 from dsl.tools import timing
@@ -162,7 +162,7 @@ def _device() -> str:
 
 
 def run(args) -> int:
-  sharding.ensure_host_devices()     # tpu.all_gather runs on 4 of them
+  sharding_runs.ensure_host_devices()     # tpu.all_gather runs on 4 of them
   ops = selected_ops(args.kernels)
   repeats = args.repeats or 5
   rows = [measure(op, repeats=repeats, warmup=args.warmup, stat=args.stat,
