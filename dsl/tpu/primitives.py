@@ -520,14 +520,15 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
 
 def semaphore_wait(sem, value=1, *, decrement=True):
   """Waits until `sem` is at least `value`, then subtracts `value`.
-  `decrement=False` (a wait that leaves the count, which the multimem
-  collectives of plgpu pair with multicast signals) is refused by name."""
+  `decrement=False` (a wait that leaves the count, which GPU collectives
+  pair with signals from peer devices) is refused by name."""
   if not decrement:
     raise KernelError(None, "pl.semaphore_wait(decrement=False) is not "
                       "supported: dsl's semaphores count signals down as "
-                      "they are waited for (the multimem collectives that "
-                      "wait without decrementing need a multi-device GPU; "
-                      "Pallas's GPU interpret mode cannot run them either)",
+                      "they are waited for (the GPU collectives that wait "
+                      "without decrementing count signals from peer "
+                      "devices; Pallas's GPU interpret mode cannot run "
+                      "them either)",
                       user_frame(), operand="decrement")
   ref, t = _sem_parts("semaphore_wait's semaphore", sem)
   flat, layout = pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32),

@@ -17,13 +17,11 @@ from benchmarks.pallas_library.swap import (  # noqa: F401 -- re-exported
 SECTION = "## Pallas's kernel library on dsl"
 
 
-_SEMAPHORES = ("Pallas's GPU interpret mode cannot run it either: it "
-               "cannot allocate the kernel's semaphores (Pallas fails with "
-               "`{}`)")
-_WAIT_KEEPS = ("pl.semaphore_wait(decrement=False), which its {} pairs with "
-               "plgpu.semaphore_signal_multicast, is refused by name: a "
-               "limit of the interpret backend, which runs one device's "
-               "warpgroups; ")
+_SEMAPHORES = ("Pallas's GPU interpret mode cannot run it either: its "
+               "semaphores stop it (Pallas fails with `{}`)")
+_WAIT_KEEPS = ("its pl.semaphore_wait(decrement=False), which counts {} "
+               "from peer devices, is refused by name: a limit of the "
+               "interpret backend, which runs one device's warpgroups; ")
 
 
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
@@ -33,17 +31,19 @@ _WAIT_KEEPS = ("pl.semaphore_wait(decrement=False), which its {} pairs with "
 # which Pallas's interpret mode runs (the same test holds that).
 XFAIL: dict[tuple[str, str], str] = {
     ("gpu.collective_matmul_mgpu", "interpret"): _WAIT_KEEPS.format(
-        "all-gather of the lhs (plgpu.remote_ref, pl.semaphore_signal to "
-        "peer devices)") + _SEMAPHORES.format(
+        "the pl.semaphore_signal(device_id=...) of its all-gather of the "
+        "lhs through plgpu.remote_ref") + _SEMAPHORES.format(
             "Cannot lower jaxpr with effects: ... SemaphoreEffect"),
     ("gpu.reduce_scatter_mgpu", "interpret"): _WAIT_KEEPS.format(
+        "the plgpu.semaphore_signal_multicast after its "
         "plgpu.multimem_load_reduce") + _SEMAPHORES.format(
             "NotImplementedError: nan + semaphore"),
     ("gpu.all_gather_mgpu", "interpret"): _WAIT_KEEPS.format(
+        "the plgpu.semaphore_signal_multicast after its "
         "plgpu.multimem_store") + _SEMAPHORES.format(
             "NotImplementedError: nan + semaphore"),
     ("gpu.blackwell_matmul_mgpu", "interpret"): (
-        "a dsl gap: Blackwell kernels (tcgen05 MMA and tensor memory: "
+        "Blackwell kernels (tcgen05 MMA and tensor memory: "
         "plgpu.TMEM, tcgen05_mma, async_load_tmem) are not in "
         "dsl.mosaic_gpu, and plgpu.TMEM is refused by name; Pallas's GPU "
         "interpret mode runs this case (with InterpretGPUParams("
@@ -144,6 +144,7 @@ GOLDEN_SLOW: set[str] = {
     "tpu.splash_attention [grad, fused backward kernel]",
     "tpu.ragged_paged_attention [sliding window]",
     "tpu.ragged_paged_attention [soft cap, sm_scale]",
+    "tpu.ragged_paged_attention [k_scale, v_scale, mask_value]",
     "tpu.random.threefry [3-D, 2 x 16 x 256]",
     "tpu.random.threefry [padded, 20 x 1000]",
     "tpu.random.philox [3-D, 2 x 16 x 256]",
