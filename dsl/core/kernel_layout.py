@@ -39,6 +39,8 @@ class KernelLayout:
     names = self.names
     if len(set(names)) != len(names):
       raise ValueError(f"a kernel layout names a group twice: {names}")
+    if any(n is not None and n < 0 for _, n in self.groups):
+      raise ValueError(f"{self}: a group of negative size")
     if sum(n is None for _, n in self.groups) > 1:
       raise ValueError(f"{self}: more than one group of the rest")
 
