@@ -115,7 +115,8 @@ def test_a_mosaic_entrys_attributes_give_the_kernels_layout():
   main = next(op for op in module.body.operations
               if "scalar_prefetch" in op.attributes)
   attrs = {name: main.attributes[name] for name in main.attributes}
-  n_refs = len(main.regions[0].blocks[0].arguments) - len(spec.grid_mapping.grid)
+  n_refs = (len(main.regions[0].blocks[0].arguments)
+            - len(spec.grid_mapping.grid))
   want = spec.grid_mapping.ref_layout().only("prefetch", "inputs", "outputs",
                                               "scratch")
   assert dialect.entry_layout(attrs, n_refs) == want
