@@ -72,15 +72,6 @@ def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
                          launch_inherited=suffix in REVERSE_MODE_SUFFIXES)
 
 
-def split(seq, *sizes):
-  """Consecutive parts of `seq` of the given sizes."""
-  parts, k = [], 0
-  for n in sizes:
-    parts.append(list(seq[k:k + n]))
-    k += n
-  return parts
-
-
 def eval_ref_jaxpr(jaxpr: ClosedJaxpr, *args):
   return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 

@@ -35,13 +35,14 @@ import numpy as np
 
 from dsl.core.dtypes import has_tangent
 from dsl.core.jax_internals import core, partial_eval as pe
+from dsl.core.kernel_layout import KernelLayout
 from dsl.core.memory import MemorySpace
 from dsl.core.pallas_call import KernelSpec, pallas_call_p
 from dsl.core.primitives import when
 from dsl.core.tracing import program_id
 from dsl.transforms.common import (block_spec_of, derived_spec,
                                    discharged_point, eval_ref_jaxpr,
-                                   point_function, sds, split)
+                                   point_function, sds)
 from dsl.transforms.dependencies import dependencies
 from dsl.transforms.points import (overhangs, transposed_point,
                                    zero_past_array)
@@ -220,7 +221,8 @@ def _identities(spec, d, carried):
   n_ids, n_out = len(gm.grid), gm.num_outputs
 
   def c_of(*args):
-    ids, ins, cts = split(args, n_ids, gm.num_inputs, n_out)
+    ids, ins, cts = KernelLayout.of(ids=n_ids, inputs=gm.num_inputs,
+                                    cotangents=n_out).split(args)
     zeros = _zero_states(gm)
     tp = transposed_point(F, ids, [], ins, zeros[:n_out], zeros[n_out:],
                           [False] * len(ins))
@@ -295,8 +297,9 @@ def _record_at_last(spec, red, primals):
 
   def body(*refs):
     ids = [program_id(e) for e in range(n)]
-    ins, outs, recs, scr = split(refs, gm.num_inputs, n_out, len(shapes),
-                                 len(gm.scratch_avals))
+    parts = gm.ref_layout().insert("outputs", records=len(shapes)).split(refs)
+    ins, outs, recs, scr = (parts.inputs, parts.outputs, parts.records,
+                            parts.scratch)
 
     @when(ids[d] == gm.grid[d] - 1)
     def _():
@@ -344,8 +347,9 @@ def _finalize(spec, red, in_nz, primals, ct_outs, recs):
 
   def body(*refs):
     ids = full([program_id(e) for e in range(n_p)])
-    in_refs, ct_refs, rec_refs, c_refs, dir_refs = split(
-        refs, gm.num_inputs, n_out, len(recs), sum(keep), len(direct))
+    in_refs, ct_refs, rec_refs, c_refs, dir_refs = KernelLayout.of(
+        inputs=gm.num_inputs, cotangents=n_out, records=len(recs),
+        carried=sum(keep), direct=len(direct)).split(refs)
     ins = [zero_past_array(r[...], bm, ids, [])
            for r, bm in zip(in_refs, gm.in_mappings)]
     entry = _entry_states(gm, rec_refs)
@@ -440,9 +444,9 @@ def _accumulating(spec, red, const, ks, primals, feed_args, recs):
   def body(*refs):
     raw = [program_id(p) for p in range(n)]
     ids = to_orig(raw)
-    in_refs, feed_refs, rec_refs, out_refs, acc_refs = split(
-        refs, gm.num_inputs, len(feed_args), len(recs), len(ks),
-        len(ks) if inner else 0)
+    in_refs, feed_refs, rec_refs, out_refs, acc_refs = KernelLayout.of(
+        inputs=gm.num_inputs, carried=len(feed_args), records=len(recs),
+        cotangents=len(ks), accumulators=len(ks) if inner else 0).split(refs)
     ins = [zero_past_array(r[...], bm, ids, [])
            for r, bm in zip(in_refs, gm.in_mappings)]
     entry = _entry_states(gm, rec_refs)

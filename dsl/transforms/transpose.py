@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from dsl.core.jax_internals import ad, core, partial_eval as pe
+from dsl.core.kernel_layout import KernelLayout
 
 from dsl.core.errors import KernelError
 from dsl.core.grid_plan import all_arbitrary, reset_dim
@@ -29,7 +30,7 @@ from dsl.core.primitives import run_scoped, when
 from dsl.core.tracing import program_id
 from dsl.core.dtypes import has_tangent
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   point_function, sds, split,
+                                   point_function, sds,
                                    written_prefetch)
 from dsl.transforms.prefetch_reads import restore_reads
 from dsl.transforms.simplify import simplify_closed
@@ -133,6 +134,10 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
            for o, bm in enumerate(gm.out_mappings)] + [None] * n_scr
   fresh = [f for f, k in zip(fresh, kept) if k]
   resets = scratch_reset_dims(spec)
+  # The recording kernel's refs: the kernel's operands and outputs, the
+  # records, the kernel's scratch.
+  layout = gm.ref_layout().insert("outputs", records=len(state_avals),
+                                  pf_records=len(pf_avals))
 
   def record(rec, states, firsts):
     for r, s, first in zip(rec, states, firsts):
@@ -145,10 +150,10 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   def body(*refs):
     # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
     ids = [program_id(d) for d in range(n_grid)]
-    base, rec, pf_rec, scr = split(refs, n_pf + n_in + n_out,
-                                   len(state_avals), len(pf_avals), n_scr)
-    prefetch_state.save(pf_rec, base[:n_pf], written)
-    ops = gm.split(base + scr)
+    parts = layout.split(refs)
+    pf_refs, in_refs, scr = parts.prefetch, parts.inputs, parts.scratch
+    prefetch_state.save(parts.pf_records, pf_refs, written)
+    ops = gm.split(pf_refs + in_refs + parts.outputs + scr)
     # A scratch the kernel starts afresh at the first step of a dim holds
     # garbage there that it never reads: zeroed first, the grid plan sees
     # the reset, and the dims before it stay parallel.
@@ -157,13 +162,13 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     _zero_at_reset(ids, [r for r, _ in fresh_scr], [d for _, d in fresh_scr])
     states = [s for s, k in zip(ops.outputs + ops.scratch, kept) if k]
     firsts = [None if bm is None else first_visit(
-        bm, gm.grid, ids, lambda i: i, base[:n_pf]) for bm in fresh]
+        bm, gm.grid, ids, lambda i: i, pf_refs) for bm in fresh]
     with_vmem_copies(states, [True] * len(states), [False] * len(states),
-                     lambda *s: record(rec, s, firsts))
-    pf_refs, in_refs = base[:n_pf], base[n_pf:n_pf + n_in]
+                     lambda *s: record(parts.records, s, firsts))
     copied = [k for k, bm in enumerate(gm.in_mappings) if overhangs(bm)]
     if not copied:
-      eval_ref_jaxpr(replayed, *ids, *base, *scr)
+      eval_ref_jaxpr(replayed, *ids, *pf_refs, *in_refs, *parts.outputs,
+                     *scr)
       return
 
     # The replay sees zeros past the arrays, so the recorded states (an
@@ -175,8 +180,8 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
         buf[...] = zero_past_array(in_refs[k][...], gm.in_mappings[k], ids,
                                     pf_refs)
         refs_in[k] = buf
-      eval_ref_jaxpr(replayed, *ids, *pf_refs, *refs_in,
-                     *base[n_pf + n_in:], *scr)
+      eval_ref_jaxpr(replayed, *ids, *pf_refs, *refs_in, *parts.outputs,
+                     *scr)
     run_scoped(replay, *[gm.in_mappings[k].ref_aval for k in copied])
 
   rec_specs = ([_record_block_spec(a, n_grid) for a in state_avals]
@@ -262,7 +267,8 @@ def _staged(raw_ids, in_refs, ct_in_refs, ct_out_refs, run):
   whole = [in_hbm(r.aval) for r in ct_in_refs]
 
   def on_buffers(*r):
-    ins, ct_ins, ct_outs = split(r, n_in, n_ct_in, n_ct_out)
+    ins, ct_ins, ct_outs = KernelLayout.of(
+        inputs=n_in, ct_inputs=n_ct_in, ct_outputs=n_ct_out).split(r)
     # A cotangent in HBM is the whole array at every point: it starts at 0
     # (the output it is copied from starts uninitialized on a TPU).
     _zero_at_first_point(raw_ids, [c for c, w in zip(ct_ins, whole) if w])
@@ -393,13 +399,15 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   kinds = _ct_in_kinds(gm, in_nz, sequential)
   resets = scratch_reset_dims(spec)
   flows = _ct_out_flows(spec, rev, out_f)
+  layout = KernelLayout.of(prefetch=n_pf, inputs=n_in, records=n_rec,
+                           ct_outputs_in=n_ct_out, ct_inputs=n_ct_in,
+                           ct_outputs=sum(flows), ct_scratch=len(ct_scr_avals))
 
   def body(*refs):
     raw = [program_id(d) for d in range(n_grid)]
     ids = rev(raw)
     (pf_refs, in_refs, rec_refs, ct_out_in, ct_in_refs, ct_out_refs,
-     ct_scr_refs) = split(refs, n_pf, n_in, n_rec, n_ct_out, n_ct_in,
-                          sum(flows), len(ct_scr_avals))
+     ct_scr_refs) = layout.split(refs)
     _zero_at_reset(raw, ct_scr_refs, [d for d, f in zip(resets, scr_f) if f])
     # An output block is not read in on a TPU: at the first of a run of
     # visits, the cotangent flowing in is the aliased input's block.
@@ -491,7 +499,7 @@ def _transpose_io(gm, rev, recorded, state_avals, pf_avals, ct_in_maps,
   out_specs = ([per_point_spec(bm.kernel_shape, n_grid, rev) if pp
                 else spec_of(bm) for bm, pp in zip(ct_in_maps, per_point)]
                + [spec_of(bm) for bm in flowing])
-  first_ct_out = gm.num_scalar_prefetch + gm.num_inputs + n_rec
+  first_ct_out = gm.call_layout().only("prefetch", "inputs").total + n_rec
   flowing_at = [j for j, f in enumerate(flows) if f]
   aliases = {first_ct_out + j: n_ct_in + k for k, j in enumerate(flowing_at)}
   return args, out_shapes, dict(grid=grid, in_specs=in_specs,
@@ -507,7 +515,7 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   gm = base.grid_mapping
   _refuse_dynamic_grid(base)
   n_out = gm.num_outputs
-  n_primals = gm.num_scalar_prefetch + gm.num_inputs
+  n_primals = gm.call_layout().only("prefetch", "inputs").total
   primals, tangent_args = args[:n_primals], args[n_primals:]
   if any(ad.is_undefined_primal(p) for p in primals):
     raise KernelError(base.name, "reverse mode needs the kernel's primal "
