@@ -39,6 +39,11 @@ KNOWN_WORSE = {
         36, 0, "the same for `pl.when(j == 0)` initializing m, l and acc "
         "(4 + 32 fragments) in the KV loop; attention_mgpu initializes "
         "them before the loop"),
+    ("attention", "consumer turn-taking rounds per step"): (
+        0, 2, "no ping-pong: attention_mgpu's consumers take turns at the "
+        "tensor core through a schedule barrier (arrive, wait) twice per "
+        "step, so one's softmax runs under the other's WGMMAs; the "
+        "automatic consumers run their bodies independently"),
 }
 
 
@@ -86,6 +91,18 @@ def test_both_schedules_are_warp_specialized_with_the_same_tensor_core_work():
   # consumer step; the explicit attention also waits for K and V apart and
   # takes turns at the tensor core (two schedule-barrier rounds).
   assert figures("attention")["consumer mbarrier waits per step"] == (1, 4)
+
+
+def test_turns_are_arrivals_on_barriers_the_step_waits_on():
+  body = """\
+  scf.for %i = %c0 to %n step %c1 {
+    nvvm.mbarrier.try_wait.parity %full, %p, %c : !llvm.ptr<3>, i32, i32
+    %1 = llvm.inline_asm "mbarrier.arrive.release.cta.shared::cta.b64 _, [$0], 1;", "r" %sched : (!llvm.ptr<3>) -> !llvm.void
+    nvvm.mbarrier.try_wait.parity %sched, %q, %c : !llvm.ptr<3>, i32, i32
+    %2 = llvm.inline_asm "mbarrier.arrive.release.cta.shared::cta.b64 _, [$0], 1;", "r" %empty : (!llvm.ptr<3>) -> !llvm.void
+  }"""
+  step = V.step_of(body)
+  assert (step.barrier_waits, step.barrier_arrives, step.turns) == (2, 2, 1)
 
 
 def test_branch_regions_are_not_counted_as_every_step():
