@@ -138,7 +138,6 @@ class Loop:
   bar_syncs: int                    # warpgroup/block barriers (bar.sync),
                                     # outside branches
   tma_loads: int
-  tma_stores: int
   ops: int                          # op lines after canonicalize + cse
   branch_ops: int                   # of those, in branches (scf.index_switch
                                     # cases, scf.if): not run at every step
@@ -162,7 +161,6 @@ _WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)")
 # jaxlib's library writes some as NVVM ops (`nvvm.wgmma.wait.group.sync.
 # aligned 0`), some as inline PTX (`wgmma.wait_group.sync.aligned 0`).
 _WAIT_GROUP = re.compile(r"wgmma\.wait[._]group\.sync\.aligned (\d+)")
-_TMA_STORE = re.compile(r"cp\.async\.bulk\.tensor\S*global\.shared")
 _ARRIVE = re.compile(r"mbarrier\.arrive(?!\.expect_tx)")
 _WAITED = re.compile(r"mbarrier\.try_wait\.parity (%[\w#]+),")
 _ARRIVED = re.compile(r"mbarrier\.arrive\.release[^\n]*\"r\" (%[\w#]+) :")
@@ -179,6 +177,8 @@ _LAUNCH = re.compile(r"gpu\.launch .*blocks\(.*\) in \(%\w+ = %c(\d+), "
 def step_of(body: str) -> Loop:
   """The figures of one loop body."""
   lines = [line for line in body.splitlines()[1:-1] if line.strip()]
+  every = unbranched(lines)
+  every_text = "\n".join(every)
   ops = lambda lines: sum(not line.strip().startswith(("}", "case ",
                                                        "default {"))
                           for line in lines)
@@ -191,12 +191,10 @@ def step_of(body: str) -> Loop:
       barrier_arrives=len(_ARRIVE.findall(body)),
       expect_tx=body.count("mbarrier.arrive.expect_tx"),
       turns=turns(body),
-      bar_syncs="\n".join(unbranched(lines)).count("bar.sync"),
+      bar_syncs=every_text.count("bar.sync"),
       tma_loads=len(TMA_LOAD.findall(body)),
-      tma_stores=len(_TMA_STORE.findall(body)),
-      ops=ops(lines), branch_ops=ops(lines) - ops(unbranched(lines)),
-      branch_results=sum(int(n or 1) for n in _BRANCH.findall(
-          "\n".join(unbranched(lines)))))
+      ops=ops(lines), branch_ops=ops(lines) - ops(every),
+      branch_results=sum(int(n or 1) for n in _BRANCH.findall(every_text)))
 
 
 def turns(body: str) -> int:
