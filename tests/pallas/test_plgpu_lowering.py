@@ -426,3 +426,57 @@ def test_ragged_dot_lowers(captured):
   ((dialect, lowered),) = captured
   assert key_ops(dialect)["mosaic_gpu.wgmma"] == 1
   assert key_ops(lowered)["wgmma.mma_async"] > 0
+
+
+def _mixed_type_matmul(module):
+  a = jnp.ones((128, 128), jnp.int8)
+  b = jnp.ones((128, 128), jnp.bfloat16)
+  config = module.TuningConfig(tile_m=64, tile_n=64, tile_k=64,
+                               max_concurrent_steps=2)
+  with simulated_gpu(module):
+    jax.jit(lambda a, b: module.mixed_matmul_kernel(
+        a, b, out_dtype=jnp.bfloat16, config=config)).trace(a, b).lower(
+            lowering_platforms=("cuda",))
+
+
+def test_mixed_type_matmul_module_is_pallas_module(captured):
+  with pl.default_backend("mosaic_gpu"):
+    _mixed_type_matmul(swapped("gpu.hopper_mixed_type_matmul_mgpu"))
+  _mixed_type_matmul(original("gpu.hopper_mixed_type_matmul_mgpu"))
+  ((ours, ours_low), (theirs, theirs_low)) = captured
+  # The int8 tiles are converted to bf16 in registers before the WGMMA.
+  assert schedule(ours) == schedule(theirs)
+  assert key_ops(ours) == key_ops(theirs)
+  assert key_ops(ours)["mosaic_gpu.wgmma"] == 1
+  # Lowered: as hopper_matmul_mgpu's (the grid index read once, at the
+  # top; the warpgroup index read once).
+  ours_low, theirs_low = unnamed(ours_low), unnamed(theirs_low)
+  assert only_in(ours_low, theirs_low) == (
+      [], ["%v = nvvm.shfl.sync idx %v, %v, %v, %v : i32 -> i32"])
+  moved = ["%v = gpu.block_id x", "%v = arith.index_cast %v : index to i32"]
+  assert [line[1:] for line in differences(ours_low, theirs_low)
+          if "shfl" not in line] == moved + ["gpu.barrier"] * 2 + moved
+
+
+def _transposed_ragged_dot(module):
+  lhs = rhs = jnp.ones((256, 128), jnp.float16)
+  sizes = jnp.array([96, 160], jnp.int32)
+  with simulated_gpu(module):
+    jax.jit(lambda a, b, s: module.transposed_ragged_dot(
+        a, b, group_sizes=s, block_m=64, block_n=64, block_k=64,
+        max_concurrent_steps=2, grid_block_n=1)).trace(
+            lhs, rhs, sizes).lower(lowering_platforms=("cuda",))
+
+
+def test_transposed_ragged_dot_module_is_pallas_module(captured):
+  with pl.default_backend("mosaic_gpu"):
+    _transposed_ragged_dot(swapped("gpu.transposed_ragged_dot_mgpu"))
+  _transposed_ragged_dot(original("gpu.transposed_ragged_dot_mgpu"))
+  ((ours, ours_low), (theirs, theirs_low)) = captured
+  # `pl.multiple_of` on the group's first block becomes
+  # `mosaic_gpu.assume_multiple` (layout inference needs it to prove the
+  # window's TMA offset aligned).
+  assert ours.count("mosaic_gpu.assume_multiple") == theirs.count(
+      "mosaic_gpu.assume_multiple") == 1
+  assert schedule(ours) == schedule(theirs)
+  assert unnamed(ours_low) == unnamed(theirs_low)
