@@ -6,7 +6,6 @@ Part of `cases.CASES`.
 from __future__ import annotations
 
 import contextlib
-import types
 
 import jax
 import jax.numpy as jnp
@@ -33,31 +32,14 @@ class _SimulatedGpu:
 _GPU = _SimulatedGpu()
 
 
-class _JaxOnSimulatedGpu(types.ModuleType):
-  """`jax` as an op module sees it: `jax.devices()` and
-  `jax.local_devices()` are the simulated GPU (some ops read the SM count
-  from `jax.devices()[0].core_count`); everything else is jax's own."""
-
-  def __init__(self):
-    super().__init__("jax")
-    self.devices = self.local_devices = lambda *args, **kwargs: [_GPU]
-
-  def __getattr__(self, name):
-    return getattr(jax, name)
-
-
 @contextlib.contextmanager
 def simulated_gpu(module):
   """Points `module`'s `backend` and `cuda_versions` (where it has them) at
-  `_GPU`, and its `jax.devices()` at a list of it, while the op runs; the
-  op's source is unchanged."""
+  `_GPU` while the op runs; the op's source is unchanged."""
   saved = {name: getattr(module, name) for name in ("backend", "cuda_versions")
            if hasattr(module, name)}
   for name in saved:
     setattr(module, name, _GPU)
-  if getattr(module, "jax", None) is jax:
-    saved["jax"] = jax
-    module.jax = _JaxOnSimulatedGpu()
   try:
     yield
   finally:

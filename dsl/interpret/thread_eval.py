@@ -91,65 +91,8 @@ def _index(dim: int, idx, what: str):
   return arr
 
 
-def _window(idx):
-  """`idx` (an NDIndexer entry) as a Slice or an int; None for a gather."""
-  if isinstance(idx, Slice):
-    return idx
-  arr = np.asarray(idx)
-  return int(arr) if arr.ndim == 0 else None
-
-
-def _within(outer: Slice, inner, what: str):
-  """Entry `inner` of a view of window `outer`, as a window of the dim
-  `outer` indexes (checked against `outer`'s size only: an outer window
-  may pass its array's end where no access reaches, as Pallas's ops do)."""
-  start, size, stride = int(outer.start), int(outer.size), int(outer.stride)
-  if isinstance(inner, Slice):
-    s, n, st = int(inner.start), int(inner.size), int(inner.stride)
-    if s < 0 or (n and s + (n - 1) * st >= size):
-      raise IndexError(f"{what}: the window {s}:{s + n * st} lies outside "
-                       f"a dim of size {size}")
-    return Slice(start + s * stride, n, stride * st)
-  if not 0 <= inner < size:
-    raise IndexError(f"{what}: index {inner} is outside a dim of size {size}")
-  return start + inner * stride
-
-
-@dataclasses.dataclass(frozen=True)
-class _Window:
-  """Two ref indexers (windows and indices) folded into one."""
-  indices: tuple
-
-
-def _fold(outer, inner, what: str):
-  """`outer` then `inner` as one `_Window`, or None where either gathers."""
-  if not isinstance(outer, (NDIndexer, _Window)) or not isinstance(
-      inner, NDIndexer):
-    return None
-  outs = [_window(i) for i in outer.indices]
-  ins = [_window(i) for i in inner.indices]
-  if None in outs or None in ins:
-    return None
-  ins = iter(ins)
-  return _Window(tuple(o if isinstance(o, int) else _within(o, next(ins), what)
-                       for o in outs))
-
-
-def _folded(transforms, what: str) -> list:
-  """`transforms` with each run of windows folded into one, so that only
-  what the last one selects must lie inside the array."""
-  out = []
-  for t in transforms or ():
-    both = _fold(out[-1], t, what) if out else None
-    if both is None:
-      out.append(t)
-    else:
-      out[-1] = both
-  return out
-
-
 def _apply(x: np.ndarray, transform, what: str):
-  if isinstance(transform, (NDIndexer, _Window)):
+  if isinstance(transform, NDIndexer):
     idx = tuple(_index(d, i, what) for d, i in zip(x.shape,
                                                    transform.indices))
     return x[idx]
@@ -166,7 +109,7 @@ def _apply(x: np.ndarray, transform, what: str):
 def view(cell: Cell, transforms, what: str = "ref") -> np.ndarray:
   """The numpy view of `cell` that `transforms` select."""
   x = cell.array
-  for t in _folded(transforms, what):
+  for t in transforms or ():
     x = _apply(x, t, what)
   return x
 
@@ -187,12 +130,12 @@ def _check_view(x: np.ndarray, cell: Cell, what: str) -> np.ndarray:
 
 def write(cell: Cell, transforms, value, what: str = "ref") -> None:
   """Writes `value` where `transforms` select in `cell`."""
-  transforms = _folded(transforms, what)
+  transforms = list(transforms or ())
   base = cell.array
   for t in transforms[:-1]:
     base = _check_view(_apply(base, t, what), cell, what)
   value = np.asarray(value)
-  if transforms and isinstance(transforms[-1], (NDIndexer, _Window)):
+  if transforms and isinstance(transforms[-1], NDIndexer):
     # the last indexer may gather: numpy writes through it in place
     idx = tuple(_index(d, i, what) for d, i in zip(base.shape,
                                                    transforms[-1].indices))
