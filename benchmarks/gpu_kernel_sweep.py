@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-import lowering_triton.kernel as tk
+import lowering_triton.launch_config as tk
 from dsl.tools import gpu_defaults
 from dsl.tools.timing import time_queued
 from kernels.flash_attention import TRITON_CONFIGS

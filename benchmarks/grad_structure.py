@@ -9,10 +9,14 @@ side to the hand-written one on each of `CRITERIA`:
 - hot loop: instructions per iteration of the longest innermost loop;
 - straight line: instructions of the longest kernel without a loop;
 - registers per thread (the most of any kernel);
-- programs per SM (occupancy: the fewest of any kernel);
+- resident warps per SM (occupancy: the fewest of any kernel; programs
+  per SM times the warps of each, so that kernels launched with different
+  num_warps compare);
 - parallel programs: the fewest programs any kernel launches (a grid
   whose dims are all sequential runs as one program);
-- local memory per thread (register spills; the most of any kernel);
+- spilled bytes per thread (the stack frame and local memory ptxas gives
+  spilled registers; the most of any kernel): registers per thread and
+  programs per SM flatter a kernel that spills;
 - wgmma: whether any kernel uses Hopper's warpgroup MMA;
 - passes over the inputs: kernel launches (forward included) that read the
   function's inputs or views of them (`dsl.core.inspection`).
@@ -39,7 +43,8 @@ class KernelFacts:
   name: str
   registers: int
   programs_per_sm: int
-  local_bytes: int
+  num_warps: int
+  spill_bytes: int
   wgmma: int           # wgmma instructions in the kernel
   hot_loop: int | None  # instructions of its longest innermost loop
   instructions: int    # of the whole kernel
@@ -77,12 +82,13 @@ CRITERIA = {
                                                if k.hot_loop is None)),
     "registers": Criterion("registers", "per thread", lambda s: _most(
         k.registers for k in s.backward)),
-    "occupancy": Criterion("occupancy", "programs per SM", lambda s: min(
-        (k.programs_per_sm for k in s.backward), default=0), True),
+    "occupancy": Criterion("occupancy", "warps per SM", lambda s: min(
+        (k.programs_per_sm * k.num_warps for k in s.backward), default=0),
+        True),
     "programs": Criterion("parallel programs", "launched", lambda s: min(
         (k.programs for k in s.backward), default=0), True),
-    "spills": Criterion("spills", "bytes of local memory", lambda s: _most(
-        k.local_bytes for k in s.backward)),
+    "spills": Criterion("spills", "bytes spilled per thread", lambda s:
+                        _most(k.spill_bytes for k in s.backward)),
     "wgmma": Criterion("wgmma", "kernels using it", lambda s: sum(
         1 for k in s.backward if k.wgmma), True, 1.0),
     "passes": Criterion("passes over the inputs", "launches", lambda s:
@@ -119,7 +125,7 @@ def facts(kernel: aot.AotKernel) -> KernelFacts:
   return KernelFacts(
       kernel.name, st.registers or 0,
       blocks_per_sm(st.registers, kernel.num_warps, kernel.shared),
-      st.local_bytes or 0,
+      kernel.num_warps, st.spill_bytes,
       st.kernel.wgmma, max(hot) if hot else None, st.kernel.instructions,
       math.prod(kernel.launch))
 

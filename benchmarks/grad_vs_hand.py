@@ -211,7 +211,7 @@ def _kernel_line(k) -> str:
           f"{blocks_per_sm(st.registers, k.num_warps, k.shared)}/SM "
           + (f"hot loops {hot} instr" if hot else
              f"{st.kernel.instructions} instr, no loop")
-          + (" SPILLS" if st.spills else ""))
+          + (f" SPILLS {st.spill_bytes} B" if st.spills else ""))
 
 
 def compile_report(name: str, target: str, small: bool = False) -> list[str]:

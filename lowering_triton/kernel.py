@@ -27,6 +27,7 @@ from lowering_triton import dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
 from lowering_triton.host import TritonHost
 from lowering_triton.grid import GridPlan, plan_grid
+from lowering_triton.launch_config import launch_config
 from lowering_triton.naming import grid_names, operand_names
 from lowering_triton.peel import peel
 from lowering_triton.check_values import check_values_comment
@@ -36,9 +37,6 @@ from lowering_triton.values import TVal, literal_value, pow2
 from lowering_triton.refs import ValueRef
 from lowering_triton.rules.state import fresh_buffer
 from lowering_triton.rules.dot import default_matmul_precision
-
-DEFAULT_NUM_WARPS = 4
-DEFAULT_NUM_STAGES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,8 +351,7 @@ def _generate(spec, tensor_descriptors: bool = True) -> GeneratedKernel:
   ordered = ([p for p in params if p.kind in ("prefetch", "input")] +
              const_params + [p for p in params if p.kind == "output"])
   cp = spec.compiler_params
-  num_warps = getattr(cp, "num_warps", None) or DEFAULT_NUM_WARPS
-  num_stages = getattr(cp, "num_stages", None) or DEFAULT_NUM_STAGES
+  num_warps, num_stages = launch_config(spec)
   num_ctas = getattr(cp, "num_ctas", None) or 1
   fp_fusion = getattr(cp, "enable_fp_fusion", True)
   if fp_fusion is None:

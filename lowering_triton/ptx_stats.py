@@ -6,12 +6,12 @@ register and local-memory use, shared memory and occupancy.
 loops (a branch back to a label above it), keeps the innermost ones (the hot
 loops: a kernel spends its time there), and counts instruction classes in
 each and in the whole kernel (`Mix`). With the cubin, `resources` reads the
-registers, stack and local memory per thread that ptxas allocated (spills
-show as local memory) through `cuobjdump`, which Triton ships.
+registers, stack and local memory per thread that ptxas allocated (its
+spills show as stack) through `cuobjdump`, which Triton ships.
 
     stats = ptx_stats(kernel.ptx, kernel.cubin)
     stats.hot_loops[0].mix.selp       # selects per iteration of the K loop
-    stats.registers, stats.local_bytes
+    stats.registers, stats.spill_bytes
 
 Why these predict speed on a GPU (docs/performance.md): selects (`selp`)
 and shared-memory stores in a loop that only moves tiles mean masks and
@@ -98,10 +98,17 @@ class PtxStats:
   local_bytes: int | None = None  # per thread: spills and local arrays
 
   @property
+  def spill_bytes(self) -> int:
+    """Bytes per thread of spilled registers: ptxas spills to the stack
+    frame (a Triton kernel calls no function that would need one), and
+    local memory holds what the PTX itself spills."""
+    return (self.stack_bytes or 0) + (self.local_bytes or 0)
+
+  @property
   def spills(self) -> bool:
     """Whether registers spill to local memory (in the PTX or the cubin)."""
     return bool(self.kernel.ld_local or self.kernel.st_local
-                or self.local_bytes)
+                or self.spill_bytes)
 
 
 _LABEL = re.compile(r"^(\$?[\w.$]+):")

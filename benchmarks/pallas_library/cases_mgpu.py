@@ -6,6 +6,7 @@ Part of `cases.CASES`.
 from __future__ import annotations
 
 import contextlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +33,36 @@ class _SimulatedGpu:
 _GPU = _SimulatedGpu()
 
 
+class _JaxOnSimulatedGpu(types.ModuleType):
+  """`jax` as the ops see it on the simulated GPU: `jax.devices()[0]` and
+  `jax.local_devices()[0]` (where some ops read `core_count`) are `_GPU`;
+  every other name is jax's own."""
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
+
+  def devices(self, *args, **kwargs):
+    return [_GPU]
+
+  def local_devices(self, *args, **kwargs):
+    return [_GPU]
+
+
+_JAX = _JaxOnSimulatedGpu("jax")
+
+
 @contextlib.contextmanager
 def simulated_gpu(module):
   """Points `module`'s `backend` and `cuda_versions` (where it has them) at
-  `_GPU` while the op runs; the op's source is unchanged."""
+  `_GPU`, and its `jax` at `_JAX`, while the op runs; the op's source is
+  unchanged."""
   saved = {name: getattr(module, name) for name in ("backend", "cuda_versions")
            if hasattr(module, name)}
   for name in saved:
     setattr(module, name, _GPU)
+  if getattr(module, "jax", None) is jax:
+    saved["jax"] = jax
+    module.jax = _JAX
   try:
     yield
   finally:

@@ -49,7 +49,7 @@ def _attention(seq=128, heads=2, causal=True, segments=False, grad=False,
                tol=2e-2 if dtype == bf16 else 2e-3)
 
 
-def _decode(mqa=False, lengths=False, grad=False, k_splits=4):
+def _decode(mqa=False, lengths=False, grad=False, k_splits=4, **kw):
   q = rand(0, (2, 8, 64))
   kv_shape = (2, 256, 64) if mqa else (2, 256, 2, 64)
   k, v = rand(1, kv_shape), rand(2, kv_shape)
@@ -60,11 +60,11 @@ def _decode(mqa=False, lengths=False, grad=False, k_splits=4):
   def op(m, interpret, q, k, v):
     f = m.mqa if mqa else m.gqa
     return f(q, k, v, block_h=16, block_k=64, k_splits=k_splits,
-             interpret=interpret, **extra)
+             interpret=interpret, **extra, **kw)
 
   def reference(m, q, k, v):
     f = m.mqa_reference if mqa else m.gqa_reference
-    return f(q, k, v, **extra)
+    return f(q, k, v, **extra, **kw)
   return _case(op, reference, (q, k, v), grad)
 
 
@@ -102,15 +102,21 @@ def _paged(soft_cap=None, quantized=False, grad=False, k_splits=2):
                tol=1e-2 if quantized else 2e-3)
 
 
-def _norm(name, shape=(2, 4, 256), grad=False, dtype=f32):
+def _norm(name, shape=(2, 4, 256), grad=False, dtype=f32, eps=1e-5):
   x = rand(0, shape, dtype)
   w, b = rand(1, shape[-1:], dtype), rand(2, shape[-1:], dtype)
 
   def op(m, interpret, x, w, b):
-    return getattr(m, name)(x, w, b, interpret=interpret)
+    return getattr(m, name)(x, w, b, eps=eps, interpret=interpret)
 
   def reference(m, x, w, b):
-    return getattr(m, f"{name}_reference")(x, w, b)
+    if eps == 1e-5:
+      return getattr(m, f"{name}_reference")(x, w, b)
+    # The op's reference maps its keywords too (jax.vmap): it cannot take
+    # another eps. The same formula, over the features:
+    mean = jnp.mean(x, -1, keepdims=True) if name == "layer_norm" else 0.0
+    var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * w + b
   return _case(op, reference, (x, w, b), grad,
                tol=3e-2 if dtype == bf16 else 2e-3)
 
@@ -142,6 +148,12 @@ _VARIANTS: dict[str, tuple[str, Callable[[], Case]]] = {
         "gpu.decode_attention", _P(_decode, lengths=True)),
     "gpu.decode_attention [grad]": ("gpu.decode_attention",
                                     _P(_decode, grad=True)),
+    "gpu.decode_attention [sm_scale, unnormalized, residuals]": (
+        "gpu.decode_attention", _P(_decode, sm_scale=0.5,
+                                   normalize_output=False,
+                                   return_residuals=True)),
+    "gpu.decode_attention [multi-query, start_idx, kv_seq_len]": (
+        "gpu.decode_attention", _P(_decode, mqa=True, lengths=True)),
     "gpu.paged_attention [soft cap]": ("gpu.paged_attention",
                                        _P(_paged, soft_cap=2.0)),
     "gpu.paged_attention [quantized KV cache]": (
@@ -152,9 +164,12 @@ _VARIANTS: dict[str, tuple[str, Callable[[], Case]]] = {
         "gpu.layer_norm", _P(_norm, "layer_norm", (2, 2, 4096), dtype=bf16)),
     "gpu.layer_norm [grad]": ("gpu.layer_norm",
                               _P(_norm, "layer_norm", grad=True)),
+    "gpu.layer_norm [eps 0.5]": ("gpu.layer_norm",
+                                 _P(_norm, "layer_norm", eps=0.5)),
     "gpu.rms_norm [bfloat16, 4096 features]": (
         "gpu.rms_norm", _P(_norm, "rms_norm", (2, 2, 4096), dtype=bf16)),
     "gpu.rms_norm [grad]": ("gpu.rms_norm", _P(_norm, "rms_norm", grad=True)),
+    "gpu.rms_norm [eps 0.5]": ("gpu.rms_norm", _P(_norm, "rms_norm", eps=0.5)),
     "gpu.softmax [3-D, 2 x 8 x 1000]": ("gpu.softmax",
                                         _P(_softmax, (2, 8, 1000))),
     "gpu.softmax [grad]": ("gpu.softmax", _P(_softmax, grad=True)),

@@ -255,17 +255,18 @@ def _tgmm(sizes=(96, 160), offset=None, dtype=f32):
 # --- matmul, example kernel, all-gather, random bits -------------------------
 
 def _matmul(m_=256, k_=256, n_=256, block=(128, 128), block_k=128,
-            dtype=f32, grad=False):
+            dtype=f32, grad=False, out_dtype=None):
   x, y = rand(0, (m_, k_), dtype), rand(1, (k_, n_), dtype)
 
   def op(m, _, x, y):
-    return m.matmul(x, y, block_shape=block, block_k=block_k)
+    return m.matmul(x, y, block_shape=block, block_k=block_k,
+                    out_dtype=out_dtype)
 
   def reference(m, x, y):
     return jnp.dot(x, y, precision="highest",
-                   preferred_element_type=f32).astype(dtype)
+                   preferred_element_type=f32).astype(out_dtype or dtype)
 
-  tol = 5e-2 if dtype == bf16 else 2e-3
+  tol = 5e-2 if bf16 in (dtype, out_dtype) else 2e-3
   if grad:
     return vjp_case(op, reference, (x, y), (0, 1), tol=tol)
   return Case(op, reference, tol=tol, args=(x, y))
@@ -314,6 +315,8 @@ _VARIANTS: dict[str, tuple[str, Callable[[], Case]]] = {
         "tpu.matmul", _P(_matmul, k_=512, n_=384, block=(256, 128),
                          block_k=256)),
     "tpu.matmul [grad]": ("tpu.matmul", _P(_matmul, grad=True)),
+    "tpu.matmul [bfloat16 in, float32 out_dtype]": (
+        "tpu.matmul", _P(_matmul, dtype=bf16, out_dtype=f32)),
     "tpu.example_kernel [bfloat16, 64 x 384]": (
         "tpu.example_kernel", _P(_double, (64, 384), bf16)),
     "tpu.example_kernel [grad]": ("tpu.example_kernel",
@@ -375,6 +378,10 @@ _VARIANTS: dict[str, tuple[str, Callable[[], Case]]] = {
     "tpu.ragged_paged_attention [soft cap, sm_scale]": (
         "tpu.ragged_paged_attention.kernel", _P(_ragged, soft_cap=2.0,
                                                 sm_scale=0.1)),
+    "tpu.ragged_paged_attention [k_scale, v_scale, mask_value]": (
+        "tpu.ragged_paged_attention.kernel", _P(_ragged, k_scale=0.5,
+                                                v_scale=2.0,
+                                                mask_value=-1e4)),
     "tpu.ragged_paged_attention [grad]": (
         "tpu.ragged_paged_attention.kernel", _P(_ragged, grad=True)),
     "tpu.megablox.gmm [bfloat16]": ("tpu.megablox.gmm",

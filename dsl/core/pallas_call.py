@@ -74,6 +74,10 @@ class KernelSpec:
   # `pallas_call(metadata=)`: (key, value) string pairs, sorted; the Mosaic
   # lowering puts them in the TPU call's `kernel_metadata`.
   metadata: tuple = ()
+  # A kernel of reverse mode: its compiler params are those of the kernel
+  # it was derived from, whose launch parameters (num_warps, num_stages)
+  # were chosen for other work; a backend may choose its own for it.
+  launch_inherited: bool = False
 
   def ref_labels(self) -> list[str]:
     """A name per kernel ref for messages and generated code: the user's

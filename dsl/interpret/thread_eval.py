@@ -71,12 +71,16 @@ def where(eqn) -> str | None:
 
 # --------------------------------------------------------------- ref views
 
-def _index(dim: int, idx, what: str):
-  """A numpy index for one NDIndexer entry over a dim of size `dim`."""
+def _index(dim: int, idx, what: str, through: bool = False):
+  """A numpy index for one NDIndexer entry over a dim of size `dim`.
+  `through`: the entry makes a view that later transforms index further
+  (`x.at[pl.ds(start, k)]` then a block of it), which may reach past the
+  end of its dim as on the hardware: only what is accessed through it must
+  lie inside (the later transforms index the view, cut at the dim's end)."""
   if isinstance(idx, Slice):
     start, size, stride = int(idx.start), int(idx.size), int(idx.stride)
     last = start + (size - 1) * stride if size else start
-    if start < 0 or (size and last >= dim):
+    if start < 0 or (size and last >= dim and not through):
       raise IndexError(f"{what}: the window {start}:{start + size * stride}"
                        f" lies outside a dim of size {dim}")
     return slice(start, start + size * stride, stride)
@@ -91,10 +95,10 @@ def _index(dim: int, idx, what: str):
   return arr
 
 
-def _apply(x: np.ndarray, transform, what: str):
+def _apply(x: np.ndarray, transform, what: str, through: bool = False):
   if isinstance(transform, NDIndexer):
-    idx = tuple(_index(d, i, what) for d, i in zip(x.shape,
-                                                   transform.indices))
+    idx = tuple(_index(d, i, what, through)
+                for d, i in zip(x.shape, transform.indices))
     return x[idx]
   name = type(transform).__name__
   if name == "TransposeTransform":
@@ -109,8 +113,9 @@ def _apply(x: np.ndarray, transform, what: str):
 def view(cell: Cell, transforms, what: str = "ref") -> np.ndarray:
   """The numpy view of `cell` that `transforms` select."""
   x = cell.array
-  for t in transforms or ():
-    x = _apply(x, t, what)
+  transforms = tuple(transforms or ())
+  for k, t in enumerate(transforms):
+    x = _apply(x, t, what, through=k < len(transforms) - 1)
   return x
 
 
@@ -133,7 +138,7 @@ def write(cell: Cell, transforms, value, what: str = "ref") -> None:
   transforms = list(transforms or ())
   base = cell.array
   for t in transforms[:-1]:
-    base = _check_view(_apply(base, t, what), cell, what)
+    base = _check_view(_apply(base, t, what, through=True), cell, what)
   value = np.asarray(value)
   if transforms and isinstance(transforms[-1], NDIndexer):
     # the last indexer may gather: numpy writes through it in place

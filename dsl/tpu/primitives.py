@@ -518,8 +518,18 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
                           mesh_axes=_current_mesh_axes() if dev else ())
 
 
-def semaphore_wait(sem, value=1):
-  """Waits until `sem` is at least `value`, then subtracts `value`."""
+def semaphore_wait(sem, value=1, *, decrement=True):
+  """Waits until `sem` is at least `value`, then subtracts `value`.
+  `decrement=False` (a wait that leaves the count, which GPU collectives
+  pair with signals from peer devices) is refused by name."""
+  if not decrement:
+    raise KernelError(None, "pl.semaphore_wait(decrement=False) is not "
+                      "supported: dsl's semaphores count signals down as "
+                      "they are waited for (the GPU collectives that wait "
+                      "without decrementing count signals from peer "
+                      "devices; Pallas's GPU interpret mode cannot run "
+                      "them either)",
+                      user_frame(), operand="decrement")
   ref, t = _sem_parts("semaphore_wait's semaphore", sem)
   flat, layout = pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32),
                        barrier=_barrier_handle(sem))

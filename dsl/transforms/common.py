@@ -45,12 +45,18 @@ def sds(aval, batch: tuple[int, ...] = ()) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(batch + tuple(aval.shape), aval.dtype)
 
 
+# The kernels of reverse mode (recording, transposed, finalizing), whose
+# work is not their forward kernel's: `KernelSpec.launch_inherited`.
+REVERSE_MODE_SUFFIXES = frozenset({"record", "transpose", "finalize"})
+
+
 def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
                  out_specs, scratch, aliases=(), suffix: str,
                  meta: tuple = (), compiler_params=None) -> KernelSpec:
   """Builds the KernelSpec of a kernel derived from `spec` by a transform,
   named `<kernel>_<suffix>` (the kernel's own name for an empty suffix),
-  with `spec`'s compiler params unless given."""
+  with `spec`'s compiler params unless given; a kernel of reverse mode
+  leaves its launch parameters to the backend (`launch_inherited`)."""
   gm = spec.grid_mapping
   new_spec, _ = build_spec(
       body, tuple(args), list(out_shapes),
@@ -62,7 +68,8 @@ def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
                                     if compiler_params is None
                                     else compiler_params),
       where=spec.where, meta=meta, metadata=spec.metadata)
-  return new_spec.replace(kernel_src=spec.kernel_src)
+  return new_spec.replace(kernel_src=spec.kernel_src,
+                         launch_inherited=suffix in REVERSE_MODE_SUFFIXES)
 
 
 def split(seq, *sizes):

@@ -43,7 +43,11 @@ _INTRO = (
     "one and through dsl's automatic reverse mode where it has none (those "
     "against the reference's gradient only: Pallas has no reverse mode "
     "there). A failing case is a strict xfail whose reason is the cause "
-    "below. `vs Pallas` is the op's time on dsl's `interpret` over its time "
+    "below; `tests/pallas/test_pallas_ops_limits.py` runs each failing "
+    "case and each case compared with its reference only, unswapped, in "
+    "Pallas's interpret mode and holds that Pallas fails on it too (the "
+    "error named, NaN, or no reverse mode through pallas_call) or, for "
+    "dsl's gaps, runs it. `vs Pallas` is the op's time on dsl's `interpret` over its time "
     "in Pallas's interpret mode (lower is faster; `python -m benchmarks "
     "--suite pallas-ops`, the record in "
     "`benchmarks/results/pallas-ops-cpu.json`, see "
@@ -121,6 +125,14 @@ def _golden(op: str, backend: str) -> str:
   return "; ".join(parts)
 
 
+def _failure(op: str, cause: str) -> str:
+  """A failing op's result: whether Pallas's interpret mode fails on the
+  same case too (test_pallas_ops_limits.py holds which)."""
+  if op in swap.PALLAS_FAILS_TOO:
+    return f"fails, as Pallas's interpret mode does: {cause}"
+  return f"fails (a dsl gap: Pallas's interpret mode runs it): {cause}"
+
+
 def compat_section() -> str:
   """The section of docs/pallas-compat.md that lists each op of
   `jax.experimental.pallas.ops` on each dsl CPU backend."""
@@ -133,7 +145,7 @@ def compat_section() -> str:
   for op in swap.OPS:
     for backend in swap.backends_of(op):
       cause = swap.XFAIL.get((op, backend))
-      result = "pass" if cause is None else f"fails: {cause}"
+      result = "pass" if cause is None else _failure(op, cause)
       if op in swap.NO_PALLAS:
         result += (f" (compared with its reference only: "
                    f"{swap.NO_PALLAS[op]})")

@@ -429,3 +429,31 @@ def test_producer_consumer_rings(steps, slots):
   got = on_dsl(make, x)
   np.testing.assert_allclose(got, np.asarray(2 * x + 1), rtol=1e-6)
   np.testing.assert_array_equal(got, on_pallas(make, x))
+
+
+def _view_past_the_end(pl, plgpu, blocks):
+  """Copies `blocks` blocks of 64 rows through `x.at[pl.ds(start, 256)]`,
+  start 64 read at run time, a view reaching 64 rows past the array's end
+  (as transposed_ragged_dot_mgpu makes): only the blocks copied must lie
+  inside."""
+  def body(start_ref, x_ref, o_ref):
+    plgpu.emit_pipeline(
+        lambda idx, x_smem, o_smem: o_smem.__setitem__(..., x_smem[...]),
+        grid=(blocks,),
+        in_specs=[plgpu.BlockSpec((64, 128), lambda i: (i, 0))],
+        out_specs=[plgpu.BlockSpec((64, 128), lambda i: (i, 0))])(
+            x_ref.at[pl.ds(start_ref[0], 256), :], o_ref)
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((256, 128),
+                                                          jnp.float32))
+
+
+def test_a_view_may_reach_past_its_array_where_nothing_is_accessed():
+  x = jax.random.normal(jax.random.key(0), (256, 128), jnp.float32)
+  start = jnp.array([64], jnp.int32)
+  got = on_dsl(lambda pl_, plgpu_: _view_past_the_end(pl_, plgpu_, 3),
+               start, x)
+  # (Pallas's GPU interpret mode runs this view in the op
+  # gpu.transposed_ragged_dot_mgpu, compared in test_pallas_ops.py.)
+  np.testing.assert_array_equal(got[:192], np.asarray(x[64:]))
+  with pytest.raises(Exception, match="outside a dim"):
+    on_dsl(lambda pl_, plgpu_: _view_past_the_end(pl_, plgpu_, 4), start, x)
