@@ -19,32 +19,16 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 from jax.experimental import pallas as jpl
-from jax.experimental.mosaic.gpu import core as mgpu_core
 from jax.experimental.pallas import mosaic_gpu as jplgpu
 
 import dsl as pl
 from dsl import mosaic_gpu as plgpu
-from dsl.core.errors import BackendError, KernelError
+from dsl.core.errors import BackendError
 from benchmarks.pallas_library.cases_mgpu import simulated_gpu
 from benchmarks.pallas_library.swap import original, swapped
+from tests.pallas.plgpu_modules import captured  # noqa: F401 -- a fixture
 
 F32 = jnp.float32
-
-
-@pytest.fixture
-def captured(monkeypatch):
-  """The (dialect text, lowered text) of each module the library lowers
-  while the test runs."""
-  out = []
-  lower = mgpu_core.lower_mgpu_module
-
-  def capture(module, *args, **kwargs):
-    before = module.operation.get_asm(enable_debug_info=False)
-    result = lower(module, *args, **kwargs)
-    out.append((before, module.operation.get_asm(enable_debug_info=False)))
-    return result
-  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", capture)
-  return out
 
 
 def canonical(text: str) -> list[str]:
@@ -480,98 +464,3 @@ def test_transposed_ragged_dot_module_is_pallas_module(captured):
       "mosaic_gpu.assume_multiple") == 1
   assert schedule(ours) == schedule(theirs)
   assert unnamed(ours_low) == unnamed(theirs_low)
-
-
-# ------------------------------------------- collectives and Blackwell ops
-
-def _on_mesh(fn, shape, dtype, out_spec):
-  """`fn` per device of an abstract mesh of 8 devices along "x" (no device
-  is needed to lower), lowered for CUDA."""
-  mesh = jax.sharding.AbstractMesh((8,), ("x",))
-  x = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(
-      mesh, jax.P("x")))
-  jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("x"),
-                        out_specs=out_spec, check_vma=False)).trace(x).lower(
-                            lowering_platforms=("cuda",))
-
-
-def _all_gather(m):
-  _on_mesh(lambda s: m.all_gather(s, axis_name="x", num_blocks=2),
-           (8 * 16, 128), F32, jax.P())
-
-
-def _reduce_scatter(m):
-  _on_mesh(lambda s: m.reduce_scatter(s, axis_name="x", scatter_dimension=0,
-                                      num_blocks=2),
-           (8 * 64, 128), F32, jax.P("x"))
-
-
-def _collective_matmul(m):
-  rhs = jnp.ones((128, 128), jnp.float16)
-  config = m.hopper_matmul_mgpu.TuningConfig(tile_m=64, tile_n=64, tile_k=64,
-                                             max_concurrent_steps=2)
-  _on_mesh(lambda s: m.all_gather_lhs_matmul(s, rhs, "x", config=config),
-           (8 * 64, 128), jnp.float16, jax.P())
-
-
-# op -> (its lowering, an instruction of Pallas's module only it has)
-_COLLECTIVES = {
-    "gpu.all_gather_mgpu": (_all_gather, "multimem.st.relaxed.sys.global"),
-    "gpu.reduce_scatter_mgpu": (_reduce_scatter,
-                                "multimem.ld_reduce.relaxed.sys.global.add"),
-    "gpu.collective_matmul_mgpu": (_collective_matmul, "mosaic_gpu.wgmma"),
-}
-
-
-@pytest.mark.parametrize("op", sorted(_COLLECTIVES))
-def test_collectives_lower_on_pallas_and_are_refused_by_name(captured, op):
-  lower, instruction = _COLLECTIVES[op]
-  with simulated_gpu(original(op)):
-    lower(original(op))
-  ((dialect, lowered),) = captured
-  # Pallas's module loads the device id and signals a peer's semaphore.
-  assert "mosaic_gpu.device_id_load" in dialect
-  assert "red.release.sys.global.add.u32" in lowered
-  assert instruction in dialect + lowered
-  # dsl stops at the wait that keeps the count, naming it and the op's line.
-  with pl.default_backend("mosaic_gpu"), simulated_gpu(swapped(op)), \
-      pytest.raises(KernelError, match=r"semaphore_wait\(decrement=False\)"
-                    r".*\(at \S+\.py:\d+\)"):
-    lower(swapped(op))
-
-
-def _blackwell_matmul(m):
-  a = jnp.ones((256, 256), jnp.float16)
-  config = m.TuningConfig(tile_m=128, tile_n=128, tile_k=64,
-                          max_concurrent_steps=2, collective=False)
-  with simulated_gpu(m):
-    jax.jit(lambda a, b: m.matmul_kernel(a, b, config)).trace(a, a).lower(
-        lowering_platforms=("cuda",))
-
-
-def _blackwell_ragged_dot(m):
-  a, b = jnp.ones((256, 256), jnp.float16), jnp.ones((2, 256, 256),
-                                                     jnp.float16)
-  sizes = jnp.array([128, 128], jnp.int32)
-  # collective=False reads the unbound cluster axis "x" (in Pallas too).
-  config = m.TuningConfig(
-      tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=2,
-      collective=True, grid_tile_width=1,
-      grid_minor_dim=m.blackwell_matmul_mgpu.MatmulDimension.N)
-  with simulated_gpu(m):
-    jax.jit(lambda a, b, s: m.ragged_dot_kernel(a, b, s, config)).trace(
-        a, b, sizes).lower(lowering_platforms=("cuda",))
-
-
-@pytest.mark.parametrize("op,lower", [
-    ("gpu.blackwell_matmul_mgpu", _blackwell_matmul),
-    ("gpu.blackwell_ragged_dot_mgpu", _blackwell_ragged_dot)])
-def test_blackwell_ops_lower_on_pallas_and_are_refused_by_name(captured, op,
-                                                               lower):
-  lower(original(op))
-  ((dialect, lowered),) = captured
-  assert "tcgen05.mma" in lowered and "tcgen05.alloc" in lowered
-  with pl.default_backend("mosaic_gpu"), pytest.raises(
-      KernelError, match=r"TMEM \(tensor memory\) and the tcgen05 MMA .* "
-      r"Blackwell's .*\(at \S+\.py:\d+\)"):
-    lower(swapped(op))
