@@ -295,6 +295,19 @@ def only_in(ours: list[str], theirs: list[str]) -> tuple[list, list]:
   return sorted((a - b).elements()), sorted((b - a).elements())
 
 
+def assert_lowered_as_hopper_matmul(ours_low: str, theirs_low: str):
+  """Lowered, the modules are the same but for the grid index, which dsl
+  reads once at the top of the block (so one block_id moves above the
+  allocations' barrier) and the warpgroup index, read once (one warp
+  shuffle fewer)."""
+  ours_low, theirs_low = unnamed(ours_low), unnamed(theirs_low)
+  assert only_in(ours_low, theirs_low) == (
+      [], ["%v = nvvm.shfl.sync idx %v, %v, %v, %v : i32 -> i32"])
+  moved = ["%v = gpu.block_id x", "%v = arith.index_cast %v : index to i32"]
+  assert [line[1:] for line in differences(ours_low, theirs_low)
+          if "shfl" not in line] == moved + ["gpu.barrier"] * 2 + moved
+
+
 def test_hopper_matmul_module_is_pallas_module(captured):
   with pl.default_backend("mosaic_gpu"):
     _hopper_matmul(swapped("gpu.hopper_matmul_mgpu"))
@@ -310,16 +323,7 @@ def test_hopper_matmul_module_is_pallas_module(captured):
   assert "setmaxnreg.inc.sync.aligned.u32 232" in ours
   assert ours.count("arrival_count = 2 : i64") == 2
   assert "scf.while" not in ours
-  # Lowered, the modules are the same but for the grid index, which dsl
-  # reads once at the top of the block (so one block_id moves above the
-  # allocations' barrier) and the warpgroup index, read once (one warp
-  # shuffle fewer).
-  ours_low, theirs_low = unnamed(ours_low), unnamed(theirs_low)
-  assert only_in(ours_low, theirs_low) == (
-      [], ["%v = nvvm.shfl.sync idx %v, %v, %v, %v : i32 -> i32"])
-  moved = ["%v = gpu.block_id x", "%v = arith.index_cast %v : index to i32"]
-  assert [line[1:] for line in differences(ours_low, theirs_low)
-          if "shfl" not in line] == moved + ["gpu.barrier"] * 2 + moved
+  assert_lowered_as_hopper_matmul(ours_low, theirs_low)
 
 
 def test_ragged_dot_module_is_pallas_module(captured):
@@ -393,15 +397,21 @@ def test_attention_has_pallas_instructions(captured, causal):
   assert key_ops(ours_low)["wgmma.mma_async"] > 0
 
 
-def _ragged_dot(module):
-  lhs, rhs = jnp.ones((256, 128), jnp.float16), jnp.ones((2, 128, 128),
+def _grouped(op, module, rhs_shape, sizes):
+  """`module.op` (ragged_dot or transposed_ragged_dot) of f16 ones, blocks
+  of 64, depth 2, lowered for CUDA."""
+  lhs, rhs = jnp.ones((256, 128), jnp.float16), jnp.ones(rhs_shape,
                                                          jnp.float16)
-  sizes = jnp.array([128, 128], jnp.int32)
+  sizes = jnp.array(sizes, jnp.int32)
   with simulated_gpu(module):
-    jax.jit(lambda a, b, s: module.ragged_dot(
+    jax.jit(lambda a, b, s: getattr(module, op)(
         a, b, group_sizes=s, block_m=64, block_n=64, block_k=64,
         max_concurrent_steps=2, grid_block_n=1)).trace(
             lhs, rhs, sizes).lower(lowering_platforms=("cuda",))
+
+
+def _ragged_dot(module):
+  _grouped("ragged_dot", module, (2, 128, 128), [128, 128])
 
 
 def test_ragged_dot_lowers(captured):
@@ -432,24 +442,11 @@ def test_mixed_type_matmul_module_is_pallas_module(captured):
   assert schedule(ours) == schedule(theirs)
   assert key_ops(ours) == key_ops(theirs)
   assert key_ops(ours)["mosaic_gpu.wgmma"] == 1
-  # Lowered: as hopper_matmul_mgpu's (the grid index read once, at the
-  # top; the warpgroup index read once).
-  ours_low, theirs_low = unnamed(ours_low), unnamed(theirs_low)
-  assert only_in(ours_low, theirs_low) == (
-      [], ["%v = nvvm.shfl.sync idx %v, %v, %v, %v : i32 -> i32"])
-  moved = ["%v = gpu.block_id x", "%v = arith.index_cast %v : index to i32"]
-  assert [line[1:] for line in differences(ours_low, theirs_low)
-          if "shfl" not in line] == moved + ["gpu.barrier"] * 2 + moved
+  assert_lowered_as_hopper_matmul(ours_low, theirs_low)
 
 
 def _transposed_ragged_dot(module):
-  lhs = rhs = jnp.ones((256, 128), jnp.float16)
-  sizes = jnp.array([96, 160], jnp.int32)
-  with simulated_gpu(module):
-    jax.jit(lambda a, b, s: module.transposed_ragged_dot(
-        a, b, group_sizes=s, block_m=64, block_n=64, block_k=64,
-        max_concurrent_steps=2, grid_block_n=1)).trace(
-            lhs, rhs, sizes).lower(lowering_platforms=("cuda",))
+  _grouped("transposed_ragged_dot", module, (256, 128), [96, 160])
 
 
 def test_transposed_ragged_dot_module_is_pallas_module(captured):
