@@ -67,6 +67,16 @@ def lower_both(make, *args, captured):
   return modules
 
 
+def lower_op_both(lower, op: str, captured):
+  """[(dialect, lowered) of dsl's module, the same of Pallas's] of Pallas's
+  library op `op` (swapped onto dsl, then the original) as `lower(module)`
+  lowers it."""
+  with pl.default_backend("mosaic_gpu"):
+    lower(swapped(op))
+  lower(original(op))
+  return captured
+
+
 # ------------------------------------------------------------------ kernels
 
 def copy_kernel(pl, plgpu, **extra):
@@ -309,10 +319,8 @@ def assert_lowered_as_hopper_matmul(ours_low: str, theirs_low: str):
 
 
 def test_hopper_matmul_module_is_pallas_module(captured):
-  with pl.default_backend("mosaic_gpu"):
-    _hopper_matmul(swapped("gpu.hopper_matmul_mgpu"))
-  _hopper_matmul(original("gpu.hopper_matmul_mgpu"))
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      _hopper_matmul, "gpu.hopper_matmul_mgpu", captured)
   # The same schedule: a consumed and a produced barrier (2 arrivals
   # each), the memory warpgroup's two prologue steps, its steady-state
   # loop and its two waits for the last slots, the consumers' loop
@@ -327,10 +335,8 @@ def test_hopper_matmul_module_is_pallas_module(captured):
 
 
 def test_ragged_dot_module_is_pallas_module(captured):
-  with pl.default_backend("mosaic_gpu"):
-    _ragged_dot(swapped("gpu.ragged_dot_mgpu"))
-  _ragged_dot(original("gpu.ragged_dot_mgpu"))
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      _ragged_dot, "gpu.ragged_dot_mgpu", captured)
   # emit_pipeline keeps two slots in flight: one barrier of 2 arrivals
   # (both inputs' copies), two prologue copies each, a fetch per step.
   assert schedule(ours) == schedule(theirs)
@@ -341,10 +347,8 @@ def test_ragged_dot_module_is_pallas_module(captured):
 @pytest.mark.parametrize("causal", [False, pytest.param(True,
                                                         marks=pytest.mark.slow)])
 def test_attention_module_is_pallas_module(captured, causal):
-  with pl.default_backend("mosaic_gpu"):
-    _attention(swapped("gpu.attention_mgpu"), causal)
-  _attention(original("gpu.attention_mgpu"), causal)
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      lambda m: _attention(m, causal), "gpu.attention_mgpu", captured)
   assert schedule(ours) == schedule(theirs)
   # Lowered: the same but for the grid indices, read once at the top, and
   # values the library leaves dead in the loops (casts of ours, broadcasts
@@ -384,10 +388,8 @@ def _attention(module, causal):
 @pytest.mark.parametrize("causal", [False, pytest.param(True,
                                                         marks=pytest.mark.slow)])
 def test_attention_has_pallas_instructions(captured, causal):
-  with pl.default_backend("mosaic_gpu"):
-    _attention(swapped("gpu.attention_mgpu"), causal)
-  _attention(original("gpu.attention_mgpu"), causal)
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      lambda m: _attention(m, causal), "gpu.attention_mgpu", captured)
   assert key_ops(ours) == key_ops(theirs)
   assert key_ops(ours_low) == key_ops(theirs_low)
   # QK^T and PV, two exp2s with approx_math; the causal kernel has a
@@ -434,10 +436,8 @@ def _mixed_type_matmul(module):
 
 
 def test_mixed_type_matmul_module_is_pallas_module(captured):
-  with pl.default_backend("mosaic_gpu"):
-    _mixed_type_matmul(swapped("gpu.hopper_mixed_type_matmul_mgpu"))
-  _mixed_type_matmul(original("gpu.hopper_mixed_type_matmul_mgpu"))
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      _mixed_type_matmul, "gpu.hopper_mixed_type_matmul_mgpu", captured)
   # The int8 tiles are converted to bf16 in registers before the WGMMA.
   assert schedule(ours) == schedule(theirs)
   assert key_ops(ours) == key_ops(theirs)
@@ -450,10 +450,8 @@ def _transposed_ragged_dot(module):
 
 
 def test_transposed_ragged_dot_module_is_pallas_module(captured):
-  with pl.default_backend("mosaic_gpu"):
-    _transposed_ragged_dot(swapped("gpu.transposed_ragged_dot_mgpu"))
-  _transposed_ragged_dot(original("gpu.transposed_ragged_dot_mgpu"))
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      _transposed_ragged_dot, "gpu.transposed_ragged_dot_mgpu", captured)
   # `pl.multiple_of` on the group's first block becomes
   # `mosaic_gpu.assume_multiple` (layout inference needs it to prove the
   # window's TMA offset aligned).
