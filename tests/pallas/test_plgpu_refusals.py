@@ -7,6 +7,9 @@ its lowering lacks is refused by name too.
 """
 from __future__ import annotations
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,11 +19,10 @@ import dsl as pl
 from dsl import mosaic_gpu as plgpu
 from dsl.core.errors import BackendError, KernelError
 from benchmarks.pallas_library.cases_mgpu import simulated_gpu
-from benchmarks.pallas_library.swap import original, swapped
+from benchmarks.pallas_library.swap import ops_dir, original, swapped
 from tests.pallas.plgpu_modules import captured  # noqa: F401 -- a fixture
 
 F32 = jnp.float32
-
 
 
 def _on_mesh(fn, shape, dtype, out_spec):
@@ -102,9 +104,11 @@ def _blackwell_ragged_dot(m):
         a, b, sizes).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("op,lower", [
-    ("gpu.blackwell_matmul_mgpu", _blackwell_matmul),
-    ("gpu.blackwell_ragged_dot_mgpu", _blackwell_ragged_dot)])
+_BLACKWELL = {"gpu.blackwell_matmul_mgpu": _blackwell_matmul,
+              "gpu.blackwell_ragged_dot_mgpu": _blackwell_ragged_dot}
+
+
+@pytest.mark.parametrize("op,lower", sorted(_BLACKWELL.items()))
 def test_blackwell_ops_lower_on_pallas_and_are_refused_by_name(captured, op,
                                                                lower):
   lower(original(op))
@@ -164,3 +168,18 @@ def test_each_missing_piece_of_the_collectives_is_refused_by_name(piece):
                             out_specs=jax.P("x"), check_vma=False))
   with pytest.raises(BackendError, match=rf"kernel '{body.__name__}'.*{name}"):
     f.trace(x).lower(lowering_platforms=("cuda",))
+
+
+def test_every_mgpu_op_is_compared_or_refused():
+  """Each `*_mgpu` op of the installed JAX is compared with Pallas's module
+  in test_plgpu_lowering.py or refused by name here."""
+  ops = {f"gpu.{name[:-3]}" for name in os.listdir(os.path.join(
+      ops_dir(), "gpu")) if name.endswith("_mgpu.py")}
+  with open(os.path.join(os.path.dirname(__file__),
+                         "test_plgpu_lowering.py"), encoding="utf-8") as f:
+    compared = set(re.findall(r'lower_op_both\(\s*[^"]*"(gpu\.\w+)"',
+                              f.read()))
+  assert compared == {"gpu.hopper_matmul_mgpu", "gpu.attention_mgpu",
+                      "gpu.hopper_mixed_type_matmul_mgpu",
+                      "gpu.ragged_dot_mgpu", "gpu.transposed_ragged_dot_mgpu"}
+  assert ops == compared | set(_COLLECTIVES) | set(_BLACKWELL)
