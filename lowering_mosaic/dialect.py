@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 from dsl.core.jax_internals import ir, mlir as jax_mlir, tpu
 
+from dsl.core.kernel_layout import KernelLayout
 from dsl.core.memory import MemorySpace
 from dsl.core.semaphores import SemaphoreSpace
 
@@ -155,3 +156,18 @@ def location_line(loc) -> str | None:
   if not m:
     return None
   return f"{m.group('file')}:{m.group('line')}"
+
+
+def entry_layout(attrs, num_refs: int) -> KernelLayout:
+  """Where a TPU kernel's `num_refs` refs (its entry's arguments after the
+  grid ids) sit, read from the entry's attributes `attrs`: groups
+  `prefetch`, `inputs`, `outputs`, `scratch`. Without `dsl.num_inputs` (a
+  module lowered elsewhere) every operand but the last is an input."""
+  def count(name):
+    return int(ir.IntegerAttr(attrs[name]).value) if name in attrs else 0
+  n_pf, n_sc = count("scalar_prefetch"), count("scratch_operands")
+  n_ops = num_refs - n_pf - n_sc
+  n_in = (count("dsl.num_inputs") if "dsl.num_inputs" in attrs
+          else max(n_ops - 1, 0))
+  return KernelLayout.of(prefetch=n_pf, inputs=n_in, outputs=n_ops - n_in,
+                         scratch=n_sc)

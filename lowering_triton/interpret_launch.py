@@ -26,6 +26,7 @@ from dsl.core import checks
 from dsl.core import host_failures
 from dsl.core import config
 from dsl.core.errors import BackendError, KernelCheckError, KernelRuntimeError
+from dsl.core.kernel_layout import KernelLayout
 from dsl.core.poison import poison_value
 from lowering_triton import dtypes, interpret_memory, loader
 from lowering_triton.check_values import fill_in
@@ -388,7 +389,9 @@ def _buffers(gk: GeneratedKernel, arrays) -> tuple[dict, list[np.ndarray]]:
       outs.append(_aligned_copy(
           np.full(p.shape, poison_value(p.dtype), p.dtype) if src is None
           else operands[src], p.dtype))
-  by_kind = {"prefetch": operands[:n_pf], "input": operands[n_pf:],
+  prefetch, inputs = KernelLayout.of(prefetch=n_pf, inputs=None).split(
+      operands)
+  by_kind = {"prefetch": prefetch, "input": inputs,
              "const": [_aligned_copy(c) for c in gk.consts],
              "output": outs}
   return {p.name: by_kind[p.kind][p.index] for p in gk.params}, outs

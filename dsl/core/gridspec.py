@@ -14,6 +14,7 @@ from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.errors import KernelError, KernelTypeError, user_frame
 from dsl.core.index_maps import (evaluate_index_map, reads_prefetch,
                                  varies_along)
+from dsl.core.kernel_layout import KernelLayout
 from dsl.core.grid_plan import Plan, make_plan
 from dsl.core.memory import MemorySpace, scratch_aval
 from dsl.core.named_axes import grid_names as names_of
@@ -93,7 +94,7 @@ class GridMapping:
       problems.append(f"grid {self.grid} is not of non-negative ints")
     if any(d < self.num_hidden_axes for d in self.dynamic_dims):
       problems.append(f"grid {self.grid}: an axis added by vmap is dynamic")
-    if len(self.block_mappings) != self.num_inputs + self.num_outputs:
+    if len(self.block_mappings) != self.block_layout().total:
       problems.append(f"{len(self.block_mappings)} block mappings for "
                       f"{self.num_inputs} inputs and {self.num_outputs} "
                       "outputs")
@@ -126,11 +127,11 @@ class GridMapping:
 
   @property
   def in_mappings(self) -> tuple[BlockMapping, ...]:
-    return self.block_mappings[:self.num_inputs]
+    return self.split_blocks(self.block_mappings).inputs
 
   @property
   def out_mappings(self) -> tuple[BlockMapping, ...]:
-    return self.block_mappings[self.num_inputs:]
+    return self.split_blocks(self.block_mappings).outputs
 
   @property
   def out_avals(self) -> tuple[core.ShapedArray, ...]:
@@ -139,8 +140,7 @@ class GridMapping:
   @property
   def num_refs(self) -> int:
     """How many refs the kernel takes (grid indices not counted)."""
-    return (self.num_scalar_prefetch + self.num_inputs + self.num_outputs
-            + len(self.scratch_avals))
+    return self.ref_layout().total
 
   @property
   def ref_avals(self) -> tuple[state_types.AbstractRef, ...]:
@@ -181,6 +181,32 @@ class GridMapping:
     operand's blocks are fetched (see `make_plan`)."""
     return make_plan(self, compiler_params, jaxpr)
 
+  def ref_layout(self, ids: bool = False) -> KernelLayout:
+    """Where the kernel's refs sit: groups `ids` (one per grid dim with
+    `ids`, as the kernel jaxpr's invars; else none), `prefetch`, `inputs`,
+    `outputs`, `scratch`; a derived kernel inserts its own groups."""
+    return KernelLayout.of(ids=len(self.grid) if ids else 0,
+                           prefetch=self.num_scalar_prefetch,
+                           inputs=self.num_inputs, outputs=self.num_outputs,
+                           scratch=len(self.scratch_avals))
+
+  def block_layout(self) -> KernelLayout:
+    """Where the block mappings sit: groups `inputs`, `outputs`."""
+    return self.ref_layout().only("inputs", "outputs")
+
+  def call_layout(self) -> KernelLayout:
+    """Where the pallas_call's operands sit: groups `sizes` (the traced
+    sizes of the dynamic grid dims), `prefetch`, `inputs`."""
+    return KernelLayout.of(sizes=len(self.dynamic_dims),
+                           prefetch=self.num_scalar_prefetch,
+                           inputs=self.num_inputs)
+
+  def aliased_operand(self, operand: int) -> tuple[str, int]:
+    """(`"prefetch"` or `"inputs"`, index in that group) of an
+    `input_output_aliases` operand index (which counts the scalar
+    prefetch and the inputs, not the grid sizes)."""
+    return self.call_layout().only("prefetch", "inputs").locate(operand)
+
   def split(self, seq: Sequence[Any]) -> KernelArgs:
     """`seq` laid out as the kernel's operands, by role. `seq` holds one
     entry per ref, optionally preceded by one per grid dimension (the
@@ -189,22 +215,17 @@ class GridMapping:
     if n_ids not in (0, len(self.grid)):
       raise ValueError(f"{len(seq)} operands for a kernel with a "
                        f"{len(self.grid)}-D grid and {self.num_refs} refs")
-    sizes = (n_ids, self.num_scalar_prefetch, self.num_inputs,
-             self.num_outputs, len(self.scratch_avals))
-    parts, start = [], 0
-    for n in sizes:
-      parts.append(tuple(seq[start:start + n]))
-      start += n
-    return KernelArgs(*parts)
+    return KernelArgs(*self.ref_layout(ids=n_ids > 0).split(seq))
 
   def split_blocks(self, seq: Sequence[Any]) -> KernelArgs:
     """`seq`, one entry per block mapping (as `block_mappings`: inputs
     then outputs), by role; `ids`, `prefetch` and `scratch` are empty."""
-    if len(seq) != len(self.block_mappings):
+    layout = self.block_layout()
+    if len(seq) != layout.total:
       raise ValueError(f"{len(seq)} entries for {self.num_inputs} inputs "
                        f"and {self.num_outputs} outputs")
-    n = self.num_inputs
-    return KernelArgs((), (), tuple(seq[:n]), tuple(seq[n:]), ())
+    ins, outs = layout.split(seq)
+    return KernelArgs((), (), ins, outs, ())
 
   def per_ref(self, prefetch: Callable, inputs: Callable, outputs: Callable,
               scratch: Callable) -> list:
@@ -221,14 +242,14 @@ class GridMapping:
     """The pallas_call's operands `seq` (the dynamic dims' sizes, scalar
     prefetch, then inputs) by role; `ids`, `outputs` and `scratch` are
     empty."""
-    n_sizes, n = len(self.dynamic_dims), self.num_scalar_prefetch
-    if len(seq) != n_sizes + n + self.num_inputs:
-      raise ValueError(f"{len(seq)} operands for a kernel with {n_sizes} "
-                       f"dynamic grid dims, {n} scalar prefetch and "
+    layout = self.call_layout()
+    if len(seq) != layout.total:
+      raise ValueError(f"{len(seq)} operands for a kernel with "
+                       f"{len(self.dynamic_dims)} dynamic grid dims, "
+                       f"{self.num_scalar_prefetch} scalar prefetch and "
                        f"{self.num_inputs} inputs")
-    return KernelArgs((), tuple(seq[n_sizes:n_sizes + n]),
-                      tuple(seq[n_sizes + n:]), (), (),
-                      tuple(seq[:n_sizes]))
+    sizes, prefetch, inputs = layout.split(seq)
+    return KernelArgs((), prefetch, inputs, (), (), sizes)
 
   def unflatten_kernel_refs(self, refs: Sequence[Any]) -> list[Any]:
     """The kernel's positional arguments, in the pytree shape of the specs."""

@@ -359,9 +359,8 @@ def _block_window(host: _RangeHost, bm, ids, prefetch) -> Window:
   if bm.whole_array:
     return Window.whole(shape, bm.origin)
   jaxpr = bm.index_map_jaxpr
-  n_pf = len(jaxpr.jaxpr.invars) - len(ids)
   index = walk_jaxpr(host, jaxpr.jaxpr, jaxpr.consts,
-                     list(ids) + list(prefetch[:n_pf]))
+                     list(ids) + list(prefetch))
   zero = Interval(0, 0)
   axes, fixed = [], []
   for d, (dim, size) in enumerate(zip(bm.block_shape, bm.block_sizes)):

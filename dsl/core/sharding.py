@@ -133,11 +133,12 @@ def layout_of(spec) -> Layout:
       if d is None and (depends or t >= gm.num_inputs):
         why.setdefault(j, f"{bm.origin} does not take one whole block per "
                        f"index of grid dim {j - gm.num_hidden_axes}")
+  by_role = gm.split_blocks(follows)
   for i, o in spec.input_output_aliases:
-    i -= gm.num_scalar_prefetch
-    if 0 <= i < gm.num_inputs:
+    group, i = gm.aliased_operand(i)
+    if group == "inputs":
       for j in range(len(grid)):
-        if follows[i][j] != follows[gm.num_inputs + o][j]:
+        if by_role.inputs[i][j] != by_role.outputs[o][j]:
           why.setdefault(j, f"input {i} is aliased to output {o} but they "
                          "follow the grid differently")
   dims, blocks, reasons, origins = [], [], [], []
@@ -161,7 +162,7 @@ def layout_of(spec) -> Layout:
     blocks.append(tuple(bm.block_sizes))
     reasons.append(tuple(per_why))
     origins.append(bm.origin)
-  return Layout(grid, gm.num_scalar_prefetch + gm.num_inputs, tuple(dims),
+  return Layout(grid, gm.ref_layout().start("outputs"), tuple(dims),
                 tuple(blocks), tuple(reasons), tuple(origins))
 
 

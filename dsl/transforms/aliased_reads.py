@@ -24,7 +24,7 @@ from dsl.core.memory import MemorySpace
 from dsl.core.pallas_call import KernelSpec
 from dsl.core.primitives import when
 from dsl.core.tracing import num_programs, program_id
-from dsl.transforms.common import block_spec_of, derived_spec, sds, split
+from dsl.transforms.common import block_spec_of, derived_spec, sds
 from dsl.transforms.revisits import first_visit
 
 
@@ -38,8 +38,8 @@ def _read_first(spec: KernelSpec) -> list[tuple[int, int]]:
   outs = gm.split(spec.jaxpr.jaxpr.invars).outputs
   found = []
   for operand, o in spec.input_output_aliases:
-    bm = gm.out_mappings[o]
-    if operand < gm.num_scalar_prefetch or bm.memory_space in _IN_HBM:
+    in_hbm = gm.out_mappings[o].memory_space in _IN_HBM
+    if gm.aliased_operand(operand)[0] == "prefetch" or in_hbm:
       continue              # the kernel addresses the aliased memory itself
     if first_read_before_write(spec.jaxpr, [outs[o]]) is not None:
       found.append((operand, o))
@@ -59,14 +59,13 @@ def reading_aliased_outputs(spec: KernelSpec):
   if not pairs:
     return None
   gm = spec.grid_mapping
-  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
-  n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
+  n_grid = len(gm.grid)
+  layout = gm.ref_layout().insert("inputs", starts=len(pairs))
 
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
     grid = [num_programs(d) for d in range(n_grid)]   # traced where dynamic
-    pf, ins, starts, outs, scr = split(refs, n_pf, n_in, len(pairs), n_out,
-                                       n_scr)
+    _, pf, ins, starts, outs, scr = layout.split(refs)
     for (_, o), start in zip(pairs, starts):
       @when(first_visit(gm.out_mappings[o], grid, ids, lambda i: i, pf))
       def _(o=o, start=start):

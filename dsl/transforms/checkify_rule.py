@@ -35,12 +35,12 @@ def pallas_call_checkify(ctx, error, enabled_errors, *args, spec: KernelSpec):
   checked, err_tree = runtime_checks.checked_spec(
       spec, keep_debug=True, enabled_errors=frozenset(enabled_errors))
   outs = pallas_call_p.bind(*args, spec=checked.replace(backend="interpret"))
-  n_out = spec.grid_mapping.num_outputs
-  leaves = _first_failing_point(err_tree, outs[n_out:],
+  outs, errors = runtime_checks.checked_results(spec, outs)
+  leaves = _first_failing_point(err_tree, errors,
                                 len(spec.grid_mapping.grid))
   error, _ = jax_checkify.check_discharge_rule(
       ctx, error, enabled_errors, *leaves, err_tree=err_tree, debug=False)
-  return error, list(outs[:n_out])
+  return error, list(outs)
 
 
 jax_checkify.error_checks[pallas_call_p] = pallas_call_checkify

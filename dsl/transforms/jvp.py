@@ -13,8 +13,9 @@ from dsl.core.normalize import rewrite_closed, SCANS_TO_DIFFERENTIATE
 from dsl.core.pallas_call import KernelSpec, pallas_call_p
 from dsl.core.tracing import program_id
 from dsl.core.dtypes import has_tangent
+from dsl.core.kernel_layout import KernelLayout
 from dsl.transforms.common import (block_spec_of, derived_spec, eval_ref_jaxpr,
-                                   sds, split)
+                                   sds)
 
 
 def tangent_pattern(spec: KernelSpec, in_nz):
@@ -50,17 +51,18 @@ def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
   outputs: (*outputs, *tangents of float outputs).
   """
   gm = spec.grid_mapping
-  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
-  n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
+  n_grid = len(gm.grid)
   out_nz, scr_nz = tangent_pattern(spec, in_nz)
-  nonzeros = ([False] * (n_grid + n_pf) + list(in_nz) + out_nz + scr_nz)
+  nonzeros = ([False] * (n_grid + gm.num_scalar_prefetch) + list(in_nz)
+              + out_nz + scr_nz)
   jj = _jvp_jaxpr(spec, nonzeros)
-  n_tin, n_tout, n_tscr = sum(in_nz), sum(out_nz), sum(scr_nz)
+  layout = (gm.ref_layout().insert("inputs", tangent_inputs=sum(in_nz))
+            .insert("outputs", tangent_outputs=sum(out_nz))
+            .insert("scratch", tangent_scratch=sum(scr_nz)))
 
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
-    pf, ins, tins, outs, touts, scr, tscr = split(
-        refs, n_pf, n_in, n_tin, n_out, n_tout, n_scr, n_tscr)
+    _, pf, ins, tins, outs, touts, scr, tscr = layout.split(refs)
     eval_ref_jaxpr(jj, *ids, *pf, *ins, *outs, *scr, *tins, *touts, *tscr)
 
   in_maps = list(gm.in_mappings)
@@ -73,19 +75,31 @@ def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
   spec_of = lambda bm: block_spec_of(bm, n_grid)
   scratch = list(gm.scratch_avals) + [
       a for a, nz in zip(gm.scratch_avals, scr_nz) if nz]
-  aliases = dict(spec.input_output_aliases)
-  tin_pos = {k: n_pf + n_in + j for j, k in
-             enumerate(k for k, nz in enumerate(in_nz) if nz)}
-  tout_pos = {o: n_out + j for j, o in
-              enumerate(o for o, nz in enumerate(out_nz) if nz)}
-  for i, o in spec.input_output_aliases:
-    if i - n_pf in tin_pos and o in tout_pos:
-      aliases[tin_pos[i - n_pf]] = tout_pos[o]
   return derived_spec(spec, body, args, out_shapes, grid=gm.grid,
                       in_specs=[spec_of(bm) for bm in in_maps + tin_maps],
                       out_specs=[spec_of(bm) for bm in out_maps + tout_maps],
-                      scratch=scratch, aliases=aliases, suffix="jvp",
-                      meta=meta)
+                      scratch=scratch, aliases=_tangent_aliases(spec, in_nz,
+                                                                out_nz),
+                      suffix="jvp", meta=meta)
+
+
+def _tangent_aliases(spec: KernelSpec, in_nz, out_nz) -> dict[int, int]:
+  """The kernel's aliases, and the tangent of an aliased input aliased to
+  the tangent of its output where both have one."""
+  gm = spec.grid_mapping
+  operands = gm.call_layout().only("prefetch", "inputs").insert(
+      "inputs", tangents=sum(in_nz))
+  outputs = KernelLayout.of(outputs=gm.num_outputs, tangents=sum(out_nz))
+  tin_pos = dict(zip((k for k, nz in enumerate(in_nz) if nz),
+                     operands.positions("tangents")))
+  tout_pos = dict(zip((o for o, nz in enumerate(out_nz) if nz),
+                      outputs.positions("tangents")))
+  aliases = dict(spec.input_output_aliases)
+  for i, o in spec.input_output_aliases:
+    group, k = gm.aliased_operand(i)
+    if group == "inputs" and k in tin_pos and o in tout_pos:
+      aliases[tin_pos[k]] = tout_pos[o]
+  return aliases
 
 
 def _zero_tangent(aval):
@@ -94,8 +108,9 @@ def _zero_tangent(aval):
 
 def split_outputs(spec: KernelSpec, outs, out_nz):
   gm = spec.grid_mapping
-  n_out = gm.num_outputs
-  primal, tangents = list(outs[:n_out]), iter(outs[n_out:])
+  primal, tangents = KernelLayout.of(outputs=gm.num_outputs,
+                                     tangents=None).split(outs)
+  primal, tangents = list(primal), iter(tangents)
   touts = [next(tangents) if nz else _zero_tangent(bm.array_aval)
            for bm, nz in zip(gm.out_mappings, out_nz)]
   return primal, touts

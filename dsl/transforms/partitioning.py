@@ -33,6 +33,7 @@ from dsl.core.sharding import (Layout, choose_axes, layout_of, log_once, pspec,
                                reads_program_ids, sharding_rule, spec_axes)
 from dsl.core import backends
 from dsl.core.errors import BackendError
+from dsl.core.kernel_layout import KernelLayout
 from dsl.core.pallas_call import build_spec, pallas_call_p
 from dsl.core.tracing import program_id
 
@@ -45,10 +46,11 @@ def local_spec(spec, splits: tuple[tuple[int, int], ...]):
   gm = spec.grid_mapping
   grid = tuple(g // split.get(j, 1) for j, g in enumerate(gm.grid))
   bms = []
-  n_pf = gm.num_scalar_prefetch
-  for t, bm in enumerate(gm.block_mappings):
+  dims = gm.ref_layout().only("prefetch", "inputs", "outputs").split(
+      layout.dims)
+  for bm, bm_dims in zip(gm.block_mappings, dims.inputs + dims.outputs):
     shape = [n // split.get(j, 1) if j is not None else n
-             for n, j in zip(bm.array_aval.shape, layout.dims[n_pf + t])]
+             for n, j in zip(bm.array_aval.shape, bm_dims)]
     bms.append(dataclasses.replace(
         bm, array_aval=bm.array_aval.update(shape=tuple(shape))))
   new_gm = dataclasses.replace(gm, grid=grid, block_mappings=tuple(bms))
@@ -65,15 +67,18 @@ def _with_grid_offsets(local):
   gm = local.grid_mapping
   n, n_pf = len(gm.grid), gm.num_scalar_prefetch
 
+  refs_layout = KernelLayout.of(offsets=1, refs=None)
+  map_layout = KernelLayout.of(ids=n, offsets=1, prefetch=None)
+
   def body(*refs):
-    offsets, rest = refs[0], refs[1:]
+    (offsets,), rest = refs_layout.split(refs)
     ids = [program_id(d) + offsets[d] for d in range(n)]
     core.eval_jaxpr(local.jaxpr.jaxpr, local.jaxpr.consts, *ids, *rest)
 
   def spec_of(bm):
     def index_map(*args):       # the offsets are not an index map's argument
-      return tuple(core.jaxpr_as_fun(bm.index_map_jaxpr)(*args[:n],
-                                                         *args[n + 1:]))
+      ids, _, pf = map_layout.split(args)
+      return tuple(core.jaxpr_as_fun(bm.index_map_jaxpr)(*ids, *pf))
     return bm.to_spec(index_map)
 
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)

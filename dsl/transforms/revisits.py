@@ -57,7 +57,7 @@ def _block_index(bm, ids, pf_refs):
   return core.jaxpr_as_fun(bm.index_map_jaxpr)(*ids, *pf_refs)
 
 
-def _every_step_new(bm, grid, ids_fn) -> bool:
+def every_step_new(bm, grid, ids_fn) -> bool:
   """Whether, visiting `grid` row-major, every step's block of `bm` (at
   `ids_fn(step)`) differs from the previous step's (known at trace time:
   the index map reads no scalar prefetch)."""
@@ -79,7 +79,7 @@ def first_visit(bm, grid, raw, ids_fn, pf_refs):
   run of visits to its block of `bm` (whose index map takes `ids_fn(raw)`):
   the first step, or one whose block differs from the previous step's.
   A Python True where every step starts one (decided at trace time)."""
-  if not grid or _every_step_new(bm, grid, ids_fn):
+  if not grid or every_step_new(bm, grid, ids_fn):
     return True
   prev, borrow = list(raw), jnp.bool_(True)
   for d in reversed(range(len(grid))):

@@ -37,11 +37,12 @@ from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
                              KernelError, KernelRuntimeError, park,
                              traceback_frame)
 from dsl.core.jaxpr_walk import sub_jaxprs
+from dsl.core.kernel_layout import KernelLayout
 from dsl.core.operand_layout import pack, unpack
 from dsl.core.pallas_call import KernelSpec
 from dsl.core.ranges import analyze_kernel
 from dsl.core.tracing import program_id
-from dsl.transforms.common import block_spec_of, derived_spec, sds, split
+from dsl.transforms.common import block_spec_of, derived_spec, sds
 from dsl.transforms.window_checks import WindowOutsideRef, window_check_eqn
 
 _USER_CHECKS = frozenset({jax_checkify.FailedCheckError})
@@ -378,8 +379,7 @@ def checked_spec(spec: KernelSpec, keep_debug: bool = False,
   message)."""
   gm = spec.grid_mapping
   _refuse_dynamic_grid(spec)
-  n_grid, n_pf = len(gm.grid), gm.num_scalar_prefetch
-  n_in, n_out, n_scr = gm.num_inputs, gm.num_outputs, len(gm.scratch_avals)
+  n_grid = len(gm.grid)
   names = dict(zip(spec.jaxpr.jaxpr.invars, _operand_names(spec)))
   jaxpr = close_jaxpr(_prepare(spec.jaxpr.jaxpr, names, keep_debug,
                               check_windows and analyze_kernel(spec)),
@@ -391,10 +391,11 @@ def checked_spec(spec: KernelSpec, keep_debug: bool = False,
   if check_windows:
     err_avals = list(err_avals) + [core.ShapedArray((n_blocks,), jnp.int32)]
 
+  layout = gm.ref_layout().insert("outputs", errors=len(err_avals))
+
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
-    pf, ins, outs, errs, scr = split(refs, n_pf, n_in, n_out,
-                                     len(err_avals), n_scr)
+    _, pf, ins, outs, errs, scr = layout.split(refs)
     err = _checkify_kernel(spec, jaxpr, enabled_errors, check_blocks,
                            (*ids, *pf, *ins, *outs, *scr))
     for ref, leaf in zip(errs, tree_util.tree_leaves(err)):
@@ -536,6 +537,13 @@ def _device_id(axes):
   return device
 
 
+def checked_results(spec: KernelSpec, results) -> tuple[tuple, tuple]:
+  """(the kernel's outputs, the error outputs) among the results of the
+  kernel `checked_spec(spec)` gives."""
+  return KernelLayout.of(outputs=spec.grid_mapping.num_outputs,
+                         errors=None).split(results)
+
+
 def run_checked(spec: KernelSpec, run, args, axis_context,
                 check_blocks: bool = False, check_windows: bool = False):
   """Runs `spec` through `run(*args, spec=...)` with its checks (and, with
@@ -544,8 +552,7 @@ def run_checked(spec: KernelSpec, run, args, axis_context,
   (dsl/core/host_failures.py)."""
   new, err_tree = checked_spec(spec, check_blocks=check_blocks,
                                check_windows=check_windows)
-  outs = run(*args, spec=new)
-  n_out = spec.grid_mapping.num_outputs
+  outs, errors = checked_results(spec, run(*args, spec=new))
   axes = host_failures.manual_axes(axis_context)
   extra = (_device_id(axes),) if axes else ()
 
@@ -559,6 +566,6 @@ def run_checked(spec: KernelSpec, run, args, axis_context,
                                spec=spec, blocks=blocks)
 
   failed = jax.pure_callback(find, jax.ShapeDtypeStruct((), jnp.int32),
-                             *outs[n_out:], *extra, vmap_method="sequential")
+                             *errors, *extra, vmap_method="sequential")
   host_failures.raise_parked(axis_context, failed)
-  return outs[:n_out]
+  return list(outs)

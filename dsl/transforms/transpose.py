@@ -35,7 +35,8 @@ from dsl.transforms.prefetch_reads import restore_reads
 from dsl.transforms.simplify import simplify_closed
 from dsl.transforms.jvp import (input_tangent_mask, jvp_spec, split_outputs,
                                 tangent_pattern, _zero_tangent)
-from dsl.transforms.revisits import (first_visit, per_point_sds,
+from dsl.transforms.revisits import (every_step_new, first_visit,
+                                    per_point_sds,
                                     per_point_spec, revisits_consecutively,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
@@ -391,13 +392,14 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   ct_in_maps = [bm for bm, nz in zip(in_maps, in_nz) if nz]
   kinds = _ct_in_kinds(gm, in_nz, sequential)
   resets = scratch_reset_dims(spec)
+  flows = _ct_out_flows(spec, rev, out_f)
 
   def body(*refs):
     raw = [program_id(d) for d in range(n_grid)]
     ids = rev(raw)
     (pf_refs, in_refs, rec_refs, ct_out_in, ct_in_refs, ct_out_refs,
      ct_scr_refs) = split(refs, n_pf, n_in, n_rec, n_ct_out, n_ct_in,
-                          n_ct_out, len(ct_scr_avals))
+                          sum(flows), len(ct_scr_avals))
     _zero_at_reset(raw, ct_scr_refs, [d for d, f in zip(resets, scr_f) if f])
     # An output block is not read in on a TPU: at the first of a run of
     # visits, the cotangent flowing in is the aliased input's block.
@@ -419,34 +421,49 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
                                      pf_refs, written)
     transposed = transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
     ct_out_first = [f for f, keep in zip(out_first, out_f) if keep]
-    ct_out_now = [_garbage_free_at(first, lambda r=r: r[...],
-                                   lambda r_in=r_in: r_in[...], bm, ids,
-                                   pf_refs)
-                  for r, r_in, first, bm in zip(ct_out_refs, ct_out_in,
-                                                ct_out_first, ct_out_maps)]
+    outs_now = iter(ct_out_refs)
+    ct_out_now = [_garbage_free_at(
+        first, (lambda r=next(outs_now): r[...]) if flow else None,
+        lambda r_in=r_in: r_in[...], bm, ids, pf_refs)
+        for r_in, first, bm, flow in zip(ct_out_in, ct_out_first,
+                                         ct_out_maps, flows)]
     ct_scr_now = [r[...] for r in ct_scr_refs]
     ct_tin, ct_tout, ct_tscr = transposed((ct_out_now, ct_scr_now))
     for r, c, kind, first in zip(ct_in_refs, ct_tin, kinds, in_first):
       _accumulate(r, c, kind, first)
-    for r, c in zip(ct_out_refs, ct_tout):
+    for r, c in zip(ct_out_refs, [c for c, f in zip(ct_tout, flows) if f]):
       r[...] = c.astype(r.dtype)
     for r, c in zip(ct_scr_refs, ct_tscr):
       r[...] = c.astype(r.dtype)
 
   args, out_shapes, kw = _transpose_io(gm, rev, recorded, state_avals,
                                        pf_avals, ct_in_maps, ct_out_maps,
-                                       kinds)
+                                       kinds, flows)
   new = derived_spec(spec, body, args, out_shapes, **kw,
                      scratch=ct_scr_avals, suffix="transpose")
   if "staged" in kinds:
     # a cotangent staged whole through every point: cores may not split
     # the grid (their read-modify-writes of it would race)
     new = new.replace(compiler_params=all_arbitrary(new.compiler_params))
-  return new.replace(jaxpr=simplify_closed(restore_reads(new.jaxpr))), kinds
+  return (new.replace(jaxpr=simplify_closed(restore_reads(new.jaxpr))),
+          kinds, flows)
+
+
+def _ct_out_flows(spec, rev, out_f) -> tuple[bool, ...]:
+  """Per float output, whether the transposed kernel writes the cotangent
+  of the state it found there: for an output aliased to an input (the
+  cotangent of its initial contents), one in HBM, and one whose blocks
+  come back (the cotangent flows through the revisits). An output each
+  step of which writes a new block has none to pass on: no stores."""
+  gm = spec.grid_mapping
+  aliased = {o for _, o in spec.input_output_aliases}
+  return tuple(o in aliased or in_hbm(bm.ref_aval)
+               or not (not gm.grid or every_step_new(bm, gm.grid, rev))
+               for o, (bm, f) in enumerate(zip(gm.out_mappings, out_f)) if f)
 
 
 def _transpose_io(gm, rev, recorded, state_avals, pf_avals, ct_in_maps,
-                  ct_out_maps, kinds):
+                  ct_out_maps, kinds, flows):
   """The transposed kernel's operands, outputs, their specs and aliases:
   (args, out_shapes, and a dict of grid/in_specs/out_specs/aliases)."""
   grid, n_grid = gm.grid, len(gm.grid)
@@ -466,15 +483,17 @@ def _transpose_io(gm, rev, recorded, state_avals, pf_avals, ct_in_maps,
               + [_record_block_spec(a, n_grid, rev) for a in state_avals]
               + [prefetch_state.record_spec(a, n_grid, rev) for a in pf_avals]
               + [spec_of(bm) for bm in ct_out_maps])
+  flowing = [bm for bm, f in zip(ct_out_maps, flows) if f]
   out_shapes = ([per_point_sds(bm.kernel_shape, bm.array_aval.dtype, grid)
                  if pp else sds(bm.array_aval)
                  for bm, pp in zip(ct_in_maps, per_point)]
-                + [sds(bm.array_aval) for bm in ct_out_maps])
+                + [sds(bm.array_aval) for bm in flowing])
   out_specs = ([per_point_spec(bm.kernel_shape, n_grid, rev) if pp
                 else spec_of(bm) for bm, pp in zip(ct_in_maps, per_point)]
-               + [spec_of(bm) for bm in ct_out_maps])
+               + [spec_of(bm) for bm in flowing])
   first_ct_out = gm.num_scalar_prefetch + gm.num_inputs + n_rec
-  aliases = {first_ct_out + j: n_ct_in + j for j in range(n_ct_out)}
+  flowing_at = [j for j, f in enumerate(flows) if f]
+  aliases = {first_ct_out + j: n_ct_in + k for k, j in enumerate(flowing_at)}
   return args, out_shapes, dict(grid=grid, in_specs=in_specs,
                                 out_specs=out_specs, aliases=aliases)
 
@@ -513,7 +532,7 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   if recorded:
     rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
     rec = list(rec_outs[n_out:])
-  tspec, kinds = _transpose_spec(base, in_nz, recorded)
+  tspec, kinds, flows = _transpose_spec(base, in_nz, recorded)
   outs = pallas_call_p.bind(*primals, *rec, *ct_outs, spec=tspec)
   n_ct_in = sum(in_nz)
   ct_ins, ct_out_final = list(outs[:n_ct_in]), list(outs[n_ct_in:])
@@ -523,7 +542,9 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
             if kind == "per_point" else zero_unvisited(c, bm, gm.grid)
             for c, bm, kind in zip(ct_ins, ct_in_maps, kinds)]
   # Aliased inputs also receive the cotangent of the output's initial value.
-  final_by_out = dict(zip([o for o, f in enumerate(out_f) if f], ct_out_final))
+  floats = [o for o, f in enumerate(out_f) if f]
+  final_by_out = dict(zip([o for o, f in zip(floats, flows) if f],
+                          ct_out_final))
   pos = {k: j for j, k in enumerate(k for k, nz in enumerate(in_nz) if nz)}
   for i, o in base.input_output_aliases:
     k = i - gm.num_scalar_prefetch     # the aliased input's position

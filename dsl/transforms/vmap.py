@@ -91,10 +91,12 @@ def pallas_call_batch(args, dims, *, spec: KernelSpec):
                 + [batch_sds(bm) if b else sds(bm.array_aval)
                    for bm, b in zip(gm.in_mappings, in_batched.inputs)])
   out_shapes = [batch_sds(bm) for bm in gm.out_mappings]
-  n_pf = gm.num_scalar_prefetch
-  args = args[:n_pf] + [
+  operand_layout = gm.call_layout().only("prefetch", "inputs")
+  pf_args, in_args = operand_layout.split(args)
+  args = list(pf_args) + [
       a.reshape(s.shape) if b else a
-      for a, s, b in zip(args[n_pf:], arg_shapes[n_pf:], batched[n_pf:])]
+      for a, s, b in zip(in_args, operand_layout.split(arg_shapes).inputs,
+                         in_batched.inputs)]
   new = derived_spec(spec, body, arg_shapes, out_shapes,
                      grid=(size,) + tuple(gm.grid), in_specs=in_specs,
                      out_specs=out_specs, scratch=list(gm.scratch_avals),

@@ -95,9 +95,8 @@ class Emitter:
     """Element offsets (i32) of `block` at grid point `ids`."""
     bm = block.mapping
     closed = bm.index_map_jaxpr
-    n_pf = len(closed.jaxpr.invars) - len(ids)
     idx = walk_jaxpr(self.host, closed.jaxpr, closed.consts,
-                     list(ids) + list(self.prefetch)[:n_pf])
+                     list(ids) + list(self.prefetch))
     offs = []
     for i, n in zip(idx, bm.block_sizes):
       i = index_cast_i32(i)
@@ -189,10 +188,10 @@ class Emitter:
   def write_back(self, carry, views):
     """The final values of the carried output blocks into their
     shared-memory `views` (their TMA stores follow)."""
-    first = len(self.plan.prefetch)
     for pos, value in zip(self.plan.carried, carry):
-      if first <= pos < first + len(self.plan.blocks):
-        memory_rules.store(views[self.plan.blocks[pos - first]], value)
+      group, k = self.plan.ref_layout.locate(pos)
+      if group == "blocks":
+        memory_rules.store(views[self.plan.blocks[k]], value)
 
   def refs(self, views, replica=None):
     """The kernel's refs: prefetch, blocks (`views` for blocks in shared
@@ -228,8 +227,9 @@ class Emitter:
   def __call__(self, launch_ctx, *args):
     *gmem_refs, smem_tree = args
     plan = self.plan
-    n_pf = len(plan.prefetch)
-    self.prefetch, gmem_refs = list(gmem_refs[:n_pf]), gmem_refs[n_pf:]
+    prefetch, gmem_refs = plan.ref_layout.only("prefetch", "blocks").split(
+        gmem_refs)
+    self.prefetch = list(prefetch)
     self.gmem = dict(zip(plan.blocks, gmem_refs))
     on_chip = [b for b in plan.blocks if not b.in_gmem]
     buffers = [smem_tree[i] for i in self.where]

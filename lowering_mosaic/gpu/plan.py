@@ -17,6 +17,7 @@ from dsl.core.blockspec import BlockMapping, Element, squeezed
 from dsl.core.errors import BackendError
 from dsl.core.index_maps import varies_along
 from dsl.core.jaxpr_walk import sub_jaxprs
+from dsl.core.kernel_layout import KernelLayout
 from dsl.core.primitives import run_scoped_p
 from lowering_mosaic.gpu import accumulators as A
 from lowering_mosaic.gpu import schedule as S
@@ -120,6 +121,13 @@ class GpuPlan:
             "memory")
 
   @property
+  def ref_layout(self) -> KernelLayout:
+    """Where the kernel's refs sit: groups `prefetch`, `blocks` (inputs
+    then outputs), `scratch`."""
+    return KernelLayout.of(prefetch=len(self.prefetch),
+                           blocks=len(self.blocks), scratch=len(self.scratch))
+
+  @property
   def carried(self) -> tuple[int, ...]:
     """Positions, among the kernel's refs (prefetch, blocks, scratch), of
     the refs the loop carries in registers."""
@@ -128,7 +136,7 @@ class GpuPlan:
   def smem_scratch(self) -> list[int]:
     """Indices of the scratch buffers in shared memory (not carried)."""
     return smem_scratch(self.scratch, self.carried,
-                        len(self.prefetch) + len(self.blocks))
+                        self.ref_layout.start("scratch"))
 
   def smem_buffers(self) -> list[tuple[tuple[int, ...], np.dtype]]:
     scratch = [self.scratch[i] for i in self.smem_scratch()]

@@ -36,6 +36,7 @@ import numpy as np
 from dsl.core.jax_internals import core, ir
 
 from dsl.core import checks
+from dsl.core.kernel_layout import KernelLayout
 from dsl.core.output_revisits import FIX
 from lowering_mosaic import dialect
 from lowering_mosaic.verification.interpreter import (prng)  # noqa: F401  (its ops)
@@ -71,11 +72,8 @@ class KernelProgram:
   name: str
   funcs: dict
   grid: tuple
-  num_prefetch: int
-  num_inputs: int
-  num_outputs: int
-  num_scratch: int
-  windows: list
+  layout: KernelLayout          # of arg_types: prefetch, inputs, outputs,
+  windows: list                 # scratch; a window per input and output
   arg_types: list               # memref types after the grid ids
   operand_names: list
   aliases: list                 # [(operand index, output index)]
@@ -85,6 +83,13 @@ class KernelProgram:
   @property
   def main(self) -> CFunc:
     return self.funcs[self.entry]
+
+  @property
+  def window_positions(self) -> range:
+    """Where each window's operand sits among `arg_types`."""
+    inputs, outputs = (self.layout.positions(g) for g in ("inputs",
+                                                          "outputs"))
+    return range(inputs.start, outputs.stop)
 
 
 def _i64s(attr):
@@ -116,14 +121,15 @@ def program_from_module(module: ir.Module) -> KernelProgram:
   main = funcs[entry]
   a = main.attrs
   grid = _i64s(a["iteration_bounds"]) if "iteration_bounds" in a else ()
-  n_pf = ir.IntegerAttr(a["scalar_prefetch"]).value
-  n_sc = ir.IntegerAttr(a["scratch_operands"]).value
+  refs = KernelLayout.of(ids=len(grid), refs=None)
+  arg_types = list(refs.split(main.arg_types).refs)
+  layout = dialect.entry_layout(a, len(arg_types))
   windows = []
   origins = ([ir.StringAttr(s).value for s in ir.ArrayAttr(
       a["dsl.operand_origins"])] if "dsl.operand_origins" in a else [])
   if "window_params" not in a:
-    windows = _grid_free_windows(
-        main.arg_types[len(grid) + n_pf:len(main.arg_types) - n_sc])
+    by_role = layout.split(arg_types)
+    windows = _grid_free_windows(by_role.inputs + by_role.outputs)
   for w in (ir.ArrayAttr(a["window_params"]) if "window_params" in a else ()):
     d = ir.DictAttr(w)
     if "transform_indices" not in d:
@@ -137,9 +143,6 @@ def program_from_module(module: ir.Module) -> KernelProgram:
     windows.append(Window(ir.FlatSymbolRefAttr(d["transform_indices"]).value,
                           _i64s(d["window_bounds"]), elem, pad_lo, pad_hi,
                           origin))
-  n_ops = len(windows)
-  n_in = (ir.IntegerAttr(a["dsl.num_inputs"]).value
-          if "dsl.num_inputs" in a else n_ops - 1)
   names = ([ir.StringAttr(s).value for s in ir.ArrayAttr(a["dsl.operand_names"])]
            if "dsl.operand_names" in a else [])
   aliases = []
@@ -148,8 +151,8 @@ def program_from_module(module: ir.Module) -> KernelProgram:
     aliases = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
   name = (ir.StringAttr(a["dsl.kernel_name"]).value
           if "dsl.kernel_name" in a else "kernel")
-  return KernelProgram(name, funcs, grid, n_pf, n_in, n_ops - n_in, n_sc,
-                       windows, main.arg_types[len(grid):], names[len(grid):],
+  return KernelProgram(name, funcs, grid, layout, windows, arg_types,
+                       list(refs.split(names).refs) if names else [],
                        aliases, entry, semantics_of(a))
 
 
@@ -196,29 +199,30 @@ def _hbm_buffers(prog: KernelProgram, dev: int, inputs, out_shapes,
   """Operand index -> its HBM buffer (an aliased output shares its
   input's), which the chip's cores share."""
   hbm = {}
-  n_pf, n_in = prog.num_prefetch, prog.num_inputs
+  layout = prog.layout
   alias_of = {o: i for i, o in prog.aliases}
-  for k in range(len(prog.windows)):
-    t = prog.arg_types[n_pf + k]
-    name = _name(prog, n_pf + k, f"operand {k}")
-    if k < n_in:
-      arr = np.array(inputs[n_pf + k], copy=True)
+  for k, pos in enumerate(prog.window_positions):
+    t = prog.arg_types[pos]
+    name = _name(prog, pos, f"operand {k}")
+    group, j = layout.locate(pos)
+    if group == "inputs":
+      arr = np.array(inputs[pos], copy=True)
     else:
-      src = alias_of.get(k - n_in)
+      src = alias_of.get(j)
       arr = None
-      if src is not None and src >= n_pf:
+      if src is not None and layout.locate(src)[0] == "inputs":
         # the output shares the aliased input's HBM buffer
-        hbm[k] = hbm[src - n_pf]
+        hbm[k] = hbm[layout.locate(src)[1]]
       elif src is not None:
         arr = np.array(inputs[src], copy=True)
       if arr is None and k not in hbm:
         # A TPU hands a kernel its outputs uninitialized.
         dtype = _dtype(t)
-        arr = np.full(out_shapes[k - n_in], poison_of_dtype(
-            dtype_of(n_pf + k) or dtype, dtype), dtype)
+        arr = np.full(out_shapes[j], poison_of_dtype(
+            dtype_of(pos) or dtype, dtype), dtype)
     if k not in hbm:
       hbm[k] = Buffer(f"{name} (HBM)", ("hbm", k), arr, dialect.ANY, dev)
-      hbm[k].poison = poison_of_dtype(dtype_of(n_pf + k), arr.dtype)
+      hbm[k].poison = poison_of_dtype(dtype_of(pos), arr.dtype)
   return hbm
 
 
@@ -230,38 +234,37 @@ def _setup_core(world: World, prog: KernelProgram, dev: int, inputs, hbm,
   device = world.devices[dev]
   for buf in hbm.values():
     device.add(buf)
-  n_pf = prog.num_prefetch
   args, operands = [], []
-  for i in range(n_pf):
+  for i in prog.layout.positions("prefetch"):
     t = prog.arg_types[i]
     arr = np.array(inputs[i], dtype=dialect.numpy_dtype(
         ir.MemRefType(t).element_type)).reshape(tuple(ir.MemRefType(t).shape))
     buf = device.add(Buffer(_name(prog, i, f"scalar prefetch {i}"),
                             ("prefetch", i), arr, dialect.SMEM, dev))
     args.append(MemRef(buf))
-  for k, win in enumerate(prog.windows):
-    t = prog.arg_types[n_pf + k]
-    name = _name(prog, n_pf + k, f"operand {k}")
-    is_out = k >= prog.num_inputs
+  for k, (win, pos) in enumerate(zip(prog.windows, prog.window_positions)):
+    t = prog.arg_types[pos]
+    name = _name(prog, pos, f"operand {k}")
+    is_out = prog.layout.locate(pos)[0] == "outputs"
     if win.transform is None:
       operands.append(Operand(k, is_out, win, hbm[k], None))
       args.append(MemRef(hbm[k]))
     else:
       blk = device.add(Buffer(f"{name} block", ("block", k), fresh_array(t),
                               _space(t), dev))
-      blk.poison = poison_of_dtype(dtype_of(n_pf + k), blk.array.dtype)
+      blk.poison = poison_of_dtype(dtype_of(pos), blk.array.dtype)
       operands.append(Operand(k, is_out, win, hbm[k], blk,
                               claims=claims[k]))
       args.append(MemRef(blk))
-  for i in range(prog.num_scratch):
-    t = prog.arg_types[n_pf + len(prog.windows) + i]
+  for i, pos in enumerate(prog.layout.positions("scratch")):
+    t = prog.arg_types[pos]
     kind = dialect.semaphore_kind_of(t)
-    name = _name(prog, n_pf + len(prog.windows) + i, f"scratch_shapes[{i}]")
+    name = _name(prog, pos, f"scratch_shapes[{i}]")
     buf = device.add(Buffer(name, ("scratch", i), fresh_array(t), _space(t),
                             dev, kind))
     if not kind:
       buf.poison = poison_of_dtype(
-          dtype_of(n_pf + len(prog.windows) + i), buf.array.dtype)
+          dtype_of(pos), buf.array.dtype)
       if world.options.poison_buffers:
         buf.array[...] = poison_of(buf)
     args.append(MemRef(buf))
@@ -363,7 +366,7 @@ def _check_block_index(world, prog, op: Operand, idx, point):
   if bad is None:
     return
   win = op.window
-  name = win.origin or _name(prog, prog.num_prefetch + op.index,
+  name = win.origin or _name(prog, prog.window_positions[op.index],
                              f"operand {op.index}")
   f = prog.funcs.get(win.transform)
   line = _first_line(f) if f is not None else None
@@ -396,7 +399,7 @@ def _next_output_block(world, prog, dev, op: Operand, idx, point, line):
 
 
 def _operand_name(prog, op: Operand) -> str:
-  return op.window.origin or _name(prog, prog.num_prefetch + op.index,
+  return op.window.origin or _name(prog, prog.window_positions[op.index],
                                    f"operand {op.index}")
 
 
@@ -432,8 +435,7 @@ def device_program(world: World, prog: KernelProgram, dev: int, args,
   """The grid points of one core (the whole grid on a chip of one core;
   a generator for the scheduler)."""
   main = prog.main
-  n_pf = prog.num_prefetch
-  prefetch = args[:n_pf]
+  prefetch = list(prog.layout.split(args).prefetch)
   line = f"the grid pipeline of kernel '{prog.name}'"
   device = world.devices[dev]
   for point in core_points(device.grid, prog.semantics,

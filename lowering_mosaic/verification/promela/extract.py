@@ -25,6 +25,7 @@ from typing import Optional
 
 from dsl.core.jax_internals import ir
 
+from lowering_mosaic import dialect
 from lowering_mosaic.verification.promela import model as M
 # The op rules: importing them fills OPS.
 from lowering_mosaic.verification.promela import (ops_control, ops_int,  # noqa: F401
@@ -231,28 +232,17 @@ class Extractor:
   def _arguments(self, margs, names, attrs) -> list:
     """The views of the kernel's operands (None for non-memrefs): their
     buffers and semaphore arrays, named after `names`."""
-    def iattr(n, default):
-      if n in attrs:
-        return int(ir.IntegerAttr(attrs[n]).value)
-      return default
-    n = len(margs)
-    n_prefetch = iattr("scalar_prefetch", 0)
-    n_scratch = iattr("scratch_operands", 0)
-    n_in = iattr("dsl.num_inputs", None)
+    layout = dialect.entry_layout(attrs, len(margs))
+    roles = (_ROLES if "dsl.num_inputs" in attrs
+             else {**_ROLES, "inputs": "operand", "outputs": "operand"})
     windows = (list(ir.ArrayAttr(attrs["window_params"]))
                if "window_params" in attrs else [])
+    first_window = layout.start("inputs")
     views = []
     for k, a in enumerate(margs):
       t = a.type
       label = names[k] if k < len(names) else f"arg{k}"
-      if k < n_prefetch:
-        role = "prefetch"
-      elif k >= n - n_scratch:
-        role = "scratch"
-      elif n_in is not None:
-        role = "input" if k - n_prefetch < n_in else "output"
-      else:
-        role = "operand"
+      role = roles[layout.locate(k)[0]]
       if not is_memref(t):
         views.append(None)
         continue
@@ -265,7 +255,7 @@ class Extractor:
         continue
       where = space(t)
       blocked = False
-      w = k - n_prefetch
+      w = k - first_window
       if role in ("input", "output", "operand") and 0 <= w < len(windows):
         blocked = "transform_indices" in ir.DictAttr(windows[w])
       b = M.Buffer(label, where, shape, itemsize(ir.MemRefType(t).element_type),
@@ -274,6 +264,11 @@ class Extractor:
       self.buffers.append(b)
       views.append(View.whole(b, shape))
     return views
+
+
+# A buffer's role by the group of its operand (dialect.entry_layout).
+_ROLES = {"prefetch": "prefetch", "inputs": "input", "outputs": "output",
+          "scratch": "scratch"}
 
 
 def _dma_unit(km: M.KernelModel) -> int:
