@@ -42,8 +42,10 @@ class MemorySpace(enum.Enum):
   def __call__(self, shape, dtype, *, transforms=(), packed=None,
                collective=None, layout=None):
     if self is MemorySpace.TMEM or packed is not None or layout is not None:
-      raise KernelError(None, "TMEM (tensor memory) is Blackwell's: dsl runs "
-                        "Hopper kernels, whose accumulators are plgpu.ACC",
+      raise KernelError(None, "TMEM (tensor memory) and the tcgen05 MMA "
+                        "that accumulates in it are Blackwell's (sm_100): dsl "
+                        "lowers and runs Hopper kernels (WGMMA, accumulators "
+                        "in plgpu.ACC)",
                         user_frame(), operand="memory_space")
     return GPUMemoryRef(tuple(int(d) for d in shape), jnp.dtype(dtype), self,
                         tuple(transforms))

@@ -25,6 +25,8 @@ import dsl as pl
 from dsl import mosaic_gpu as plgpu
 from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
                              KernelError, KernelRaceError, KernelTypeError)
+from benchmarks.pallas_library import cases
+from benchmarks.pallas_library.case import close
 from tests.pallas import pallas_ops_swap as swap
 
 HERE = os.path.basename(__file__)
@@ -457,3 +459,23 @@ def test_a_view_may_reach_past_its_array_where_nothing_is_accessed():
   np.testing.assert_array_equal(got[:192], np.asarray(x[64:]))
   with pytest.raises(Exception, match="outside a dim"):
     on_dsl(lambda pl_, plgpu_: _view_past_the_end(pl_, plgpu_, 4), start, x)
+
+
+# The Hopper ops Pallas's GPU interpret mode runs on a CPU (the others fail
+# there: test_pallas_ops_limits.py holds how).
+_PALLAS_INTERPRET_RUNS = (
+    "gpu.hopper_matmul_mgpu", "gpu.transposed_ragged_dot_mgpu",
+    pytest.param("gpu.ragged_dot_mgpu", marks=pytest.mark.slow))
+
+
+@pytest.mark.parametrize("op", _PALLAS_INTERPRET_RUNS)
+def test_hopper_op_on_interpret_is_pallas_interpret_bit_for_bit(op):
+  """The op's case (benchmarks/pallas_library/cases_mgpu.py) on dsl's
+  interpret backend and in Pallas's GPU interpret mode: the same bits (both
+  accumulate each WGMMA's f32 products in the same order), and near the
+  reference."""
+  case, ours = cases.run_on_dsl(op, "interpret")
+  theirs = cases.run_on_pallas(op, case)
+  close(ours, theirs, 0, f"{op}: dsl's interpret vs Pallas's")
+  want = case.reference(swap.original(cases.module_of(op)), *case.args)
+  close(ours, want, case.ref_tol or case.tol, f"{op} vs its reference")

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 from jax.experimental import pallas as jpl
-from jax.experimental.mosaic.gpu import core as mgpu_core
 from jax.experimental.pallas import mosaic_gpu as jplgpu
 
 import dsl as pl
@@ -27,24 +26,9 @@ from dsl import mosaic_gpu as plgpu
 from dsl.core.errors import BackendError
 from benchmarks.pallas_library.cases_mgpu import simulated_gpu
 from benchmarks.pallas_library.swap import original, swapped
+from tests.pallas.plgpu_modules import captured  # noqa: F401 -- a fixture
 
 F32 = jnp.float32
-
-
-@pytest.fixture
-def captured(monkeypatch):
-  """The (dialect text, lowered text) of each module the library lowers
-  while the test runs."""
-  out = []
-  lower = mgpu_core.lower_mgpu_module
-
-  def capture(module, *args, **kwargs):
-    before = module.operation.get_asm(enable_debug_info=False)
-    result = lower(module, *args, **kwargs)
-    out.append((before, module.operation.get_asm(enable_debug_info=False)))
-    return result
-  monkeypatch.setattr(mgpu_core, "lower_mgpu_module", capture)
-  return out
 
 
 def canonical(text: str) -> list[str]:
@@ -81,6 +65,16 @@ def lower_both(make, *args, captured):
     (module,) = captured
     modules.append(module)
   return modules
+
+
+def lower_op_both(lower, op: str, captured):
+  """[(dialect, lowered) of dsl's module, the same of Pallas's] of Pallas's
+  library op `op` (swapped onto dsl, then the original) as `lower(module)`
+  lowers it."""
+  with pl.default_backend("mosaic_gpu"):
+    lower(swapped(op))
+  lower(original(op))
+  return captured
 
 
 # ------------------------------------------------------------------ kernels
@@ -311,11 +305,22 @@ def only_in(ours: list[str], theirs: list[str]) -> tuple[list, list]:
   return sorted((a - b).elements()), sorted((b - a).elements())
 
 
+def assert_lowered_as_hopper_matmul(ours_low: str, theirs_low: str):
+  """Lowered, the modules are the same but for the grid index, which dsl
+  reads once at the top of the block (so one block_id moves above the
+  allocations' barrier) and the warpgroup index, read once (one warp
+  shuffle fewer)."""
+  ours_low, theirs_low = unnamed(ours_low), unnamed(theirs_low)
+  assert only_in(ours_low, theirs_low) == (
+      [], ["%v = nvvm.shfl.sync idx %v, %v, %v, %v : i32 -> i32"])
+  moved = ["%v = gpu.block_id x", "%v = arith.index_cast %v : index to i32"]
+  assert [line[1:] for line in differences(ours_low, theirs_low)
+          if "shfl" not in line] == moved + ["gpu.barrier"] * 2 + moved
+
+
 def test_hopper_matmul_module_is_pallas_module(captured):
-  with pl.default_backend("mosaic_gpu"):
-    _hopper_matmul(swapped("gpu.hopper_matmul_mgpu"))
-  _hopper_matmul(original("gpu.hopper_matmul_mgpu"))
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      _hopper_matmul, "gpu.hopper_matmul_mgpu", captured)
   # The same schedule: a consumed and a produced barrier (2 arrivals
   # each), the memory warpgroup's two prologue steps, its steady-state
   # loop and its two waits for the last slots, the consumers' loop
@@ -326,23 +331,12 @@ def test_hopper_matmul_module_is_pallas_module(captured):
   assert "setmaxnreg.inc.sync.aligned.u32 232" in ours
   assert ours.count("arrival_count = 2 : i64") == 2
   assert "scf.while" not in ours
-  # Lowered, the modules are the same but for the grid index, which dsl
-  # reads once at the top of the block (so one block_id moves above the
-  # allocations' barrier) and the warpgroup index, read once (one warp
-  # shuffle fewer).
-  ours_low, theirs_low = unnamed(ours_low), unnamed(theirs_low)
-  assert only_in(ours_low, theirs_low) == (
-      [], ["%v = nvvm.shfl.sync idx %v, %v, %v, %v : i32 -> i32"])
-  moved = ["%v = gpu.block_id x", "%v = arith.index_cast %v : index to i32"]
-  assert [line[1:] for line in differences(ours_low, theirs_low)
-          if "shfl" not in line] == moved + ["gpu.barrier"] * 2 + moved
+  assert_lowered_as_hopper_matmul(ours_low, theirs_low)
 
 
 def test_ragged_dot_module_is_pallas_module(captured):
-  with pl.default_backend("mosaic_gpu"):
-    _ragged_dot(swapped("gpu.ragged_dot_mgpu"))
-  _ragged_dot(original("gpu.ragged_dot_mgpu"))
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      _ragged_dot, "gpu.ragged_dot_mgpu", captured)
   # emit_pipeline keeps two slots in flight: one barrier of 2 arrivals
   # (both inputs' copies), two prologue copies each, a fetch per step.
   assert schedule(ours) == schedule(theirs)
@@ -353,10 +347,8 @@ def test_ragged_dot_module_is_pallas_module(captured):
 @pytest.mark.parametrize("causal", [False, pytest.param(True,
                                                         marks=pytest.mark.slow)])
 def test_attention_module_is_pallas_module(captured, causal):
-  with pl.default_backend("mosaic_gpu"):
-    _attention(swapped("gpu.attention_mgpu"), causal)
-  _attention(original("gpu.attention_mgpu"), causal)
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      lambda m: _attention(m, causal), "gpu.attention_mgpu", captured)
   assert schedule(ours) == schedule(theirs)
   # Lowered: the same but for the grid indices, read once at the top, and
   # values the library leaves dead in the loops (casts of ours, broadcasts
@@ -396,10 +388,8 @@ def _attention(module, causal):
 @pytest.mark.parametrize("causal", [False, pytest.param(True,
                                                         marks=pytest.mark.slow)])
 def test_attention_has_pallas_instructions(captured, causal):
-  with pl.default_backend("mosaic_gpu"):
-    _attention(swapped("gpu.attention_mgpu"), causal)
-  _attention(original("gpu.attention_mgpu"), causal)
-  ((ours, ours_low), (theirs, theirs_low)) = captured
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      lambda m: _attention(m, causal), "gpu.attention_mgpu", captured)
   assert key_ops(ours) == key_ops(theirs)
   assert key_ops(ours_low) == key_ops(theirs_low)
   # QK^T and PV, two exp2s with approx_math; the causal kernel has a
@@ -409,15 +399,21 @@ def test_attention_has_pallas_instructions(captured, causal):
   assert key_ops(ours_low)["wgmma.mma_async"] > 0
 
 
-def _ragged_dot(module):
-  lhs, rhs = jnp.ones((256, 128), jnp.float16), jnp.ones((2, 128, 128),
+def _grouped(op, module, rhs_shape, sizes):
+  """`module.op` (ragged_dot or transposed_ragged_dot) of f16 ones, blocks
+  of 64, depth 2, lowered for CUDA."""
+  lhs, rhs = jnp.ones((256, 128), jnp.float16), jnp.ones(rhs_shape,
                                                          jnp.float16)
-  sizes = jnp.array([128, 128], jnp.int32)
+  sizes = jnp.array(sizes, jnp.int32)
   with simulated_gpu(module):
-    jax.jit(lambda a, b, s: module.ragged_dot(
+    jax.jit(lambda a, b, s: getattr(module, op)(
         a, b, group_sizes=s, block_m=64, block_n=64, block_k=64,
         max_concurrent_steps=2, grid_block_n=1)).trace(
             lhs, rhs, sizes).lower(lowering_platforms=("cuda",))
+
+
+def _ragged_dot(module):
+  _grouped("ragged_dot", module, (2, 128, 128), [128, 128])
 
 
 def test_ragged_dot_lowers(captured):
@@ -426,3 +422,40 @@ def test_ragged_dot_lowers(captured):
   ((dialect, lowered),) = captured
   assert key_ops(dialect)["mosaic_gpu.wgmma"] == 1
   assert key_ops(lowered)["wgmma.mma_async"] > 0
+
+
+def _mixed_type_matmul(module):
+  a = jnp.ones((128, 128), jnp.int8)
+  b = jnp.ones((128, 128), jnp.bfloat16)
+  config = module.TuningConfig(tile_m=64, tile_n=64, tile_k=64,
+                               max_concurrent_steps=2)
+  with simulated_gpu(module):
+    jax.jit(lambda a, b: module.mixed_matmul_kernel(
+        a, b, out_dtype=jnp.bfloat16, config=config)).trace(a, b).lower(
+            lowering_platforms=("cuda",))
+
+
+def test_mixed_type_matmul_module_is_pallas_module(captured):
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      _mixed_type_matmul, "gpu.hopper_mixed_type_matmul_mgpu", captured)
+  # The int8 tiles are converted to bf16 in registers before the WGMMA.
+  assert schedule(ours) == schedule(theirs)
+  assert key_ops(ours) == key_ops(theirs)
+  assert key_ops(ours)["mosaic_gpu.wgmma"] == 1
+  assert_lowered_as_hopper_matmul(ours_low, theirs_low)
+
+
+def _transposed_ragged_dot(module):
+  _grouped("transposed_ragged_dot", module, (256, 128), [96, 160])
+
+
+def test_transposed_ragged_dot_module_is_pallas_module(captured):
+  ((ours, ours_low), (theirs, theirs_low)) = lower_op_both(
+      _transposed_ragged_dot, "gpu.transposed_ragged_dot_mgpu", captured)
+  # `pl.multiple_of` on the group's first block becomes
+  # `mosaic_gpu.assume_multiple` (layout inference needs it to prove the
+  # window's TMA offset aligned).
+  assert ours.count("mosaic_gpu.assume_multiple") == theirs.count(
+      "mosaic_gpu.assume_multiple") == 1
+  assert schedule(ours) == schedule(theirs)
+  assert unnamed(ours_low) == unnamed(theirs_low)

@@ -242,8 +242,20 @@ def _bitcast(ctx, x, *, new_dtype):
   return arith.bitcast(typed(shape_of(x), new_dtype), x)
 
 
-@TABLE.register(primitives.multiple_of_p, primitives.max_contiguous_p,
-                lax.copy_p, custom_derivatives.stop_gradient_p)
+@TABLE.register(primitives.multiple_of_p)
+def _multiple_of(ctx, x, *, values):
+  """`mosaic_gpu.assume_multiple` on scalars (layout inference proves a
+  window's offset divisible with it), as Pallas's lowering does; vectors
+  pass through."""
+  if ctx.avals_in[0].shape:
+    return x
+  for multiple in values:
+    x = mgpu.assume_multiple(x, multiple)
+  return x
+
+
+@TABLE.register(primitives.max_contiguous_p, lax.copy_p,
+                custom_derivatives.stop_gradient_p)
 def _identity(ctx, *xs, **_):
   return xs[0] if len(xs) == 1 and not ctx.eqn.primitive.multiple_results \
       else list(xs)
