@@ -56,9 +56,15 @@ class Body:
   `carried`: positions, among the kernel's refs (prefetch, blocks,
   scratch), of the refs whose values the loop carries; `jaxpr` takes
   those as values (in their place among its inputs) and returns their new
-  values, in that order."""
+  values, in that order. `initial` (no inputs) gives the initial values
+  of the carried refs at `initialized` (indices into `carried`; the
+  others start at zero), `tensor_core` the indices of those only WGMMAs
+  write inside the loop (initial_values.py)."""
   jaxpr: ClosedJaxpr
   carried: tuple[int, ...] = ()
+  initial: ClosedJaxpr | None = None
+  initialized: tuple[int, ...] = ()
+  tensor_core: tuple[int, ...] = ()
 
 
 # ------------------------------------------------------------ carried refs

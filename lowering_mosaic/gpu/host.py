@@ -212,6 +212,9 @@ class GpuHost(LoweringHost):
     self.reduction_scratch = None
     # transcendental functions computed approximately (fastmath afn)
     self.approx_math = False
+    # the steps loop's carried accumulators that only WGMMAs write (fenced
+    # once, before the loop: kernel.py)
+    self.fenced_carry = []
 
   @contextlib.contextmanager
   def scope(self, ctx, jaxpr, num_consts, collective_axes):

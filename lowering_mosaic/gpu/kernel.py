@@ -38,6 +38,7 @@ import jax
 from dsl.core.errors import BackendError
 from dsl.core.jaxpr_walk import walk_jaxpr
 from lowering_mosaic.gpu import specialized
+from lowering_mosaic.gpu.mesh_accumulators import fenced
 from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, constant,
                                       decode, i32, index_cast_i32)
 from lowering_mosaic.gpu.rules import TABLE, memory as memory_rules
@@ -165,12 +166,24 @@ class Emitter:
                       list(ids) + args)
 
   def initial_carry(self) -> list:
-    """The carried refs' values before the first step: zeros."""
-    invars = self.plan.body.jaxpr.jaxpr.invars
+    """The carried refs' values before the first step: those the kernel's
+    hoisted initialization computes (initial_values.py), zeros for the
+    others; the accumulators only WGMMAs write in the loop fenced once,
+    here."""
+    body = self.plan.body
+    invars = body.jaxpr.jaxpr.invars
     rank = len(self.plan.grid)
-    return [constant(0, invars[rank + p].aval.shape,
-                     invars[rank + p].aval.dtype)
-            for p in self.plan.carried]
+    out = [constant(0, invars[rank + p].aval.shape,
+                    invars[rank + p].aval.dtype)
+           for p in body.carried]
+    if body.initial is not None:
+      values = walk_jaxpr(self.host, body.initial.jaxpr, body.initial.consts,
+                          [])
+      for k, value in zip(body.initialized, values):
+        out[k] = value
+    for k in body.tensor_core:
+      out[k] = fenced(out[k])
+    return out
 
   def steps_loop(self, carry, step) -> list:
     """An `scf.for` over the sequential steps carrying `carry`:
@@ -179,10 +192,14 @@ class Emitter:
     idx = ir.IndexType.get()
     loop = scf.ForOp(*(arith.constant(idx, v)
                        for v in (0, self.plan.steps, 1)), list(carry))
+    args = list(loop.inner_iter_args)
+    # Fenced before the loop; in it, only WGMMAs write them (rules/dot.py).
+    self.host.fenced_carry = [args[k] for k in self.plan.body.tensor_core
+                              if k < len(args)]
     with ir.InsertionPoint(loop.body):
-      new = step(index_cast_i32(loop.induction_variable),
-                 list(loop.inner_iter_args))
+      new = step(index_cast_i32(loop.induction_variable), args)
       scf.yield_(list(new))
+    self.host.fenced_carry = []
     return list(loop.results)
 
   def write_back(self, carry, views):

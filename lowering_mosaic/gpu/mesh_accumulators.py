@@ -24,6 +24,7 @@ from __future__ import annotations
 from jax.extend.core import Primitive
 
 from dsl.core.jax_internals import (ClosedJaxpr, core, state_discharge,
+                                    mosaic_gpu_dialect as mgpu,
                                     state_primitives)
 from dsl.core.operand_layout import (effects as ref_effects,
                                      eqn_ref_operands, position, unpack)
@@ -37,6 +38,15 @@ from lowering_mosaic.gpu.host import void_asm
 def wgmma_fence() -> None:
   """Orders the warpgroup's register writes before the WGMMAs that follow."""
   void_asm("wgmma.fence.sync.aligned;")
+
+
+def fenced(value):
+  """`value` (a WGMMA accumulator) made safe for the WGMMAs that follow:
+  behind an optimization barrier (so its computation stays before the
+  fence) and a `wgmma.fence`."""
+  value = mgpu.optimization_barrier([value])
+  wgmma_fence()
+  return value
 
 
 # ------------------------------------------------------------ primitives

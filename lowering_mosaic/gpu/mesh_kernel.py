@@ -45,7 +45,7 @@ from dsl.mosaic_gpu.memory import (SMEM, BarrierSpace, TransformedSpace,
 from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, ir_type,
                                       scalar_constant)
 from lowering_mosaic.gpu.mesh_accumulators import (accumulator_body,
-                                                   wgmma_fence, written_first)
+                                                   fenced, written_first)
 from lowering_mosaic.gpu.kernel import GpuModule
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.smem_layout import LaidOutSmem, tiled_shape
@@ -221,9 +221,7 @@ def _fresh_accumulator(ctx, aval, collective_axes, written: bool):
                           scalar_constant(0, aval.dtype))
   if written:
     return zero
-  zero = mgpu.optimization_barrier([zero])
-  wgmma_fence()
-  return zero
+  return fenced(zero)
 
 
 # ---------------------------------------------------------------- launch

@@ -21,6 +21,7 @@ from dsl.core.kernel_layout import KernelLayout
 from dsl.core.primitives import run_scoped_p
 from lowering_mosaic.gpu import accumulators as A
 from lowering_mosaic.gpu import schedule as S
+from lowering_mosaic.gpu.initial_values import hoist_initialization
 from lowering_mosaic.gpu.host import TRITON_HINT
 from lowering_mosaic.gpu.rules import shapes as shape_rules
 
@@ -519,10 +520,13 @@ def choose_schedule(spec, plan: GpuPlan):
 CARRY_REGISTERS = 232 - 64
 
 
-def _carried_body(spec, blocks, scratch, n_prefetch, steps) -> A.Body:
+def _carried_body(spec, blocks, scratch, n_prefetch, steps,
+                  sequential) -> A.Body:
   """The body with the refs that stay across the sequential steps (output
   blocks that do not move, scratch) carried in registers where
-  `accumulators.carriable` says it is sound, within CARRY_REGISTERS."""
+  `accumulators.carriable` says it is sound, within CARRY_REGISTERS, their
+  initialization hoisted out of the loop where it can be
+  (initial_values.py)."""
   jaxpr, rank = spec.jaxpr, len(spec.grid_mapping.grid)
   if steps <= 1:
     return A.carried_body(jaxpr, [], rank)
@@ -538,7 +542,9 @@ def _carried_body(spec, blocks, scratch, n_prefetch, steps) -> A.Body:
         jaxpr.jaxpr, rank + pos):
       refs.append(pos)
       registers += need
-  return A.carried_body(jaxpr, refs, rank)
+  grid = tuple(int(g) for g in spec.grid_mapping.grid)
+  return hoist_initialization(A.carried_body(jaxpr, refs, rank), grid,
+                              sequential)
 
 
 def make_gpu_plan(spec) -> GpuPlan:
@@ -554,7 +560,8 @@ def make_gpu_plan(spec) -> GpuPlan:
                   for i, ref in enumerate(gm.scratch_avals))
   prefetch = tuple(getattr(r, "inner_aval", r) for r in gm.prefetch_avals)
   steps = math.prod(grid[d] for d in plan.sequential)
-  body = _carried_body(spec, blocks, scratch, len(prefetch), steps)
+  body = _carried_body(spec, blocks, scratch, len(prefetch), steps,
+                       plan.sequential)
   scoped = tuple(scoped_allocations(spec, body.jaxpr.jaxpr))
   reduction = REDUCTION_SCRATCH if crosses_warps(body.jaxpr.jaxpr) else 0
   if math.prod(grid[d] for d in plan.parallel) >= 2 ** 31:

@@ -19,6 +19,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from dsl.core import dtypes
 from lowering_mosaic.gpu.accumulators import dot_accumulate_p
 from lowering_mosaic.gpu.host import TRITON_HINT, constant
+from lowering_mosaic.gpu.mesh_accumulators import fenced
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.elementwise import convert
 
@@ -152,6 +153,21 @@ def _dot_accumulate(ctx, lhs, rhs, acc, *, dimension_numbers,
   return _wgmma(ctx, lhs, rhs, acc, dimension_numbers, precision)
 
 
+def _ordered(ctx, acc):
+  """`acc`, fenced (`mesh_accumulators.fenced`) unless only WGMMAs have
+  touched its registers: PTX asks a `wgmma.fence` between other accesses
+  of a WGMMA's registers and the WGMMA, not between WGMMAs of one shape.
+  Those are the result of a WGMMA nothing has read yet, and the steps
+  loop's carried accumulators fenced before it (kernel.py)."""
+  owner = getattr(getattr(acc, "owner", None), "opview", None)
+  by_wgmma = (owner is not None
+              and owner.operation.name == "mosaic_gpu.wgmma")
+  carried = any(acc == v for v in ctx.host.fenced_carry)
+  if (by_wgmma or carried) and not list(acc.uses):
+    return acc
+  return fenced(acc)
+
+
 def _wgmma(ctx, lhs, rhs, acc, dimension_numbers, precision):
   """One wgmma of `lhs` and `rhs` into `acc` (zeros if None)."""
   (lc, rc), (lb, rb) = dimension_numbers
@@ -178,7 +194,7 @@ def _wgmma(ctx, lhs, rhs, acc, dimension_numbers, precision):
     a = mgpu_utils.memref_transpose(a, (1, 0))
   if acc is None:
     acc = constant(0.0, (m, n), np.float32)
-  out = mgpu.wgmma(acc, a, b_ref)
+  out = mgpu.wgmma(_ordered(ctx, acc), a, b_ref)
   nvvm.wgmma_commit_group_sync_aligned()
   nvvm.wgmma_wait_group_sync_aligned(0)
   return convert(out, np.float32, out_aval.dtype, (m, n))

@@ -25,7 +25,7 @@ from dsl.mosaic_gpu import compute, primitives as plgpu_p
 from dsl.mosaic_gpu.memory import Layout, OOBFillMode, ReducedLayout
 from lowering_mosaic.gpu.host import TRITON_HINT, i32, to_index, void_asm
 from lowering_mosaic.gpu.mesh_accumulators import (acc_fence_p, wgmma_acc_p,
-                                                   wgmma_fence)
+                                                   fenced)
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.memory import window
 
@@ -219,9 +219,7 @@ def _wgmma_acc(ctx, *args, layout, a_is_ref):
 
 @TABLE.register(acc_fence_p)
 def _acc_fence(ctx, x):
-  x = mgpu.optimization_barrier([x])
-  wgmma_fence()
-  return x
+  return fenced(x)
 
 
 @TABLE.register(compute.wgmma_wait_p)

@@ -15,6 +15,7 @@ from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_in_dim,
                                       constant, ir_type, is_ref, is_vector, phys,
                                       phys_position, reshape, typed)
+from lowering_mosaic.gpu.mesh_accumulators import fenced
 from lowering_mosaic.gpu.rules.dot import smem_source
 from lowering_mosaic.gpu.rules.elementwise import convert
 
@@ -36,6 +37,8 @@ def _zeros(v) -> bool:
   """Whether `v` is a splat of 0.0 (a wgmma that accumulates into
   nothing: its result is the product alone)."""
   op = getattr(getattr(v, "owner", None), "opview", None)
+  if op is not None and op.operation.name == "mosaic_gpu.optimization_barrier":
+    return _zeros(op.operands[0])     # fenced for the wgmma (rules/dot.py)
   if op is None or op.operation.name != "vector.broadcast":
     return False
   src = getattr(getattr(op.operands[0], "owner", None), "opview", None)
@@ -58,7 +61,7 @@ def _transposed_product(ctx, x):
   m, n = ir.VectorType(x.type).shape
   if n % 64 or m > 256 or m % 8:
     return None
-  zero = constant(0.0, (n, m), np.float32)
+  zero = fenced(constant(0.0, (n, m), np.float32))
   out = mgpu.wgmma(zero, mgpu_utils.memref_transpose(b, (1, 0)),
                    mgpu_utils.memref_transpose(a, (1, 0)))
   nvvm.wgmma_commit_group_sync_aligned()
