@@ -51,10 +51,23 @@ def _loop(region: str) -> str:
 
 # ------------------------------------------------------------ the CPU run
 
+def initial_carry(body, rank):
+  """The carried values before the first step, as the emitter makes them:
+  the hoisted initialization's (initial_values.py), zeros for the rest."""
+  carry = [np.zeros(body.jaxpr.jaxpr.invars[rank + p].aval.shape,
+                    body.jaxpr.jaxpr.invars[rank + p].aval.dtype)
+           for p in body.carried]
+  if body.initial is not None:
+    values = core.eval_jaxpr(body.initial.jaxpr, body.initial.consts)
+    for k, v in zip(body.initialized, values):
+      carry[k] = np.asarray(v)
+  return carry
+
+
 def steps_on_cpu(spec, plan, *arrays):
   """What the emitted loop computes, on the CPU: at each point of the
   parallel grid dims, `plan.body` at every sequential step, the carried
-  values threaded from step to step (zeros first), the other refs' blocks
+  values threaded from step to step (from `initial_carry`), the other refs' blocks
   as arrays (inputs sliced by their index maps); output blocks stored
   where the lowering stores them: the moving ones after every step, the
   others after the loop (a carried one: its final carried value)."""
@@ -80,9 +93,7 @@ def steps_on_cpu(spec, plan, *arrays):
                                          for s, d in plan.scratch]
     for k, b in enumerate(plan.blocks[n_in:], n_in):
       refs[k] = np.zeros(b.kernel_shape, b.dtype)
-    carry = [np.zeros(body.jaxpr.jaxpr.invars[rank + p].aval.shape,
-                      body.jaxpr.jaxpr.invars[rank + p].aval.dtype)
-             for p in body.carried]
+    carry = initial_carry(body, rank)
     ids = [0] * rank
     for d, v in zip(plan.parallel, par):
       ids[d] = v
@@ -173,9 +184,10 @@ def test_matmul_loop_carries_the_accumulator(params):
   assert "-> vector<128x128xf32>\n" not in "".join(
       l + "\n" for l in loop.splitlines() if "vector_load" in l)
   acc = re.search(r"mosaic_gpu.wgmma accumulator\((%\w+) :", loop).group(1)
-  # The accumulator is the carried value (through the k == 0 switch).
-  switch = re.search(re.escape(acc) + r" = scf.index_switch", loop)
-  assert switch, acc
+  # The accumulator is the carried value itself: the kernel's k == 0
+  # zeroing is the loop's initial value, no switch at every step.
+  assert re.search(r"iter_args\(" + re.escape(acc) + " = ", header), acc
+  assert "scf.index_switch" not in loop.split("mosaic_gpu.wgmma")[0]
   yielded = re.findall(r"scf.yield (%[\w#]+) : vector<128x128xf32>\n",
                        loop)[-1]
   assert re.search(re.escape(yielded) + r" = mosaic_gpu.wgmma", loop)
@@ -205,10 +217,16 @@ def test_flash_attention_carries_its_statistics_and_output():
   assert count_op(loop, "mosaic_gpu.vector_store") == 1
   loads = [l for l in loop.splitlines() if "vector_load" in l]
   assert loads and all("xf32" not in l for l in loads)
-  # p @ v accumulates into the rescaled accumulator.
+  # p @ v accumulates into the rescaled accumulator, fenced (registers
+  # the multiply wrote): an optimization barrier, then `wgmma.fence`.
   accs = re.findall(r"mosaic_gpu.wgmma accumulator\((%\w+) :", loop)
   assert len(accs) == 2
-  assert re.search(re.escape(accs[1]) + r" = arith.mulf", loop)
+  fenced = re.search(re.escape(accs[1])
+                     + r' = "mosaic_gpu.optimization_barrier"\((%\w+)\)', loop)
+  assert fenced, accs[1]
+  assert re.search(re.escape(fenced.group(1)) + r" = arith.mulf", loop)
+  assert "wgmma.fence" in loop[fenced.end():loop.index(
+      f"accumulator({accs[1]}")]
 
 
 def _flash_call(api, vmem, kernel, q, k, v, **kw):

@@ -29,16 +29,6 @@ KNOWN_WORSE = {
         81, 53, "the third copy's descriptor and slot arithmetic (about "
         "20 ops), and the step's K offset recomputed from the index map "
         "per copy"),
-    ("matmul", "consumer values chosen by branches per step"): (
-        32, 0, "`pl.when(k == 0)` zeroing the accumulator stays in the K "
-        "loop: an scf.index_switch at every step chooses between zeros and "
-        "the 32 carried accumulator fragments (64 floats a thread: selects "
-        "or moves on the WGMMA's accumulator registers); "
-        "hopper_matmul_mgpu zeroes once, before the loop"),
-    ("attention", "consumer values chosen by branches per step"): (
-        36, 0, "the same for `pl.when(j == 0)` initializing m, l and acc "
-        "(4 + 32 fragments) in the KV loop; attention_mgpu initializes "
-        "them before the loop"),
     ("attention", "consumer turn-taking rounds per step"): (
         0, 2, "no ping-pong: attention_mgpu's consumers take turns at the "
         "tensor core through a schedule barrier (arrive, wait) twice per "
