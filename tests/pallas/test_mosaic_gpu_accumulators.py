@@ -3,7 +3,8 @@ accumulators.py): refs that keep their value across the sequential steps
 (a matmul's output block, attention's running statistics and output) are
 carried by the loop over steps (`scf.for` iter_args) instead of being read
 from and written to shared memory at every step, and `acc + dot(a, b)`
-becomes one wgmma accumulating into `acc`. Checked on the modules the
+becomes one wgmma accumulating into `acc`; a `pl.when` that initializes
+them on the first step becomes the loop's initial values. Checked on the modules the
 lowering builds, and numerically: the rewritten body, run on the CPU step
 by step with its carry as the emitted loop runs it, gives what the
 kernel's jnp reference, Pallas's interpreter and our interpret backend
@@ -369,3 +370,145 @@ def test_library_attention_kernels_carry_their_accumulators(causal):
   assert len(carried["flash_attention_fwd"]) == 3
   assert len(carried["flash_attention_bwd_dkdv"]) == 2
   assert len(carried["flash_attention_bwd_dq"]) == 1
+
+
+# ------------------------------------------------------------ initial values
+# (initial_values.py) A `pl.when` that initializes the carried refs on the
+# first sequential step, and only then, leaves the loop and becomes its
+# initial carry; anything else stays in the body. The accumulators only
+# WGMMAs write in the loop are fenced once, before it; other WGMMA
+# accumulators where they are used (PTX's `wgmma.fence`).
+
+M, K, N = 256, 256, 128
+BM, BK, BN = 128, 64, 128
+SPLIT = 2            # "two_dims": K's steps as SPLIT x (K // BK // SPLIT)
+
+
+# name -> (grid rank, when(api) -> the predicate, init(row block, o_ref)
+#          -> the value it writes, whether it is hoisted)
+CASES = {
+    "zeros_first": (3, lambda api: api.program_id(2) == 0,
+                    lambda row, o: jnp.zeros_like(o), True),
+    "ones_first": (3, lambda api: api.program_id(2) == 0,
+                   lambda row, o: jnp.ones_like(o), True),
+    "both_dims_first": (4, lambda api: (api.program_id(2) == 0)
+                        & (api.program_id(3) == 0),
+                        lambda row, o: jnp.full_like(o, 2.0), True),
+    # Not the first step only: each stays in the loop.
+    "second_step": (3, lambda api: api.program_id(2) == 1,
+                    lambda row, o: jnp.zeros_like(o), False),
+    "inner_dim_only": (4, lambda api: api.program_id(3) == 0,
+                       lambda row, o: jnp.zeros_like(o), False),
+    "parallel_dim": (3, lambda api: api.program_id(0) == 0,
+                     lambda row, o: jnp.ones_like(o), False),
+    # A value of the grid point (not constants alone): stays.
+    "by_row_block": (3, lambda api: api.program_id(2) == 0,
+                     lambda row, o: jnp.full_like(o, row), False),
+}
+
+
+def _call(api, name, x, y, **kw):
+  rank, when, init, _ = CASES[name]
+  nk = K // BK
+
+  def kernel(x_ref, y_ref, o_ref):
+    row = api.program_id(0).astype(jnp.float32)   # the row block
+
+    @api.when(when(api))
+    def _():
+      o_ref[...] = init(row, o_ref)
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...],
+                          preferred_element_type=jnp.float32)
+
+  if rank == 3:
+    grid = (M // BM, N // BN, nk)
+    kk = lambda k: k
+    specs = [pl.BlockSpec((BM, BK), lambda i, j, k: (i, k)),
+             pl.BlockSpec((BK, BN), lambda i, j, k: (k, j)),
+             pl.BlockSpec((BM, BN), lambda i, j, k: (i, j))]
+  else:
+    grid = (M // BM, N // BN, SPLIT, nk // SPLIT)
+    kk = lambda a, b: a * (nk // SPLIT) + b
+    specs = [pl.BlockSpec((BM, BK), lambda i, j, a, b: (i, kk(a, b))),
+             pl.BlockSpec((BK, BN), lambda i, j, a, b: (kk(a, b), j)),
+             pl.BlockSpec((BM, BN), lambda i, j, a, b: (i, j))]
+  if api is jpl:
+    specs = [jpl.BlockSpec(s.block_shape, s.index_map) for s in specs]
+  return api.pallas_call(
+      kernel, jax.ShapeDtypeStruct((M, N), jnp.float32), grid=grid,
+      in_specs=specs[:2], out_specs=specs[2], **kw)(x, y)
+
+
+def _ours(name):
+  return lambda x, y: _call(pl, name, x, y, backend="mosaic_gpu")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_only_a_first_step_initialization_is_hoisted(name):
+  x, y = normal_arrays(3, (M, K), (K, N))
+  _, plan = _spec_and_plan(_ours(name), x, y)
+  assert plan.carried == (2,)
+  hoisted = CASES[name][3]
+  assert plan.body.initialized == ((0,) if hoisted else ())
+  conds = [e for e in plan.body.jaxpr.jaxpr.eqns
+           if e.primitive.name == "cond"]
+  # The initialization is the body's only `cond`: gone once hoisted.
+  assert len(conds) == (0 if hoisted else 1)
+  # Only WGMMAs write the accumulator in the loop once its initialization
+  # has left it.
+  assert plan.body.tensor_core == ((0,) if hoisted else ())
+  (got,) = steps_on_cpu(*_spec_and_plan(_ours(name), x, y), x, y)
+  np.testing.assert_allclose(got, _reference(name, x, y), rtol=1e-2,
+                             atol=1e-2)
+  if name in DEFINED_IN_PALLAS:
+    want = _call(jpl, name, x, y, interpret=True)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
+
+
+# The kernels that write the output before reading it (Pallas's
+# interpreter fills what the others read first with NaNs; the lowering
+# starts the carried values at zero).
+DEFINED_IN_PALLAS = ("zeros_first", "ones_first", "both_dims_first",
+                     "by_row_block")
+
+
+def _reference(name, x, y):
+  """What each kernel computes, in jax.numpy (unwritten outputs read as
+  zeros)."""
+  nk = K // BK
+  dot = lambda k0, k1: jnp.dot(x[:, k0 * BK:k1 * BK], y[k0 * BK:k1 * BK],
+                               preferred_element_type=jnp.float32)
+  full = dot(0, nk)
+  rows = (jnp.arange(M) // BM)[:, None]
+  return {
+      "zeros_first": full,
+      "ones_first": 1.0 + full,
+      "both_dims_first": 2.0 + full,
+      "second_step": dot(1, nk),
+      "inner_dim_only": dot(nk - nk // SPLIT, nk),
+      "parallel_dim": jnp.where(rows == 0, 1.0 + dot(nk - 1, nk), full),
+      "by_row_block": rows.astype(jnp.float32) + full,
+  }[name]
+
+
+def _fences(text: str) -> int:
+  return text.count("wgmma.fence")
+
+
+@pytest.mark.parametrize("name", ["zeros_first", "second_step"])
+def test_wgmma_accumulators_are_fenced_before_other_code_wrote_them(name):
+  """A hoisted accumulator is fenced once, before the loop, and not in
+  it; one the loop's branch chooses is fenced at every step, before its
+  WGMMA."""
+  x, y = normal_arrays(4, (M, K), (K, N))
+  m = gpu_module(_ours(name), x, y)
+  consumer, _ = warpgroup_roles(m.dialect_text)
+  loop = _loop(consumer)
+  before = consumer[:consumer.index(loop)]
+  wgmma = loop.index("mosaic_gpu.wgmma")
+  if CASES[name][3]:
+    assert (_fences(before), _fences(loop)) == (1, 0)
+    assert before.rindex("wgmma.fence") > before.rindex(
+        '"mosaic_gpu.optimization_barrier"')
+  else:
+    assert (_fences(before), _fences(loop[:wgmma])) == (0, 1)
