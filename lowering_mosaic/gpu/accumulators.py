@@ -27,6 +27,7 @@ Two rewrites of the kernel jaxpr, both sound by construction:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 from jax import lax
@@ -37,6 +38,7 @@ from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
 
 from dsl.core.jaxpr_walk import sub_jaxprs, used_vars
 from dsl.core.operand_layout import eqn_ref_operands
+from lowering_mosaic.gpu.schedule import WARPGROUP
 
 # dot_accumulate(a, b, acc; dot_general's params) = acc + dot_general(a, b)
 dot_accumulate_p = core.Primitive("dot_accumulate")
@@ -133,6 +135,34 @@ def carried_body(kernel: ClosedJaxpr, refs: list[int],
   jaxpr, _ = pe.dce_jaxpr(discharged, [True] * n_out, instantiate=True)
   closed = close_jaxpr(jaxpr, kernel.consts)
   return Body(fuse_dots(closed), tuple(refs))
+
+
+# Registers per consumer thread the carried accumulators may take: what
+# two consumers get (schedule.py) less 64 for the body's own values.
+CARRY_REGISTERS = 232 - 64
+
+
+def carried_refs_body(spec, blocks, scratch, n_prefetch, steps) -> Body:
+  """The body with the refs that stay across the sequential steps (output
+  blocks that do not move, scratch) carried in registers where
+  `carriable` says it is sound, within CARRY_REGISTERS (`blocks`: the
+  plan's, plan.py)."""
+  jaxpr, rank = spec.jaxpr, len(spec.grid_mapping.grid)
+  if steps <= 1:
+    return carried_body(jaxpr, [], rank)
+  candidates = [(n_prefetch + k, b.kernel_shape, b.dtype)
+                for k, b in enumerate(blocks)
+                if b.is_output and not b.moves and not b.in_gmem]
+  first = n_prefetch + len(blocks)
+  candidates += [(first + i, s, d) for i, (s, d) in enumerate(scratch)]
+  refs, registers = [], 0
+  for pos, shape, dtype in candidates:
+    need = -(-math.prod(shape) * np.dtype(dtype).itemsize // (WARPGROUP * 4))
+    if registers + need <= CARRY_REGISTERS and carriable(
+        jaxpr.jaxpr, rank + pos):
+      refs.append(pos)
+      registers += need
+  return carried_body(jaxpr, refs, rank)
 
 
 # ------------------------------------------------------------ fused dots

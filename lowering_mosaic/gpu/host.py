@@ -157,11 +157,17 @@ def i32(v: int) -> ir.Value:
 
 
 def decode(flat: ir.Value, sizes: list[int]) -> list[ir.Value]:
-  """Row-major coordinates of `flat` (i32) in a grid of `sizes`."""
+  """Row-major coordinates of `flat` (i32, less than the product of
+  `sizes`) in a grid of `sizes`: the outermost is what is left of `flat`."""
   coords = []
-  for n in reversed(sizes):
-    coords.append(arith.remui(flat, i32(n)) if n > 1 else i32(0))
-    flat = arith.divui(flat, i32(n)) if n > 1 else flat
+  for k, n in enumerate(reversed(sizes)):
+    if n == 1:
+      coords.append(i32(0))
+    elif k == len(sizes) - 1:
+      coords.append(flat)
+    else:
+      coords.append(arith.remui(flat, i32(n)))
+      flat = arith.divui(flat, i32(n))
   return coords[::-1]
 
 

@@ -74,6 +74,19 @@ def _copies(block, buf, offsets):
   return out
 
 
+def _stacked_copy(block, dest, offsets, indices):
+  """(SMEM view, GMEM offsets, box) of the one TMA copy of a stacked
+  block's replicas: in the array's `stacked_shape`, from the first
+  replica's block (`indices`; `offsets` in elements) on, one block along
+  the split dim per replica."""
+  a = block.array_split_dim
+  offs = list(offsets)
+  offs[a:a + 1] = [indices[a], i32(0)]
+  lengths = list(block.slice_lengths)
+  lengths[a:a + 1] = [block.replicas, lengths[a]]
+  return dest, offs, lengths
+
+
 def _tiled(view, tiling):
   """`view` with the tiling and swizzle its TMA copies and loads use."""
   attrs = [mgpu_lc.TileTransform(tiling).to_attr(),
@@ -92,33 +105,41 @@ class Emitter:
 
   # ---------------------------------------------------------- pieces
 
-  def block_offsets(self, block, ids) -> list[ir.Value]:
-    """Element offsets (i32) of `block` at grid point `ids`."""
-    bm = block.mapping
-    closed = bm.index_map_jaxpr
+  def block_indices(self, block, ids) -> list[ir.Value]:
+    """Block indices (i32) of `block` at grid point `ids`: its index map."""
+    closed = block.mapping.index_map_jaxpr
     idx = walk_jaxpr(self.host, closed.jaxpr, closed.consts,
                      list(ids) + list(self.prefetch))
-    offs = []
-    for i, n in zip(idx, bm.block_sizes):
-      i = index_cast_i32(i)
-      offs.append(arith.muli(i, i32(int(n))) if n != 1 else i)
-    return offs
+    return [index_cast_i32(i) for i in idx]
+
+  def block_offsets(self, block, ids, indices=None) -> list[ir.Value]:
+    """Element offsets (i32) of `block` at grid point `ids` (or of its
+    block `indices`)."""
+    if indices is None:
+      indices = self.block_indices(block, ids)
+    return [arith.muli(i, i32(int(n))) if n != 1 else i
+            for i, n in zip(indices, block.mapping.block_sizes)]
 
   def view(self, block, slot=None, replica=None) -> ir.Value:
     """The kernel's ref of `block` in shared memory: ring slot `slot` (an
-    index value) of replica `replica` (a consumer's)."""
+    index value) of replica `replica` (a consumer's; all of them if None)."""
     v = self.smem[block]
     if block.slots > 1:
       v = mgpu_utils.memref_slice(v, slot)
-    if block.replicas > 1:
+    if block.replicas > 1 and replica is not None:
       v = mgpu_utils.memref_slice(v, replica)
     return _tiled(v, block.tiling) if block.tiling else v
 
   def copy(self, block, dest, ids, barrier, predicate=None):
     """TMA of `block` at grid point `ids` into `dest`, completing on
-    `barrier` (only where `predicate`, an i1, holds, if given)."""
-    offsets = self.block_offsets(block, ids)
-    for view, offs, lengths in _copies(block, dest, offsets):
+    `barrier` (only where `predicate`, an i1, holds, if given); of a
+    stacked block, of all its replicas (`ids` the first one's) into its
+    slot."""
+    indices = self.block_indices(block, ids)
+    offsets = self.block_offsets(block, ids, indices)
+    copies = (_copies(block, dest, offsets) if not block.stacked
+              else [_stacked_copy(block, dest, offsets, indices)])
+    for view, offs, lengths in copies:
       mgpu.async_load(source=self.gmem[block], destination=view,
                       barrier=barrier.as_barrier_memref(), indices=offs,
                       slice_lengths=lengths,
@@ -225,15 +246,17 @@ class Emitter:
                for i in range(len(self.plan.scratch))])
 
   def ids_at(self, par, seq_coords, replica: int | ir.Value = 0):
-    """Grid ids from the CTA's parallel coordinates (the split dim's scaled
-    by the consumers, plus `replica`) and sequential coordinates."""
+    """Grid ids from the CTA's parallel coordinates `par` (the split dim's
+    its first consumer's: `_first_ids`; plus `replica`) and sequential
+    coordinates."""
     plan = self.plan
     sched = plan.schedule
     ids = [None] * len(plan.grid)
     for d, v in zip(plan.parallel, par):
-      if d == sched.split_dim:
+      if d == sched.split_dim and not (isinstance(replica, int)
+                                       and replica == 0):
         r = replica if isinstance(replica, ir.Value) else i32(replica)
-        v = arith.addi(arith.muli(v, i32(sched.consumers)), r)
+        v = arith.addi(v, r)
       ids[d] = v
     for d, v in zip(plan.sequential, seq_coords):
       ids[d] = v
@@ -265,13 +288,21 @@ class Emitter:
     flat = index_cast_i32(gpu.block_id(gpu.Dimension.x))
     sizes = [plan.grid[d] // (sched.consumers if d == sched.split_dim else 1)
              for d in plan.parallel]
-    self.par = decode(flat, sizes)
+    self.par = self._first_ids(decode(flat, sizes))
     if sched.warp_specialized:
       specialized.emit(self)
     elif any(b.slots > 1 for b in on_chip):
       self._double_buffered()
     else:
       self._one_slot()
+
+  def _first_ids(self, par):
+    """The CTA's parallel coordinates `par` with the split dim's scaled by
+    the consumers (its first consumer's grid id), once, before any loop."""
+    sched = self.plan.schedule
+    return [arith.muli(v, i32(sched.consumers))
+            if d == sched.split_dim and sched.consumers > 1 else v
+            for d, v in zip(self.plan.parallel, par)]
 
   def _seq_ids(self, s):
     sizes = [self.plan.grid[d] for d in self.plan.sequential]
@@ -394,7 +425,8 @@ def _barriers(plan: GpuPlan):
 def _shapes(plan: GpuPlan):
   sds = jax.ShapeDtypeStruct
   ins = tuple(sds(a.shape, a.dtype) for a in plan.prefetch)
-  ins += tuple(sds(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
+  ins += tuple(sds(b.stacked_shape if b.stacked else b.mapping.array_aval.shape,
+                   b.mapping.array_aval.dtype)
                for b in plan.blocks if not b.is_output)
   outs = tuple(sds(b.mapping.array_aval.shape, b.mapping.array_aval.dtype)
                for b in plan.blocks if b.is_output)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+from dsl.core.jax_internals import core, mlir
 from jax.experimental.mosaic.gpu import core as mgpu_core
 
 from dsl.core.errors import BackendError
@@ -60,7 +61,23 @@ def mosaic_gpu_lowering(ctx, *args, spec):
         "use backend='interpret' elsewhere", spec.where)
   built = build_module(spec)
   dump_gpu_module(spec, built)
+  ctx, args = _stacked_operands(ctx, args, built)
   return mgpu_core._mosaic_gpu_lowering_rule(
       ctx, *args, module=built.module, out_types=built.out_shapes,
       inout_types=(), input_output_aliases=tuple(spec.input_output_aliases))
 
+
+def _stacked_operands(ctx, args, built: GpuModule):
+  """The operands as the module takes them: those of stacked blocks
+  reshaped to their `stacked_shape` (a view of the same bytes: plan.py)."""
+  plan = getattr(built, "plan", None)
+  blocks = [b for b in getattr(plan, "blocks", ()) if not b.is_output]
+  if not any(b.stacked for b in blocks):
+    return ctx, args
+  args, avals = list(args), list(ctx.avals_in)
+  first = len(plan.prefetch)
+  for k, b in enumerate(blocks, first):
+    if b.stacked:
+      avals[k] = core.ShapedArray(b.stacked_shape, avals[k].dtype)
+      args[k] = mlir.reshape(ctx, args[k], avals[k])
+  return ctx.replace(avals_in=avals), args

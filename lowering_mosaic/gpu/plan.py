@@ -51,6 +51,9 @@ class Block:
   # (rows, cols) tiles of a block wider than one TMA box: its buffer is
   # tiled and 128-byte swizzled, and one tiled TMA copy moves it.
   tiling: tuple[int, int] | None = None
+  # grid dims whose next point's block is the next along array_split_dim
+  neighbour_dims: frozenset = frozenset()
+  stacked: bool = False             # one TMA copy moves all its replicas
 
   @property
   def split_dim(self) -> int:
@@ -74,6 +77,31 @@ class Block:
     """The array dim of `split_dim`."""
     kept = [i for i, n in enumerate(self.slice_lengths) if n != -1]
     return kept[self.split_dim]
+
+  @property
+  def transfers(self) -> int:
+    """TMA copies that move the block (all its replicas)."""
+    return 1 if self.stacked else len(self.copies()) * self.replicas
+
+  @property
+  def stacked_shape(self) -> tuple[int, ...]:
+    """The array as a stacked block's copy reads it: `array_split_dim`
+    cut into (blocks, block length)."""
+    shape, a = list(self.mapping.array_aval.shape), self.array_split_dim
+    n = self.slice_lengths[a]
+    return tuple(shape[:a] + [shape[a] // n, n] + shape[a + 1:])
+
+  def can_stack(self, d: int, replicas: int) -> bool:
+    """Whether the replicas along grid dim `d` can move in one copy (of
+    `stacked_shape`): they are neighbours, stack outermost (as in the
+    buffer), and the array splits into whole blocks there."""
+    a = self.array_split_dim
+    lengths = self.slice_lengths
+    return (replicas > 1 and d in self.neighbour_dims
+            and not self.tiling and len(self.copies()) == 1
+            and all(n == -1 for n in lengths[:a])
+            and self.mapping.array_aval.shape[a] % lengths[a] == 0
+            and len(lengths) < TMA_MAX_RANK and replicas <= TMA_MAX_BOX)
 
   @property
   def nbytes(self) -> int:
@@ -366,8 +394,24 @@ def _block(spec, bm, is_output, idx, sequential, grid_rank) -> Block:
   else:
     moves = any(varies_along(idx, d) for d in sequential)
   kernel_shape = tuple(bm.kernel_shape)
-  return Block(bm, is_output, kernel_shape, lengths, moves, grid_dims=dims,
-               tiling=tiling_of(kernel_shape, bm.array_aval.dtype))
+  block = Block(bm, is_output, kernel_shape, lengths, moves, grid_dims=dims,
+                tiling=tiling_of(kernel_shape, bm.array_aval.dtype))
+  if idx is None or not kernel_shape:
+    return block
+  return dataclasses.replace(block, neighbour_dims=frozenset(
+      d for d in dims if _neighbours(idx, d, block.array_split_dim)))
+
+
+def _neighbours(idx: np.ndarray, d: int, a: int) -> bool:
+  """Whether, at every grid point, the next one along grid dim `d` has the
+  block index `idx` (shape (*grid, rank)) one more along dim `a`, the
+  same along the others."""
+  step = np.diff(idx, axis=d)
+  if step.size == 0:
+    return False
+  want = np.zeros(idx.shape[-1], idx.dtype)
+  want[a] = 1
+  return bool((step == want).all())
 
 
 # ------------------------------------------------------------ the schedule
@@ -434,8 +478,9 @@ def _laid_out(blocks, depth, consumers, split):
       continue
     piped = b.moves and not b.is_output
     reps = consumers if split is not None and split in b.grid_dims else 1
-    out.append(dataclasses.replace(b, slots=depth if piped else 1,
-                                   replicas=reps))
+    out.append(dataclasses.replace(
+        b, slots=depth if piped else 1, replicas=reps,
+        stacked=piped and b.can_stack(split, reps)))
   return out
 
 
@@ -515,36 +560,8 @@ def choose_schedule(spec, plan: GpuPlan):
   return sched, blocks        # too big: make_gpu_plan says so
 
 
-# Registers per consumer thread the carried accumulators may take: what
-# two consumers get (schedule.py) less 64 for the body's own values.
-CARRY_REGISTERS = 232 - 64
-
-
-def _carried_body(spec, blocks, scratch, n_prefetch, steps,
-                  sequential) -> A.Body:
-  """The body with the refs that stay across the sequential steps (output
-  blocks that do not move, scratch) carried in registers where
-  `accumulators.carriable` says it is sound, within CARRY_REGISTERS, their
-  initialization hoisted out of the loop where it can be
-  (initial_values.py)."""
-  jaxpr, rank = spec.jaxpr, len(spec.grid_mapping.grid)
-  if steps <= 1:
-    return A.carried_body(jaxpr, [], rank)
-  candidates = [(n_prefetch + k, b.kernel_shape, b.dtype)
-                for k, b in enumerate(blocks)
-                if b.is_output and not b.moves and not b.in_gmem]
-  first = n_prefetch + len(blocks)
-  candidates += [(first + i, s, d) for i, (s, d) in enumerate(scratch)]
-  refs, registers = [], 0
-  for pos, shape, dtype in candidates:
-    need = -(-math.prod(shape) * np.dtype(dtype).itemsize // (WARPGROUP * 4))
-    if registers + need <= CARRY_REGISTERS and A.carriable(
-        jaxpr.jaxpr, rank + pos):
-      refs.append(pos)
-      registers += need
-  grid = tuple(int(g) for g in spec.grid_mapping.grid)
-  return hoist_initialization(A.carried_body(jaxpr, refs, rank), grid,
-                              sequential)
+# Registers per consumer thread the carried accumulators may take.
+CARRY_REGISTERS = A.CARRY_REGISTERS
 
 
 def make_gpu_plan(spec) -> GpuPlan:
@@ -560,8 +577,9 @@ def make_gpu_plan(spec) -> GpuPlan:
                   for i, ref in enumerate(gm.scratch_avals))
   prefetch = tuple(getattr(r, "inner_aval", r) for r in gm.prefetch_avals)
   steps = math.prod(grid[d] for d in plan.sequential)
-  body = _carried_body(spec, blocks, scratch, len(prefetch), steps,
-                       plan.sequential)
+  body = hoist_initialization(
+      A.carried_refs_body(spec, blocks, scratch, len(prefetch), steps), grid,
+      plan.sequential)
   scoped = tuple(scoped_allocations(spec, body.jaxpr.jaxpr))
   reduction = REDUCTION_SCRATCH if crosses_warps(body.jaxpr.jaxpr) else 0
   if math.prod(grid[d] for d in plan.parallel) >= 2 ** 31:

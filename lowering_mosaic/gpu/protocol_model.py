@@ -62,7 +62,7 @@ class Ring:
       raise ValueError(f"kernel {kernel!r} is not warp-specialized "
                        f"({sched.describe()}): no ring to model")
     ins = [b for b in plan.blocks if not b.is_output and not b.in_gmem]
-    count = lambda bs: sum(len(b.copies()) * b.replicas for b in bs)
+    count = lambda bs: sum(b.transfers for b in bs)
     bound = 2 * sched.depth + 2
     return cls(kernel, sched, count([b for b in ins if b.moves]),
                count([b for b in ins if not b.moves]),

@@ -68,11 +68,15 @@ def _inputs(em, which):
 
 def _copy_items(st: _Step, which: str):
   """(block, destination, grid ids) of the producer's copies: every
-  replica of each block (one per consumer that needs its own)."""
+  replica of each block (one per consumer that needs its own; all at once
+  for a stacked block)."""
   em = st.em
   slot = st.slot_index() if which == "ring" else None
   items = []
   for b in _inputs(em, which):
+    if b.stacked:                 # one copy of all replicas (Emitter.copy)
+      items.append((b, em.view(b, slot), st.ids(0)))
+      continue
     for r in range(b.replicas):
       items.append((b, em.view(b, slot, r if b.replicas > 1 else None),
                     st.ids(r)))

@@ -36,7 +36,8 @@ def test_matmul_k_loop_is_a_producer_and_two_consumers():
   assert "threads(%arg5, %arg6, %arg7) in (%arg11 = %c384" in m.dialect_text
   consumer, producer = warpgroup_roles(m.dialect_text)
   # TMA copies only in the producer; wgmma and the body only in consumers.
-  assert count_op(producer, "mosaic_gpu.async_load") == 3   # x twice, y once
+  # x's two 64-row blocks (one per consumer) are neighbours: one copy.
+  assert count_op(producer, "mosaic_gpu.async_load") == 2
   assert count_op(consumer, "mosaic_gpu.async_load") == 0
   assert count_op(consumer, "mosaic_gpu.wgmma") == 1
   assert count_op(producer, "mosaic_gpu.wgmma") == 0
@@ -211,8 +212,49 @@ def test_a_one_slot_ring_copies_at_every_step():
   assert m.plan.schedule.depth == 1 and m.plan.schedule.warp_specialized
   _, producer = warpgroup_roles(m.dialect_text)
   loop = mlir_region(producer, producer.index("scf.for"))
-  assert count_op(loop, "mosaic_gpu.async_load") == 2      # one per consumer
-  assert count_op(producer, "mosaic_gpu.async_load") == 2
+  # The consumers' blocks are neighbours: one copy fills both.
+  assert count_op(loop, "mosaic_gpu.async_load") == 1
+  assert count_op(producer, "mosaic_gpu.async_load") == 1
+
+
+def test_neighbouring_replicas_move_in_one_copy():
+  """The consumers' x blocks are the next one down each (block index i*2
+  + c): the producer moves both in one TMA copy, of x viewed as (blocks,
+  rows, K), into the slot that holds both replicas; the module takes x
+  in that shape (a reshape before the custom call)."""
+  x, y = BF(512, 256), BF(256, 256)
+  m = gpu_module(matmul, x, y)
+  xb, yb = m.plan.blocks[:2]
+  assert (xb.replicas, xb.stacked, xb.stacked_shape) == (2, True,
+                                                         (4, 128, 256))
+  assert (yb.replicas, yb.stacked, yb.transfers) == (1, False, 1)
+  _, producer = warpgroup_roles(m.dialect_text)
+  lengths = re.findall(r"slice_lengths = array<i64: ([\d, ]+)>", producer)
+  assert lengths == ["2, 128, 64", "64, 128"]
+  hlo = jax.jit(matmul).trace(x, y).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert re.search(r"stablehlo.reshape %arg0 : \(tensor<512x256xbf16>\) -> "
+                   r"tensor<4x128x256xbf16>", hlo)
+
+
+def test_replicas_that_are_not_neighbours_move_apart():
+  """Consumer c's block is not the next after consumer c - 1's (a reversed
+  index map): one copy per replica, as before."""
+  def f(x):
+    return pl.pallas_call(
+        lambda x_ref, o_ref: o_ref.__setitem__(
+            ..., x_ref[...].astype(jnp.float32)),
+        jax.ShapeDtypeStruct((128, 128), jnp.float32), grid=(2, 4),
+        in_specs=[pl.BlockSpec((64, 128), lambda i, j: (1 - i, j))],
+        out_specs=pl.BlockSpec((64, 128), lambda i, j: (i, 0)),
+        backend="mosaic_gpu")(x)
+  m = gpu_module(f, BF(128, 512))
+  (xb, _) = m.plan.blocks
+  assert m.plan.schedule.consumers == 2 and xb.replicas == 2
+  assert not xb.stacked and xb.transfers == 2
+  _, producer = warpgroup_roles(m.dialect_text)
+  loop = mlir_region(producer, producer.index("scf.for"))
+  assert count_op(loop, "mosaic_gpu.async_load") == 2
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLES))

@@ -18,17 +18,6 @@ from tests.pallas import mosaic_gpu_vs_plgpu as V
 
 # (pair, criterion) -> (ours, Pallas's, why).
 KNOWN_WORSE = {
-    ("matmul", "producer TMA loads per step"): (
-        3, 2, "the A block (64 rows) moves once per consumer, into each "
-        "consumer's own slot; hopper_matmul_mgpu moves the CTA's 128 rows "
-        "in one copy (the same bytes)"),
-    ("matmul", "producer bar.sync per step"): (
-        3, 2, "the library puts a warpgroup barrier before each TMA copy: "
-        "one per copy above"),
-    ("matmul", "producer ops per step"): (
-        81, 53, "the third copy's descriptor and slot arithmetic (about "
-        "20 ops), and the step's K offset recomputed from the index map "
-        "per copy"),
     ("attention", "consumer turn-taking rounds per step"): (
         0, 2, "no ping-pong: attention_mgpu's consumers take turns at the "
         "tensor core through a schedule barrier (arrive, wait) twice per "
