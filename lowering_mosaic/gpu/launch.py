@@ -16,6 +16,7 @@ from jax.experimental.mosaic.gpu import core as mgpu_core
 from dsl.core.errors import BackendError
 from lowering_mosaic.gpu import plgpu_model
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
+from lowering_mosaic.gpu.plan import GpuPlan
 from lowering_mosaic.gpu.mesh_kernel import build_mesh_module, is_mesh_kernel
 from dsl.core import config
 
@@ -70,8 +71,10 @@ def mosaic_gpu_lowering(ctx, *args, spec):
 def _stacked_operands(ctx, args, built: GpuModule):
   """The operands as the module takes them: those of stacked blocks
   reshaped to their `stacked_shape` (a view of the same bytes: plan.py)."""
-  plan = getattr(built, "plan", None)
-  blocks = [b for b in getattr(plan, "blocks", ()) if not b.is_output]
+  plan = built.plan
+  if not isinstance(plan, GpuPlan):      # a plgpu.kernel's: no blocks
+    return ctx, args
+  blocks = [b for b in plan.blocks if not b.is_output]
   if not any(b.stacked for b in blocks):
     return ctx, args
   args, avals = list(args), list(ctx.avals_in)

@@ -407,11 +407,9 @@ def _neighbours(idx: np.ndarray, d: int, a: int) -> bool:
   block index `idx` (shape (*grid, rank)) one more along dim `a`, the
   same along the others."""
   step = np.diff(idx, axis=d)
-  if step.size == 0:
-    return False
   want = np.zeros(idx.shape[-1], idx.dtype)
   want[a] = 1
-  return bool((step == want).all())
+  return step.size > 0 and bool((step == want).all())
 
 
 # ------------------------------------------------------------ the schedule
@@ -568,11 +566,13 @@ def make_gpu_plan(spec) -> GpuPlan:
   gm = spec.grid_mapping
   plan = gm.plan(spec.compiler_params, spec.jaxpr)
   grid = tuple(int(g) for g in gm.grid)
+  aliased = {gm.aliased_operand(i) for i, _ in spec.input_output_aliases}
   blocks = []
   for k, bm in enumerate(gm.block_mappings):
-    idx = gm.block_indices(bm)
-    blocks.append(_block(spec, bm, k >= gm.num_inputs, idx, plan.sequential,
-                         len(grid)))
+    b = _block(spec, bm, k >= gm.num_inputs, gm.block_indices(bm),
+               plan.sequential, len(grid))
+    blocks.append(dataclasses.replace(b, neighbour_dims=frozenset())
+                  if ("inputs", k) in aliased else b)  # keeps its shape
   scratch = tuple(_scratch_of(spec, ref, f"scratch_shapes[{i}]")
                   for i, ref in enumerate(gm.scratch_avals))
   prefetch = tuple(getattr(r, "inner_aval", r) for r in gm.prefetch_avals)

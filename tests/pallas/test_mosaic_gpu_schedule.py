@@ -237,17 +237,24 @@ def test_neighbouring_replicas_move_in_one_copy():
                    r"tensor<4x128x256xbf16>", hlo)
 
 
-def test_replicas_that_are_not_neighbours_move_apart():
+def _copy_kernel(x_ref, o_ref):
+  o_ref[...] = x_ref[...]
+
+
+@pytest.mark.parametrize("index_map,aliases", [
+    (lambda i, j: (1 - i, j), {}),
+    (lambda i, j: (i, j), {0: 0}),
+])
+def test_replicas_that_are_not_neighbours_move_apart(index_map, aliases):
   """Consumer c's block is not the next after consumer c - 1's (a reversed
-  index map): one copy per replica, as before."""
+  index map), or the operand is aliased to the output (it keeps its
+  shape): one copy per replica."""
   def f(x):
     return pl.pallas_call(
-        lambda x_ref, o_ref: o_ref.__setitem__(
-            ..., x_ref[...].astype(jnp.float32)),
-        jax.ShapeDtypeStruct((128, 128), jnp.float32), grid=(2, 4),
-        in_specs=[pl.BlockSpec((64, 128), lambda i, j: (1 - i, j))],
+        _copy_kernel, jax.ShapeDtypeStruct((128, 512), jnp.bfloat16),
+        grid=(2, 4), in_specs=[pl.BlockSpec((64, 128), index_map)],
         out_specs=pl.BlockSpec((64, 128), lambda i, j: (i, 0)),
-        backend="mosaic_gpu")(x)
+        input_output_aliases=aliases, backend="mosaic_gpu")(x)
   m = gpu_module(f, BF(128, 512))
   (xb, _) = m.plan.blocks
   assert m.plan.schedule.consumers == 2 and xb.replicas == 2
