@@ -101,7 +101,8 @@ class Block:
             and not self.tiling and len(self.copies()) == 1
             and all(n == -1 for n in lengths[:a])
             and self.mapping.array_aval.shape[a] % lengths[a] == 0
-            and len(lengths) < TMA_MAX_RANK and replicas <= TMA_MAX_BOX)
+            # the stacked view's rank, plus the two a tiled box splits into
+            and len(lengths) + 3 <= TMA_MAX_RANK and replicas <= TMA_MAX_BOX)
 
   @property
   def nbytes(self) -> int:
