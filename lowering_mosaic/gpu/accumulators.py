@@ -15,7 +15,9 @@ Two rewrites of the kernel jaxpr, both sound by construction:
   (`x_ref[...]`, directly or inside `cond` branches): a window of it, or
   a use by anything else (`run_scoped`, loops, DMAs), keeps it in shared
   memory. Its value before the first step is zero (the buffer it replaces
-  held whatever shared memory held: kernels write it before reading).
+  held whatever shared memory held: kernels write it before reading), or
+  what the kernel's first-step initialization computes, hoisted out of
+  the loop (initial_values.py).
 - **Accumulating dots.** `x + dot(a, b)` with a float32 2-D dot whose
   result has no other use becomes one `dot_accumulate(a, b, x)`: a
   `wgmma` that accumulates into `x` in place (rules/dot.py), so a carried
