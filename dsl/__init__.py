@@ -13,9 +13,9 @@ from dsl.core.blockspec import (BlockDim, BlockMapping, BlockSpec, Blocked,
                                 Buffered, Element, RevisitMode, Squeezed,
                                 squeezed)
 from dsl.core.compiler_params import CompilerParams
-from dsl.core.helpers import (align_to, broadcast_to, empty, empty_like,
-                              next_power_of_2, no_block_spec,
-                              strides_from_shape)
+from dsl.core.shape_helpers import (align_to, broadcast_to, empty,
+                                    empty_like, next_power_of_2,
+                                    no_block_spec, strides_from_shape)
 from dsl.core.semaphores import DeviceIdType
 from dsl.tpu.primitives import semaphore_read, semaphore_signal, semaphore_wait
 from dsl.core.errors import (BackendError, KernelCheckError,

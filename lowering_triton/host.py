@@ -23,12 +23,12 @@ from dsl.core import config
 from dsl.core.errors import BackendError, marked_jaxpr, source_info_frame
 from dsl.core.jaxpr_walk import LoweringHost, RuleContextBase, walk_jaxpr
 from dsl.core.ranges import KernelRanges
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren
-from lowering_triton.refs import MemRef, ValueRef, row_major_strides
+from lowering_triton.kernel_refs import MemRef, ValueRef, row_major_strides
 from lowering_triton.values import (MAX_NUMEL, TVal, full_expr, literal_value,
                                     numel, padded, py_literal)
-from lowering_triton.refs import Axis, emit_address
+from lowering_triton.kernel_refs import Axis, emit_address
 
 def source_text(frame: str | None) -> str:
   """`file.py:12: <the stripped source line>` for a `file:line` frame."""

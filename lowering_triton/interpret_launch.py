@@ -28,7 +28,8 @@ from dsl.core import config
 from dsl.core.errors import BackendError, KernelCheckError, KernelRuntimeError
 from dsl.core.kernel_layout import KernelLayout
 from dsl.core.poison import poison_value
-from lowering_triton import dtypes, interpret_memory, loader
+from lowering_triton import triton_dtypes as dtypes
+from lowering_triton import interpret_memory, loader
 from lowering_triton.check_values import fill_in
 from lowering_triton.kernel import GeneratedKernel, generate
 from lowering_triton.rules.reductions import NAN_REDUCTIONS

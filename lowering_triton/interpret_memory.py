@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 
 from dsl.core.poison import poison_value
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 
 
 class OutOfBounds(Exception):

@@ -23,7 +23,7 @@ from dsl.core.errors import BackendError
 from dsl.core.gridspec import KernelArgs
 from dsl.core.index_maps import reads_prefetch
 from dsl.core.ranges import analyze_kernel
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren, sanitize
 from lowering_triton.host import TritonHost
 from lowering_triton.grid import GridPlan, plan_grid
@@ -31,10 +31,10 @@ from lowering_triton.launch_config import launch_config
 from lowering_triton.naming import grid_names, operand_names
 from lowering_triton.peel import peel
 from lowering_triton.check_values import check_values_comment
-from lowering_triton.refs import Axis, MemRef, as_sym, row_major_strides
+from lowering_triton.kernel_refs import Axis, MemRef, as_sym, row_major_strides
 from lowering_triton.rules import TABLE
 from lowering_triton.values import TVal, literal_value, pow2
-from lowering_triton.refs import ValueRef
+from lowering_triton.kernel_refs import ValueRef
 from lowering_triton.rules.state import fresh_buffer
 from lowering_triton.rules.dot import default_matmul_precision
 

@@ -39,7 +39,7 @@ from dsl.core.jax_internals import core, state_indexing as indexing
 
 from dsl.core import primitives as dsl_primitives
 from dsl.core.operand_layout import eqn_ref_operands
-from lowering_triton.refs import MemRef, has_padding_or_bounds
+from lowering_triton.kernel_refs import MemRef, has_padding_or_bounds
 from lowering_triton.values import TVal
 
 MAX_BOX = 256          # elements per box dim

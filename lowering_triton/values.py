@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 
 
 def pow2(n: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks.suite.add import Add
 from benchmarks.suite.base import KernelBench, max_rel_err
-from benchmarks.suite.matmul import Matmul
+from benchmarks.suite.matmul_bench import Matmul
 from benchmarks.suite.newcomer import NEWCOMER
 from benchmarks.suite.rowwise import LayerNorm, Softmax
 

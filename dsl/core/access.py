@@ -23,7 +23,7 @@ analysis does not prove inside. Who asks:
   writes): a dim with an exit reads poison and writes nothing outside;
 - `dsl.transforms.window_checks` (run-time asserts on the interpret
   backend): a run-time exit gets a check;
-- `lowering_triton.refs.apply_indexer` and `lowering_triton.rules.state`:
+- `lowering_triton.kernel_refs.apply_indexer` and `lowering_triton.rules.state`:
   a run-time exit gets a mask (and a `tl.device_assert` with run-time
   asserts on), unless the range analysis proves that side inside.
 """

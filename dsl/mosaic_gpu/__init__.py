@@ -20,9 +20,9 @@ The interpret backend runs `plgpu.kernel`s on any platform
 primitives it has rules for (lowering_mosaic/gpu/mesh_kernel.py).
 """
 from dsl.core.semaphores import SemaphoreType
-from dsl.mosaic_gpu.collectives import (PeerMemRef, multimem_load_reduce,
-                                        multimem_store, remote_ref,
-                                        semaphore_signal_multicast)
+from dsl.mosaic_gpu.multi_device import (PeerMemRef, multimem_load_reduce,
+                                         multimem_store, remote_ref,
+                                         semaphore_signal_multicast)
 from dsl.mosaic_gpu.compiler_params import (CompilerParams, LoweringSemantics,
                                             TraceScope)
 from dsl.mosaic_gpu.compute import (broadcasted_iota, layout_cast, load,

@@ -8,7 +8,8 @@ each backend gives them their meaning (rules keyed by primitive):
 - "mosaic": `tpu.prng_set_seed_32` and `tpu.prng_random_bits`, the TPU's
   hardware generator (lowering_mosaic/tpu/rules/prng.py);
 - "mosaic_interpret": those two ops run by our interpreter, each device
-  keeping a key and a draw counter (lowering_mosaic/verification/interpreter/prng.py);
+  keeping a key and a draw counter
+  (lowering_mosaic/verification/interpreter/prng_ops.py);
 - "interpret": the state lives in an SMEM scratch that the backend puts
   around the kernel body before discharging it (dsl/tpu/prng_state.py).
 

@@ -9,7 +9,10 @@ hot loop (a select per element, a register tile of zeros).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
+from jax import lax
 
 from dsl.core.jax_internals import (ClosedJaxpr, close_jaxpr, core,
                                     linear_util as lu,
@@ -100,7 +103,10 @@ def simplify_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
   facts.zero |= {v for v, x in zip(jx.constvars, closed.consts)
                  if not isinstance(x, core.Tracer) and not np.any(x)}
   _scan(jx, facts)
-  if not facts.zero and not facts.alias:
+  defs = {v: e for e in jx.eqns for v in e.outvars}
+  divisions = {id(e): d for e in jx.eqns
+               if (d := _division_by_broadcast(e, defs)) is not None}
+  if not facts.zero and not facts.alias and not divisions:
     return closed
   zeros = {v: np.zeros(v.aval.shape, v.aval.dtype) for v in facts.zero}
 
@@ -119,13 +125,40 @@ def simplify_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
         continue
       params = eqn.primitive.get_bind_params(eqn.params)
       with source_info_util.user_context(eqn.source_info.traceback):
-        out = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
+        if id(eqn) in divisions:
+          small, shape = divisions[id(eqn)]
+          r = lax.div(np.ones((), small.aval.dtype), read(small))
+          out = read(eqn.invars[0]) * (r if shape is None
+                                       else lax.broadcast_in_dim(r, **shape))
+        else:
+          out = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
       env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results
                      else [out]))
     return [read(v) for v in jx.outvars]
   fn = lu.wrap_init(f, debug_info=jx.debug_info)
   new, _, consts = pe.trace_to_jaxpr_dynamic(fn, [v.aval for v in jx.invars])
   return close_jaxpr(_pruned(new), consts)
+
+
+def _division_by_broadcast(eqn, defs):
+  """(values, broadcast params or None) when `eqn` divides a float block
+  by at most half as many values broadcast over it (a row statistic): the
+  derived kernel divides once per value and multiplies per element instead
+  (the quotient within an ulp: transposed divisions are `ct / y`)."""
+  if eqn.primitive.name != "div":
+    return None
+  y, out = eqn.invars[1], eqn.outvars[0]
+  if (not isinstance(y, core.Var)
+      or not np.issubdtype(y.aval.dtype, np.floating)):
+    return None
+  small = lambda v: 2 * math.prod(v.aval.shape) <= math.prod(out.aval.shape)
+  if small(y):
+    return y, None
+  b = defs.get(y)
+  if (b is not None and b.primitive.name == "broadcast_in_dim"
+      and isinstance(b.invars[0], core.Var) and small(b.invars[0])):
+    return b.invars[0], b.primitive.get_bind_params(b.params)
+  return None
 
 
 def _pruned(jx):

@@ -42,7 +42,7 @@ from dsl.transforms.revisits import (every_step_new, first_visit,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 from dsl.transforms.synchronous_dmas import synchronous_dmas
-from dsl.transforms import prefetch_state, reductions
+from dsl.transforms import prefetch_state, reduction_transpose
 from dsl.transforms.dependencies import dependencies
 from dsl.transforms.points import (float_call, overhangs, transposed_point,
                                    zero_past_array)
@@ -530,10 +530,10 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   ct_outs = [jnp.asarray(c).astype(bm.array_aval.dtype) for c, bm in
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
   recorded = needs_entry_state(base) or any(written_prefetch(base))
-  red = None if any(written_prefetch(base)) else reductions.find(
+  red = None if any(written_prefetch(base)) else reduction_transpose.find(
       base, reads_state=recorded)
   if red is not None:
-    ct_ins = reductions.transpose(base, red, in_nz, primals, ct_outs)
+    ct_ins = reduction_transpose.transpose(base, red, in_nz, primals, ct_outs)
     return [None] * n_primals + [sharded_like(c, getattr(t, "aval", None))
                                  for c, t in zip(ct_ins, tangent_args)]
   rec = []

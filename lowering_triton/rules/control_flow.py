@@ -16,7 +16,7 @@ from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body
 from lowering_triton.rules import register
 from lowering_triton.values import TVal
 from lowering_triton.values import literal_value
-from lowering_triton.dtypes import tl_type
+from lowering_triton.triton_dtypes import tl_type
 
 
 def _typed(v) -> str:

@@ -16,7 +16,7 @@ from dsl.core.jax_internals import checkify as jax_checkify
 from dsl.core import checks
 from dsl.core import primitives as dsl_primitives
 from dsl.core.errors import source_info_frame
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.rules import register
 
 

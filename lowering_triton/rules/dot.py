@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.codegen import paren
-from lowering_triton.refs import bcast
+from lowering_triton.kernel_refs import bcast
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import reshape_value
 from lowering_triton.values import TVal, padded, pow2

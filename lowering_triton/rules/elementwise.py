@@ -13,7 +13,7 @@ from jax import lax
 from dsl.core.jax_internals import ad_util, custom_derivatives, lax_special
 
 from dsl.core.rule_helpers import power_by_squaring
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.rules import register
 from lowering_triton.values import TVal, full_expr, literal_value

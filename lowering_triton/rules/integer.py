@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from jax import lax
 
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.codegen import paren
 from lowering_triton.rules import register
 from lowering_triton.rules.elementwise import identity, result

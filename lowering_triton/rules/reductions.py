@@ -6,9 +6,9 @@ import numpy as np
 from jax import lax
 from dsl.core.jax_internals import lax_control_flow as lax_cf
 
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.codegen import paren
-from lowering_triton.refs import bcast
+from lowering_triton.kernel_refs import bcast
 from lowering_triton.rules import register
 from lowering_triton.values import TVal, padded, pow2, py_literal
 

@@ -15,9 +15,9 @@ import numpy as np
 from jax import lax
 from dsl.core.jax_internals import state_primitives
 
-from lowering_triton import dtypes
+from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.codegen import paren
-from lowering_triton.refs import bcast
+from lowering_triton.kernel_refs import bcast
 from lowering_triton.rules import register
 from lowering_triton.values import TVal, full_expr, padded, pow2
 

@@ -17,14 +17,15 @@ from dsl.core import ref_ops
 from dsl.core.poison import poison_value
 from dsl.core.errors import source_info_frame
 from dsl.core.operand_layout import ref_operands
-from lowering_triton import dtypes, tma
+from lowering_triton import triton_dtypes as dtypes
+from lowering_triton import tma
 from lowering_triton.check_values import check_values_comment
 from lowering_triton.codegen import paren
-from lowering_triton.refs import (MemRef, UnsupportedIndex, ValueRef,
-                                  apply_indexer, as_sym, bcast, emit_address,
-                                  has_padding_or_bounds, index_sym,
-                                  run_time_dims, with_proofs,
-                                  without_proven_wraps)
+from lowering_triton.kernel_refs import (MemRef, UnsupportedIndex, ValueRef,
+                                         apply_indexer, as_sym, bcast,
+                                         emit_address, has_padding_or_bounds,
+                                         index_sym, run_time_dims, with_proofs,
+                                         without_proven_wraps)
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
 from lowering_triton.values import TVal, full_expr, padded, py_literal

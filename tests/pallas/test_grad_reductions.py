@@ -1,5 +1,5 @@
 """Reverse mode of kernels that accumulate along a sequential grid dim
-(dsl/transforms/reductions.py): a matmul's backward pass is two matmul
+(dsl/transforms/reduction_transpose.py): a matmul's backward pass is two matmul
 kernels with reductions of their own, not a per-point transpose whose
 cotangents are summed outside the kernel."""
 import importlib
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from dsl.transforms import reductions
+from dsl.transforms import reduction_transpose
 from lowering_triton import aot
 from tests.pallas.testing import CPU_BACKENDS, matmul_call
 
@@ -56,7 +56,7 @@ def _decaying(x):
 
 def test_matmul_with_scratch_accumulator_is_a_reduction():
   x, y, b = _data((64, 64), (64, 64), (64,))
-  red = reductions.find(_spec(lambda x, y: mm.matmul_2d(
+  red = reduction_transpose.find(_spec(lambda x, y: mm.matmul_2d(
       x, y, backend="interpret", blocks=(32, 32, 16)), x, y))
   assert red is not None and red.dim == 2
   # The output is overwritten by the epilogue; the scratch carries `c`,
@@ -64,14 +64,14 @@ def test_matmul_with_scratch_accumulator_is_a_reduction():
   assert red.carried == (False, True) and red.identity == (None, 0)
   assert red.direct == ()
   assert red.const_dims == ((1,), (0,))
-  with_bias = reductions.find(_spec(lambda x, y, b: mm.matmul_2d(
+  with_bias = reduction_transpose.find(_spec(lambda x, y, b: mm.matmul_2d(
       x, y, b, backend="interpret", blocks=(32, 32, 16)), x, y, b))
   assert with_bias.direct == (2,)      # the bias: read by the epilogue only
 
 
 def test_output_accumulator_is_a_reduction():
   x, y = _data((16, 256), (256, 256))
-  red = reductions.find(_spec(
+  red = reduction_transpose.find(_spec(
       matmul_call(pl, None, 16, 256, 256, (8, 128, 128),
                   backend="interpret"), x, y))
   assert red is not None and red.carried == (True,)
@@ -80,7 +80,7 @@ def test_output_accumulator_is_a_reduction():
 
 def test_scaled_state_is_not_a_reduction_and_still_differentiates():
   (x,) = _data((8, 512))
-  assert reductions.find(_spec(_decaying, x)) is None
+  assert reduction_transpose.find(_spec(_decaying, x)) is None
 
   def want(x):
     acc = jnp.zeros((8, 128))

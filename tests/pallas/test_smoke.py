@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from benchmarks.suite.matmul import grid_k_kernel, loop_k_kernel
+from benchmarks.suite.matmul_bench import grid_k_kernel, loop_k_kernel
 from dsl.core import jax_internals
 from lowering_mosaic import to_mlir
 from lowering_triton.aot import compile_aot, to_source

@@ -13,7 +13,7 @@ from jax import lax
 import dsl as pl
 import lowering_triton
 from benchmarks.gpu_triton import make_matmul
-from benchmarks.suite.matmul import Matmul
+from benchmarks.suite.matmul_bench import Matmul
 from dsl.core import config as dsl_config
 from dsl import triton as plt
 from tests.pallas.testing import array, assert_close

@@ -39,7 +39,8 @@ from dsl.core import checks
 from dsl.core.kernel_layout import KernelLayout
 from dsl.core.output_revisits import FIX
 from lowering_mosaic import dialect
-from lowering_mosaic.verification.interpreter import (prng)  # noqa: F401  (its ops)
+# prng_ops registers the random generator's ops.
+from lowering_mosaic.verification.interpreter import prng_ops  # noqa: F401
 from lowering_mosaic.verification.interpreter.buffers import (Buffer, MemRef,
                                                               fresh_array,
                                                               poison_of,
