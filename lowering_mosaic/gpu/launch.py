@@ -14,7 +14,7 @@ from dsl.core.jax_internals import core, mlir
 from jax.experimental.mosaic.gpu import core as mgpu_core
 
 from dsl.core.errors import BackendError
-from lowering_mosaic.gpu import plgpu_model
+from lowering_mosaic.gpu import plgpu_promela
 from lowering_mosaic.gpu.kernel import GpuModule, build_gpu_module
 from lowering_mosaic.gpu.plan import GpuPlan
 from lowering_mosaic.gpu.mesh_kernel import build_mesh_module, is_mesh_kernel
@@ -33,7 +33,7 @@ def dump_gpu_module(spec, built: GpuModule) -> str | None:
   """Writes the dialect-level module and the lowered one to
   `jax_pallas_dump_mlir_to` if set; returns the first path. (A
   `plgpu.kernel`'s protocol model goes to `jax_pallas_dump_promela_to`.)"""
-  plgpu_model.maybe_dump(spec)
+  plgpu_promela.maybe_dump(spec)
   directory = config.dump_mlir_to()
   if not directory:
     return None

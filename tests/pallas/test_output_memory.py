@@ -105,8 +105,10 @@ def test_the_tpu_kernel_starts_the_block_from_the_aliased_input():
   f = lambda x: _aliased(pl, x, x, (8, 128), (2, 2), backend="mosaic")
   (call,) = mosaic_golden.lower_tpu(f, x)
   # one more operand (the aliased input, blocked as the output), copied
-  # into the output block under the first visit's condition
-  assert "scf.if" in call.module
+  # into the output block at the first visit of each block: every step of
+  # this grid visits a new block, which is decided at trace time, so the
+  # copy is unconditional
+  assert "scf.if" not in call.module
   args = call.module.split("func.func @")[1].split("{", 1)[0]
   assert args.count("memref<8x128xf32") == 4, args
 

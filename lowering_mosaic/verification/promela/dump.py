@@ -6,31 +6,15 @@ each model it checks; it costs nothing when the option is unset.
 """
 from __future__ import annotations
 
-import hashlib
-import os
-import re
 import warnings
 from typing import Optional
 from dsl.core import config
+from lowering_mosaic.model_files import write_model
 from lowering_mosaic.verification.promela.builder import to_promela
-
-
-def _safe(name: str) -> str:
-  return re.sub(r"[^A-Za-z0-9_.-]+", "_", name) or "kernel"
 
 
 def dump_directory() -> str:
   return config.dump_promela_to()
-
-
-def write_model(text: str, kernel_name: str, directory: str) -> str:
-  """Writes DIR/<kernel name>-<8 hex digits of the text's sha1>.pml."""
-  os.makedirs(directory, exist_ok=True)
-  digest = hashlib.sha1(text.encode()).hexdigest()[:8]
-  path = os.path.join(directory, f"{_safe(kernel_name)}-{digest}.pml")
-  with open(path, "w") as fh:
-    fh.write(text)
-  return path
 
 
 def kernel_name_of(module) -> str:
