@@ -279,11 +279,20 @@ def test_cumulative_ops_and_their_jvp(op, backend):
   and their jvp, along both axes."""
   x = jnp.asarray(np.random.default_rng(1).uniform(0.5, 1.5, (8, 128)),
                   jnp.float32)
+  t = jnp.cos(x)
   for axis, reverse in [(0, False), (1, True)]:
     fn = functools.partial(op, axis=axis, reverse=reverse)
     f = _value_op_call(fn, x.shape, backend)
-    np.testing.assert_allclose(f(x), fn(x), rtol=1e-5, atol=1e-5)
-    t = jnp.cos(x)
-    np.testing.assert_allclose(jax.jvp(f, (x,), (t,))[1],
-                               jax.jvp(fn, (x,), (t,))[1], rtol=1e-4,
-                               atol=1e-4)
+    # The reference jitted: eager, its jvp compiles each op of the scan.
+    want, want_dot = _jitted_jvp(op, axis, reverse)(x, t)
+    np.testing.assert_allclose(f(x), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jvp(f, (x,), (t,))[1], want_dot,
+                               rtol=1e-4, atol=1e-4)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_jvp(op, axis, reverse):
+  """(op(x), its jvp along t) as one jitted reference, one per op and
+  direction in the process."""
+  fn = functools.partial(op, axis=axis, reverse=reverse)
+  return jax.jit(lambda x, t: jax.jvp(fn, (x,), (t,)))
