@@ -417,7 +417,7 @@ def _accumulating(spec, red, const, ks, primals, feed_args, recs):
   put along grid dims `const`: its grid visits those dims innermost and
   accumulates each block in scratch over them."""
   gm = spec.grid_mapping
-  grid, n, d, n_out = gm.grid, len(gm.grid), red.dim, gm.num_outputs
+  grid, n, n_out = gm.grid, len(gm.grid), gm.num_outputs
   perm = [e for e in range(n) if e not in const] + list(const)
   grid_perm = tuple(grid[e] for e in perm)
   inner = list(range(n - len(const), n))
@@ -457,38 +457,12 @@ def _accumulating(spec, red, const, ks, primals, feed_args, recs):
       for r, c in zip(out_refs, ct_tin):
         r[...] = c.reshape(r.shape).astype(r.dtype)
       return
-    # `program_id(p) == 0` as such: the grid plan reads it as the reset of
-    # an accumulator, so the outer dims stay parallel.
-    first = raw[inner[0]] == 0
-    last = raw[inner[0]] == grid_perm[inner[0]] - 1
-    for p in inner[1:]:
-      first = first & (raw[p] == 0)
-      last = last & (raw[p] == grid_perm[p] - 1)
-
-    @when(first)
-    def _():
-      for a in acc_refs:
-        a[...] = jnp.zeros(a.shape, a.dtype)
-    for a, c in zip(acc_refs, ct_tin):
-      a[...] += c.reshape(a.shape).astype(a.dtype)
-
-    @when(last)
-    def _():
-      for r, a in zip(out_refs, acc_refs):
-        r[...] = a[...].astype(r.dtype)
+    _accumulate_over(raw, inner, grid_perm, acc_refs, out_refs, ct_tin)
 
   spec_of = lambda bm: block_spec_of(bm, n, to_orig)
-  drop_d = lambda raw: [i for e, i in enumerate(to_orig(raw)) if e != d]
-  feed_specs = []
-  for a, c, j in zip(shapes, red.carried, red.identity):
-    if c:
-      feed_specs.append(spec_of(gm.out_mappings[j]) if j is not None
-                        else per_point_spec(a.shape, n, drop_d, n_lead=n - 1))
   args = [sds(bm.array_aval) for bm in gm.in_mappings] + [
       jax.ShapeDtypeStruct(x.shape, x.dtype) for x in feed_args + recs]
-  in_specs = ([spec_of(bm) for bm in gm.in_mappings] + feed_specs
-              + [per_point_spec(a.shape, n, drop_d, n_lead=n - 1)
-                 for a in shapes][:len(recs)])
+  in_specs = _accumulating_in_specs(gm, red, to_orig, len(recs))
   scratch = ([jax.ShapeDtypeStruct(bm.kernel_shape, t)
               for bm, t in zip(maps, acc_dtypes)] if inner else [])
   semantics = ["parallel"] * (n - len(const)) + ["arbitrary"] * len(const)
@@ -501,6 +475,46 @@ def _accumulating(spec, red, const, ks, primals, feed_args, recs):
   acc = acc.replace(jaxpr=simplify_closed(acc.jaxpr))
   outs = pallas_call_p.bind(*primals, *feed_args, *recs, spec=acc)
   return [zero_unvisited(c, bm, grid) for c, bm in zip(outs, maps)]
+
+
+def _accumulate_over(raw, inner, grid, acc_refs, out_refs, contributions):
+  """Adds `contributions` into the scratch accumulators, zeroed at the
+  first step of the `inner` grid dims and written out at their last."""
+  # `program_id(p) == 0` as such: the grid plan reads it as the reset of
+  # an accumulator, so the outer dims stay parallel.
+  first = raw[inner[0]] == 0
+  last = raw[inner[0]] == grid[inner[0]] - 1
+  for p in inner[1:]:
+    first = first & (raw[p] == 0)
+    last = last & (raw[p] == grid[p] - 1)
+
+  @when(first)
+  def _():
+    for a in acc_refs:
+      a[...] = jnp.zeros(a.shape, a.dtype)
+  for a, c in zip(acc_refs, contributions):
+    a[...] += c.reshape(a.shape).astype(a.dtype)
+
+  @when(last)
+  def _():
+    for r, a in zip(out_refs, acc_refs):
+      r[...] = a[...].astype(r.dtype)
+
+
+def _accumulating_in_specs(gm, red, to_orig, n_recs):
+  """The accumulating kernel's input specs: the kernel's inputs, the
+  carried states' cotangents (an output's, or `c` per reduction) and the
+  recorded states (per reduction), for the grid whose ids `to_orig` maps
+  back."""
+  n, d = len(gm.grid), red.dim
+  spec_of = lambda bm: block_spec_of(bm, n, to_orig)
+  drop_d = lambda raw: [i for e, i in enumerate(to_orig(raw)) if e != d]
+  per_reduction = lambda a: per_point_spec(a.shape, n, drop_d, n_lead=n - 1)
+  shapes = _state_shapes(gm)
+  feeds = [spec_of(gm.out_mappings[j]) if j is not None else per_reduction(a)
+           for a, c, j in zip(shapes, red.carried, red.identity) if c]
+  return ([spec_of(bm) for bm in gm.in_mappings] + feeds
+          + [per_reduction(a) for a in shapes][:n_recs])
 
 
 def transpose(spec: KernelSpec, red: Reduction, in_nz, primals, ct_outs):

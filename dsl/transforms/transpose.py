@@ -112,6 +112,17 @@ def _state_refs(gm):
   return avals, [not is_semaphore(a) for a in avals]
 
 
+def _record(rec, states, firsts):
+  """Saves each state into its record (zeros at a first visit, `firsts`:
+  True, a traced bool, or None for never)."""
+  for r, s, first in zip(rec, states, firsts):
+    if first is True:
+      r[...] = jnp.zeros(s.shape, s.dtype)
+    else:
+      r[...] = s[...] if first is None else jnp.where(
+          first, jnp.zeros(s.shape, s.dtype), s[...])
+
+
 def _recording_spec(spec: KernelSpec) -> KernelSpec:
   """The forward kernel, also saving every point's entry out/scratch blocks."""
   gm = spec.grid_mapping
@@ -139,14 +150,6 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
   layout = gm.ref_layout().insert("outputs", records=len(state_avals),
                                   pf_records=len(pf_avals))
 
-  def record(rec, states, firsts):
-    for r, s, first in zip(rec, states, firsts):
-      if first is True:
-        r[...] = jnp.zeros(s.shape, s.dtype)
-      else:
-        r[...] = s[...] if first is None else jnp.where(
-            first, jnp.zeros(s.shape, s.dtype), s[...])
-
   def body(*refs):
     # refs: the kernel's prefetch, inputs and outputs, the records, scratch.
     ids = [program_id(d) for d in range(n_grid)]
@@ -164,7 +167,7 @@ def _recording_spec(spec: KernelSpec) -> KernelSpec:
     firsts = [None if bm is None else first_visit(
         bm, gm.grid, ids, lambda i: i, pf_refs) for bm in fresh]
     with_vmem_copies(states, [True] * len(states), [False] * len(states),
-                     lambda *s: record(parts.records, s, firsts))
+                     lambda *s: _record(parts.records, s, firsts))
     copied = [k for k, bm in enumerate(gm.in_mappings) if overhangs(bm)]
     if not copied:
       eval_ref_jaxpr(replayed, *ids, *pf_refs, *in_refs, *parts.outputs,
@@ -428,13 +431,9 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     outs_e, scr_e, pf = _entry_state(gm, rec_refs if recorded else None, ids,
                                      pf_refs, written)
     transposed = transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
-    ct_out_first = [f for f, keep in zip(out_first, out_f) if keep]
-    outs_now = iter(ct_out_refs)
-    ct_out_now = [_garbage_free_at(
-        first, (lambda r=next(outs_now): r[...]) if flow else None,
-        lambda r_in=r_in: r_in[...], bm, ids, pf_refs)
-        for r_in, first, bm, flow in zip(ct_out_in, ct_out_first,
-                                         ct_out_maps, flows)]
+    ct_out_now = _ct_outs_now(ct_out_refs, ct_out_in, [
+        f for f, keep in zip(out_first, out_f) if keep], ct_out_maps, flows,
+        ids, pf_refs)
     ct_scr_now = [r[...] for r in ct_scr_refs]
     ct_tin, ct_tout, ct_tscr = transposed((ct_out_now, ct_scr_now))
     for r, c, kind, first in zip(ct_in_refs, ct_tin, kinds, in_first):
@@ -455,6 +454,17 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     new = new.replace(compiler_params=all_arbitrary(new.compiler_params))
   return (new.replace(jaxpr=simplify_closed(restore_reads(new.jaxpr))),
           kinds, flows)
+
+
+def _ct_outs_now(ct_out_refs, ct_out_in, firsts, maps, flows, ids, pf_refs):
+  """The output cotangents flowing into a transposed step: at the first of
+  a run of visits the aliased input's block, else what the step before
+  wrote into the output (`ct_out_refs`, one per output that `flows`)."""
+  outs_now = iter(ct_out_refs)
+  return [_garbage_free_at(
+      first, (lambda r=next(outs_now): r[...]) if flow else None,
+      lambda r_in=r_in: r_in[...], bm, ids, pf_refs)
+      for r_in, first, bm, flow in zip(ct_out_in, firsts, maps, flows)]
 
 
 def _ct_out_flows(spec, rev, out_f) -> tuple[bool, ...]:
