@@ -332,6 +332,7 @@ def _generate(spec, tensor_descriptors: bool = True) -> GeneratedKernel:
   lowering = TritonHost(spec.name, spec.where, names, buf, TABLE, spec.jaxpr,
                       analyze_kernel(spec))
   lowering.tensor_descriptors = tensor_descriptors
+  lowering.num_warps = launch_config(spec)[0]
   with buf.indent():
     _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids)
   lowering.drop_needless_barriers()
