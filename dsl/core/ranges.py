@@ -298,7 +298,7 @@ class _Context:
     `bind`; the equation computing it, None for an input)."""
     while var in self.host.aliases:
       var = self.host.aliases[var]
-    self.producers                      # noqa: B018 - fills host.defs
+    self.host.producers(self.jaxpr)     # the eqn's own jaxpr, into defs
     return var, self.host.defs.get(var)
 
   def escape(self, args) -> None:
