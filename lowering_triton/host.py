@@ -25,6 +25,7 @@ from dsl.core.jaxpr_walk import LoweringHost, RuleContextBase, walk_jaxpr
 from dsl.core.ranges import KernelRanges
 from lowering_triton import triton_dtypes as dtypes
 from lowering_triton.codegen import CodeBuffer, Names, paren
+from lowering_triton.launch_config import DEFAULT_NUM_WARPS
 from lowering_triton.kernel_refs import MemRef, ValueRef, row_major_strides
 from lowering_triton.values import (MAX_NUMEL, TVal, full_expr, literal_value,
                                     numel, padded, py_literal)
@@ -109,6 +110,7 @@ class TritonHost(LoweringHost):
     # kernel makes at its top: (pointer, box) -> (name, source) (tma.py).
     self.loop_depth = 0
     self.tensor_descriptors = True
+    self.num_warps = DEFAULT_NUM_WARPS    # of the launch (the kernel's config)
     self.descriptors: dict[tuple, tuple[str, str]] = {}
     self._producers: dict[int, dict] = {}   # id(jaxpr) -> var -> eqn
 

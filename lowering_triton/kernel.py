@@ -329,9 +329,11 @@ def _generate(spec, tensor_descriptors: bool = True) -> GeneratedKernel:
   grid_ids = grid_names(spec, names)
   params, ptrs = _pointer_params(gm, stems, names)
   buf = CodeBuffer()
+  num_warps, num_stages = launch_config(spec)
   lowering = TritonHost(spec.name, spec.where, names, buf, TABLE, spec.jaxpr,
                       analyze_kernel(spec))
   lowering.tensor_descriptors = tensor_descriptors
+  lowering.num_warps = num_warps
   with buf.indent():
     _emit_kernel_body(lowering, spec, plan, stems, ptrs, grid_ids)
   lowering.drop_needless_barriers()
@@ -351,7 +353,6 @@ def _generate(spec, tensor_descriptors: bool = True) -> GeneratedKernel:
   ordered = ([p for p in params if p.kind in ("prefetch", "input")] +
              const_params + [p for p in params if p.kind == "output"])
   cp = spec.compiler_params
-  num_warps, num_stages = launch_config(spec)
   num_ctas = getattr(cp, "num_ctas", None) or 1
   fp_fusion = getattr(cp, "enable_fp_fusion", True)
   if fp_fusion is None:

@@ -369,9 +369,10 @@ def _limits(coord: str, ref: MemRef, dim: int) -> list[str]:
 
 
 def _emit_coordinates(ctx, ref: MemRef, j: int, ax: Axis, b: str,
-                      clamped: list) -> str:
-  """Binds the array coordinates of axis `j` (placed in the result by `b`)
-  and returns their name; a clamp's check goes to `clamped`."""
+                      clamped: list) -> tuple[str, str]:
+  """Binds the array coordinates of axis `j` (placed in the result by `b`);
+  returns their name and the lanes they add to the axis's start (their
+  offset from it, in steps). A clamp's check goes to `clamped`."""
   lanes = ax.lanes or f"tl.arange(0, {pow2(ax.size)})"
   if ax.wrap is not None:
     lanes = (f"tl.where({paren(lanes)} < 0, {paren(lanes)} + {ax.wrap}, "
@@ -379,12 +380,70 @@ def _emit_coordinates(ctx, ref: MemRef, j: int, ax: Axis, b: str,
   if ax.clamp_to is not None:
     raw = ctx.bind_raw(lanes, f"{ref.base}_index")
     lanes = f"tl.minimum(tl.maximum({raw}, 0), {ax.clamp_to - 1})"
-    clamped.append(f"({raw}{b} >= 0) & ({raw}{b} < {ax.clamp_to})")
+    if (ax.start, ax.step) != (0, 1):
+      lanes = ctx.bind_raw(lanes, f"{ref.base}_lanes")
   coord = str(sym_add(ax.start, lanes if ax.step == 1 else
                       f"{paren(lanes)} * {ax.step}"))
   if ref.wide:
     coord = f"({coord}).to(tl.int64)"
-  return ctx.bind_raw(coord, f"{ref.base}_{_axis_word(j, len(ref.axes))}")
+  name = ctx.bind_raw(coord, f"{ref.base}_{_axis_word(j, len(ref.axes))}")
+  return name, (name if (ax.start, ax.step) == (0, 1) else lanes)
+
+
+def _lane_bound(ax: Axis) -> int | None:
+  """The largest lane an axis adds to its start (in steps), when it is
+  known when the kernel is generated: a range's last lane, or the last
+  index a gather clamps to; None for indices from data left unclamped."""
+  if ax.lanes is None:
+    return pow2(ax.size) - 1
+  return ax.clamp_to - 1 if ax.clamp_to is not None else None
+
+
+# The most bytes of a tile per thread whose offsets are summed in int32: a
+# vector of 16 bytes per load or store instruction, 4 of them.
+SUMMED_BYTES_PER_THREAD = 64
+
+
+class _Offsets:
+  """The terms of an address, in the order they are added to the pointer:
+  scalars first (the block's and window's starts, fixed coordinates: one
+  pointer for the whole tile), then tensor terms of coordinates not bounded
+  when the kernel is generated, then the lanes' offsets.
+
+  The lanes' offsets are summed in int32 before the one pointer addition
+  (Pallas's form) where the sum provably fits (each lane's largest offset
+  is known) and a thread holds at most `SUMMED_BYTES_PER_THREAD` of the
+  tile: a few 32-bit offsets live in fewer registers than 64-bit partial
+  pointers, but a thread holding many vectors of a tile reaches them from
+  one pointer with constant displacements through separate pointer
+  additions, which a sign-extended int32 sum per element hides (float32
+  softmax rows of 16 x 1024 on 8 warps: 97-99 registers instead of 80)."""
+
+  def __init__(self):
+    self.scalars, self.tensors, self.lanes, self.lane_bound = [], [], [], 0
+
+  def add_axis(self, ref: MemRef, ax: Axis, name: str, lane: str, b: str):
+    stride = ref.strides[ax.dim]
+    bound = _lane_bound(ax)
+    if ref.wide or bound is None:
+      self.tensors.append(f"{name}{b}" + (f" * {stride}" if stride != 1
+                                          else ""))
+      return
+    self.add_scalar(sym_mul(ax.start, stride))
+    m = ax.step * stride
+    self.lanes.append(f"{paren(lane)}{b}" + (f" * {m}" if m != 1 else ""))
+    self.lane_bound += bound * abs(m)
+
+  def add_scalar(self, term: Sym):
+    if term != 0:
+      self.scalars.append(str(term))
+
+  def pointer(self, ptr: str, bytes_per_thread: float) -> str:
+    lanes = self.lanes
+    if (len(lanes) > 1 and self.lane_bound < 2 ** 31
+        and bytes_per_thread <= SUMMED_BYTES_PER_THREAD):
+      lanes = [f"({' + '.join(lanes)})"]
+    return " + ".join([ptr] + self.scalars + self.tensors + lanes)
 
 
 def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
@@ -398,7 +457,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
   instead.
   """
   rank = len(ref.shape)
-  terms, masks, inside, clamped = [], [], [], []
+  offsets, masks, inside, clamped = _Offsets(), [], [], []
   at = 0                      # the result dims of the axis (and riders)
   for j, ax in enumerate(ref.axes):
     if not ax.rides:
@@ -407,9 +466,8 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
       masks += [f"tl.arange(0, {pow2(n)}){bcast(pos + i, rank)} < {n}"
                 for i, n in enumerate(ax.out_shape) if pow2(n) != n]
     b = place(pos, k, rank)
-    name = _emit_coordinates(ctx, ref, j, ax, b, clamped)
-    stride = ref.strides[ax.dim]
-    terms.append(f"{name}{b}" + (f" * {stride}" if stride != 1 else ""))
+    name, lane = _emit_coordinates(ctx, ref, j, ax, b, clamped)
+    offsets.add_axis(ref, ax, name, lane, b)
     n = ref.array_shape[ax.dim]
     masks += _bounds(f"{name}{b}", n, ref.check_upper[ax.dim],
                      ref.check_lower[ax.dim])
@@ -417,17 +475,18 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
     inside += _limits(f"{name}{b}", ref, ax.dim)
   for d, c in ref.fixed:
     if isinstance(c, int):
-      if c:
-        terms.append(str(c * ref.strides[d]))
+      offsets.add_scalar(c * ref.strides[d])
     else:
       c_expr = f"({c}).to(tl.int64)" if ref.wide else paren(c)
-      terms.append(c_expr + (f" * {ref.strides[d]}" if ref.strides[d] != 1
-                             else ""))
+      offsets.add_scalar(c_expr + (f" * {ref.strides[d]}"
+                                   if ref.strides[d] != 1 else ""))
       n = ref.array_shape[d]
       masks += _bounds(paren(c), n, ref.check_upper[d], ref.check_lower[d])
       inside += _bounds(paren(c), n, *ref.inside_masks(d))
       inside += _limits(paren(c), ref, d)
-  ptr = ref.ptr if not terms else f"{ref.ptr} + " + " + ".join(terms)
+  threads = 32 * getattr(ctx, "host", ctx).num_warps
+  ptr = offsets.pointer(ref.ptr, math.prod(ref.padded_shape)
+                        * ref.dtype.itemsize / threads)
   masks.extend(ref.valid)
   if extra_mask is not None:
     masks.append(extra_mask)

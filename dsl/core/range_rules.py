@@ -62,12 +62,70 @@ def _binary(fn):
   return rule
 
 
-for _p, _fn in ((lax.add_p, operator.add), (lax.sub_p, operator.sub),
+for _p, _fn in ((lax.add_p, operator.add),
                 (lax.mul_p, operator.mul), (lax.div_p, iv.div),
                 (lax.rem_p, iv.rem), (lax.max_p, iv.maximum),
                 (lax.min_p, iv.minimum), (lax.and_p, iv.bitwise_and),
                 (lax.or_p, iv.bitwise_or)):
   RANGE_RULES.register(_p)(_binary(_fn))
+
+@RANGE_RULES.register(lax.sub_p)
+def _sub(ctx, a, b):
+  """`a - b`, narrowed by what relates `a` to `b`: `a = min(x, b + k)`
+  (`k` a literal, `b + k` not wrapping) gives `a - b <= k` whatever `x`
+  is, and `a = max(x, b + k)` gives `a - b >= k`; an interval of `a` and
+  one of `b` alone cannot see it (`cdiv(min(n, s + p) - s, p)`, the trip
+  count of a loop over one split of `p` items starting at `s`, is at
+  most 1)."""
+  if a is None or b is None:
+    return ctx.top()
+  plain = a - b
+  found = _relation(ctx, *ctx.eqn.invars, b)
+  if found is not None:
+    above, k = found
+    lo, hi = (plain.lo, min(plain.hi, k)) if above else (max(plain.lo, k),
+                                                         plain.hi)
+    if lo <= hi:
+      plain = Interval(lo, hi)
+  return fit(plain, ctx.dtype())
+
+
+def _relation(ctx, a_var, b_var, b: Interval) -> tuple[bool, int] | None:
+  """(True, k) when `a_var = min(x, b_var + k)`, (False, k) when it is
+  `max(x, b_var + k)`, with `b_var + k` not wrapping around."""
+  if not isinstance(a_var, core.Var) or not isinstance(b_var, core.Var):
+    return None
+  _, eqn = ctx.definition(a_var)
+  if eqn is None or eqn.primitive not in (lax.min_p, lax.max_p):
+    return None
+  root, _ = ctx.definition(b_var)
+  for y in eqn.invars:
+    k = _offset_from(ctx, y, root)
+    if k is not None and fit(b + Interval.const(k), ctx.dtype()) == \
+        b + Interval.const(k):
+      return eqn.primitive is lax.min_p, k
+  return None
+
+
+def _offset_from(ctx, y, root) -> int | None:
+  """k when `y` is `root + k` (or `root - k`) for a literal k, 0 when it is
+  `root` itself."""
+  if not isinstance(y, core.Var):
+    return None
+  y_root, eqn = ctx.definition(y)
+  if y_root is root:
+    return 0
+  if eqn is None or eqn.primitive not in (lax.add_p, lax.sub_p):
+    return None
+  p, q = eqn.invars
+  orders = [(p, q)] + ([(q, p)] if eqn.primitive is lax.add_p else [])
+  for var, lit in orders:
+    k = _literal_int(lit)
+    if isinstance(var, core.Var) and k is not None and \
+        ctx.definition(var)[0] is root:
+      return k if eqn.primitive is lax.add_p else -k
+  return None
+
 
 for _p in (lax.lt_p, lax.le_p, lax.gt_p, lax.ge_p, lax.eq_p, lax.ne_p):
   RANGE_RULES.register(_p)(_binary(functools.partial(iv.compare, _p.name)))
@@ -258,6 +316,8 @@ def _cond(ctx, index, *ops, branches, **params):
   n = len(branches)
   lo, hi = (0, n - 1) if index is None else (
       min(max(index.lo, 0), n - 1), min(max(index.hi, 0), n - 1))
+  for branch in branches:
+    ctx.bind(branch.jaxpr.invars, ctx.eqn.invars[1:])
   outs = [ctx.walk_closed(branches[k], ops) for k in range(lo, hi + 1)]
   return [join(vals) for vals in zip(*outs)]
 

@@ -286,6 +286,21 @@ class _Context:
         return
     self.host.result.record(self.eqn, Access.of(ref, ref_dims), reads)
 
+  def bind(self, inner, outer) -> None:
+    """Notes that the variables `inner` of a jaxpr this eqn runs (a
+    branch) hold the values of this eqn's atoms `outer` while it runs."""
+    self.host.producers(self.jaxpr)
+    self.host.aliases.update((i, o) for i, o in zip(inner, outer)
+                             if isinstance(o, core.Var))
+
+  def definition(self, var):
+    """(the variable `var` holds the value of, across the jaxprs bound by
+    `bind`; the equation computing it, None for an input)."""
+    while var in self.host.aliases:
+      var = self.host.aliases[var]
+    self.host.producers(self.jaxpr)     # the eqn's own jaxpr, into defs
+    return var, self.host.defs.get(var)
+
   def escape(self, args) -> None:
     """Notes the refs among `args`: something the analysis does not follow
     happens to them."""
@@ -319,6 +334,8 @@ class _RangeHost(LoweringHost):
     self.kernel, self.where = kernel, where
     self.result = KernelRanges()
     self._producers: dict = {}
+    self.defs: dict = {}        # variable -> its equation, every jaxpr seen
+    self.aliases: dict = {}     # a branch's input -> the atom bound to it
 
   def literal(self, atom):
     return _concrete_interval(atom.val)
@@ -337,6 +354,7 @@ class _RangeHost(LoweringHost):
       hit = self._producers[id(jaxpr)] = (jaxpr, {
           v: e for e in (jaxpr.eqns if jaxpr is not None else ())
           for v in e.outvars})
+      self.defs.update(hit[1])
     return hit[1]
 
   def error(self, message, eqn=None):

@@ -15,28 +15,7 @@ import pytest
 from tests.pallas import pallas_ops_ptx, perf_contracts
 from tests.pallas.pallas_ops_ptx import CASES
 
-_PREPROCESS = ("52 registers where Pallas's has 34 (9 programs per SM "
-               "against 12), for Triton GPU IR that differs only in the "
-               "bf16 product (dsl computes it in float32 and rounds: the "
-               "same numbers) and in the address arithmetic (dsl adds each "
-               "term to the pointer, Pallas sums the offsets in int32 "
-               "first). Summing them as Pallas does, the block's scalar "
-               "offsets first, gives 34 here but costs programs per SM in "
-               "float32 softmax and layer norm on this release and 168 "
-               "registers instead of 78 in the derived matmul's recording "
-               "kernel on both, so dsl keeps its form")
-_PAGED_REGISTERS = ("72 registers where Pallas's has 64 (3 programs per SM "
-                    "against 4): the block table's window `pl.ds(start_k * "
-                    "2, 2)` stays masked, since the interval analysis cannot "
-                    "prove its loop (of (min(d, 2 * p + 2) - 2 * p + 1) // 2 "
-                    "steps) runs once; without that mask and with the "
-                    "offsets summed in int32, as Pallas's, it compiles to 64")
-KNOWN_BY_RELEASE: dict[str, dict[tuple[str, str], str]] = {
-    "3.9": {("paged_attention.short",
-             CASES["paged_attention.short"].kernels[0]): _PAGED_REGISTERS},
-    "3.6": {(case, "mha_preprocess_backward"): _PREPROCESS
-            for case in ("attention.bwd", "attention.causal.bwd")},
-}
+KNOWN_BY_RELEASE: dict[str, dict[tuple[str, str], str]] = {}   # none today
 KNOWN = KNOWN_BY_RELEASE.get(perf_contracts.triton_release(), {})
 
 

@@ -379,3 +379,39 @@ def test_indices_under_a_mask_lie_inside_its_bound(i, lo, hi):
   kept = np.asarray(cols)[np.asarray(mask)]
   if kept.size:
     assert bound.lo <= kept.min() and kept.max() <= bound.hi
+
+
+# ------------------------------------------------------ relational facts
+
+def test_min_with_a_value_plus_k_minus_that_value_is_at_most_k():
+  """`min(n, s + 2) - s <= 2` whatever n is (and `max(n, s - 3) - s >=
+  -3`), in a cond's branch too: so `cdiv(min(n, s + 2) - s, 2)`, the trip
+  count of a loop over one split of 2 pages starting at s (Pallas's paged
+  attention), is at most 1; every concrete value stays inside."""
+  def fn(s, n):
+    end = jnp.minimum(n, s + 2)
+    trips = lax.cond(s >= end, lambda a, b: a * 0,
+                     lambda a, b: pl.cdiv(b - a, 2), s, end)
+    return end - s, jnp.maximum(n, s - 3) - s, trips
+  closed = jax.make_jaxpr(fn)(I32(0), I32(0))
+  got = ranges.analyze_jaxpr(closed, [Interval(0, 30), Interval(0, 2 ** 20)])
+  assert got[0] == Interval(-30, 2) and got[1] == Interval(-3, 2 ** 20)
+  assert got[2].hi == 1
+  s, n = _points(31, 40)
+  for values, interval in zip(_concrete(closed, s, n * 7), got):
+    _assert_inside(values, interval)
+
+
+def test_no_relation_between_other_values_or_across_a_wrap():
+  """`min(n, t + 2) - s` (t is not s) keeps the interval of its operands;
+  so does `min(n, s + 2) - s` where `s + 2` may wrap around."""
+  closed = jax.make_jaxpr(
+      lambda s, t, n: jnp.minimum(n, t + 2) - s)(I32(0), I32(0), I32(0))
+  got = ranges.analyze_jaxpr(closed, [Interval(0, 30), Interval(0, 30),
+                                      Interval(0, 100)])
+  assert got == [Interval(-30, 32)]          # not 2
+  closed = jax.make_jaxpr(
+      lambda s, n: jnp.minimum(n, s + 2) - s)(I32(0), I32(0))
+  top = 2 ** 31 - 1
+  got = ranges.analyze_jaxpr(closed, [Interval(0, top), Interval(0, 100)])
+  assert got == [iv.dtype_range(np.int32)]

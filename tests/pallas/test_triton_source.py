@@ -51,6 +51,35 @@ def test_source_is_one_readable_triton_function():
   compile(src, "<generated>", "exec")            # valid Python
 
 
+def _row_blocks_copy(x, rows, backend=None):
+  spec = pl.BlockSpec((rows, x.shape[1]), lambda i: (i, 0))
+  return pl.pallas_call(
+      lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...]),
+      jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(x.shape[0] // rows,),
+      in_specs=[spec], out_specs=spec, backend=backend,
+      compiler_params=plt.CompilerParams(num_warps=4))(x)
+
+
+@pytest.mark.parametrize("rows,cols,dtype,summed", [
+    (16, 128, jnp.bfloat16, True),      # 32 bytes of the tile per thread
+    (64, 1024, jnp.float32, False),     # 2 KiB per thread
+])
+def test_tile_offsets_are_summed_in_int32_where_a_thread_holds_few_vectors(
+    rows, cols, dtype, summed):
+  """The block's start goes first, one pointer for the tile; the lanes'
+  offsets are summed in int32 (as Pallas sums them) when a thread holds at
+  most 64 bytes of the tile, else added to the pointer one by one (its
+  vectors then lie at constant displacements from one pointer). Both
+  forms read and write the same elements."""
+  x = (jnp.arange(4 * rows * cols) % 251).reshape(4 * rows, cols).astype(dtype)
+  (src,) = lowering_triton.to_source(lambda x: _row_blocks_copy(x, rows), x)
+  lanes = f"tl.arange(0, {rows})[:, None] * {cols} + x_cols[None, :]"
+  start = f"tl.load(x_ptr + x_start0 * {cols} + "
+  assert (start + f"({lanes}))" if summed else start + lanes + ")") in src
+  out = _row_blocks_copy(x, rows, backend="triton_interpret")
+  assert_close(out, x)
+
+
 def test_source_comments_point_at_each_user_line():
   def kernel(x_ref, o_ref):
     a = x_ref[...] * 2.0        # LINE-A
