@@ -380,6 +380,7 @@ def _emit_coordinates(ctx, ref: MemRef, j: int, ax: Axis, b: str,
   if ax.clamp_to is not None:
     raw = ctx.bind_raw(lanes, f"{ref.base}_index")
     lanes = f"tl.minimum(tl.maximum({raw}, 0), {ax.clamp_to - 1})"
+    clamped.append(f"({raw}{b} >= 0) & ({raw}{b} < {ax.clamp_to})")
     if (ax.start, ax.step) != (0, 1):
       lanes = ctx.bind_raw(lanes, f"{ref.base}_lanes")
   coord = str(sym_add(ax.start, lanes if ax.step == 1 else
