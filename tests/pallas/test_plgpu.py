@@ -28,6 +28,7 @@ from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
 from benchmarks.pallas_library import cases
 from benchmarks.pallas_library.case import close
 from tests.pallas import pallas_ops_swap as swap
+from tests.pallas.plgpu_rings import producer_consumer
 
 HERE = os.path.basename(__file__)
 HOPPER_OPS = ("hopper_matmul_mgpu", "hopper_mixed_type_matmul_mgpu",
@@ -74,48 +75,6 @@ def test_helpers_agree_with_pallas():
 
 
 # ----------------------------------------------------------------- kernels
-
-def producer_consumer(pl, plgpu, steps=4, slots=2, block=(64, 128)):
-  """Warpgroup 1 streams blocks of x into a ring of SMEM slots; warpgroup 0
-  computes 2x + 1 on each and stores it (mbarriers both ways)."""
-  def body(x_ref, o_ref, ring, out, loaded, consumed):
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == 1)
-    def _producer():
-      @pl.loop(0, steps)
-      def _(i):
-        slot = lax.rem(i, slots)
-
-        @pl.when(i >= slots)
-        def _():
-          plgpu.barrier_wait(consumed.at[slot])
-        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * block[0], block[0])],
-                                ring.at[slot], loaded.at[slot])
-
-    @pl.when(wg == 0)
-    def _consumer():
-      @pl.loop(0, steps)
-      def _(i):
-        slot = lax.rem(i, slots)
-        plgpu.barrier_wait(loaded.at[slot])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out[...] = ring[slot] * 2 + 1
-        plgpu.barrier_arrive(consumed.at[slot])
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds(i * block[0], block[0])])
-      plgpu.wait_smem_to_gmem(0)
-
-  def call(x):
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        num_threads=2, thread_name="wg",
-        scratch_types=(plgpu.SMEM((slots, *block), x.dtype),
-                       plgpu.SMEM(block, x.dtype),
-                       plgpu.Barrier(num_barriers=slots),
-                       plgpu.Barrier(num_barriers=slots)))(x)
-  return call
-
 
 def wgmma_matmul(pl, plgpu, tile=64):
   """One warpgroup per output tile: a @ b with WGMMA over k blocks."""

@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import dsl as pl
 import lowering_mosaic.verify
@@ -24,65 +23,27 @@ from dsl.core.inspection import traced_kernels
 from lowering_mosaic.gpu import plgpu_model
 from lowering_mosaic.gpu.plgpu_skeleton import skeleton
 from lowering_mosaic.verification import promela
+from tests.pallas import plgpu_rings
 
 SPIN_OK, SPIN_WHY = promela.spin_available()
 needs_spin = pytest.mark.skipif(not SPIN_OK, reason=SPIN_WHY)
 
-HERE = os.path.basename(__file__)
+HERE = os.path.basename(plgpu_rings.__file__)
 STEPS, SLOTS, BLOCK = 4, 2, (64, 128)
 
 
-def ring_kernel(*, wait_loaded=True, loaded_arrivals=1):
-  """Warpgroup 1 streams blocks of x into a ring of SMEM slots, warpgroup 0
-  computes 2x + 1 on each and stores it back (mbarriers both ways).
-  `wait_loaded=False` drops the consumer's wait for the copy (a race);
-  `loaded_arrivals=2` expects two arrivals where the copy makes one."""
-  def body(x_ref, o_ref, ring, out, loaded, consumed):
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == 1)
-    def _producer():
-      @pl.loop(0, STEPS)
-      def _(i):
-        slot = lax.rem(i, SLOTS)
-
-        @pl.when(i >= SLOTS)
-        def _():
-          plgpu.barrier_wait(consumed.at[slot])
-        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * BLOCK[0], BLOCK[0])],
-                                ring.at[slot], loaded.at[slot])
-
-    @pl.when(wg == 0)
-    def _consumer():
-      @pl.loop(0, STEPS)
-      def _(i):
-        slot = lax.rem(i, SLOTS)
-        if wait_loaded:
-          plgpu.barrier_wait(loaded.at[slot])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out[...] = ring[slot] * 2 + 1                    # the read
-        plgpu.barrier_arrive(consumed.at[slot])
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out, o_ref.at[pl.ds(i * BLOCK[0], BLOCK[0])])
-      plgpu.wait_smem_to_gmem(0)
-
-  def call(x):
-    return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        num_threads=2, thread_name="wg",
-        scratch_types=(plgpu.SMEM((SLOTS, *BLOCK), x.dtype),
-                       plgpu.SMEM(BLOCK, x.dtype),
-                       plgpu.Barrier(num_arrivals=loaded_arrivals,
-                                     num_barriers=SLOTS),
-                       plgpu.Barrier(num_barriers=SLOTS)))(x)
-  return call
+def ring_kernel(**bugs):
+  """The shared ring kernel at STEPS, SLOTS, BLOCK, with `bugs` seeded
+  (plgpu_rings.producer_consumer)."""
+  return plgpu_rings.producer_consumer(pl, plgpu, STEPS, SLOTS, BLOCK,
+                                       **bugs)
 
 
 X = jax.ShapeDtypeStruct((STEPS * BLOCK[0], BLOCK[1]), jnp.float32)
 
 
 def _source_line(text: str) -> str:
-  with open(__file__) as fh:
+  with open(plgpu_rings.__file__) as fh:
     for n, line in enumerate(fh, start=1):
       if text in line:
         return f"{HERE}:{n}"
