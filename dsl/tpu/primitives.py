@@ -329,16 +329,16 @@ semaphore_wait_p.multiple_results = True
 
 
 @semaphore_wait_p.def_effectful_abstract_eval
-def _wait_abstract_eval(*avals, layout, kind, origin=None):
+def _wait_abstract_eval(*avals, layout, kind, decrement=True, origin=None):
   effs = _effects_for(layout, reads=("sem",), writes=("sem",))
   return [], effs | {debugging.debug_effect}
 
 
 @state_discharge.register_discharge_rule(semaphore_wait_p)
-def _wait_discharge(ctx, *flat, layout, kind, origin=None):
+def _wait_discharge(ctx, *flat, layout, kind, decrement=True, origin=None):
   a = unpack(flat, layout)
   new = [None] * len(flat)
-  if a["sem"] is None:
+  if a["sem"] is None or not decrement:
     return new, []
   new[position(layout, "sem")] = _sem_add(
       a["sem"], a["sem_t"], -jnp.asarray(a["value"], jnp.int32))
@@ -519,21 +519,14 @@ def semaphore_signal(sem, inc=1, *, device_id=None,
 
 
 def semaphore_wait(sem, value=1, *, decrement=True):
-  """Waits until `sem` is at least `value`, then subtracts `value`.
-  `decrement=False` (a wait that leaves the count, which GPU collectives
-  pair with signals from peer devices) is refused by name."""
-  if not decrement:
-    raise KernelError(None, "pl.semaphore_wait(decrement=False) is not "
-                      "supported: dsl's semaphores count signals down as "
-                      "they are waited for (the GPU collectives that wait "
-                      "without decrementing count signals from peer "
-                      "devices; Pallas's GPU interpret mode cannot run "
-                      "them either)",
-                      user_frame(), operand="decrement")
+  """Waits until `sem` is at least `value`, then subtracts `value`
+  (`decrement=False`: leaves the count, as GPU collectives do with the
+  signals of peer devices)."""
   ref, t = _sem_parts("semaphore_wait's semaphore", sem)
   flat, layout = pack(sem=ref, sem_t=t, value=jnp.asarray(value, jnp.int32),
                        barrier=_barrier_handle(sem))
-  semaphore_wait_p.bind(*flat, layout=layout, kind=semaphore_kind(ref))
+  semaphore_wait_p.bind(*flat, layout=layout, kind=semaphore_kind(ref),
+                        decrement=bool(decrement))
 
 
 def semaphore_read(sem):

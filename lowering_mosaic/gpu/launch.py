@@ -10,7 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 
-from dsl.core.jax_internals import core, mlir
+import jax.numpy as jnp
+from dsl.core.jax_internals import core, mlir, sharding_impls
 from jax.experimental.mosaic.gpu import core as mgpu_core
 
 from dsl.core.errors import BackendError
@@ -21,11 +22,12 @@ from lowering_mosaic.gpu.mesh_kernel import build_mesh_module, is_mesh_kernel
 from dsl.core import config
 
 
-def build_module(spec) -> GpuModule:
-  """The module of `spec`: a `plgpu.kernel` (mesh_kernel.py) or a
-  pallas_call whose schedule the lowering chooses (kernel.py)."""
+def build_module(spec, jax_mesh=None) -> GpuModule:
+  """The module of `spec`: a `plgpu.kernel` (mesh_kernel.py; `jax_mesh`:
+  the device mesh of the shard_map it runs in) or a pallas_call whose
+  schedule the lowering chooses (kernel.py)."""
   if is_mesh_kernel(spec):
-    return build_mesh_module(spec)
+    return build_mesh_module(spec, jax_mesh)
   return build_gpu_module(spec)
 
 
@@ -60,12 +62,40 @@ def mosaic_gpu_lowering(ctx, *args, spec):
         spec.name, "backend 'mosaic_gpu' lowers for NVIDIA GPUs (cuda), but "
         f"this computation is lowered for {', '.join(platforms) or 'none'}; "
         "use backend='interpret' elsewhere", spec.where)
-  built = build_module(spec)
+  built = build_module(spec, _device_mesh(ctx))
   dump_gpu_module(spec, built)
   ctx, args = _stacked_operands(ctx, args, built)
-  return mgpu_core._mosaic_gpu_lowering_rule(
+  scratch = getattr(built.plan, "gmem_scratch", ())
+  aliases = tuple(spec.input_output_aliases)
+  if scratch:
+    ctx, args, aliases = _with_gmem_scratch(ctx, args, aliases, scratch)
+  outs = mgpu_core._mosaic_gpu_lowering_rule(
       ctx, *args, module=built.module, out_types=built.out_shapes,
-      inout_types=(), input_output_aliases=tuple(spec.input_output_aliases))
+      inout_types=(), input_output_aliases=aliases)
+  return outs[:len(outs) - len(scratch)]
+
+
+def _device_mesh(ctx):
+  """The device mesh of the shard_map being lowered (None outside one)."""
+  ac = ctx.module_context.axis_context
+  if isinstance(ac, sharding_impls.SPMDAxisContext):
+    return ac.mesh
+  return None
+
+
+def _with_gmem_scratch(ctx, args, aliases, scratch):
+  """The custom call's operands with the kernel's global-memory semaphore
+  buffers after them: zeros (each launch's semaphores start at 0), each
+  aliased to an extra output (dropped after the call)."""
+  n_in, n_out = len(ctx.avals_in), len(ctx.avals_out)
+  avals = [core.ShapedArray(s.shape, s.dtype) for s in scratch]
+  zeros = mlir.lower_fun(lambda: [jnp.zeros(s.shape, s.dtype)
+                                  for s in scratch],
+                         multiple_results=True)(ctx.replace(avals_in=()))
+  aliases += tuple((n_in + i, n_out + i) for i in range(len(scratch)))
+  ctx = ctx.replace(avals_in=[*ctx.avals_in, *avals],
+                    avals_out=[*ctx.avals_out, *avals])
+  return ctx, [*args, *zeros], aliases
 
 
 def _stacked_operands(ctx, args, built: GpuModule):

@@ -39,6 +39,8 @@ from dsl.core.jax_internals import (ClosedJaxpr, arith, core, gpu, ir,
                                     mosaic_gpu_dialect as mgpu, vector)
 from dsl.core.jaxpr_walk import walk_jaxpr
 from dsl.core.primitives import run_scoped_p
+from dsl.core.semaphores import is_semaphore_aval
+from dsl.core.state_scopes import get_global_p
 from dsl.mosaic_gpu.compiler_params import LoweringSemantics
 from dsl.mosaic_gpu.memory import (SMEM, BarrierSpace, TransformedSpace,
                                    is_accumulator_aval, space_of)
@@ -46,6 +48,7 @@ from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, ir_type,
                                       scalar_constant)
 from lowering_mosaic.gpu.mesh_accumulators import (accumulator_body,
                                                    fenced, written_first)
+from lowering_mosaic.gpu import gmem_semaphores as gsem
 from lowering_mosaic.gpu.kernel import GpuModule
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.smem_layout import LaidOutSmem, tiled_shape
@@ -73,24 +76,38 @@ def _barrier_type(aval):
 
 @dataclasses.dataclass(frozen=True)
 class MeshResources:
-  """Shared memory bytes and mbarrier groups a kernel allocates at most at
-  once (barrier groups in the order the kernel first allocates them)."""
+  """Shared memory bytes, mbarrier groups (in the order the kernel first
+  allocates them) and global-memory semaphores (per scope:
+  gmem_semaphores.py) a kernel allocates at most at once."""
   smem_bytes: int = 0
   barriers: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  semaphores: collections.Counter = dataclasses.field(
       default_factory=collections.Counter)
 
   def nested(self, other: "MeshResources") -> "MeshResources":
     """Both held at once."""
     return MeshResources(self.smem_bytes + other.smem_bytes,
-                         self.barriers + other.barriers)
+                         self.barriers + other.barriers,
+                         self.semaphores + other.semaphores)
 
   def either(self, other: "MeshResources") -> "MeshResources":
     """One after the other (or one of two branches)."""
     return MeshResources(max(self.smem_bytes, other.smem_bytes),
-                         self.barriers | other.barriers)
+                         self.barriers | other.barriers,
+                         gsem.either(self.semaphores, other.semaphores))
+
+
+def _semaphores(aval, scope) -> MeshResources:
+  if aval.memory_space.kind != "regular":
+    raise NotImplementedError(f"allocations in {aval.memory_space}")
+  return MeshResources(semaphores=collections.Counter(
+      {scope: math.prod(aval.shape)}))
 
 
 def _allocation(aval) -> MeshResources:
+  if is_semaphore_aval(aval):
+    return _semaphores(aval, gsem.BLOCK)
   if isinstance(aval.memory_space, BarrierSpace):
     return MeshResources(barriers=collections.Counter([_barrier_type(aval)]))
   if is_accumulator_aval(aval):
@@ -119,6 +136,10 @@ def estimate(jaxpr, reduction_bytes: int) -> MeshResources:
       for v in eqn.params["jaxpr"].invars[eqn.params["num_consts"]:]:
         rs = rs.nested(_allocation(v.aval))
       rs = rs.nested(estimate(eqn.params["jaxpr"], reduction_bytes))
+    elif eqn.primitive is get_global_p:
+      if not is_semaphore_aval(eqn.params["what"]):
+        raise NotImplementedError("pl.get_global of anything but semaphores")
+      rs = _semaphores(eqn.params["what"], gsem.GLOBAL)
     elif eqn.primitive.name.startswith("reduce_"):
       rs = MeshResources(_align(reduction_bytes))
     else:
@@ -134,13 +155,18 @@ class MeshHost(GpuHost):
   """The host of a mesh kernel: `run_scoped` slices its allocations from
   the kernel's shared memory and barrier groups."""
 
-  def __init__(self, kernel, where, rules, smem_bytes, barriers):
+  def __init__(self, kernel, where, rules, smem_bytes, barriers,
+               jax_mesh=None):
     super().__init__(kernel, where, rules)
     self.smem_bytes = smem_bytes
     self.smem_used = 0
     self.alias_ids = 0
     self.barriers = barriers   # Barrier type -> its free barrier groups
+    self.semaphores = gsem.SemaphorePool()
     self.thread_axis = None
+    self.jax_mesh = jax_mesh   # the device mesh of shard_map, if any
+    self.auto_barriers = True
+    self.lane_predicate = None  # true in one thread of the warpgroup
     self.literals = []      # the constants made for literal operands
 
   def literal(self, atom):
@@ -192,7 +218,16 @@ class MeshHost(GpuHost):
       refs = []
       for v in jaxpr.invars[num_consts:]:
         aval = v.aval
-        if isinstance(aval.memory_space, BarrierSpace):
+        if is_semaphore_aval(aval):
+          if tuple(collective_axes) != (() if threads is None
+                                        else (threads,)):
+            raise ctx.error("semaphores in run_scoped are shared by a "
+                            "block's warpgroups (collective_axes="
+                            f"{threads!r}); pl.get_global makes those of "
+                            "the whole launch")
+          refs.append(stack.enter_context(self.semaphores.scoped(
+              gsem.BLOCK, aval.shape)))
+        elif isinstance(aval.memory_space, BarrierSpace):
           refs.append(stack.enter_context(self._barrier(aval)))
         elif is_accumulator_aval(aval):
           refs.append(_fresh_accumulator(ctx, aval, collective_axes,
@@ -235,6 +270,7 @@ class MeshPlan:
   block: tuple[int, int, int]
   smem_bytes: int
   barriers: tuple
+  gmem_scratch: tuple = ()   # semaphore buffers: aliased, zeroed operands
 
   def summary(self) -> str:
     return (f"plgpu.kernel: CUDA grid {self.cuda_grid}, cluster "
@@ -280,9 +316,11 @@ def _check(spec, params):
                        spec.where)
 
 
-def build_mesh_module(spec):
+def build_mesh_module(spec, jax_mesh=None):
   """The Mosaic GPU module of `spec`, a `plgpu.kernel`; must run inside an
-  MLIR context made by `jax.interpreters.mlir.make_ir_context()`."""
+  MLIR context made by `jax.interpreters.mlir.make_ir_context()`.
+  `jax_mesh`: the device mesh of the `shard_map` the kernel runs in (the
+  collectives' device ids and peers)."""
   params = spec.compiler_params
   mesh = params.mesh
   _check(spec, params)
@@ -296,26 +334,33 @@ def build_mesh_module(spec):
   gm = spec.grid_mapping
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   avals = [bm.array_aval for bm in gm.block_mappings]
-  ins = tuple(sds(a) for a in avals[:gm.num_inputs])
-  outs = tuple(sds(a) for a in avals[gm.num_inputs:])
+  sems = gsem.buffer_shapes(rs.semaphores, mesh, math.prod(grid))
+  ins = tuple(sds(a) for a in avals[:gm.num_inputs]) + sems
+  outs = tuple(sds(a) for a in avals[gm.num_inputs:]) + sems
   barrier_types = list(rs.barriers.elements())
   scratch = [jax.ShapeDtypeStruct((rs.smem_bytes,), np.int8),
              barrier_types, None]
   name = spec.name
-  host = MeshHost(name, spec.where, TABLE, rs.smem_bytes, None)
+  host = MeshHost(name, spec.where, TABLE, rs.smem_bytes, None, jax_mesh)
   host.thread_axis = mesh.thread_name
   host.approx_math = bool(params.approx_math)
+  host.auto_barriers = not params.unsafe_no_auto_barriers
 
   def body(launch_ctx, *buffers):
     *gmem, (_, barrier_refs, _) = buffers
+    n_in = len(ins) - len(sems)
+    gmem_sems = gmem[len(gmem) - len(sems):]
+    gmem = gmem[:n_in] + gmem[len(ins):len(gmem) - len(sems)]
     groups = collections.defaultdict(list)
     for ty, ref in zip(barrier_types, barrier_refs):
       groups[ty].append(ref)
     host.barriers = groups
     host.launch_ctx = launch_ctx
+    host.semaphores.slice_buffers(rs.semaphores, mesh, gmem_sems)
     # Pallas computes these predicates for every kernel; layout inference
     # drops them where nothing uses them.
-    mgpu_utils.single_thread_predicate(scope=mgpu_utils.ThreadSubset.WARPGROUP)
+    host.lane_predicate = mgpu_utils.single_thread_predicate(
+        scope=mgpu_utils.ThreadSubset.WARPGROUP)
     mgpu_utils.single_thread_predicate(scope=mgpu_utils.ThreadSubset.WARP)
     walk_jaxpr(host, jaxpr, spec.jaxpr.consts, _program_ids(mesh) + gmem)
     host.drop_unused_literals()
@@ -324,7 +369,7 @@ def build_mesh_module(spec):
   try:
     module, out_shapes, _, launch_ctx = mgpu_core._lower_as_gpu_kernel(
         body, grid, cluster, block, ins, outs, (), scratch, semantics,
-        module_name=name, kernel_name=name)
+        module_name=name, kernel_name=name, jax_mesh=jax_mesh)
   except BackendError:
     raise
   except Exception as e:
@@ -339,5 +384,6 @@ def build_mesh_module(spec):
     raise BackendError(name, "the Mosaic GPU library could not infer layouts "
                        "for or lower the kernel" + TRITON_HINT + ": "
                        f"{type(e).__name__}: {e}", spec.where) from e
-  plan = MeshPlan(grid, cluster, block, rs.smem_bytes, tuple(barrier_types))
+  plan = MeshPlan(grid, cluster, block, rs.smem_bytes, tuple(barrier_types),
+                  sems)
   return GpuModule(module, text, plan, tuple(out_shapes))

@@ -5,4 +5,4 @@ from dsl.core.jaxpr_walk import RuleTable
 TABLE = RuleTable("the Mosaic GPU backend")
 
 from lowering_mosaic.gpu.rules import (control, dot, elementwise,  # noqa: E402,F401
-                                       memory, plgpu, shapes)
+                                       memory, plgpu, shapes, collectives)

@@ -18,6 +18,8 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes, ref_ops
 from dsl.core.operand_layout import ref_operands
+from dsl.mosaic_gpu.multi_device import PeerMemRef
+from lowering_mosaic.gpu.device_ids import peer_device
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.smem_layout import memref_of
 from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_to,
@@ -35,11 +37,20 @@ def window(ctx, ref: ir.Value, transforms, static_ints=True,
   """The subview of `ref` that its NDIndexer transforms select; with
   `static_ints=False`, integer indices are index values (Pallas's choice
   for plgpu refs: a subview at a run-time offset); with `transposes`,
-  transposed views (`x.T`, for wgmma's operands) are `memref.transpose`."""
+  transposed views (`x.T`, for wgmma's operands) are `memref.transpose`.
+  `ref.reshape(...)` is a reshaped view; `plgpu.remote_ref` the view on
+  the peer device (the library's `to_remote`, after the other views)."""
   ref = memref_of(ref)
+  peer = None
   for t in transforms or ():
     if transposes and isinstance(t, state_types.TransposeTransform):
       ref = mgpu_utils.memref_transpose(ref, tuple(t.permutation))
+      continue
+    if isinstance(t, state_types.ReshapeTransform):
+      ref = mgpu_utils.memref_reshape(ref, tuple(t.shape))
+      continue
+    if isinstance(t, PeerMemRef):
+      peer = peer_device(ctx, t)
       continue
     if not isinstance(t, indexing.NDIndexer):
       raise ctx.error(f"ref transform {type(t).__name__} is not supported by "
@@ -70,10 +81,12 @@ def window(ctx, ref: ir.Value, transforms, static_ints=True,
         whole = False
     if not whole:
       ref = mgpu_utils.memref_slice(ref, tuple(index))
+  if peer is not None:
+    ref = ctx.host.launch_ctx.to_remote(ref, peer)
   return ref
 
 
-def _squeezed(ref: ir.Value) -> ir.Value:
+def squeezed(ref: ir.Value) -> ir.Value:
   """`ref` without its unit dims (a view): lowered values have none."""
   shape = ir.MemRefType(ref.type).shape
   if 1 in shape:
@@ -91,14 +104,14 @@ def load(ref: ir.Value) -> ir.Value:
   """A whole-warpgroup read of `ref` (a scalar if it holds one element)."""
   if not phys(ir.MemRefType(ref.type).shape):
     return memref.load(ref, _zeros(ref))
-  return mgpu.vector_load(_squeezed(ref))
+  return mgpu.vector_load(squeezed(ref))
 
 
 def store(ref: ir.Value, val: ir.Value) -> None:
   if not phys(ir.MemRefType(ref.type).shape):
     memref.store(val, ref, _zeros(ref))
     return
-  ref = _squeezed(ref)
+  ref = squeezed(ref)
   shape = tuple(ir.MemRefType(ref.type).shape)
   val = broadcast_to(val, shape)
   if len(shape) == 1 and shape[0] % 128 and shape[0] % 64 == 0:

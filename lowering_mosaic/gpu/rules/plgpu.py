@@ -22,7 +22,10 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core.operand_layout import unpack
 from dsl.mosaic_gpu import compute, primitives as plgpu_p
-from dsl.mosaic_gpu.memory import Layout, OOBFillMode, ReducedLayout
+from dsl.mosaic_gpu.memory import (Layout, OOBFillMode, ParameterizedLayout,
+                                   ReducedLayout)
+from dsl.mosaic_gpu.multi_device import PeerMemRef
+from lowering_mosaic.gpu.device_ids import peer_device
 from lowering_mosaic.gpu.host import TRITON_HINT, i32, to_index, void_asm
 from lowering_mosaic.gpu.mesh_accumulators import (acc_fence_p, wgmma_acc_p,
                                                    fenced)
@@ -70,12 +73,17 @@ def _static(x):
 
 
 def _gmem_window(ctx, transforms, shape):
-  """(indices (i32), slice lengths) of the window of a global-memory ref
-  that `transforms` select (-1: an integer-indexed, dropped dim)."""
+  """(indices (i32), slice lengths, peer) of the window of a global-memory
+  ref that `transforms` select (-1: an integer-indexed, dropped dim; peer:
+  the logical id of the device of a `plgpu.remote_ref`, or None)."""
   starts = [None] * len(shape)
   lengths = list(shape)
   dims = list(range(len(shape)))
+  peer = None
   for t in transforms:
+    if isinstance(t, PeerMemRef):
+      peer = peer_device(ctx, t)
+      continue
     if not isinstance(t, indexing.NDIndexer) or t.int_indexer_shape:
       raise ctx.error("only windows (x.at[...] with slices and indices) of "
                       "global-memory refs are copied by TMA" + TRITON_HINT)
@@ -91,7 +99,7 @@ def _gmem_window(ctx, transforms, shape):
       starts[d] = start if starts[d] is None else _add(starts[d], start)
       lengths[d] = length
     dims = kept
-  return starts, lengths
+  return starts, lengths, peer
 
 
 def _add(a, b):
@@ -109,15 +117,16 @@ def _i32(v):
 
 
 def _copy_indices(ctx, transforms, shape, box):
-  """(indices, slice lengths) of a TMA copy of the window of a
-  global-memory ref of `shape`; `box`: the shared-memory side's shape."""
+  """(indices, slice lengths, peer) of a TMA copy of the window of a
+  global-memory ref of `shape` (on device `peer`, None: this one); `box`:
+  the shared-memory side's shape."""
   if not transforms:
     zero = i32(0)
-    return [zero] * len(box), list(box)
-  starts, lengths = _gmem_window(ctx, transforms, shape)
+    return [zero] * len(box), list(box), None
+  starts, lengths, peer = _gmem_window(ctx, transforms, shape)
   indices = [i32(s) if isinstance(s, int) else _i32(s)
              for s in (0 if s is None else s for s in starts)]
-  return indices, lengths
+  return indices, lengths, peer
 
 
 @TABLE.register(plgpu_p.copy_gmem_to_smem_p)
@@ -133,14 +142,15 @@ def _copy_gmem_to_smem(ctx, *args, layout, collective_axes, leader_tracked,
   barrier = _barrier(ctx, ops["barrier"], ops["barrier_t"],
                      avals["barrier"].shape)
   box = ir.MemRefType(dst.type).shape
-  indices, lengths = _copy_indices(ctx, ops["src_t"],
-                                   avals["src"].shape, box)
+  indices, lengths, peer = _copy_indices(ctx, ops["src_t"],
+                                         avals["src"].shape, box)
   nbytes = math.prod(box) * np.dtype(avals["src"].dtype).itemsize
   memref = barrier.as_barrier_memref()
   mgpu.arrive_expect_tx(memref, i32(nbytes))
   mode = OOBFillMode.ZEROS if oob_mode is None else oob_mode
   mgpu.async_load(ops["src"], dst, indices, lengths,
                   collective=ir.ArrayAttr.get([]), barrier=memref,
+                  gmem_peer_id=peer,
                   oob_fill_mode=ir.IntegerAttr.get(
                       ir.IntegerType.get_signless(32), int(mode)))
   return []
@@ -153,13 +163,13 @@ def _copy_smem_to_gmem(ctx, *args, layout, commit_group, reduction_op):
     raise ctx.error("predicated TMA copies do not lower yet" + TRITON_HINT)
   src = window(ctx, ops["src"], ops["src_t"], static_ints=False)
   box = ir.MemRefType(src.type).shape
-  indices, lengths = _copy_indices(ctx, ops["dst_t"],
-                                   avals["dst"].shape, box)
+  indices, lengths, peer = _copy_indices(ctx, ops["dst_t"],
+                                         avals["dst"].shape, box)
   reduction = None if reduction_op is None else getattr(
       mgpu.TMAReduction, reduction_op.capitalize())
   mgpu.async_store(src, ops["dst"], indices, lengths,
                    commit_group=commit_group, reduction_op=reduction,
-                   is_global_broadcast=False)
+                   gmem_peer_id=peer, is_global_broadcast=False)
   return []
 
 
@@ -247,12 +257,26 @@ _LAYOUTS = {
 }
 
 
+def _strided(shape, vec_size):
+  # Lowered vectors have no unit dims; the layout maps the elements in
+  # row-major order, so dropping them keeps each thread's elements.
+  return fa.WGStridedFragLayout(tuple(d for d in shape if d != 1), vec_size)
+
+
+# plgpu's layouts with arguments -> the library's layout of them
+_PARAMETERIZED = {Layout.WG_STRIDED: _strided}
+
+
 def _library_layout(ctx, layout):
   if isinstance(layout, ReducedLayout):
     return _library_layout(ctx, layout.layout).reduce(layout.axes)
+  if (isinstance(layout, ParameterizedLayout)
+      and layout.layout in _PARAMETERIZED):
+    return _PARAMETERIZED[layout.layout](*layout.args, **dict(layout.kwargs))
   if layout not in _LAYOUTS:
     raise ctx.error(f"the register layout {layout} does not lower yet "
-                    "(WGMMA layouts and their reductions do)" + TRITON_HINT)
+                    "(WGMMA layouts, their reductions and WG_STRIDED do)"
+                    + TRITON_HINT)
   return _LAYOUTS[layout]
 
 

@@ -272,7 +272,11 @@ def _sem_signal(ctx, *flat, layout, kind, device_id_type, device_id_axes,
 
 
 @register(tp.semaphore_wait_p)
-def _sem_wait(ctx, *flat, layout, kind):
+def _sem_wait(ctx, *flat, layout, kind, decrement=True):
+  if not decrement:
+    raise ctx.error("semaphore_wait(decrement=False) (a wait that leaves "
+                    "the count) does not lower on a TPU: Mosaic's "
+                    "tpu.sem_wait always decrements")
   a = unpack(flat, layout)
   sem = _semaphore(ctx, a["sem"], a["sem_t"], a.get("barrier"))
   tpu.SemaphoreWaitOp(sem, to_i32(a["value"]))
