@@ -28,17 +28,20 @@ import itertools
 import math
 
 import numpy as np
+from jax import lax
 
 from dsl.core import config
 from dsl.core.errors import BackendError, KernelDeadlockError
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.poison import poison_value
 from dsl.core.primitives import run_scoped_p
-from dsl.core.semaphores import is_semaphore_aval
+from dsl.core.semaphores import DeviceIdType, is_semaphore_aval
 from dsl.core.state_scopes import get_global_p
 from dsl.interpret import plgpu_rules
 from dsl.interpret.thread_eval import TABLE, Cell, eval_jaxpr, where
+from dsl.mosaic_gpu import multi_device
 from dsl.mosaic_gpu.kernel import Mesh
+from dsl.tpu import primitives as tp
 from dsl.mosaic_gpu.memory import (BarrierSpace, is_accumulator_aval,
                                    is_barrier_aval)
 
@@ -208,6 +211,48 @@ def check_runnable(spec) -> None:
     raise BackendError(spec.name, "a plgpu.kernel derived by jax.vmap, "
                        "jax.jvp or jax.grad does not run on the interpret "
                        "backend yet", spec.where)
+  _check_one_device(spec)
+
+
+# multi-device primitive -> what it does
+_MULTI_DEVICE = {
+    multi_device.multimem_store_p: "stores to every device",
+    multi_device.multimem_load_reduce_p: "reduces the loads of every device",
+    multi_device.semaphore_signal_multicast_p: "signals every device",
+    tp.semaphore_signal_p: "signals a peer device (device_id=...)",
+    lax.axis_index_p: "reads the device's index along a shard_map axis",
+}
+
+
+def _talks_to_devices(eqn, mesh_names) -> bool:
+  if eqn.primitive is lax.axis_index_p:
+    return eqn.params["axis_name"] not in mesh_names
+  if eqn.primitive is tp.semaphore_signal_p:
+    return bool(eqn.params["mesh_axes"] or eqn.params["device_id_type"]
+                is not DeviceIdType.MESH)
+  return eqn.primitive in _MULTI_DEVICE
+
+
+def _check_one_device(spec) -> None:
+  """The warpgroup interpreter runs the blocks of one device: a kernel
+  that talks to other devices (Pallas's collectives) is refused at the
+  first primitive that does, by name (Pallas's GPU interpret mode cannot
+  run them either); backend="mosaic_gpu" lowers them."""
+  names = set(mesh_of(spec).shape)
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if _talks_to_devices(eqn, names):
+        raise BackendError(
+            spec.name, f"{eqn.primitive.name} {_MULTI_DEVICE[eqn.primitive]}"
+            ": the interpret backend runs the warpgroups of one device, so "
+            "kernels that talk to other devices do not run there (Pallas's "
+            "GPU interpret mode cannot run them either); "
+            "backend='mosaic_gpu' lowers them", where(eqn) or spec.where,
+            operand=eqn.primitive.name)
+      for sub in sub_jaxprs(eqn.params):
+        visit(sub)
+  visit(spec.jaxpr.jaxpr)
 
 
 def check_single_programs(spec) -> None:
