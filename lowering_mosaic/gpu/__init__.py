@@ -13,6 +13,7 @@ mbarriers, `wgmma`). Importing the package registers backend "mosaic_gpu";
 
 See docs/mosaic-gpu.md.
 """
+import jax
 from dsl.core.jax_internals import ir
 from jax.interpreters import mlir
 
@@ -28,6 +29,14 @@ from lowering_mosaic.gpu.launch import (build_module, dump_gpu_module,
 _backends.register_backend("mosaic_gpu", mosaic_gpu_lowering, rules=TABLE)
 
 
+def _device_mesh(mesh_axes):
+  """The (abstract) device mesh of the shard_map over `mesh_axes`."""
+  if not mesh_axes:
+    return None
+  names, sizes = zip(*mesh_axes)
+  return jax.sharding.AbstractMesh(tuple(sizes), tuple(names))
+
+
 def to_gpu_modules(f, *args, **kwargs) -> list[GpuModule]:
   """The Mosaic GPU modules of the pallas_calls in `f(*args)`, built in a
   context of JAX's (a bare `ir.Context()` lacks the dialects)."""
@@ -35,7 +44,7 @@ def to_gpu_modules(f, *args, **kwargs) -> list[GpuModule]:
   with mlir.make_ir_context(), ir.Location.unknown():
     for spec, mesh_axes in traced_kernels(f, *args, **kwargs):
       spec = as_lowered(spec, "mosaic_gpu", mesh_axes)
-      out.append(build_module(spec))
+      out.append(build_module(spec, _device_mesh(mesh_axes)))
       dump_gpu_module(spec, out[-1])
   return out
 

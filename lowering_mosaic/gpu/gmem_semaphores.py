@@ -44,6 +44,16 @@ def scope_axes(scope: str, mesh) -> tuple:
           *threads)
 
 
+def merged(counts: collections.Counter, mesh) -> collections.Counter:
+  """`counts` with the global semaphores among the block's where the two
+  scopes are one (a launch of one block, with no named grid): one buffer,
+  as Pallas makes."""
+  if scope_axes(GLOBAL, mesh) != scope_axes(BLOCK, mesh) or not counts[
+      GLOBAL]:
+    return counts
+  return collections.Counter({BLOCK: counts[BLOCK] + counts[GLOBAL]})
+
+
 def ordered(counts: collections.Counter, mesh) -> list[str]:
   """The scopes that hold semaphores, in the order of their buffers."""
   return sorted((s for s in counts if counts[s]),
@@ -73,10 +83,14 @@ class SemaphorePool:
   def __init__(self):
     self.bases = {}
     self.used = collections.Counter()
+    self.scopes = {BLOCK: BLOCK, GLOBAL: GLOBAL}  # scope -> its buffer's
 
   def slice_buffers(self, counts, mesh, buffers) -> None:
     """This block's counters of each buffer (the output side of its
     aliased pair), made at the top of the block, last scope first."""
+    if merged(counts, mesh) is not counts:
+      self.scopes[GLOBAL] = BLOCK
+      counts = merged(counts, mesh)
     index = ir.IndexType.get()
     for scope, buf in reversed(list(zip(ordered(counts, mesh), buffers))):
       n = counts[scope]
@@ -91,6 +105,7 @@ class SemaphorePool:
   def take(self, scope: str, shape) -> ir.Value:
     """The next `shape` of counters of `scope`, held until released."""
     n = math.prod(shape)
+    scope = self.scopes[scope]
     ref = mgpu_utils.memref_slice(self.bases[scope],
                                   mgpu_utils.ds(self.used[scope], n))
     self.used[scope] += n
@@ -101,4 +116,4 @@ class SemaphorePool:
     try:
       yield self.take(scope, shape)
     finally:
-      self.used[scope] -= math.prod(shape)
+      self.used[self.scopes[scope]] -= math.prod(shape)

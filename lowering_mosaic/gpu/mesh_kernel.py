@@ -273,10 +273,12 @@ class MeshPlan:
   gmem_scratch: tuple = ()   # semaphore buffers: aliased, zeroed operands
 
   def summary(self) -> str:
+    sems = [s.shape[0] for s in self.gmem_scratch]
     return (f"plgpu.kernel: CUDA grid {self.cuda_grid}, cluster "
             f"{self.cluster}, block {self.block}, {self.smem_bytes} bytes of "
             f"shared memory for allocations, {len(self.barriers)} barrier "
-            "groups")
+            "groups" + (f", semaphore buffers in global memory of {sems} "
+                        "int32" if sems else ""))
 
 
 def _cuda_launch(mesh):
@@ -334,7 +336,8 @@ def build_mesh_module(spec, jax_mesh=None):
   gm = spec.grid_mapping
   sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
   avals = [bm.array_aval for bm in gm.block_mappings]
-  sems = gsem.buffer_shapes(rs.semaphores, mesh, math.prod(grid))
+  sems = gsem.buffer_shapes(gsem.merged(rs.semaphores, mesh), mesh,
+                            math.prod(grid))
   ins = tuple(sds(a) for a in avals[:gm.num_inputs]) + sems
   outs = tuple(sds(a) for a in avals[gm.num_inputs:]) + sems
   barrier_types = list(rs.barriers.elements())

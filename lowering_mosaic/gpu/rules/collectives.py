@@ -28,6 +28,7 @@ from lowering_mosaic.gpu.device_ids import (as_i32, device_mesh,
 from lowering_mosaic.gpu.host import TRITON_HINT
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.memory import squeezed, window
+from lowering_mosaic.gpu.rules.plgpu import parts
 
 def _all_axes(ctx, collective_axes, what: str):
   names = tuple(device_mesh(ctx, what).axis_names)
@@ -75,7 +76,7 @@ def _guarded(ctx):
 @TABLE.register(tp.semaphore_signal_p)
 def _semaphore_signal(ctx, *flat, layout, kind, device_id_type,
                       device_id_axes, mesh_axes):
-  a = unpack(flat, layout)
+  a, _ = parts(ctx, flat, layout)
   if a.get("barrier") is not None:
     raise ctx.error("the barrier semaphore (pltpu.get_barrier_semaphore) "
                     "is a TPU's; GPU kernels use plgpu.SemaphoreType.REGULAR")

@@ -33,7 +33,7 @@ from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.memory import window
 
 
-def _parts(ctx, args, layout):
+def parts(ctx, args, layout):
   """The named operands of a packed primitive (integer literals among them
   as Python ints, which fold into the ops that use them), with their
   avals."""
@@ -132,7 +132,7 @@ def _copy_indices(ctx, transforms, shape, box):
 @TABLE.register(plgpu_p.copy_gmem_to_smem_p)
 def _copy_gmem_to_smem(ctx, *args, layout, collective_axes, leader_tracked,
                        oob_mode):
-  ops, avals = _parts(ctx, args, layout)
+  ops, avals = parts(ctx, args, layout)
   if collective_axes or leader_tracked is not None:
     raise ctx.error("collective (multicast) TMA copies do not lower yet"
                     + TRITON_HINT)
@@ -158,7 +158,7 @@ def _copy_gmem_to_smem(ctx, *args, layout, collective_axes, leader_tracked,
 
 @TABLE.register(plgpu_p.copy_smem_to_gmem_p)
 def _copy_smem_to_gmem(ctx, *args, layout, commit_group, reduction_op):
-  ops, avals = _parts(ctx, args, layout)
+  ops, avals = parts(ctx, args, layout)
   if ops["predicate"]:
     raise ctx.error("predicated TMA copies do not lower yet" + TRITON_HINT)
   src = window(ctx, ops["src"], ops["src_t"], static_ints=False)
@@ -175,7 +175,7 @@ def _copy_smem_to_gmem(ctx, *args, layout, commit_group, reduction_op):
 
 def _the_barrier(ctx, args, layout):
   """The one mbarrier a barrier primitive names."""
-  ops, avals = _parts(ctx, args, layout)
+  ops, avals = parts(ctx, args, layout)
   return _barrier(ctx, ops["barrier"], ops["barrier_t"],
                   avals["barrier"].shape)
 
@@ -217,7 +217,7 @@ def _commit_group(ctx):
 def _wgmma_acc(ctx, *args, layout, a_is_ref):
   """`mosaic_gpu.wgmma` on the accumulator's value and the operands'
   shared memory (or `a` in registers), committed to a WGMMA group."""
-  ops, _ = _parts(ctx, args, layout)
+  ops, _ = parts(ctx, args, layout)
   a = ops["a"]
   if a_is_ref:
     a = window(ctx, a, ops["a_t"], static_ints=False, transposes=True)
