@@ -144,8 +144,8 @@ def test_collective_matmul_module_is_pallas_module(captured):
 
 # ------------------------------------------------- the primitives alone
 
-def _kernel(plgpu, body, scratch=(), shape=(128,), **extra):
-  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(shape, F32),
+def _kernel(plgpu, body, scratch=(), dtype=F32, **extra):
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), dtype),
                       scratch_types=scratch, **extra)
 
 
@@ -153,6 +153,13 @@ def multimem_store(pl, plgpu, **extra):
   def body(x_ref, o_ref):
     plgpu.multimem_store(x_ref[...], o_ref, "x")
   return _kernel(plgpu, body, **extra)
+
+
+def multimem_store_scalar(pl, plgpu, **extra):
+  """One thread stores (the library stores 32-bit integer scalars)."""
+  def body(x_ref, o_ref):
+    plgpu.multimem_store(x_ref[3], o_ref.at[3], "x")
+  return _kernel(plgpu, body, dtype=jnp.int32, **extra)
 
 
 def multimem_load_reduce(pl, plgpu, **extra):
@@ -202,32 +209,35 @@ def remote_copy(pl, plgpu, **extra):
   return _kernel(plgpu, body, **extra)
 
 
-def lower_both_on_mesh(make, captured):
+def lower_both_on_mesh(make, captured, dtype=F32):
   """[(dialect, lowered) of dsl's module, the same of Pallas's] of the
   kernel `make(pl, plgpu)` on each device."""
   modules = []
   for lib, extra in (((pl, plgpu), dict(backend="mosaic_gpu")),
                      ((jpl, jplgpu), {})):
     captured.clear()
-    on_mesh(make(*lib, **extra), (8 * 128,), F32)
+    on_mesh(make(*lib, **extra), (8 * 128,), dtype)
     (module,) = captured
     modules.append(module)
   return modules
 
 
-@pytest.mark.parametrize("make,expected", [
-    (multimem_store, {"multimem.st": 1}),
-    (multimem_load_reduce, {"multimem.ld_reduce": 1}),
-    (device_index, {"mosaic_gpu.device_id_load": 1}),
+@pytest.mark.parametrize("make,expected,dtype", [
+    (multimem_store, {"multimem.st": 1}, F32),
+    (multimem_store_scalar, {"multimem.st": 1}, jnp.int32),
+    (multimem_load_reduce, {"multimem.ld_reduce": 1}, F32),
+    (device_index, {"mosaic_gpu.device_id_load": 1}, F32),
     (signal_and_wait, {"red.release.sys.global.add.u32": 1,
-                       "ld.relaxed.sys.global": 1}),
+                       "ld.relaxed.sys.global": 1}, F32),
     (multicast_signal, {"multimem.red.release": 1,
-                        "ld.relaxed.sys.global": 1}),
-    (remote_copy, {"cp.async.bulk.tensor": 1})],
-    ids=lambda x: getattr(x, "__name__", ""))
+                        "ld.relaxed.sys.global": 1}, F32),
+    (remote_copy, {"cp.async.bulk.tensor": 1}, F32)],
+    ids=lambda x: x.__name__ if callable(x) and hasattr(x, "__code__")
+    else "")
 def test_collective_primitive_module_is_pallas_module(captured, make,
-                                                      expected):
-  (ours, ours_low), (theirs, theirs_low) = lower_both_on_mesh(make, captured)
+                                                      expected, dtype):
+  (ours, ours_low), (theirs, theirs_low) = lower_both_on_mesh(make, captured,
+                                                              dtype)
   ops = collective_ops(ours_low)
   assert {k: ops[k] for k in expected} == expected
   assert collective_ops(ours) == collective_ops(theirs)

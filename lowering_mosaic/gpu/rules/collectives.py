@@ -17,7 +17,7 @@ import contextlib
 
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from dsl.core.jax_internals import arith, ir, mosaic_gpu_dialect as mgpu
+from dsl.core.jax_internals import ir, mosaic_gpu_dialect as mgpu
 from dsl.core.operand_layout import unpack
 from dsl.core.state_scopes import get_global_p
 from dsl.mosaic_gpu import multi_device as md
@@ -25,10 +25,10 @@ from dsl.tpu import primitives as tp
 from lowering_mosaic.gpu import gmem_semaphores as gsem
 from lowering_mosaic.gpu.device_ids import (as_i32, device_mesh,
                                             logical_device)
-from lowering_mosaic.gpu.host import TRITON_HINT
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.memory import squeezed, window
 from lowering_mosaic.gpu.rules.plgpu import parts
+
 
 def _all_axes(ctx, collective_axes, what: str):
   names = tuple(device_mesh(ctx, what).axis_names)
@@ -130,12 +130,15 @@ def _signal_multicast(ctx, *flat, layout, collective_axes):
 def _multimem_store(ctx, *flat, layout, collective_axes):
   a = unpack(flat, layout)
   _all_axes(ctx, collective_axes, "plgpu.multimem_store")
-  if not ctx.avals_in[0].shape:
-    raise ctx.error("plgpu.multimem_store of a scalar does not lower yet"
-                    + TRITON_HINT)
   ref = squeezed(window(ctx, a["ref"], a["ref_t"], static_ints=False))
   multi = ctx.host.launch_ctx.to_remote_multicast(ref)
-  mgpu.vector_store(a["source"], multi.ref, optimized=False, multimem=True)
+  if ctx.avals_in[0].shape:
+    mgpu.vector_store(a["source"], multi.ref, optimized=False, multimem=True)
+    return []
+  # A scalar: one thread stores it.
+  with lane_region([multi.ref, a["source"]]) as (m, v):
+    mgpu_utils.MultimemRef(m).store(v, indices=[])
+    _guarded(ctx)
   return []
 
 
