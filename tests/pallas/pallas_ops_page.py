@@ -51,9 +51,9 @@ _INTRO = (
     "in Pallas's interpret mode (lower is faster; `python -m benchmarks "
     "--suite pallas-ops`, the record in "
     "`benchmarks/results/pallas-ops-cpu.json`, see "
-    "[benchmarks.md](benchmarks.md)). `TPU module` (on the "
+    "[benchmarks.md](benchmarks.md)). `Mosaic module`, for a TPU op (on the "
     "`mosaic_interpret` row, whose module is the one the `mosaic` backend "
-    "gives a TPU) is what `tests/pallas/test_pallas_ops_golden.py` finds "
+    "gives a TPU), is what `tests/pallas/test_pallas_ops_golden.py` finds "
     "when it lowers the op and each variant for a TPU, on the CPU, through "
     "dsl and through Pallas's own lowering of the original source: every "
     "`tpu_custom_call` the case emits (the backward kernels of the op's "
@@ -62,7 +62,12 @@ _INTRO = (
     "cause named; gradients through dsl's automatic reverse mode have no "
     "Pallas module to compare with. The variants that lower in well under "
     "a second are compared by default, the others under `pytest -m slow`. "
-    "This table is generated (`python -m tests.pallas.pallas_ops_page`) "
+    "For a `*_mgpu` op (on the `interpret` row) it is the op's module on "
+    "the `mosaic_gpu` backend, lowered for CUDA on the CPU, against "
+    "Pallas's own Mosaic GPU lowering of the same source "
+    "(`tests/pallas/test_plgpu_lowering.py`, `test_plgpu_collectives.py`; "
+    "[mosaic-gpu.md](mosaic-gpu.md) says why each difference is no "
+    "slower). This table is generated (`python -m tests.pallas.pallas_ops_page`) "
     "and a test checks it.")
 # The backend row the `TPU module` column fills: its module is the one the
 # `mosaic` backend gives a TPU.
@@ -105,7 +110,10 @@ def _ratio(op: str, backend: str, ratios: dict) -> str:
 
 
 def _golden(op: str, backend: str) -> str:
-  """Whether the op's and its variants' Mosaic modules are Pallas's."""
+  """Whether the op's and its variants' Mosaic modules are Pallas's (a
+  `*_mgpu` op's: its Mosaic GPU module)."""
+  if swap.is_mgpu(op):
+    return swap.MGPU_MODULES[op] if backend == "interpret" else ""
   if backend != _GOLDEN_BACKEND or not op.startswith("tpu."):
     return ""
   cases = [op] + [v for v in MATRIX if swap.base_op(v) == op]
@@ -140,7 +148,7 @@ def compat_section() -> str:
             else {})
   lines = [_SECTION, "", _INTRO, "",
            "| op | backend | result | variants (`-m slow`) | vs Pallas | "
-           "TPU module |",
+           "Mosaic module |",
            "|---|---|---|---|---|---|"]
   for op in swap.OPS:
     for backend in swap.backends_of(op):

@@ -19,9 +19,10 @@ SECTION = "## Pallas's kernel library on dsl"
 
 _SEMAPHORES = ("Pallas's GPU interpret mode cannot run it either: its "
                "semaphores stop it (Pallas fails with `{}`)")
-_WAIT_KEEPS = ("its pl.semaphore_wait(decrement=False), which counts {} "
-               "from peer devices, is refused by name: a limit of the "
-               "interpret backend, which runs one device's warpgroups; ")
+_TALKS = ("its lax.axis_index({!r}) of a device axis, where it starts "
+          "talking to peer devices ({}), is refused by name: the interpret "
+          "backend runs one device's warpgroups (backend='mosaic_gpu' "
+          "lowers the op: docs/mosaic-gpu.md); ")
 
 
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
@@ -30,17 +31,19 @@ _WAIT_KEEPS = ("its pl.semaphore_wait(decrement=False), which counts {} "
 # how (test_pallas_ops_limits.py holds both); the others are dsl's gaps,
 # which Pallas's interpret mode runs (the same test holds that).
 XFAIL: dict[tuple[str, str], str] = {
-    ("gpu.collective_matmul_mgpu", "interpret"): _WAIT_KEEPS.format(
-        "the pl.semaphore_signal(device_id=...) of its all-gather of the "
-        "lhs through plgpu.remote_ref") + _SEMAPHORES.format(
+    ("gpu.collective_matmul_mgpu", "interpret"): _TALKS.format(
+        "x", "plgpu.remote_ref TMA stores of the lhs, "
+        "pl.semaphore_signal(device_id=...), "
+        "pl.semaphore_wait(decrement=False)") + _SEMAPHORES.format(
             "Cannot lower jaxpr with effects: ... SemaphoreEffect"),
-    ("gpu.reduce_scatter_mgpu", "interpret"): _WAIT_KEEPS.format(
-        "the plgpu.semaphore_signal_multicast after its "
-        "plgpu.multimem_load_reduce") + _SEMAPHORES.format(
+    ("gpu.reduce_scatter_mgpu", "interpret"): _TALKS.format(
+        "x", "plgpu.multimem_load_reduce, "
+        "plgpu.semaphore_signal_multicast, "
+        "pl.semaphore_wait(decrement=False)") + _SEMAPHORES.format(
             "NotImplementedError: nan + semaphore"),
-    ("gpu.all_gather_mgpu", "interpret"): _WAIT_KEEPS.format(
-        "the plgpu.semaphore_signal_multicast after its "
-        "plgpu.multimem_store") + _SEMAPHORES.format(
+    ("gpu.all_gather_mgpu", "interpret"): _TALKS.format(
+        "x", "plgpu.multimem_store, plgpu.semaphore_signal_multicast, "
+        "pl.semaphore_wait(decrement=False)") + _SEMAPHORES.format(
             "NotImplementedError: nan + semaphore"),
     ("gpu.blackwell_matmul_mgpu", "interpret"): (
         "Blackwell kernels (tcgen05 MMA and tensor memory: "
@@ -56,6 +59,43 @@ XFAIL: dict[tuple[str, str], str] = {
         "'collective_axis not supported yet'), and dsl has no Blackwell "
         "tensor memory"),
 }
+
+# `*_mgpu` op -> its module on backend "mosaic_gpu" (lowered for CUDA on
+# the CPU), against Pallas's own lowering of the same source: the
+# `Mosaic module` column of its `interpret` row (test_plgpu_lowering.py and
+# test_plgpu_collectives.py compare them, test_plgpu_refusals.py holds the
+# refusals; docs/mosaic-gpu.md says why each difference is no slower).
+_SAME_AS_HOPPER = ("lowers on `mosaic_gpu`: the same schedule as Pallas's; "
+                   "lowered, the same but for the grid and warpgroup "
+                   "indices, read once (one warp shuffle fewer)")
+_ATTENTION = ("lowers on `mosaic_gpu`: the same schedule as Pallas's; "
+              "lowered, the same but for the indices, read once, and dead "
+              "values the library erases later")
+_MULTIMEM = ("lowers on `mosaic_gpu` inside `shard_map` over the devices: "
+             "the same {}, multicast signal and wait as Pallas's; lowered, "
+             "the same but for the tile's unit dim, which dsl's vectors "
+             "drop (fewer index ops)")
+_BLACKWELL_REFUSED = ("refused by name on `mosaic_gpu` (TMEM and the tcgen05 "
+                      "MMA are Blackwell's); Pallas lowers it")
+MGPU_MODULES: dict[str, str] = {
+    "gpu.hopper_matmul_mgpu": _SAME_AS_HOPPER,
+    "gpu.hopper_mixed_type_matmul_mgpu": _SAME_AS_HOPPER,
+    "gpu.attention_mgpu": _ATTENTION,
+    "gpu.attention_mgpu (causal)": _ATTENTION,
+    "gpu.ragged_dot_mgpu": "lowers on `mosaic_gpu`: lowered, Pallas's module",
+    "gpu.transposed_ragged_dot_mgpu": ("lowers on `mosaic_gpu`: lowered, "
+                                       "Pallas's module"),
+    "gpu.all_gather_mgpu": _MULTIMEM.format("multicast stores"),
+    "gpu.reduce_scatter_mgpu": _MULTIMEM.format("reducing multicast loads"),
+    "gpu.collective_matmul_mgpu": (
+        "lowers on `mosaic_gpu` inside `shard_map` over the devices: the "
+        "same schedule, TMA stores to the peer, signals and waits as "
+        "Pallas's; lowered, the same but for the warpgroup index, read once "
+        "(4 warp shuffles fewer)"),
+    "gpu.blackwell_matmul_mgpu": _BLACKWELL_REFUSED,
+    "gpu.blackwell_ragged_dot_mgpu": _BLACKWELL_REFUSED,
+}
+
 
 # Op -> a pattern of the error Pallas's interpret mode (unswapped, in the
 # case's context) raises on the op's case: the XFAILs that are limits Pallas
