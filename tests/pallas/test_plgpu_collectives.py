@@ -13,6 +13,8 @@ the library's canonicalization folds.
 """
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -25,6 +27,7 @@ from dsl import mosaic_gpu as plgpu
 from dsl.core.errors import BackendError
 from lowering_mosaic.gpu import to_gpu_modules
 from benchmarks.pallas_library.cases_mgpu import simulated_gpu
+from benchmarks.pallas_library.swap import original, swapped
 from tests.pallas.plgpu_modules import captured  # noqa: F401 -- a fixture
 from tests.pallas.test_plgpu_lowering import (canonical, key_ops,
                                               lower_op_both, only_in,
@@ -40,21 +43,22 @@ def on_mesh(fn, shape, dtype, out_spec=jax.P("x")):
   mesh = jax.make_mesh((8,), ("x",))
   x = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(
       mesh, jax.P("x")))
-  jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("x"),
-                        out_specs=out_spec, check_vma=False)).trace(x).lower(
-                            lowering_platforms=("cuda",))
+  f = jax.shard_map(fn, mesh=mesh, in_specs=jax.P("x"), out_specs=out_spec,
+                    check_vma=False)
+  return jax.jit(f).trace(x).lower(lowering_platforms=("cuda",))
 
 
 def _all_gather(m):
   with simulated_gpu(m):
-    on_mesh(lambda s: m.all_gather(s, axis_name="x", num_blocks=2),
-            (8 * 16, 128), F32, jax.P())
+    return on_mesh(lambda s: m.all_gather(s, axis_name="x", num_blocks=2),
+                   (8 * 16, 128), F32, jax.P())
 
 
 def _reduce_scatter(m):
   with simulated_gpu(m):
-    on_mesh(lambda s: m.reduce_scatter(s, axis_name="x", scatter_dimension=0,
-                                       num_blocks=2), (8 * 64, 128), F32)
+    return on_mesh(lambda s: m.reduce_scatter(
+        s, axis_name="x", scatter_dimension=0, num_blocks=2),
+                   (8 * 64, 128), F32)
 
 
 def _collective_matmul(m):
@@ -62,8 +66,35 @@ def _collective_matmul(m):
   config = m.hopper_matmul_mgpu.TuningConfig(tile_m=64, tile_n=64, tile_k=64,
                                              max_concurrent_steps=2)
   with simulated_gpu(m):
-    on_mesh(lambda s: m.all_gather_lhs_matmul(s, rhs, "x", config=config),
-            (8 * 64, 128), jnp.float16, jax.P())
+    return on_mesh(lambda s: m.all_gather_lhs_matmul(s, rhs, "x",
+                                                     config=config),
+                   (8 * 64, 128), jnp.float16, jax.P())
+
+
+_OPS = {"gpu.all_gather_mgpu": _all_gather,
+        "gpu.reduce_scatter_mgpu": _reduce_scatter,
+        "gpu.collective_matmul_mgpu": _collective_matmul}
+
+
+def custom_call(lowered) -> str:
+  """The kernel's custom call in StableHLO, without its serialized module
+  and hash (the modules are compared below)."""
+  (line,) = [line for line in lowered.as_text().splitlines()
+             if "custom_call @mosaic_gpu" in line]
+  line = re.sub(r'(module|kernel_hash) = "(\\.|[^"\\])*"', r"\1", line)
+  return re.sub(r"%\w+", "%v", line.strip())
+
+
+@pytest.mark.parametrize("op", sorted(_OPS))
+def test_collective_custom_call_is_pallas_custom_call(op):
+  """The same call: the semaphores' buffer an operand (zeros) aliased to an
+  extra output, symmetric-memory operands, XLA's collective metadata and
+  the replica ids of the devices."""
+  with pl.default_backend("mosaic_gpu"):
+    ours = custom_call(_OPS[op](swapped(op)))
+  assert ours == custom_call(_OPS[op](original(op)))
+  assert "uses_xla_collective_metadata = true" in ours
+  assert "output_operand_alias<output_tuple_indices = [" in ours
 
 
 # What a collective does, as the lowered module spells it: the device id
