@@ -29,9 +29,8 @@ from lowering_mosaic.gpu import to_gpu_modules
 from benchmarks.pallas_library.cases_mgpu import simulated_gpu
 from benchmarks.pallas_library.swap import original, swapped
 from tests.pallas.plgpu_modules import captured  # noqa: F401 -- a fixture
-from tests.pallas.test_plgpu_lowering import (canonical, key_ops,
-                                              lower_op_both, only_in,
-                                              schedule, unnamed)
+from tests.pallas.plgpu_modules import (canonical, key_ops, lower_op_both,
+                                        only_in, schedule, unnamed)
 
 F32 = jnp.float32
 

@@ -10,7 +10,6 @@ written once against a `(pl, plgpu)` pair and built with each library.
 """
 from __future__ import annotations
 
-import collections
 import difflib
 import re
 
@@ -27,16 +26,10 @@ from dsl.core.errors import BackendError
 from benchmarks.pallas_library.cases_mgpu import simulated_gpu
 from benchmarks.pallas_library.swap import original, swapped
 from tests.pallas.plgpu_modules import captured  # noqa: F401 -- a fixture
+from tests.pallas.plgpu_modules import (canonical, key_ops, lower_op_both,
+                                        only_in, schedule, unnamed)
 
 F32 = jnp.float32
-
-
-def canonical(text: str) -> list[str]:
-  """`text` without SSA names, block labels and the dump counter."""
-  text = re.sub(r"%[\w#:-]+", "%v", text)
-  text = re.sub(r"\^bb\d+", "^bb", text)
-  text = re.sub(r'dump_basename = "(\w+?)_\d+"', r'dump_basename = "\1"', text)
-  return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 # The warpgroup index: thread index (x + y * dx + z * dx * dy) >> 7,
@@ -65,16 +58,6 @@ def lower_both(make, *args, captured):
     (module,) = captured
     modules.append(module)
   return modules
-
-
-def lower_op_both(lower, op: str, captured):
-  """[(dialect, lowered) of dsl's module, the same of Pallas's] of Pallas's
-  library op `op` (swapped onto dsl, then the original) as `lower(module)`
-  lowers it."""
-  with pl.default_backend("mosaic_gpu"):
-    lower(swapped(op))
-  lower(original(op))
-  return captured
 
 
 # ------------------------------------------------------------------ kernels
@@ -279,32 +262,6 @@ def test_hopper_matmul_lowers(captured):
       'memref<2x64x64xf16, #gpu.address_space<workgroup>>') >= 2
 
 
-# The ops that make a pipeline's schedule: loops and branches, shared
-# memory, barriers, TMA copies, WGMMAs and their groups, register budgets.
-_SCHEDULE = re.compile(
-    r"scf\.(for|while|index_switch)|slice_smem|initialize_barrier|"
-    r"mosaic_gpu\.(arrive|async_load|async_store|wgmma)|arrive_expect_tx|"
-    r"try_wait|setmaxnreg|commit_group|wait_group")
-
-
-def schedule(text: str) -> list[str]:
-  """The lines of `text` (canonical) that make its schedule, in order."""
-  return [line for line in canonical(text) if _SCHEDULE.search(line)]
-
-
-def unnamed(text: str) -> list[str]:
-  """`canonical(text)` without the kernel's name."""
-  return [re.sub(r'@\w+_mosaic_gpu|@(kernel|anonymous)\b|'
-                 r'dump_basename = "\w+"', "NAME", line)
-          for line in canonical(text)]
-
-
-def only_in(ours: list[str], theirs: list[str]) -> tuple[list, list]:
-  """(the lines only `ours` has, those only `theirs` has), as multisets."""
-  a, b = collections.Counter(ours), collections.Counter(theirs)
-  return sorted((a - b).elements()), sorted((b - a).elements())
-
-
 def assert_lowered_as_hopper_matmul(ours_low: str, theirs_low: str):
   """Lowered, the modules are the same but for the grid index, which dsl
   reads once at the top of the block (so one block_id moves above the
@@ -362,19 +319,6 @@ def test_attention_module_is_pallas_module(captured, causal):
 
 
 # ------------------------------------------------ Pallas's kernel library
-
-_KEYS = ("mosaic_gpu.wgmma", "wgmma.mma_async", "wgmma.fence",
-         "wgmma.commit_group", "wgmma.wait_group", "cp.async.bulk.tensor",
-         "mbarrier.try_wait", "mbarrier.arrive", "setmaxnreg", "bar.sync",
-         "fastmath<afn>", "optimization_barrier")
-
-
-def key_ops(text: str) -> dict[str, int]:
-  """How often `text` names each of the instructions that set a kernel's
-  speed: WGMMAs and their fences and waits, TMA copies, mbarrier waits and
-  arrivals, register budgets, block barriers, approximate math."""
-  return {k: text.count(k) for k in _KEYS}
-
 
 def _attention(module, causal):
   q = jnp.ones((1, 256, 1, 64), jnp.float16)
