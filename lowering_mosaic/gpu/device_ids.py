@@ -18,8 +18,17 @@ from lowering_mosaic.gpu.host import i32
 from lowering_mosaic.gpu.rules import TABLE
 
 
+def in_mesh_kernel(ctx, what: str) -> None:
+  """`what` lowers in `plgpu.kernel`s, whose warpgroups issue it."""
+  if ctx.host.lane_predicate is None:
+    raise ctx.error(f"{what} lowers in plgpu.kernels only (a pallas_call "
+                    "on backend 'mosaic_gpu' has no device mesh nor "
+                    "semaphores in global memory)")
+
+
 def device_mesh(ctx, what: str):
   """The device mesh of the shard_map the kernel runs in."""
+  in_mesh_kernel(ctx, what)
   mesh = ctx.host.jax_mesh
   if mesh is None:
     raise ctx.error(f"{what} needs the kernel to run inside jax.shard_map "
@@ -50,6 +59,7 @@ def device_index(ctx, axis_name) -> ir.Value:
 
 @TABLE.register(lax.axis_index_p)
 def _axis_index(ctx, *, axis_name):
+  in_mesh_kernel(ctx, f"lax.axis_index({axis_name!r})")
   mesh = ctx.host.jax_mesh
   known = () if mesh is None else tuple(mesh.axis_names)
   if axis_name not in known:

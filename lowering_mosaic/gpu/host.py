@@ -221,6 +221,13 @@ class GpuHost(LoweringHost):
     # the steps loop's carried accumulators that only WGMMAs write (fenced
     # once, before the loop: kernel.py)
     self.fenced_carry = []
+    # what only a plgpu.kernel has (mesh_kernel.MeshHost): the device mesh
+    # of the shard_map around it, its global-memory semaphores, the
+    # predicate of one thread of the warpgroup
+    self.jax_mesh = None
+    self.semaphores = None
+    self.lane_predicate = None
+    self.auto_barriers = True
 
   @contextlib.contextmanager
   def scope(self, ctx, jaxpr, num_consts, collective_axes):

@@ -165,8 +165,6 @@ class MeshHost(GpuHost):
     self.semaphores = gsem.SemaphorePool()
     self.thread_axis = None
     self.jax_mesh = jax_mesh   # the device mesh of shard_map, if any
-    self.auto_barriers = True
-    self.lane_predicate = None  # true in one thread of the warpgroup
     self.literals = []      # the constants made for literal operands
 
   def literal(self, atom):

@@ -303,6 +303,17 @@ def test_collectives_outside_shard_map_are_refused_by_name():
     jax.jit(kernel).trace(x).lower(lowering_platforms=("cuda",))
 
 
+def test_device_index_in_a_pallas_call_is_refused_by_name():
+  """The automatic schedule's kernels do not talk to other devices."""
+  def k(x_ref, o_ref):
+    o_ref[...] = x_ref[...] + lax.axis_index("x").astype(F32)
+  f = pl.pallas_call(k, jax.ShapeDtypeStruct((64, 128), F32),
+                     backend="mosaic_gpu")
+  with pytest.raises(BackendError, match=r"kernel 'k': lax\.axis_index\('x'\) "
+                     r"lowers in plgpu\.kernels only .*\(at \S+\.py:\d+\)"):
+    on_mesh(f, (8 * 64, 128), F32)
+
+
 def test_wait_that_keeps_the_count_is_refused_on_a_tpu():
   import dsl.tpu as pltpu
 

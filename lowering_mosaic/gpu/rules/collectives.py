@@ -24,7 +24,7 @@ from dsl.mosaic_gpu import multi_device as md
 from dsl.tpu import primitives as tp
 from lowering_mosaic.gpu import gmem_semaphores as gsem
 from lowering_mosaic.gpu.device_ids import (as_i32, device_mesh,
-                                            logical_device)
+                                            in_mesh_kernel, logical_device)
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.memory import squeezed, window
 from lowering_mosaic.gpu.rules.plgpu import parts
@@ -54,11 +54,14 @@ def lane_region(operands):
 
 @TABLE.register(get_global_p)
 def _get_global(ctx, *, what):
+  in_mesh_kernel(ctx, "pl.get_global")
   # The call site's counters, for the rest of the launch.
   return ctx.host.semaphores.take(gsem.GLOBAL, what.shape)
 
 
 def _semaphore(ctx, a) -> ir.Value:
+  in_mesh_kernel(ctx, f"{ctx.eqn.primitive.name} (a semaphore in global "
+                 "memory)")
   sem = window(ctx, a["sem"], a["sem_t"], static_ints=False)
   if ir.MemRefType(sem.type).shape:
     raise ctx.error("a semaphore operation takes one semaphore "
