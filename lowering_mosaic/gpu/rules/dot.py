@@ -194,7 +194,9 @@ def _wgmma(ctx, lhs, rhs, acc, dimension_numbers, precision):
     a = mgpu_utils.memref_transpose(a, (1, 0))
   if acc is None:
     acc = constant(0.0, (m, n), np.float32)
+  ctx.host.take_turns(ctx.eqn, "before")
   out = mgpu.wgmma(_ordered(ctx, acc), a, b_ref)
   nvvm.wgmma_commit_group_sync_aligned()
+  ctx.host.take_turns(ctx.eqn, "after")     # between the issue and its wait
   nvvm.wgmma_wait_group_sync_aligned(0)
   return convert(out, np.float32, out_aval.dtype, (m, n))
