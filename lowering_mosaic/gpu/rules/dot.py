@@ -6,6 +6,11 @@ buffer; the accumulator lives in registers (f32). So a dot's operands must
 be read straight from refs (`x_ref[...]`, a block or a scratch buffer): the
 rule looks through the `vector_load` to the buffer behind it, and the load,
 now unused, is dropped by the library's canonicalization.
+
+A wgmma is issued, committed and waited for at once, except where the
+schedule puts the consumers' turns at the tensor core (turns.py): before
+the issue of the step's last wgmma, and between the issue of its first
+and the wait for it (`GpuHost.take_turns`).
 """
 from __future__ import annotations
 
