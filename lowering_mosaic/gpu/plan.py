@@ -491,11 +491,11 @@ def _fits(plan, blocks, sched) -> bool:
 
 
 def _specialized(plan, depth, consumers, steps, auto_consumers):
-  """The warp-specialized schedule with the most consumers (from
-  `consumers` down, or exactly `consumers` if the params say so) whose
-  ring fits (the deepest, at most MAX_DEPTH and at least 2, unless `depth`
-  is given), or None."""
-  has_fixed = any(not (b.moves or b.is_output or b.in_gmem) for b in plan.blocks)
+  """The warp-specialized schedule with the most consumers (from `consumers`
+  down, or exactly as many if the params say so) whose ring fits, or None:
+  the deepest, at most MAX_DEPTH and at least 2, unless `depth` is given."""
+  has_fixed = not all(b.moves or b.is_output or b.in_gmem for b in plan.blocks)
+  two_phases = T.phases(plan.body) is not None      # turns.py
   counts = range(consumers, 0, -1) if auto_consumers else (consumers,)
   for c in counts:
     splits = _split_dims(plan, plan.blocks, c) if c > 1 else [None]
@@ -506,7 +506,7 @@ def _specialized(plan, depth, consumers, steps, auto_consumers):
                                          min(2, steps) - 1, -1)
     for d in depths:
       sched = S.specialized(d, c, split, steps, has_fixed,
-                            two_phases=T.phases(plan.body) is not None)
+                            two_phases=two_phases)
       blocks = _laid_out(plan.blocks, d, c, split)
       if _fits(plan, blocks, sched):
         return sched, blocks

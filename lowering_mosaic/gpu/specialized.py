@@ -30,6 +30,10 @@ from lowering_mosaic.gpu.host import decode, i32, index_cast_i32
 from lowering_mosaic.gpu.schedule import AFTER_FIRST, BEFORE_LAST
 
 
+# The CTA's mbarrier groups (kernel.py `_barriers`), by the names of ops.
+_BARRIER_GROUPS = {"full": 0, "empty": 1, "fixed": 2, "schedule": 3}
+
+
 class _Step:
   """Where a role is: the sequential step `s` (i32; None outside the
   loop), its ring slot, which warpgroup runs it, and the values of the
@@ -58,10 +62,8 @@ class _Step:
     return arith.xori(bit, arith.constant(i1, 1)) if kind == "flipped" else bit
 
   def barrier(self, name: str):
-    full, empty, fixed = self.em.barriers[:3]
-    if name in ("fixed", "schedule"):
-      return fixed if name == "fixed" else self.em.barriers[3]
-    return (full if name == "full" else empty)[self.slot]
+    group = self.em.barriers[_BARRIER_GROUPS[name]]
+    return group[self.slot] if name in ("full", "empty") else group
 
   def ids(self, replica):
     """Grid ids of this step (step 0 outside the loop) for `replica`."""
