@@ -129,6 +129,12 @@ def test_one_warpgroup_kernels_have_no_ring_to_model():
 
 # ------------------------------------------------------------ turns
 
+def _with_consumer(ring, role):
+  """`ring` with the consumers' role `role`."""
+  return dataclasses.replace(ring, schedule=dataclasses.replace(
+      ring.schedule, consumer=role))
+
+
 def _without_turn(ring, consumer):
   """`ring` with the round `consumer` takes outside its loop (the second
   consumer's before it, the first's after it) dropped."""
@@ -136,9 +142,7 @@ def _without_turn(ring, consumer):
   part = "before" if consumer == 1 else "after"
   ops = tuple(op for op in getattr(role, part)
               if not (op.barrier == "schedule" and op.only == consumer))
-  return dataclasses.replace(ring, schedule=dataclasses.replace(
-      ring.schedule,
-      consumer=dataclasses.replace(role, **{part: ops})))
+  return _with_consumer(ring, dataclasses.replace(role, **{part: ops}))
 
 
 def test_attention_consumers_take_turns_in_the_model():
@@ -190,8 +194,7 @@ def test_turns_on_a_one_slot_ring_would_deadlock():
   assert plan.schedule.depth == 1 and not plan.schedule.turns
   ring = PM.Ring.of(plan, "flash")
   _, with_turns = S.protocol(has_fixed=True, turns=True)
-  rep = PM.verify(dataclasses.replace(ring, schedule=dataclasses.replace(
-      ring.schedule, consumer=with_turns)))
+  rep = PM.verify(_with_consumer(ring, with_turns))
   assert rep.kind == "deadlock"
   assert "waits on the schedule barrier" in rep.message
   assert "waits on the full barrier" in rep.message
