@@ -264,6 +264,12 @@ def _simplify_atom(a: Atom, ctx: Context) -> Lin:
   if a.kind == "op":
     name, args = a.key
     args = tuple(simplify_lin(x, ctx) for x in args)
+    if name in ("max", "min") and len(args) == 2:
+      lo, hi = ctx.interval(args[0] - args[1])
+      first = lo >= 0 if name == "max" else hi <= 0
+      second = hi <= 0 if name == "max" else lo >= 0
+      if first or second:
+        return args[0] if first else args[1]
     return Lin.of(Atom("op", (name, args)))
   return Lin.of(a)
 
