@@ -31,6 +31,8 @@ kernel reads is one it wrote, and dsl's copy-in of the aliased input
 """
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from dsl.core.dynamic_grid import is_dynamic
@@ -40,6 +42,7 @@ from dsl.core.operand_layout import eqn_ref_operands
 from dsl.transforms import grid_terms as T
 
 _CALLS = ("pjit", "jit", "closed_call")
+_EVALUATIONS = itertools.count()    # tells apart the atoms of evaluations
 
 
 class _Prefetch:
@@ -162,6 +165,7 @@ class _Terms:
 
   def __init__(self, sizes):
     self.sizes = sizes       # a term per grid dim
+    self.tag = next(_EVALUATIONS)
 
   def value(self, env, v):
     if isinstance(v, core.Literal):
@@ -171,7 +175,7 @@ class _Terms:
     return env.get(v)
 
   def opaque(self, v):
-    atom = T.Lin.of(T.Atom("opaque", (id(self), id(v), str(v))))
+    atom = T.Lin.of(T.Atom("opaque", (self.tag, id(v))))
     if _is_int(v.aval):
       return atom
     return T.cmp("ne", atom) if _is_bool(v.aval) else None
@@ -239,7 +243,8 @@ class _Walk:
       val = self.terms.value(env, x)
       if val is not None:
         env_in[v] = val
-    inner_refs = {v for v, x in zip(inner.invars, operands) if x in refs}
+    inner_refs = {v for v, x in zip(inner.invars, operands)
+                  if isinstance(x, core.Var) and x in refs}
     self.run(inner, env_in, inner_refs, pc)
 
   def _cond(self, eqn, env, refs, pc):
@@ -285,16 +290,15 @@ def _split_dims(spec) -> set[int]:
   return hidden | {d for d, s in enumerate(sem) if s != "arbitrary"}
 
 
-def first_visit_cases(spec, o: int):
+def first_visit_cases(spec, o: int, grid):
   """What is known at a first visit of output `o`'s block, one list of
   hypotheses per way of stepping back to the previous step (the first
-  step; a borrow at each dim); with the bounds of the ids. None where the
+  step; a borrow at each dim). `grid`: `_grid_terms`. None where the
   block index cannot be built."""
   gm = spec.grid_mapping
-  bm = gm.out_mappings[o]
-  ids, last, bounds, sizes = _grid_terms(gm)
+  ids, last, _, sizes = grid
   prefetch = [_Prefetch(k) for k in range(gm.num_scalar_prefetch)]
-  imap = bm.index_map_jaxpr
+  imap = gm.out_mappings[o].index_map_jaxpr
 
   def block(at):
     return _Terms(sizes).run(imap.jaxpr, [*at, *prefetch], imap.consts)
@@ -314,7 +318,7 @@ def first_visit_cases(spec, o: int):
         return None
       case.append(T.disj([T.cmp("ne", a - b) for a, b in zip(now, before)]))
     cases.append(case)
-  return cases, bounds
+  return cases
 
 
 def written_at_first_visits(spec, o: int) -> bool:
@@ -324,12 +328,12 @@ def written_at_first_visits(spec, o: int) -> bool:
   n_grid = len(gm.grid)
   if any(written_prefetch(spec.jaxpr, n_grid, gm.num_scalar_prefetch)):
     return False
-  found = first_visit_cases(spec, o)
-  if found is None:
+  grid = _grid_terms(gm)
+  cases = first_visit_cases(spec, o, grid)
+  if cases is None:
     return False
-  cases, bounds = found
+  ids, _, bounds, sizes = grid
   jaxpr = spec.jaxpr.jaxpr
-  ids, _, _, sizes = _grid_terms(gm)
   env = dict(zip(jaxpr.invars, ids))
   pf_vars = jaxpr.invars[n_grid:n_grid + gm.num_scalar_prefetch]
   env.update((v, _Prefetch(k)) for k, v in enumerate(pf_vars))
