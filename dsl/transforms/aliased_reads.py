@@ -9,8 +9,11 @@ starts. So for the Mosaic backends (`mosaic`, `mosaic_interpret`) such a
 kernel is rewritten: it also takes the aliased input once more, blocked as
 the output, and copies that block into the output block at the first step
 of each run of visits to it (`first_visit`), before the kernel's body. A TPU
-then computes what every other backend computes; a kernel that writes its
-aliased outputs before reading them is left as it is.
+then computes what every other backend computes. A kernel that writes its
+aliased outputs before reading them is left as it is, and so is one that
+provably writes the output block whole at each first visit before using it
+(megablox's `gmm` with `existing_out`: dsl/transforms/first_visit_writes.py),
+since the copy would only write what the kernel overwrites.
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ kernel reads is one it wrote, and dsl's copy-in of the aliased input
   anywhere, so there the block need not differ.
 - Conditions, block indices and grid sizes are terms over the grid ids
   (dsl/transforms/grid_terms.py), with reads of scalar prefetch as atoms
-  (the kernel must not write its prefetch refs), and each implication is
-  decided per case. What cannot be decided is not proved, and the copy-in
+  (the kernel must not write its prefetch refs; index arithmetic is taken
+  not to overflow), and each implication is decided per case. What cannot be decided is not proved, and the copy-in
   stays.
 """
 from __future__ import annotations

@@ -142,8 +142,12 @@ def _select_cases(lin: Lin):
 def case_conditions(pred, n: int) -> list:
   """The condition under which each of `n` cases of a select on `pred` (a
   boolean term, or an integer `Lin` clamped to the cases) is taken."""
+  if n == 1:
+    return [True]
   if not isinstance(pred, Lin):
-    return [negate(pred), pred] if n == 2 else [False] * n
+    if n != 2:
+      raise ValueError(f"internal error: a boolean picks one of {n} cases")
+    return [negate(pred), pred]
   return [cmp("le", pred) if i == 0 else
           cmp("ge", pred - const(n - 1)) if i == n - 1 else
           cmp("eq", pred - const(i)) for i in range(n)]
@@ -254,8 +258,8 @@ def _simplify_atom(a: Atom, ctx: Context) -> Lin:
     return const(ctx.fixed[a])
   if a.kind == "read":
     k, idx, tree = a.key
-    return Lin.of(Atom("read", (k, tuple(simplify_lin(i, ctx) for i in idx),
-                                tree)))
+    read = Atom("read", (k, tuple(simplify_lin(i, ctx) for i in idx), tree))
+    return const(ctx.fixed[read]) if read in ctx.fixed else Lin.of(read)
   if a.kind == "select":
     pred, cases = a.key
     pred = (simplify_lin(pred, ctx) if isinstance(pred, Lin)

@@ -25,6 +25,7 @@ F32 = jnp.float32
 TILES = np.array([0, 0, 1, 2, 2], np.int32)    # t: the row tile of step g
 OTHER = np.array([0, 1, 1, 1, 2], np.int32)    # u: changes where t does not
 N, K, BM, BN = 2, 2, 8, 128
+G = len(TILES)
 
 
 def _prev(g):
@@ -46,8 +47,7 @@ CONDITIONS = {
     "the tile two steps back": (lambda t, u, n, g, k: (k == 0) & (
         (g == 0) | (t[g] != t[jnp.maximum(g - 2, 0)])), False),
     "for g descending": (lambda t, u, n, g, k: (k == 0) & (
-        (g == len(TILES) - 1) | (t[g] != t[jnp.minimum(g + 1, len(TILES) - 1)])),
-        False),
+        (g == G - 1) | (t[g] != t[jnp.minimum(g + 1, G - 1)])), False),
     "k at its last step": (lambda t, u, n, g, k: (k == K - 1) & (
         (g == 0) | (t[g] != t[_prev(g)])), False),
 }
@@ -167,11 +167,8 @@ def test_a_read_before_the_write_is_not_proved():
   cond, _ = CONDITIONS["megablox"]
   args = _args()
   spec = _spec(_gmm_like(pl, pltpu, cond, read_first=True), args)
-  assert first_read(spec) and not written_at_first_visits(spec, 0)
-
-
-def first_read(spec):
-  return reading_aliased_outputs(spec) is not None
+  assert not written_at_first_visits(spec, 0)
+  assert reading_aliased_outputs(spec) is not None
 
 
 def test_a_dim_split_over_cores_needs_no_change_of_block():
