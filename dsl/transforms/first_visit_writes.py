@@ -26,8 +26,8 @@ kernel reads is one it wrote, and dsl's copy-in of the aliased input
 - Conditions, block indices and grid sizes are terms over the grid ids
   (dsl/transforms/grid_terms.py), with reads of scalar prefetch as atoms
   (the kernel must not write its prefetch refs; index arithmetic is taken
-  not to overflow), and each implication is decided per case. What cannot be decided is not proved, and the copy-in
-  stays.
+  not to overflow), and each implication is decided per case. What
+  cannot be decided is not proved, and the copy-in stays.
 """
 from __future__ import annotations
 
