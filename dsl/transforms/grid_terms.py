@@ -176,28 +176,26 @@ def negate(b):
   return conj([negate(x) for x in b.items])
 
 
-def conj(items) -> Any:
+def _junction(items, kind, absorbing: bool) -> Any:
+  """`kind` (And or Or) of `items`, flattened and deduplicated; the bool
+  `absorbing` (False for And) where one item is it."""
   out = []
   for x in items:
-    if x is False:
-      return False
-    if x is True:
-      continue
-    out.extend(x.items if isinstance(x, And) else [x])
+    if x is absorbing:
+      return absorbing
+    if x is not (not absorbing):
+      out.extend(x.items if isinstance(x, kind) else [x])
   out = list(dict.fromkeys(out))
-  return True if not out else out[0] if len(out) == 1 else And(tuple(out))
+  return (not absorbing) if not out else out[0] if len(out) == 1 \
+      else kind(tuple(out))
+
+
+def conj(items) -> Any:
+  return _junction(items, And, False)
 
 
 def disj(items) -> Any:
-  out = []
-  for x in items:
-    if x is True:
-      return True
-    if x is False:
-      continue
-    out.extend(x.items if isinstance(x, Or) else [x])
-  out = list(dict.fromkeys(out))
-  return False if not out else out[0] if len(out) == 1 else Or(tuple(out))
+  return _junction(items, Or, True)
 
 
 @dataclasses.dataclass
