@@ -261,7 +261,7 @@ def _steps(size) -> bool:
 _PURE_WRITES = ("swap",)
 
 
-def _full_write(eqn, ref, used: set) -> bool:
+def full_write(eqn, ref, used: set) -> bool:
   """A store of a whole ref whose old value is not used. (A window of the
   ref's own shape placed at run time is not one: its lanes outside the
   ref are dropped.)"""
@@ -314,7 +314,7 @@ def first_read_before_write(jaxpr: ClosedJaxpr, refs):
     for ref in [v for v in eqn.invars
                 if isinstance(v, core.Var) and v in pending]:
       pending.discard(ref)
-      if not _full_write(eqn, ref, used):
+      if not full_write(eqn, ref, used):
         certain = (eqn.invars[0] is ref and eqn.primitive.name in _READS
                    and (eqn.primitive.name == "addupdate"
                         or any(o in used for o in eqn.outvars)))
@@ -407,7 +407,7 @@ def reset_dim(jaxpr: ClosedJaxpr, ref, grid_rank: int) -> int | None:
     return None
   body = branches[1]
   inner = body.jaxpr.invars[eqn.invars[1:].index(ref)]
-  writes = any(_full_write(e, inner, set()) for e in body.jaxpr.eqns)
+  writes = any(full_write(e, inner, set()) for e in body.jaxpr.eqns)
   if not writes or first_read_before_write(body, [inner]) is not None:
     return None
   return d

@@ -9,8 +9,11 @@ starts. So for the Mosaic backends (`mosaic`, `mosaic_interpret`) such a
 kernel is rewritten: it also takes the aliased input once more, blocked as
 the output, and copies that block into the output block at the first step
 of each run of visits to it (`first_visit`), before the kernel's body. A TPU
-then computes what every other backend computes; a kernel that writes its
-aliased outputs before reading them is left as it is.
+then computes what every other backend computes. A kernel that writes its
+aliased outputs before reading them is left as it is, and so is one that
+provably writes the output block whole at each first visit before using it
+(megablox's `gmm` with `existing_out`: dsl/transforms/first_visit_writes.py),
+since the copy would only write what the kernel overwrites.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from dsl.core.pallas_call import KernelSpec
 from dsl.core.primitives import when
 from dsl.core.tracing import num_programs, program_id
 from dsl.transforms.common import block_spec_of, derived_spec, sds
+from dsl.transforms.first_visit_writes import written_at_first_visits
 from dsl.transforms.revisits import first_visit
 
 
@@ -33,7 +37,8 @@ _IN_HBM = (MemorySpace.ANY, MemorySpace.HBM)
 
 def _read_first(spec: KernelSpec) -> list[tuple[int, int]]:
   """(operand index, output index) of the aliased outputs with a block
-  (not `ANY` memory) that the kernel may read before writing."""
+  (not `ANY` memory) that the kernel may read before writing, unless it
+  provably writes the block whole at each first visit before using it."""
   gm = spec.grid_mapping
   outs = gm.split(spec.jaxpr.jaxpr.invars).outputs
   found = []
@@ -41,7 +46,8 @@ def _read_first(spec: KernelSpec) -> list[tuple[int, int]]:
     in_hbm = gm.out_mappings[o].memory_space in _IN_HBM
     if gm.aliased_operand(operand)[0] == "prefetch" or in_hbm:
       continue              # the kernel addresses the aliased memory itself
-    if first_read_before_write(spec.jaxpr, [outs[o]]) is not None:
+    if (first_read_before_write(spec.jaxpr, [outs[o]]) is not None
+        and not written_at_first_visits(spec, o)):
       found.append((operand, o))
   return found
 

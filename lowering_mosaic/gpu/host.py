@@ -221,6 +221,9 @@ class GpuHost(LoweringHost):
     # the steps loop's carried accumulators that only WGMMAs write (fenced
     # once, before the loop: kernel.py)
     self.fenced_carry = []
+    # (id(dot equation), "before" / "after" the issue of its wgmma) -> what
+    # emits the schedule's turn ops there (specialized.py, turns.py)
+    self.turns = {}
     # what only a plgpu.kernel has (mesh_kernel.MeshHost): the device mesh
     # of the shard_map around it, its global-memory semaphores, the
     # predicate of one thread of the warpgroup
@@ -228,6 +231,12 @@ class GpuHost(LoweringHost):
     self.semaphores = None
     self.lane_predicate = None
     self.auto_barriers = True
+
+  def take_turns(self, eqn, when: str):
+    """Emits the turn ops the schedule puts `when` ("before", "after") the
+    issue of the wgmma of `eqn` (none outside a turn-taking schedule)."""
+    for emit in self.turns.get((id(eqn), when), ()):
+      emit()
 
   @contextlib.contextmanager
   def scope(self, ctx, jaxpr, num_consts, collective_axes):

@@ -415,10 +415,12 @@ def _tma_barriers(n: int):
 def _barriers(plan: GpuPlan):
   sched = plan.schedule
   if sched.warp_specialized:     # full, empty (one arrival per consumer)
+    turns = [mgpu_core.Barrier(arrival_count=sched.consumers,
+                               num_barriers=1)] if sched.turns else []
     return [_tma_barriers(sched.depth),
             mgpu_core.Barrier(arrival_count=sched.consumers,
                               num_barriers=sched.depth),
-            _tma_barriers(1)]
+            _tma_barriers(1)] + turns
   return [_tma_barriers(3)]   # two pipeline slots, fixed blocks
 
 

@@ -20,7 +20,7 @@ from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.kernel_layout import KernelLayout
 from dsl.core.primitives import run_scoped_p
 from lowering_mosaic.gpu import accumulators as A
-from lowering_mosaic.gpu import schedule as S
+from lowering_mosaic.gpu import schedule as S, turns as T
 from lowering_mosaic.gpu.initial_values import hoist_initialization
 from lowering_mosaic.gpu.host import TRITON_HINT
 from lowering_mosaic.gpu.rules import shapes as shape_rules
@@ -194,8 +194,8 @@ def smem_buffers(blocks, scratch, scoped, consumers, reduction_bytes):
 
 
 def barrier_bytes(schedule: S.Schedule) -> int:
-  if schedule.warp_specialized:      # full and empty per slot, fixed blocks
-    return (2 * schedule.depth + 1) * MBARRIER_BYTES
+  if schedule.warp_specialized:      # full, empty per slot; fixed; turns
+    return (2 * schedule.depth + 1 + schedule.turns) * MBARRIER_BYTES
   return 3 * MBARRIER_BYTES          # two slots, fixed blocks
 
 
@@ -491,12 +491,11 @@ def _fits(plan, blocks, sched) -> bool:
 
 
 def _specialized(plan, depth, consumers, steps, auto_consumers):
-  """The warp-specialized schedule with the most consumers (from
-  `consumers` down, or exactly `consumers` if the params say so) whose
-  ring fits (the deepest, at most MAX_DEPTH and at least 2, unless `depth`
-  is given), or None."""
-  has_fixed = any(not b.moves and not b.is_output and not b.in_gmem
-                  for b in plan.blocks)
+  """The warp-specialized schedule with the most consumers (from `consumers`
+  down, or exactly as many if the params say so) whose ring fits, or None:
+  the deepest, at most MAX_DEPTH and at least 2, unless `depth` is given."""
+  has_fixed = not all(b.moves or b.is_output or b.in_gmem for b in plan.blocks)
+  two_phases = T.phases(plan.body) is not None      # turns.py
   counts = range(consumers, 0, -1) if auto_consumers else (consumers,)
   for c in counts:
     splits = _split_dims(plan, plan.blocks, c) if c > 1 else [None]
@@ -506,7 +505,8 @@ def _specialized(plan, depth, consumers, steps, auto_consumers):
     depths = [depth] if depth else range(min(S.MAX_DEPTH, steps),
                                          min(2, steps) - 1, -1)
     for d in depths:
-      sched = S.specialized(d, c, split, steps, has_fixed)
+      sched = S.specialized(d, c, split, steps, has_fixed,
+                            two_phases=two_phases)
       blocks = _laid_out(plan.blocks, d, c, split)
       if _fits(plan, blocks, sched):
         return sched, blocks

@@ -40,7 +40,8 @@ import re
 import subprocess
 import tempfile
 
-from lowering_mosaic.gpu.schedule import Op, Role, Schedule
+from lowering_mosaic.gpu.schedule import AFTER_FIRST, BEFORE_LAST, Op, Role, \
+    Schedule
 from lowering_mosaic.verification.promela import run_spin
 from lowering_mosaic.verification.promela.spin_report import Report
 from lowering_mosaic.verification.promela.spin import require_spin
@@ -79,12 +80,12 @@ def _check(cond: str, what: str) -> str:
 
 
 def _slot(op: Op) -> str:
-  return "0" if op.barrier == "fixed" else "k"
+  return "0" if op.barrier in ("fixed", "schedule") else "k"
 
 
 def _parity(op: Op) -> str:
   return {"phase": "((s / DEPTH) % 2)", "flipped": "(1 - (s / DEPTH) % 2)",
-          "first": "0"}[op.parity]
+          "first": "0", "own": "(c % 2)", "other": "(1 - c % 2)"}[op.parity]
 
 
 def _wait(r: Ring, op: Op, who: str) -> str:
@@ -98,7 +99,8 @@ def _wait(r: Ring, op: Op, who: str) -> str:
 
 def _arrive(r: Ring, op: Op, who: str) -> str:
   b = op.barrier
-  released = (f"slot_released[k]++; " if b == "empty" else "")
+  released = {"empty": "slot_released[k]++; ",
+              "schedule": "issuing[c] = false; "}.get(b, "")
   return (f"atomic {{ {released}arrive({b}_phase[{_slot(op)}], "
           f"{b}_pending[{_slot(op)}], {b}_tx[{_slot(op)}], "
           f"{b.upper()}_COUNT) }}")
@@ -135,8 +137,16 @@ def _compute(r: Ring, op: Op, who: str) -> str:
                    f"{who} computes on a slot before the copies of its "
                    "step landed") + ";"
           f"{fixed}\n"
-          "      slot_readers[k]++\n    };\n"
-          "    atomic { slot_readers[k]-- }   /* the body ran */")
+          "      slot_readers[k]++\n    }")
+
+
+# The body's end, after the turn ops inside it.
+_BODY_RAN = ("atomic { slot_readers[k]-- }", "the body ran")
+# A consumer issues a wgmma: never while the other one issues (it has not
+# yet handed the tensor core over by arriving on the schedule barrier).
+_ISSUE = ("atomic {\n      " + _check(
+    "!issuing[1 - c]", "both consumers issue WGMMAs at once") + ";\n"
+    "      issuing[c] = true\n    }", "a wgmma issued")
 
 
 def _store(r: Ring, op: Op, who: str) -> str:
@@ -147,10 +157,37 @@ _OPS = {"wait": _wait, "arrive": _arrive, "expect_tx": _expect_tx,
         "copy": _copy, "compute": _compute, "store": _store}
 
 
+def _statement(r: Ring, op: Op, who: str) -> str:
+  """`op` in Promela; an op for one consumer only under an `if`."""
+  text = _OPS[op.kind](r, op, who)
+  if op.only is None:
+    return text
+  return f"if :: c == {op.only} -> {text} :: else -> skip fi"
+
+
+def _lines(r: Ring, ops, who: str, indent: str) -> str:
+  """The statements of `ops`; the ops `at` points of the body between the
+  compute op's start and the body's end, beside the wgmma they follow
+  (AFTER_FIRST) or precede (BEFORE_LAST)."""
+  out, reading, issued = [], False, False
+  for op in ops:
+    if reading and not op.at:
+      out.append(_BODY_RAN)
+      reading = False
+    if op.at == AFTER_FIRST and not issued:
+      out.append(_ISSUE)
+    issued = op.at == AFTER_FIRST
+    out.append((_statement(r, op, who), str(op)))
+    if op.at == BEFORE_LAST and op.kind == "wait":
+      out.append(_ISSUE)
+    reading = reading or op.kind == "compute"
+  if reading:
+    out.append(_BODY_RAN)
+  return "".join(f"{indent}{text};   /* {what} */\n" for text, what in out)
+
+
 def _proctype(r: Ring, role: Role, name: str, who: str, arg: str = "") -> str:
-  def lines(ops, indent):
-    return "".join(f"{indent}{_OPS[op.kind](r, op, who)};   /* {op} */\n"
-                   for op in ops)
+  lines = lambda ops, indent: _lines(r, ops, who, indent)
   body = lines(role.before, "  ")
   if role.loop:
     body += ("  s = 0;\n  do\n  :: s < STEPS ->\n    k = s % DEPTH;\n"
@@ -197,6 +234,14 @@ inline land(phase, pending, tx, count) {
 """
 
 
+_TURNS = """
+/* The consumers' turns at the tensor core: the schedule barrier (one
+   arrival per consumer), and who issues WGMMAs until its next arrival. */
+byte schedule_phase[1]; byte schedule_pending[1]; byte schedule_tx[1];
+bool issuing[NCONS];
+"""
+
+
 def _engine(r: Ring) -> str:
   arms = "".join(
       f"  :: atomic {{ slot_landing[{k}] > 0 -> slot_landing[{k}]--; "
@@ -223,15 +268,20 @@ def to_promela(r: Ring) -> str:
           f"copies per slot, {r.fixed_copies} loaded once.\n */\n"
           f"#define DEPTH {sched.depth}\n#define STEPS {r.steps}\n"
           f"#define NCONS {sched.consumers}\n#define FULL_COUNT 1\n"
-          f"#define EMPTY_COUNT {sched.consumers}\n#define FIXED_COUNT 1\n")
+          f"#define EMPTY_COUNT {sched.consumers}\n#define FIXED_COUNT 1\n"
+          + (f"#define SCHEDULE_COUNT {sched.consumers}\n"
+             if sched.turns else ""))
   init = ("init {\n  byte i;\n  for (i : 0 .. DEPTH - 1) {\n"
           "    full_pending[i] = FULL_COUNT; empty_pending[i] = EMPTY_COUNT;"
           "\n    slot_step[i] = -1\n  }\n  fixed_pending[0] = FIXED_COUNT;\n"
-          "  atomic {\n    run producer();\n"
+          + ("  schedule_pending[0] = SCHEDULE_COUNT;\n" if sched.turns
+             else "")
+          + "  atomic {\n    run producer();\n"
           + "".join(f"    run consumer({c});\n"
                     for c in range(sched.consumers))
           + "  }\n}\n")
-  return (head + _PRELUDE + "\n" + _engine(r) + "\n"
+  return (head + _PRELUDE + (_TURNS if sched.turns else "") + "\n"
+          + _engine(r) + "\n"
           + _proctype(r, sched.producer, "producer", "the producer") + "\n"
           + _proctype(r, sched.consumer, "consumer", "a consumer",
                       "byte c") + "\n" + init)

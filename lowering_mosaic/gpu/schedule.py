@@ -15,7 +15,14 @@ Two schedules:
   shared). Per slot, a `full` mbarrier (the producer's `arrive_expect_tx`
   plus the bytes TMA lands) and an `empty` mbarrier (one arrival per
   consumer warpgroup); the producer gives registers up (`setmaxnreg.dec`)
-  and the consumers take them (`setmaxnreg.inc`).
+  and the consumers take them (`setmaxnreg.inc`). Two consumers whose
+  step issues two tensor-core phases with work between them (attention:
+  QK^T, softmax, PV) take turns at the tensor core (ping-pong): a
+  `schedule` mbarrier (one arrival per consumer) and rounds on it (arrive,
+  then wait) after the issue of the step's first wgmma and before the
+  issue of its last; the second consumer takes one round before its loop,
+  the first one after it, so one's softmax runs under the other's WGMMAs
+  (on a ring of two slots or more).
 
 The barrier protocol of each warpgroup is data (`Role`: ops before, in and
 after the loop over sequential steps): the lowering emits it (specialized.py)
@@ -35,6 +42,17 @@ PRODUCER_REGISTERS = 40         # per thread, after `setmaxnreg.dec`
 REGISTER_FILE = 65536           # 32-bit registers per SM (sm_90)
 MAX_THREAD_REGISTERS = 256      # what `setmaxnreg` may ask for
 LAUNCH_REGISTERS_GRANULE = 8    # `setmaxnreg` counts are multiples of 8
+# Consumers that take turns at the tensor core: ping-pong hands the tensor
+# core from one consumer to the other; with three on one barrier, two would
+# issue in the same turn. The first consumer runs half a step ahead of the
+# second: it waits for step s + 1's slot while the second still reads step
+# s's, so turns need a ring of two slots at least (with one, SPIN finds the
+# deadlock: tests/pallas/test_mosaic_gpu_protocol.py).
+TURN_CONSUMERS = 2
+TURN_MIN_DEPTH = 2
+# Where, inside the kernel body, the ops of a turn go: after the issue of
+# the step's first wgmma (before its wait), before the issue of its last.
+AFTER_FIRST, BEFORE_LAST = "after_first_wgmma", "before_last_wgmma"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,19 +65,29 @@ class Op:
   `barrier`), "compute" (the kernel body, reading `blocks`), "store" (TMA of
   the output blocks `blocks` to global memory).
   barrier: "full" / "empty" (the ring slot of the step), "fixed" (the
-  blocks loaded once).
+  blocks loaded once), "schedule" (the consumers' turns).
   parity: "phase" ((s // depth) & 1: the round of the ring), "flipped" (its
-  complement: the first round passes an empty slot at once), "first" (0).
+  complement: the first round passes an empty slot at once), "first" (0),
+  "own" (c & 1 for consumer c: its first turn of a step), "other" (its
+  complement: its second).
   blocks: "ring" (inputs that move), "fixed" (inputs loaded once),
   "moving" / "staying" (outputs stored every step / once at the end).
+  at: "" (the op's own place), or a point inside the kernel body of the
+  compute op before it (AFTER_FIRST, BEFORE_LAST: the dot rule emits it).
+  only: the consumer that runs the op (None: every one).
   """
   kind: str
   barrier: str = ""
   parity: str = ""
   blocks: str = ""
+  at: str = ""
+  only: int | None = None
 
   def __str__(self):
-    args = ", ".join(a for a in (self.barrier, self.parity, self.blocks) if a)
+    where = ((self.at,) if self.at else ()) + (
+        (f"consumer {self.only}",) if self.only is not None else ())
+    args = ", ".join(a for a in (self.barrier, self.parity, self.blocks)
+                     + where if a)
     return f"{self.kind}({args})"
 
 
@@ -85,8 +113,16 @@ class Role:
     raise ValueError(f"{self.name} has no {kind} on {barrier}")
 
 
-def protocol(has_fixed: bool) -> tuple[Role, Role]:
-  """The producer's and the consumers' ops of the warp-specialized ring."""
+def _turn(parity: str, at: str = "", only: int | None = None):
+  """One round on the schedule barrier: arrive, then wait for the other
+  consumer's arrival."""
+  return (Op("arrive", "schedule", at=at, only=only),
+          Op("wait", "schedule", parity, at=at, only=only))
+
+
+def protocol(has_fixed: bool, turns: bool = False) -> tuple[Role, Role]:
+  """The producer's and the consumers' ops of the warp-specialized ring
+  (with `turns`: the consumers take turns at the tensor core)."""
   fixed_in = (Op("expect_tx", "fixed", blocks="fixed"),
               Op("copy", "fixed", blocks="fixed")) if has_fixed else ()
   producer = Role("producer", fixed_in,
@@ -94,12 +130,14 @@ def protocol(has_fixed: bool) -> tuple[Role, Role]:
                    Op("expect_tx", "full", blocks="ring"),
                    Op("copy", "full", blocks="ring")), ())
   fixed_wait = (Op("wait", "fixed", "first"),) if has_fixed else ()
-  consumer = Role("consumer", fixed_wait,
+  turn = _turn if turns else lambda *a, **k: ()
+  consumer = Role("consumer", fixed_wait + turn("first", only=1),
                   (Op("wait", "full", "phase"),
-                   Op("compute", blocks="ring"),
-                   Op("arrive", "empty"),
-                   Op("store", blocks="moving")),
-                  (Op("store", blocks="staying"),))
+                   Op("compute", blocks="ring"))
+                  + turn("own", AFTER_FIRST) + turn("other", BEFORE_LAST)
+                  + (Op("arrive", "empty"),
+                     Op("store", blocks="moving")),
+                  turn("first", only=0) + (Op("store", blocks="staying"),))
   return producer, consumer
 
 
@@ -113,6 +151,12 @@ class Schedule:
   producer: Role | None = None
   consumer: Role | None = None
   reason: str = ""                  # why this schedule
+
+  @property
+  def turns(self) -> bool:
+    """Whether the consumers take turns at the tensor core."""
+    return self.consumer is not None and any(
+        op.barrier == "schedule" for op in self.consumer.ops())
 
   @property
   def warpgroups(self) -> int:
@@ -143,6 +187,7 @@ class Schedule:
             f"warpgroup(s) on grid dim {self.split_dim}, a ring of "
             f"{self.depth} slots, registers {self.producer_registers}/"
             f"{self.consumer_registers}"
+            + (", turns at the tensor core" if self.turns else "")
             + (f" ({self.reason})" if self.reason else ""))
 
 
@@ -151,8 +196,14 @@ def single(depth: int, steps: int, reason: str = "") -> Schedule:
 
 
 def specialized(depth: int, consumers: int, split_dim: int | None,
-                steps: int, has_fixed: bool, reason: str = "") -> Schedule:
-  producer, consumer = protocol(has_fixed)
+                steps: int, has_fixed: bool, reason: str = "",
+                two_phases: bool = False) -> Schedule:
+  """`two_phases`: the body issues two tensor-core phases per step with
+  work between them (turns.py); two consumers then take turns, on a ring
+  of two slots or more."""
+  producer, consumer = protocol(
+      has_fixed, two_phases and consumers == TURN_CONSUMERS
+      and depth >= TURN_MIN_DEPTH)
   return Schedule(True, depth, consumers, split_dim, steps, producer,
                   consumer, reason)
 

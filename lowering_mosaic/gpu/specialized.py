@@ -10,26 +10,40 @@ consumers (consumer c is warpgroup c): they take registers
 kernel body on grid point c of the CTA's `consumers` points along the
 split dim, release the slot (one arrival per warpgroup on its empty
 barrier), store the output blocks that move; after the loop the others.
+Consumers that take turns at the tensor core share a `schedule` barrier:
+the turn ops inside the body are handed to the dot rule, which emits them
+around the issue of the step's first and last wgmmas (turns.py).
 
 Each op of a role is emitted by one entry of `_EMIT` (keyed by op kind),
 so the emitted module follows the protocol that protocol_model.py checks.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 from dsl.core.jax_internals import arith, ir, nvvm, scf
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+from lowering_mosaic.gpu import turns
 from lowering_mosaic.gpu.host import decode, i32, index_cast_i32
+from lowering_mosaic.gpu.schedule import AFTER_FIRST, BEFORE_LAST
+
+
+# The CTA's mbarrier groups (kernel.py `_barriers`), by the names of ops.
+_BARRIER_GROUPS = {"full": 0, "empty": 1, "fixed": 2, "schedule": 3}
 
 
 class _Step:
   """Where a role is: the sequential step `s` (i32; None outside the
   loop), its ring slot, which warpgroup runs it, and the values of the
-  refs the consumers carry in registers (`carry`, updated by compute)."""
+  refs the consumers carry in registers (`carry`, updated by compute),
+  the parity of the consumer's first turn of a step (`own`, i1), and the
+  turn ops the body emits (`inside`: those `at` a point of it)."""
 
-  def __init__(self, em, consumer, s=None, carry=()):
+  def __init__(self, em, consumer, s=None, carry=(), own=None):
     self.em, self.consumer, self.s = em, consumer, s
-    self.carry = list(carry)
+    self.carry, self.own, self.inside = list(carry), own, ()
     depth = em.plan.schedule.depth
     self.slot = arith.remui(s, i32(depth)) if s is not None else None
     self.round = (arith.divui(s, i32(depth)) if s is not None else None)
@@ -41,14 +55,15 @@ class _Step:
     i1 = ir.IntegerType.get_signless(1)
     if kind == "first":
       return arith.constant(i1, 0)
+    if kind in ("own", "other"):
+      return (self.own if kind == "own"
+              else arith.xori(self.own, arith.constant(i1, 1)))
     bit = arith.trunci(i1, arith.andi(self.round, i32(1)))
     return arith.xori(bit, arith.constant(i1, 1)) if kind == "flipped" else bit
 
   def barrier(self, name: str):
-    full, empty, fixed = self.em.barriers
-    if name == "fixed":
-      return fixed
-    return (full if name == "full" else empty)[self.slot]
+    group = self.em.barriers[_BARRIER_GROUPS[name]]
+    return group[self.slot] if name in ("full", "empty") else group
 
   def ids(self, replica):
     """Grid ids of this step (step 0 outside the loop) for `replica`."""
@@ -118,10 +133,29 @@ def _consumer_views(st):
   return out, c
 
 
+@contextlib.contextmanager
+def _turns_inside(st):
+  """The turn ops `at` points of the body (`st.inside`), handed to the dot
+  rule for the wgmmas there while the body is emitted."""
+  host = st.em.host
+  if st.inside:
+    first, last = turns.phases(st.em.plan.body)
+    points = {AFTER_FIRST: (id(first), "after"),
+              BEFORE_LAST: (id(last), "before")}
+    for op in st.inside:
+      host.turns.setdefault(points[op.at], []).append(
+          lambda op=op: _EMIT[op.kind](st, op))
+  try:
+    yield
+  finally:
+    host.turns = {}
+
+
 def _compute(st, op):
   em = st.em
   views, c = _consumer_views(st)
-  st.carry = em.body(st.ids(st.consumer), em.refs(views, c), st.carry)
+  with _turns_inside(st):
+    st.carry = em.body(st.ids(st.consumer), em.refs(views, c), st.carry)
 
 
 def _store(st, op):
@@ -142,24 +176,50 @@ _EMIT = {"wait": _wait, "arrive": _arrive, "expect_tx": _expect_tx,
          "copy": _copy, "compute": _compute, "store": _store}
 
 
+def _emit_ops(st, ops):
+  """Emits `ops` in order: the ops `at` a point of the body by the compute
+  op before them, a run of ops for one consumer only in one `scf.if`."""
+  for i, op in enumerate(ops):
+    if op.kind == "compute":
+      st.inside = tuple(itertools.takewhile(lambda o: o.at, ops[i + 1:]))
+  ops = [op for op in ops if not op.at]
+  for only, run in itertools.groupby(ops, lambda op: op.only):
+    if only is None:
+      for op in run:
+        _EMIT[op.kind](st, op)
+      continue
+    mine = arith.cmpi(arith.CmpIPredicate.eq, st.consumer, i32(only))
+    with ir.InsertionPoint(scf.IfOp(mine).then_block):
+      for op in run:
+        _EMIT[op.kind](st, op)
+      scf.yield_([])
+
+
+def _own_parity(role, consumer):
+  """The parity of `consumer`'s first turn of a step (c & 1, as i1), once,
+  before the loop; None if the role takes no turns."""
+  if not any(op.parity in ("own", "other") for op in role.loop):
+    return None
+  return arith.trunci(ir.IntegerType.get_signless(1),
+                      arith.andi(consumer, i32(1)))
+
+
 def _run(em, role, consumer):
   """Emits `role`'s ops: before, in a loop over the sequential steps
   (carrying the consumers' accumulators), after."""
-  for op in role.before:
-    _EMIT[op.kind](_Step(em, consumer), op)
+  _emit_ops(_Step(em, consumer), role.before)
   computes = any(op.kind == "compute" for op in role.loop)
   carry = em.initial_carry() if computes else []
+  own = _own_parity(role, consumer)
 
   def step(s, carry):
-    st = _Step(em, consumer, s, carry)
-    for op in role.loop:
-      _EMIT[op.kind](st, op)
+    st = _Step(em, consumer, s, carry, own)
+    _emit_ops(st, role.loop)
     return st.carry
 
   if role.loop:
     carry = em.steps_loop(carry, step)
-  for op in role.after:
-    _EMIT[op.kind](_Step(em, consumer, carry=carry), op)
+  _emit_ops(_Step(em, consumer, carry=carry), role.after)
 
 
 def _registers(n: int, action: str):

@@ -148,21 +148,7 @@ SLOW: set[tuple[str, str]] = _TOO_SLOW | {
 # The golden comparison of the TPU cases (test_pallas_ops_golden.py: dsl's
 # Mosaic modules against Pallas's own lowering). A case -> why its modules
 # are not Pallas's: a strict xfail there, and a note on the page.
-GOLDEN_DIFFERS: dict[str, str] = {
-    "tpu.megablox.gmm [group offset, existing_out]": (
-        "a documented semantic choice: the kernel reads its output block, "
-        "aliased to existing_out, after writing it under "
-        "pl.when(first_time_seeing_out), a condition on scalar-prefetch data "
-        "that dsl cannot prove holds at each first visit of the block; so "
-        "dsl's Mosaic lowering, which makes an aliased output read before "
-        "written start from its input as on every backend, passes "
-        "existing_out once more and copies its block in at each first "
-        "visit, where Pallas's lowering does not: one more operand and "
-        "window, the same results. On a TPU an output block is never read "
-        "from HBM (the aliased buffer is shared in HBM only), so Pallas's "
-        "module is what a TPU runs and the copy-in is dsl's semantic "
-        "choice (docs/mosaic.md, \"Aliased outputs read before written\")"),
-}
+GOLDEN_DIFFERS: dict[str, str] = {}
 # The variants that lower (dsl and Pallas together) in 0.5 s or more
 # (`pytest --durations=0` on a shared 2-core machine): under -m slow. The
 # other variants lower in well under a second and run by default, beside

@@ -99,7 +99,10 @@ def test_flash_attention_consumers_share_the_kv_ring():
   assert count_op(consumer, "vector.multi_reduction") == 2
   # q blocks on the fixed barrier before the loop; K, V per step.
   assert count_op(producer, "mosaic_gpu.async_load") == 4
-  assert count_op(consumer, WAIT) == 2       # fixed, full
+  # fixed, full; the turns at the tensor core: two a step, one before the
+  # loop (the second consumer's), one after it (the first's).
+  assert count_op(consumer, WAIT) == 6
+  assert sched.turns
 
 
 # ------------------------------------------------------------ the depth

@@ -17,13 +17,7 @@ import pytest
 from tests.pallas import mosaic_gpu_vs_plgpu as V
 
 # (pair, criterion) -> (ours, Pallas's, why).
-KNOWN_WORSE = {
-    ("attention", "consumer turn-taking rounds per step"): (
-        0, 2, "no ping-pong: attention_mgpu's consumers take turns at the "
-        "tensor core through a schedule barrier (arrive, wait) twice per "
-        "step, so one's softmax runs under the other's WGMMAs; the "
-        "automatic consumers run their bodies independently"),
-}
+KNOWN_WORSE = {}
 
 
 @functools.cache
@@ -67,9 +61,14 @@ def test_both_schedules_are_warp_specialized_with_the_same_tensor_core_work():
   assert figures("attention")["consumer wgmma per step"] == (
       {"m64n64k16": 8, "m64n128k16": 4},) * 2
   # The automatic schedule: one full-slot wait and one release per
-  # consumer step; the explicit attention also waits for K and V apart and
-  # takes turns at the tensor core (two schedule-barrier rounds).
-  assert figures("attention")["consumer mbarrier waits per step"] == (1, 4)
+  # consumer step, and two turns at the tensor core (schedule-barrier
+  # rounds) as the explicit attention takes; that one also waits for K and
+  # V apart and releases them apart.
+  attention = figures("attention")
+  assert attention["consumer mbarrier waits per step"] == (3, 4)
+  assert attention["consumer mbarrier arrivals per step"] == (3, 4)
+  assert attention["consumer turn-taking rounds per step"] == (2, 2)
+  assert figures("matmul")["consumer turn-taking rounds per step"] == (0, 0)
 
 
 def test_turns_are_arrivals_on_barriers_the_step_waits_on():

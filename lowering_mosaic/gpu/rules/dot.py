@@ -6,6 +6,11 @@ buffer; the accumulator lives in registers (f32). So a dot's operands must
 be read straight from refs (`x_ref[...]`, a block or a scratch buffer): the
 rule looks through the `vector_load` to the buffer behind it, and the load,
 now unused, is dropped by the library's canonicalization.
+
+A wgmma is issued, committed and waited for at once, except where the
+schedule puts the consumers' turns at the tensor core (turns.py): before
+the issue of the step's last wgmma, and between the issue of its first
+and the wait for it (`GpuHost.take_turns`).
 """
 from __future__ import annotations
 
@@ -194,7 +199,9 @@ def _wgmma(ctx, lhs, rhs, acc, dimension_numbers, precision):
     a = mgpu_utils.memref_transpose(a, (1, 0))
   if acc is None:
     acc = constant(0.0, (m, n), np.float32)
+  ctx.host.take_turns(ctx.eqn, "before")
   out = mgpu.wgmma(_ordered(ctx, acc), a, b_ref)
   nvvm.wgmma_commit_group_sync_aligned()
+  ctx.host.take_turns(ctx.eqn, "after")     # between the issue and its wait
   nvvm.wgmma_wait_group_sync_aligned(0)
   return convert(out, np.float32, out_aval.dtype, (m, n))
