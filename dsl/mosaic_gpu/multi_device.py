@@ -14,10 +14,12 @@ whose memory is symmetric (NVSHMEM).
 - `semaphore_signal_multicast(sem, value, collective_axes=)`: adds `value`
   to `sem` on every device along `collective_axes`.
 
-They are primitives with abstract evals, so kernels that use them trace; the
-interpret backend runs the warpgroups of one device and refuses them (naming
-the primitive and the line): running several devices' kernels against each
-other is not built yet.
+They are primitives with abstract evals, so kernels that use them trace;
+backend "mosaic_gpu" lowers them as Pallas does (docs/mosaic-gpu.md,
+"Collectives"); the interpret backend runs the warpgroups of one device and
+refuses a kernel that talks to other devices (naming the primitive and the
+line): running several devices' kernels against each other is not built
+yet.
 """
 from __future__ import annotations
 
