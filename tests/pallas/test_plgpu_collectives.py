@@ -201,6 +201,16 @@ def multimem_load_reduce(pl, plgpu, **extra):
   return _kernel(plgpu, body, **extra)
 
 
+def multimem_load_max(pl, plgpu, **extra):
+  """A signed maximum (of int32: the library's `Smax`)."""
+  def body(x_ref, o_ref):
+    o_ref[...] = plgpu.layout_cast(
+        plgpu.multimem_load_reduce(x_ref, collective_axes="x",
+                                   reduction_op="max"),
+        plgpu.Layout.WG_STRIDED((128,), vec_size=1))
+  return _kernel(plgpu, body, dtype=jnp.int32, **extra)
+
+
 def device_index(pl, plgpu, **extra):
   def body(x_ref, o_ref):
     o_ref[...] = x_ref[...] + lax.axis_index("x").astype(F32)
@@ -256,6 +266,7 @@ def lower_both_on_mesh(make, captured, dtype=F32):
     (multimem_store, {"multimem.st": 1}, F32),
     (multimem_store_scalar, {"multimem.st": 1}, jnp.int32),
     (multimem_load_reduce, {"multimem.ld_reduce": 1}, F32),
+    (multimem_load_max, {"multimem.ld_reduce": 1}, jnp.int32),
     (device_index, {"mosaic_gpu.device_id_load": 1}, F32),
     (signal_and_wait, {"red.release.sys.global.add.u32": 1,
                        "ld.relaxed.sys.global": 1}, F32),

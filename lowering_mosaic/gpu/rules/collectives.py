@@ -150,8 +150,8 @@ def _reduction(ctx, op: str, dtype):
   kinds = mgpu.MultimemLoadReductionType
   signed = mgpu_utils.is_signed(dtype)
   if op in ("min", "max"):
-    prefix = {None: "", True: "S", False: "U"}[signed]
-    return getattr(kinds, prefix + op.capitalize())
+    prefix = {None: "", True: "s", False: "u"}[signed]
+    return getattr(kinds, (prefix + op).capitalize())
   if op in ("add", "and", "or", "xor"):
     return getattr(kinds, op.capitalize())
   raise ctx.error(f"plgpu.multimem_load_reduce: unknown reduction {op!r}")
