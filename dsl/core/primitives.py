@@ -142,7 +142,9 @@ run_scoped_p = Primitive("run_scoped")
 run_scoped_p.multiple_results = True
 
 
-def _run_scoped_effects(jaxpr: core.Jaxpr, num_consts: int):
+def scoped_effects(jaxpr: core.Jaxpr, num_consts: int):
+  """The effects of a body on the refs its first `num_consts` inputs pass
+  in from outside (the others are its own), and its other effects."""
   out = set()
   positions = {v: i for i, v in enumerate(jaxpr.invars)}
   for eff in jaxpr.effects:
@@ -158,7 +160,7 @@ def _run_scoped_effects(jaxpr: core.Jaxpr, num_consts: int):
 @run_scoped_p.def_effectful_abstract_eval
 def _run_scoped_abstract_eval(*avals, jaxpr, num_consts, collective_axes=()):
   return ([v.aval for v in jaxpr.outvars],
-          _run_scoped_effects(jaxpr, num_consts))
+          scoped_effects(jaxpr, num_consts))
 
 
 def _jaxpr_consts(j):

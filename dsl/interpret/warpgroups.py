@@ -37,8 +37,10 @@ from dsl.core.primitives import run_scoped_p
 from dsl.core.semaphores import is_semaphore_aval
 from dsl.core.state_scopes import get_global_p
 from dsl.interpret import plgpu_rules
-from dsl.interpret.thread_eval import TABLE, Cell, eval_jaxpr, where
+from dsl.interpret.tensor_core import TensorCore
+from dsl.interpret.thread_eval import TABLE, Blocked, Cell, eval_jaxpr, where
 from dsl.mosaic_gpu.kernel import Mesh
+from dsl.mosaic_gpu.scheduling import WARPS_PER_WARPGROUP, warp_map_p
 from dsl.mosaic_gpu.memory import (BarrierSpace, is_accumulator_aval,
                                    is_barrier_aval)
 
@@ -93,6 +95,41 @@ class Thread:
     return True
 
 
+class Warp(Thread):
+  """One warp of a warpgroup inside `warp_map`: a thread of its own that
+  starts with the phases its warpgroup has waited for."""
+
+  def __init__(self, group: Thread, index: int, jaxpr, invals):
+    self.machine, self.kernel = group.machine, group.kernel
+    self.coords, self.block = group.coords, group.block
+    self.name = f"warp {index} of {group.name}"
+    self.waits = dict(group.waits)
+    self.entries: dict = {}
+    self.blocked = None
+    self.done = False
+    self.routine = eval_jaxpr(self, jaxpr, (), [*invals, np.int32(index)])
+
+
+@TABLE.register(warp_map_p)
+def _warp_map(thread: Thread, eqn, invals):
+  """Runs the warps in turn, each until it waits, as the scheduler runs
+  warpgroups; the warpgroup waits while every unfinished warp does, and
+  then has waited for every phase one of its warps waited for."""
+  warps = [Warp(thread, i, eqn.params["jaxpr"], invals)
+           for i in range(WARPS_PER_WARPGROUP)]
+  while not all(w.done for w in warps):
+    if not any([w.step() for w in warps]):
+      waiting = [w for w in warps if not w.done]
+      what = "; ".join(f"{w.name} {w.blocked.what} (at {where(w.blocked.eqn)})"
+                       for w in waiting)
+      yield Blocked(lambda: any(w.blocked.ready() for w in waiting),
+                    f"in warp_map: {what}", waiting[0].blocked.eqn)
+  for w in warps:
+    for b, n in w.waits.items():
+      thread.waits[b] = max(thread.waits.get(b, 0), n)
+  return []
+
+
 class Machine:
   """One launch of a `plgpu.kernel`: its shared memory and warpgroups."""
 
@@ -106,6 +143,7 @@ class Machine:
                         else (mesh.thread_name,))
     self.shared: dict = {}
     self.globals: dict = {}
+    self.tensor_core = TensorCore()
 
   def run(self, operands) -> list[np.ndarray]:
     spec, gm = self.spec, self.spec.grid_mapping
