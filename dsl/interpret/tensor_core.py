@@ -103,22 +103,23 @@ class TensorCore:
     if not (self.ops or self.loads or self.stores):
       return
     mask = region(cell, transforms)
-    conflicts = [*self.stores] if reads else []
+    verb = "writes" if writes else "reads"
+    conflicts = [(a, "reads") for a in self.stores] if reads else []
     if writes:
-      conflicts += self.loads
+      conflicts += [(a, "writes") for a in self.loads]
     if not tensor_core:
       for op in self.ops:
-        conflicts += op.writes + (op.reads if writes else [])
-    for other in conflicts:
+        conflicts += [(a, verb) for a in op.writes]
+        conflicts += [(a, "writes") for a in op.reads] if writes else []
+    for other, how in conflicts:
       if other.overlaps(cell, mask):
-        raise _race(thread, eqn, cell, other, writes)
+        raise _race(thread, eqn, cell, other, how)
 
   def retire(self, pending: list, thread) -> list:
     return [a for a in pending if a.thread is not thread]
 
 
-def _race(thread, eqn, cell, other: Access, writes: bool) -> KernelRaceError:
-  verb = "writes" if writes else "reads"
+def _race(thread, eqn, cell, other: Access, verb: str) -> KernelRaceError:
   fix = {"async_load_tmem": "call wait_load_tmem() after the load",
          "async_store_tmem": "call commit_tmem() after the store"}.get(
              other.what, "wait on the barrier its completion arrives on "

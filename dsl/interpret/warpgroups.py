@@ -196,13 +196,21 @@ class Machine:
         detail="\n".join(lines))
 
 
+def _scoped_labels(eqn, count: int) -> list[str]:
+  """Names of a `run_scoped`'s allocations: its line (none for a
+  `plgpu.kernel`'s scratch) and their positions."""
+  line = where(eqn)
+  scope = f"run_scoped at {line}" if line else "scratch"
+  return [f"{scope} [{i}]" for i in range(count)]
+
+
 @TABLE.register(run_scoped_p)
 def _run_scoped(thread: Thread, eqn, invals):
   jaxpr = eqn.params["jaxpr"]
   axes = tuple(eqn.params.get("collective_axes", ()))
   machine = thread.machine
   avals = [v.aval for v in jaxpr.invars[eqn.params["num_consts"]:]]
-  label = f"run_scoped at {where(eqn)}"
+  labels = _scoped_labels(eqn, len(avals))
   if axes and axes != machine.thread_axes:
     raise BackendError(thread.kernel, f"run_scoped(collective_axes={axes}): "
                        "the interpret backend shares allocations along the "
@@ -215,10 +223,10 @@ def _run_scoped(thread: Thread, eqn, invals):
     entry = machine.shared.get(key)
     if entry is None:
       entry = machine.shared[key] = [
-          [allocate(a, f"{label} [{i}]") for i, a in enumerate(avals)], 0]
+          [allocate(a, label) for a, label in zip(avals, labels)], 0]
     cells = entry[0]
   else:
-    cells = [allocate(a, f"{label} [{i}]") for i, a in enumerate(avals)]
+    cells = [allocate(a, label) for a, label in zip(avals, labels)]
   outs = yield from eval_jaxpr(thread, jaxpr, (), [*invals, *cells])
   if axes:
     entry[1] += 1
