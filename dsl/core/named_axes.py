@@ -38,7 +38,7 @@ import jax.extend.linear_util as lu
 from dsl.core.errors import KernelError, source_info_frame
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 from dsl.core.normalize import scan_layout
-from dsl.core.primitives import run_scoped, run_scoped_p
+from dsl.core.primitives import bind_run_scoped, run_scoped_p
 
 
 def grid_names(grid) -> tuple | None:
@@ -329,8 +329,10 @@ def _run_scoped(ctx, eqn, invals, axes):
 
   def f(*refs):
     return _eval(ctx, closed.jaxpr, (), [*invals, *refs], body_axes)[0]
-  return run_scoped(f, *scoped,
-                    collective_axes=eqn.params.get("collective_axes", ()))
+  dbg = jaxpr.debug_info
+  names = ([""] * len(scoped) + list(dbg.arg_names or ()))[-len(scoped):]
+  return bind_run_scoped(f, scoped, dbg._replace(arg_names=tuple(names)),
+                         eqn.params.get("collective_axes", ()))
 
 
 def _control_flow() -> dict:

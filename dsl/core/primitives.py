@@ -236,11 +236,19 @@ def run_scoped(f: Callable[..., Any], *types, collective_axes=(),
     out_tree_box.append(out_tree)
     return leaves
 
-  dbg = api_util.debug_info("run_scoped", f, tuple(range(len(avals))), {})
+  # (the allocations' names: the parameters or keywords they are passed as)
+  dbg = api_util.debug_info("run_scoped", f, *tree_util.tree_unflatten(
+      in_tree, list(range(len(avals)))))
+  outs = bind_run_scoped(flat_f, avals, dbg, collective_axes)
+  return tree_util.tree_unflatten(out_tree_box[0], outs)
+
+
+def bind_run_scoped(flat_f, avals, debug_info, collective_axes=()):
+  """`run_scoped_p` of a flat body (refs in, a list of values out) over
+  fresh allocations of `avals`; `debug_info` names them. Its outputs."""
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-      lu.wrap_init(flat_f, debug_info=dbg), avals)
+      lu.wrap_init(flat_f, debug_info=debug_info), avals)
   jaxpr = pe.convert_constvars_jaxpr(jaxpr)
   extra = {"collective_axes": collective_axes} if collective_axes else {}
-  outs = run_scoped_p.bind(*consts, jaxpr=jaxpr, num_consts=len(consts),
+  return run_scoped_p.bind(*consts, jaxpr=jaxpr, num_consts=len(consts),
                            **extra)
-  return tree_util.tree_unflatten(out_tree_box[0], outs)

@@ -98,7 +98,7 @@ def _copy_smem_to_gmem(thread, eqn, invals):
   return []
 
 
-@TABLE.register(prims.barrier_arrive_p)
+@TABLE.register(prims.barrier_arrive_p, scheduling.try_cluster_cancel_p)
 def _barrier_arrive(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
   for b in barrier_states(a["barrier"], a["barrier_t"]):
@@ -137,14 +137,6 @@ def _wgmma(thread, eqn, invals):
   prod = np.matmul(lhs.astype(np.float32), rhs.astype(np.float32))
   write(acc, a["acc_t"], (old.astype(np.float32) + prod).astype(old.dtype),
         acc.label)
-  return []
-
-
-@TABLE.register(scheduling.try_cluster_cancel_p)
-def _try_cluster_cancel(thread, eqn, invals):
-  a = unpack(invals, eqn.params["layout"])
-  for b in barrier_states(a["barrier"], a["barrier_t"]):
-    b.arrive()
   return []
 
 

@@ -134,14 +134,18 @@ def tensor_core(thread) -> TensorCore:
   return thread.machine.tensor_core
 
 
+def _refuse_collective(thread, eqn) -> None:
+  if eqn.params["collective_axis"] is not None:
+    raise BackendError(thread.kernel, f"a collective {eqn.primitive.name} "
+                       "(collective_axis=) does not run on the interpret "
+                       "backend yet: a cluster's blocks run apart",
+                       where(eqn), operand="collective_axis")
+
+
 @TABLE.register(tm.tcgen05_mma_p)
 def _tcgen05_mma(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  if eqn.params["collective_axis"] is not None:
-    raise BackendError(thread.kernel, "a collective tcgen05_mma "
-                       "(collective_axis=) does not run on the interpret "
-                       "backend yet: its blocks run apart", where(eqn),
-                       operand="collective_axis")
+  _refuse_collective(thread, eqn)
   tc = tensor_core(thread)
   acc, acc_t = a["acc"], a["acc_t"]
   tc.check(thread, eqn, acc, acc_t, reads=True, writes=True,
@@ -163,10 +167,7 @@ def _tcgen05_mma(thread, eqn, invals):
 @TABLE.register(tm.async_copy_smem_to_tmem_p)
 def _copy_smem_to_tmem(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  if eqn.params["collective_axis"] is not None:
-    raise BackendError(thread.kernel, "a collective async_copy_smem_to_tmem "
-                       "does not run on the interpret backend yet",
-                       where(eqn), operand="collective_axis")
+  _refuse_collective(thread, eqn)
   tc = tensor_core(thread)
   tc.check(thread, eqn, a["dst"], a["dst_t"], writes=True, tensor_core=True)
   write(a["dst"], a["dst_t"], read(a["src"], a["src_t"], a["src"].label),

@@ -197,11 +197,13 @@ class Machine:
 
 
 def _scoped_labels(eqn, count: int) -> list[str]:
-  """Names of a `run_scoped`'s allocations: its line (none for a
-  `plgpu.kernel`'s scratch) and their positions."""
+  """Names of a `run_scoped`'s allocations: the parameters they are passed
+  as, else the scope's line (none for a kernel's scratch) and position."""
+  names = [""] * count + list(eqn.params["jaxpr"].debug_info.arg_names or ())
   line = where(eqn)
   scope = f"run_scoped at {line}" if line else "scratch"
-  return [f"{scope} [{i}]" for i in range(count)]
+  return [name or f"{scope} [{i}]"
+          for i, name in enumerate(names[len(names) - count:])]
 
 
 @TABLE.register(run_scoped_p)

@@ -152,7 +152,7 @@ def test_the_mma_barrier_hands_the_accumulator_to_another_warpgroup():
 def test_reading_the_accumulator_without_the_mma_wait_is_a_race():
   a, b = _f16(5, (M, K)), _f16(6, (K, N))
   with pytest.raises(KernelRaceError, match=(
-      rf"warpgroup \(1,\) .* reads .* while the tcgen05_mma of warpgroup "
+      rf"warpgroup \(1,\) .* reads acc while the tcgen05_mma of warpgroup "
       rf"\(0,\) .*{HERE}:\d+.* in flight.*barrier.*\(at \S*{HERE}:\d+\)")):
     on_dsl(handoff(wait=False), a, b)
 
@@ -188,11 +188,11 @@ def _mma_over_a_store(plgpu, a_gmem, a_smem, acc, loaded, done):
 
 
 @pytest.mark.parametrize("step,pattern", [
-    (_refill_operand, r"writes scratch \[0\] while the tcgen05_mma .* "
+    (_refill_operand, r"writes a_smem while the tcgen05_mma .* "
      r"wait on the barrier"),
-    (_mma_over_a_load, r"writes scratch \[1\] while the async_load_tmem .* "
+    (_mma_over_a_load, r"writes acc while the async_load_tmem .* "
      r"wait_load_tmem"),
-    (_mma_over_a_store, r"reads scratch \[1\] while the async_store_tmem .* "
+    (_mma_over_a_store, r"reads acc while the async_store_tmem .* "
      r"commit_tmem"),
 ], ids=["tma-refills-an-mma-operand", "mma-overwrites-a-load",
         "mma-reads-an-uncommitted-store"])
