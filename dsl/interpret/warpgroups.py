@@ -11,7 +11,8 @@ scheduler resumes them in turn, each until it waits for something that has
 not happened (round robin over blocks and warpgroups, in grid order, so a
 run is deterministic). When every warpgroup that has not finished waits,
 the kernel is deadlocked: a `KernelDeadlockError` names each wait and its
-line.
+line. Inside `plgpu.warp_map`, the 4 warps of a warpgroup are threads of
+their own, run in turn the same way while the warpgroup waits for them.
 
 Memory: the kernel's operands are GMEM, shared by every block; outputs start
 as poison (as on every host backend), or as the aliased input. A

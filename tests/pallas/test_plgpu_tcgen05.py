@@ -232,6 +232,7 @@ def test_warps_run_at_once_and_meet_at_barriers():
   want = np.repeat(np.array([[4.0], [10.0], [20.0], [3.0]], np.float32),
                    128, axis=1)
   np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got, on_pallas(warps_meet))
 
 
 def test_a_warp_waiting_forever_is_a_deadlock_naming_the_warp():
