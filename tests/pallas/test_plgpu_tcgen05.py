@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +202,37 @@ def test_a_missing_tensor_core_wait_is_a_race(step, pattern):
   a = _f16(7, (M, K))
   with pytest.raises(KernelRaceError, match=pattern + rf".*{HERE}:\d+"):
     on_dsl(_racy(step), a, a[:, :N])
+
+
+def _seeded_blackwell_matmul(drop: str, monkeypatch):
+  """The swapped blackwell_matmul_mgpu with the call `drop` taken out."""
+  path = os.path.join(swap.ops_dir(), "gpu", "blackwell_matmul_mgpu.py")
+  with open(path, encoding="utf-8") as f:
+    source = swap.rewrite(f.read(), path)
+  assert source.count(drop) == 1
+  module = types.ModuleType("seeded_blackwell_matmul")
+  monkeypatch.setitem(sys.modules, module.__name__, module)  # (dataclasses)
+  exec(compile(source.replace(drop, "pass"), "seeded_blackwell_matmul.py",
+               "exec"), module.__dict__)
+  return module
+
+
+@pytest.mark.parametrize("drop,pattern", [
+    ("plgpu.barrier_wait(mma_done_barrier.at[acc_slot])",
+     r"warpgroup \(1,\) .* reads acc_tmem while the tcgen05_mma of warp 1 "),
+    ("plgpu.barrier_wait(consumed_barrier.at[slot])",
+     r"warp 1 of .* waits for phase 0 of ab_tma_barrier, but the barrier "
+     r"has completed 2 phases"),
+], ids=["store-skips-the-mma-wait", "tma-skips-the-consumed-wait"])
+def test_the_blackwell_matmul_without_a_wait_races(drop, pattern,
+                                                  monkeypatch):
+  m = _seeded_blackwell_matmul(drop, monkeypatch)
+  a = _f16(8, (256, 256))
+  config = m.TuningConfig(tile_m=128, tile_n=128, tile_k=64,
+                          max_concurrent_steps=2, collective=False)
+  with pl.default_backend("interpret"), pytest.raises(
+      KernelRaceError, match=pattern + r".*seeded_blackwell_matmul.py:\d+"):
+    m.matmul_kernel(a, a, config)
 
 
 # ------------------------------------------------------- warps, scheduling
