@@ -335,6 +335,29 @@ def _run_scoped(ctx, eqn, invals, axes):
                          eqn.params.get("collective_axes", ()))
 
 
+# Primitives of front ends whose body (params `jaxpr`, `num_consts`) takes
+# its operands, then values it makes itself (a warp's id): primitive ->
+# `bind(f, eqn)`, which binds it again with the flat body `f(*own values)`.
+_OWN_BODIES: dict = {}
+
+
+def register_body_primitive(primitive, bind) -> None:
+  """Lets grid axis names be used inside `primitive`'s body (see
+  `_OWN_BODIES`)."""
+  _OWN_BODIES[primitive] = bind
+
+
+def _own_body(ctx, eqn, invals, axes):
+  jaxpr, n = eqn.params["jaxpr"], eqn.params["num_consts"]
+  closed = close_jaxpr(jaxpr, ())
+
+  def f(*own):
+    return _eval(ctx, closed.jaxpr, (), [*invals, *own],
+                 [axes] * n + [frozenset()] * len(own))[0]
+  return _OWN_BODIES[eqn.primitive](f, eqn)
+
+
 def _control_flow() -> dict:
   return {cf.cond_p: _cond, cf.while_p: _while, cf.scan_p: _scan,
-          run_scoped_p: _run_scoped}
+          run_scoped_p: _run_scoped,
+          **{p: _own_body for p in _OWN_BODIES}}

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Primitive
 
+from dsl.core import named_axes
 from dsl.core.errors import KernelError, user_frame
 from dsl.core.jax_internals import (api_util, core, linear_util as lu,
                                     partial_eval as pe)
@@ -57,6 +58,12 @@ def warp_map(f: Callable[[Any], None], /) -> None:
   del outs
   jaxpr = pe.convert_constvars_jaxpr(jaxpr)
   warp_map_p.bind(*consts, jaxpr=jaxpr, num_consts=len(consts))
+
+
+# (`lax.axis_index` of a grid axis inside the body: the kernel's rewrite
+# binds the warp map again around the rewritten body)
+named_axes.register_body_primitive(warp_map_p,
+                                   lambda f, eqn: warp_map(f) or [])
 
 
 # ------------------------------------------------------ cluster launch control

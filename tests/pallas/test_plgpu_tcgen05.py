@@ -268,6 +268,25 @@ def test_warps_run_at_once_and_meet_at_barriers():
   np.testing.assert_array_equal(got, on_pallas(warps_meet))
 
 
+def warps_of_two_warpgroups(pl, plgpu):
+  """Each warp of each warpgroup writes its row (`lax.axis_index` inside
+  the warp map)."""
+  def body(o_gmem):
+    @plgpu.warp_map
+    def _(w):
+      row = lax.axis_index("wg") * 4 + w
+      o_gmem[pl.ds(row, 1)] = jnp.full((1, 128), row, F32)
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 128), F32),
+                      num_threads=2, thread_name="wg")
+
+
+def test_the_grid_axes_are_known_inside_the_warp_map():
+  got = on_dsl(warps_of_two_warpgroups)
+  np.testing.assert_array_equal(
+      got, np.repeat(np.arange(8, dtype=np.float32)[:, None], 128, 1))
+  np.testing.assert_array_equal(got, on_pallas(warps_of_two_warpgroups))
+
+
 def test_a_warp_waiting_forever_is_a_deadlock_naming_the_warp():
   def make(pl, plgpu):
     def body(o_gmem, never):
