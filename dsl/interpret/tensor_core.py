@@ -115,6 +115,13 @@ class TensorCore:
       if other.overlaps(cell, mask):
         raise _race(thread, eqn, cell, other, how)
 
+  def track(self, pending: list, thread, eqn, cell, transforms, what,
+            **access) -> None:
+    """Checks a TMEM load or store (`access`: reads= or writes=), then
+    keeps it in `pending` until its thread waits for it."""
+    self.check(thread, eqn, cell, transforms, **access)
+    pending.append(Access(cell, region(cell, transforms), thread, what, eqn))
+
   def retire(self, pending: list, thread) -> list:
     return [a for a in pending if a.thread is not thread]
 
@@ -190,22 +197,18 @@ def _commit_arrive(thread, eqn, invals):
 def _async_load_tmem(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
   tc = tensor_core(thread)
-  src, t = a["src"], a["src_t"]
-  tc.check(thread, eqn, src, t, reads=True)
-  tc.loads.append(Access(src, region(src, t), thread, "async_load_tmem",
-                         eqn))
-  return read(src, t, src.label)
+  tc.track(tc.loads, thread, eqn, a["src"], a["src_t"], "async_load_tmem",
+           reads=True)
+  return read(a["src"], a["src_t"], a["src"].label)
 
 
 @TABLE.register(tm.async_store_tmem_p)
 def _async_store_tmem(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
   tc = tensor_core(thread)
-  dst, t = a["ref"], a["ref_t"]
-  tc.check(thread, eqn, dst, t, writes=True)
-  write(dst, t, np.asarray(a["value"]), dst.label)
-  tc.stores.append(Access(dst, region(dst, t), thread, "async_store_tmem",
-                          eqn))
+  tc.track(tc.stores, thread, eqn, a["ref"], a["ref_t"], "async_store_tmem",
+           writes=True)
+  write(a["ref"], a["ref_t"], np.asarray(a["value"]), a["ref"].label)
   return []
 
 
