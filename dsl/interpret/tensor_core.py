@@ -7,6 +7,8 @@ Values: `plgpu.TMEM` allocations are arrays of their block, like SMEM.
 `acc` (or overwrites it, `accumulate` False) when it is issued; its
 barrier, and the barrier of a `tcgen05_commit_arrive`, get their arrival
 then too. `async_load_tmem` reads, and `async_store_tmem` writes, at once.
+Plain reads and writes of refs (`x[...]`, `x[...] = v`) are checked
+against what is in flight too (dsl/interpret/thread_eval.py).
 
 What stays in flight (so that a missing wait is a `KernelRaceError`, as
 the hardware's asynchrony would make it a wrong answer):
@@ -102,7 +104,6 @@ class TensorCore:
     in flight (the tensor core's own operations run in order)."""
     if not (self.ops or self.loads or self.stores):
       return
-    mask = region(cell, transforms)
     verb = "writes" if writes else "reads"
     conflicts = [(a, "reads") for a in self.stores] if reads else []
     if writes:
@@ -111,6 +112,8 @@ class TensorCore:
       for op in self.ops:
         conflicts += [(a, verb) for a in op.writes]
         conflicts += [(a, "writes") for a in op.reads] if writes else []
+    conflicts = [(a, how) for a, how in conflicts if a.cell is cell]
+    mask = region(cell, transforms) if conflicts else None
     for other, how in conflicts:
       if other.overlaps(cell, mask):
         raise _race(thread, eqn, cell, other, how)

@@ -177,6 +177,16 @@ def _refill_operand(plgpu, a_gmem, a_smem, acc, loaded, done):
   plgpu.copy_gmem_to_smem(a_gmem, a_smem, loaded)   # before done's wait
 
 
+def _store_into_operand(plgpu, a_gmem, a_smem, acc, loaded, done):
+  plgpu.tcgen05_mma(acc, a_smem, a_smem.at[:, :N], done, accumulate=False)
+  a_smem[...] = jnp.zeros((M, K), F16)              # before done's wait
+
+
+def _read_accumulator(plgpu, a_gmem, a_smem, acc, loaded, done):
+  plgpu.tcgen05_mma(acc, a_smem, a_smem.at[:, :N], done, accumulate=False)
+  a_smem[:, :N] = acc[...].astype(F16)              # before done's wait
+
+
 def _mma_over_a_load(plgpu, a_gmem, a_smem, acc, loaded, done):
   plgpu.async_store_tmem(acc, jnp.zeros((M, N), F32))
   plgpu.commit_tmem()
@@ -192,11 +202,16 @@ def _mma_over_a_store(plgpu, a_gmem, a_smem, acc, loaded, done):
 @pytest.mark.parametrize("step,pattern", [
     (_refill_operand, r"writes a_smem while the tcgen05_mma .* "
      r"wait on the barrier"),
+    (_store_into_operand, r"writes a_smem while the tcgen05_mma .* "
+     r"wait on the barrier"),
+    (_read_accumulator, r"reads acc while the tcgen05_mma .* "
+     r"wait on the barrier"),
     (_mma_over_a_load, r"writes acc while the async_load_tmem .* "
      r"wait_load_tmem"),
     (_mma_over_a_store, r"reads acc while the async_store_tmem .* "
      r"commit_tmem"),
-], ids=["tma-refills-an-mma-operand", "mma-overwrites-a-load",
+], ids=["tma-refills-an-mma-operand", "store-into-an-mma-operand",
+        "read-of-an-mma-accumulator", "mma-overwrites-a-load",
         "mma-reads-an-uncommitted-store"])
 def test_a_missing_tensor_core_wait_is_a_race(step, pattern):
   a = _f16(7, (M, K))
