@@ -38,7 +38,7 @@ import jax.extend.linear_util as lu
 from dsl.core.errors import KernelError, source_info_frame
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 from dsl.core.normalize import scan_layout
-from dsl.core.primitives import run_scoped, run_scoped_p
+from dsl.core.primitives import bind_run_scoped, run_scoped_p
 
 
 def grid_names(grid) -> tuple | None:
@@ -329,10 +329,35 @@ def _run_scoped(ctx, eqn, invals, axes):
 
   def f(*refs):
     return _eval(ctx, closed.jaxpr, (), [*invals, *refs], body_axes)[0]
-  return run_scoped(f, *scoped,
-                    collective_axes=eqn.params.get("collective_axes", ()))
+  dbg = jaxpr.debug_info
+  names = ([""] * len(scoped) + list(dbg.arg_names or ()))[-len(scoped):]
+  return bind_run_scoped(f, scoped, dbg._replace(arg_names=tuple(names)),
+                         eqn.params.get("collective_axes", ()))
+
+
+# Primitives of front ends whose body (params `jaxpr`, `num_consts`) takes
+# its operands, then values it makes itself (a warp's id): primitive ->
+# `bind(f, eqn)`, which binds it again with the flat body `f(*own values)`.
+_OWN_BODIES: dict = {}
+
+
+def register_body_primitive(primitive, bind) -> None:
+  """Lets grid axis names be used inside `primitive`'s body (see
+  `_OWN_BODIES`)."""
+  _OWN_BODIES[primitive] = bind
+
+
+def _own_body(ctx, eqn, invals, axes):
+  jaxpr, n = eqn.params["jaxpr"], eqn.params["num_consts"]
+  closed = close_jaxpr(jaxpr, ())
+
+  def f(*own):
+    return _eval(ctx, closed.jaxpr, (), [*invals, *own],
+                 [axes] * n + [frozenset()] * len(own))[0]
+  return _OWN_BODIES[eqn.primitive](f, eqn)
 
 
 def _control_flow() -> dict:
   return {cf.cond_p: _cond, cf.while_p: _while, cf.scan_p: _scan,
-          run_scoped_p: _run_scoped}
+          run_scoped_p: _run_scoped,
+          **{p: _own_body for p in _OWN_BODIES}}

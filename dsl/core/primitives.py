@@ -142,7 +142,9 @@ run_scoped_p = Primitive("run_scoped")
 run_scoped_p.multiple_results = True
 
 
-def _run_scoped_effects(jaxpr: core.Jaxpr, num_consts: int):
+def scoped_effects(jaxpr: core.Jaxpr, num_consts: int):
+  """The effects of a body on the refs its first `num_consts` inputs pass
+  in from outside (the others are its own), and its other effects."""
   out = set()
   positions = {v: i for i, v in enumerate(jaxpr.invars)}
   for eff in jaxpr.effects:
@@ -158,7 +160,7 @@ def _run_scoped_effects(jaxpr: core.Jaxpr, num_consts: int):
 @run_scoped_p.def_effectful_abstract_eval
 def _run_scoped_abstract_eval(*avals, jaxpr, num_consts, collective_axes=()):
   return ([v.aval for v in jaxpr.outvars],
-          _run_scoped_effects(jaxpr, num_consts))
+          scoped_effects(jaxpr, num_consts))
 
 
 def _jaxpr_consts(j):
@@ -234,11 +236,19 @@ def run_scoped(f: Callable[..., Any], *types, collective_axes=(),
     out_tree_box.append(out_tree)
     return leaves
 
-  dbg = api_util.debug_info("run_scoped", f, tuple(range(len(avals))), {})
+  # (the allocations' names: the parameters or keywords they are passed as)
+  dbg = api_util.debug_info("run_scoped", f, *tree_util.tree_unflatten(
+      in_tree, list(range(len(avals)))))
+  outs = bind_run_scoped(flat_f, avals, dbg, collective_axes)
+  return tree_util.tree_unflatten(out_tree_box[0], outs)
+
+
+def bind_run_scoped(flat_f, avals, debug_info, collective_axes=()):
+  """`run_scoped_p` of a flat body (refs in, a list of values out) over
+  fresh allocations of `avals`; `debug_info` names them. Its outputs."""
   jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(
-      lu.wrap_init(flat_f, debug_info=dbg), avals)
+      lu.wrap_init(flat_f, debug_info=debug_info), avals)
   jaxpr = pe.convert_constvars_jaxpr(jaxpr)
   extra = {"collective_axes": collective_axes} if collective_axes else {}
-  outs = run_scoped_p.bind(*consts, jaxpr=jaxpr, num_consts=len(consts),
+  return run_scoped_p.bind(*consts, jaxpr=jaxpr, num_consts=len(consts),
                            **extra)
-  return tree_util.tree_unflatten(out_tree_box[0], outs)

@@ -16,15 +16,21 @@ dsl/mosaic_gpu/).
 - `wgmma(acc, a, b)` adds `a @ b` (in float32, or `acc`'s dtype) to `acc`
   when it is issued; `wgmma_wait` has nothing left to wait for.
 - `set_max_registers` changes no value.
+- `try_cluster_cancel` never claims a block (each block runs its own grid
+  index, as in Pallas's GPU interpret mode): it only arrives on its
+  barrier, and `query_cluster_cancel` answers "not claimed".
+- The tcgen05 primitives and what stays in flight after them:
+  dsl/interpret/tensor_core.py; `warp_map`: dsl/interpret/warpgroups.py.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from dsl.core.errors import KernelRaceError
+from dsl.core.errors import BackendError, KernelRaceError
 from dsl.core.operand_layout import unpack
 from dsl.interpret.thread_eval import TABLE, Blocked, read, view, where, write
-from dsl.mosaic_gpu import compute, primitives as prims
+from dsl.mosaic_gpu import compute, primitives as prims, scheduling
+from dsl.mosaic_gpu.memory import CopyPartition
 
 
 class BarrierState:
@@ -49,7 +55,7 @@ def barrier_states(cell, transforms) -> list[BarrierState]:
   return [cell.barriers[int(i)] for i in ids]
 
 
-def _enabled(parts) -> bool:
+def enabled(parts) -> bool:
   pred = parts["predicate"]
   return not pred or bool(np.asarray(pred[0]))
 
@@ -57,7 +63,15 @@ def _enabled(parts) -> bool:
 @TABLE.register(prims.copy_gmem_to_smem_p)
 def _copy_gmem_to_smem(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  if _enabled(a):
+  if isinstance(eqn.params["leader_tracked"], CopyPartition.PARTITIONED):
+    raise BackendError(thread.kernel, "a collective copy partitioned among "
+                       "a cluster's blocks (leader_tracked=CopyPartition."
+                       "PARTITIONED) does not run on the interpret backend "
+                       "yet: its blocks run apart", where(eqn),
+                       operand="leader_tracked")
+  if enabled(a):
+    thread.machine.tensor_core.check(thread, eqn, a["dst"], a["dst_t"],
+                                     writes=True)
     write(a["dst"], a["dst_t"], read(a["src"], a["src_t"], a["src"].label),
           a["dst"].label)
     for b in barrier_states(a["barrier"], a["barrier_t"]):
@@ -73,7 +87,7 @@ _REDUCTIONS = {"add": np.add, "max": np.maximum, "min": np.minimum,
 @TABLE.register(prims.copy_smem_to_gmem_p)
 def _copy_smem_to_gmem(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  if not _enabled(a):
+  if not enabled(a):
     return []
   data = read(a["src"], a["src_t"], a["src"].label)
   op = eqn.params["reduction_op"]
@@ -84,7 +98,7 @@ def _copy_smem_to_gmem(thread, eqn, invals):
   return []
 
 
-@TABLE.register(prims.barrier_arrive_p)
+@TABLE.register(prims.barrier_arrive_p, scheduling.try_cluster_cancel_p)
 def _barrier_arrive(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
   for b in barrier_states(a["barrier"], a["barrier_t"]):
@@ -108,6 +122,7 @@ def _barrier_wait(thread, eqn, invals):
         "parity) this wait would wait for the wrong phase; wait for every "
         "phase, or give the barrier more arrivals", where(eqn))
   thread.waits[b] = seen + 1
+  thread.machine.tensor_core.observe(b, seen)
   return []
 
 
@@ -123,6 +138,11 @@ def _wgmma(thread, eqn, invals):
   write(acc, a["acc_t"], (old.astype(np.float32) + prod).astype(old.dtype),
         acc.label)
   return []
+
+
+@TABLE.register(scheduling.query_cluster_cancel_p)
+def _query_cluster_cancel(thread, eqn, invals):
+  return [*(np.int32(0) for _ in eqn.params["grid_names"]), np.bool_(False)]
 
 
 @TABLE.register(prims.wait_smem_to_gmem_p, prims.commit_group_p,

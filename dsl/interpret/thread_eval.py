@@ -9,6 +9,9 @@ resumes it when what it waits for has happened. Control flow that holds
 such waits (`cond`, `while`, `scan`, calls, `run_scoped`) is evaluated here
 equation by equation, so a wait can pause inside a loop.
 
+Reads and writes of refs are checked against the tensor core's operations
+in flight (`thread.machine.tensor_core`, dsl/interpret/tensor_core.py).
+
 Values are arrays; refs are `Cell`s, numpy storage that the warpgroups of a
 block share where the kernel shares it (its operands, the allocations of
 `run_scoped(..., collective_axes=thread axis)`). A ref's transforms
@@ -344,12 +347,16 @@ def _scan(thread, eqn, invals):
 @TABLE.register(state_primitives.get_p)
 def _get(thread, eqn, invals):
   ops = ref_operands(eqn.primitive, invals, eqn.params)
+  thread.machine.tensor_core.check(thread, eqn, ops.ref, ops.transforms,
+                                   reads=True)
   return [read(ops.ref, ops.transforms, ops.ref.label)]
 
 
 @TABLE.register(state_primitives.swap_p)
 def _swap(thread, eqn, invals):
   ops = ref_operands(eqn.primitive, invals, eqn.params)
+  thread.machine.tensor_core.check(thread, eqn, ops.ref, ops.transforms,
+                                   writes=True)
   old = read(ops.ref, ops.transforms, ops.ref.label)
   write(ops.ref, ops.transforms, ops.value, ops.ref.label)
   return [old]
@@ -358,6 +365,8 @@ def _swap(thread, eqn, invals):
 @TABLE.register(state_primitives.addupdate_p)
 def _addupdate(thread, eqn, invals):
   ops = ref_operands(eqn.primitive, invals, eqn.params)
+  thread.machine.tensor_core.check(thread, eqn, ops.ref, ops.transforms,
+                                   reads=True, writes=True)
   old = read(ops.ref, ops.transforms, ops.ref.label)
   write(ops.ref, ops.transforms, old + np.asarray(ops.value), ops.ref.label)
   return []

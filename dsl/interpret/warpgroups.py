@@ -11,7 +11,8 @@ scheduler resumes them in turn, each until it waits for something that has
 not happened (round robin over blocks and warpgroups, in grid order, so a
 run is deterministic). When every warpgroup that has not finished waits,
 the kernel is deadlocked: a `KernelDeadlockError` names each wait and its
-line.
+line. Inside `plgpu.warp_map`, the 4 warps of a warpgroup are threads of
+their own, run in turn the same way while the warpgroup waits for them.
 
 Memory: the kernel's operands are GMEM, shared by every block; outputs start
 as poison (as on every host backend), or as the aliased input. A
@@ -38,9 +39,11 @@ from dsl.core.primitives import run_scoped_p
 from dsl.core.semaphores import DeviceIdType, is_semaphore_aval
 from dsl.core.state_scopes import get_global_p
 from dsl.interpret import plgpu_rules
-from dsl.interpret.thread_eval import TABLE, Cell, eval_jaxpr, where
+from dsl.interpret.tensor_core import TensorCore
+from dsl.interpret.thread_eval import TABLE, Blocked, Cell, eval_jaxpr, where
 from dsl.mosaic_gpu import multi_device
 from dsl.mosaic_gpu.kernel import Mesh
+from dsl.mosaic_gpu.scheduling import WARPS_PER_WARPGROUP, warp_map_p
 from dsl.tpu import primitives as tp
 from dsl.mosaic_gpu.memory import (BarrierSpace, is_accumulator_aval,
                                    is_barrier_aval)
@@ -96,6 +99,41 @@ class Thread:
     return True
 
 
+class Warp(Thread):
+  """One warp of a warpgroup inside `warp_map`: a thread of its own that
+  starts with the phases its warpgroup has waited for."""
+
+  def __init__(self, group: Thread, index: int, jaxpr, invals):
+    self.machine, self.kernel = group.machine, group.kernel
+    self.coords, self.block = group.coords, group.block
+    self.name = f"warp {index} of {group.name}"
+    self.waits = dict(group.waits)
+    self.entries: dict = {}
+    self.blocked = None
+    self.done = False
+    self.routine = eval_jaxpr(self, jaxpr, (), [*invals, np.int32(index)])
+
+
+@TABLE.register(warp_map_p)
+def _warp_map(thread: Thread, eqn, invals):
+  """Runs the warps in turn, each until it waits, as the scheduler runs
+  warpgroups; the warpgroup waits while every unfinished warp does, and
+  then has waited for every phase one of its warps waited for."""
+  warps = [Warp(thread, i, eqn.params["jaxpr"], invals)
+           for i in range(WARPS_PER_WARPGROUP)]
+  while not all(w.done for w in warps):
+    if not any([w.step() for w in warps]):
+      waiting = [w for w in warps if not w.done]
+      what = "; ".join(f"{w.name} {w.blocked.what} (at {where(w.blocked.eqn)})"
+                       for w in waiting)
+      yield Blocked(lambda: any(w.blocked.ready() for w in waiting),
+                    f"in warp_map: {what}", waiting[0].blocked.eqn)
+  for w in warps:
+    for b, n in w.waits.items():
+      thread.waits[b] = max(thread.waits.get(b, 0), n)
+  return []
+
+
 class Machine:
   """One launch of a `plgpu.kernel`: its shared memory and warpgroups."""
 
@@ -109,6 +147,7 @@ class Machine:
                         else (mesh.thread_name,))
     self.shared: dict = {}
     self.globals: dict = {}
+    self.tensor_core = TensorCore()
 
   def run(self, operands) -> list[np.ndarray]:
     spec, gm = self.spec, self.spec.grid_mapping
@@ -161,13 +200,23 @@ class Machine:
         detail="\n".join(lines))
 
 
+def _scoped_labels(eqn, count: int) -> list[str]:
+  """Names of a `run_scoped`'s allocations: the parameters they are passed
+  as, else the scope's line (none for a kernel's scratch) and position."""
+  names = [""] * count + list(eqn.params["jaxpr"].debug_info.arg_names or ())
+  line = where(eqn)
+  scope = f"run_scoped at {line}" if line else "scratch"
+  return [name or f"{scope} [{i}]"
+          for i, name in enumerate(names[len(names) - count:])]
+
+
 @TABLE.register(run_scoped_p)
 def _run_scoped(thread: Thread, eqn, invals):
   jaxpr = eqn.params["jaxpr"]
   axes = tuple(eqn.params.get("collective_axes", ()))
   machine = thread.machine
   avals = [v.aval for v in jaxpr.invars[eqn.params["num_consts"]:]]
-  label = f"run_scoped at {where(eqn)}"
+  labels = _scoped_labels(eqn, len(avals))
   if axes and axes != machine.thread_axes:
     raise BackendError(thread.kernel, f"run_scoped(collective_axes={axes}): "
                        "the interpret backend shares allocations along the "
@@ -180,10 +229,10 @@ def _run_scoped(thread: Thread, eqn, invals):
     entry = machine.shared.get(key)
     if entry is None:
       entry = machine.shared[key] = [
-          [allocate(a, f"{label} [{i}]") for i, a in enumerate(avals)], 0]
+          [allocate(a, label) for a, label in zip(avals, labels)], 0]
     cells = entry[0]
   else:
-    cells = [allocate(a, f"{label} [{i}]") for i, a in enumerate(avals)]
+    cells = [allocate(a, label) for a, label in zip(avals, labels)]
   outs = yield from eval_jaxpr(thread, jaxpr, (), [*invals, *cells])
   if axes:
     entry[1] += 1

@@ -10,7 +10,12 @@ swizzle transforms, TMA copies (`copy_gmem_to_smem`, `copy_smem_to_gmem`,
 `barrier_wait`), WGMMA into accumulators (`ACC`, `wgmma`, `wgmma_wait`),
 register layouts (`Layout`, `layout_cast`), pipelines
 (`emit_pipeline`, `emit_pipeline_warp_specialized`), loops over work items
-(`nd_loop`, `planar_snake`), the multi-device names (`remote_ref`,
+(`nd_loop`, `planar_snake`), Blackwell's tensor core (`TMEM`,
+`tcgen05_mma`, `tcgen05_commit_arrive`, `async_load_tmem`,
+`wait_load_tmem`, `async_store_tmem`, `commit_tmem`,
+`async_copy_smem_to_tmem`), warps and work claiming (`warp_map`,
+`dynamic_scheduling_loop`, `try_cluster_cancel`, `query_cluster_cancel`,
+`TryClusterCancelResult`), the multi-device names (`remote_ref`,
 `multimem_store`, `multimem_load_reduce`, `semaphore_signal_multicast`)
 and `CompilerParams` (also the Mosaic GPU backend's schedule overrides). docs/mosaic-gpu.md, "Pallas's Mosaic GPU
 API (plgpu)", says what each does here and what differs from Pallas.
@@ -33,12 +38,21 @@ from dsl.mosaic_gpu.helpers import (NDLoopInfo, find_swizzle, nd_loop,
 from dsl.mosaic_gpu.kernel import (Mesh, force_gpu_interpret_mode, kernel,
                                    set_gpu_interpret_mode)
 from dsl.mosaic_gpu.memory import (ACC, GMEM, REGS, SMEM, TMEM, Barrier,
-                                   BlockSpec, ClusterBarrier, GPUMemoryRef,
+                                   BlockSpec, ClusterBarrier, CopyPartition,
+                                   GPUMemoryRef,
                                    Layout, MemorySpace, OOBFillMode,
                                    SwizzleTransform, TilingTransform,
                                    WGMMAAccumulatorRef)
 from dsl.mosaic_gpu.pipeline import (emit_pipeline,
                                      emit_pipeline_warp_specialized)
+from dsl.mosaic_gpu.scheduling import (TryClusterCancelResult,
+                                       dynamic_scheduling_loop,
+                                       query_cluster_cancel,
+                                       try_cluster_cancel, warp_map)
+from dsl.mosaic_gpu.tensor_memory import (async_copy_smem_to_tmem,
+                                          async_load_tmem, async_store_tmem,
+                                          commit_tmem, tcgen05_commit_arrive,
+                                          tcgen05_mma, wait_load_tmem)
 from dsl.mosaic_gpu.primitives import (barrier_arrive,
                                        barrier_arrive_and_wait, barrier_wait,
                                        commit_smem, commit_smem_to_gmem_group,
@@ -59,4 +73,8 @@ __all__ = [
     "semaphore_signal_multicast", "OOBFillMode", "TraceScope",
     "barrier_arrive_and_wait", "force_gpu_interpret_mode",
     "set_gpu_interpret_mode", "store", "wgmma_accumulator_load",
+    "TryClusterCancelResult", "async_copy_smem_to_tmem", "async_load_tmem",
+    "async_store_tmem", "commit_tmem", "dynamic_scheduling_loop",
+    "query_cluster_cancel", "tcgen05_commit_arrive", "tcgen05_mma",
+    "try_cluster_cancel", "wait_load_tmem", "warp_map", "CopyPartition",
 ]

@@ -14,6 +14,8 @@ A ref's memory space is in its aval (`AbstractRef.memory_space`):
   have a `SemaphoreSpace`.
 - `REGS` for a WGMMA accumulator (`plgpu.ACC`): registers that `wgmma`
   accumulates into, zero when allocated.
+- `TMEM` for tensor memory (Blackwell): a block's 128 rows of 512 32-bit
+  columns that `tcgen05_mma` accumulates into and `async_load_tmem` reads.
 """
 from __future__ import annotations
 
@@ -41,14 +43,14 @@ class MemorySpace(enum.Enum):
 
   def __call__(self, shape, dtype, *, transforms=(), packed=None,
                collective=None, layout=None):
-    if self is MemorySpace.TMEM or packed is not None or layout is not None:
-      raise KernelError(None, "TMEM (tensor memory) and the tcgen05 MMA "
-                        "that accumulates in it are Blackwell's (sm_100): dsl "
-                        "lowers and runs Hopper kernels (WGMMA, accumulators "
-                        "in plgpu.ACC)",
+    shape, dtype = tuple(int(d) for d in shape), jnp.dtype(dtype)
+    if self is MemorySpace.TMEM:
+      return tmem_ref(shape, dtype, transforms, packed, collective, layout)
+    if packed is not None or collective is not None or layout is not None:
+      raise KernelError(None, "packed, collective and layout are arguments "
+                        f"of plgpu.TMEM only, not of {self.name}",
                         user_frame(), operand="memory_space")
-    return GPUMemoryRef(tuple(int(d) for d in shape), jnp.dtype(dtype), self,
-                        tuple(transforms))
+    return GPUMemoryRef(shape, dtype, self, tuple(transforms))
 
   def like(self, shape_dtype):
     return self(shape_dtype.shape, shape_dtype.dtype)
@@ -129,6 +131,8 @@ class GPUMemoryRef:
   dtype: Any
   memory_space: MemorySpace
   transforms: tuple[Any, ...] = ()
+  collective: bool = False     # TMEM: a collective (2-block) allocation
+  packed: bool = False         # TMEM: two 16-bit values per 32-bit column
 
   def get_ref_aval(self) -> state_types.AbstractRef:
     for t in self.transforms:
@@ -142,6 +146,44 @@ class GPUMemoryRef:
     return state_types.AbstractRef(
         core.ShapedArray(self.shape, jnp.dtype(self.dtype)),
         memory_space=space)
+
+
+# --------------------------------------------------------- tensor memory
+
+TMEM_ROWS = 128       # lanes of a block's tensor memory
+TMEM_COLUMNS = 512    # 32-bit columns of a block's tensor memory
+
+
+def tmem_ref(shape, dtype, transforms, packed, collective, layout
+             ) -> GPUMemoryRef:
+  """`plgpu.TMEM(shape, dtype)`: tensor memory, Blackwell's per-block
+  store of `tcgen05_mma` accumulators (`packed` 16-bit values share a
+  32-bit column; `layout`, a TMEM layout, is kept by the hardware only)."""
+  def refuse(message):
+    raise KernelError(None, f"plgpu.TMEM{shape}: {message}", user_frame(),
+                      operand="memory_space")
+  if transforms:
+    refuse("transforms are not supported for TMEM")
+  bits = dtype.itemsize * 8
+  if layout is None and packed is None and bits != 32:
+    refuse(f"a {dtype.name} dtype (narrower than 32 bits) needs packed= "
+           "or an explicit TMEM layout")
+  if layout is not None and packed is not None:
+    refuse("packed cannot be given with a layout")
+  if len(shape) != 2:
+    refuse("TMEM refs are 2D (rows, columns) here")
+  per_column = 32 // bits if packed and bits < 32 else 1
+  columns = -(-shape[1] // per_column) * max(bits // 32, 1)
+  if shape[0] > TMEM_ROWS or columns > TMEM_COLUMNS:
+    refuse(f"a block's tensor memory holds {TMEM_ROWS} rows of "
+           f"{TMEM_COLUMNS} 32-bit columns; this ref needs {shape[0]} rows "
+           f"of {columns}")
+  return GPUMemoryRef(shape, dtype, MemorySpace.TMEM, (),
+                      collective=bool(collective), packed=bool(packed))
+
+
+def is_tmem_aval(aval) -> bool:
+  return space_of(aval) is MemorySpace.TMEM
 
 
 # ------------------------------------------------------------------ barriers
@@ -325,6 +367,28 @@ class OOBFillMode(enum.IntEnum):
   UNDEFINED = 0
   PROMISE_IN_BOUNDS = 1
   ZEROS = 2
+
+
+class CopyPartition:
+  """How a collective TMA copy (`collective_axes=`) splits among the blocks
+  of a cluster: `PARTITIONED(axis)`, each block loads its part along
+  `axis`; `REPLICATED`, each block loads it all."""
+  PARTITIONED: Any
+  REPLICATED: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Partitioned(CopyPartition):
+  axis: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replicated(CopyPartition):
+  pass
+
+
+CopyPartition.PARTITIONED = _Partitioned
+CopyPartition.REPLICATED = _Replicated()
 
 
 @dataclasses.dataclass(frozen=True)

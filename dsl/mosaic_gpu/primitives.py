@@ -33,7 +33,8 @@ from dsl.core.jax_internals import core, effects, state_types
 from dsl.core.operand_layout import (effects as ref_effects, pack,
                                      ref_and_transforms as ref_parts)
 from dsl.core.memory import MemorySpace as CoreMemorySpace
-from dsl.mosaic_gpu.memory import (GMEM, SMEM, is_barrier_aval, space_of)
+from dsl.mosaic_gpu.memory import (GMEM, SMEM, CopyPartition, is_barrier_aval,
+                                   space_of)
 
 
 @allowed_everywhere
@@ -94,7 +95,7 @@ def barrier_parts(what: str, barrier):
   return ref, transforms
 
 
-def _predicate(predicate):
+def predicate_operands(predicate):
   return () if predicate is None else (jnp.asarray(predicate, jnp.bool_),)
 
 
@@ -119,7 +120,9 @@ def copy_gmem_to_smem(src, dst, barrier=None, *, collective_axes=None,
   dst, dst_t = ref_parts("dst", dst)
   _check_space("src", src, _GLOBAL, "GMEM")
   _check_space("dst", dst, (SMEM,), "SMEM")
-  _check_copy(src, src_t, dst, dst_t)
+  if not isinstance(leader_tracked, CopyPartition.PARTITIONED):
+    # (a partitioned copy's dst holds this block's part of src)
+    _check_copy(src, src_t, dst, dst_t)
   if barrier is None:
     raise KernelError(None, "copy_gmem_to_smem needs a barrier on Hopper: "
                       "the TMA copy arrives on it when its data has landed",
@@ -129,7 +132,7 @@ def copy_gmem_to_smem(src, dst, barrier=None, *, collective_axes=None,
     collective_axes = (collective_axes,)
   flat, layout = pack(src=src, src_t=src_t, dst=dst, dst_t=dst_t,
                       barrier=bar, barrier_t=bar_t,
-                      predicate=_predicate(predicate))
+                      predicate=predicate_operands(predicate))
   copy_gmem_to_smem_p.bind(
       *flat, layout=layout,
       collective_axes=None if collective_axes is None else tuple(
@@ -159,22 +162,22 @@ def copy_smem_to_gmem(src, dst, predicate=None, *, commit_group: bool = True,
   _check_space("dst", dst, _GLOBAL, "GMEM")
   _check_copy(src, src_t, dst, dst_t)
   flat, layout = pack(src=src, src_t=src_t, dst=dst, dst_t=dst_t,
-                      predicate=_predicate(predicate))
+                      predicate=predicate_operands(predicate))
   copy_smem_to_gmem_p.bind(*flat, layout=layout,
                            commit_group=bool(commit_group),
                            reduction_op=reduction_op)
 
 
-def _no_ref_primitive(name: str) -> Primitive:
+def no_ref_primitive(name: str) -> Primitive:
   prim = Primitive(name)
   prim.multiple_results = True
   prim.def_effectful_abstract_eval(lambda **_: ([], {gpu_effect}))
   return prim
 
 
-wait_smem_to_gmem_p = _no_ref_primitive("wait_smem_to_gmem")
-commit_group_p = _no_ref_primitive("commit_smem_to_gmem_group")
-commit_smem_p = _no_ref_primitive("commit_smem")
+wait_smem_to_gmem_p = no_ref_primitive("wait_smem_to_gmem")
+commit_group_p = no_ref_primitive("commit_smem_to_gmem_group")
+commit_smem_p = no_ref_primitive("commit_smem")
 
 
 def wait_smem_to_gmem(n: int, wait_read_only: bool = False) -> None:

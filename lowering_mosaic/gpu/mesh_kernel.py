@@ -34,7 +34,7 @@ from jax.experimental.mosaic import gpu as mgpu_lib
 from jax.experimental.mosaic.gpu import core as mgpu_core
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from dsl.core.errors import BackendError
+from dsl.core.errors import BackendError, source_info_frame
 from dsl.core.jax_internals import (ClosedJaxpr, arith, core, gpu, ir,
                                     mosaic_gpu_dialect as mgpu, vector)
 from dsl.core.jaxpr_walk import walk_jaxpr
@@ -42,8 +42,10 @@ from dsl.core.primitives import run_scoped_p
 from dsl.core.semaphores import is_semaphore_aval
 from dsl.core.state_scopes import get_global_p
 from dsl.mosaic_gpu.compiler_params import LoweringSemantics
+from dsl.mosaic_gpu import tensor_memory as tm
 from dsl.mosaic_gpu.memory import (SMEM, BarrierSpace, TransformedSpace,
-                                   is_accumulator_aval, space_of)
+                                   is_accumulator_aval, is_tmem_aval,
+                                   space_of)
 from lowering_mosaic.gpu.host import (TRITON_HINT, GpuHost, ir_type,
                                       scalar_constant)
 from lowering_mosaic.gpu.mesh_accumulators import (accumulator_body,
@@ -316,6 +318,31 @@ def _check(spec, params):
                        spec.where)
 
 
+_TENSOR_MEMORY = (tm.tcgen05_mma_p, tm.tcgen05_commit_arrive_p,
+                  tm.async_load_tmem_p, tm.async_store_tmem_p,
+                  tm.async_copy_smem_to_tmem_p, tm.wait_load_tmem_p,
+                  tm.commit_tmem_p)
+
+
+def _refuse_tensor_memory(spec, jaxpr) -> None:
+  """TMEM and the tcgen05 instructions do not lower yet: refused at the
+  first allocation or use, with its line."""
+  for eqn in jaxpr.eqns:
+    allocs = (eqn.params["jaxpr"].invars[eqn.params["num_consts"]:]
+              if eqn.primitive is run_scoped_p else ())
+    if eqn.primitive in _TENSOR_MEMORY or any(
+        is_tmem_aval(v.aval) for v in allocs):
+      raise BackendError(
+          spec.name, "TMEM (tensor memory) and the tcgen05 MMA that "
+          "accumulates in it are Blackwell's (sm_100): the Mosaic GPU "
+          "backend does not lower them yet (tcgen05.alloc, tcgen05.mma, "
+          "tcgen05.commit, tcgen05.ld); the interpret backend runs them",
+          source_info_frame(eqn.source_info) or spec.where,
+          operand=eqn.primitive.name)
+    for sub in _sub_jaxprs(eqn.params):
+      _refuse_tensor_memory(spec, sub)
+
+
 def build_mesh_module(spec, jax_mesh=None):
   """The Mosaic GPU module of `spec`, a `plgpu.kernel`; must run inside an
   MLIR context made by `jax.interpreters.mlir.make_ir_context()`.
@@ -325,6 +352,7 @@ def build_mesh_module(spec, jax_mesh=None):
   mesh = params.mesh
   _check(spec, params)
   jaxpr = spec.jaxpr.jaxpr
+  _refuse_tensor_memory(spec, jaxpr)
   try:
     rs = estimate(jaxpr, params.reduction_scratch_bytes)
     grid, cluster, block = _cuda_launch(mesh)

@@ -45,19 +45,14 @@ XFAIL: dict[tuple[str, str], str] = {
         "x", "plgpu.multimem_store, plgpu.semaphore_signal_multicast, "
         "pl.semaphore_wait(decrement=False)") + _SEMAPHORES.format(
             "NotImplementedError: nan + semaphore"),
-    ("gpu.blackwell_matmul_mgpu", "interpret"): (
-        "Blackwell kernels (tcgen05 MMA and tensor memory: "
-        "plgpu.TMEM, tcgen05_mma, async_load_tmem) are not in "
-        "dsl.mosaic_gpu, and plgpu.TMEM is refused by name; Pallas's GPU "
-        "interpret mode runs this case (with InterpretGPUParams("
-        "inline_mgpu='ignore'))"),
     ("gpu.blackwell_ragged_dot_mgpu", "interpret"): (
         "the op calls lax.axis_index('x') of a cluster axis it declares "
         "only with collective=True (NameError: unbound axis name x), and "
         "with collective=True it issues collective tcgen05 MMAs: Pallas's "
         "GPU interpret mode fails on both (the same NameError; "
-        "'collective_axis not supported yet'), and dsl has no Blackwell "
-        "tensor memory"),
+        "'collective_axis not supported yet'); dsl fails with the same "
+        "NameError, and with collective=True refuses its copies "
+        "partitioned among a cluster's blocks by name"),
 }
 
 # `*_mgpu` op -> its module on backend "mosaic_gpu" (lowered for CUDA on

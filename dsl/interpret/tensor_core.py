@@ -1,0 +1,229 @@
+"""The warpgroup interpreter's Blackwell tensor core: the rules of the
+tcgen05 primitives (dsl/mosaic_gpu/tensor_memory.py) and what is in
+flight between them.
+
+Values: `plgpu.TMEM` allocations are arrays of their block, like SMEM.
+`tcgen05_mma(acc, a, b)` computes `a @ b` in `acc`'s dtype and adds it to
+`acc` (or overwrites it, `accumulate` False) when it is issued; its
+barrier, and the barrier of a `tcgen05_commit_arrive`, get their arrival
+then too. `async_load_tmem` reads, and `async_store_tmem` writes, at once.
+Plain reads and writes of refs (`x[...]`, `x[...] = v`) are checked
+against what is in flight too (dsl/interpret/thread_eval.py).
+
+What stays in flight (so that a missing wait is a `KernelRaceError`, as
+the hardware's asynchrony would make it a wrong answer):
+
+- an MMA or a tensor-core copy, until some warpgroup or warp waits for a
+  barrier phase that its completion arrives on (the barrier it names, or
+  that of a later `tcgen05_commit_arrive` of the same thread): until then
+  it may still read its operands and write its accumulator, so a TMA copy
+  or store into those operands, or a TMEM load or store of the
+  accumulator, races with it;
+- a TMEM load, until its thread calls `wait_load_tmem`: an MMA or store
+  that overwrites what it read races with it;
+- a TMEM store, until its thread calls `commit_tmem`: a load or MMA that
+  reads what it wrote races with it.
+
+Retiring an operation at the first wait that observes it, not per thread,
+misses a thread that reads after another thread's wait without itself
+being ordered after it; it never reports a correctly ordered kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dsl.core.errors import BackendError, KernelRaceError
+from dsl.core.operand_layout import unpack
+from dsl.interpret.plgpu_rules import barrier_states, enabled
+from dsl.interpret.thread_eval import TABLE, Cell, read, where, write
+from dsl.mosaic_gpu import tensor_memory as tm
+
+
+def region(cell: Cell, transforms) -> np.ndarray:
+  """The elements of `cell` that `transforms` select, as a mask."""
+  mask = np.zeros(cell.array.shape, np.bool_)
+  write(Cell(mask, cell.label), transforms, True, cell.label)
+  return mask
+
+
+@dataclasses.dataclass(eq=False)
+class Access:
+  """A read or write in flight: of `mask` in `cell`, by `thread`'s `what`
+  at `eqn`."""
+  cell: Cell
+  mask: np.ndarray
+  thread: object
+  what: str
+  eqn: object
+
+  def overlaps(self, cell: Cell, mask: np.ndarray) -> bool:
+    return self.cell is cell and bool((self.mask & mask).any())
+
+
+@dataclasses.dataclass(eq=False)
+class TensorOp:
+  """An MMA or tensor-core copy in flight: what it reads and writes, and
+  the (barrier, phase)s whose wait observes its completion."""
+  reads: list
+  writes: list
+  observers: set = dataclasses.field(default_factory=set)
+
+
+class TensorCore:
+  """What is in flight in one launch (see the module docstring)."""
+
+  def __init__(self):
+    self.ops: list[TensorOp] = []
+    self.loads: list[Access] = []      # TMEM loads not waited for
+    self.stores: list[Access] = []     # TMEM stores not committed
+
+  def issue(self, thread, eqn, what, reads, writes) -> None:
+    acc = lambda cell, t: Access(cell, region(cell, t), thread, what, eqn)
+    self.ops.append(TensorOp([acc(*r) for r in reads],
+                             [acc(*w) for w in writes]))
+
+  def commit(self, thread, barriers) -> None:
+    """Arrives on `barriers` once `thread`'s operations so far complete."""
+    for b in barriers:
+      for op in self.ops:
+        if any(a.thread is thread for a in op.writes):
+          op.observers.add((b, b.completed))
+      b.arrive()
+
+  def observe(self, barrier, phase: int) -> None:
+    """A thread waited for `phase` of `barrier`."""
+    if self.ops:
+      self.ops = [op for op in self.ops
+                  if (barrier, phase) not in op.observers]
+
+  def check(self, thread, eqn, cell, transforms, *, reads=False,
+            writes=False, tensor_core=False) -> None:
+    """Raises a `KernelRaceError` if `thread`'s access at `eqn` meets one
+    in flight (the tensor core's own operations run in order)."""
+    if not (self.ops or self.loads or self.stores):
+      return
+    verb = "writes" if writes else "reads"
+    conflicts = [(a, "reads") for a in self.stores] if reads else []
+    if writes:
+      conflicts += [(a, "writes") for a in self.loads]
+    if not tensor_core:
+      for op in self.ops:
+        conflicts += [(a, verb) for a in op.writes]
+        conflicts += [(a, "writes") for a in op.reads] if writes else []
+    conflicts = [(a, how) for a, how in conflicts if a.cell is cell]
+    mask = region(cell, transforms) if conflicts else None
+    for other, how in conflicts:
+      if other.overlaps(cell, mask):
+        raise _race(thread, eqn, cell, other, how)
+
+  def track(self, pending: list, thread, eqn, cell, transforms, what,
+            **access) -> None:
+    """Checks a TMEM load or store (`access`: reads= or writes=), then
+    keeps it in `pending` until its thread waits for it."""
+    self.check(thread, eqn, cell, transforms, **access)
+    pending.append(Access(cell, region(cell, transforms), thread, what, eqn))
+
+  def retire(self, pending: list, thread) -> list:
+    return [a for a in pending if a.thread is not thread]
+
+
+def _race(thread, eqn, cell, other: Access, verb: str) -> KernelRaceError:
+  fix = {"async_load_tmem": "call wait_load_tmem() after the load",
+         "async_store_tmem": "call commit_tmem() after the store"}.get(
+             other.what, "wait on the barrier its completion arrives on "
+             "(its barrier or a tcgen05_commit_arrive's) first")
+  return KernelRaceError(
+      thread.kernel, f"{thread.name} {verb} {cell.label} while the "
+      f"{other.what} of {other.thread.name} at {where(other.eqn)} is still "
+      f"in flight on it: {fix}", where(eqn))
+
+
+def tensor_core(thread) -> TensorCore:
+  return thread.machine.tensor_core
+
+
+def _refuse_collective(thread, eqn) -> None:
+  if eqn.params["collective_axis"] is not None:
+    raise BackendError(thread.kernel, f"a collective {eqn.primitive.name} "
+                       "(collective_axis=) does not run on the interpret "
+                       "backend yet: a cluster's blocks run apart",
+                       where(eqn), operand="collective_axis")
+
+
+@TABLE.register(tm.tcgen05_mma_p)
+def _tcgen05_mma(thread, eqn, invals):
+  a = unpack(invals, eqn.params["layout"])
+  _refuse_collective(thread, eqn)
+  tc = tensor_core(thread)
+  acc, acc_t = a["acc"], a["acc_t"]
+  tc.check(thread, eqn, acc, acc_t, reads=True, writes=True,
+           tensor_core=True)
+  tc.check(thread, eqn, a["a"], a["a_t"], reads=True, tensor_core=True)
+  lhs = read(a["a"], a["a_t"], a["a"].label)
+  rhs = read(a["b"], a["b_t"], a["b"].label)
+  out = np.matmul(lhs, rhs, dtype=acc.array.dtype)
+  if bool(np.asarray(a["accumulate"])):
+    out = read(acc, acc_t, acc.label) + out
+  write(acc, acc_t, out, acc.label)
+  tc.issue(thread, eqn, "tcgen05_mma", [(a["a"], a["a_t"]),
+                                        (a["b"], a["b_t"])], [(acc, acc_t)])
+  if a["barrier"]:
+    tc.commit(thread, barrier_states(a["barrier"], a["barrier_t"]))
+  return []
+
+
+@TABLE.register(tm.async_copy_smem_to_tmem_p)
+def _copy_smem_to_tmem(thread, eqn, invals):
+  a = unpack(invals, eqn.params["layout"])
+  _refuse_collective(thread, eqn)
+  tc = tensor_core(thread)
+  tc.check(thread, eqn, a["dst"], a["dst_t"], writes=True, tensor_core=True)
+  write(a["dst"], a["dst_t"], read(a["src"], a["src_t"], a["src"].label),
+        a["dst"].label)
+  tc.issue(thread, eqn, "async_copy_smem_to_tmem", [(a["src"], a["src_t"])],
+           [(a["dst"], a["dst_t"])])
+  return []
+
+
+@TABLE.register(tm.tcgen05_commit_arrive_p)
+def _commit_arrive(thread, eqn, invals):
+  a = unpack(invals, eqn.params["layout"])
+  if enabled(a):
+    tensor_core(thread).commit(thread, barrier_states(a["barrier"],
+                                                      a["barrier_t"]))
+  return []
+
+
+@TABLE.register(tm.async_load_tmem_p)
+def _async_load_tmem(thread, eqn, invals):
+  a = unpack(invals, eqn.params["layout"])
+  tc = tensor_core(thread)
+  tc.track(tc.loads, thread, eqn, a["src"], a["src_t"], "async_load_tmem",
+           reads=True)
+  return read(a["src"], a["src_t"], a["src"].label)
+
+
+@TABLE.register(tm.async_store_tmem_p)
+def _async_store_tmem(thread, eqn, invals):
+  a = unpack(invals, eqn.params["layout"])
+  tc = tensor_core(thread)
+  tc.track(tc.stores, thread, eqn, a["ref"], a["ref_t"], "async_store_tmem",
+           writes=True)
+  write(a["ref"], a["ref_t"], np.asarray(a["value"]), a["ref"].label)
+  return []
+
+
+@TABLE.register(tm.wait_load_tmem_p)
+def _wait_load_tmem(thread, eqn, invals):
+  tc = tensor_core(thread)
+  tc.loads = tc.retire(tc.loads, thread)
+  return []
+
+
+@TABLE.register(tm.commit_tmem_p)
+def _commit_tmem(thread, eqn, invals):
+  tc = tensor_core(thread)
+  tc.stores = tc.retire(tc.stores, thread)
+  return []
