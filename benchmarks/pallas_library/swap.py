@@ -203,6 +203,13 @@ NO_PALLAS = {
     "gpu.attention_mgpu (causal)":
         "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
         "effects: MemoryEffect, _WGMMAPipelineEffect)",
+    "gpu.collective_matmul_mgpu":
+        "Pallas's GPU interpret mode cannot run it (Cannot lower jaxpr with "
+        "effects: SemaphoreEffect)",
+    "gpu.reduce_scatter_mgpu":
+        "Pallas's GPU interpret mode cannot run it (nan + semaphore)",
+    "gpu.all_gather_mgpu":
+        "Pallas's GPU interpret mode cannot run it (nan + semaphore)",
 }
 
 # The ops (cases.CASES has one cheap case for each), in the order of

@@ -79,7 +79,8 @@ def _copy_gmem_to_smem(thread, eqn, invals):
   return []
 
 
-_REDUCTIONS = {"add": np.add, "max": np.maximum, "min": np.minimum,
+# reduction name -> how it combines (TMA reductions, multimem loads)
+REDUCTIONS = {"add": np.add, "max": np.maximum, "min": np.minimum,
                "and": np.bitwise_and, "or": np.bitwise_or,
                "xor": np.bitwise_xor}
 
@@ -92,7 +93,7 @@ def _copy_smem_to_gmem(thread, eqn, invals):
   data = read(a["src"], a["src_t"], a["src"].label)
   op = eqn.params["reduction_op"]
   if op is not None:
-    combine = _REDUCTIONS[str(getattr(op, "value", op)).lower()]
+    combine = REDUCTIONS[str(getattr(op, "value", op)).lower()]
     data = combine(read(a["dst"], a["dst_t"], a["dst"].label), data)
   write(a["dst"], a["dst_t"], data, a["dst"].label)
   return []

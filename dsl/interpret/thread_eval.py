@@ -44,19 +44,23 @@ from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, RuleTable, call_body,
                                  sub_jaxprs)
 from dsl.core.normalize import scan_layout
 from dsl.core.operand_layout import ref_operands
+from dsl.mosaic_gpu.multi_device import PeerMemRef
 
 TABLE = RuleTable("the warpgroup interpreter")
 
 
 class Cell:
   """The storage of one ref: `array` (numpy), and for mbarriers the state
-  of each (`barriers`, indexed by the flat id `array` holds)."""
-  __slots__ = ("array", "barriers", "label")
+  of each (`barriers`, indexed by the flat id `array` holds). A ref in
+  global memory has a copy on every device of the launch: `copies`
+  (dsl/interpret/devices.py), which a `plgpu.remote_ref` reaches."""
+  __slots__ = ("array", "barriers", "label", "copies")
 
   def __init__(self, array: np.ndarray, label: str = "", barriers=None):
     self.array = array
     self.barriers = barriers
     self.label = label
+    self.copies = None
 
 
 @dataclasses.dataclass
@@ -113,10 +117,25 @@ def _apply(x: np.ndarray, transform, what: str, through: bool = False):
                      "the warpgroup interpreter")
 
 
+def on_device(cell: Cell, transforms) -> tuple[Cell, tuple]:
+  """The cell a ref's transforms reach (the copy on a peer device after a
+  `plgpu.remote_ref`) and its other transforms."""
+  transforms = tuple(transforms or ())
+  peers = [t for t in transforms if isinstance(t, PeerMemRef)]
+  if not peers:
+    return cell, transforms
+  if cell.copies is None:
+    raise ValueError(f"plgpu.remote_ref of {cell.label}: only refs in "
+                     "global memory (the kernel's operands, its "
+                     "semaphores) have a copy on each device")
+  rest = tuple(t for t in transforms if not isinstance(t, PeerMemRef))
+  return cell.copies.on_peer(cell, peers[-1]), rest
+
+
 def view(cell: Cell, transforms, what: str = "ref") -> np.ndarray:
   """The numpy view of `cell` that `transforms` select."""
+  cell, transforms = on_device(cell, transforms)
   x = cell.array
-  transforms = tuple(transforms or ())
   for k, t in enumerate(transforms):
     x = _apply(x, t, what, through=k < len(transforms) - 1)
   return x
@@ -138,7 +157,8 @@ def _check_view(x: np.ndarray, cell: Cell, what: str) -> np.ndarray:
 
 def write(cell: Cell, transforms, value, what: str = "ref") -> None:
   """Writes `value` where `transforms` select in `cell`."""
-  transforms = list(transforms or ())
+  cell, transforms = on_device(cell, transforms)
+  transforms = list(transforms)
   base = cell.array
   for t in transforms[:-1]:
     base = _check_view(_apply(base, t, what, through=True), cell, what)

@@ -29,22 +29,20 @@ import itertools
 import math
 
 import numpy as np
-from jax import lax
 
 from dsl.core import config
 from dsl.core.errors import BackendError, KernelDeadlockError
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.poison import poison_value
 from dsl.core.primitives import run_scoped_p
-from dsl.core.semaphores import DeviceIdType, is_semaphore_aval
+from dsl.core.semaphores import is_semaphore_aval
 from dsl.core.state_scopes import get_global_p
-from dsl.interpret import plgpu_rules
+from dsl.interpret import devices, plgpu_rules, semaphores  # noqa: F401 -- their rules
+from dsl.interpret.devices import DeviceMesh, GlobalMemory
 from dsl.interpret.tensor_core import TensorCore
 from dsl.interpret.thread_eval import TABLE, Blocked, Cell, eval_jaxpr, where
-from dsl.mosaic_gpu import multi_device
 from dsl.mosaic_gpu.kernel import Mesh
 from dsl.mosaic_gpu.scheduling import WARPS_PER_WARPGROUP, warp_map_p
-from dsl.tpu import primitives as tp
 from dsl.mosaic_gpu.memory import (BarrierSpace, is_accumulator_aval,
                                    is_barrier_aval)
 
@@ -80,7 +78,8 @@ class Thread:
     self.coords = coords
     self.block = coords[:machine.block_rank]
     self.name = (f"warpgroup {coords[machine.block_rank:] or (0,)} of block "
-                 f"{self.block}")
+                 f"{self.block}{machine.on_device}")
+    self.warp = None
     self.waits: dict = {}
     self.entries: dict = {}
     self.blocked = None
@@ -107,6 +106,7 @@ class Warp(Thread):
     self.machine, self.kernel = group.machine, group.kernel
     self.coords, self.block = group.coords, group.block
     self.name = f"warp {index} of {group.name}"
+    self.warp = index
     self.waits = dict(group.waits)
     self.entries: dict = {}
     self.blocked = None
@@ -135,51 +135,45 @@ def _warp_map(thread: Thread, eqn, invals):
 
 
 class Machine:
-  """One launch of a `plgpu.kernel`: its shared memory and warpgroups."""
+  """One device's part of a launch of a `plgpu.kernel`: its shared memory
+  and warpgroups; `memory`, the global memory of every device."""
 
-  def __init__(self, spec, mesh: Mesh):
+  def __init__(self, spec, mesh: Mesh, memory: GlobalMemory | None = None,
+               device: int = 0):
     self.spec = spec
     self.kernel = spec.name
     self.mesh = mesh
+    self.memory = memory or GlobalMemory(DeviceMesh())
+    self.device = device
+    self.on_device = (f" on device {device}" if self.memory.mesh.size > 1
+                      else "")
     self.block_rank = mesh.block_rank
     self.threads_per_block = mesh.num_threads or 1
     self.thread_axes = (() if mesh.thread_name is None
                         else (mesh.thread_name,))
     self.shared: dict = {}
-    self.globals: dict = {}
     self.tensor_core = TensorCore()
 
-  def run(self, operands) -> list[np.ndarray]:
+  def start(self, ins: list[Cell], outs: list[Cell]) -> list[Thread]:
+    """The warpgroups of this device, on its operands in global memory."""
     spec, gm = self.spec, self.spec.grid_mapping
     labels = gm.split(spec.ref_labels())
-    ins = [Cell(np.array(x), label)
-           for x, label in zip(operands, labels.inputs)]
-    aliases = dict((o, i) for i, o in spec.input_output_aliases)
-    outs = []
-    for k, aval in enumerate(gm.out_avals):
-      label = labels.outputs[k]
-      if k in aliases:
-        outs.append(Cell(np.array(operands[aliases[k]]), label))
-      else:
-        outs.append(Cell(np.full(aval.shape, poison_value(aval.dtype),
-                                 aval.dtype), label))
-    scratch = {}
     jaxpr = spec.jaxpr
     threads = []
     for coords in itertools.product(*(range(n) for n in gm.grid)):
       th = Thread(self, coords)
-      block = th.block
-      if block not in scratch:
-        scratch[block] = [allocate(a, label) for a, label
-                          in zip(gm.scratch_avals, labels.scratch)]
+      scratch = [self.memory.cell(("scratch", th.block, k), self.device,
+                                  lambda a=a, label=label: allocate(a, label))
+                 for k, (a, label) in enumerate(zip(gm.scratch_avals,
+                                                    labels.scratch))]
       ids = [np.int32(c) for c in coords]
       th.routine = eval_jaxpr(th, jaxpr.jaxpr, jaxpr.consts,
-                              [*ids, *ins, *outs, *scratch[block]])
+                              [*ids, *ins, *outs, *scratch])
       threads.append(th)
-    self._schedule(threads)
-    return [c.array for c in outs]
+    return threads
 
-  def _schedule(self, threads: list[Thread]) -> None:
+  def schedule(self, threads: list[Thread]) -> None:
+    """Runs `threads` (of every device) in turn until all end."""
     while True:
       moved = False
       for th in threads:
@@ -210,6 +204,15 @@ def _scoped_labels(eqn, count: int) -> list[str]:
           for i, name in enumerate(names[len(names) - count:])]
 
 
+def _allocations(machine: Machine, key, avals, labels) -> list[Cell]:
+  """A `run_scoped`'s allocations; its semaphores lie in global memory,
+  with a copy on every device (`key`: the scope's entry)."""
+  return [machine.memory.cell((key, k), machine.device,
+                              lambda a=a, label=label: allocate(a, label))
+          if is_semaphore_aval(a) else allocate(a, label)
+          for k, (a, label) in enumerate(zip(avals, labels))]
+
+
 @TABLE.register(run_scoped_p)
 def _run_scoped(thread: Thread, eqn, invals):
   jaxpr = eqn.params["jaxpr"]
@@ -222,17 +225,18 @@ def _run_scoped(thread: Thread, eqn, invals):
                        "the interpret backend shares allocations along the "
                        f"thread axis {machine.thread_axes} only", where(eqn),
                        operand="collective_axes")
+  n = thread.entries.get(id(eqn), 0)
+  thread.entries[id(eqn)] = n + 1
   if axes:
-    n = thread.entries.get(id(eqn), 0)
-    thread.entries[id(eqn)] = n + 1
     key = (thread.block, id(eqn), n)
     entry = machine.shared.get(key)
     if entry is None:
       entry = machine.shared[key] = [
-          [allocate(a, label) for a, label in zip(avals, labels)], 0]
+          _allocations(machine, key, avals, labels), 0]
     cells = entry[0]
   else:
-    cells = [allocate(a, label) for a, label in zip(avals, labels)]
+    cells = _allocations(machine, (thread.coords, thread.warp, id(eqn), n),
+                         avals, labels)
   outs = yield from eval_jaxpr(thread, jaxpr, (), [*invals, *cells])
   if axes:
     entry[1] += 1
@@ -243,11 +247,10 @@ def _run_scoped(thread: Thread, eqn, invals):
 
 @TABLE.register(get_global_p)
 def _get_global(thread: Thread, eqn, invals):
-  cells = thread.machine.globals
-  if id(eqn) not in cells:
-    cells[id(eqn)] = allocate(eqn.params["what"],
-                              f"get_global at {where(eqn)}")
-  return [cells[id(eqn)]]
+  machine = thread.machine
+  return [machine.memory.cell(
+      ("global", id(eqn)), machine.device,
+      lambda: allocate(eqn.params["what"], f"get_global at {where(eqn)}"))]
 
 
 def check_runnable(spec) -> None:
@@ -260,48 +263,12 @@ def check_runnable(spec) -> None:
     raise BackendError(spec.name, "a plgpu.kernel derived by jax.vmap, "
                        "jax.jvp or jax.grad does not run on the interpret "
                        "backend yet", spec.where)
-  _check_one_device(spec)
 
 
-# multi-device primitive -> what it does
-_MULTI_DEVICE = {
-    multi_device.multimem_store_p: "stores to every device",
-    multi_device.multimem_load_reduce_p: "reduces the loads of every device",
-    multi_device.semaphore_signal_multicast_p: "signals every device",
-    tp.semaphore_signal_p: "signals a peer device (device_id=...)",
-    lax.axis_index_p: "reads the device's index along a shard_map axis",
-}
-
-
-def _talks_to_devices(eqn, mesh_names) -> bool:
-  if eqn.primitive is lax.axis_index_p:
-    return eqn.params["axis_name"] not in mesh_names
-  if eqn.primitive is tp.semaphore_signal_p:
-    return bool(eqn.params["mesh_axes"] or eqn.params["device_id_type"]
-                is not DeviceIdType.MESH)
-  return eqn.primitive in _MULTI_DEVICE
-
-
-def _check_one_device(spec) -> None:
-  """The warpgroup interpreter runs the blocks of one device: a kernel
-  that talks to other devices (Pallas's collectives) is refused at the
-  first primitive that does, by name (Pallas's GPU interpret mode cannot
-  run them either); backend="mosaic_gpu" lowers them."""
-  names = set(mesh_of(spec).shape)
-
-  def visit(jaxpr):
-    for eqn in jaxpr.eqns:
-      if _talks_to_devices(eqn, names):
-        raise BackendError(
-            spec.name, f"{eqn.primitive.name} {_MULTI_DEVICE[eqn.primitive]}"
-            ": the interpret backend runs the warpgroups of one device, so "
-            "kernels that talk to other devices do not run there (Pallas's "
-            "GPU interpret mode cannot run them either); "
-            "backend='mosaic_gpu' lowers them", where(eqn) or spec.where,
-            operand=eqn.primitive.name)
-      for sub in sub_jaxprs(eqn.params):
-        visit(sub)
-  visit(spec.jaxpr.jaxpr)
+def talks_to_devices(spec) -> bool:
+  """Whether a `plgpu.kernel` runs with every device of its shard_map
+  (it reads its device's index or reaches another device)."""
+  return devices.talks_to_devices(spec.jaxpr.jaxpr, set(mesh_of(spec).shape))
 
 
 def check_single_programs(spec) -> None:
@@ -318,6 +285,31 @@ def check_single_programs(spec) -> None:
   visit(spec.jaxpr.jaxpr)
 
 
+def run_devices(spec, device_axes, per_device) -> list[list[np.ndarray]]:
+  """Runs the `plgpu.kernel` of `spec` on every device of the mesh
+  `device_axes` ((name, size), ...) together; `per_device`: each
+  device's numpy operands. Each device's outputs."""
+  gm = spec.grid_mapping
+  memory = GlobalMemory(DeviceMesh(device_axes))
+  n = memory.mesh.size
+  labels = gm.split(spec.ref_labels())
+  aliases = dict((o, i) for i, o in spec.input_output_aliases)
+  ins = [memory.share([Cell(np.array(ops[k]), label) for ops in per_device])
+         for k, label in enumerate(labels.inputs)]
+  outs = []
+  for k, aval in enumerate(gm.out_avals):
+    outs.append(memory.share([
+        Cell(np.array(per_device[d][aliases[k]]) if k in aliases else
+             np.full(aval.shape, poison_value(aval.dtype), aval.dtype),
+             labels.outputs[k]) for d in range(n)]))
+  machines = [Machine(spec, mesh_of(spec), memory, d) for d in range(n)]
+  threads = [th for d, m in enumerate(machines)
+             for th in m.start([c[d] for c in ins], [c[d] for c in outs])]
+  machines[0].schedule(threads)
+  return [[c[d].array for c in outs] for d in range(n)]
+
+
 def run_kernel(spec, *arrays) -> list[np.ndarray]:
   """Runs the `plgpu.kernel` of `spec` on numpy operands; its outputs."""
-  return Machine(spec, mesh_of(spec)).run([np.asarray(a) for a in arrays])
+  (outs,) = run_devices(spec, (), [[np.asarray(a) for a in arrays]])
+  return outs

@@ -338,19 +338,3 @@ def test_wait_that_keeps_the_count_is_refused_on_a_tpu():
   with pytest.raises(BackendError, match=r"semaphore_wait\(decrement=False\)"
                      r".*tpu\.sem_wait always decrements"):
     jax.jit(f).trace().lower(lowering_platforms=("tpu",))
-
-
-@pytest.mark.parametrize("make,name", [
-    (device_index, "axis_index"), (multimem_store, "multimem_store"),
-    (multicast_signal, "semaphore_signal_multicast")])
-def test_interpret_backend_refuses_collectives_by_name(make, name):
-  kernel = make(pl, plgpu, backend="interpret")
-  mesh = jax.make_mesh((8,), ("x",))
-  x = jax.device_put(jnp.ones((8 * 128,), F32),
-                     jax.sharding.NamedSharding(mesh, jax.P("x")))
-  f = jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=jax.P("x"),
-                            out_specs=jax.P("x"), check_vma=False))
-  with pytest.raises(BackendError, match=rf"{name}: {name} .*runs the "
-                     "warpgroups of one device.*backend='mosaic_gpu' "
-                     r"lowers them \(at \S+\.py:\d+\)"):
-    f(x)
