@@ -14,7 +14,8 @@ one run), each device with its own global memory.
 - `plgpu.multimem_store` writes every copy along its `collective_axes`;
   `plgpu.multimem_load_reduce` reads every copy along them and reduces
   ("add", "min", "max", "and", "or", "xor").
-- Semaphores and their signals to peers: dsl/interpret/semaphores.py.
+- Semaphores and their signals to peers: dsl/interpret/semaphores.py;
+  races between devices: dsl/interpret/device_races.py.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from dsl.core.errors import BackendError
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.operand_layout import unpack
 from dsl.core.semaphores import DeviceIdType
+from dsl.interpret.device_races import DeviceRaces
 from dsl.interpret.plgpu_rules import REDUCTIONS
 from dsl.interpret.thread_eval import TABLE, Cell, on_device, read, where, write
 from dsl.mosaic_gpu import multi_device as md
@@ -91,11 +93,13 @@ class DeviceMesh:
 
 
 class Copies:
-  """The copies of one allocation in global memory, one per device."""
-  __slots__ = ("cells", "mesh")
+  """The copies of one allocation in global memory, one per device;
+  `races`: where accesses of them are checked (None: they are not)."""
+  __slots__ = ("cells", "mesh", "races")
 
-  def __init__(self, cells: list[Cell], mesh: DeviceMesh):
-    self.cells, self.mesh = cells, mesh
+  def __init__(self, cells: list[Cell], mesh: DeviceMesh,
+               races: DeviceRaces | None = None):
+    self.cells, self.mesh, self.races = cells, mesh, races
     for c in cells:
       c.copies = self
 
@@ -113,16 +117,19 @@ class Copies:
 
 
 class GlobalMemory:
-  """The global memory of every device of a launch: per key, the copies
-  of one allocation (`cell`), made on every device at once."""
+  """The global memory of every device of a launch: the kernel's
+  operands (`share`: their accesses checked for races between devices,
+  dsl/interpret/device_races.py) and, per key, the copies of one
+  semaphore allocation (`cell`), made on every device at once."""
 
-  def __init__(self, mesh: DeviceMesh):
+  def __init__(self, mesh: DeviceMesh, kernel: str = ""):
     self.mesh = mesh
     self.copies: dict = {}
+    self.races = DeviceRaces(kernel) if mesh.size > 1 else None
 
   def share(self, cells: list[Cell]) -> list[Cell]:
-    """`cells` (one per device) as the copies of one allocation."""
-    Copies(cells, self.mesh)
+    """`cells` (one per device) as the copies of one operand."""
+    Copies(cells, self.mesh, self.races)
     return cells
 
   def cell(self, key, device: int, make: Callable[[], Cell]) -> Cell:

@@ -28,7 +28,8 @@ import numpy as np
 
 from dsl.core.errors import BackendError, KernelRaceError
 from dsl.core.operand_layout import unpack
-from dsl.interpret.thread_eval import TABLE, Blocked, read, view, where, write
+from dsl.interpret.thread_eval import (TABLE, Blocked, read, running, view,
+                                      where, write)
 from dsl.mosaic_gpu import compute, primitives as prims, scheduling
 from dsl.mosaic_gpu.memory import CopyPartition
 
@@ -43,6 +44,9 @@ class BarrierState:
     self.completed = 0
 
   def arrive(self) -> None:
+    thread = getattr(running, "thread", None)
+    if thread is not None and thread.machine.memory.races is not None:
+      thread.machine.memory.races.release(thread, self)
     self.arrivals += 1
     if self.arrivals == self.num_arrivals:
       self.arrivals = 0
@@ -123,6 +127,8 @@ def _barrier_wait(thread, eqn, invals):
         "parity) this wait would wait for the wrong phase; wait for every "
         "phase, or give the barrier more arrivals", where(eqn))
   thread.waits[b] = seen + 1
+  if thread.machine.memory.races is not None:
+    thread.machine.memory.races.acquire(thread, b)
   thread.machine.tensor_core.observe(b, seen)
   return []
 

@@ -59,7 +59,14 @@ def _signal(thread, eqn, invals):
                      "pl.semaphore_signal(device_id=...)")
     cell = cell.copies.cells[peer]
   _add(cell, a["sem_t"], np.asarray(a["inc"]))
+  _release(thread, cell)
   return []
+
+
+def _release(thread, cell) -> None:
+  races = thread.machine.memory.races
+  if races is not None:
+    races.release(thread, cell)
 
 
 @TABLE.register(md.semaphore_signal_multicast_p)
@@ -70,6 +77,7 @@ def _signal_multicast(thread, eqn, invals):
                           "plgpu.semaphore_signal_multicast")
   for cell in cells:
     _add(cell, t, np.asarray(a["value"]))
+    _release(thread, cell)
   return []
 
 
@@ -87,6 +95,9 @@ def _wait(thread, eqn, invals):
                   f"{count()})", eqn)
   if eqn.params.get("decrement", True):
     _add(cell, t, -value)
+  races = thread.machine.memory.races
+  if races is not None:
+    races.acquire(thread, cell)
   return []
 
 

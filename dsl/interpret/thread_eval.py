@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 from typing import Any, Callable
 
 import jax
@@ -70,6 +71,11 @@ class Blocked:
   ready: Callable[[], bool]
   what: str
   eqn: Any
+
+
+# The warpgroup and equation being evaluated now (in this host thread):
+# what an access of memory is attributed to (dsl/interpret/device_races.py).
+running = threading.local()
 
 
 def where(eqn) -> str | None:
@@ -132,9 +138,18 @@ def on_device(cell: Cell, transforms) -> tuple[Cell, tuple]:
   return cell.copies.on_peer(cell, peers[-1]), rest
 
 
+def _accessed(cell: Cell, transforms, writes: bool) -> None:
+  """Records an access of a ref in global memory, where races between
+  devices are checked."""
+  copies = cell.copies
+  if copies is not None and copies.races is not None:
+    copies.races.access(cell, copies.device_of(cell), transforms, writes)
+
+
 def view(cell: Cell, transforms, what: str = "ref") -> np.ndarray:
   """The numpy view of `cell` that `transforms` select."""
   cell, transforms = on_device(cell, transforms)
+  _accessed(cell, transforms, writes=False)
   x = cell.array
   for k, t in enumerate(transforms):
     x = _apply(x, t, what, through=k < len(transforms) - 1)
@@ -158,6 +173,7 @@ def _check_view(x: np.ndarray, cell: Cell, what: str) -> np.ndarray:
 def write(cell: Cell, transforms, value, what: str = "ref") -> None:
   """Writes `value` where `transforms` select in `cell`."""
   cell, transforms = on_device(cell, transforms)
+  _accessed(cell, transforms, writes=True)
   transforms = list(transforms)
   base = cell.array
   for t in transforms[:-1]:
@@ -298,6 +314,7 @@ def _eval_eqn(thread, eqn, invals):
                        "supported by the interpret backend's warpgroup "
                        "interpreter", where(eqn), operand=eqn.primitive.name)
   try:
+    running.thread, running.eqn = thread, eqn
     out = rule(thread, eqn, invals)
     if inspect.isgenerator(out):
       out = yield from out

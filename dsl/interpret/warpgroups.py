@@ -80,6 +80,7 @@ class Thread:
     self.name = (f"warpgroup {coords[machine.block_rank:] or (0,)} of block "
                  f"{self.block}{machine.on_device}")
     self.warp = None
+    self.tid = self.clock = None     # dsl/interpret/device_races.py
     self.waits: dict = {}
     self.entries: dict = {}
     self.blocked = None
@@ -107,6 +108,7 @@ class Warp(Thread):
     self.coords, self.block = group.coords, group.block
     self.name = f"warp {index} of {group.name}"
     self.warp = index
+    self.tid, self.clock = group.tid, group.clock
     self.waits = dict(group.waits)
     self.entries: dict = {}
     self.blocked = None
@@ -143,7 +145,7 @@ class Machine:
     self.spec = spec
     self.kernel = spec.name
     self.mesh = mesh
-    self.memory = memory or GlobalMemory(DeviceMesh())
+    self.memory = memory or GlobalMemory(DeviceMesh(), spec.name)
     self.device = device
     self.on_device = (f" on device {device}" if self.memory.mesh.size > 1
                       else "")
@@ -159,16 +161,17 @@ class Machine:
     spec, gm = self.spec, self.spec.grid_mapping
     labels = gm.split(spec.ref_labels())
     jaxpr = spec.jaxpr
-    threads = []
+    threads, scratch = [], {}
     for coords in itertools.product(*(range(n) for n in gm.grid)):
       th = Thread(self, coords)
-      scratch = [self.memory.cell(("scratch", th.block, k), self.device,
-                                  lambda a=a, label=label: allocate(a, label))
-                 for k, (a, label) in enumerate(zip(gm.scratch_avals,
-                                                    labels.scratch))]
+      if self.memory.races is not None:
+        self.memory.races.enter(th)
+      if th.block not in scratch:
+        scratch[th.block] = _allocations(self, ("scratch", th.block),
+                                         gm.scratch_avals, labels.scratch)
       ids = [np.int32(c) for c in coords]
       th.routine = eval_jaxpr(th, jaxpr.jaxpr, jaxpr.consts,
-                              [*ids, *ins, *outs, *scratch])
+                              [*ids, *ins, *outs, *scratch[th.block]])
       threads.append(th)
     return threads
 
@@ -290,7 +293,7 @@ def run_devices(spec, device_axes, per_device) -> list[list[np.ndarray]]:
   `device_axes` ((name, size), ...) together; `per_device`: each
   device's numpy operands. Each device's outputs."""
   gm = spec.grid_mapping
-  memory = GlobalMemory(DeviceMesh(device_axes))
+  memory = GlobalMemory(DeviceMesh(device_axes), spec.name)
   n = memory.mesh.size
   labels = gm.split(spec.ref_labels())
   aliases = dict((o, i) for i, o in spec.input_output_aliases)
@@ -306,6 +309,8 @@ def run_devices(spec, device_axes, per_device) -> list[list[np.ndarray]]:
   threads = [th for d, m in enumerate(machines)
              for th in m.start([c[d] for c in ins], [c[d] for c in outs])]
   machines[0].schedule(threads)
+  if memory.races is not None:
+    memory.races.finish()
   return [[c[d].array for c in outs] for d in range(n)]
 
 

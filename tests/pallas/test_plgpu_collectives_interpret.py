@@ -8,6 +8,10 @@ library's collectives), so numpy is the only reference.
 """
 from __future__ import annotations
 
+import os
+import re
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +20,11 @@ from jax import lax
 
 import dsl as pl
 from dsl import mosaic_gpu as plgpu
-from dsl.core.errors import KernelDeadlockError, KernelError, kernel_error_of
-from tests.pallas import test_plgpu_collectives as lowered
+from dsl.core.errors import (KernelDeadlockError, KernelError,
+                             KernelRaceError, kernel_error_of)
+from benchmarks.pallas_library import swap
+from benchmarks.pallas_library.cases import dsl_context, make_case
+from tests.pallas import plgpu_collective_kernels as lowered
 
 F32 = jnp.float32
 HERE = r"test_plgpu_collectives_interpret\.py:\d+"
@@ -49,7 +56,8 @@ def data(dtype=F32, n=8):
 def failure(fn) -> KernelError:
   """The KernelError `fn()` fails with (behind JAX's runtime error)."""
   with pytest.raises(Exception) as info:
-    fn()
+    jax.block_until_ready(fn())
+    jax.effects_barrier()
   err = kernel_error_of(info.value)
   assert err is not None, info.value
   return err
@@ -62,14 +70,30 @@ def test_axis_index_is_the_devices_coordinate():
   np.testing.assert_array_equal(got, x + np.arange(8)[:, None])
 
 
+def done(pl, plgpu, sem, axes="x", n=8):
+  """The collectives' end: a multicast signal, and a wait for every
+  device's (the accesses of each device's memory are over)."""
+  plgpu.semaphore_signal_multicast(sem, collective_axes=axes)
+  pl.semaphore_wait(sem, n, decrement=False)
+
+
+def reduce_all(op, dtype=F32, axes="x", n=8):
+  def body(x_ref, o_ref, sem):
+    o_ref[...] = plgpu.multimem_load_reduce(x_ref, collective_axes=axes,
+                                            reduction_op=op)
+    done(pl, plgpu, sem, axes, n)
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), dtype),
+                      scratch_types=[plgpu.SemaphoreType.REGULAR],
+                      backend="interpret")
+
+
 def test_multimem_load_reduce_adds_every_devices_copy():
-  got, x = on_devices(interpreted(lowered.multimem_load_reduce), data())
+  got, x = on_devices(reduce_all("add"), data())
   np.testing.assert_array_equal(got, np.broadcast_to(x.sum(0), x.shape))
 
 
 def test_multimem_load_reduce_max_of_int32():
-  got, x = on_devices(interpreted(lowered.multimem_load_max),
-                      data(jnp.int32))
+  got, x = on_devices(reduce_all("max", jnp.int32), data(jnp.int32))
   np.testing.assert_array_equal(got, np.broadcast_to(x.max(0), x.shape))
 
 
@@ -77,12 +101,7 @@ def test_multimem_load_reduce_max_of_int32():
                                        ("xor", np.bitwise_xor.reduce)])
 def test_multimem_load_reduce_along_one_axis_of_two(op, reduce):
   """Along `y` of a (2, 4) mesh: the 4 devices of each row."""
-  def body(x_ref, o_ref):
-    o_ref[...] = plgpu.multimem_load_reduce(x_ref, collective_axes="y",
-                                            reduction_op=op)
-  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,),
-                                                            jnp.int32),
-                        backend="interpret")
+  kernel = reduce_all(op, jnp.int32, "y", 4)
   got, x = on_devices(kernel, data(jnp.int32), (2, 4), ("x", "y"))
   rows = x.reshape(2, 4, 128)
   want = np.repeat(reduce(rows, axis=1)[:, None], 4, axis=1).reshape(8, 128)
@@ -92,11 +111,10 @@ def test_multimem_load_reduce_along_one_axis_of_two(op, reduce):
 def gather_slices(pl, plgpu, **extra):
   """Each device stores its 16 values into its slice of every device's
   output, then waits for every device's stores (a multicast signal)."""
-  def body(x_ref, o_ref, done):
+  def body(x_ref, o_ref, sem):
     me = lax.axis_index("x")
     plgpu.multimem_store(x_ref[...], o_ref.at[pl.ds(me * 16, 16)], "x")
-    plgpu.semaphore_signal_multicast(done, collective_axes="x")
-    pl.semaphore_wait(done, 8, decrement=False)
+    done(pl, plgpu, sem)
   return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), F32),
                       scratch_types=[plgpu.SemaphoreType.REGULAR], **extra)
 
@@ -108,16 +126,48 @@ def test_multimem_store_writes_every_devices_copy():
 
 
 def test_multimem_store_of_a_scalar():
-  """Every device stores x[3] into element 3 of every copy; the last
-  device's store lands last."""
-  got, x = on_devices(interpreted(lowered.multimem_store_scalar),
-                      data(jnp.int32))
-  np.testing.assert_array_equal(got[:, 3], np.full(8, x[7, 3]))
+  """Device d stores its x[3] into element d of every device's copy."""
+  def body(x_ref, o_ref, sem):
+    plgpu.multimem_store(x_ref[3], o_ref.at[lax.axis_index("x")], "x")
+    done(pl, plgpu, sem)
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,),
+                                                            jnp.int32),
+                        scratch_types=[plgpu.SemaphoreType.REGULAR],
+                        backend="interpret")
+  got, x = on_devices(kernel, data(jnp.int32))
+  np.testing.assert_array_equal(got[:, :8], np.broadcast_to(x[:, 3],
+                                                            (8, 8)))
+
+
+def remote_copy(wait_first=True):
+  """A TMA store into the next device's output and a signal of its
+  semaphore; the next device waits for it (or, `wait_first=False`, reads
+  its output before it waits)."""
+  def body(x_ref, o_ref, y_ref):
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    nxt = lax.rem(lax.axis_index("x") + 1, 8)
+
+    def scope(smem, barrier):
+      plgpu.copy_gmem_to_smem(x_ref, smem, barrier)
+      plgpu.barrier_wait(barrier)
+      plgpu.copy_smem_to_gmem(smem, plgpu.remote_ref(o_ref, {"x": nxt}))
+      plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(scope, plgpu.SMEM((128,), F32), plgpu.Barrier())
+    pl.semaphore_signal(sem, device_id={"x": nxt})
+    if wait_first:
+      pl.semaphore_wait(sem, 1)
+      y_ref[...] = o_ref[...] * 2
+    else:
+      y_ref[...] = o_ref[...] * 2
+      pl.semaphore_wait(sem, 1)
+  shape = jax.ShapeDtypeStruct((128,), F32)
+  return plgpu.kernel(body, out_type=(shape, shape), backend="interpret")
 
 
 def test_remote_copy_lands_in_the_next_devices_output():
-  got, x = on_devices(interpreted(lowered.remote_copy), data())
-  np.testing.assert_array_equal(got, np.roll(x, 1, axis=0))
+  kernel = remote_copy()
+  got, x = on_devices(lambda s: kernel(s)[1], data())
+  np.testing.assert_array_equal(got, 2 * np.roll(x, 1, axis=0))
 
 
 def signal_counts(pl, plgpu, **extra):
@@ -219,3 +269,76 @@ def test_collective_axes_outside_the_mesh_are_refused_by_name():
   assert err.kernel == "body"
   assert "plgpu.multimem_store names the device axes ['y']" in str(err)
   assert "('x',)" in str(err)
+
+
+@pytest.mark.parametrize("make,owner,verb,peer", [
+    (lowered.remote_copy, 1, "store", 0),
+    (lowered.multimem_load_reduce, 0, "read", 7)])
+def test_a_missing_wait_is_a_race_naming_the_access(make, owner, verb, peer):
+  """The kernels that test_plgpu_collectives.py lowers do not wait:
+  the access of the peer's memory is not ordered before the peer's kernel
+  ends (the last read of each element is the one named)."""
+  err = failure(lambda: on_devices(interpreted(make), data()))
+  assert isinstance(err, KernelRaceError)
+  assert err.kernel == "body"
+  assert (f"the kernel ends on device {owner} before the {verb} of "
+          f"warpgroup (0,) of block () on device {peer} at ") in err.short
+  assert "plgpu_collective_kernels.py" in err.where
+
+
+def test_a_read_before_the_wait_that_orders_it_is_a_race():
+  kernel = remote_copy(wait_first=False)
+  err = failure(lambda: on_devices(lambda s: kernel(s)[1], data()))
+  assert isinstance(err, KernelRaceError)
+  assert ("on device 1 reads it, but the store of warpgroup (0,) of block () "
+          "on device 0 at") in err.short
+  assert ("is not ordered before (signal a semaphore after it and wait for "
+          "that signal first)") in err.short
+  assert re.search(HERE, err.where)
+
+
+def test_stores_of_two_devices_into_one_element_are_a_race():
+  """Every device stores its x[3] into element 3 of every copy."""
+  err = failure(lambda: on_devices(
+      interpreted(lowered.multimem_store_scalar), data(jnp.int32)))
+  assert isinstance(err, KernelRaceError)
+  assert ("stores into it, but the store of warpgroup (0,) of block () on "
+          "device 0") in err.short
+
+
+# ---------------------------------------------- the library's collectives
+
+def without_waits(name: str, folder) -> types.ModuleType:
+  """Pallas's op `name` swapped onto dsl, with each `pl.semaphore_wait`
+  line made a `pass` (a seeded bug: the same lines otherwise), run from a
+  copy in `folder` (errors name the copy's lines)."""
+  swap.install()
+  path = os.path.join(swap.ops_dir(), *name.split(".")) + ".py"
+  with open(path, encoding="utf-8") as f:
+    source = swap.rewrite(f.read(), path)
+  source = re.sub(r"^(\s*)pl\.semaphore_wait\(.*$", r"\1pass", source,
+                  flags=re.M)
+  copy = folder / os.path.basename(path)
+  copy.write_text(source)
+  module = types.ModuleType(f"{swap.PREFIX}.{name}_without_waits")
+  exec(compile(source, str(copy), "exec"), module.__dict__)  # noqa: S102
+  return module, source
+
+
+@pytest.mark.parametrize("op,access", [
+    ("gpu.all_gather_mgpu", "plgpu.multimem_store("),
+    ("gpu.reduce_scatter_mgpu", "plgpu.multimem_load_reduce("),
+    ("gpu.collective_matmul_mgpu", "plgpu.copy_smem_to_gmem(a_smem")])
+def test_the_collectives_without_their_waits_race(op, access, tmp_path):
+  """The library's case of each collective passes (test_pallas_ops.py);
+  with its waits gone, the accesses of peers' memory race, named at the
+  op's own line of the access."""
+  module, source = without_waits(op, tmp_path)
+  line = next(i for i, text in enumerate(source.splitlines(), 1)
+              if access in text)
+  case = make_case(op)
+  with dsl_context(op, "interpret"):
+    err = failure(lambda: case.run(module, False, *case.args))
+  assert isinstance(err, KernelRaceError)
+  assert err.where == f"{tmp_path / (op.split('.')[1] + '.py')}:{line}"
+  assert re.search(r"race on \S+ of device \d: ", err.short)
