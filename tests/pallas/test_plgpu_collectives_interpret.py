@@ -342,3 +342,46 @@ def test_the_collectives_without_their_waits_race(op, access, tmp_path):
   assert isinstance(err, KernelRaceError)
   assert err.where == f"{tmp_path / (op.split('.')[1] + '.py')}:{line}"
   assert re.search(r"race on \S+ of device \d: ", err.short)
+
+
+def handed_on(wait_for_barrier: bool):
+  """Warpgroup 0 stores the device's slice into every device's output and
+  waits for every device's stores; it hands the output on to warpgroup 1
+  through an mbarrier, whose wait orders warpgroup 1's read after them."""
+  def body(x_ref, o_ref, y_ref, sem, bar):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _():
+      me = lax.axis_index("x")
+      plgpu.multimem_store(x_ref[...], o_ref.at[pl.ds(me * 16, 16)], "x")
+      done(pl, plgpu, sem)
+      plgpu.barrier_arrive(bar)
+
+    @pl.when(wg == 1)
+    def _():
+      if wait_for_barrier:
+        plgpu.barrier_wait(bar)
+      y_ref[...] = o_ref[...] + 1
+  shape = jax.ShapeDtypeStruct((128,), F32)
+  return plgpu.kernel(body, out_type=(shape, shape), num_threads=2,
+                      thread_name="wg",
+                      scratch_types=[plgpu.SemaphoreType.REGULAR,
+                                     plgpu.Barrier(num_arrivals=1)],
+                      backend="interpret")
+
+
+def test_an_mbarrier_hands_on_what_a_semaphore_wait_ordered():
+  kernel = handed_on(wait_for_barrier=True)
+  got, x = on_devices(lambda s: kernel(s)[1], data(n=1)[:128])
+  np.testing.assert_array_equal(got, np.broadcast_to(x.reshape(-1) + 1,
+                                                     (8, 128)))
+
+
+def test_a_read_the_mbarrier_does_not_order_is_a_race():
+  kernel = handed_on(wait_for_barrier=False)
+  err = failure(lambda: on_devices(lambda s: kernel(s)[1], data(n=1)[:128]))
+  assert isinstance(err, KernelRaceError)
+  assert re.search(r"on device \d stores into it, but the read of warpgroup "
+                   r"\(1,\) of block \(\) on device 0 at \S+:\d+ is not "
+                   "ordered before", err.short)
