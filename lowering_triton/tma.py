@@ -162,7 +162,7 @@ def load(ctx, view: MemRef, hint: str) -> TVal | None:
         f"shape={list(view.array_shape)}, strides={list(view.strides)}, "
         f"block_shape={list(shape)})")
   name = lowering.descriptors[key][0]
-  coords = dict(view.fixed)
+  coords = {f.dim: f.start for f in view.fixed}
   coords.update({a.dim: a.start for a in view.axes})
   expr = f"{name}.load([{', '.join(str(coords[d]) for d in range(len(shape)))}])"
   if shape != view.shape:
