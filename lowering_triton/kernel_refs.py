@@ -226,11 +226,11 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
   if len(indices) != len(ref.axes):
     raise UnsupportedIndex(f"{len(indices)} indices for a ref of rank "
                            f"{len(ref.axes)}")
-  _check_array_indices(indices)
+  acc = RefAccess.of(indexer, [ax.size for ax in ref.axes], static=_static)
+  _check_array_indices(acc.dims)
   if any(ax.lanes is not None for ax in ref.axes):
     raise UnsupportedIndex("indexing a window of an array of indices again "
                            "is not supported by the Triton backend")
-  acc = RefAccess.of(indexer, [ax.size for ax in ref.axes], static=_static)
   lead = []                   # the array dim of the first array of indices
 
   def lanes_axis(w: access.DimWindow, ax: Axis) -> Axis:
@@ -301,6 +301,12 @@ def _static(x) -> int | None:
   return int(x) if isinstance(x, (int, np.integer)) else None
 
 
+def ref_windows(indexer, shape) -> tuple[access.DimWindow, ...]:
+  """The access model's window of each entry of `indexer` on a ref of
+  `shape`, its values read as the generated kernel knows them."""
+  return RefAccess.of(indexer, shape, static=_static).dims
+
+
 def run_time_dims(indexer, shape) -> set[int]:
   """The dims of a ref of `shape` where `indexer` may leave it at a place
   computed at run time (the access model's run-time exits)."""
@@ -337,11 +343,11 @@ def without_proven_wraps(ref: MemRef, inside) -> MemRef:
   return dataclasses.replace(ref, axes=tuple(axes))
 
 
-def _check_array_indices(indices) -> None:
+def _check_array_indices(dims) -> None:
   """Arrays of indices the Triton backend takes: arrays of one shape (JAX's
   indexers broadcast them to one), among integer indices next to each
   other (so that their dims stay at their place, as numpy places them)."""
-  arrays = [i for i in indices if isinstance(i, TVal) and i.shape]
+  arrays = [w.start for w in dims if w.kind == access.INDICES]
   if not arrays:
     return
   shapes = {tuple(a.shape) for a in arrays}
@@ -349,8 +355,7 @@ def _check_array_indices(indices) -> None:
     raise UnsupportedIndex(f"arrays of indices of shapes {sorted(shapes)} in "
                            "one access: the Triton backend takes arrays "
                            "broadcast to one shape")
-  ints = [k for k, i in enumerate(indices)
-          if not isinstance(i, indexing.Slice)]
+  ints = [k for k, w in enumerate(dims) if w.kind != access.SLICE]
   if ints != list(range(ints[0], ints[-1] + 1)):
     raise UnsupportedIndex("an array of indices separated from the other "
                            "integer indices by a slice moves its dims to the "

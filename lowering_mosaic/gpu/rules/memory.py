@@ -17,6 +17,7 @@ from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core import dtypes, ref_ops
+from dsl.core.access import SLICE, RefAccess
 from dsl.core.operand_layout import ref_operands
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.smem_layout import memref_of
@@ -28,6 +29,11 @@ def _static(x):
   if isinstance(x, ir.Value):
     return x
   return int(x)
+
+
+def _known(x) -> int | None:
+  """An index's value when it is static (the access model's `static`)."""
+  return None if isinstance(x, ir.Value) else int(x)
 
 
 def window(ctx, ref: ir.Value, transforms, static_ints=True,
@@ -50,20 +56,20 @@ def window(ctx, ref: ir.Value, transforms, static_ints=True,
     index = []
     shape = ir.MemRefType(ref.type).shape
     whole = True
-    for idx, n in zip(t.indices, shape):
-      if isinstance(idx, indexing.Slice):
-        if int(idx.stride) != 1:
+    for w, n in zip(RefAccess.of(t, shape, static=_known).dims, shape):
+      if w.kind == SLICE:
+        if w.stride != 1:
           raise ctx.error("strided ref slices are not supported by the "
                           "Mosaic GPU lowering" + TRITON_HINT)
-        start = _static(idx.start)
+        start = _static(w.start)
         if isinstance(start, int):
-          index.append(slice(start, start + int(idx.size)))
-          whole &= start == 0 and int(idx.size) == n
+          index.append(slice(start, start + w.size))
+          whole &= start == 0 and w.size == n
         else:
-          index.append(mgpu_utils.DynamicSlice(to_index(start), int(idx.size)))
+          index.append(mgpu_utils.DynamicSlice(to_index(start), w.size))
           whole = False
       else:
-        i = _static(idx)
+        i = _static(w.start)
         if isinstance(i, int) and not static_ints:
           i = arith.constant(ir.IndexType.get(), i)
         index.append(i if isinstance(i, int) else to_index(i))
