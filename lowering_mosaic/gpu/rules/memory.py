@@ -16,13 +16,16 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from dsl.core import dtypes, ref_ops
+from dsl.core import config, dtypes, ref_ops
 from dsl.core.access import SLICE, RefAccess
 from dsl.core.operand_layout import ref_operands
+from dsl.core.errors import source_info_frame
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.smem_layout import memref_of
 from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_to,
                                       is_vector, phys, to_index)
+from lowering_mosaic.unchecked_windows import (ref_label, refusal,
+                                               run_time_exits)
 
 
 def _static(x):
@@ -115,9 +118,26 @@ def store(ref: ir.Value, val: ir.Value) -> None:
 
 
 def _window(ctx, args, params):
-  """The ref primitive's operands by role, and the window they access."""
+  """The ref primitive's operands by role, and the window they access.
+  With runtime asserts on, a window placed at run time that the range
+  analysis does not prove inside its ref is refused: the GPU cannot check
+  it (lowering_mosaic.unchecked_windows)."""
   ops = ref_operands(ctx.eqn.primitive, args, params)
+  _check_run_time_exits(ctx, ops)
   return ops, window(ctx, ops.ref, ops.transforms)
+
+
+def _check_run_time_exits(ctx, ops) -> None:
+  spec = ctx.host.spec
+  if spec is None or not config.enable_runtime_assert():
+    return
+  shape = ir.MemRefType(memref_of(ops.ref).type).shape
+  exits = run_time_exits(spec, ctx.eqn, ops.transforms, shape, _known)
+  if exits:
+    raise refusal(spec.name, "the Mosaic GPU lowering",
+                  ref_label(spec, ctx.eqn.invars[0]), exits,
+                  source_info_frame(ctx.eqn.source_info) or spec.where,
+                  "backend='triton' or 'interpret'")
 
 
 @TABLE.register(state_primitives.get_p)

@@ -17,7 +17,7 @@ from dsl.core.jax_internals import (arith, ir, memref,
                                     state_primitives, state_types, tpu,
                                     vector)
 
-from dsl.core import ref_ops
+from dsl.core import config, ref_ops
 from dsl.core.access import (INDEX, Axis, DimWindow, RefAccess, StartAlgebra,
                              compose)
 from dsl.core.operand_layout import ref_operands
@@ -26,6 +26,7 @@ from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, to_i32, to_index
 from lowering_mosaic.tpu.rules import register
 from lowering_mosaic.tpu.rules.integer import static_int
+from lowering_mosaic.unchecked_windows import run_time_exits
 
 
 @dataclasses.dataclass
@@ -304,9 +305,18 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
 
 
 def _view(ctx, args, params):
-  """The ref primitive's operands by role, and the view they access."""
+  """The ref primitive's operands by role, and the view they access; with
+  runtime asserts on, the access's run-time exits are noted (the TPU
+  cannot check them: lowering_mosaic.unchecked_windows)."""
   ops = ref_operands(ctx.eqn.primitive, args, params)
-  return ops, view_of(ctx, ops.ref, ops.transforms)
+  view = view_of(ctx, ops.ref, ops.transforms)
+  if config.enable_runtime_assert():
+    exits = run_time_exits(ctx.lctx.spec, ctx.eqn, ops.transforms,
+                           ops.ref.shape, _known)
+    if exits:
+      ctx.lctx.unchecked_windows.append(
+          (ops.ref.name, exits, ctx.lctx.current_line))
+  return ops, view
 
 
 @register(state_primitives.get_p)
