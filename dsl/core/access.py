@@ -25,7 +25,16 @@ analysis does not prove inside. Who asks:
   backend): a run-time exit gets a check;
 - `lowering_triton.kernel_refs.apply_indexer` and `lowering_triton.rules.state`:
   a run-time exit gets a mask (and a `tl.device_assert` with run-time
-  asserts on), unless the range analysis proves that side inside.
+  asserts on), unless the range analysis proves that side inside;
+- `lowering_mosaic.unchecked_windows` (the Mosaic TPU and GPU lowerings):
+  with run-time asserts on, a run-time exit not proven inside is refused
+  on the hardware, which checks no window.
+
+`compose` is the one composition of a view (its visible `Axis`es and the
+ones an integer index fixed) with an indexer's windows, generic over the
+value of a start (`StartAlgebra`): the range analysis's windows, the
+Triton lowering's `MemRef` and the Mosaic lowerings' views compose
+through it.
 """
 from __future__ import annotations
 
