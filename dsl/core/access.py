@@ -127,6 +127,13 @@ class DimWindow:
     return self.static_start < 0, self.last >= n
 
 
+def slice_entry(start, size, stride: int = 1):
+  """The indexer entry of the slice window `start + stride * k`, `k <
+  size` (what `pl.ds(start, size, stride)` writes), for code that builds
+  an indexer."""
+  return indexing.Slice(start, size, stride)
+
+
 def _python_slice(idx: slice, n, static: Static) -> DimWindow:
   """A Python slice `a:b:c` on a dim of `n`; None bounds are the dim's
   ends, negative ones count from the end (a run-time bound: unknown)."""

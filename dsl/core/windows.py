@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 from dsl.core.jax_internals import state_discharge, state_indexing as indexing
 
-from dsl.core.access import INDEX, INDICES, SLICE, RefAccess
+from dsl.core.access import INDEX, INDICES, SLICE, RefAccess, slice_entry
 from dsl.core.poison import poison_value
 
 # ------------------------------------------------------------ index kinds
@@ -183,7 +183,7 @@ def _padded(x, indexer, clamp_arrays: bool = False):
       start = lax.clamp(np.int32(0), _i32(i.start) + np.int32(room),
                         np.int32(n + room))
       pads.append((room, room))
-      indices.append(indexing.Slice(start, i.size, i.stride))
+      indices.append(slice_entry(start, i.size, i.stride))
     elif w.kind == INDICES and clamp_arrays:
       pads.append((0, 0))
       indices.append(jnp.clip(_wrapped(i, n), 0, n - 1).astype(np.int32))
