@@ -247,10 +247,10 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
   return dataclasses.replace(
       _bookkeeping(ref, acc, gather),
       fixed=tuple(sorted(fixed, key=lambda f: f.dim)),
-      axes=_aligned(ref, acc, axes, multiples or [1] * len(indices)))
+      axes=_with_alignment(ref, acc, axes, multiples or [1] * len(indices)))
 
 
-def _aligned(ref: MemRef, acc: RefAccess, axes, multiples) -> tuple:
+def _with_alignment(ref: MemRef, acc: RefAccess, axes, multiples) -> tuple:
   """`axes` (the composed view's) with the multiple each slice's start is
   known to be (`Axis.align`)."""
   shown = iter(axes)
