@@ -174,23 +174,24 @@ def _padded(x, indexer, clamp_arrays: bool = False):
   access = RefAccess.of(indexer, x.shape)
   leaving = access.leaving_dims()
   for d, (i, w, n) in enumerate(zip(indexer.indices, access.dims, x.shape)):
-    if d not in leaving:
+    if d not in leaving:        # the entry stays as it is
       pads.append((0, 0))
       indices.append(i if w.kind == SLICE
                      else np.asarray(w.static_start, np.int32))
     elif w.kind == SLICE:
       room = (w.size - 1) * w.stride + 1
-      start = lax.clamp(np.int32(0), _i32(i.start) + np.int32(room),
+      start = lax.clamp(np.int32(0), _i32(w.start) + np.int32(room),
                         np.int32(n + room))
       pads.append((room, room))
-      indices.append(slice_entry(start, i.size, i.stride))
+      indices.append(slice_entry(start, w.size, w.stride))
     elif w.kind == INDICES and clamp_arrays:
       pads.append((0, 0))
-      indices.append(jnp.clip(_wrapped(i, n), 0, n - 1).astype(np.int32))
+      indices.append(jnp.clip(_wrapped(w.start, n), 0, n - 1).astype(
+          np.int32))
     else:
-      i = _wrapped(i, n) if w.kind == INDICES else _i32(i)
+      at = _wrapped(w.start, n) if w.kind == INDICES else _i32(w.start)
       pads.append((1, 1))
-      indices.append(jnp.where((i >= 0) & (i < n), i + 1, 0).astype(
+      indices.append(jnp.where((at >= 0) & (at < n), at + 1, 0).astype(
           np.int32))
   padded = jnp.pad(x, pads, constant_values=poison_value(x.dtype))
   moved = indexing.NDIndexer(tuple(indices), tuple(padded.shape),
