@@ -4,6 +4,8 @@ readers' start values are (ints, the range analysis's intervals, the
 Triton lowering's symbolic starts)."""
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -17,6 +19,7 @@ from dsl.core.jax_internals import state_indexing
 from lowering_triton import kernel_refs
 from lowering_triton.kernel_refs import MemRef, apply_indexer
 from lowering_triton.values import TVal
+from tests.pallas import testing
 from tests.pallas.testing import hypothesis_settings
 
 SETTINGS = hypothesis_settings(60)
@@ -178,3 +181,28 @@ def test_a_triton_gather_keeps_its_lanes():
   assert (gathered.lanes, gathered.clamp_to, gathered.size) == ("idx", 6, 3)
   assert (cols.start, cols.size, cols.lanes) == (1, 2, None)
   assert out.gathered == (0,)
+
+
+def _view_of_a_view_kernel(x_ref, o_ref):
+  rows = x_ref.at[pl.ds(2, 12)]                 # rows 2..13
+  o_ref[...] = rows[pl.ds(1, 4, 2), :]          # rows 3, 5, 7, 9
+
+
+def _view_then_index_kernel(x_ref, o_ref):
+  rows = x_ref.at[pl.ds(1, 8, 2)]               # rows 1, 3, ..., 15
+  o_ref[...] = rows[3, :][None]                 # row 7
+
+
+@pytest.mark.parametrize("kernel,want_rows", [
+    (_view_of_a_view_kernel, [3, 5, 7, 9]),
+    (_view_then_index_kernel, [7])])
+def test_every_cpu_backend_reads_the_composed_view(kernel, want_rows):
+  """Each backend composes `x.at[...]` views through the one composition
+  (the interpreter's discharge, the Triton MemRef, the Mosaic view): every
+  CPU backend and Pallas's interpret mode read numpy's rows."""
+  x = np.arange(16 * 128, dtype=np.float32).reshape(16, 128)
+  out = jax.ShapeDtypeStruct((len(want_rows), 128), jnp.float32)
+  got = testing.run_backends(testing.CPU_BACKENDS, kernel, out, x)
+  for backend, y in got.items():
+    np.testing.assert_array_equal(np.asarray(y), x[want_rows],
+                                  err_msg=backend)
