@@ -37,8 +37,6 @@ MISSES = {
     ("rms_norm", "occupancy"): "occupancy 16 vs 64 warps per SM (0.25x): the "
                                "hand-written kernel's 4 warps spill 3096 "
                                "bytes per thread",
-    ("matmul", "hot_loop"): "hot loop 146 vs 97 instructions (1.51x)",
-    ("matmul", "occupancy"): "occupancy 8 vs 16 warps per SM (0.50x)",
     ("flash_attention", "hot_loop"):
         "hot loop 2344 vs 722 instructions (3.25x)",
     ("flash_attention_noncausal", "hot_loop"):
