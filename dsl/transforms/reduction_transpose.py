@@ -23,7 +23,9 @@ one reduction: the one the epilogue gives it, `c`. So:
   dims applies every step's transposed map to `c` and sums the cotangents:
   its grid visits those dims innermost (they become its reduction, with an
   accumulator in scratch), so `dx = c @ y.T` is a matmul kernel over a
-  reduction of its own, as one writes it by hand.
+  reduction of its own, as one writes it by hand; where its step is a
+  contraction of whole blocks, over tiles of its own (`retile`: the
+  forward's tile with the reduced and kept dims swapped).
 """
 from __future__ import annotations
 

@@ -47,7 +47,7 @@ def labels(gm, bm: BlockMapping) -> tuple[int | None, ...] | None:
   """Per array dim of `bm`: the grid dim its block index is (an int), or
   None where the block spans the array; None when some dim is neither."""
   idx = gm.block_indices(bm)
-  if idx is None or bm.whole_array and not bm.block_shape:
+  if idx is None:
     return None
   grid = tuple(int(g) for g in gm.grid)
   out = []
@@ -78,18 +78,26 @@ def _same(eqn, dims):
   return dims[0]
 
 
+def _blocks(dims):
+  """The operands that are blocks (a scalar broadcasts over any block)."""
+  found = [d for d in dims if d.labels]
+  return found or dims[:1]
+
+
 def _elementwise(eqn, dims):
-  if any(d.labels != dims[0].labels for d in dims):
-    return None
   if any(d.summed != dims[0].summed for d in dims):
     return None      # sum(u_g + v) is not sum(u_g) + v
+  dims = _blocks(dims)
+  if any(d.labels != dims[0].labels for d in dims):
+    return None
   return dims[0]
 
 
 def _product(eqn, dims):
+  summed = [d.summed for d in dims if d.summed]
+  dims = _blocks(dims)
   if any(d.labels != dims[0].labels for d in dims):
     return None
-  summed = [d.summed for d in dims if d.summed]
   if len(summed) > 1:
     return None      # a product of two sums is no sum of products
   return _Dims(dims[0].labels, summed[0] if summed else frozenset())
@@ -136,16 +144,23 @@ def _follow(jx, in_dims) -> _Dims | None:
     if id(eqn) not in needed:
       continue
     rule = DIM_RULES.get(eqn.primitive.name)
-    if (rule is None or eqn.effects
-        or any(not isinstance(v, core.Var) or env.get(v) is None
-               for v in eqn.invars)):
+    dims = [_SCALAR if _scalar_literal(v) else env.get(v)
+            if isinstance(v, core.Var) else None for v in eqn.invars]
+    if rule is None or eqn.effects or any(d is None for d in dims):
       return None
-    got = rule(eqn, [env[v] for v in eqn.invars])
+    got = rule(eqn, dims)
     if got is None:
       return None
     env[eqn.outvars[0]] = got
   out = jx.outvars[0]
   return env.get(out) if isinstance(out, core.Var) else None
+
+
+_SCALAR = _Dims(())
+
+
+def _scalar_literal(v) -> bool:
+  return isinstance(v, core.Literal) and not np.shape(v.val)
 
 
 def _needed(jx) -> set:
@@ -310,10 +325,11 @@ def _evaluate(jx, consts, used, values):
   needed = _needed(jx)
   env = dict(zip(jx.constvars, consts))
   env.update((jx.invars[p], x) for p, x in zip(used, values))
+  read = lambda v: v.val if isinstance(v, core.Literal) else env[v]
   for eqn in jx.eqns:
     if id(eqn) in needed:
       params = eqn.primitive.get_bind_params(eqn.params)
-      out = eqn.primitive.bind(*[env[v] for v in eqn.invars], **params)
+      out = eqn.primitive.bind(*map(read, eqn.invars), **params)
       env[eqn.outvars[0]] = out
   return env[jx.outvars[0]]
 

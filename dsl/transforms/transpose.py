@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dsl.core.jax_internals import ad, core
+from dsl.core.jax_internals import ad
 from dsl.core.kernel_layout import KernelLayout
 
 from dsl.core.errors import KernelError

@@ -175,16 +175,16 @@ def test_accumulating_kernels_keep_the_forward_blocks_where_new_ones_would_not_f
                                 (128, 256)]), got
 
 
-def _weighted_matmul(x, y):
-  """sum over K steps k of (k + 1) * x_k @ y_k: each step reads its id."""
+def _weighted_matmul(x, y, weight=lambda k: (k + 1).astype(jnp.float32)):
+  """sum over K steps k of weight(k) * x_k @ y_k (by default (k + 1): each
+  step reads its id)."""
   def kernel(x_ref, y_ref, o_ref):
     k = pl.program_id(2)
 
     @pl.when(k == 0)
     def _():
       o_ref[...] = jnp.zeros_like(o_ref)
-    o_ref[...] += jnp.dot(x_ref[...], y_ref[...]) * (k + 1).astype(
-        jnp.float32)
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...]) * weight(k)
   return pl.pallas_call(
       kernel, jax.ShapeDtypeStruct((32, 64), jnp.float32), grid=(2, 2, 4),
       in_specs=[pl.BlockSpec((16, 16), lambda i, j, k: (i, k)),
@@ -204,6 +204,19 @@ def test_a_step_that_reads_its_grid_ids_keeps_the_forward_blocks():
     return jnp.sum(((x * w) @ y) * ct)
   for g, w in zip(jax.grad(loss, (0, 1))(x, y),
                   jax.grad(want, (0, 1))(x, y)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
+
+
+def test_a_scaled_product_is_retiled():
+  """`acc += (x @ y) * 0.5`: a scalar scales the step at any tile."""
+  x, y, ct = _data((32, 64), (64, 64), (32, 64))
+  f = lambda x, y: _weighted_matmul(x, y, weight=lambda k: 0.5)
+  loss = lambda x, y: jnp.sum(f(x, y) * ct)
+  got = _transposed(loss, x, y)
+  # dx in (16, 32) blocks (the forward's out tile), dy in (16, 32) too.
+  assert [blocks[-1] for _, blocks in got] == [(16, 32), (16, 32)], got
+  for g, w in zip(jax.grad(loss, (0, 1))(x, y), jax.grad(
+      lambda x, y: jnp.sum(0.5 * (x @ y) * ct), (0, 1))(x, y)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
 
 
