@@ -38,7 +38,8 @@ from dsl.core.jax_internals import partial_eval as pe
 from dsl.core.pallas_call import KernelSpec
 from dsl.transforms.common import point_function, sds
 from dsl.transforms.dependencies import dependencies
-from dsl.transforms.points import float_call, zero_past_array
+from dsl.transforms.points import (float_call, transposed_point,
+                                   zero_past_array)
 from dsl.transforms.staging import in_hbm
 
 
@@ -215,6 +216,18 @@ def _from_outputs(so: SavedOutputs, gm, ids, saved_blocks) -> dict:
     env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results
                    else [out]))
   return env
+
+
+def point_transpose(F, so: SavedOutputs | None, gm, entry, saved_refs, in_nz):
+  """The transpose of the tangent map at a grid point linearized at `entry`
+  (ids, prefetch, inputs, outputs, scratch): its residuals recomputed
+  (`points.transposed_point`), or with `so` computed from the saved
+  outputs' blocks `saved_refs`."""
+  ids, pf, ins, outs_e, scr_e = entry
+  if so is None:
+    return transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
+  return transposed_from_saved(so, gm, ids, ins, outs_e, scr_e,
+                               [r[...] for r in saved_refs], in_nz)
 
 
 def transposed_from_saved(so: SavedOutputs, gm, ids, ins, outs_e, scr_e,

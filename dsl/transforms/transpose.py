@@ -43,8 +43,7 @@ from dsl.transforms.revisits import (every_step_new, first_visit,
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 from dsl.transforms.synchronous_dmas import synchronous_dmas
 from dsl.transforms import prefetch_state, reduction_transpose, residuals
-from dsl.transforms.points import (overhangs, transposed_point,
-                                   zero_past_array)
+from dsl.transforms.points import overhangs, zero_past_array
 
 
 # ----------------------------------------------------------- linearize
@@ -375,47 +374,34 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool, so=None):
   kinds = _ct_in_kinds(gm, in_nz, sequential)
   resets = scratch_reset_dims(spec)
   flows = _ct_out_flows(spec, rev, out_f)
-  reads = so.reads if so is not None else (True,) * n_in
-  layout = KernelLayout.of(prefetch=n_pf, inputs=sum(reads),
-                           saved=len(so.outputs) if so is not None else 0,
-                           records=n_rec,
-                           ct_outputs_in=n_ct_out, ct_inputs=n_ct_in,
-                           ct_outputs=sum(flows), ct_scratch=len(ct_scr_avals))
+  reads, saved = (so.reads, so.outputs) if so else ((True,) * n_in, ())
+  layout = KernelLayout.of(prefetch=n_pf, inputs=sum(reads), saved=len(saved),
+                           records=n_rec, ct_outputs_in=n_ct_out,
+                           ct_inputs=n_ct_in, ct_outputs=sum(flows),
+                           ct_scratch=len(ct_scr_avals))
 
   def body(*refs):
     raw = [program_id(d) for d in range(n_grid)]
     ids = rev(raw)
     (pf_refs, in_refs, saved_refs, rec_refs, ct_out_in, ct_in_refs,
      ct_out_refs, ct_scr_refs) = layout.split(refs)
-    given = iter(in_refs)
-    in_refs = [next(given) if r else None for r in reads]
     _zero_at_reset(raw, ct_scr_refs, [d for d, f in zip(resets, scr_f) if f])
-    # An output block is not read in on a TPU: at the first of a run of
-    # visits, the cotangent flowing in is the aliased input's block.
-    out_first = [None if in_hbm(bm.ref_aval) else
-                 first_visit(bm, grid, raw, rev, pf_refs)
-                 for bm in gm.out_mappings]
-    in_first = [first_visit(bm, grid, raw, rev, pf_refs) if k == "inplace"
-                else None for bm, k in zip(ct_in_maps, kinds)]
-    if so is not None:
-      return point(ids, pf_refs, rec_refs, ct_scr_refs, (
-          ct_out_in, out_first, in_first), in_refs, ct_in_refs, ct_out_refs,
-          saved_refs)
+    out_first, in_first = _first_visits(gm, raw, rev, pf_refs, ct_in_maps,
+                                        kinds)
     _staged(raw, in_refs, ct_in_refs, ct_out_refs, lambda *r: point(
         ids, pf_refs, rec_refs, ct_scr_refs, (ct_out_in, out_first, in_first),
-        *r))
+        saved_refs, *r))
 
-  def point(ids, pf_refs, rec_refs, ct_scr_refs, firsts, in_refs, ct_in_refs,
-            ct_out_refs, saved_refs=()):
+  def point(ids, pf_refs, rec_refs, ct_scr_refs, firsts, saved_refs, in_refs,
+            ct_in_refs, ct_out_refs):
     ct_out_in, out_first, in_first = firsts
-    ins = [None if r is None else zero_past_array(r[...], bm, ids, pf_refs)
-           for r, bm in zip(in_refs, gm.in_mappings)]
+    given = iter(in_refs)
+    ins = [zero_past_array(next(given)[...], bm, ids, pf_refs) if r else None
+           for bm, r in zip(gm.in_mappings, reads)]
     outs_e, scr_e, pf = _entry_state(gm, rec_refs if recorded else None, ids,
                                      pf_refs, written)
-    transposed = (transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
-                  if so is None else residuals.transposed_from_saved(
-                      so, gm, ids, ins, outs_e, scr_e,
-                      [r[...] for r in saved_refs], in_nz))
+    transposed = residuals.point_transpose(
+        F, so, gm, (ids, pf, ins, outs_e, scr_e), saved_refs, in_nz)
     ct_out_now = _ct_outs_now(ct_out_refs, ct_out_in, [
         f for f, keep in zip(out_first, out_f) if keep], ct_out_maps, flows,
         ids, pf_refs)
@@ -439,6 +425,19 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool, so=None):
     new = new.replace(compiler_params=all_arbitrary(new.compiler_params))
   return (new.replace(jaxpr=simplify_closed(restore_reads(new.jaxpr))),
           kinds, flows)
+
+
+def _first_visits(gm, raw, rev, pf_refs, ct_in_maps, kinds):
+  """Whether this step starts a run of visits of each output's block, and
+  of each input cotangent's accumulated in place."""
+  # An output block is not read in on a TPU: at the first of a run of
+  # visits, the cotangent flowing in is the aliased input's block.
+  out_first = [None if in_hbm(bm.ref_aval) else
+               first_visit(bm, gm.grid, raw, rev, pf_refs)
+               for bm in gm.out_mappings]
+  in_first = [first_visit(bm, gm.grid, raw, rev, pf_refs) if k == "inplace"
+              else None for bm, k in zip(ct_in_maps, kinds)]
+  return out_first, in_first
 
 
 def _ct_outs_now(ct_out_refs, ct_out_in, firsts, maps, flows, ids, pf_refs):
