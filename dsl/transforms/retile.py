@@ -63,7 +63,10 @@ def labels(gm, bm: BlockMapping) -> tuple[int | None, ...] | None:
     if len(found) != 1 or -(-n // d) != grid[found[0]]:
       return None
     out.append(found[0])
-  return tuple(out)
+  walked = [l for l in out if l is not None]
+  # Two dims on one grid dim (diagonal blocks) cover other elements at
+  # other tiles.
+  return tuple(out) if len(set(walked)) == len(walked) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +263,7 @@ def plan(spec: KernelSpec, d: int, step, maps, out_bm) -> Tiling | None:
   kept = tuple(l for l in out_labels if l is not None)
   summed = tuple(sorted(dims.summed))
   moving = {g for g, size in enumerate(gm.grid) if int(size) > 1}
-  if len(set(kept)) != len(kept) or set(kept) | set(summed) != moving:
+  if set(kept) & set(summed) or set(kept) | set(summed) != moving:
     return None
   found = _extents(gm, labelled + [(out_bm, out_labels)])
   if found is None:
