@@ -6,15 +6,14 @@ interpret_launch.py.)
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
-from dsl.core.jax_internals import core, mlir, sharding_impls, tpu_custom_call
+from dsl.core.jax_internals import core, mlir, tpu_custom_call
 
 from dsl import tpu
 from dsl.core import config
 from dsl.core.errors import BackendError, KernelError
-from dsl.core.device_launch import mesh_axes_from_context, num_devices  # noqa: F401 -- their home before
+from dsl.core.device_launch import mesh_axes_from_context, num_devices
 from dsl.core.semaphores import barrier_tag
 from lowering_mosaic.tpu.mlir_modules import dump_module
 from lowering_mosaic.tpu.lowering import (build_module_and_context, entry_name,
