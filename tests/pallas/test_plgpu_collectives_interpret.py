@@ -233,6 +233,24 @@ def test_wait_that_decrements_takes_the_count_back():
   np.testing.assert_array_equal(got, x + 1)
 
 
+def test_a_device_id_of_one_axis_keeps_the_others():
+  """On a (2, 4) mesh, `device_id={"y": ...}` names the device of the same
+  row: each device stores into the next one's output along y."""
+  def body(x_ref, o_ref):
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    nxt = {"y": lax.rem(lax.axis_index("y") + 1, 4)}
+    plgpu.remote_ref(o_ref, nxt)[...] = (
+        x_ref[...] + 100 * lax.axis_index("x").astype(F32))
+    pl.semaphore_signal(sem, device_id=nxt)
+    pl.semaphore_wait(sem, 1)
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), F32),
+                        backend="interpret")
+  got, x = on_devices(kernel, data(), (2, 4), ("x", "y"))
+  rows = (x + 100 * (np.arange(8) // 4)[:, None]).reshape(2, 4, 128)
+  np.testing.assert_array_equal(got, np.roll(rows, 1, axis=1).reshape(8,
+                                                                      128))
+
+
 def test_multicast_signal_reaches_each_blocks_semaphore():
   """Two blocks per device: each block's semaphore counts the 8 signals of
   the same block of every device."""
