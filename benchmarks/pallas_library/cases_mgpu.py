@@ -190,12 +190,14 @@ def _blackwell_matmul_mgpu():
 
 
 def _blackwell_ragged_dot_mgpu():
+  """collective=True: a cluster of 2 blocks, each with half of every
+  tile; the groups split the tile's rows unevenly between the blocks."""
   a, b = _f16(0, (256, 256)), _f16(1, (2, 256, 256))
-  sizes = jnp.array([128, 128], jnp.int32)
+  sizes = jnp.array([100, 156], jnp.int32)
 
   def run(m, _):
     config = m.TuningConfig(tile_m=128, tile_n=128, tile_k=64,
-                            max_concurrent_steps=2, collective=False,
+                            max_concurrent_steps=2, collective=True,
                             grid_tile_width=1,
                             grid_minor_dim=m.blackwell_matmul_mgpu.
                             MatmulDimension.N)

@@ -34,8 +34,9 @@ import dataclasses
 
 import numpy as np
 
-from dsl.core.errors import BackendError, KernelRaceError
+from dsl.core.errors import KernelRaceError
 from dsl.core.operand_layout import unpack
+from dsl.interpret import cluster
 from dsl.interpret.plgpu_rules import barrier_states, enabled
 from dsl.interpret.thread_eval import TABLE, Cell, read, where, write
 from dsl.mosaic_gpu import tensor_memory as tm
@@ -144,46 +145,63 @@ def tensor_core(thread) -> TensorCore:
   return thread.machine.tensor_core
 
 
-def _refuse_collective(thread, eqn) -> None:
-  if eqn.params["collective_axis"] is not None:
-    raise BackendError(thread.kernel, f"a collective {eqn.primitive.name} "
-                       "(collective_axis=) does not run on the interpret "
-                       "backend yet: a cluster's blocks run apart",
-                       where(eqn), operand="collective_axis")
+def _blocks(thread, eqn) -> list:
+  """The blocks a tcgen05 operation reaches: the pair along its
+  `collective_axis` (leader first), or `thread`'s own block."""
+  axis = eqn.params["collective_axis"]
+  if axis is None:
+    return [thread.block]
+  return thread.machine.cluster.pair(thread, axis, eqn)
 
 
 @TABLE.register(tm.tcgen05_mma_p)
 def _tcgen05_mma(thread, eqn, invals):
+  """`acc (+)= a @ b`; collective: each block of the pair holds its rows
+  of `acc` and `a` and its columns of `b` (the leader's first), and its
+  `acc` gets its rows of `a` times all of `b`."""
   a = unpack(invals, eqn.params["layout"])
-  _refuse_collective(thread, eqn)
   tc = tensor_core(thread)
-  acc, acc_t = a["acc"], a["acc_t"]
-  tc.check(thread, eqn, acc, acc_t, reads=True, writes=True,
-           tensor_core=True)
-  tc.check(thread, eqn, a["a"], a["a_t"], reads=True, tensor_core=True)
-  lhs = read(a["a"], a["a_t"], a["a"].label)
-  rhs = read(a["b"], a["b_t"], a["b"].label)
-  out = np.matmul(lhs, rhs, dtype=acc.array.dtype)
-  if bool(np.asarray(a["accumulate"])):
-    out = read(acc, acc_t, acc.label) + out
-  write(acc, acc_t, out, acc.label)
-  tc.issue(thread, eqn, "tcgen05_mma", [(a["a"], a["a_t"]),
-                                        (a["b"], a["b_t"])], [(acc, acc_t)])
+  blocks = _blocks(thread, eqn)
+  accs, lhss, rhss = (cluster.peers(thread, a[name], blocks)
+                      for name in ("acc", "a", "b"))
+  acc_t, a_t, b_t = a["acc_t"], a["a_t"], a["b_t"]
+  for acc, lhs in zip(accs, lhss):
+    tc.check(thread, eqn, acc, acc_t, reads=True, writes=True,
+             tensor_core=True)
+    tc.check(thread, eqn, lhs, a_t, reads=True, tensor_core=True)
+  rhs = np.concatenate([read(b, b_t, b.label) for b in rhss], axis=1)
+  for acc, lhs in zip(accs, lhss):
+    out = np.matmul(read(lhs, a_t, lhs.label), rhs, dtype=acc.array.dtype)
+    if bool(np.asarray(a["accumulate"])):
+      out = read(acc, acc_t, acc.label) + out
+    write(acc, acc_t, out, acc.label)
+  tc.issue(thread, eqn, "tcgen05_mma",
+           [*((x, a_t) for x in lhss), *((x, b_t) for x in rhss)],
+           [(x, acc_t) for x in accs])
   if a["barrier"]:
-    tc.commit(thread, barrier_states(a["barrier"], a["barrier_t"]))
+    _commit(thread, eqn, a["barrier"], a["barrier_t"], blocks)
   return []
+
+
+def _commit(thread, eqn, barrier, transforms, blocks) -> None:
+  """Arrives on `barrier` in each of `blocks` once `thread`'s tensor core
+  operations so far complete."""
+  tensor_core(thread).commit(thread, [
+      b for cell in cluster.peers(thread, barrier, blocks)
+      for b in barrier_states(cell, transforms)])
 
 
 @TABLE.register(tm.async_copy_smem_to_tmem_p)
 def _copy_smem_to_tmem(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  _refuse_collective(thread, eqn)
   tc = tensor_core(thread)
-  tc.check(thread, eqn, a["dst"], a["dst_t"], writes=True, tensor_core=True)
-  write(a["dst"], a["dst_t"], read(a["src"], a["src_t"], a["src"].label),
-        a["dst"].label)
-  tc.issue(thread, eqn, "async_copy_smem_to_tmem", [(a["src"], a["src_t"])],
-           [(a["dst"], a["dst_t"])])
+  blocks = _blocks(thread, eqn)
+  for src, dst in zip(cluster.peers(thread, a["src"], blocks),
+                      cluster.peers(thread, a["dst"], blocks)):
+    tc.check(thread, eqn, dst, a["dst_t"], writes=True, tensor_core=True)
+    write(dst, a["dst_t"], read(src, a["src_t"], src.label), dst.label)
+    tc.issue(thread, eqn, "async_copy_smem_to_tmem", [(src, a["src_t"])],
+             [(dst, a["dst_t"])])
   return []
 
 
@@ -191,8 +209,10 @@ def _copy_smem_to_tmem(thread, eqn, invals):
 def _commit_arrive(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
   if enabled(a):
-    tensor_core(thread).commit(thread, barrier_states(a["barrier"],
-                                                      a["barrier_t"]))
+    blocks = ([thread.block] if eqn.params["collective_axis"] is None else
+              thread.machine.cluster.group(
+                  thread, (eqn.params["collective_axis"],), eqn))
+    _commit(thread, eqn, a["barrier"], a["barrier_t"], blocks)
   return []
 
 
