@@ -189,7 +189,7 @@ def _barrier_wait(thread, eqn, invals):
         "parity) this wait would wait for the wrong phase; wait for every "
         "phase, or give the barrier more arrivals", where(eqn))
   thread.waits[b] = seen + 1
-  thread.machine.tensor_core.observe(b, seen)
+  thread.machine.tensor_core.observe(b, seen, thread.block)
   return []
 
 

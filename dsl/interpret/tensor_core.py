@@ -13,20 +13,24 @@ against what is in flight too (dsl/interpret/thread_eval.py).
 What stays in flight (so that a missing wait is a `KernelRaceError`, as
 the hardware's asynchrony would make it a wrong answer):
 
-- an MMA or a tensor-core copy, until some warpgroup or warp waits for a
-  barrier phase that its completion arrives on (the barrier it names, or
-  that of a later `tcgen05_commit_arrive` of the same thread): until then
-  it may still read its operands and write its accumulator, so a TMA copy
-  or store into those operands, or a TMEM load or store of the
-  accumulator, races with it;
+- an MMA or a tensor-core copy, for the threads of a block, until some
+  warpgroup or warp of that block waits for a barrier phase that its
+  completion arrives on (the barrier it names, or that of a later
+  `tcgen05_commit_arrive` of the same thread): until then it may still
+  read its operands and write its accumulator, so a TMA copy or store into
+  those operands, or a TMEM load or store of the accumulator, races with
+  it. A collective one (`collective_axis=`) reads and writes both blocks
+  of its pair (dsl/interpret/cluster.py) and stays in flight for each
+  until that block observes its completion;
 - a TMEM load, until its thread calls `wait_load_tmem`: an MMA or store
   that overwrites what it read races with it;
 - a TMEM store, until its thread calls `commit_tmem`: a load or MMA that
   reads what it wrote races with it.
 
-Retiring an operation at the first wait that observes it, not per thread,
-misses a thread that reads after another thread's wait without itself
-being ordered after it; it never reports a correctly ordered kernel.
+Retiring an operation at the first wait of a block that observes it, not
+per thread, misses a thread that reads after another thread's wait without
+itself being ordered after it; it never reports a correctly ordered
+kernel.
 """
 from __future__ import annotations
 
@@ -65,10 +69,12 @@ class Access:
 
 @dataclasses.dataclass(eq=False)
 class TensorOp:
-  """An MMA or tensor-core copy in flight: what it reads and writes, and
-  the (barrier, phase)s whose wait observes its completion."""
+  """An MMA or tensor-core copy in flight: what it reads and writes, the
+  (barrier, phase)s whose wait observes its completion, and the blocks
+  that have not observed it yet."""
   reads: list
   writes: list
+  blocks: set
   observers: set = dataclasses.field(default_factory=set)
 
 
@@ -80,10 +86,12 @@ class TensorCore:
     self.loads: list[Access] = []      # TMEM loads not waited for
     self.stores: list[Access] = []     # TMEM stores not committed
 
-  def issue(self, thread, eqn, what, reads, writes) -> None:
+  def issue(self, thread, eqn, what, reads, writes, blocks=None) -> None:
+    """`thread` issues an operation on the cells of `blocks` (its own)."""
     acc = lambda cell, t: Access(cell, region(cell, t), thread, what, eqn)
     self.ops.append(TensorOp([acc(*r) for r in reads],
-                             [acc(*w) for w in writes]))
+                             [acc(*w) for w in writes],
+                             set(blocks or [thread.block])))
 
   def commit(self, thread, barriers) -> None:
     """Arrives on `barriers` once `thread`'s operations so far complete."""
@@ -93,11 +101,13 @@ class TensorCore:
           op.observers.add((b, b.completed))
       b.arrive()
 
-  def observe(self, barrier, phase: int) -> None:
-    """A thread waited for `phase` of `barrier`."""
+  def observe(self, barrier, phase: int, block) -> None:
+    """A thread of `block` waited for `phase` of `barrier`."""
+    for op in self.ops:
+      if (barrier, phase) in op.observers:
+        op.blocks.discard(block)
     if self.ops:
-      self.ops = [op for op in self.ops
-                  if (barrier, phase) not in op.observers]
+      self.ops = [op for op in self.ops if op.blocks]
 
   def check(self, thread, eqn, cell, transforms, *, reads=False,
             writes=False, tensor_core=False) -> None:
@@ -111,6 +121,8 @@ class TensorCore:
       conflicts += [(a, "writes") for a in self.loads]
     if not tensor_core:
       for op in self.ops:
+        if thread.block not in op.blocks:
+          continue
         conflicts += [(a, verb) for a in op.writes]
         conflicts += [(a, "writes") for a in op.reads] if writes else []
     conflicts = [(a, how) for a, how in conflicts if a.cell is cell]
@@ -135,6 +147,10 @@ def _race(thread, eqn, cell, other: Access, verb: str) -> KernelRaceError:
          "async_store_tmem": "call commit_tmem() after the store"}.get(
              other.what, "wait on the barrier its completion arrives on "
              "(its barrier or a tcgen05_commit_arrive's) first")
+  if other.thread.block != thread.block:
+    fix = ("the blocks of a cluster must order the two (a ClusterBarrier "
+           "the issuer waits on before it issues, or a wait on the barrier "
+           "its completion arrives on)")
   return KernelRaceError(
       thread.kernel, f"{thread.name} {verb} {cell.label} while the "
       f"{other.what} of {other.thread.name} at {where(other.eqn)} is still "
@@ -177,7 +193,7 @@ def _tcgen05_mma(thread, eqn, invals):
     write(acc, acc_t, out, acc.label)
   tc.issue(thread, eqn, "tcgen05_mma",
            [*((x, a_t) for x in lhss), *((x, b_t) for x in rhss)],
-           [(x, acc_t) for x in accs])
+           [(x, acc_t) for x in accs], blocks)
   if a["barrier"]:
     _commit(thread, eqn, a["barrier"], a["barrier_t"], blocks)
   return []
@@ -201,7 +217,7 @@ def _copy_smem_to_tmem(thread, eqn, invals):
     tc.check(thread, eqn, dst, a["dst_t"], writes=True, tensor_core=True)
     write(dst, a["dst_t"], read(src, a["src_t"], src.label), dst.label)
     tc.issue(thread, eqn, "async_copy_smem_to_tmem", [(src, a["src_t"])],
-             [(dst, a["dst_t"])])
+             [(dst, a["dst_t"])], blocks)
   return []
 
 
