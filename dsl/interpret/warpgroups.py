@@ -18,7 +18,9 @@ Memory: the kernel's operands are GMEM, shared by every block; outputs start
 as poison (as on every host backend), or as the aliased input. A
 `run_scoped` allocation belongs to its warpgroup, or, with
 `collective_axes=thread axis`, to its block: the k-th time each warpgroup
-of a block enters that `run_scoped` they share one allocation. Fresh
+of a block enters that `run_scoped` they share one allocation
+(dsl/interpret/cluster.py keeps them, so that the blocks of a CTA cluster,
+which run together, find each other's). Fresh
 allocations hold poison under `jax_pallas_poison_buffers`, zeros otherwise;
 accumulators (`plgpu.ACC`) start at zero. `pl.get_global` gives one ref per
 call site for the whole launch.
