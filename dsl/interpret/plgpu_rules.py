@@ -90,7 +90,6 @@ def _copy_gmem_to_smem(thread, eqn, invals):
   blocks = thread.machine.cluster.group(thread, axes, eqn)
   n, i = len(blocks), blocks.index(thread.block)
   how = eqn.params["leader_tracked"]
-  leader = cluster.peers(thread, a["barrier"], blocks[:1])
   if how is None:        # multicast: part i of src to every block
     axis = _split_axis(thread, eqn, src.shape, n, None)
     for dst, bar in zip(cluster.peers(thread, a["dst"], blocks),
@@ -98,11 +97,12 @@ def _copy_gmem_to_smem(thread, eqn, invals):
       part = read(dst, a["dst_t"], dst.label)
       _part(part, axis, n, i)[...] = _part(src, axis, n, i)
       _land(thread, eqn, a, dst, part, [bar], n)
-  elif isinstance(how, CopyPartition.PARTITIONED):
-    axis = _split_axis(thread, eqn, src.shape, n, how.axis)
-    _land(thread, eqn, a, a["dst"], _part(src, axis, n, i), leader, n)
-  else:                  # replicated
-    _land(thread, eqn, a, a["dst"], src, leader, n)
+    return []
+  if isinstance(how, CopyPartition.PARTITIONED):
+    src = _part(src, _split_axis(thread, eqn, src.shape, n, how.axis), n, i)
+  # partitioned or replicated: into this block, tracked by the leader
+  _land(thread, eqn, a, a["dst"], src,
+        cluster.peers(thread, a["barrier"], blocks[:1]), n)
   return []
 
 
@@ -115,7 +115,7 @@ def _land(thread, eqn, a, dst, value, barriers, parts: int) -> None:
   write(dst, a["dst_t"], value, dst.label)
   for bar in barriers:
     for b in barrier_states(bar, a["barrier_t"]):
-      b.arrive(Fraction(1, parts))
+      b.arrive(Fraction(1, parts) if parts > 1 else 1)
 
 
 def _split_axis(thread, eqn, shape, n: int, axis: int | None) -> int:
