@@ -21,7 +21,8 @@ the hardware's asynchrony would make it a wrong answer):
   those operands, or a TMEM load or store of the accumulator, races with
   it. A collective one (`collective_axis=`) reads and writes both blocks
   of its pair (dsl/interpret/cluster.py) and stays in flight for each
-  until that block observes its completion;
+  until that block observes its completion (and for any other block, a
+  multicast copy's, until every block it works on has);
 - a TMEM load, until its thread calls `wait_load_tmem`: an MMA or store
   that overwrites what it read races with it;
 - a TMEM store, until its thread calls `commit_tmem`: a load or MMA that
@@ -70,12 +71,13 @@ class Access:
 @dataclasses.dataclass(eq=False)
 class TensorOp:
   """An MMA or tensor-core copy in flight: what it reads and writes, the
-  (barrier, phase)s whose wait observes its completion, and the blocks
-  that have not observed it yet."""
+  (barrier, phase)s whose wait observes its completion, the blocks it
+  works on that have not observed it yet and those that have."""
   reads: list
   writes: list
   blocks: set
   observers: set = dataclasses.field(default_factory=set)
+  observed: set = dataclasses.field(default_factory=set)
 
 
 class TensorCore:
@@ -106,6 +108,7 @@ class TensorCore:
     for op in self.ops:
       if (barrier, phase) in op.observers:
         op.blocks.discard(block)
+        op.observed.add(block)
     if self.ops:
       self.ops = [op for op in self.ops if op.blocks]
 
@@ -121,7 +124,7 @@ class TensorCore:
       conflicts += [(a, "writes") for a in self.loads]
     if not tensor_core:
       for op in self.ops:
-        if thread.block not in op.blocks:
+        if thread.block in op.observed:
           continue
         conflicts += [(a, verb) for a in op.writes]
         conflicts += [(a, "writes") for a in op.reads] if writes else []
