@@ -82,6 +82,36 @@ def test_a_block_that_never_arrives_on_a_cluster_barrier_deadlocks():
     _exchange(arrive_from=(0,))
 
 
+def _leader_sums(waiter):
+  """Each block writes its row + 1 and arrives on a leader-tracked
+  ClusterBarrier; block `waiter` waits on it and writes the sum."""
+  def body(x_gmem, o_gmem, met):
+    b = lax.axis_index("x")
+    o_gmem[b] = x_gmem[b] + 1
+    plgpu.barrier_arrive(met)
+
+    @pl.when(b == waiter)
+    def _():
+      plgpu.barrier_wait(met)
+      o_gmem[2] = o_gmem[0] + o_gmem[1]
+  x = jax.random.normal(jax.random.key(3), (2, 128), F32)
+  with pl.default_backend("interpret"):
+    return x, np.asarray(plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((3, 128), F32), scratch_types=[
+            plgpu.ClusterBarrier(collective_axes=("x",),
+                                 leader_tracked=True)], **PAIR)(x))
+
+
+def test_a_leader_tracked_cluster_barrier_counts_on_the_leader_only():
+  x, got = _leader_sums(waiter=0)
+  x = np.asarray(x)
+  np.testing.assert_array_equal(got, np.concatenate([x + 1, [(x[0] + 1) +
+                                                          (x[1] + 1)]]))
+  with pytest.raises(KernelDeadlockError, match=rf"block \(0, 1\) waits on "
+                     rf"met.*{HERE}"):
+    _leader_sums(waiter=1)
+
+
 def test_a_multicast_copy_lands_in_every_block():
   def body(x_gmem, o_gmem, smem, landed):
     b = lax.axis_index("x")
