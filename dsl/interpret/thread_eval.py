@@ -35,9 +35,10 @@ import numpy as np
 from jax import tree_util
 
 from dsl.core import checks, primitives
+from dsl.core.access import INDEX, SLICE, DimWindow
 from dsl.core.errors import (BackendError, KernelCheckError, KernelError,
                              source_info_frame)
-from dsl.core.jax_internals import (ClosedJaxpr, NDIndexer, Slice, core,
+from dsl.core.jax_internals import (ClosedJaxpr, NDIndexer, core,
                                     lax_control_flow as cf, state_primitives,
                                     state_types)
 from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, RuleTable, call_body,
@@ -80,15 +81,16 @@ def _index(dim: int, idx, what: str, through: bool = False):
   (`x.at[pl.ds(start, k)]` then a block of it), which may reach past the
   end of its dim as on the hardware: only what is accessed through it must
   lie inside (the later transforms index the view, cut at the dim's end)."""
-  if isinstance(idx, Slice):
-    start, size, stride = int(idx.start), int(idx.size), int(idx.stride)
+  w = DimWindow.of(idx, dim)
+  if w.kind == SLICE:
+    start, size, stride = int(w.start), w.size, w.stride
     last = start + (size - 1) * stride if size else start
     if start < 0 or (size and last >= dim and not through):
       raise IndexError(f"{what}: the window {start}:{start + size * stride}"
                        f" lies outside a dim of size {dim}")
     return slice(start, start + size * stride, stride)
-  arr = np.asarray(idx)
-  if arr.ndim == 0:
+  arr = np.asarray(w.start)
+  if w.kind == INDEX:
     i = int(arr)
     if not 0 <= i < dim:
       raise IndexError(f"{what}: index {i} is outside a dim of size {dim}")

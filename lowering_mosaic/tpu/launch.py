@@ -12,12 +12,14 @@ import numpy as np
 from dsl.core.jax_internals import core, mlir, sharding_impls, tpu_custom_call
 
 from dsl import tpu
+from dsl.core import config
 from dsl.core.errors import BackendError, KernelError
 from dsl.core.inspection import mesh_axes_of
 from dsl.core.semaphores import barrier_tag
 from lowering_mosaic.tpu.mlir_modules import dump_module
 from lowering_mosaic.tpu.lowering import (build_module_and_context, entry_name,
                                           strip_annotations)
+from lowering_mosaic.unchecked_windows import refusal
 from lowering_mosaic.verification import promela
 
 
@@ -70,6 +72,9 @@ def mosaic_lowering(ctx, *args, spec):
         spec.where)
   mesh_axes = mesh_axes_from_context(ctx, spec)
   module, lctx = build_module_and_context(spec, mesh_axes)
+  if lctx.unchecked_windows and config.enable_runtime_assert():
+    raise refusal(spec.name, "the TPU", *lctx.unchecked_windows[0],
+                  "backend='mosaic_interpret' or 'interpret'")
   dump_module(spec, module)
   promela.maybe_dump(module, spec.name, num_devices=num_devices(mesh_axes))
   params = _tpu_params(spec)
