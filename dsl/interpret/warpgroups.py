@@ -18,7 +18,9 @@ Memory: the kernel's operands are GMEM, shared by every block; outputs start
 as poison (as on every host backend), or as the aliased input. A
 `run_scoped` allocation belongs to its warpgroup, or, with
 `collective_axes=thread axis`, to its block: the k-th time each warpgroup
-of a block enters that `run_scoped` they share one allocation. Fresh
+of a block enters that `run_scoped` they share one allocation
+(dsl/interpret/cluster.py keeps them, so that the blocks of a CTA cluster,
+which run together, find each other's). Fresh
 allocations hold poison under `jax_pallas_poison_buffers`, zeros otherwise;
 accumulators (`plgpu.ACC`) start at zero. `pl.get_global` gives one ref per
 call site for the whole launch.
@@ -38,7 +40,7 @@ from dsl.core.poison import poison_value
 from dsl.core.primitives import run_scoped_p
 from dsl.core.semaphores import DeviceIdType, is_semaphore_aval
 from dsl.core.state_scopes import get_global_p
-from dsl.interpret import plgpu_rules
+from dsl.interpret import cluster, plgpu_rules
 from dsl.interpret.tensor_core import TensorCore
 from dsl.interpret.thread_eval import TABLE, Blocked, Cell, eval_jaxpr, where
 from dsl.mosaic_gpu import multi_device
@@ -62,7 +64,7 @@ def allocate(aval, label: str) -> Cell:
     space: BarrierSpace = aval.memory_space
     n = math.prod(shape)
     return Cell(np.arange(n, dtype=np.int32).reshape(shape), label,
-                [plgpu_rules.BarrierState(space.num_arrivals)
+                [plgpu_rules.BarrierState(space.num_arrivals, space)
                  for _ in range(n)])
   poison = (config.poison_buffers() and not is_accumulator_aval(aval)
             and not is_semaphore_aval(aval))
@@ -77,7 +79,7 @@ class Thread:
   def __init__(self, machine: "Machine", coords: tuple[int, ...]):
     self.machine = machine
     self.kernel = machine.kernel
-    self.coords = coords
+    self.coords = self.place = coords
     self.block = coords[:machine.block_rank]
     self.name = (f"warpgroup {coords[machine.block_rank:] or (0,)} of block "
                  f"{self.block}")
@@ -106,6 +108,7 @@ class Warp(Thread):
   def __init__(self, group: Thread, index: int, jaxpr, invals):
     self.machine, self.kernel = group.machine, group.kernel
     self.coords, self.block = group.coords, group.block
+    self.place = (*group.coords, index)
     self.name = f"warp {index} of {group.name}"
     self.waits = dict(group.waits)
     self.entries: dict = {}
@@ -145,7 +148,9 @@ class Machine:
     self.threads_per_block = mesh.num_threads or 1
     self.thread_axes = (() if mesh.thread_name is None
                         else (mesh.thread_name,))
-    self.shared: dict = {}
+    self.cluster = cluster.Cluster(self.kernel, mesh)
+    self.allocations = cluster.Allocations(allocate, self.cluster,
+                                           self.block_rank)
     self.globals: dict = {}
     self.tensor_core = TensorCore()
 
@@ -222,22 +227,10 @@ def _run_scoped(thread: Thread, eqn, invals):
                        "the interpret backend shares allocations along the "
                        f"thread axis {machine.thread_axes} only", where(eqn),
                        operand="collective_axes")
-  if axes:
-    n = thread.entries.get(id(eqn), 0)
-    thread.entries[id(eqn)] = n + 1
-    key = (thread.block, id(eqn), n)
-    entry = machine.shared.get(key)
-    if entry is None:
-      entry = machine.shared[key] = [
-          [allocate(a, label) for a, label in zip(avals, labels)], 0]
-    cells = entry[0]
-  else:
-    cells = [allocate(a, label) for a, label in zip(avals, labels)]
+  owners = machine.threads_per_block if axes else 1
+  key, cells = machine.allocations.enter(thread, eqn, avals, labels, owners)
   outs = yield from eval_jaxpr(thread, jaxpr, (), [*invals, *cells])
-  if axes:
-    entry[1] += 1
-    if entry[1] == machine.threads_per_block:
-      del machine.shared[key]
+  machine.allocations.exit(key)
   return outs
 
 
