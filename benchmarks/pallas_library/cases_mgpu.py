@@ -1,8 +1,8 @@
 """The cases of Pallas's kernel library written against Pallas's Mosaic GPU
 API (the `*_mgpu` ops, `plgpu`): one cheap shape per op, run on the
 interpret backend's warpgroup interpreter on a simulated GPU of 2 SMs
-(part of `cases.CASES`), and the collectives' variants, over the CPU
-devices of the run (part of `cases.MATRIX`).
+(part of `cases.CASES`), and bigger variants (part of `cases.MATRIX`);
+the collectives run over the CPU devices of the run.
 """
 from __future__ import annotations
 
@@ -248,13 +248,15 @@ def _blackwell_matmul_mgpu():
   return Case(_on_gpu(run), lambda m: jnp.dot(a, b))
 
 
-def _blackwell_ragged_dot_mgpu():
-  a, b = _f16(0, (256, 256)), _f16(1, (2, 256, 256))
-  sizes = jnp.array([128, 128], jnp.int32)
+def _blackwell_ragged_dot_mgpu(rows=256, cols=256, sizes=(100, 156)):
+  """collective=True: a cluster of 2 blocks, each with half of every
+  tile; the groups split the tiles' rows unevenly between the blocks."""
+  a, b = _f16(0, (rows, 256)), _f16(1, (len(sizes), 256, cols))
+  sizes = jnp.array(sizes, jnp.int32)
 
   def run(m, _):
     config = m.TuningConfig(tile_m=128, tile_n=128, tile_k=64,
-                            max_concurrent_steps=2, collective=False,
+                            max_concurrent_steps=2, collective=True,
                             grid_tile_width=1,
                             grid_minor_dim=m.blackwell_matmul_mgpu.
                             MatmulDimension.N)
@@ -285,10 +287,12 @@ CASES = {
                                       _blackwell_ragged_dot_mgpu),
 }
 
-
 # "op [variant]" -> (module, the case): bigger shapes and the collectives'
 # options, part of `cases.MATRIX` (under -m slow).
 MATRIX = {
+    "gpu.blackwell_ragged_dot_mgpu [3 groups, 512 x 512: 8 tiles]": (
+        "gpu.blackwell_ragged_dot_mgpu",
+        lambda: _blackwell_ragged_dot_mgpu(512, 512, (37, 300, 175))),
     "gpu.all_gather_mgpu [gather dim 1, bfloat16, 4 blocks]": (
         "gpu.all_gather_mgpu",
         lambda: _all_gather_variant(1, jnp.bfloat16, blocks=4)),

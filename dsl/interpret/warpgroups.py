@@ -18,7 +18,9 @@ Memory: the kernel's operands are GMEM, shared by every block; outputs start
 as poison (as on every host backend), or as the aliased input. A
 `run_scoped` allocation belongs to its warpgroup, or, with
 `collective_axes=thread axis`, to its block: the k-th time each warpgroup
-of a block enters that `run_scoped` they share one allocation. Fresh
+of a block enters that `run_scoped` they share one allocation
+(dsl/interpret/cluster.py keeps them, so that the blocks of a CTA cluster,
+which run together, find each other's). Fresh
 allocations hold poison under `jax_pallas_poison_buffers`, zeros otherwise;
 accumulators (`plgpu.ACC`) start at zero. `pl.get_global` gives one ref per
 call site for the whole launch.
@@ -37,7 +39,7 @@ from dsl.core.poison import poison_value
 from dsl.core.primitives import run_scoped_p
 from dsl.core.semaphores import is_semaphore_aval
 from dsl.core.state_scopes import get_global_p
-from dsl.interpret import devices, plgpu_rules, semaphores  # noqa: F401 -- their rules
+from dsl.interpret import cluster, devices, plgpu_rules, semaphores  # noqa: F401 -- their rules
 from dsl.interpret.devices import DeviceMesh, GlobalMemory
 from dsl.interpret.tensor_core import TensorCore
 from dsl.interpret.thread_eval import TABLE, Blocked, Cell, eval_jaxpr, where
@@ -60,7 +62,7 @@ def allocate(aval, label: str) -> Cell:
     space: BarrierSpace = aval.memory_space
     n = math.prod(shape)
     return Cell(np.arange(n, dtype=np.int32).reshape(shape), label,
-                [plgpu_rules.BarrierState(space.num_arrivals)
+                [plgpu_rules.BarrierState(space.num_arrivals, space)
                  for _ in range(n)])
   poison = (config.poison_buffers() and not is_accumulator_aval(aval)
             and not is_semaphore_aval(aval))
@@ -75,11 +77,10 @@ class Thread:
   def __init__(self, machine: "Machine", coords: tuple[int, ...]):
     self.machine = machine
     self.kernel = machine.kernel
-    self.coords = coords
+    self.coords = self.place = coords
     self.block = coords[:machine.block_rank]
     self.name = (f"warpgroup {coords[machine.block_rank:] or (0,)} of block "
                  f"{self.block}{machine.on_device}")
-    self.warp = None
     self.tid = self.clock = None     # dsl/interpret/device_races.py
     self.waits: dict = {}
     self.entries: dict = {}
@@ -106,8 +107,8 @@ class Warp(Thread):
   def __init__(self, group: Thread, index: int, jaxpr, invals):
     self.machine, self.kernel = group.machine, group.kernel
     self.coords, self.block = group.coords, group.block
+    self.place = (*group.coords, index)
     self.name = f"warp {index} of {group.name}"
-    self.warp = index
     self.tid, self.clock = group.tid, group.clock
     self.waits = dict(group.waits)
     self.entries: dict = {}
@@ -153,8 +154,18 @@ class Machine:
     self.threads_per_block = mesh.num_threads or 1
     self.thread_axes = (() if mesh.thread_name is None
                         else (mesh.thread_name,))
-    self.shared: dict = {}
+    self.cluster = cluster.Cluster(self.kernel, mesh)
+    self.allocations = cluster.Allocations(self.allocate, self.cluster,
+                                           self.block_rank)
     self.tensor_core = TensorCore()
+
+  def allocate(self, aval, label: str, key) -> Cell:
+    """A fresh ref of `aval`; a semaphore lies in global memory, with a
+    copy on every device (`key`: which allocation it is, on each)."""
+    if is_semaphore_aval(aval):
+      return self.memory.cell(key, self.device,
+                              lambda: allocate(aval, label))
+    return allocate(aval, label)
 
   def start(self, ins: list[Cell], outs: list[Cell]) -> list[Thread]:
     """The warpgroups of this device, on its operands in global memory."""
@@ -167,8 +178,10 @@ class Machine:
       if self.memory.races is not None:
         self.memory.races.enter(th)
       if th.block not in scratch:
-        scratch[th.block] = _allocations(self, ("scratch", th.block),
-                                         gm.scratch_avals, labels.scratch)
+        scratch[th.block] = [
+            self.allocate(a, label, ("scratch", th.block, k))
+            for k, (a, label) in enumerate(zip(gm.scratch_avals,
+                                               labels.scratch))]
       ids = [np.int32(c) for c in coords]
       th.routine = eval_jaxpr(th, jaxpr.jaxpr, jaxpr.consts,
                               [*ids, *ins, *outs, *scratch[th.block]])
@@ -207,15 +220,6 @@ def _scoped_labels(eqn, count: int) -> list[str]:
           for i, name in enumerate(names[len(names) - count:])]
 
 
-def _allocations(machine: Machine, key, avals, labels) -> list[Cell]:
-  """A `run_scoped`'s allocations; its semaphores lie in global memory,
-  with a copy on every device (`key`: the scope's entry)."""
-  return [machine.memory.cell((key, k), machine.device,
-                              lambda a=a, label=label: allocate(a, label))
-          if is_semaphore_aval(a) else allocate(a, label)
-          for k, (a, label) in enumerate(zip(avals, labels))]
-
-
 @TABLE.register(run_scoped_p)
 def _run_scoped(thread: Thread, eqn, invals):
   jaxpr = eqn.params["jaxpr"]
@@ -228,23 +232,10 @@ def _run_scoped(thread: Thread, eqn, invals):
                        "the interpret backend shares allocations along the "
                        f"thread axis {machine.thread_axes} only", where(eqn),
                        operand="collective_axes")
-  n = thread.entries.get(id(eqn), 0)
-  thread.entries[id(eqn)] = n + 1
-  if axes:
-    key = (thread.block, id(eqn), n)
-    entry = machine.shared.get(key)
-    if entry is None:
-      entry = machine.shared[key] = [
-          _allocations(machine, key, avals, labels), 0]
-    cells = entry[0]
-  else:
-    cells = _allocations(machine, (thread.coords, thread.warp, id(eqn), n),
-                         avals, labels)
+  owners = machine.threads_per_block if axes else 1
+  key, cells = machine.allocations.enter(thread, eqn, avals, labels, owners)
   outs = yield from eval_jaxpr(thread, jaxpr, (), [*invals, *cells])
-  if axes:
-    entry[1] += 1
-    if entry[1] == machine.threads_per_block:
-      del machine.shared[key]
+  machine.allocations.exit(key)
   return outs
 
 

@@ -23,14 +23,6 @@ SECTION = "## Pallas's kernel library on dsl"
 # how (test_pallas_ops_limits.py holds both); the others are dsl's gaps,
 # which Pallas's interpret mode runs (the same test holds that).
 XFAIL: dict[tuple[str, str], str] = {
-    ("gpu.blackwell_ragged_dot_mgpu", "interpret"): (
-        "the op calls lax.axis_index('x') of a cluster axis it declares "
-        "only with collective=True (NameError: unbound axis name x), and "
-        "with collective=True it issues collective tcgen05 MMAs: Pallas's "
-        "GPU interpret mode fails on both (the same NameError; "
-        "'collective_axis not supported yet'); dsl fails with the same "
-        "NameError, and with collective=True refuses its copies "
-        "partitioned among a cluster's blocks by name"),
 }
 
 # `*_mgpu` op -> its module on backend "mosaic_gpu" (lowered for CUDA on
@@ -79,7 +71,7 @@ PALLAS_FAILS_TOO: dict[str, str] = {
     "gpu.collective_matmul_mgpu": "Cannot lower jaxpr with effects",
     "gpu.reduce_scatter_mgpu": "nan \\+ semaphore",
     "gpu.all_gather_mgpu": "nan \\+ semaphore",
-    "gpu.blackwell_ragged_dot_mgpu": "unbound axis name: x",
+    "gpu.blackwell_ragged_dot_mgpu": "collective_axis not supported yet",
     "tpu.ragged_paged_attention": (
         "'ReshapeTransform' object has no attribute 'indices'"),
     "gpu.hopper_mixed_type_matmul_mgpu": "Expected shape \\(6,\\) but got",
