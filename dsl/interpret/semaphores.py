@@ -21,19 +21,21 @@ import numpy as np
 from dsl.core.errors import BackendError
 from dsl.core.operand_layout import unpack
 from dsl.interpret.devices import copies_along
-from dsl.interpret.thread_eval import TABLE, Blocked, read, where, write
+from dsl.interpret.thread_eval import (TABLE, Blocked, on_device, read, where,
+                                      write)
 from dsl.mosaic_gpu import multi_device as md
 from dsl.tpu import primitives as tp
 
 
 def _semaphore(thread, eqn, a):
-  """The semaphore cell of a signal or wait (not the TPU's barrier)."""
+  """The semaphore cell of a signal or wait (not the TPU's barrier): the
+  peer's copy through a `plgpu.remote_ref`, and the other transforms."""
   if a.get("barrier") is not None or a.get("sem") is None:
     raise BackendError(thread.kernel, "the barrier semaphore "
                        "(pltpu.get_barrier_semaphore) is a TPU's; plgpu "
                        "kernels use plgpu.SemaphoreType.REGULAR", where(eqn),
                        operand=eqn.primitive.name)
-  return a["sem"]
+  return on_device(a["sem"], a["sem_t"])
 
 
 def _add(cell, transforms, amount) -> None:
@@ -45,7 +47,7 @@ def _add(cell, transforms, amount) -> None:
 @TABLE.register(tp.semaphore_signal_p)
 def _signal(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  cell = _semaphore(thread, eqn, a)
+  cell, t = _semaphore(thread, eqn, a)
   if a["device_id"]:
     mesh = thread.machine.memory.mesh
     if cell.copies is None:
@@ -58,7 +60,7 @@ def _signal(thread, eqn, invals):
                      eqn.params["device_id_axes"],
                      "pl.semaphore_signal(device_id=...)")
     cell = cell.copies.cells[peer]
-  _add(cell, a["sem_t"], np.asarray(a["inc"]))
+  _add(cell, t, np.asarray(a["inc"]))
   _release(thread, cell)
   return []
 
@@ -84,7 +86,7 @@ def _signal_multicast(thread, eqn, invals):
 @TABLE.register(tp.semaphore_wait_p)
 def _wait(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  cell, t = _semaphore(thread, eqn, a), a["sem_t"]
+  cell, t = _semaphore(thread, eqn, a)
   value = int(np.asarray(a["value"]))
 
   def count() -> int:
@@ -104,5 +106,5 @@ def _wait(thread, eqn, invals):
 @TABLE.register(tp.semaphore_read_p)
 def _read(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  cell = _semaphore(thread, eqn, a)
-  return np.asarray(read(cell, a["sem_t"], cell.label), np.int32)
+  cell, t = _semaphore(thread, eqn, a)
+  return np.asarray(read(cell, t, cell.label), np.int32)

@@ -252,6 +252,22 @@ def test_a_device_id_of_one_axis_keeps_the_others():
                                                                       128))
 
 
+def test_a_signal_through_a_remote_ref_of_the_semaphore():
+  """`pl.semaphore_signal(plgpu.remote_ref(sem, peer))` signals the peer's
+  copy, as `device_id=peer` does: it orders the store before it."""
+  def body(x_ref, o_ref):
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    nxt = {"x": lax.rem(lax.axis_index("x") + 1, 8)}
+    plgpu.remote_ref(o_ref, nxt)[...] = x_ref[...]
+    pl.semaphore_signal(plgpu.remote_ref(sem, nxt))
+    pl.semaphore_wait(sem, 1)
+    o_ref[...] = o_ref[...] * 2
+  kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), F32),
+                        backend="interpret")
+  got, x = on_devices(kernel, data())
+  np.testing.assert_array_equal(got, 2 * np.roll(x, 1, axis=0))
+
+
 def test_multicast_signal_reaches_each_blocks_semaphore():
   """Two blocks per device: each block's semaphore counts the 8 signals of
   the same block of every device."""
