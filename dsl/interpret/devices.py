@@ -140,17 +140,19 @@ class GlobalMemory:
     return copies.cells[device]
 
 
-def copies_along(thread, eqn, cell: Cell, transforms, axes, what: str):
-  """[(the copy of `cell` on each device along `axes`), the transforms
-  left]: what a multicast operation reaches."""
-  cell, transforms = on_device(cell, transforms)
-  mesh = thread.machine.memory.mesh
-  devices = mesh.group(thread, eqn, axes, what)
+def multicast(thread, eqn, invals, ref: str, what: str):
+  """The operands of a multicast primitive (`what`), the copy of its ref
+  `ref` on each device along its `collective_axes`, and the ref's
+  transforms left."""
+  a = unpack(invals, eqn.params["layout"])
+  cell, transforms = on_device(a[ref], a[ref + "_t"])
+  devices = thread.machine.memory.mesh.group(
+      thread, eqn, eqn.params["collective_axes"], what)
   if cell.copies is None:
     raise BackendError(thread.kernel, f"{what} of {cell.label}: only refs "
                        "in global memory have a copy on each device",
                        where(eqn), operand=eqn.primitive.name)
-  return [cell.copies.cells[d] for d in devices], transforms
+  return a, [cell.copies.cells[d] for d in devices], transforms
 
 
 @TABLE.register(lax.axis_index_p)
@@ -163,10 +165,7 @@ def _axis_index(thread, eqn, invals):
 
 @TABLE.register(md.multimem_store_p)
 def _multimem_store(thread, eqn, invals):
-  a = unpack(invals, eqn.params["layout"])
-  cells, t = copies_along(thread, eqn, a["ref"], a["ref_t"],
-                          eqn.params["collective_axes"],
-                          "plgpu.multimem_store")
+  a, cells, t = multicast(thread, eqn, invals, "ref", "plgpu.multimem_store")
   for cell in cells:
     write(cell, t, a["source"], cell.label)
   return []
@@ -174,9 +173,7 @@ def _multimem_store(thread, eqn, invals):
 
 @TABLE.register(md.multimem_load_reduce_p)
 def _multimem_load_reduce(thread, eqn, invals):
-  a = unpack(invals, eqn.params["layout"])
-  cells, t = copies_along(thread, eqn, a["ref"], a["ref_t"],
-                          eqn.params["collective_axes"],
+  _, cells, t = multicast(thread, eqn, invals, "ref",
                           "plgpu.multimem_load_reduce")
   combine = REDUCTIONS[eqn.params["reduction_op"].lower()]
   values = [read(cell, t, cell.label) for cell in cells]

@@ -20,7 +20,7 @@ import numpy as np
 
 from dsl.core.errors import BackendError
 from dsl.core.operand_layout import unpack
-from dsl.interpret.devices import copies_along
+from dsl.interpret.devices import multicast
 from dsl.interpret.thread_eval import (TABLE, Blocked, on_device, read, where,
                                       write)
 from dsl.mosaic_gpu import multi_device as md
@@ -73,9 +73,7 @@ def _release(thread, cell) -> None:
 
 @TABLE.register(md.semaphore_signal_multicast_p)
 def _signal_multicast(thread, eqn, invals):
-  a = unpack(invals, eqn.params["layout"])
-  cells, t = copies_along(thread, eqn, a["sem"], a["sem_t"],
-                          eqn.params["collective_axes"],
+  a, cells, t = multicast(thread, eqn, invals, "sem",
                           "plgpu.semaphore_signal_multicast")
   for cell in cells:
     _add(cell, t, np.asarray(a["value"]))
