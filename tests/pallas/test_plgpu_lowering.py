@@ -344,26 +344,31 @@ def test_attention_has_pallas_instructions(captured, causal):
   assert key_ops(ours_low)["wgmma.mma_async"] > 0
 
 
-def _attention_grad(module):
+def _attention_grad(module, compute_wgs):
   """`jax.grad` of `module.attention` (f16, block 64, depth 2): its forward
-  with residuals, then its two backward kernels (dq; dk and dv)."""
+  with residuals, then its two backward kernels (dq; dk and dv), each of
+  `compute_wgs` compute warpgroups and a memory one."""
   q = jnp.ones((1, 256, 1, 64), jnp.float16)
   config = module.TuningConfig(
       block_q=64, block_kv=64, max_concurrent_steps=2, causal=False,
-      block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64)
+      block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
+      compute_wgs_bwd=compute_wgs)
   loss = lambda q, k, v: module.attention(q, k, v, config).astype(F32).sum()
   with simulated_gpu(module):
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
         lowering_platforms=("cuda",))
 
 
-@pytest.fixture(scope="module")
-def attention_grad_modules():
+@pytest.fixture(scope="module", params=[1, 2],
+                ids=["1_compute_wg", "2_compute_wgs"])
+def attention_grad_modules(request):
   """{kernel: ((dialect, lowered) of dsl's module, the same of Pallas's)}
-  of `_attention_grad`, lowered once for the tests below."""
+  of `_attention_grad` (the op's default of one compute warpgroup, and
+  two), lowered once for the tests below."""
   with pytest.MonkeyPatch.context() as monkeypatch:
-    modules = lower_op_both(_attention_grad, "gpu.attention_mgpu",
-                            capture_into(monkeypatch))
+    modules = lower_op_both(
+        lambda m: _attention_grad(m, request.param), "gpu.attention_mgpu",
+        capture_into(monkeypatch))
   kernels = ("forward", "dq", "dkv")
   assert len(modules) == 2 * len(kernels)
   return {k: (modules[i], modules[len(kernels) + i])
