@@ -404,6 +404,9 @@ def test_attention_backward_module_is_pallas_module(attention_grad_modules,
   extra_ours, extra_theirs = only_in(unnamed(ours_low), unnamed(theirs_low))
   assert extra_ours == []
   assert extra_theirs == _ONLY_PALLAS_BACKWARD[kernel]
+  # As emitted, both open each shared scope with a block barrier.
+  assert canonical(ours).count("gpu.barrier") == canonical(theirs).count(
+      "gpu.barrier") == 3
 
 
 def test_attention_forward_with_residuals_is_pallas_schedule(
