@@ -14,7 +14,8 @@ schedules.
   `memory_thread_idx == num_compute_wgs`; `setmaxnreg` down to
   `memory_registers`) fetches the first `max_concurrent_steps` steps, then
   each later step once the compute warpgroups released its slot (one
-  `consumed` barrier, or one per input with `manual_consumed_barriers`),
+  `consumed` barrier; with `manual_consumed_barriers`, one per input, and
+  each input's copy waits only for its own),
   and at the end waits for the last slots' release, which leaves the
   barriers quiet for the next pipeline on the same allocations. The compute
   warpgroups (`setmaxnreg` up) wait for the slot's `produced` barrier, run
@@ -337,9 +338,15 @@ class WarpSpecializedPipeline:
     lax.cond(wg != self.num_compute_wgs, lambda: self._compute(ring),
              lambda: self._memory(gmem_refs, ring))
 
-  def _copy_in(self, gmem_refs, ring: _Ring, slot, indices):
+  def _copy_in(self, gmem_refs, ring: _Ring, slot, indices, consumed=None):
+    """The copies of step `indices`' input blocks into `slot`; with
+    `consumed` (one barrier per input), each input's copy first waits for
+    the compute warpgroups to release that input's slot."""
     (produced,) = ring.produced
-    for spec, ref, buf in zip(self.in_specs, gmem_refs, ring.slots):
+    for k, (spec, ref, buf) in enumerate(zip(self.in_specs, gmem_refs,
+                                             ring.slots)):
+      if consumed is not None:
+        barrier_wait(consumed[k].at[slot])
       copy_gmem_to_smem(_block_view(spec, ref, indices), buf.at[slot],
                         produced.at[slot],
                         collective_axes=getattr(spec, "collective_axes",
@@ -362,11 +369,11 @@ class WarpSpecializedPipeline:
     def steady(step, carry):
       (indices,) = carry
       slot = lax.rem(step, slots)
-      if not self.manual_consumed_barriers:
+      if self.manual_consumed_barriers:
+        self._copy_in(gmem_refs, ring, slot, indices, ring.consumed)
+      else:
         barrier_wait(ring.consumed[0].at[slot])
-      for consumed in ring.consumed if self.manual_consumed_barriers else ():
-        barrier_wait(consumed.at[slot])
-      self._copy_in(gmem_refs, ring, slot, indices)
+        self._copy_in(gmem_refs, ring, slot, indices)
       return (next_indices(indices, self.grid),)
     lax.fori_loop(0, n - slots, steady, (indices,))
 

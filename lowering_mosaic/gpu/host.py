@@ -134,8 +134,18 @@ def broadcast_in_dim(x, in_shape, shape, dims, dtype) -> ir.Value:
     # A row or column vector across a tile: the wgmma layouts, which the
     # tile's reductions use too (layout inference alone may find none).
     vec = fa.WGMMA_ROW_LAYOUT if pdims == [0] else fa.WGMMA_COL_LAYOUT
-    x = mgpu.layout_cast(x, layouts.to_layout_attr(vec))
+    x = with_layout(x, layouts.to_layout_attr(vec))
   return mgpu.broadcast_in_dim(typed(shape, dtype), x, pdims)
+
+
+def with_layout(x, layout) -> ir.Value:
+  """`x` cast to `layout`, unless it is already a cast to it (a value
+  `plgpu.layout_cast` or `plgpu.load(layout=)` gave that layout)."""
+  op = getattr(getattr(x, "owner", None), "opview", None)
+  if (op is not None and op.operation.name == "mosaic_gpu.layout_cast"
+      and op.attributes["new_layout"] == layout):
+    return x
+  return mgpu.layout_cast(x, layout)
 
 
 def to_shape(x, in_shape, shape, dtype) -> ir.Value:

@@ -10,7 +10,8 @@ input value (zero, behind a `mosaic_gpu.optimization_barrier` and a
 branches return it. Before the discharge, the body is rewritten:
 
 - a read of an accumulator (`acc[...]`) first waits for every WGMMA in
-  flight (`wgmma_wait(0)`), as plgpu promises;
+  flight (`wgmma_wait(0)`), as plgpu promises; reads in a row (those at
+  the end of `pl.run_state`) wait once, as Pallas's `run_state` does;
 - a write of one (`acc[...] = x`) passes `x` through `acc_fence`: the
   barrier and the fence above;
 - each `run_scoped` nested in the body becomes a `nested_scope`, whose
@@ -101,17 +102,22 @@ def _is_acc(v) -> bool:
   return isinstance(v, core.Var) and is_accumulator_aval(v.aval)
 
 
-def _rewrite_eqn(eqn) -> list:
-  """The equations that replace `eqn` in an accumulator's scope."""
+def _is_acc_read(eqn) -> bool:
+  return eqn.primitive is state_primitives.get_p and _is_acc(eqn.invars[0])
+
+
+def _rewrite_eqn(eqn, wait: bool) -> list:
+  """The equations that replace `eqn` in an accumulator's scope; a read
+  of an accumulator is preceded by a `wgmma_wait(0)` where `wait`."""
   params = {k: map_jaxpr_param(v, _rewrite) for k, v in eqn.params.items()}
   if eqn.primitive is run_scoped_p:
     return [eqn.replace(primitive=nested_scope_p, params=params)]
   eqn = eqn.replace(params=params)
-  if eqn.primitive is state_primitives.get_p and _is_acc(eqn.invars[0]):
-    wait = core.new_jaxpr_eqn([], [], wgmma_wait_p, dict(n=0),
-                              wgmma_wait_p.abstract_eval(n=0)[1],
-                              eqn.source_info, eqn.ctx)
-    return [wait, eqn]
+  if _is_acc_read(eqn) and wait:
+    wait_eqn = core.new_jaxpr_eqn([], [], wgmma_wait_p, dict(n=0),
+                                  wgmma_wait_p.abstract_eval(n=0)[1],
+                                  eqn.source_info, eqn.ctx)
+    return [wait_eqn, eqn]
   if eqn.primitive is state_primitives.swap_p and _is_acc(eqn.invars[0]):
     value = eqn.invars[1]
     fenced = core.Var(value.aval)
@@ -123,7 +129,12 @@ def _rewrite_eqn(eqn) -> list:
 
 
 def _rewrite(jaxpr: core.Jaxpr) -> core.Jaxpr:
-  eqns = [new for eqn in jaxpr.eqns for new in _rewrite_eqn(eqn)]
+  # A read right after another accumulator read issues no WGMMA to wait
+  # for: the reads in a row (the end of `pl.run_state`) wait once.
+  eqns, after_read = [], False
+  for eqn in jaxpr.eqns:
+    eqns += _rewrite_eqn(eqn, wait=not after_read)
+    after_read = _is_acc_read(eqn)
   return jaxpr.replace(eqns=eqns)
 
 

@@ -36,6 +36,10 @@ _SAME_AS_HOPPER = ("lowers on `mosaic_gpu`: the same schedule as Pallas's; "
 _ATTENTION = ("lowers on `mosaic_gpu`: the same schedule as Pallas's; "
               "lowered, the same but for the indices, read once, and dead "
               "values the library erases later")
+_ATTENTION_GRAD = (_ATTENTION + "; its gradient's backward kernels (dq; dk "
+                   "and dv): the same schedule as Pallas's; lowered, the same "
+                   "but for the warpgroup index, read once, and two block "
+                   "barriers in a row, merged")
 _MULTIMEM = ("lowers on `mosaic_gpu` inside `shard_map` over the devices: "
              "the same {}, multicast signal and wait as Pallas's; lowered, "
              "the same but for the tile's unit dim, which dsl's vectors "
@@ -45,7 +49,7 @@ _BLACKWELL_REFUSED = ("refused by name on `mosaic_gpu` (TMEM and the tcgen05 "
 MGPU_MODULES: dict[str, str] = {
     "gpu.hopper_matmul_mgpu": _SAME_AS_HOPPER,
     "gpu.hopper_mixed_type_matmul_mgpu": _SAME_AS_HOPPER,
-    "gpu.attention_mgpu": _ATTENTION,
+    "gpu.attention_mgpu": _ATTENTION_GRAD,
     "gpu.attention_mgpu (causal)": _ATTENTION,
     "gpu.ragged_dot_mgpu": "lowers on `mosaic_gpu`: lowered, Pallas's module",
     "gpu.transposed_ragged_dot_mgpu": ("lowers on `mosaic_gpu`: lowered, "

@@ -15,10 +15,9 @@ import dsl as pl
 from benchmarks.pallas_library.swap import original, swapped
 
 
-@pytest.fixture
-def captured(monkeypatch):
-  """The (dialect text, lowered text) of each module the library lowers
-  while the test runs."""
+def capture_into(monkeypatch) -> list:
+  """A list that gets the (dialect text, lowered text) of each module the
+  library lowers while `monkeypatch` holds."""
   out = []
   lower = mgpu_core.lower_mgpu_module
 
@@ -29,6 +28,13 @@ def captured(monkeypatch):
     return result
   monkeypatch.setattr(mgpu_core, "lower_mgpu_module", capture)
   return out
+
+
+@pytest.fixture
+def captured(monkeypatch):
+  """The (dialect text, lowered text) of each module the library lowers
+  while the test runs."""
+  return capture_into(monkeypatch)
 
 
 def canonical(text: str) -> list[str]:
@@ -83,6 +89,11 @@ def schedule(text: str) -> list[str]:
 
 def unnamed(text: str) -> list[str]:
   """`canonical(text)` without the kernel's name."""
-  return [re.sub(r'@\w+_mosaic_gpu|@(kernel|anonymous)\b|'
+  return [re.sub(r'@\w+_mosaic_gpu|@(kernel|anonymous)\b|(?<=^module )@\w+|'
                  r'dump_basename = "\w+"', "NAME", line)
           for line in canonical(text)]
+
+
+def module_name(text: str) -> str:
+  """The name of the module in `text`."""
+  return re.search(r"^module @(\w+)", text, re.M).group(1)

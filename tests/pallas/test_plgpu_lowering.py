@@ -26,8 +26,9 @@ from dsl.core.errors import BackendError
 from benchmarks.pallas_library.cases_mgpu import simulated_gpu
 from benchmarks.pallas_library.swap import original, swapped
 from tests.pallas.plgpu_modules import captured  # noqa: F401 -- a fixture
-from tests.pallas.plgpu_modules import (canonical, key_ops, lower_op_both,
-                                        only_in, schedule, unnamed)
+from tests.pallas.plgpu_modules import (canonical, capture_into, key_ops,
+                                        lower_op_both, module_name, only_in,
+                                        schedule, unnamed)
 
 F32 = jnp.float32
 
@@ -341,6 +342,80 @@ def test_attention_has_pallas_instructions(captured, causal):
   assert key_ops(ours)["mosaic_gpu.wgmma"] == 2 * (1 + causal)
   assert key_ops(ours)["fastmath<afn>"] == 2 * (1 + causal)
   assert key_ops(ours_low)["wgmma.mma_async"] > 0
+
+
+def _attention_grad(module, compute_wgs):
+  """`jax.grad` of `module.attention` (f16, block 64, depth 2): its forward
+  with residuals, then its two backward kernels (dq; dk and dv), each of
+  `compute_wgs` compute warpgroups and a memory one."""
+  q = jnp.ones((1, 256, 1, 64), jnp.float16)
+  config = module.TuningConfig(
+      block_q=64, block_kv=64, max_concurrent_steps=2, causal=False,
+      block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64,
+      compute_wgs_bwd=compute_wgs)
+  loss = lambda q, k, v: module.attention(q, k, v, config).astype(F32).sum()
+  with simulated_gpu(module):
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
+        lowering_platforms=("cuda",))
+
+
+@pytest.fixture(scope="module", params=[1, 2],
+                ids=["1_compute_wg", "2_compute_wgs"])
+def attention_grad_modules(request):
+  """{kernel: ((dialect, lowered) of dsl's module, the same of Pallas's)}
+  of `_attention_grad` (the op's default of one compute warpgroup, and
+  two), lowered once for the tests below."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    modules = lower_op_both(
+        lambda m: _attention_grad(m, request.param), "gpu.attention_mgpu",
+        capture_into(monkeypatch))
+  kernels = ("forward", "dq", "dkv")
+  assert len(modules) == 2 * len(kernels)
+  return {k: (modules[i], modules[len(kernels) + i])
+          for i, k in enumerate(kernels)}
+
+
+# Lowered, only Pallas's backward kernels read the warpgroup index again
+# (one shuffle: dsl reads it once, at the top of the block); the dk/dv
+# kernel's also reads the grid indices and the warpgroup index between the
+# barriers of its two shared scopes (its scratch, the pipeline's), which
+# keeps them apart: in dsl's, with the indices read at the top, nothing
+# lies between them and the library merges them into one.
+_SHUFFLE = "%v = nvvm.shfl.sync idx %v, %v, %v, %v : i32 -> i32"
+_ONLY_PALLAS_BACKWARD = {"dq": [_SHUFFLE],
+                         "dkv": sorted([_SHUFFLE, "gpu.barrier"])}
+
+
+@pytest.mark.parametrize("kernel", ["dq", "dkv"])
+def test_attention_backward_module_is_pallas_module(attention_grad_modules,
+                                                    kernel):
+  (ours, ours_low), (theirs, theirs_low) = attention_grad_modules[kernel]
+  # The memory warpgroup waits for each input's consumed barrier right
+  # before that input's copy; the dk/dv kernel's two WGMMAs in one
+  # run_state wait once.
+  assert schedule(ours) == schedule(theirs)
+  assert key_ops(ours) == key_ops(theirs)
+  assert key_ops(ours_low) == key_ops(theirs_low)
+  assert key_ops(ours)["mosaic_gpu.wgmma"] == (3 if kernel == "dq" else 4)
+  # Pallas names a plgpu.kernel whose body is a functools.partial
+  # "anonymous"; dsl after the function inside, as its errors do.
+  assert module_name(ours) == f"kernel_{kernel}"
+  assert module_name(theirs) == "anonymous"
+  extra_ours, extra_theirs = only_in(unnamed(ours_low), unnamed(theirs_low))
+  assert extra_ours == []
+  assert extra_theirs == _ONLY_PALLAS_BACKWARD[kernel]
+  # As emitted, both open each shared scope with a block barrier.
+  assert canonical(ours).count("gpu.barrier") == canonical(theirs).count(
+      "gpu.barrier") == 3
+
+
+def test_attention_forward_with_residuals_is_pallas_schedule(
+    attention_grad_modules):
+  (ours, ours_low), (theirs, theirs_low) = attention_grad_modules["forward"]
+  assert schedule(ours) == schedule(theirs)
+  assert key_ops(ours_low) == key_ops(theirs_low)
+  # The log-sum-exp residual: one more TMA store than the plain forward.
+  assert ours.count("mosaic_gpu.async_store") == 2
 
 
 def _grouped(op, module, rhs_shape, sizes):

@@ -176,3 +176,46 @@ def test_hopper_matmul_verifies_clean_and_a_seeded_bug_is_caught():
   assert bad.message.startswith(f"kernel {rep.kernel}: race: warpgroup wg=0 "
                                 "issues a WGMMA")
   assert "hopper_matmul_mgpu.py:" in bad.error_line
+
+
+# ------------------------------------- attention_mgpu's backward kernels
+
+def _attention_backward_specs():
+  """{name: KernelSpec} of the kernels of `jax.grad` of Pallas's
+  attention_mgpu (block 64, depth 2): its forward, `kernel_dq` and
+  `kernel_dkv`."""
+  m = swapped("gpu.attention_mgpu")
+  q = jax.ShapeDtypeStruct((1, 256, 1, 64), jnp.float16)
+  config = m.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2,
+                          causal=False, block_q_dq=64, block_kv_dq=64,
+                          block_q_dkv=64, block_kv_dkv=64)
+  loss = lambda q, k, v: m.attention(q, k, v, config).astype(
+      jnp.float32).sum()
+  with simulated_gpu(m):
+    return {spec.name: spec for spec, _ in traced_kernels(
+        jax.grad(loss, argnums=(0, 1, 2)), q, q, q)}
+
+
+@needs_spin
+def test_attention_backward_verifies_clean_and_an_early_refill_is_caught():
+  specs = _attention_backward_specs()
+  assert sorted(specs) == ["entry", "kernel_dkv", "kernel_dq"]
+  for name, inputs in (("kernel_dq", 2), ("kernel_dkv", 4)):
+    sk = skeleton(specs[name])
+    memory = len(sk.programs) - 1
+    rep = plgpu_model.verify(sk)
+    assert rep.kind == "ok", str(rep)
+    # The memory warpgroup waits for each input's own consumed barrier
+    # right before that input's copy (manual_consumed_barriers).
+    kinds = [e.kind for e in sk.programs[memory]
+             if e.kind in ("wait", "load")]
+    assert kinds[2 * inputs:4 * inputs] == ["wait", "load"] * inputs
+    # Without the wait for the first input's release, its slot is refilled
+    # before the compute warpgroup released it.
+    first_wait = next(e for e in sk.programs[memory] if e.kind == "wait")
+    barrier = sk.barrier_name(first_wait.barrier).rsplit("[", 1)[0]
+    bad = plgpu_model.verify(plgpu_model.without(sk, memory, "wait",
+                                                 barrier))
+    assert bad.kind == "race", str(bad)
+    assert bad.message.startswith(f"kernel {name}: race: warpgroup "
+                                  f"wg={memory} starts a TMA copy")
