@@ -197,13 +197,31 @@ def find(spec: KernelSpec) -> Rescaled | None:
     fixed = _fixed_max_spec(spec, dj, steps["first"], d, m, rescaled,
                             caches)
     red = reduction_transpose.find(fixed)
-    if red is None or any(red.identity[k] != k for k in range(len(rescaled))):
+    if (red is None or any(red.identity[k] != k
+                           for k in range(len(rescaled)))
+        or not _one_block_per_point(fixed, red)):
       continue
     resc = Rescaled(d, m, rescaled, fixed, red)
     if _epilogue_reads_inputs(spec, resc, dj):
       continue
     return resc
   return None
+
+
+def _one_block_per_point(fixed, red) -> bool:
+  """Whether each input's blocks differ at every grid point but along the
+  dims they stay put along: an accumulating kernel sums a block over those
+  dims only. (Grouped-query attention's kv blocks serve several heads: a
+  sum over heads too, which it does not do.)"""
+  gm = fixed.grid_mapping
+  for bm, const in zip(gm.in_mappings, red.const_dims):
+    idx = gm.block_indices(bm)
+    for e in const:
+      idx = np.take(idx, [0], axis=e)
+    rows = idx.reshape(-1, idx.shape[-1])
+    if len(np.unique(rows, axis=0)) != len(rows):
+      return False
+  return True
 
 
 # ----------------------------------------------------------- the kernels
