@@ -196,7 +196,7 @@ def find(spec: KernelSpec) -> Rescaled | None:
       continue
     fixed = _fixed_max_spec(spec, dj, steps["first"], d, m, rescaled,
                             caches)
-    red = reduction_transpose.find(fixed)
+    red = _without_unit_dims(fixed, reduction_transpose.find(fixed))
     if (red is None or any(red.identity[k] != k
                            for k in range(len(rescaled)))
         or not _one_block_per_point(fixed, red)):
@@ -206,6 +206,18 @@ def find(spec: KernelSpec) -> Rescaled | None:
       continue
     return resc
   return None
+
+
+def _without_unit_dims(fixed, red):
+  """`red` with the grid dims of one step left out of the dims blocks stay
+  put along: they stay outer (parallel) dims of the accumulating kernels,
+  whose scratch is then reset at the first step of one dim, which the
+  grid plan reads as an accumulator's reset."""
+  if red is None:
+    return None
+  grid = fixed.grid_mapping.grid
+  return dataclasses.replace(red, const_dims=tuple(
+      tuple(e for e in c if grid[e] != 1) for c in red.const_dims))
 
 
 def _one_block_per_point(fixed, red) -> bool:
