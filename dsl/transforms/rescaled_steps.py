@@ -74,9 +74,10 @@ def is_zero(x) -> bool:
 
 def _bind(eqn, ins):
   params = eqn.primitive.get_bind_params(eqn.params)
-  if all(_concrete(x) for x in ins) and not eqn.effects:
+  if ins and all(_concrete(x) for x in ins) and not eqn.effects:
     # Folded at trace time, kept as numpy (a jax array would be traced
-    # again by whatever inspects it under an enclosing trace).
+    # again by whatever inspects it under an enclosing trace). An `iota`
+    # stays an iota: a constant array would be loaded from memory.
     with jax.ensure_compile_time_eval():
       out = eqn.primitive.bind(*ins, **params)
     out = ([np.asarray(o) for o in out] if eqn.primitive.multiple_results
