@@ -178,12 +178,17 @@ def _select_rule(ctx, eqn, ins, tags):
 def _add_rule(ctx, eqn, ins, tags):
   for a, b in ((0, 1), (1, 0)):
     t = tags[a]
-    if t is not None and t[0] == "state" and _hom_like(tags[b], ins[b]):
-      if ctx.mode == "epilogue":
-        return [ins[a]], [t]
-      out = _bind(eqn, ins)
-      ctx.terms[id(out[0])] = (ins[a], ins[b])
-      return out, [("acc", t[1])]
+    if t is None or t[0] not in ("state", "acc") or not _hom_like(
+        tags[b], ins[b]):
+      continue
+    if ctx.mode == "epilogue" or (tags[b] is None and is_zero(ins[b])):
+      return [ins[a]], [t]
+    out = _bind(eqn, ins)
+    base, term = ((ins[a], ins[b]) if t[0] == "state" else
+                  (ctx.terms[id(ins[a])][0],
+                   ctx.terms[id(ins[a])][1] + ins[b]))
+    ctx.terms[id(out[0])] = (base, term)
+    return out, [("acc", t[1])]
   if all(_hom_like(t, x) for t, x in zip(tags, ins)):
     return _bind(eqn, ins), [HOM]
   return None

@@ -1,0 +1,216 @@
+"""Reverse mode of rescaled reductions (dsl/transforms/rescaled_reduction.py):
+a kernel that keeps a running max and rescales its sums when it grows (an
+online softmax) differentiates through a finalize kernel and one
+accumulating kernel per input group, with the final max and sums recorded
+by the forward kernel, not through a per-point transpose of every step."""
+import importlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as ppl
+from jax.experimental.pallas import tpu as ppltpu
+from jax.test_util import check_grads
+
+import dsl as pl
+from dsl.core.inspection import traced_kernel_calls
+from dsl.transforms import rescaled_reduction
+from tests.pallas.testing import CPU_BACKENDS
+
+fa = importlib.import_module("kernels.flash_attention")
+
+
+def online_softmax_call(pl, pltpu, rows, cols, blocks, *, extra=0.0, **kw):
+  """`pallas_call` of a row-wise online softmax over column blocks: per
+  row, `sum_j softmax(x)_j * y_j` and the log-sum-exp of `x`. `extra`
+  added to the running sum at every step makes the sum no longer scale
+  with the running max."""
+  br, bc = blocks
+
+  def kernel(x_ref, y_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _():
+      m_sc[...] = jnp.full_like(m_sc, -1e30)
+      l_sc[...] = jnp.zeros_like(l_sc)
+      acc_sc[...] = jnp.zeros_like(acc_sc)
+    x = x_ref[...]
+    m = m_sc[...]
+    m_new = jnp.maximum(m, jnp.max(x, axis=1))
+    p = jnp.exp(x - m_new[:, None])
+    alpha = jnp.exp(m - m_new)
+    l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1) + extra
+    acc_sc[...] = acc_sc[...] * alpha + jnp.sum(p * y_ref[...], axis=1)
+    m_sc[...] = m_new
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _():
+      o_ref[...] = (acc_sc[...] / l_sc[...])[:, None]
+      lse_ref[...] = (m_sc[...] + jnp.log(l_sc[...]))[:, None]
+
+  # (rows, 1) columns: a TPU block of rows is a multiple of 8 sublanes.
+  row = jax.ShapeDtypeStruct((rows, 1), jnp.float32)
+  return pl.pallas_call(
+      kernel, (row, row), grid=(rows // br, cols // bc),
+      in_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j))] * 2,
+      out_specs=(pl.BlockSpec((br, 1), lambda i, j: (i, 0)),) * 2,
+      scratch_shapes=[pltpu.VMEM((br,), jnp.float32)] * 3, **kw)
+
+
+def _online_reference(x, y):
+  p = jax.nn.softmax(x, axis=1)
+  return (jnp.sum(p * y, axis=1, keepdims=True),
+          jax.nn.logsumexp(x, axis=1, keepdims=True))
+
+
+def _data(*shapes, seed=0, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+
+
+def _spec(f, *args):
+  return next(iter(traced_kernel_calls(f, *args))).spec
+
+
+def _kernel_names(f, *args):
+  return [c.spec.name for c in traced_kernel_calls(f, *args)]
+
+
+_ROWS, _COLS, _BLOCKS = 16, 512, (8, 128)
+
+
+def _online(backend, extra=0.0):
+  return online_softmax_call(pl, pl.tpu, _ROWS, _COLS, _BLOCKS, extra=extra,
+                             backend=backend)
+
+
+def test_online_softmax_is_a_rescaled_reduction():
+  x, y = _data((_ROWS, _COLS), (_ROWS, _COLS))
+  resc = rescaled_reduction.find(_spec(_online("interpret"), x, y))
+  assert resc is not None and resc.dim == 1
+  # States: the outputs (o, lse), then scratch (m, l, acc).
+  assert resc.max_state == 2 and resc.rescaled == (3, 4)
+  # x and y move along both dims (no sum over a grid dim: each point
+  # writes its own block), the recorded max stays put along the columns.
+  assert resc.reduction.const_dims == ((), (), (1,))
+
+
+def test_online_softmax_backward_is_finalize_and_accumulating_kernels():
+  x, y, ct = _data((_ROWS, _COLS), (_ROWS, _COLS), (_ROWS, 1))
+  f = _online("interpret")
+  names = _kernel_names(jax.grad(lambda x, y: jnp.sum(f(x, y)[0] * ct),
+                                 (0, 1)), x, y)
+  # The forward kernel (recording its final max and sums), the finalize
+  # kernel, and one accumulating kernel for x and y (same blocks): no
+  # recording replay, no per-point transposition.
+  assert names == ["kernel", "kernel_finalize", "kernel_at_max_transpose"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_online_softmax_grads_match_the_reference(backend):
+  x, y, ct_o, ct_l = _data((_ROWS, _COLS), (_ROWS, _COLS), (_ROWS, 1),
+                           (_ROWS, 1), seed=1)
+  x = x * 3.0       # rows whose max moves from block to block
+  f = _online(backend)
+  pallas = online_softmax_call(ppl, ppltpu, _ROWS, _COLS, _BLOCKS,
+                               interpret=True)
+  for got, want, ref in zip(f(x, y), pallas(x, y), _online_reference(x, y)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+  def loss(g):
+    return lambda x, y: sum(jnp.sum(o * c) for o, c in zip(g(x, y),
+                                                           (ct_o, ct_l)))
+  got = jax.grad(loss(f), (0, 1))(x, y)
+  want = jax.grad(loss(_online_reference), (0, 1))(x, y)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_online_softmax_passes_check_grads():
+  x, y = _data((_ROWS, _COLS), (_ROWS, _COLS), seed=2)
+  check_grads(_online("interpret"), (x, y), order=1, modes=("rev",),
+              atol=2e-2, rtol=2e-2)
+
+
+def test_a_sum_that_does_not_scale_with_the_max_keeps_the_per_point_path():
+  """`l = l * alpha + sum(p) + 1`: the added 1 is not rescaled, so the
+  final sum is no plain sum at the final max; the derivation refuses it
+  and the per-point transposition still differentiates it."""
+  x, y = _data((_ROWS, _COLS), (_ROWS, _COLS), seed=3)
+  f = _online("interpret", extra=1.0)
+  assert rescaled_reduction.find(_spec(f, x, y)) is None
+  names = _kernel_names(jax.grad(lambda x, y: jnp.sum(f(x, y)[0]), (0, 1)),
+                        x, y)
+  assert any(n.endswith("_record") for n in names)
+  check_grads(f, (x, y), order=1, modes=("rev",), atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------- flash attention
+
+def _attention(backend, causal, block):
+  def f(q, k, v):
+    return fa.forward(q, k, v, causal=causal, sm_scale=1 / math.sqrt(
+        q.shape[-1]), backend=backend, block_q=block, block_k=block,
+                      loops=False)[0]
+  return f
+
+
+def _attention_grads(f, q, k, v, ct):
+  return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * ct),
+                  (0, 1, 2))(q, k, v)
+
+
+_ATTENTION = [
+    # backend, (batch, seq, heads, kv heads, head dim), block, dtype
+    ("interpret", (2, 64, 2, 2, 32), 16, jnp.float32),
+    ("interpret", (1, 96, 3, 3, 16), 32, jnp.float32),
+    ("interpret", (1, 64, 2, 2, 32), 16, jnp.bfloat16),
+    ("triton_interpret", (1, 64, 2, 2, 32), 16, jnp.float32),
+    ("mosaic_interpret", (1, 384, 1, 1, 128), 128, jnp.float32),
+]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal",
+                                                       "noncausal"])
+@pytest.mark.parametrize("backend,shape,block,dtype", _ATTENTION)
+def test_flash_attention_grads_take_the_rescaled_path(backend, shape, block,
+                                                       dtype, causal):
+  b, s, h, hkv, d = shape
+  q, ct = _data((b, s, h, d), (b, s, h, d), dtype=dtype)
+  k, v = _data((b, s, hkv, d), (b, s, hkv, d), seed=1, dtype=dtype)
+  f = _attention(backend, causal, block)
+  names = _kernel_names(lambda *a: _attention_grads(f, *a, ct), q, k, v)
+  assert [n for n in names if n.endswith(("_finalize", "_at_max_transpose",
+                                          "_record"))] == [
+      "flash_attention_fwd_finalize", "flash_attention_fwd_at_max_transpose",
+      "flash_attention_fwd_at_max_transpose"]
+  ref = _reference(causal)
+  got = _attention_grads(f, q, k, v, ct)
+  want = _attention_grads(ref, q, k, v, ct)
+  tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+  for a, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a, np.float32),
+                               np.asarray(w, np.float32), rtol=tol, atol=tol)
+
+
+def _reference(causal):
+  return lambda q, k, v: fa.reference(q, k, v, causal=causal)
+
+
+def test_grouped_kv_heads_keep_the_per_point_path():
+  """A kv block serves several query heads: the accumulating kernels sum a
+  block over the dims it stays put along only, so grouped-query attention
+  is left to the per-point transposition (and its gradients still match)."""
+  q, ct = _data((1, 64, 4, 32), (1, 64, 4, 32))
+  k, v = _data((1, 64, 2, 32), (1, 64, 2, 32), seed=1)
+  f = _attention("interpret", True, 16)
+  names = _kernel_names(lambda *a: _attention_grads(f, *a, ct), q, k, v)
+  assert "flash_attention_fwd_record" in names
+  for a, w in zip(_attention_grads(f, q, k, v, ct),
+                  _attention_grads(_reference(True),
+                                   q, k, v, ct)):
+    np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5)
