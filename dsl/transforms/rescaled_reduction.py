@@ -94,7 +94,7 @@ def _sequential_dim(spec: KernelSpec) -> int | None:
   seq = [e for e in gm.plan(spec.compiler_params, spec.jaxpr).sequential
          if gm.grid[e] != 1]     # a dim of one step carries nothing
   n = len(gm.grid)
-  if list(seq) != [n - 1] or gm.grid[n - 1] < 3:
+  if list(seq) != [n - 1] or gm.grid[n - 1] < 2:
     return None
   if not _has_max(spec.jaxpr.jaxpr):
     return None
@@ -140,8 +140,9 @@ def _at_steps(dj, spec, d):
   """The point function at the dim's first, inside and last steps."""
   gm = spec.grid_mapping
   avals = [sds(v.aval) for v in dj.jaxpr.invars]
+  names = ("first", "last") + (("inside",) if gm.grid[d] > 2 else ())
   return {step: at_step(dj, len(gm.grid), d, gm.grid[d], step, avals)
-          for step in ("first", "inside", "last")}
+          for step in names}
 
 
 def _caches(steps, spec, d, m, rescaled):
@@ -157,11 +158,11 @@ def _caches(steps, spec, d, m, rescaled):
   others = [s for s in range(len(_states(gm)))
             if s != m and s not in rescaled]
   if not all(passes(steps[st].jaxpr, s) for s in others if s < n_out
-             for st in ("first", "inside")):
+             for st in ("first", "inside") if st in steps):
     return None
   caches = tuple(s for s in others if s >= n_out)
   if not all(passes(steps[st].jaxpr, s) for s in caches
-             for st in ("inside", "last")):
+             for st in ("inside", "last") if st in steps):
     return None
   first = steps["first"].jaxpr
   deps = dependencies(first)

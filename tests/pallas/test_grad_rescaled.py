@@ -164,13 +164,17 @@ def _attention_grads(f, q, k, v, ct):
                   (0, 1, 2))(q, k, v)
 
 
+_slow = pytest.mark.slow
 _ATTENTION = [
     # backend, (batch, seq, heads, kv heads, head dim), block, dtype
     ("interpret", (2, 64, 2, 2, 32), 16, jnp.float32),
-    ("interpret", (1, 96, 3, 3, 16), 32, jnp.float32),
-    ("interpret", (1, 64, 2, 2, 32), 16, jnp.bfloat16),
+    pytest.param("interpret", (1, 96, 3, 3, 16), 32, jnp.float32,
+                 marks=_slow),
+    pytest.param("interpret", (1, 64, 2, 2, 32), 16, jnp.bfloat16,
+                 marks=_slow),
     ("triton_interpret", (1, 64, 2, 2, 32), 16, jnp.float32),
-    ("mosaic_interpret", (1, 384, 1, 1, 128), 128, jnp.float32),
+    pytest.param("mosaic_interpret", (1, 384, 1, 1, 128), 128, jnp.float32,
+                 marks=_slow),
 ]
 
 
