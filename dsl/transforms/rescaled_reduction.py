@@ -38,7 +38,7 @@ from dsl.core.kernel_layout import KernelLayout
 from dsl.core.pallas_call import KernelSpec, pallas_call_p
 from dsl.core.primitives import when
 from dsl.core.tracing import program_id
-from dsl.transforms import reduction_transpose, rescaled_steps
+from dsl.transforms import grouped_grid, reduction_transpose, rescaled_steps
 from dsl.transforms.common import (block_spec_of, derived_spec,
                                    discharged_point, eval_ref_jaxpr, sds)
 from dsl.transforms.dependencies import dependencies
@@ -195,9 +195,18 @@ def find(spec: KernelSpec) -> Rescaled | None:
     caches = _caches(steps, spec, d, m, rescaled)
     if caches is None:
       continue
-    fixed = _fixed_max_spec(spec, dj, steps["first"], d, m, rescaled,
-                            caches)
+    make = lambda group: _fixed_max_spec(spec, dj, steps["first"], d, m,
+                                         rescaled, caches, group)
+    fixed = make(None)
     red = _without_unit_dims(fixed, reduction_transpose.find(fixed))
+    if red is not None and not _one_block_per_point(fixed, red):
+      fgm = fixed.grid_mapping
+      group = grouped_grid.grouping(
+          fgm.grid, [fgm.block_indices(bm) for bm in fgm.in_mappings],
+          red.const_dims, d)
+      fixed = make(group) if group is not None else None
+      red = fixed and _without_unit_dims(fixed,
+                                         reduction_transpose.find(fixed))
     if (red is None or any(red.identity[k] != k
                            for k in range(len(rescaled)))
         or not _one_block_per_point(fixed, red)):
@@ -257,23 +266,28 @@ def _dce(jaxpr, n_in, n_states, keep):
   return pe.dce_jaxpr(jaxpr, used, instantiate=False)
 
 
-def _fixed_max_spec(spec, dj, first, d, m, rescaled, caches):
+def _fixed_max_spec(spec, dj, first, d, m, rescaled, caches, group=None):
   """The kernel at the final max: inputs, then `M` (per reduction); its
   outputs are the rescaled states (per reduction), accumulated along `d`;
-  each cache is computed from the inputs at every step."""
+  each cache is computed from the inputs at every step. On the grid of
+  `group` (a `GroupedGrid`) when given."""
   gm = spec.grid_mapping
   n, n_in = len(gm.grid), gm.num_inputs
   shapes = _states(gm)
   jx, used_in = _dce(dj.jaxpr, n_in, len(shapes), rescaled)
   cx, cache_in = _dce(first.jaxpr, n_in, len(shapes), caches)
   grid_p, drop_d = _per_reduction(gm, d)
-  red_spec = lambda a: per_point_spec(a.shape, n, drop_d, n_lead=n - 1)
+  grid = gm.grid if group is None else group.new_grid
+  to_old = (lambda ids: list(ids)) if group is None else group.original_ids
+  red_spec = lambda a: per_point_spec(a.shape, n,
+                                      lambda ids: drop_d(to_old(ids)),
+                                      n_lead=n - 1)
   tags = _state_tags(n + n_in, len(shapes), m, rescaled)
   tags = [t for t, u in zip(tags, used_in) if u]
   pick = lambda xs, used: [x for x, u in zip(xs, used) if u]
 
   def body(*refs):
-    ids = [program_id(e) for e in range(n)]
+    ids = to_old([program_id(e) for e in range(n)])
     ins, max_ref, outs = KernelLayout.of(
         inputs=n_in, max=1, outputs=len(rescaled)).split(refs)
     states = [np.zeros(a.shape, a.dtype) for a in shapes]
@@ -292,11 +306,11 @@ def _fixed_max_spec(spec, dj, first, d, m, rescaled, caches):
 
   args = ([sds(bm.array_aval) for bm in gm.in_mappings]
           + [per_point_sds(shapes[m].shape, shapes[m].dtype, grid_p)])
-  in_specs = ([block_spec_of(bm, n) for bm in gm.in_mappings]
+  in_specs = ([block_spec_of(bm, n, to_old) for bm in gm.in_mappings]
               + [red_spec(shapes[m])])
   out_shapes = [per_point_sds(shapes[s].shape, shapes[s].dtype, grid_p)
                 for s in rescaled]
-  return derived_spec(spec, body, args, out_shapes, grid=gm.grid,
+  return derived_spec(spec, body, args, out_shapes, grid=grid,
                       in_specs=in_specs,
                       out_specs=[red_spec(shapes[s]) for s in rescaled],
                       scratch=[], suffix="at_max")

@@ -205,16 +205,24 @@ def _reference(causal):
   return lambda q, k, v: fa.reference(q, k, v, causal=causal)
 
 
-def test_grouped_kv_heads_keep_the_per_point_path():
-  """A kv block serves several query heads: the accumulating kernels sum a
-  block over the dims it stays put along only, so grouped-query attention
-  is left to the per-point transposition (and its gradients still match)."""
-  q, ct = _data((1, 64, 4, 32), (1, 64, 4, 32))
-  k, v = _data((1, 64, 2, 32), (1, 64, 2, 32), seed=1)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1)])
+def test_grouped_kv_heads_are_summed_in_the_dkdv_accumulator(heads, kv_heads):
+  """A kv block serves several query heads: the dk/dv kernel walks the
+  heads of a group and their q blocks along one dim (`grouped_grid`), as
+  the hand-written kernel does, on a grid of kv heads."""
+  q, ct = _data((1, 64, heads, 32), (1, 64, heads, 32))
+  k, v = _data((1, 64, kv_heads, 32), (1, 64, kv_heads, 32), seed=1)
   f = _attention("interpret", True, 16)
-  names = _kernel_names(lambda *a: _attention_grads(f, *a, ct), q, k, v)
-  assert "flash_attention_fwd_record" in names
+  calls = traced_kernel_calls(lambda *a: _attention_grads(f, *a, ct), q, k, v)
+  grids = {c.spec.name: c.spec.grid_mapping.grid for c in calls}
+  assert "flash_attention_fwd_record" not in grids
+  transposed = [c.spec.grid_mapping.grid for c in calls
+                if c.spec.name == "flash_attention_fwd_at_max_transpose"]
+  # dq: (batch, kv heads, group * q blocks, kv blocks); dk/dv: (batch, kv
+  # heads, kv blocks, group * q blocks) when grouped.
+  g = heads // kv_heads
+  want_dkdv = (1, kv_heads, 4, g * 4) if kv_heads > 1 else (1, 4, 4, 4)
+  assert transposed[-1] == want_dkdv
   for a, w in zip(_attention_grads(f, q, k, v, ct),
-                  _attention_grads(_reference(True),
-                                   q, k, v, ct)):
+                  _attention_grads(_reference(True), q, k, v, ct)):
     np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5)

@@ -39,12 +39,6 @@ MISSES = {
                                "bytes per thread",
     ("matmul", "hot_loop"): "hot loop 146 vs 97 instructions (1.51x)",
     ("matmul", "occupancy"): "occupancy 8 vs 16 warps per SM (0.50x)",
-    # Grouped kv heads keep the per-point transposition (a kv block serves
-    # several query heads: see dsl/transforms/rescaled_reduction.py).
-    ("flash_attention_gqa", "hot_loop"):
-        "hot loop 2344 vs 849 instructions (2.76x)",
-    ("flash_attention_gqa", "spills"):
-        "spills 1456 vs 120 bytes spilled per thread (12.13x)",
 }
 
 
