@@ -120,18 +120,20 @@ def _step_tags(dj, n_front, m, rescaled, mode="step"):
 def _rescaled_states(dj, n_front, m, candidates):
   """The states that are sums at the final max with state `m` the running
   max, or None when the step is not a rescaled reduction."""
+  is_max = lambda t: t is not None and t[0] == "M"
   tags, ctx = _step_tags(dj, n_front, m, set())
-  if tags[m] != rescaled_steps.M_TAG or not ctx.maxes:
+  if not is_max(tags[m]) or not ctx.maxes:
     return None
-  is_sum = lambda t, s: t is not None and t[0] in ("state", "acc") and (
-      t[1] == s)
+  # A sum (something added to it), rescaled with the max it ends at.
+  is_sum = lambda ts, s: ts[s] is not None and ts[s][:2] == ("acc", s) and (
+      ts[s][-1] == ts[m][-1])
   rescaled = tuple(s for s in candidates
-                   if is_sum(_step_tags(dj, n_front, m, {s})[0][s], s))
+                   if is_sum(_step_tags(dj, n_front, m, {s})[0], s))
   if not rescaled:
     return None
   tags, ctx = _step_tags(dj, n_front, m, set(rescaled))
-  if (tags[m] != rescaled_steps.M_TAG or len(ctx.exps) != 1
-      or not all(is_sum(tags[s], s) for s in rescaled)):
+  if (not is_max(tags[m]) or len(ctx.exps) != 1
+      or not all(is_sum(tags, s) for s in rescaled)):
     return None
   return rescaled
 
@@ -257,7 +259,8 @@ def _per_reduction(gm, d):
 def _state_tags(n_front, n_states, m, rescaled):
   return [None] * n_front + [
       rescaled_steps.M_TAG if s == m
-      else ("state", s) if s in rescaled else None for s in range(n_states)]
+      else rescaled_steps.state_tag(s) if s in rescaled else None
+      for s in range(n_states)]
 
 
 def _dce(jaxpr, n_in, n_states, keep):

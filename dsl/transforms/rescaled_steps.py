@@ -18,14 +18,19 @@ it with a value that does not read it) is `M`, `exp(M - M)` is 1, so a
 step becomes `x' = x + e(M)` (`"step"` mode), or, for the epilogue that
 reads the final states, `x' = x` (`"epilogue"` mode: the update dropped).
 A value that mixes `M` or a state in any other way is tagged `BAD`;
-the caller refuses such a kernel. Tags live on jaxpr variables:
+the caller refuses such a kernel. Tags live on jaxpr variables; the last
+entry of a tag that scales with the max is the *version* of the max it is
+relative to (0: the max the step finds; each `max` and each `cond` whose
+branches differ make a new one), so a state that the step does not
+rescale where the max grows is caught:
 
-- `("M",)`: the running max (numerically `M`, or a broadcast of it);
-- `("shift",)`: `y - M`, `y` not reading `M`;
-- `("zero_shift",)` and `("alpha", exp)`: `M - M` and its `exp`, ones;
-- `("hom",)`: carries one factor `exp(. - M)`, linearly;
-- `("state", i)` and `("acc", i)`: the running value of state `i`, and
-  that value plus a `hom` term (`Context.terms` holds the term).
+- `("M", v)`: the running max (numerically `M`, or a broadcast of it);
+- `("shift", v)`: `y - M`, `y` not reading `M`;
+- `("zero_shift", v, w)` and `("alpha", exp, v, w)`: `m_v - m_w` and its
+  `exp`, the factor that takes a value from version `v` to `w` (ones);
+- `("hom", v)`: carries one factor `exp(. - m_v)`, linearly;
+- `("state", i, v)` and `("acc", i, v)`: the running value of state `i`,
+  and that value plus a `hom` term (`Context.terms` holds the term).
 """
 from __future__ import annotations
 
@@ -39,8 +44,7 @@ from jax import lax
 from dsl.core.jax_internals import core
 
 BAD = ("bad",)
-M_TAG = ("M",)
-HOM = ("hom",)
+M_TAG = ("M", 0)      # the running max the step finds
 _EXPS = ("exp", "exp2")
 _CALLS = ("pjit", "jit", "closed_call")
 # Linear maps of one operand: a `hom` value stays `hom`, the max stays
@@ -50,6 +54,13 @@ _UNARY_LINEAR = ("reduce_sum", "convert_element_type", "broadcast_in_dim",
                  "copy", "copy_p", "reduce_precision")
 _KEEPS_SHAPE_TAGS = ("broadcast_in_dim", "reshape", "convert_element_type",
                      "squeeze", "expand_dims", "copy", "copy_p")
+# The tags that scale with the max (their last entry: its version).
+_SCALED = ("hom", "state", "acc")
+
+
+def state_tag(i: int) -> tuple:
+  """The tag of state `i` as the step finds it."""
+  return ("state", i, 0)
 
 
 @dataclasses.dataclass
@@ -59,9 +70,15 @@ class Context:
   exps: set = dataclasses.field(default_factory=set)   # exp prims of hom
   # The sums made while tracing: id(value) -> (state value, added term).
   terms: dict = dataclasses.field(default_factory=dict)
+  # The last version of the max handed out (shared with child contexts).
+  versions: list = dataclasses.field(default_factory=lambda: [0])
 
   def child(self) -> Context:
-    return Context(self.mode, terms=self.terms)
+    return Context(self.mode, terms=self.terms, versions=self.versions)
+
+  def new_version(self) -> int:
+    self.versions[0] += 1
+    return self.versions[0]
 
 
 def _concrete(x) -> bool:
@@ -87,9 +104,32 @@ def _bind(eqn, ins):
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _hom_like(t, x) -> bool:
-  """A value that may take part in a `hom` sum: `hom` itself or zeros."""
-  return t == HOM or (t is None and is_zero(x))
+def _kind(t):
+  return None if t is None else t[0]
+
+
+def _scaled(t) -> bool:
+  return _kind(t) in _SCALED
+
+
+def _versions(tags, ins) -> set | None:
+  """The versions of the max that `tags` scale with (zeros scale with
+  any), or None when one of them is neither scaled nor zero."""
+  out = set()
+  for t, x in zip(tags, ins):
+    if _scaled(t):
+      out.add(t[-1])
+    elif not (t is None and is_zero(x)):
+      return None
+  return out
+
+
+def _hom(tags, ins):
+  """The `hom` tag of a linear combination of `tags`, or None."""
+  v = _versions(tags, ins)
+  if v is None or len(v) != 1:
+    return None
+  return ("hom", v.pop())
 
 
 # ------------------------------------------------------------ rules
@@ -99,99 +139,96 @@ def _hom_like(t, x) -> bool:
 
 def _max_rule(ctx, eqn, ins, tags):
   for a, b in ((0, 1), (1, 0)):
-    if tags[a] == M_TAG and tags[b] is None:
+    if _kind(tags[a]) == "M" and tags[b] is None:
       ctx.maxes += 1
-      return [ins[a]], [M_TAG]
+      return [ins[a]], [("M", ctx.new_version())]
   return None
 
 
 def _sub_rule(ctx, eqn, ins, tags):
-  if tags == [M_TAG, M_TAG]:
+  ka, kb = _kind(tags[0]), _kind(tags[1])
+  if ka == kb == "M":
     aval = eqn.outvars[0].aval
-    return [np.zeros(aval.shape, aval.dtype)], [("zero_shift",)]
-  if tags[0] is None and tags[1] == M_TAG:
-    return _bind(eqn, ins), [("shift",)]
-  if all(_hom_like(t, x) for t, x in zip(tags, ins)):
-    return _bind(eqn, ins), [HOM]
-  return None
+    zeros = np.zeros(aval.shape, aval.dtype)
+    v, w = tags[0][1], tags[1][1]
+    if v == w:
+      return [zeros], [None]
+    return ([zeros], [("zero_shift", v, w)]) if v < w else None
+  if tags[0] is None and kb == "M":
+    return _bind(eqn, ins), [("shift", tags[1][1])]
+  t = _hom(tags, ins)
+  return None if t is None else (_bind(eqn, ins), [t])
 
 
 def _exp_rule(ctx, eqn, ins, tags):
-  name = eqn.primitive.name
-  if tags[0] == ("shift",):
+  name, t = eqn.primitive.name, tags[0]
+  if _kind(t) == "shift":
     ctx.exps.add(name)
-    return _bind(eqn, ins), [HOM]
-  if tags[0] == ("zero_shift",):
-    return _bind(eqn, ins), [("alpha", name)]
+    return _bind(eqn, ins), [("hom", t[1])]
+  if _kind(t) == "zero_shift":
+    return _bind(eqn, ins), [("alpha", name, t[1], t[2])]
   return None
-
-
-def _is_alpha(t) -> bool:
-  return t is not None and t[0] == "alpha"
 
 
 def _mul_rule(ctx, eqn, ins, tags):
   for a, b in ((0, 1), (1, 0)):
-    if _is_alpha(tags[b]) and tags[a] is not None and tags[a][0] in (
-        "state", "acc", "hom"):
-      ctx.exps.add(tags[b][1])
-      return [ins[a]], [tags[a]]
-    if tags[b] is None and tags[a] is not None and tags[a][0] in (
-        "hom", "state"):
-      return _bind(eqn, ins), [HOM]
+    ta, tb = tags[a], tags[b]
+    if _kind(tb) == "alpha" and _scaled(ta) and ta[-1] == tb[2]:
+      # x * exp(m_v - m_w): x scaled with version v now scales with w.
+      ctx.exps.add(tb[1])
+      return [ins[a]], [ta[:-1] + (tb[3],)]
+    if tb is None and _kind(ta) in ("hom", "state"):
+      return _bind(eqn, ins), [("hom", ta[-1])]
   return None
 
 
 def _div_rule(ctx, eqn, ins, tags):
-  if tags[1] is None and tags[0] is not None and tags[0][0] in ("hom",
-                                                                "state"):
-    return _bind(eqn, ins), [HOM]
+  if tags[1] is None and _kind(tags[0]) in ("hom", "state"):
+    return _bind(eqn, ins), [("hom", tags[0][-1])]
   return None
 
 
 def _dot_rule(ctx, eqn, ins, tags):
   for a, b in ((0, 1), (1, 0)):
-    if tags[b] is None and tags[a] is not None and tags[a][0] in (
-        "hom", "state"):
-      return _bind(eqn, ins), [HOM]
+    if tags[b] is None and _kind(tags[a]) in ("hom", "state"):
+      return _bind(eqn, ins), [("hom", tags[a][-1])]
   return None
 
 
 def _unary_rule(ctx, eqn, ins, tags):
   t = tags[0]
-  if t == M_TAG or _is_alpha(t):
+  if _kind(t) in ("M", "alpha"):
     if eqn.primitive.name in _KEEPS_SHAPE_TAGS:
       return _bind(eqn, ins), [t]
     return None
-  if t is not None and t[0] in ("hom", "state"):
-    return _bind(eqn, ins), [HOM]
+  if _kind(t) in ("hom", "state"):
+    return _bind(eqn, ins), [("hom", t[-1])]
   return None
 
 
 def _select_rule(ctx, eqn, ins, tags):
-  if tags[0] is None and all(_hom_like(t, x) for t, x in
-                             zip(tags[1:], ins[1:])):
-    return _bind(eqn, ins), [HOM]
-  return None
+  t = _hom(tags[1:], ins[1:]) if tags[0] is None else None
+  return None if t is None else (_bind(eqn, ins), [t])
 
 
 def _add_rule(ctx, eqn, ins, tags):
   for a, b in ((0, 1), (1, 0)):
     t = tags[a]
-    if t is None or t[0] not in ("state", "acc") or not _hom_like(
-        tags[b], ins[b]):
+    if _kind(t) not in ("state", "acc"):
       continue
-    if ctx.mode == "epilogue" or (tags[b] is None and is_zero(ins[b])):
+    v = _versions([tags[b]], [ins[b]])
+    if v is None or (v and v != {t[-1]}):
+      continue
+    if ctx.mode == "epilogue" or not v:
       return [ins[a]], [t]
     out = _bind(eqn, ins)
     base, term = ((ins[a], ins[b]) if t[0] == "state" else
                   (ctx.terms[id(ins[a])][0],
                    ctx.terms[id(ins[a])][1] + ins[b]))
     ctx.terms[id(out[0])] = (base, term)
-    return out, [("acc", t[1])]
-  if all(_hom_like(t, x) for t, x in zip(tags, ins)):
-    return _bind(eqn, ins), [HOM]
-  return None
+    return out, [("acc", t[1], t[-1])]
+  t = _hom(tags, ins)
+  return None if t is None else (_bind(eqn, ins), [t])
 
 
 RULES = {"max": _max_rule, "sub": _sub_rule, "mul": _mul_rule,
@@ -253,23 +290,36 @@ def _branch_tags(ctx, branch, ins, tags):
   return got[0]
 
 
-def _merged(tags, constants):
-  """The tag of a cond output from its branches' tags, and how the cond
-  returns it: "value", "max" (the max itself, not returned) or "term" (the
-  state is returned unchanged and its added term separately)."""
-  if all(t == M_TAG or (t is None and c is not None)
-         for t, c in zip(tags, constants)) and M_TAG in tags:
-    return M_TAG, "max"     # the max, or its initial value (a constant)
-  states = {t[1] for t in tags if t is not None and t[0] in ("state", "acc")}
-  if len(states) == 1 and all(t is not None and t[0] in ("state", "acc")
-                              for t in tags):
-    i = states.pop()
-    if any(t[0] == "acc" for t in tags):
-      return ("acc", i), "term"
-    return ("state", i), "value"
-  if all(t == HOM for t in tags):
-    return HOM, "value"
-  if all(t is None for t in tags):
+def _branch_version(tags) -> int | None:
+  """The one version of the max a branch's results scale with, None when
+  none does; BAD when they mix versions (a state not rescaled where the
+  max grew)."""
+  v = {t[-1] for t in tags if _scaled(t) or _kind(t) == "M"}
+  return v.pop() if len(v) == 1 else (None if not v else BAD)
+
+
+def _merged(tags, constants, version):
+  """The tag of a cond output from its branches' tags (at `version` of
+  the max), and how the cond returns it: "value", "max" (the max itself,
+  not returned) or "term" (the state is returned unchanged and its added
+  term separately)."""
+  kinds = {_kind(t) for t in tags}
+  zero = [t is None and c is not None and not np.any(c)
+          for t, c in zip(tags, constants)]
+  if "M" in kinds and all(_kind(t) == "M" or (t is None and c is not None)
+                          for t, c in zip(tags, constants)):
+    return ("M", version), "max"   # the max, or its initial value
+  states = {t[1] for t in tags if _kind(t) in ("state", "acc")}
+  if len(states) == 1 and all(_kind(t) in ("state", "acc") or z
+                              for t, z in zip(tags, zero)):
+    # (A state reset to zeros in a branch: the first step's init.)
+    kind = "acc" if "acc" in kinds else "state"
+    return (kind, states.pop(), version), ("term" if kind == "acc"
+                                           else "value")
+  if kinds <= {"hom", None} and all(_kind(t) == "hom" or z
+                                    for t, z in zip(tags, zero)):
+    return ("hom", version), "value"
+  if kinds == {None}:
     return None, "value"
   return BAD, "value"
 
@@ -283,17 +333,17 @@ def _cond(ctx, eqn, ins, tags):
   if tags[0] is not None:
     return _bind(eqn, ins), [BAD] * len(eqn.outvars)
   per_branch = [_branch_tags(ctx, b, ops, op_tags) for b in branches]
+  versions = {_branch_version(ts) for ts in per_branch} - {None}
+  version = (versions.pop() if len(versions) == 1 and BAD not in versions
+             else ctx.new_version())
   merged = []
   for k, ts in enumerate(zip(*per_branch)):
-    constants = [_constant(b, k) for b in branches]
-    t, how = _merged(list(ts), constants)
-    # A state reset to zeros in one branch (the first step's init) and
-    # kept in another is the state's running value.
-    zeros = [c is not None and not np.any(c) for c in constants]
-    if t == BAD and _state_or_zero(ts, zeros):
-      t, how = ("state", next(x[1] for x in ts if x is not None)), "value"
+    t, how = _merged(list(ts), [_constant(b, k) for b in branches], version)
+    if BAD in versions and t is not None:
+      t, how = BAD, "value"
     merged.append((t, how))
-  max_value = next((x for x, t in zip(ops, op_tags) if t == M_TAG), None)
+  max_value = next((x for x, t in zip(ops, op_tags) if _kind(t) == "M"),
+                   None)
   if max_value is None:     # a max made in the branches, not passed in
     merged = [(BAD, "value") if how == "max" else (t, how)
               for t, how in merged]
@@ -314,18 +364,11 @@ def _constant(branch, k):
   return None
 
 
-def _state_or_zero(ts, zeros) -> bool:
-  states = {t[1] for t in ts if t is not None and t[0] == "state"}
-  return len(states) == 1 and all(
-      (t is not None and t[0] == "state") or (t is None and z)
-      for t, z in zip(ts, zeros))
-
-
 def _rebuilt_cond(ctx, index, branches, ops, op_tags, merged, max_value):
   """Binds the cond again with each branch rewritten: the max is not
   returned, a state's added term is returned in place of the sum."""
   state_ops = {t[1]: x for x, t in zip(ops, op_tags)
-               if t is not None and t[0] == "state"}
+               if _kind(t) == "state"}
 
   def branch_fn(b):
     def f(*xs):
@@ -335,7 +378,7 @@ def _rebuilt_cond(ctx, index, branches, ops, op_tags, merged, max_value):
         if how == "max":
           continue
         if how == "term":
-          res.append(ctx.terms[id(x)][1] if t[0] == "acc"
+          res.append(ctx.terms[id(x)][1] if _kind(t) == "acc"
                      else jnp.zeros(jnp.shape(x), jnp.result_type(x)))
         else:
           res.append(x)
@@ -354,7 +397,7 @@ def _rebuilt_cond(ctx, index, branches, ops, op_tags, merged, max_value):
         mt = BAD
       elif ctx.mode == "epilogue":
         values.append(base)
-        mt = ("state", mt[1])
+        mt = ("state",) + mt[1:]
       else:
         x = base + term
         ctx.terms[id(x)] = (base, term)

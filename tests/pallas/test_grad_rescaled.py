@@ -22,11 +22,12 @@ from tests.pallas.testing import CPU_BACKENDS
 fa = importlib.import_module("kernels.flash_attention")
 
 
-def online_softmax_call(pl, pltpu, rows, cols, blocks, *, extra=0.0, **kw):
+def online_softmax_call(pl, pltpu, rows, cols, blocks, *, extra=0.0,
+                        rescale_sum=True, **kw):
   """`pallas_call` of a row-wise online softmax over column blocks: per
   row, `sum_j softmax(x)_j * y_j` and the log-sum-exp of `x`. `extra`
-  added to the running sum at every step makes the sum no longer scale
-  with the running max."""
+  added to the running sum at every step, or the sum not rescaled when
+  the max grows (`rescale_sum=False`), make it no sum at the final max."""
   br, bc = blocks
 
   def kernel(x_ref, y_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
@@ -42,7 +43,8 @@ def online_softmax_call(pl, pltpu, rows, cols, blocks, *, extra=0.0, **kw):
     m_new = jnp.maximum(m, jnp.max(x, axis=1))
     p = jnp.exp(x - m_new[:, None])
     alpha = jnp.exp(m - m_new)
-    l_sc[...] = l_sc[...] * alpha + jnp.sum(p, axis=1) + extra
+    l = l_sc[...] * alpha if rescale_sum else l_sc[...]
+    l_sc[...] = l + jnp.sum(p, axis=1) + extra
     acc_sc[...] = acc_sc[...] * alpha + jnp.sum(p * y_ref[...], axis=1)
     m_sc[...] = m_new
 
@@ -82,9 +84,9 @@ def _kernel_names(f, *args):
 _ROWS, _COLS, _BLOCKS = 16, 512, (8, 128)
 
 
-def _online(backend, extra=0.0):
-  return online_softmax_call(pl, pl.tpu, _ROWS, _COLS, _BLOCKS, extra=extra,
-                             backend=backend)
+def _online(backend, **kw):
+  return online_softmax_call(pl, pl.tpu, _ROWS, _COLS, _BLOCKS,
+                             backend=backend, **kw)
 
 
 def test_online_softmax_is_a_rescaled_reduction():
@@ -136,12 +138,15 @@ def test_online_softmax_passes_check_grads():
               atol=2e-2, rtol=2e-2)
 
 
-def test_a_sum_that_does_not_scale_with_the_max_keeps_the_per_point_path():
-  """`l = l * alpha + sum(p) + 1`: the added 1 is not rescaled, so the
-  final sum is no plain sum at the final max; the derivation refuses it
-  and the per-point transposition still differentiates it."""
+@pytest.mark.parametrize("kw", [dict(extra=1.0), dict(rescale_sum=False)],
+                         ids=["sum_plus_one", "sum_not_rescaled"])
+def test_a_sum_that_does_not_scale_with_the_max_keeps_the_per_point_path(kw):
+  """`l = l * alpha + sum(p) + 1` (the 1 is not rescaled) or `l = l +
+  sum(p)` (l not rescaled where the max grows): the final sum is no plain
+  sum at the final max; the derivation refuses the kernel and the
+  per-point transposition still differentiates it."""
   x, y = _data((_ROWS, _COLS), (_ROWS, _COLS), seed=3)
-  f = _online("interpret", extra=1.0)
+  f = _online("interpret", **kw)
   assert rescaled_reduction.find(_spec(f, x, y)) is None
   names = _kernel_names(jax.grad(lambda x, y: jnp.sum(f(x, y)[0]), (0, 1)),
                         x, y)
