@@ -35,7 +35,7 @@ import numpy as np
 from dsl.core.dtypes import has_tangent
 from dsl.core.jax_internals import core, partial_eval as pe
 from dsl.core.kernel_layout import KernelLayout
-from dsl.core.pallas_call import KernelSpec, pallas_call_p
+from dsl.core.pallas_call import KernelSpec, pallas_call_p, sharded_like
 from dsl.core.primitives import when
 from dsl.core.tracing import program_id
 from dsl.transforms import grouped_grid, reduction_transpose, rescaled_steps
@@ -319,13 +319,23 @@ def _fixed_max_spec(spec, dj, first, d, m, rescaled, caches, group=None):
                       scratch=[], suffix="at_max")
 
 
+def _records(gm, resc):
+  """The arrays of the records (the final max and sums per reduction) and
+  their blocks on the kernel's grid."""
+  shapes = _states(gm)
+  n = len(gm.grid)
+  grid_p, drop_d = _per_reduction(gm, resc.dim)
+  return ([per_point_sds(shapes[s].shape, shapes[s].dtype, grid_p)
+           for s in resc.recorded],
+          [per_point_spec(shapes[s].shape, n, drop_d, n_lead=n - 1)
+           for s in resc.recorded])
+
+
 def recording_spec(spec: KernelSpec, resc: Rescaled) -> KernelSpec:
   """The forward kernel, also writing the final max and rescaled states
   of each reduction (at its last step) into outputs of their own."""
   gm = spec.grid_mapping
   n, d = len(gm.grid), resc.dim
-  shapes = _states(gm)
-  grid_p, drop_d = _per_reduction(gm, d)
 
   def body(*refs):
     ids = [program_id(e) for e in range(n)]
@@ -340,18 +350,15 @@ def recording_spec(spec: KernelSpec, resc: Rescaled) -> KernelSpec:
       for r, s in zip(parts.records, resc.recorded):
         r[...] = states[s][...].reshape(r.shape)
 
-  out_shapes = ([sds(bm.array_aval) for bm in gm.out_mappings]
-                + [per_point_sds(shapes[s].shape, shapes[s].dtype, grid_p)
-                   for s in resc.recorded])
-  out_specs = ([block_spec_of(bm, n) for bm in gm.out_mappings]
-               + [per_point_spec(shapes[s].shape, n, drop_d, n_lead=n - 1)
-                  for s in resc.recorded])
+  rec_sds, rec_specs = _records(gm, resc)
   return derived_spec(spec, body, [sds(bm.array_aval) for bm in
-                                   gm.in_mappings], out_shapes,
-                      grid=gm.grid,
+                                   gm.in_mappings],
+                      [sds(bm.array_aval) for bm in gm.out_mappings]
+                      + rec_sds, grid=gm.grid,
                       in_specs=[block_spec_of(bm, n) for bm in gm.in_mappings],
-                      out_specs=out_specs, scratch=list(gm.scratch_avals),
-                      suffix="")
+                      out_specs=[block_spec_of(bm, n) for bm in
+                                 gm.out_mappings] + rec_specs,
+                      scratch=list(gm.scratch_avals), suffix="")
 
 
 def linear_base(spec: KernelSpec, resc: Rescaled) -> KernelSpec:
@@ -359,10 +366,7 @@ def linear_base(spec: KernelSpec, resc: Rescaled) -> KernelSpec:
   whose linearization reverse mode transposes here (its meta names
   `spec` and `resc`)."""
   gm = spec.grid_mapping
-  n, d = len(gm.grid), resc.dim
-  shapes = _states(gm)
-  grid_p, drop_d = _per_reduction(gm, d)
-  n_rec = len(resc.recorded)
+  n, n_rec = len(gm.grid), len(resc.recorded)
 
   def body(*refs):
     ids = [program_id(e) for e in range(n)]
@@ -370,12 +374,9 @@ def linear_base(spec: KernelSpec, resc: Rescaled) -> KernelSpec:
     eval_ref_jaxpr(spec.jaxpr, *ids, *parts.inputs, *parts.outputs,
                    *parts.scratch)
 
-  args = ([sds(bm.array_aval) for bm in gm.in_mappings]
-          + [per_point_sds(shapes[s].shape, shapes[s].dtype, grid_p)
-             for s in resc.recorded])
-  in_specs = ([block_spec_of(bm, n) for bm in gm.in_mappings]
-              + [per_point_spec(shapes[s].shape, n, drop_d, n_lead=n - 1)
-                 for s in resc.recorded])
+  rec_sds, rec_specs = _records(gm, resc)
+  args = [sds(bm.array_aval) for bm in gm.in_mappings] + rec_sds
+  in_specs = [block_spec_of(bm, n) for bm in gm.in_mappings] + rec_specs
   return derived_spec(spec, body, args,
                       [sds(bm.array_aval) for bm in gm.out_mappings],
                       grid=gm.grid, in_specs=in_specs,
@@ -468,13 +469,40 @@ def _finalize(spec, resc, recs, ct_outs):
   return list(pallas_call_p.bind(*recs, *ct_outs, spec=fin))
 
 
-def transpose(base: KernelSpec, in_nz, primals, ct_outs):
-  """The cotangents of the inputs flagged in `in_nz` of `base` (a
-  `linear_base`: the kernel's inputs, then its records)."""
+def linearization(spec: KernelSpec, in_nz, primals):
+  """For `spec`'s linearization: its outputs, the kernel to linearize, its
+  inputs' tangent mask and the residuals. For a rescaled reduction, the
+  forward kernel also records the final max and sums, and the kernel to
+  linearize (`linear_base`) takes them as inputs, after `spec`'s."""
+  resc = find(spec)
+  if resc is None:
+    return (pallas_call_p.bind(*primals, spec=spec), spec, tuple(in_nz),
+            list(primals))
+  n_out = spec.grid_mapping.num_outputs
+  outs = pallas_call_p.bind(*primals, spec=recording_spec(spec, resc))
+  recs = list(outs[n_out:])
+  return (outs[:n_out], linear_base(spec, resc),
+          tuple(in_nz) + (False,) * len(recs), list(primals) + recs)
+
+
+def is_linear_base(spec: KernelSpec) -> bool:
+  return bool(spec.meta) and spec.meta[0] == "rescaled"
+
+
+def transpose(base: KernelSpec, in_nz, args, ct_outs):
+  """The transpose rule's results for the linear kernel of `base` (a
+  `linear_base`) applied to `args` (its inputs: the kernel's, then the
+  records, then the tangents of the inputs flagged in `in_nz`): None for
+  each input of `base`, then the cotangents of the tangents."""
   _, spec, resc = base.meta
   n_in = spec.grid_mapping.num_inputs
+  n_primals = base.grid_mapping.num_inputs
+  primals, tangents = args[:n_primals], args[n_primals:]
   ins, recs = list(primals[:n_in]), list(primals[n_in:])
   cs = _finalize(spec, resc, recs, ct_outs)
   nz = list(in_nz[:n_in]) + [False]
-  return reduction_transpose.transpose(resc.fixed, resc.reduction, nz,
-                                       ins + [recs[0]], cs)
+  cts = reduction_transpose.transpose(resc.fixed, resc.reduction, nz,
+                                      ins + [recs[0]], cs)
+  # A cotangent has its tangent's type (its sharding, under jit).
+  return [None] * n_primals + [sharded_like(c, getattr(t, "aval", None))
+                               for c, t in zip(cts, tangents)]

@@ -42,8 +42,8 @@ from dsl.transforms.revisits import (every_step_new, first_visit,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 from dsl.transforms.synchronous_dmas import synchronous_dmas
-from dsl.transforms import (prefetch_state, reduction_transpose,
-                            rescaled_reduction)
+from dsl.transforms import prefetch_state, reduction_transpose
+from dsl.transforms import rescaled_reduction
 from dsl.transforms.dependencies import dependencies
 from dsl.transforms.points import (float_call, overhangs, transposed_point,
                                    zero_past_array)
@@ -59,20 +59,8 @@ def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
     primal_out = pallas_call_p.bind(*primals, spec=spec)
     zeros = [_zero_tangent(bm.array_aval) for bm in gm.out_mappings]
     return primal_out, [False] * len(zeros), [], None, lambda *_: zeros
-  # A rescaled reduction (online softmax): the forward kernel also records
-  # its final running max and states, which its linear kernel takes.
-  resc = rescaled_reduction.find(spec)
-  residuals = list(primals)
-  if resc is not None:
-    outs = pallas_call_p.bind(*primals, spec=rescaled_reduction
-                              .recording_spec(spec, resc))
-    primal_out, recs = outs[:gm.num_outputs], outs[gm.num_outputs:]
-    spec_in = rescaled_reduction.linear_base(spec, resc)
-    in_nz_lin = tuple(in_nz) + (False,) * len(recs)
-    residuals += list(recs)
-  else:
-    primal_out = pallas_call_p.bind(*primals, spec=spec)
-    spec_in, in_nz_lin = spec, tuple(in_nz)
+  primal_out, spec_in, in_nz_lin, residuals = (
+      rescaled_reduction.linearization(spec, in_nz, primals))
   lin = jvp_spec(spec_in, in_nz_lin, meta=("linear", spec_in, in_nz_lin))
 
   def linearized(residuals, _, *tangents):
@@ -554,10 +542,8 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
       ct_outs.append(ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct)
   ct_outs = [jnp.asarray(c).astype(bm.array_aval.dtype) for c, bm in
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
-  if base.meta and base.meta[0] == "rescaled":
-    ct_ins = rescaled_reduction.transpose(base, in_nz, primals, ct_outs)
-    return [None] * n_primals + [sharded_like(c, getattr(t, "aval", None))
-                                 for c, t in zip(ct_ins, tangent_args)]
+  if rescaled_reduction.is_linear_base(base):
+    return rescaled_reduction.transpose(base, in_nz, args, ct_outs)
   recorded = needs_entry_state(base) or any(written_prefetch(base))
   red = None if any(written_prefetch(base)) else reduction_transpose.find(
       base, reads_state=recorded)
