@@ -7,7 +7,11 @@ blocks `i`. A kernel that sums a kv block's contributions over a grid dim
 it stays put along must visit all its sharers along that one dim: the
 grid `(b, h // g, g * nq, j)`, whose third dim `t` walks the group's heads
 and, for each, the q blocks (`h = (h // g) * g + t // nq`, `i = t % nq`),
-as a hand-written dK/dV kernel walks them.
+as a hand-written dK/dV kernel walks them. Under multi-query attention
+(one kv head) the whole heads dim is folded: the kv block stays put along
+one dim of `h * nq` steps, not along two (a scratch accumulator reset at
+the first step of two dims would make the grid plan run every dim in
+order).
 """
 from __future__ import annotations
 
@@ -60,4 +64,15 @@ def grouping(grid, block_indices, const_dims, avoid) -> GroupedGrid | None:
       for size in range(grid[e], 1, -1):     # the largest groups
         if grid[e] % size == 0 and _grouped_by(idx, e, size):
           return GroupedGrid(tuple(grid), e, size, into[-1])
+  return None
+
+
+def folding(grid, const_dims, avoid) -> GroupedGrid | None:
+  """A grid on which no input's blocks stay put along more than one dim
+  (but `avoid`), folding the outer of two such dims into the inner, or
+  None when none does."""
+  for const in const_dims:
+    dims = [e for e in const if e != avoid and grid[e] > 1]
+    if len(dims) > 1:
+      return GroupedGrid(tuple(grid), dims[0], grid[dims[0]], dims[-1])
   return None

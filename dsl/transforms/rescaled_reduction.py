@@ -201,14 +201,10 @@ def find(spec: KernelSpec) -> Rescaled | None:
                                          rescaled, caches, group)
     fixed = make(None)
     red = _without_unit_dims(fixed, reduction_transpose.find(fixed))
-    if red is not None and not _one_block_per_point(fixed, red):
-      fgm = fixed.grid_mapping
-      group = grouped_grid.grouping(
-          fgm.grid, [fgm.block_indices(bm) for bm in fgm.in_mappings],
-          red.const_dims, d)
-      fixed = make(group) if group is not None else None
-      red = fixed and _without_unit_dims(fixed,
-                                         reduction_transpose.find(fixed))
+    group = red and _grouping(fixed, red, d)
+    if group is not None:
+      fixed = make(group)
+      red = _without_unit_dims(fixed, reduction_transpose.find(fixed))
     if (red is None or any(red.identity[k] != k
                            for k in range(len(rescaled)))
         or not _one_block_per_point(fixed, red)):
@@ -230,6 +226,18 @@ def _without_unit_dims(fixed, red):
   grid = fixed.grid_mapping.grid
   return dataclasses.replace(red, const_dims=tuple(
       tuple(e for e in c if grid[e] != 1) for c in red.const_dims))
+
+
+def _grouping(fixed, red, d):
+  """The grouped grid the accumulating kernels of `fixed` need (several
+  points sharing a block along a dim it does not stay put along: grouped
+  kv heads; blocks staying put along two dims: one kv head), or None."""
+  gm = fixed.grid_mapping
+  if not _one_block_per_point(fixed, red):
+    return grouped_grid.grouping(
+        gm.grid, [gm.block_indices(bm) for bm in gm.in_mappings],
+        red.const_dims, d)
+  return grouped_grid.folding(gm.grid, red.const_dims, d)
 
 
 def _one_block_per_point(fixed, red) -> bool:
