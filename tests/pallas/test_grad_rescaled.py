@@ -235,3 +235,16 @@ def test_grouped_kv_heads_are_summed_in_the_dkdv_accumulator(heads, kv_heads):
   for a, w in zip(_attention_grads(f, q, k, v, ct),
                   _attention_grads(_reference(True), q, k, v, ct)):
     np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5)
+
+
+def test_linearize_applies_the_linear_kernel_that_takes_the_records():
+  """`jax.linearize` runs the linear kernel forward: it takes the records
+  as inputs it does not read, and gives the tangents `jax.jvp` gives."""
+  x, y, tx, ty = _data(*[(_ROWS, _COLS)] * 4, seed=4)
+  f = _online("interpret")
+  out, f_jvp = jax.linearize(f, x, y)
+  want_out, want_t = jax.jvp(f, (x, y), (tx, ty))
+  for a, b in zip(out, want_out):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  for a, b in zip(f_jvp(tx, ty), want_t):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
