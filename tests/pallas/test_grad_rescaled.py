@@ -16,7 +16,7 @@ from jax.test_util import check_grads
 
 import dsl as pl
 from dsl.core.inspection import traced_kernel_calls
-from dsl.transforms import rescaled_reduction
+from dsl.transforms import rescaled_reduction, transposed_tiles
 from tests.pallas.testing import CPU_BACKENDS
 
 fa = importlib.import_module("kernels.flash_attention")
@@ -248,3 +248,44 @@ def test_linearize_applies_the_linear_kernel_that_takes_the_records():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   for a, b in zip(f_jvp(tx, ty), want_t):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------- tiles made transposed
+
+def _tile_dots(a, b, c, row):
+  """`p = exp(a b^T - row)`; `p^T c` (p's leading dim contracted) and
+  `(c^T p)^T` (c's leading dim, the result transposed back)."""
+  p = jnp.exp(jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())))
+              - row[:, None])
+  lead = jax.lax.dot_general(p, c, (((0,), (0,)), ((), ())))
+  back = jax.lax.dot_general(c, p, (((0,), (0,)), ((), ()))).T
+  return lead, back
+
+
+def test_dots_contracting_a_tiles_leading_dim_take_it_computed_transposed():
+  """`transposed_tiles`: the tile is computed from `b a^T` and the row
+  broadcast along the other dim, so no dot contracts a leading dim and
+  nothing is transposed; the values stay."""
+  a, b, c = _data((16, 8), (32, 8), (16, 4), seed=5)
+  (row,) = _data((16,), seed=6)
+  closed = jax.make_jaxpr(_tile_dots)(a, b, c, row)
+  new = transposed_tiles.transposed(closed)
+  prims = [e.primitive.name for e in new.jaxpr.eqns]
+  assert "transpose" not in prims
+  for e in new.jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      (lc, _), _ = e.params["dimension_numbers"]
+      assert tuple(lc) == (1,)
+  got = jax.core.eval_jaxpr(new.jaxpr, new.consts, a, b, c, row)
+  want = _tile_dots(a, b, c, row)
+  for x, y in zip(got, want):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_a_leading_contraction_of_an_input_is_left_as_it_is():
+  """A matmul's `dy = x^T c`: `x` is read, not computed from a dot, so
+  making it transposed would move it in memory; the dot stays."""
+  x, c = _data((16, 8), (16, 4), seed=7)
+  closed = jax.make_jaxpr(lambda x, c: jax.lax.dot_general(
+      x, c, (((0,), (0,)), ((), ()))))(x, c)
+  assert transposed_tiles.transposed(closed) is closed
