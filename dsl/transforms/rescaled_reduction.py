@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dsl.core.dtypes import has_tangent
@@ -101,10 +100,10 @@ def _sequential_dim(spec: KernelSpec) -> int | None:
   return n - 1
 
 
-def _step_tags(dj, n_front, m, rescaled, mode="step"):
+def _step_tags(dj, n_front, m, rescaled):
   """The tags of the point function's results (`rescaled_steps`) with
   state `m` the max and `rescaled` the rescaled states, and the context."""
-  ctx = rescaled_steps.Context(mode)
+  ctx = rescaled_steps.Context("step")
   n_states = len(dj.jaxpr.invars) - n_front
   tags = _state_tags(n_front, n_states, m, rescaled)
   got = []
