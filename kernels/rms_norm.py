@@ -87,7 +87,15 @@ def backward(x2, weight, rstd, dy2, *, backend=None, block_rows=None):
       in_specs=[row_spec, pl.BlockSpec((d,), lambda i: (0,)),
                 pl.BlockSpec((br,), lambda i: (i,)), row_spec],
       out_specs=(row_spec, pl.BlockSpec((1, d), lambda i: (i, 0))),
-      backend=backend, name="rms_norm_bwd")(x2, weight, rstd, dy2)
+      backend=backend, name="rms_norm_bwd",
+      # Twice the forward's warps: a thread holds x and dy (at the forward's
+      # count, 205 registers per thread on sm_90; at Triton's default of 4
+      # warps, 3 KB spilled per thread).
+      compiler_params=blocking.triton_params(
+          be, num_warps=tuned.get("num_warps",
+                                  min(16, 2 * blocking.row_warps(d))),
+          num_stages=tuned.get("num_stages")),
+  )(x2, weight, rstd, dy2)
   return dx, jnp.sum(dw, axis=0)
 
 

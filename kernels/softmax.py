@@ -62,11 +62,27 @@ def _col_mask(j, bc: int, cols: int):
 
 # ---------------------------------------------------------------- kernels
 
+@jax.custom_jvp
+def _rows_softmax(x):
+  """Softmax along the last axis of a block."""
+  m = jnp.max(x, axis=-1, keepdims=True)
+  e = jnp.exp(x - m)
+  return e / jnp.sum(e, axis=-1, keepdims=True)
+
+
+@_rows_softmax.defjvp
+def _rows_softmax_jvp(primals, tangents):
+  # Written in the result y, as the backward kernels have it: a derived
+  # backward (jax.grad of `softmax_2d`) reads the saved output instead of
+  # recomputing it from x (docs/transformations.md, "Residuals").
+  (x,), (dx,) = primals, tangents
+  y = _rows_softmax(x)
+  return y, y * (dx - jnp.sum(y * dx, axis=-1, keepdims=True))
+
+
 def _fused_kernel(x_ref, o_ref):
   x = x_ref[...].astype(jnp.float32)
-  m = jnp.max(x, axis=1, keepdims=True)
-  e = jnp.exp(x - m)
-  o_ref[...] = (e / jnp.sum(e, axis=1, keepdims=True)).astype(o_ref.dtype)
+  o_ref[...] = _rows_softmax(x).astype(o_ref.dtype)
 
 
 def _stats_kernel(x_ref, m_ref, l_ref, *, bc: int, cols: int):

@@ -204,7 +204,7 @@ def _block_ref(lowering: TritonHost, bm, base: str, ptr: str, grid_ids,
     lower.append((is_elem and (dim.padding[0] > 0 or dynamic)) or
                  (dynamic and dim is squeezed))
     if dim is squeezed:
-      fixed.append((d, starts[d]))
+      fixed.append(Axis(d, starts[d], 1, 1))
     else:
       # a block index times the block size (Element offsets: anything)
       axes.append(Axis(d, starts[d], 1, size, align=1 if is_elem else size))

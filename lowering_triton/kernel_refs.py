@@ -19,6 +19,7 @@ import math
 from typing import Union
 
 import numpy as np
+from dsl.core import access
 from dsl.core.access import ABOVE, BELOW, RefAccess
 from dsl.core.jax_internals import state_indexing as indexing
 
@@ -69,18 +70,15 @@ def index_sym(idx, size: int) -> Sym:
 
 
 @dataclasses.dataclass(frozen=True)
-class Axis:
-  """A visible axis of a ref: array coordinate `start + step * k`, k < size;
+class Axis(access.Axis):
+  """A visible axis of a ref (the access model's `Axis`, whose `start` is a
+  Sym): array coordinate `start + step * k`, k < size;
   with `lanes` (the source of an int32 array of indices, of shape
   `lanes_shape`), `start + step * lanes[k...]` instead: its dims are dims of
   the result, unless it `rides` on the axis before it (several arrays of
   indices, broadcast to one shape, index several array dims at once). A
   `start` computed at run time is known to be a multiple of `align` (0: it
   is 0)."""
-  dim: int
-  start: Sym
-  step: int
-  size: int
   lanes: str | None = None
   align: int = 1
   wrap: int | None = None        # negative `lanes` count from the end of
@@ -106,7 +104,7 @@ class MemRef:
   dtype: np.dtype
   array_shape: tuple[int, ...]
   strides: tuple[int, ...]
-  fixed: tuple[tuple[int, Sym], ...]    # (array dim, coordinate)
+  fixed: tuple[Axis, ...]        # the array dims an index fixed (size 1)
   axes: tuple[Axis, ...]
   check_upper: tuple[bool, ...]  # per array dim: mask coordinates >= size
   check_lower: tuple[bool, ...]  # per array dim: mask coordinates < 0
@@ -205,12 +203,22 @@ def _start_align(ax: Axis) -> int:
   return ax.start if isinstance(ax.start, int) else ax.align
 
 
+SYMS = access.StartAlgebra(sym_add, sym_mul)
+
+
+def _start_sym(w: access.DimWindow, ax: Axis) -> Sym:
+  if w.kind == access.INDEX:
+    return index_sym(w.start, ax.size)
+  return as_sym(w.start)
+
+
 def apply_indexer(ref: MemRef, indexer, multiples=None,
                   gather: bool = False) -> MemRef:
-  """The window `ref[indexer]` (static; emits nothing); `multiples[k]`: a
-  number index k's start is known to be a multiple of (default 1). An
-  array of indices follows JAX's indexing: negative indices count from the
-  end, and for a read (`gather`) the ones outside are clamped."""
+  """The window `ref[indexer]` (static; emits nothing), composed by the
+  access model (`dsl.core.access.compose`); `multiples[k]`: a number
+  index k's start is known to be a multiple of (default 1). An array of
+  indices follows JAX's indexing: negative indices count from the end,
+  and for a read (`gather`) the ones outside are clamped."""
   if not isinstance(indexer, indexing.NDIndexer):
     raise UnsupportedIndex(f"ref transform {type(indexer).__name__} is not "
                            "supported by the Triton backend")
@@ -218,53 +226,68 @@ def apply_indexer(ref: MemRef, indexer, multiples=None,
   if len(indices) != len(ref.axes):
     raise UnsupportedIndex(f"{len(indices)} indices for a ref of rank "
                            f"{len(ref.axes)}")
-  _check_array_indices(indices)
-  fixed = list(ref.fixed)
-  axes = []
-  gathered = set(ref.gathered)
-  dynamic = set(ref.dynamic)
-  limits = list(ref.limits)
-  narrowed = set(ref.narrowed)
-  multiples = multiples or [1] * len(indices)
-  lead = None                 # the first array of indices
-  at_run_time = run_time_dims(indexer, [ax.size for ax in ref.axes])
-  for k, (ax, idx, mult) in enumerate(zip(ref.axes, indices, multiples)):
-    if ax.lanes is not None:
-      raise UnsupportedIndex("indexing a window of an array of indices again "
-                             "is not supported by the Triton backend")
+  acc = RefAccess.of(indexer, [ax.size for ax in ref.axes], static=_static)
+  _check_array_indices(acc.dims)
+  if any(ax.lanes is not None for ax in ref.axes):
+    raise UnsupportedIndex("indexing a window of an array of indices again "
+                           "is not supported by the Triton backend")
+  lead = []                   # the array dim of the first array of indices
+
+  def lanes_axis(w: access.DimWindow, ax: Axis) -> Axis:
+    lanes = w.start.expr if w.start.dtype == np.int32 else \
+        f"{paren(w.start.expr)}.to(tl.int32)"
+    shape = tuple(int(n) for n in w.start.shape)
+    rides = bool(lead)
+    lead.append(ax.dim)
+    return Axis(ax.dim, ax.start, ax.step, math.prod(shape), lanes=lanes,
+                wrap=ax.size, clamp_to=ax.size if gather else None,
+                lanes_shape=shape, rides=rides)
+  axes, fixed = access.compose(ref.axes, ref.fixed, acc.dims, SYMS,
+                               _start_sym, lanes_axis)
+  return dataclasses.replace(
+      _bookkeeping(ref, acc, gather),
+      fixed=tuple(sorted(fixed, key=lambda f: f.dim)),
+      axes=_with_alignment(ref, acc, axes, multiples or [1] * len(indices)))
+
+
+def _with_alignment(ref: MemRef, acc: RefAccess, axes, multiples) -> tuple:
+  """`axes` (the composed view's) with the multiple each slice's start is
+  known to be (`Axis.align`)."""
+  shown = iter(axes)
+  out = []
+  for ax, w, mult in zip(ref.axes, acc.dims, multiples):
+    if w.kind == access.INDEX:
+      continue
+    new = next(shown)
+    if w.kind == access.SLICE:
+      if w.static_start is not None:
+        mult = w.static_start
+      new = dataclasses.replace(
+          new, align=math.gcd(_start_align(ax), mult * ax.step))
+    out.append(new)
+  return tuple(out)
+
+
+def _bookkeeping(ref: MemRef, acc: RefAccess, gather: bool) -> MemRef:
+  """`ref` with the dims `acc` places at run time (`dynamic`, with the
+  extents they stay in: `limits`), narrows and gathers noted."""
+  gathered, dynamic = set(ref.gathered), set(ref.dynamic)
+  limits, narrowed = list(ref.limits), set(ref.narrowed)
+  at_run_time = acc.leaving_dims(static=False)
+  for k, (ax, w) in enumerate(zip(ref.axes, acc.dims)):
     if k in at_run_time:
       dynamic.add(ax.dim)
       hi = sym_add(ax.start, ax.step * ax.size)
       if (ax.start, hi) != (0, ref.array_shape[ax.dim]):
         limits.append((ax.dim, ax.start, hi, ax.dim not in ref.narrowed))
-    if isinstance(idx, indexing.Slice):
-      start = as_sym(idx.start)
-      if (start, int(idx.size), int(idx.stride)) != (0, ax.size, 1):
-        narrowed.add(ax.dim)
-      if isinstance(start, int):
-        mult = start
-      align = math.gcd(_start_align(ax), mult * ax.step)
-      axes.append(Axis(ax.dim, sym_add(ax.start, sym_mul(start, ax.step)),
-                       ax.step * int(idx.stride), int(idx.size),
-                       align=align))
-    elif isinstance(idx, (int, np.integer)) or (
-        isinstance(idx, TVal) and idx.shape == ()):
-      fixed.append((ax.dim, sym_add(ax.start,
-                                    sym_mul(index_sym(idx, ax.size), ax.step))))
-    else:                     # a vector of indices: a block of pointers
+    if w.kind == access.SLICE and (as_sym(w.start), w.size, w.stride) != (
+        0, ax.size, 1):
+      narrowed.add(ax.dim)
+    elif w.kind == access.INDICES:
       if gather and ax.dim not in ref.dynamic:
         gathered.add(ax.dim)
       narrowed.add(ax.dim)
-      lanes = idx.expr if idx.dtype == np.int32 else \
-          f"{paren(idx.expr)}.to(tl.int32)"
-      shape = tuple(int(n) for n in idx.shape)
-      axes.append(Axis(ax.dim, ax.start, ax.step, math.prod(shape),
-                       lanes=lanes, wrap=ax.size,
-                       clamp_to=ax.size if gather else None,
-                       lanes_shape=shape, rides=lead is not None))
-      lead = ax.dim if lead is None else lead
-  return dataclasses.replace(ref, fixed=tuple(sorted(fixed, key=lambda f: f[0])),
-                             axes=tuple(axes), dynamic=tuple(sorted(dynamic)),
+  return dataclasses.replace(ref, dynamic=tuple(sorted(dynamic)),
                              limits=tuple(limits),
                              narrowed=tuple(sorted(narrowed)),
                              gathered=tuple(sorted(gathered)))
@@ -276,6 +299,12 @@ def _static(x) -> int | None:
   if isinstance(x, TVal):
     return None if x.literal is None else int(x.literal)
   return int(x) if isinstance(x, (int, np.integer)) else None
+
+
+def ref_windows(indexer, shape) -> tuple[access.DimWindow, ...]:
+  """The access model's window of each entry of `indexer` on a ref of
+  `shape`, its values read as the generated kernel knows them."""
+  return RefAccess.of(indexer, shape, static=_static).dims
 
 
 def run_time_dims(indexer, shape) -> set[int]:
@@ -314,11 +343,11 @@ def without_proven_wraps(ref: MemRef, inside) -> MemRef:
   return dataclasses.replace(ref, axes=tuple(axes))
 
 
-def _check_array_indices(indices) -> None:
+def _check_array_indices(dims) -> None:
   """Arrays of indices the Triton backend takes: arrays of one shape (JAX's
   indexers broadcast them to one), among integer indices next to each
   other (so that their dims stay at their place, as numpy places them)."""
-  arrays = [i for i in indices if isinstance(i, TVal) and i.shape]
+  arrays = [w.start for w in dims if w.kind == access.INDICES]
   if not arrays:
     return
   shapes = {tuple(a.shape) for a in arrays}
@@ -326,8 +355,7 @@ def _check_array_indices(indices) -> None:
     raise UnsupportedIndex(f"arrays of indices of shapes {sorted(shapes)} in "
                            "one access: the Triton backend takes arrays "
                            "broadcast to one shape")
-  ints = [k for k, i in enumerate(indices)
-          if not isinstance(i, indexing.Slice)]
+  ints = [k for k, w in enumerate(dims) if w.kind != access.SLICE]
   if ints != list(range(ints[0], ints[-1] + 1)):
     raise UnsupportedIndex("an array of indices separated from the other "
                            "integer indices by a slice moves its dims to the "
@@ -474,7 +502,7 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
                      ref.check_lower[ax.dim])
     inside += _bounds(f"{name}{b}", n, *ref.inside_masks(ax.dim))
     inside += _limits(f"{name}{b}", ref, ax.dim)
-  for d, c in ref.fixed:
+  for d, c in ((f.dim, f.start) for f in ref.fixed):
     if isinstance(c, int):
       offsets.add_scalar(c * ref.strides[d])
     else:
@@ -509,5 +537,5 @@ def emit_address(ctx, ref: MemRef, extra_mask: str | None = None,
 def has_padding_or_bounds(ref: MemRef) -> bool:
   if ref.valid or ref.unproven or ref.padded_shape != ref.shape:
     return True
-  dims = [a.dim for a in ref.axes] + [d for d, _ in ref.fixed]
+  dims = [a.dim for a in ref.axes + ref.fixed]
   return any(ref.check_upper[d] or ref.check_lower[d] for d in dims)

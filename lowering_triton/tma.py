@@ -38,6 +38,7 @@ from jax import lax
 from dsl.core.jax_internals import core, state_indexing as indexing
 
 from dsl.core import primitives as dsl_primitives
+from dsl.core.access import RefAccess
 from dsl.core.operand_layout import eqn_ref_operands
 from lowering_triton.kernel_refs import MemRef, has_padding_or_bounds
 from lowering_triton.values import TVal
@@ -105,8 +106,8 @@ def index_multiples(ctx) -> list[list[int]] | None:
     if not isinstance(t, indexing.NDIndexer):
       return None
     row = []
-    for i in t.indices:
-      start = i.start if isinstance(i, indexing.Slice) else i
+    for w in RefAccess.of(t).dims:
+      start = w.start
       row.append(1 if isinstance(start, int)
                  else known_multiple(ctx.jaxpr, start, known))
     out.append(row)
@@ -162,7 +163,7 @@ def load(ctx, view: MemRef, hint: str) -> TVal | None:
         f"shape={list(view.array_shape)}, strides={list(view.strides)}, "
         f"block_shape={list(shape)})")
   name = lowering.descriptors[key][0]
-  coords = dict(view.fixed)
+  coords = {f.dim: f.start for f in view.fixed}
   coords.update({a.dim: a.start for a in view.axes})
   expr = f"{name}.load([{', '.join(str(coords[d]) for d in range(len(shape)))}])"
   if shape != view.shape:

@@ -286,7 +286,7 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
 
 # "op [variant]" -> (module, the case): every entry runs under -m slow.
 MATRIX: dict[str, tuple[str, Callable[[], Case]]] = {
-    **matrix_tpu.MATRIX, **matrix_gpu.MATRIX}
+    **matrix_tpu.MATRIX, **matrix_gpu.MATRIX, **cases_mgpu.MATRIX}
 
 
 def module_of(case_id: str) -> str:

@@ -1,7 +1,8 @@
 """The cases of Pallas's kernel library written against Pallas's Mosaic GPU
 API (the `*_mgpu` ops, `plgpu`): one cheap shape per op, run on the
-interpret backend's warpgroup interpreter on a simulated GPU of 2 SMs.
-Part of `cases.CASES`.
+interpret backend's warpgroup interpreter on a simulated GPU of 2 SMs
+(part of `cases.CASES`), and bigger variants (part of `cases.MATRIX`);
+the collectives run over the CPU devices of the run.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import types
 import jax
 import jax.numpy as jnp
 
-from benchmarks.pallas_library.case import Case
+from benchmarks.pallas_library.case import Case, vjp_case
 from benchmarks.pallas_library.case import group_sizes as _group_sizes
 from benchmarks.pallas_library.case import rand as _rand
 
@@ -118,6 +119,28 @@ def _attention_mgpu(causal):
               tol=5e-3)
 
 
+def _attention_mgpu_grad(causal):
+  """The cotangents of q, k and v through the op's own custom_vjp: its
+  plgpu backward kernels (dq, and dk/dv), against the reference's. (The op
+  has no causal backward: "Causal attention not supported in the backwards
+  pass yet", in Pallas too.)"""
+  q, k, v = (_f16(i, (1, 256, 1, 64)) for i in range(3))
+
+  def op(m, _, q, k, v):
+    config = m.TuningConfig(
+        block_q=64, block_kv=64, max_concurrent_steps=2, causal=causal,
+        block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64)
+    with simulated_gpu(m):
+      return m.attention(q, k, v, config)
+
+  def reference(m, q, k, v):
+    # In float32: the reference's own float16 backward loses the digits
+    # the comparison needs.
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return m.attention_reference(*f32, causal=causal).astype(q.dtype)
+  return vjp_case(op, reference, (q, k, v), (0, 1, 2), tol=2e-2)
+
+
 def _ragged_dot_mgpu():
   lhs, rhs = _f16(0, (256, 128)), _f16(1, (2, 128, 128))
   sizes = _group_sizes()
@@ -179,6 +202,64 @@ def _collective_matmul_mgpu():
   return Case(_on_gpu(run), lambda m: jnp.dot(lhs, rhs))
 
 
+def _all_gather_variant(gather_dimension=0, dtype=jnp.float32, blocks=2):
+  """Every device's output (stacked along dim 0): the shards of x,
+  concatenated along `gather_dimension`."""
+  x = _rand(0, (8 * 16, 256), dtype)
+
+  def run(m, _):
+    return _on_devices(lambda s: m.all_gather(
+        s, axis_name="x", gather_dimension=gather_dimension,
+        num_blocks=blocks), x, jax.P("x"))
+
+  def reference(m):
+    full = jnp.concatenate(list(x.reshape(8, 16, 256)),
+                           axis=gather_dimension)
+    return jnp.concatenate([full] * 8)
+  return Case(_on_gpu(run), reference)
+
+
+_REDUCE = {"add": jnp.sum, "max": jnp.max,
+           "xor": lambda a, axis: jnp.bitwise_xor.reduce(a, axis=axis)}
+
+
+def _reduce_scatter_variant(reduction="add", scatter_dimension=0,
+                            dtype=jnp.float32):
+  """Every device's output (stacked along dim 0): its part of the
+  reduction over devices (all of it without a scatter dimension)."""
+  if jnp.issubdtype(dtype, jnp.integer):
+    x = jax.random.randint(jax.random.key(0), (8 * 16, 1024), -1000, 1000,
+                           dtype)
+  else:
+    x = _rand(0, (8 * 16, 1024), dtype)
+
+  def run(m, _):
+    return _on_devices(lambda s: m.reduce_scatter(
+        s, axis_name="x", scatter_dimension=scatter_dimension,
+        reduction=reduction, num_blocks=2), x, jax.P("x"))
+
+  def reference(m):
+    full = _REDUCE[reduction](x.reshape(8, 16, 1024), axis=0)
+    if scatter_dimension is None:
+      return jnp.concatenate([full] * 8)
+    if scatter_dimension == 0:
+      return full
+    return full.reshape(16, 8, 128).transpose(1, 0, 2).reshape(128, 128)
+  return Case(_on_gpu(run), reference)
+
+
+def _collective_matmul_variant(m_shard=128, n=256, wg_dimension="N"):
+  lhs, rhs = _f16(0, (8 * m_shard, 128)), _f16(1, (128, n))
+
+  def run(m, _):
+    config = m.hopper_matmul_mgpu.TuningConfig(
+        tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2,
+        wg_dimension=getattr(m.MatmulDimension, wg_dimension))
+    return _on_devices(lambda s: m.all_gather_lhs_matmul(
+        s, rhs, "x", config=config), lhs, jax.P())
+  return Case(_on_gpu(run), lambda m: jnp.dot(lhs, rhs))
+
+
 def _blackwell_matmul_mgpu():
   a, b = _f16(0, (256, 256)), _f16(1, (256, 256))
 
@@ -189,13 +270,15 @@ def _blackwell_matmul_mgpu():
   return Case(_on_gpu(run), lambda m: jnp.dot(a, b))
 
 
-def _blackwell_ragged_dot_mgpu():
-  a, b = _f16(0, (256, 256)), _f16(1, (2, 256, 256))
-  sizes = jnp.array([128, 128], jnp.int32)
+def _blackwell_ragged_dot_mgpu(rows=256, cols=256, sizes=(100, 156)):
+  """collective=True: a cluster of 2 blocks, each with half of every
+  tile; the groups split the tiles' rows unevenly between the blocks."""
+  a, b = _f16(0, (rows, 256)), _f16(1, (len(sizes), 256, cols))
+  sizes = jnp.array(sizes, jnp.int32)
 
   def run(m, _):
     config = m.TuningConfig(tile_m=128, tile_n=128, tile_k=64,
-                            max_concurrent_steps=2, collective=False,
+                            max_concurrent_steps=2, collective=True,
                             grid_tile_width=1,
                             grid_minor_dim=m.blackwell_matmul_mgpu.
                             MatmulDimension.N)
@@ -224,4 +307,27 @@ CASES = {
                                   _blackwell_matmul_mgpu),
     "gpu.blackwell_ragged_dot_mgpu": ("gpu.blackwell_ragged_dot_mgpu",
                                       _blackwell_ragged_dot_mgpu),
+}
+
+# "op [variant]" -> (module, the case): bigger shapes and the collectives'
+# options, part of `cases.MATRIX` (under -m slow).
+MATRIX = {
+    "gpu.attention_mgpu [grad]": ("gpu.attention_mgpu",
+                                  lambda: _attention_mgpu_grad(False)),
+    "gpu.blackwell_ragged_dot_mgpu [3 groups, 512 x 512: 8 tiles]": (
+        "gpu.blackwell_ragged_dot_mgpu",
+        lambda: _blackwell_ragged_dot_mgpu(512, 512, (37, 300, 175))),
+    "gpu.all_gather_mgpu [gather dim 1, bfloat16, 4 blocks]": (
+        "gpu.all_gather_mgpu",
+        lambda: _all_gather_variant(1, jnp.bfloat16, blocks=4)),
+    "gpu.all_gather_mgpu [every device's output]": (
+        "gpu.all_gather_mgpu", _all_gather_variant),
+    "gpu.reduce_scatter_mgpu [all-reduce, max]": (
+        "gpu.reduce_scatter_mgpu",
+        lambda: _reduce_scatter_variant("max", None)),
+    "gpu.reduce_scatter_mgpu [int32 xor, scatter dim 1]": (
+        "gpu.reduce_scatter_mgpu",
+        lambda: _reduce_scatter_variant("xor", 1, jnp.int32)),
+    "gpu.collective_matmul_mgpu [m_shard 128, n 256, warpgroups along n]": (
+        "gpu.collective_matmul_mgpu", _collective_matmul_variant),
 }

@@ -25,7 +25,16 @@ analysis does not prove inside. Who asks:
   backend): a run-time exit gets a check;
 - `lowering_triton.kernel_refs.apply_indexer` and `lowering_triton.rules.state`:
   a run-time exit gets a mask (and a `tl.device_assert` with run-time
-  asserts on), unless the range analysis proves that side inside.
+  asserts on), unless the range analysis proves that side inside;
+- `lowering_mosaic.unchecked_windows` (the Mosaic TPU and GPU lowerings):
+  with run-time asserts on, a run-time exit not proven inside is refused
+  on the hardware, which checks no window.
+
+`compose` is the one composition of a view (its visible `Axis`es and the
+ones an integer index fixed) with an indexer's windows, generic over the
+value of a start (`StartAlgebra`): the range analysis's windows, the
+Triton lowering's `MemRef` and the Mosaic lowerings' views compose
+through it.
 """
 from __future__ import annotations
 
@@ -118,6 +127,13 @@ class DimWindow:
     return self.static_start < 0, self.last >= n
 
 
+def slice_entry(start, size, stride: int = 1):
+  """The indexer entry of the slice window `start + stride * k`, `k <
+  size` (what `pl.ds(start, size, stride)` writes), for code that builds
+  an indexer."""
+  return indexing.Slice(start, size, stride)
+
+
 def _python_slice(idx: slice, n, static: Static) -> DimWindow:
   """A Python slice `a:b:c` on a dim of `n`; None bounds are the dim's
   ends, negative ones count from the end (a run-time bound: unknown)."""
@@ -131,6 +147,61 @@ def _python_slice(idx: slice, n, static: Static) -> DimWindow:
                  stop + n if stop < 0 else stop)
   size = max(0, -(-(stop - start) // step))
   return DimWindow(SLICE, start, size, step, start)
+
+
+# ------------------------------------------------------------------ views
+
+class StartAlgebra(NamedTuple):
+  """How a reader adds and scales the starts of its windows: intervals for
+  the range analysis, symbolic sources for the Triton lowering, MLIR values
+  or ints for the Mosaic lowerings."""
+  add: Callable[[Any, Any], Any]
+  scale: Callable[[Any, int], Any]
+
+
+INTS = StartAlgebra(lambda a, b: a + b, lambda a, k: a * k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """A dim of a view of an array: array dim `dim`, coordinates `start +
+  step * k` for `k < size`. A dim an integer index fixed is an axis of
+  one element (`start`: its coordinate) the view no longer shows. Readers
+  may subclass it with fields of their own; composition keeps them."""
+  dim: int
+  start: Any
+  step: int = 1
+  size: int | None = None
+
+
+def compose(axes: Sequence[Axis], fixed: Sequence[Axis],
+            dims: Sequence[DimWindow], algebra: StartAlgebra,
+            start_of: Callable[[DimWindow, Axis], Any],
+            indices: Callable[[DimWindow, Axis], Axis] | None = None
+            ) -> tuple[tuple[Axis, ...], tuple[Axis, ...]]:
+  """The one composition of a view with an indexer: the (visible axes,
+  fixed axes) of `view[indexer]`, where the view shows `axes` (and has
+  fixed `fixed`) and `dims` are the indexer's windows, one per visible
+  axis. A slice narrows its axis (a strided slice of a strided slice
+  multiplies the strides), an integer index fixes it; `start_of(w, axis)`
+  is a window's start as a value of `algebra`; `indices(w, axis)` is the
+  axis an array of indices makes (the reader's own; None: not taken)."""
+  if len(dims) != len(axes):
+    raise ValueError(f"{len(dims)} indices for a view of rank {len(axes)}")
+  shown, fixed = [], list(fixed)
+  for ax, w in zip(axes, dims):
+    if w.kind == INDICES:
+      if indices is None:
+        raise ValueError("an array of indices on a view that takes none")
+      shown.append(indices(w, ax))
+      continue
+    at = algebra.add(ax.start, algebra.scale(start_of(w, ax), ax.step))
+    if w.kind == SLICE:
+      shown.append(dataclasses.replace(ax, start=at, step=ax.step * w.stride,
+                                       size=w.size))
+    else:
+      fixed.append(dataclasses.replace(ax, start=at, size=1))
+  return tuple(shown), tuple(fixed)
 
 
 class Exit(NamedTuple):

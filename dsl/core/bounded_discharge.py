@@ -138,8 +138,12 @@ def discharge(closed: ClosedJaxpr, should_discharge) -> ClosedJaxpr:
   inner = bound_windows(closed.jaxpr)
   if inner is not closed.jaxpr:
     closed = closed.replace(jaxpr=inner)
+  # lower=False: calls of `jax.custom_jvp` functions stay calls, so that a
+  # derivation differentiates them by their own rules (a softmax's jvp
+  # written in its result); the lowerings inline them.
   out = state_discharge.discharge_state(closed,
                                         should_discharge=should_discharge,
+                                        lower=False,
                                         strip_memory_space=True)
   kept = _rewrite(out.jaxpr, lambda eqn: _ORIGINALS.get(eqn.primitive))
   return out if kept is out.jaxpr else out.replace(jaxpr=kept)

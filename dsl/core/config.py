@@ -92,6 +92,19 @@ poison_buffers_option = bool_option(
     "(NaN for floats) instead of zeros.")
 
 
+# Which InterpreterOptions the mosaic_interpret backend uses (an id set by
+# `lowering_mosaic.interpreter_options`). Defined when dsl is imported, not
+# when the interpreter first runs: a state defined later would change JAX's
+# trace context, so a function jitted before would be traced again.
+mosaic_interpret_options_id = jax_config.int_state(
+    "jax_mosaic_interpret_options", 0,
+    "Internal: which lowering_mosaic.InterpreterOptions the mosaic_interpret "
+    "backend uses (set with lowering_mosaic.interpreter_options).",
+    include_in_jit_key=True, include_in_trace_context=True
+) if _existing("jax_mosaic_interpret_options") is None else _existing(
+    "jax_mosaic_interpret_options")
+
+
 def _late_absl_flags(names) -> None:
   """Makes the order of `import dsl` and JAX's absl set-up not matter.
 

@@ -55,11 +55,11 @@ from jax import dtypes
 from jax import lax
 from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
                                     lax_internal, partial_eval as pe,
-                                    state_indexing as indexing,
                                     state_primitives, state_types)
 import jax.extend.linear_util as lu
 
 from dsl.core import fallbacks, index_forms
+from dsl.core.access import slice_entry
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, call_body, retrace, sub_jaxprs
 from dsl.core.memory import MemorySpace
 from dsl.core.primitives import run_scoped
@@ -128,11 +128,11 @@ def _window(shape, starts, sizes):
   index = []
   for dim, start, size in zip(shape, starts, sizes):
     if size == dim:
-      index.append(indexing.Slice(0, size))
+      index.append(slice_entry(0, size))
       continue
     start = lax.convert_element_type(start, np.int32)
     start = lax.clamp(np.int32(0), start, np.int32(dim - size))
-    index.append(indexing.Slice(start, size))
+    index.append(slice_entry(start, size))
   return tuple(index)
 
 
@@ -167,7 +167,7 @@ def _slice(x, *, start_indices, limit_indices, strides):
            for s, l, st in zip(start_indices, limit_indices, strides)]
   if 0 in sizes:      # an empty result: any window of its shape will do
     return lax.slice(x, [0] * x.ndim, sizes)
-  window = tuple(indexing.Slice(s, n, st)
+  window = tuple(slice_entry(s, n, st)
                  for s, n, st in zip(start_indices, sizes, strides))
 
   def scoped(ref):
@@ -196,7 +196,7 @@ def _pad(x, padding_value, *, padding_config):
           for m, c, t, (_, _, i) in zip(spread, cut, lo, padding_config)]
   x = lax.slice(x, lo, [t + k for t, k in zip(lo, keep)])
   shape = tuple(m + l + h for m, (l, h, _) in zip(spread, padding_config))
-  window = tuple(indexing.Slice(max(0, l), n, i + 1)
+  window = tuple(slice_entry(max(0, l), n, i + 1)
                  for n, (l, _, i) in zip(x.shape, padding_config))
 
   def scoped(ref):

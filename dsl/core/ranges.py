@@ -25,6 +25,8 @@ from dsl.core.jax_internals import (ClosedJaxpr, core,
                                     state_indexing as indexing)
 
 from dsl.core import intervals as iv
+from dsl.core.access import (SLICE, Axis, DimWindow, RefAccess, StartAlgebra,
+                             compose)
 from dsl.core.blockspec import Element, squeezed
 from dsl.core.dynamic_grid import is_dynamic
 from dsl.core.errors import BackendError
@@ -45,32 +47,32 @@ def _scale(a: MaybeInterval, k: int) -> MaybeInterval:
 
 # ------------------------------------------------------------------ windows
 
-@dataclasses.dataclass(frozen=True)
-class Axis:
-  """A visible axis of a ref: array coordinates start + step * k, k < size.
-  `offset` is `start` counted from the first element of the operand's block
-  (None: unknown)."""
-  dim: int
-  start: MaybeInterval
-  offset: MaybeInterval
-  step: int
-  size: int
+def _both(f):
+  return lambda a, b: (f(a[0], b[0]), f(a[1], b[1]))
 
-  def extent(self, base: MaybeInterval) -> MaybeInterval:
-    return _add(base, Interval(0, self.step * max(self.size - 1, 0)))
+
+# A start is a pair (coordinate in the array, the same counted from the
+# first element of the operand's block); a window's start moves both.
+_PAIRS = StartAlgebra(_both(_add),
+                      lambda a, k: (_scale(a[0], k), _scale(a[1], k)))
+
+
+def _extent(base: MaybeInterval, ax: Axis) -> MaybeInterval:
+  return _add(base, Interval(0, ax.step * max(ax.size - 1, 0)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Window:
   """Where the elements of a kernel ref lie in its operand's array: per
-  array dim, a visible axis or a fixed coordinate (a squeezed block dim or
-  an integer index)."""
+  array dim, a visible axis or a fixed one (a squeezed block dim or an
+  integer index), the access model's `Axis` whose start is the pair
+  (coordinate, coordinate counted from the block's start), None where
+  unknown."""
   origin: str                    # "in_specs[0]", "scratch_shapes[1]", ...
   array_shape: tuple[int, ...]
   block_sizes: tuple[int, ...]   # per array dim (squeezed: 1)
   axes: tuple[Axis, ...]
-  fixed: tuple[tuple[int, MaybeInterval, MaybeInterval], ...] = ()
-  # (array dim, coordinate, coordinate counted from the block's start)
+  fixed: tuple[Axis, ...] = ()
   indexed: tuple[tuple[int, bool, bool], ...] = ()
   # (array dim, proven >= 0, proven below the size of the axis it indexes)
   # of each integer index (scalar or array) an indexer put on a dim
@@ -80,41 +82,46 @@ class Window:
     """A ref that is its whole array (scratch, scalar prefetch)."""
     shape = tuple(int(n) for n in shape)
     zero = Interval(0, 0)
-    return cls(origin, shape, shape,
-               tuple(Axis(d, zero, zero, 1, n) for d, n in enumerate(shape)))
+    return cls(origin, shape, shape, tuple(
+        Axis(d, (zero, zero), 1, n) for d, n in enumerate(shape)))
 
   def index(self, indexer) -> "Window | None":
     """The window `ref[indexer]`, None when the indexer is not understood."""
     if not isinstance(indexer, indexing.NDIndexer) or \
         len(indexer.indices) != len(self.axes):
       return None
-    axes, fixed, indexed = [], list(self.fixed), list(self.indexed)
-    for ax, idx in zip(self.axes, indexer.indices):
-      if isinstance(idx, indexing.Slice):
-        start = _index_interval(idx.start, None)
-        if start is None or not isinstance(idx.size, (int, np.integer)):
+    access = RefAccess.of(indexer, [ax.size for ax in self.axes],
+                          static=_static)
+    indexed = list(self.indexed)
+    for ax, w in zip(self.axes, access.dims):
+      if w.kind == SLICE and (w.size is None or
+                              _index_interval(w.start, None) is None):
+        return None
+      if w.kind != SLICE:
+        if _index_interval(w.start, ax.size) is None:
           return None
-        delta = start.scale(ax.step)
-        axes.append(Axis(ax.dim, _add(ax.start, delta), _add(ax.offset, delta),
-                         ax.step * int(idx.stride), int(idx.size)))
-      else:
-        at = _index_interval(idx, ax.size)
-        if at is None:
-          return None
-        delta = at.scale(ax.step)
-        fixed.append((ax.dim, _add(ax.start, delta), _add(ax.offset, delta)))
-        raw = idx if isinstance(idx, Interval) else Interval.const(int(idx))
+        raw = w.start if isinstance(w.start, Interval) else \
+            Interval.const(int(w.start))
         indexed.append((ax.dim, raw.lo >= 0, raw.hi <= ax.size - 1))
-    return dataclasses.replace(self, axes=tuple(axes), fixed=tuple(fixed),
+    axes, fixed = compose(self.axes, self.fixed, access.dims, _PAIRS,
+                          _start_pair)
+    return dataclasses.replace(self, axes=axes, fixed=fixed,
                                indexed=tuple(indexed))
 
   def extents(self) -> dict[int, tuple[MaybeInterval, MaybeInterval]]:
     """Per array dim: (coordinates, coordinates counted from the block's
     start) of every element of the window."""
-    out = {d: (c, o) for d, c, o in self.fixed}
-    for ax in self.axes:
-      out[ax.dim] = (ax.extent(ax.start), ax.extent(ax.offset))
-    return out
+    return {ax.dim: (_extent(ax.start[0], ax), _extent(ax.start[1], ax))
+            for ax in self.fixed + self.axes}
+
+
+def _static(x) -> int | None:
+  return int(x) if isinstance(x, (int, np.integer)) else None
+
+
+def _start_pair(w: DimWindow, ax: Axis) -> tuple:
+  at = _index_interval(w.start, ax.size if w.kind != SLICE else None)
+  return at, at
 
 
 def _index_interval(idx, size: int | None) -> MaybeInterval:
@@ -388,9 +395,9 @@ def _block_window(host: _RangeHost, bm, ids, prefetch) -> Window:
     else:
       start = _scale(idx, int(size))
     if dim is squeezed:
-      fixed.append((d, start, zero))
+      fixed.append(Axis(d, (start, zero), 1, 1))
     else:
-      axes.append(Axis(d, start, zero, 1, int(size)))
+      axes.append(Axis(d, (start, zero), 1, int(size)))
   return Window(bm.origin, shape, tuple(int(s) for s in bm.block_sizes),
                 tuple(axes), tuple(fixed))
 

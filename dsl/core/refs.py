@@ -15,7 +15,7 @@ from dsl.core.jax_internals import (ds, NDIndexer, Slice,
                                     TransformedRef,
                                     state_indexing as indexing)
 
-from dsl.core.access import RefAccess, static_int
+from dsl.core.access import SLICE, DimWindow, RefAccess, static_int
 from dsl.core.errors import KernelError, source_excerpt, user_frame
 
 dslice = ds
@@ -82,17 +82,21 @@ def check_static_indices(indices, shape) -> None:
                + indices[ip + 1:])
   access = RefAccess.of(indices, shape)
   outside = access.leaving_dims(static=True)
-  for dim, (idx, n) in enumerate(zip(indices, shape)):
-    message = _static_error(idx, dim, n, tuple(shape), dim in outside)
+  for dim, (idx, w, n) in enumerate(zip(indices, access.dims, shape)):
+    message = _static_error(idx, w, dim, n, tuple(shape), dim in outside)
     if message is not None:
       _bounds_error(names, message)
 
 
-def _static_error(idx, dim: int, n, shape, outside: bool) -> str | None:
-  """What is wrong with index `idx` on `dim` (of `n`), if anything:
-  `outside` when its window lies outside the ref."""
-  if isinstance(idx, Slice):
-    size = static_int(idx.size)
+def _static_error(idx, w: DimWindow, dim: int, n, shape,
+                  outside: bool) -> str | None:
+  """What is wrong with index `idx` (its window `w`) on `dim` (of `n`), if
+  anything: `outside` when its window lies outside the ref."""
+  if isinstance(idx, slice):
+    return (f"slice {idx.start}:{idx.stop} on dim {dim} is outside the "
+            f"ref's shape {shape}") if outside else None
+  if w.kind == SLICE:
+    size = w.size
     if size is not None and size < 0:
       return (f"pl.ds({_text(idx.start)}, {size}) on dim {dim} has a "
               f"negative size: pl.ds(start, size) takes the window's size "
@@ -103,9 +107,6 @@ def _static_error(idx, dim: int, n, shape, outside: bool) -> str | None:
     if outside:
       return (f"pl.ds({_text(idx.start)}, {size}) on dim {dim} is outside "
               f"the ref's shape {shape}")
-  elif outside and isinstance(idx, slice):
-    return (f"slice {idx.start}:{idx.stop} on dim {dim} is outside the "
-            f"ref's shape {shape}")
   elif outside:
     return f"index {_text(idx)} on dim {dim} is outside the ref's shape {shape}"
   return None
@@ -119,10 +120,10 @@ def past_bounds(ref, indices):
   shape = tuple(ref.shape)
   room = list(shape)
   for dim, idx in enumerate(indices[:len(room)]):
-    if isinstance(idx, Slice):
-      start, size = static_int(idx.start), static_int(idx.size)
-      if start is not None and size is not None:
-        room[dim] = max(room[dim], start + size)
+    w = DimWindow.of(idx, room[dim])
+    if w.kind == SLICE and not isinstance(idx, slice) and \
+        w.static_start is not None and w.size is not None:
+      room[dim] = max(room[dim], w.static_start + w.size)
   indexer = _original_from_indices_shape(NDIndexer, tuple(indices),
                                          tuple(room))
   indexer = dataclasses.replace(indexer, shape=shape, validate=False)

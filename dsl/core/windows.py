@@ -27,14 +27,10 @@ import numpy as np
 from jax import lax
 from dsl.core.jax_internals import state_discharge, state_indexing as indexing
 
-from dsl.core.access import INDICES, SLICE, RefAccess
+from dsl.core.access import INDEX, INDICES, SLICE, RefAccess, slice_entry
 from dsl.core.poison import poison_value
 
 # ------------------------------------------------------------ index kinds
-
-
-def _is_array(i) -> bool:
-  return not isinstance(i, indexing.Slice) and np.ndim(i) > 0
 
 
 def may_leave(indexer, shape) -> bool:
@@ -46,11 +42,14 @@ def may_leave(indexer, shape) -> bool:
           and RefAccess.of(indexer, shape).may_leave())
 
 
-def _fast(indexer) -> bool:
+def _kinds(indexer, shape=None) -> set[tuple[str, int]]:
+  """The (kind, stride) of the windows `indexer` puts on a ref."""
+  return {(w.kind, w.stride) for w in RefAccess.of(indexer, shape).dims}
+
+
+def _fast(indexer, shape) -> bool:
   """Unit-stride slices and scalar indices only."""
-  return all((isinstance(i, indexing.Slice) and i.stride == 1)
-             or (not isinstance(i, indexing.Slice) and not _is_array(i))
-             for i in indexer.indices)
+  return _kinds(indexer, shape) <= {(SLICE, 1), (INDEX, 1)}
 
 
 def _i32(x):
@@ -131,9 +130,8 @@ def _write_fast(x, indexer, val):
 def _static_strided(indexer, shape) -> bool:
   """Slices with a stride, at static starts inside the ref, and static
   scalar indices only."""
-  return (not _fast(indexer) and not may_leave(indexer, shape)
-          and all(isinstance(i, indexing.Slice) or not _is_array(i)
-                  for i in indexer.indices))
+  return (not _fast(indexer, shape) and not may_leave(indexer, shape)
+          and all(k != INDICES for k, _ in _kinds(indexer, shape)))
 
 
 def _write_strided(x, indexer, val):
@@ -176,23 +174,24 @@ def _padded(x, indexer, clamp_arrays: bool = False):
   access = RefAccess.of(indexer, x.shape)
   leaving = access.leaving_dims()
   for d, (i, w, n) in enumerate(zip(indexer.indices, access.dims, x.shape)):
-    if d not in leaving:
+    if d not in leaving:        # the entry stays as it is
       pads.append((0, 0))
       indices.append(i if w.kind == SLICE
                      else np.asarray(w.static_start, np.int32))
     elif w.kind == SLICE:
       room = (w.size - 1) * w.stride + 1
-      start = lax.clamp(np.int32(0), _i32(i.start) + np.int32(room),
+      start = lax.clamp(np.int32(0), _i32(w.start) + np.int32(room),
                         np.int32(n + room))
       pads.append((room, room))
-      indices.append(indexing.Slice(start, i.size, i.stride))
+      indices.append(slice_entry(start, w.size, w.stride))
     elif w.kind == INDICES and clamp_arrays:
       pads.append((0, 0))
-      indices.append(jnp.clip(_wrapped(i, n), 0, n - 1).astype(np.int32))
+      indices.append(jnp.clip(_wrapped(w.start, n), 0, n - 1).astype(
+          np.int32))
     else:
-      i = _wrapped(i, n) if w.kind == INDICES else _i32(i)
+      at = _wrapped(w.start, n) if w.kind == INDICES else _i32(w.start)
       pads.append((1, 1))
-      indices.append(jnp.where((i >= 0) & (i < n), i + 1, 0).astype(
+      indices.append(jnp.where((at >= 0) & (at < n), at + 1, 0).astype(
           np.int32))
   padded = jnp.pad(x, pads, constant_values=poison_value(x.dtype))
   moved = indexing.NDIndexer(tuple(indices), tuple(padded.shape),
@@ -211,7 +210,7 @@ def read_one(x, t):
   where it leaves `x`."""
   if not may_leave(t, x.shape):
     return state_discharge.transform_array(x, [t])
-  if _fast(t):
+  if _fast(t, x.shape):
     return _read_fast(x, t)
   padded, moved, _ = _padded(x, t, clamp_arrays=True)
   return state_discharge.transform_array(padded, [moved])
@@ -224,7 +223,7 @@ def write_one(x, t, val):
     return _write_strided(x, t, val)
   if not may_leave(t, x.shape):
     return state_discharge.transform_swap_array(x, [t], val)[1]
-  if _fast(t):
+  if _fast(t, x.shape):
     return _write_fast(x, t, val)
   padded, moved, pads = _padded(x, t)
   _, new = state_discharge.transform_swap_array(padded, [moved], val)
@@ -251,7 +250,7 @@ def update(x, transforms, new_of_old):
 
 def _has_arrays(transforms) -> bool:
   return any(isinstance(t, indexing.NDIndexer)
-             and any(_is_array(i) for i in t.indices) for t in transforms)
+             and any(k == INDICES for k, _ in _kinds(t)) for t in transforms)
 
 
 def atomic_update(x, transforms, combine, val, mask=None):
@@ -300,7 +299,7 @@ def lanes_inside(shape, indexer):
   the ref, as a bool array of the window's shape (an index of an array of
   indices that a read clamps lies outside)."""
   ones = jnp.ones(shape, jnp.int8)
-  if not may_leave(indexer, shape) or _fast(indexer):
+  if not may_leave(indexer, shape) or _fast(indexer, shape):
     return read_one(ones, indexer) == 1
   padded, moved, _ = _padded(ones, indexer)
   return state_discharge.transform_array(padded, [moved]) == 1

@@ -2,7 +2,9 @@
 as plain JAX ops (`execute.run`), with its run-time checks and waits made
 values first where it has any (dsl.transforms.runtime_checks); inside
 `dsl.profile`, as its own program in a host callback. A `plgpu.kernel`
-runs its warpgroups together in a host callback (`warpgroups.run_kernel`)."""
+runs its warpgroups together in a host callback (`warpgroups.run_kernel`);
+one that talks to other devices inside `shard_map`, with every device's
+warpgroups (`warpgroups.run_devices`, dsl.core.device_launch)."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +13,7 @@ import jax
 import numpy as np
 from dsl.core.jax_internals import config as jax_config, mlir
 
-from dsl.core import config, host_failures
+from dsl.core import config, device_launch, host_failures
 from dsl.tools import profiling
 from dsl.interpret import warpgroups
 from dsl.interpret.execute import run
@@ -22,10 +24,20 @@ from dsl.transforms.window_checks import has_run_time_windows
 def interpret_lowering(ctx, *args, spec):
   """The pallas_call lowering rule of backend "interpret"."""
   if warpgroups.mesh_of(spec) is not None:
-    # A plgpu.kernel: its warpgroups run together, on the host.
+    # A plgpu.kernel: its warpgroups run together, on the host; one that
+    # talks to other devices, with every device of its shard_map.
     warpgroups.check_runnable(spec)
-    fn = _in_callback(functools.partial(warpgroups.run_kernel, spec), spec,
-                      ctx.module_context.axis_context)
+    axis_context = ctx.module_context.axis_context
+    device_axes = (device_launch.mesh_axes_from_context(ctx, spec, True)
+                   if warpgroups.talks_to_devices(spec) else ())
+    if device_axes:
+      fn = device_launch.on_every_device(
+          functools.partial(warpgroups.run_devices, spec, device_axes),
+          spec, device_axes, axis_context,
+          ("plgpu.kernel", id(spec), config.poison_buffers()))
+    else:
+      fn = _in_callback(functools.partial(warpgroups.run_kernel, spec), spec,
+                        axis_context)
     with jax_config._check_vma(False):
       return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
   warpgroups.check_single_programs(spec)

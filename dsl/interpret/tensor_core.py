@@ -13,20 +13,25 @@ against what is in flight too (dsl/interpret/thread_eval.py).
 What stays in flight (so that a missing wait is a `KernelRaceError`, as
 the hardware's asynchrony would make it a wrong answer):
 
-- an MMA or a tensor-core copy, until some warpgroup or warp waits for a
-  barrier phase that its completion arrives on (the barrier it names, or
-  that of a later `tcgen05_commit_arrive` of the same thread): until then
-  it may still read its operands and write its accumulator, so a TMA copy
-  or store into those operands, or a TMEM load or store of the
-  accumulator, races with it;
+- an MMA or a tensor-core copy, for the threads of a block, until some
+  warpgroup or warp of that block waits for a barrier phase that its
+  completion arrives on (the barrier it names, or that of a later
+  `tcgen05_commit_arrive` of the same thread): until then it may still
+  read its operands and write its accumulator, so a TMA copy or store into
+  those operands, or a TMEM load or store of the accumulator, races with
+  it. A collective one (`collective_axis=`) reads and writes both blocks
+  of its pair (dsl/interpret/cluster.py) and stays in flight for each
+  until that block observes its completion (and for any other block, a
+  multicast copy's, until every block it works on has);
 - a TMEM load, until its thread calls `wait_load_tmem`: an MMA or store
   that overwrites what it read races with it;
 - a TMEM store, until its thread calls `commit_tmem`: a load or MMA that
   reads what it wrote races with it.
 
-Retiring an operation at the first wait that observes it, not per thread,
-misses a thread that reads after another thread's wait without itself
-being ordered after it; it never reports a correctly ordered kernel.
+Retiring an operation at the first wait of a block that observes it, not
+per thread, misses a thread that reads after another thread's wait without
+itself being ordered after it; it never reports a correctly ordered
+kernel.
 """
 from __future__ import annotations
 
@@ -34,8 +39,9 @@ import dataclasses
 
 import numpy as np
 
-from dsl.core.errors import BackendError, KernelRaceError
+from dsl.core.errors import KernelRaceError
 from dsl.core.operand_layout import unpack
+from dsl.interpret import cluster
 from dsl.interpret.plgpu_rules import barrier_states, enabled
 from dsl.interpret.thread_eval import TABLE, Cell, read, where, write
 from dsl.mosaic_gpu import tensor_memory as tm
@@ -64,11 +70,14 @@ class Access:
 
 @dataclasses.dataclass(eq=False)
 class TensorOp:
-  """An MMA or tensor-core copy in flight: what it reads and writes, and
-  the (barrier, phase)s whose wait observes its completion."""
+  """An MMA or tensor-core copy in flight: what it reads and writes, the
+  (barrier, phase)s whose wait observes its completion, the blocks it
+  works on that have not observed it yet and those that have."""
   reads: list
   writes: list
+  blocks: set
   observers: set = dataclasses.field(default_factory=set)
+  observed: set = dataclasses.field(default_factory=set)
 
 
 class TensorCore:
@@ -79,10 +88,12 @@ class TensorCore:
     self.loads: list[Access] = []      # TMEM loads not waited for
     self.stores: list[Access] = []     # TMEM stores not committed
 
-  def issue(self, thread, eqn, what, reads, writes) -> None:
+  def issue(self, thread, eqn, what, reads, writes, blocks=None) -> None:
+    """`thread` issues an operation on the cells of `blocks` (its own)."""
     acc = lambda cell, t: Access(cell, region(cell, t), thread, what, eqn)
     self.ops.append(TensorOp([acc(*r) for r in reads],
-                             [acc(*w) for w in writes]))
+                             [acc(*w) for w in writes],
+                             set(blocks or [thread.block])))
 
   def commit(self, thread, barriers) -> None:
     """Arrives on `barriers` once `thread`'s operations so far complete."""
@@ -92,11 +103,14 @@ class TensorCore:
           op.observers.add((b, b.completed))
       b.arrive()
 
-  def observe(self, barrier, phase: int) -> None:
-    """A thread waited for `phase` of `barrier`."""
+  def observe(self, barrier, phase: int, block) -> None:
+    """A thread of `block` waited for `phase` of `barrier`."""
+    for op in self.ops:
+      if (barrier, phase) in op.observers:
+        op.blocks.discard(block)
+        op.observed.add(block)
     if self.ops:
-      self.ops = [op for op in self.ops
-                  if (barrier, phase) not in op.observers]
+      self.ops = [op for op in self.ops if op.blocks]
 
   def check(self, thread, eqn, cell, transforms, *, reads=False,
             writes=False, tensor_core=False) -> None:
@@ -110,6 +124,8 @@ class TensorCore:
       conflicts += [(a, "writes") for a in self.loads]
     if not tensor_core:
       for op in self.ops:
+        if thread.block in op.observed:
+          continue
         conflicts += [(a, verb) for a in op.writes]
         conflicts += [(a, "writes") for a in op.reads] if writes else []
     conflicts = [(a, how) for a, how in conflicts if a.cell is cell]
@@ -134,6 +150,10 @@ def _race(thread, eqn, cell, other: Access, verb: str) -> KernelRaceError:
          "async_store_tmem": "call commit_tmem() after the store"}.get(
              other.what, "wait on the barrier its completion arrives on "
              "(its barrier or a tcgen05_commit_arrive's) first")
+  if other.thread.block != thread.block:
+    fix = ("the blocks of a cluster must order the two (a ClusterBarrier "
+           "the issuer waits on before it issues, or a wait on the barrier "
+           "its completion arrives on)")
   return KernelRaceError(
       thread.kernel, f"{thread.name} {verb} {cell.label} while the "
       f"{other.what} of {other.thread.name} at {where(other.eqn)} is still "
@@ -144,46 +164,63 @@ def tensor_core(thread) -> TensorCore:
   return thread.machine.tensor_core
 
 
-def _refuse_collective(thread, eqn) -> None:
-  if eqn.params["collective_axis"] is not None:
-    raise BackendError(thread.kernel, f"a collective {eqn.primitive.name} "
-                       "(collective_axis=) does not run on the interpret "
-                       "backend yet: a cluster's blocks run apart",
-                       where(eqn), operand="collective_axis")
+def _blocks(thread, eqn) -> list:
+  """The blocks a tcgen05 operation reaches: the pair along its
+  `collective_axis` (leader first), or `thread`'s own block."""
+  axis = eqn.params["collective_axis"]
+  if axis is None:
+    return [thread.block]
+  return thread.machine.cluster.pair(thread, axis, eqn)
 
 
 @TABLE.register(tm.tcgen05_mma_p)
 def _tcgen05_mma(thread, eqn, invals):
+  """`acc (+)= a @ b`; collective: each block of the pair holds its rows
+  of `acc` and `a` and its columns of `b` (the leader's first), and its
+  `acc` gets its rows of `a` times all of `b`."""
   a = unpack(invals, eqn.params["layout"])
-  _refuse_collective(thread, eqn)
   tc = tensor_core(thread)
-  acc, acc_t = a["acc"], a["acc_t"]
-  tc.check(thread, eqn, acc, acc_t, reads=True, writes=True,
-           tensor_core=True)
-  tc.check(thread, eqn, a["a"], a["a_t"], reads=True, tensor_core=True)
-  lhs = read(a["a"], a["a_t"], a["a"].label)
-  rhs = read(a["b"], a["b_t"], a["b"].label)
-  out = np.matmul(lhs, rhs, dtype=acc.array.dtype)
-  if bool(np.asarray(a["accumulate"])):
-    out = read(acc, acc_t, acc.label) + out
-  write(acc, acc_t, out, acc.label)
-  tc.issue(thread, eqn, "tcgen05_mma", [(a["a"], a["a_t"]),
-                                        (a["b"], a["b_t"])], [(acc, acc_t)])
+  blocks = _blocks(thread, eqn)
+  accs, lhss, rhss = (cluster.peers(thread, a[name], blocks)
+                      for name in ("acc", "a", "b"))
+  acc_t, a_t, b_t = a["acc_t"], a["a_t"], a["b_t"]
+  for acc, lhs in zip(accs, lhss):
+    tc.check(thread, eqn, acc, acc_t, reads=True, writes=True,
+             tensor_core=True)
+    tc.check(thread, eqn, lhs, a_t, reads=True, tensor_core=True)
+  rhs = np.concatenate([read(b, b_t, b.label) for b in rhss], axis=1)
+  for acc, lhs in zip(accs, lhss):
+    out = np.matmul(read(lhs, a_t, lhs.label), rhs, dtype=acc.array.dtype)
+    if bool(np.asarray(a["accumulate"])):
+      out = read(acc, acc_t, acc.label) + out
+    write(acc, acc_t, out, acc.label)
+  tc.issue(thread, eqn, "tcgen05_mma",
+           [*((x, a_t) for x in lhss), *((x, b_t) for x in rhss)],
+           [(x, acc_t) for x in accs], blocks)
   if a["barrier"]:
-    tc.commit(thread, barrier_states(a["barrier"], a["barrier_t"]))
+    _commit(thread, eqn, a["barrier"], a["barrier_t"], blocks)
   return []
+
+
+def _commit(thread, eqn, barrier, transforms, blocks) -> None:
+  """Arrives on `barrier` in each of `blocks` once `thread`'s tensor core
+  operations so far complete."""
+  tensor_core(thread).commit(thread, [
+      b for cell in cluster.peers(thread, barrier, blocks)
+      for b in barrier_states(cell, transforms)])
 
 
 @TABLE.register(tm.async_copy_smem_to_tmem_p)
 def _copy_smem_to_tmem(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
-  _refuse_collective(thread, eqn)
   tc = tensor_core(thread)
-  tc.check(thread, eqn, a["dst"], a["dst_t"], writes=True, tensor_core=True)
-  write(a["dst"], a["dst_t"], read(a["src"], a["src_t"], a["src"].label),
-        a["dst"].label)
-  tc.issue(thread, eqn, "async_copy_smem_to_tmem", [(a["src"], a["src_t"])],
-           [(a["dst"], a["dst_t"])])
+  blocks = _blocks(thread, eqn)
+  for src, dst in zip(cluster.peers(thread, a["src"], blocks),
+                      cluster.peers(thread, a["dst"], blocks)):
+    tc.check(thread, eqn, dst, a["dst_t"], writes=True, tensor_core=True)
+    write(dst, a["dst_t"], read(src, a["src_t"], src.label), dst.label)
+    tc.issue(thread, eqn, "async_copy_smem_to_tmem", [(src, a["src_t"])],
+             [(dst, a["dst_t"])], blocks)
   return []
 
 
@@ -191,8 +228,10 @@ def _copy_smem_to_tmem(thread, eqn, invals):
 def _commit_arrive(thread, eqn, invals):
   a = unpack(invals, eqn.params["layout"])
   if enabled(a):
-    tensor_core(thread).commit(thread, barrier_states(a["barrier"],
-                                                      a["barrier_t"]))
+    blocks = ([thread.block] if eqn.params["collective_axis"] is None else
+              thread.machine.cluster.group(
+                  thread, (eqn.params["collective_axis"],), eqn))
+    _commit(thread, eqn, a["barrier"], a["barrier_t"], blocks)
   return []
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 from typing import Any, Callable
 
 import jax
@@ -35,28 +36,33 @@ import numpy as np
 from jax import tree_util
 
 from dsl.core import checks, primitives
+from dsl.core.access import INDEX, SLICE, DimWindow
 from dsl.core.errors import (BackendError, KernelCheckError, KernelError,
                              source_info_frame)
-from dsl.core.jax_internals import (ClosedJaxpr, NDIndexer, Slice, core,
+from dsl.core.jax_internals import (ClosedJaxpr, NDIndexer, core,
                                     lax_control_flow as cf, state_primitives,
                                     state_types)
 from dsl.core.jaxpr_walk import (CALL_PRIMITIVES, RuleTable, call_body,
                                  sub_jaxprs)
 from dsl.core.normalize import scan_layout
 from dsl.core.operand_layout import ref_operands
+from dsl.mosaic_gpu.multi_device import PeerMemRef
 
 TABLE = RuleTable("the warpgroup interpreter")
 
 
 class Cell:
   """The storage of one ref: `array` (numpy), and for mbarriers the state
-  of each (`barriers`, indexed by the flat id `array` holds)."""
-  __slots__ = ("array", "barriers", "label")
+  of each (`barriers`, indexed by the flat id `array` holds). A ref in
+  global memory has a copy on every device of the launch: `copies`
+  (dsl/interpret/devices.py), which a `plgpu.remote_ref` reaches."""
+  __slots__ = ("array", "barriers", "label", "copies")
 
   def __init__(self, array: np.ndarray, label: str = "", barriers=None):
     self.array = array
     self.barriers = barriers
     self.label = label
+    self.copies = None
 
 
 @dataclasses.dataclass
@@ -66,6 +72,11 @@ class Blocked:
   ready: Callable[[], bool]
   what: str
   eqn: Any
+
+
+# The warpgroup and equation being evaluated now (in this host thread):
+# what an access of memory is attributed to (dsl/interpret/device_races.py).
+running = threading.local()
 
 
 def where(eqn) -> str | None:
@@ -80,15 +91,16 @@ def _index(dim: int, idx, what: str, through: bool = False):
   (`x.at[pl.ds(start, k)]` then a block of it), which may reach past the
   end of its dim as on the hardware: only what is accessed through it must
   lie inside (the later transforms index the view, cut at the dim's end)."""
-  if isinstance(idx, Slice):
-    start, size, stride = int(idx.start), int(idx.size), int(idx.stride)
+  w = DimWindow.of(idx, dim)
+  if w.kind == SLICE:
+    start, size, stride = int(w.start), w.size, w.stride
     last = start + (size - 1) * stride if size else start
     if start < 0 or (size and last >= dim and not through):
       raise IndexError(f"{what}: the window {start}:{start + size * stride}"
                        f" lies outside a dim of size {dim}")
     return slice(start, start + size * stride, stride)
-  arr = np.asarray(idx)
-  if arr.ndim == 0:
+  arr = np.asarray(w.start)
+  if w.kind == INDEX:
     i = int(arr)
     if not 0 <= i < dim:
       raise IndexError(f"{what}: index {i} is outside a dim of size {dim}")
@@ -113,10 +125,34 @@ def _apply(x: np.ndarray, transform, what: str, through: bool = False):
                      "the warpgroup interpreter")
 
 
+def on_device(cell: Cell, transforms) -> tuple[Cell, tuple]:
+  """The cell a ref's transforms reach (the copy on a peer device after a
+  `plgpu.remote_ref`) and its other transforms."""
+  transforms = tuple(transforms or ())
+  peers = [t for t in transforms if isinstance(t, PeerMemRef)]
+  if not peers:
+    return cell, transforms
+  if cell.copies is None:
+    raise ValueError(f"plgpu.remote_ref of {cell.label}: only refs in "
+                     "global memory (the kernel's operands, its "
+                     "semaphores) have a copy on each device")
+  rest = tuple(t for t in transforms if not isinstance(t, PeerMemRef))
+  return cell.copies.on_peer(cell, peers[-1]), rest
+
+
+def _accessed(cell: Cell, transforms, writes: bool) -> None:
+  """Records an access of a ref in global memory, where races between
+  devices are checked."""
+  copies = cell.copies
+  if copies is not None and copies.races is not None:
+    copies.races.access(cell, copies.device_of(cell), transforms, writes)
+
+
 def view(cell: Cell, transforms, what: str = "ref") -> np.ndarray:
   """The numpy view of `cell` that `transforms` select."""
+  cell, transforms = on_device(cell, transforms)
+  _accessed(cell, transforms, writes=False)
   x = cell.array
-  transforms = tuple(transforms or ())
   for k, t in enumerate(transforms):
     x = _apply(x, t, what, through=k < len(transforms) - 1)
   return x
@@ -138,7 +174,9 @@ def _check_view(x: np.ndarray, cell: Cell, what: str) -> np.ndarray:
 
 def write(cell: Cell, transforms, value, what: str = "ref") -> None:
   """Writes `value` where `transforms` select in `cell`."""
-  transforms = list(transforms or ())
+  cell, transforms = on_device(cell, transforms)
+  _accessed(cell, transforms, writes=True)
+  transforms = list(transforms)
   base = cell.array
   for t in transforms[:-1]:
     base = _check_view(_apply(base, t, what, through=True), cell, what)
@@ -278,6 +316,7 @@ def _eval_eqn(thread, eqn, invals):
                        "supported by the interpret backend's warpgroup "
                        "interpreter", where(eqn), operand=eqn.primitive.name)
   try:
+    running.thread, running.eqn = thread, eqn
     out = rule(thread, eqn, invals)
     if inspect.isgenerator(out):
       out = yield from out

@@ -18,7 +18,9 @@ Memory: the kernel's operands are GMEM, shared by every block; outputs start
 as poison (as on every host backend), or as the aliased input. A
 `run_scoped` allocation belongs to its warpgroup, or, with
 `collective_axes=thread axis`, to its block: the k-th time each warpgroup
-of a block enters that `run_scoped` they share one allocation. Fresh
+of a block enters that `run_scoped` they share one allocation
+(dsl/interpret/cluster.py keeps them, so that the blocks of a CTA cluster,
+which run together, find each other's). Fresh
 allocations hold poison under `jax_pallas_poison_buffers`, zeros otherwise;
 accumulators (`plgpu.ACC`) start at zero. `pl.get_global` gives one ref per
 call site for the whole launch.
@@ -29,22 +31,20 @@ import itertools
 import math
 
 import numpy as np
-from jax import lax
 
 from dsl.core import config
 from dsl.core.errors import BackendError, KernelDeadlockError
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.poison import poison_value
 from dsl.core.primitives import run_scoped_p
-from dsl.core.semaphores import DeviceIdType, is_semaphore_aval
+from dsl.core.semaphores import is_semaphore_aval
 from dsl.core.state_scopes import get_global_p
-from dsl.interpret import plgpu_rules
+from dsl.interpret import cluster, devices, plgpu_rules, semaphores  # noqa: F401 -- their rules
+from dsl.interpret.devices import DeviceMesh, GlobalMemory
 from dsl.interpret.tensor_core import TensorCore
 from dsl.interpret.thread_eval import TABLE, Blocked, Cell, eval_jaxpr, where
-from dsl.mosaic_gpu import multi_device
 from dsl.mosaic_gpu.kernel import Mesh
 from dsl.mosaic_gpu.scheduling import WARPS_PER_WARPGROUP, warp_map_p
-from dsl.tpu import primitives as tp
 from dsl.mosaic_gpu.memory import (BarrierSpace, is_accumulator_aval,
                                    is_barrier_aval)
 
@@ -62,7 +62,7 @@ def allocate(aval, label: str) -> Cell:
     space: BarrierSpace = aval.memory_space
     n = math.prod(shape)
     return Cell(np.arange(n, dtype=np.int32).reshape(shape), label,
-                [plgpu_rules.BarrierState(space.num_arrivals)
+                [plgpu_rules.BarrierState(space.num_arrivals, space)
                  for _ in range(n)])
   poison = (config.poison_buffers() and not is_accumulator_aval(aval)
             and not is_semaphore_aval(aval))
@@ -77,10 +77,11 @@ class Thread:
   def __init__(self, machine: "Machine", coords: tuple[int, ...]):
     self.machine = machine
     self.kernel = machine.kernel
-    self.coords = coords
+    self.coords = self.place = coords
     self.block = coords[:machine.block_rank]
     self.name = (f"warpgroup {coords[machine.block_rank:] or (0,)} of block "
-                 f"{self.block}")
+                 f"{self.block}{machine.on_device}")
+    self.tid = self.clock = None     # dsl/interpret/device_races.py
     self.waits: dict = {}
     self.entries: dict = {}
     self.blocked = None
@@ -106,7 +107,9 @@ class Warp(Thread):
   def __init__(self, group: Thread, index: int, jaxpr, invals):
     self.machine, self.kernel = group.machine, group.kernel
     self.coords, self.block = group.coords, group.block
+    self.place = (*group.coords, index)
     self.name = f"warp {index} of {group.name}"
+    self.tid, self.clock = group.tid, group.clock
     self.waits = dict(group.waits)
     self.entries: dict = {}
     self.blocked = None
@@ -135,51 +138,58 @@ def _warp_map(thread: Thread, eqn, invals):
 
 
 class Machine:
-  """One launch of a `plgpu.kernel`: its shared memory and warpgroups."""
+  """One device's part of a launch of a `plgpu.kernel`: its shared memory
+  and warpgroups; `memory`, the global memory of every device."""
 
-  def __init__(self, spec, mesh: Mesh):
+  def __init__(self, spec, mesh: Mesh, memory: GlobalMemory | None = None,
+               device: int = 0):
     self.spec = spec
     self.kernel = spec.name
     self.mesh = mesh
+    self.memory = memory or GlobalMemory(DeviceMesh(), spec.name)
+    self.device = device
+    self.on_device = (f" on device {device}" if self.memory.mesh.size > 1
+                      else "")
     self.block_rank = mesh.block_rank
     self.threads_per_block = mesh.num_threads or 1
     self.thread_axes = (() if mesh.thread_name is None
                         else (mesh.thread_name,))
-    self.shared: dict = {}
-    self.globals: dict = {}
+    self.cluster = cluster.Cluster(self.kernel, mesh)
+    self.allocations = cluster.Allocations(self.allocate, self.cluster,
+                                           self.block_rank)
     self.tensor_core = TensorCore()
 
-  def run(self, operands) -> list[np.ndarray]:
+  def allocate(self, aval, label: str, key) -> Cell:
+    """A fresh ref of `aval`; a semaphore lies in global memory, with a
+    copy on every device (`key`: which allocation it is, on each)."""
+    if is_semaphore_aval(aval):
+      return self.memory.cell(key, self.device,
+                              lambda: allocate(aval, label))
+    return allocate(aval, label)
+
+  def start(self, ins: list[Cell], outs: list[Cell]) -> list[Thread]:
+    """The warpgroups of this device, on its operands in global memory."""
     spec, gm = self.spec, self.spec.grid_mapping
     labels = gm.split(spec.ref_labels())
-    ins = [Cell(np.array(x), label)
-           for x, label in zip(operands, labels.inputs)]
-    aliases = dict((o, i) for i, o in spec.input_output_aliases)
-    outs = []
-    for k, aval in enumerate(gm.out_avals):
-      label = labels.outputs[k]
-      if k in aliases:
-        outs.append(Cell(np.array(operands[aliases[k]]), label))
-      else:
-        outs.append(Cell(np.full(aval.shape, poison_value(aval.dtype),
-                                 aval.dtype), label))
-    scratch = {}
     jaxpr = spec.jaxpr
-    threads = []
+    threads, scratch = [], {}
     for coords in itertools.product(*(range(n) for n in gm.grid)):
       th = Thread(self, coords)
-      block = th.block
-      if block not in scratch:
-        scratch[block] = [allocate(a, label) for a, label
-                          in zip(gm.scratch_avals, labels.scratch)]
+      if self.memory.races is not None:
+        self.memory.races.enter(th)
+      if th.block not in scratch:
+        scratch[th.block] = [
+            self.allocate(a, label, ("scratch", th.block, k))
+            for k, (a, label) in enumerate(zip(gm.scratch_avals,
+                                               labels.scratch))]
       ids = [np.int32(c) for c in coords]
       th.routine = eval_jaxpr(th, jaxpr.jaxpr, jaxpr.consts,
-                              [*ids, *ins, *outs, *scratch[block]])
+                              [*ids, *ins, *outs, *scratch[th.block]])
       threads.append(th)
-    self._schedule(threads)
-    return [c.array for c in outs]
+    return threads
 
-  def _schedule(self, threads: list[Thread]) -> None:
+  def schedule(self, threads: list[Thread]) -> None:
+    """Runs `threads` (of every device) in turn until all end."""
     while True:
       moved = False
       for th in threads:
@@ -222,32 +232,19 @@ def _run_scoped(thread: Thread, eqn, invals):
                        "the interpret backend shares allocations along the "
                        f"thread axis {machine.thread_axes} only", where(eqn),
                        operand="collective_axes")
-  if axes:
-    n = thread.entries.get(id(eqn), 0)
-    thread.entries[id(eqn)] = n + 1
-    key = (thread.block, id(eqn), n)
-    entry = machine.shared.get(key)
-    if entry is None:
-      entry = machine.shared[key] = [
-          [allocate(a, label) for a, label in zip(avals, labels)], 0]
-    cells = entry[0]
-  else:
-    cells = [allocate(a, label) for a, label in zip(avals, labels)]
+  owners = machine.threads_per_block if axes else 1
+  key, cells = machine.allocations.enter(thread, eqn, avals, labels, owners)
   outs = yield from eval_jaxpr(thread, jaxpr, (), [*invals, *cells])
-  if axes:
-    entry[1] += 1
-    if entry[1] == machine.threads_per_block:
-      del machine.shared[key]
+  machine.allocations.exit(key)
   return outs
 
 
 @TABLE.register(get_global_p)
 def _get_global(thread: Thread, eqn, invals):
-  cells = thread.machine.globals
-  if id(eqn) not in cells:
-    cells[id(eqn)] = allocate(eqn.params["what"],
-                              f"get_global at {where(eqn)}")
-  return [cells[id(eqn)]]
+  machine = thread.machine
+  return [machine.memory.cell(
+      ("global", id(eqn)), machine.device,
+      lambda: allocate(eqn.params["what"], f"get_global at {where(eqn)}"))]
 
 
 def check_runnable(spec) -> None:
@@ -260,48 +257,12 @@ def check_runnable(spec) -> None:
     raise BackendError(spec.name, "a plgpu.kernel derived by jax.vmap, "
                        "jax.jvp or jax.grad does not run on the interpret "
                        "backend yet", spec.where)
-  _check_one_device(spec)
 
 
-# multi-device primitive -> what it does
-_MULTI_DEVICE = {
-    multi_device.multimem_store_p: "stores to every device",
-    multi_device.multimem_load_reduce_p: "reduces the loads of every device",
-    multi_device.semaphore_signal_multicast_p: "signals every device",
-    tp.semaphore_signal_p: "signals a peer device (device_id=...)",
-    lax.axis_index_p: "reads the device's index along a shard_map axis",
-}
-
-
-def _talks_to_devices(eqn, mesh_names) -> bool:
-  if eqn.primitive is lax.axis_index_p:
-    return eqn.params["axis_name"] not in mesh_names
-  if eqn.primitive is tp.semaphore_signal_p:
-    return bool(eqn.params["mesh_axes"] or eqn.params["device_id_type"]
-                is not DeviceIdType.MESH)
-  return eqn.primitive in _MULTI_DEVICE
-
-
-def _check_one_device(spec) -> None:
-  """The warpgroup interpreter runs the blocks of one device: a kernel
-  that talks to other devices (Pallas's collectives) is refused at the
-  first primitive that does, by name (Pallas's GPU interpret mode cannot
-  run them either); backend="mosaic_gpu" lowers them."""
-  names = set(mesh_of(spec).shape)
-
-  def visit(jaxpr):
-    for eqn in jaxpr.eqns:
-      if _talks_to_devices(eqn, names):
-        raise BackendError(
-            spec.name, f"{eqn.primitive.name} {_MULTI_DEVICE[eqn.primitive]}"
-            ": the interpret backend runs the warpgroups of one device, so "
-            "kernels that talk to other devices do not run there (Pallas's "
-            "GPU interpret mode cannot run them either); "
-            "backend='mosaic_gpu' lowers them", where(eqn) or spec.where,
-            operand=eqn.primitive.name)
-      for sub in sub_jaxprs(eqn.params):
-        visit(sub)
-  visit(spec.jaxpr.jaxpr)
+def talks_to_devices(spec) -> bool:
+  """Whether a `plgpu.kernel` runs with every device of its shard_map
+  (it reads its device's index or reaches another device)."""
+  return devices.talks_to_devices(spec.jaxpr.jaxpr, set(mesh_of(spec).shape))
 
 
 def check_single_programs(spec) -> None:
@@ -318,6 +279,33 @@ def check_single_programs(spec) -> None:
   visit(spec.jaxpr.jaxpr)
 
 
+def run_devices(spec, device_axes, per_device) -> list[list[np.ndarray]]:
+  """Runs the `plgpu.kernel` of `spec` on every device of the mesh
+  `device_axes` ((name, size), ...) together; `per_device`: each
+  device's numpy operands. Each device's outputs."""
+  gm = spec.grid_mapping
+  memory = GlobalMemory(DeviceMesh(device_axes), spec.name)
+  n = memory.mesh.size
+  labels = gm.split(spec.ref_labels())
+  aliases = dict((o, i) for i, o in spec.input_output_aliases)
+  ins = [memory.share([Cell(np.array(ops[k]), label) for ops in per_device])
+         for k, label in enumerate(labels.inputs)]
+  outs = []
+  for k, aval in enumerate(gm.out_avals):
+    outs.append(memory.share([
+        Cell(np.array(per_device[d][aliases[k]]) if k in aliases else
+             np.full(aval.shape, poison_value(aval.dtype), aval.dtype),
+             labels.outputs[k]) for d in range(n)]))
+  machines = [Machine(spec, mesh_of(spec), memory, d) for d in range(n)]
+  threads = [th for d, m in enumerate(machines)
+             for th in m.start([c[d] for c in ins], [c[d] for c in outs])]
+  machines[0].schedule(threads)
+  if memory.races is not None:
+    memory.races.finish()
+  return [[c[d].array for c in outs] for d in range(n)]
+
+
 def run_kernel(spec, *arrays) -> list[np.ndarray]:
   """Runs the `plgpu.kernel` of `spec` on numpy operands; its outputs."""
-  return Machine(spec, mesh_of(spec)).run([np.asarray(a) for a in arrays])
+  (outs,) = run_devices(spec, (), [[np.asarray(a) for a in arrays]])
+  return outs

@@ -193,10 +193,12 @@ class BarrierSpace:
   """The memory space of an array of mbarriers: a phase of each completes
   when `num_arrivals` arrivals (a `barrier_arrive`, or a TMA copy that
   names it) have been made; with `collective_axes`, the arrivals come from
-  the blocks of a cluster."""
+  the blocks of a cluster (`leader_tracked`: they all arrive on the
+  leader's)."""
   num_arrivals: int
   orders_tensor_core: bool = False
   collective_axes: tuple[Hashable, ...] = ()
+  leader_tracked: bool = False
 
   def __str__(self):
     return "barrier"
@@ -254,7 +256,7 @@ class ClusterBarrier:
     return state_types.AbstractRef(
         core.ShapedArray(self.num_barriers, jnp.int32),
         memory_space=BarrierSpace(self.num_arrivals, self.orders_tensor_core,
-                                  self.collective_axes))
+                                  self.collective_axes, self.leader_tracked))
 
 
 # ------------------------------------------------------------- accumulators

@@ -16,10 +16,8 @@ whose memory is symmetric (NVSHMEM).
 
 They are primitives with abstract evals, so kernels that use them trace;
 backend "mosaic_gpu" lowers them as Pallas does (docs/mosaic-gpu.md,
-"Collectives"); the interpret backend runs the warpgroups of one device and
-refuses a kernel that talks to other devices (naming the primitive and the
-line): running several devices' kernels against each other is not built
-yet.
+"Collectives"); the interpret backend runs every device's warpgroups
+together inside `shard_map` (dsl/interpret/devices.py).
 """
 from __future__ import annotations
 

@@ -116,9 +116,12 @@ def _normalize_device_id(device_id, device_id_type):
 
 # ------------------------------------------------------------ remote helpers
 
-def logical_device_id(device_id, device_id_type, device_id_axes, mesh_axes):
+def logical_device_id(device_id, device_id_type, device_id_axes, mesh_axes,
+                      index_of=lax.axis_index):
   """The linear id (row-major over the mesh) of a device_id, as a traced
-  int32; axes missing from a dict device id keep this device's coordinate."""
+  int32; axes missing from a dict device id keep this device's coordinate
+  (`index_of(axis name)`: the warpgroup interpreter, which runs every
+  device on the host, passes each device's own)."""
   vals = list(device_id)
   if device_id_type == DeviceIdType.LOGICAL or not mesh_axes:
     return vals[0] if vals else jnp.int32(0)
@@ -127,7 +130,7 @@ def logical_device_id(device_id, device_id_type, device_id_axes, mesh_axes):
   if device_id_axes is None:
     if len(vals) == 1 and len(names) > 1:
       # one coordinate for a multi-axis mesh: the last (minor) axis.
-      coords = [lax.axis_index(n) for n in names[:-1]] + vals
+      coords = [index_of(n) for n in names[:-1]] + vals
     elif len(vals) != len(names):
       raise KernelError(None, f"device_id has {len(vals)} coordinates "
                         f"but the mesh has axes {names}", user_frame())
@@ -139,7 +142,7 @@ def logical_device_id(device_id, device_id_type, device_id_axes, mesh_axes):
       if a not in names:
         raise KernelError(None, f"device_id names axis {a!r}, which is "
                           f"not a mesh axis ({names})", user_frame())
-    coords = [given[n] if n in given else lax.axis_index(n) for n in names]
+    coords = [given[n] if n in given else index_of(n) for n in names]
   lin = jnp.int32(0)
   for c, s in zip(coords, sizes):
     lin = lin * s + jnp.asarray(c, jnp.int32)

@@ -72,6 +72,15 @@ def derived_spec(spec: KernelSpec, body, args, out_shapes, *, grid, in_specs,
                          launch_inherited=suffix in REVERSE_MODE_SUFFIXES)
 
 
+def with_semantics(spec: KernelSpec, semantics):
+  """`spec`'s compiler params with `dimension_semantics` for a derived
+  grid (when the params have that field and set it)."""
+  cp = spec.compiler_params
+  if getattr(cp, "dimension_semantics", None) is None:
+    return cp
+  return dataclasses.replace(cp, dimension_semantics=tuple(semantics))
+
+
 def eval_ref_jaxpr(jaxpr: ClosedJaxpr, *args):
   return core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 

@@ -44,10 +44,12 @@ def _jvp_jaxpr(spec: KernelSpec, nonzeros):
                       e.operand) from e
 
 
-def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
+def jvp_spec(spec: KernelSpec, in_nz, meta=(), saved=()) -> KernelSpec:
   """The kernel that computes primal and tangent outputs together.
 
-  Operands: (*prefetch, *inputs, *tangents of in_nz inputs);
+  Operands: (*prefetch, *inputs, *saved, *tangents of in_nz inputs), where
+  `saved` (BlockMappings of the kernel's outputs) are arrays it does not
+  read: residuals its transpose reads (`residuals.saved_outputs`);
   outputs: (*outputs, *tangents of float outputs).
   """
   gm = spec.grid_mapping
@@ -56,17 +58,18 @@ def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
   nonzeros = ([False] * (n_grid + gm.num_scalar_prefetch) + list(in_nz)
               + out_nz + scr_nz)
   jj = _jvp_jaxpr(spec, nonzeros)
-  layout = (gm.ref_layout().insert("inputs", tangent_inputs=sum(in_nz))
+  layout = (gm.ref_layout().insert("inputs", saved=len(saved),
+                                   tangent_inputs=sum(in_nz))
             .insert("outputs", tangent_outputs=sum(out_nz))
             .insert("scratch", tangent_scratch=sum(scr_nz)))
 
   def body(*refs):
     ids = [program_id(d) for d in range(n_grid)]
-    _, pf, ins, tins, outs, touts, scr, tscr = layout.split(refs)
+    _, pf, ins, _, tins, outs, touts, scr, tscr = layout.split(refs)
     eval_ref_jaxpr(jj, *ids, *pf, *ins, *outs, *scr, *tins, *touts, *tscr)
 
-  in_maps = list(gm.in_mappings)
-  tin_maps = [bm for bm, nz in zip(in_maps, in_nz) if nz]
+  in_maps = list(gm.in_mappings) + list(saved)
+  tin_maps = [bm for bm, nz in zip(gm.in_mappings, in_nz) if nz]
   out_maps = list(gm.out_mappings)
   tout_maps = [bm for bm, nz in zip(out_maps, out_nz) if nz]
   args = ([sds(a.inner_aval) for a in gm.prefetch_avals]
@@ -78,17 +81,18 @@ def jvp_spec(spec: KernelSpec, in_nz, meta=()) -> KernelSpec:
   return derived_spec(spec, body, args, out_shapes, grid=gm.grid,
                       in_specs=[spec_of(bm) for bm in in_maps + tin_maps],
                       out_specs=[spec_of(bm) for bm in out_maps + tout_maps],
-                      scratch=scratch, aliases=_tangent_aliases(spec, in_nz,
-                                                                out_nz),
+                      scratch=scratch, aliases=_tangent_aliases(
+                          spec, in_nz, out_nz, len(saved)),
                       suffix="jvp", meta=meta)
 
 
-def _tangent_aliases(spec: KernelSpec, in_nz, out_nz) -> dict[int, int]:
+def _tangent_aliases(spec: KernelSpec, in_nz, out_nz,
+                     n_saved: int = 0) -> dict[int, int]:
   """The kernel's aliases, and the tangent of an aliased input aliased to
   the tangent of its output where both have one."""
   gm = spec.grid_mapping
   operands = gm.call_layout().only("prefetch", "inputs").insert(
-      "inputs", tangents=sum(in_nz))
+      "inputs", saved=n_saved, tangents=sum(in_nz))
   outputs = KernelLayout.of(outputs=gm.num_outputs, tangents=sum(out_nz))
   tin_pos = dict(zip((k for k, nz in enumerate(in_nz) if nz),
                      operands.positions("tangents")))

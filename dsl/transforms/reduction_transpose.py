@@ -23,7 +23,9 @@ one reduction: the one the epilogue gives it, `c`. So:
   dims applies every step's transposed map to `c` and sums the cotangents:
   its grid visits those dims innermost (they become its reduction, with an
   accumulator in scratch), so `dx = c @ y.T` is a matmul kernel over a
-  reduction of its own, as one writes it by hand.
+  reduction of its own, as one writes it by hand; where its step is a
+  contraction of whole blocks, over tiles of its own (`retile`: the
+  forward's tile with the reduced and kept dims swapped).
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ from dsl.core.primitives import when
 from dsl.core.tracing import program_id
 from dsl.transforms.common import (block_spec_of, derived_spec,
                                    discharged_point, eval_ref_jaxpr,
-                                   point_function, sds)
+                                   point_function, sds, with_semantics)
+from dsl.transforms import retile
 from dsl.transforms.dependencies import dependencies
 from dsl.transforms.points import (overhangs, transposed_point,
                                    zero_past_array)
@@ -384,7 +387,7 @@ def _finalize(spec, red, in_nz, primals, ct_outs, recs):
   fin = derived_spec(spec, body, args, out_shapes, grid=grid_p,
                      in_specs=in_specs, out_specs=out_specs, scratch=[],
                      suffix="finalize",
-                     compiler_params=_semantics(spec, ("parallel",) * n_p))
+                     compiler_params=with_semantics(spec, ("parallel",) * n_p))
   fin = fin.replace(jaxpr=simplify_closed(fin.jaxpr))
   outs = list(pallas_call_p.bind(*primals, *ct_outs, *recs, spec=fin))
   cs, dirs = outs[:len(c_avals)], outs[len(c_avals):]
@@ -392,15 +395,6 @@ def _finalize(spec, red, in_nz, primals, ct_outs, recs):
   dir_cts = {k: scatter_contributions(c, fgm.in_mappings[k], grid_p, ())
              for k, c in zip(direct, dirs)}
   return cs, dir_cts
-
-
-def _semantics(spec, semantics):
-  """The kernel's compiler params with `dimension_semantics` for a derived
-  grid (when the params have that field and set it)."""
-  cp = spec.compiler_params
-  if getattr(cp, "dimension_semantics", None) is None:
-    return cp
-  return dataclasses.replace(cp, dimension_semantics=tuple(semantics))
 
 
 def _groups(red, in_nz, n_in):
@@ -430,18 +424,6 @@ def _accumulating(spec, red, const, ks, primals, feed_args, recs):
                 for bm in maps]
   F = point_function(spec, transposable=True)
 
-  def feeds_at(feed_refs, ids):
-    refs, out = iter(feed_refs), []
-    for a, c, j in zip(shapes, red.carried, red.identity):
-      if not c:
-        out.append(np.zeros(a.shape, a.dtype))
-      elif j is not None:
-        x = zero_past_array(next(refs)[...], gm.out_mappings[j], ids, [])
-        out.append(x.astype(a.dtype))
-      else:
-        out.append(next(refs)[...].reshape(a.shape))
-    return out
-
   def body(*refs):
     raw = [program_id(p) for p in range(n)]
     ids = to_orig(raw)
@@ -450,15 +432,13 @@ def _accumulating(spec, red, const, ks, primals, feed_args, recs):
         cotangents=len(ks), accumulators=len(ks) if inner else 0).split(refs)
     ins = [zero_past_array(r[...], bm, ids, [])
            for r, bm in zip(in_refs, gm.in_mappings)]
-    entry = _entry_states(gm, rec_refs)
-    fed = feeds_at(feed_refs, ids)
-    tp = transposed_point(F, ids, [], ins, entry[:n_out], entry[n_out:], mask)
-    ct_tin = tp((fed[:n_out], fed[n_out:]))[0]
+    fed = _fed(gm, red, [r[...] for r in feed_refs], ids)
+    ct_tin = _step(F, gm, mask, ids, ins, fed, _entry_states(gm, rec_refs))
     if not inner:
       for r, c in zip(out_refs, ct_tin):
         r[...] = c.reshape(r.shape).astype(r.dtype)
       return
-    _accumulate_over(raw, inner, grid_perm, acc_refs, out_refs, ct_tin)
+    retile.accumulate_over(raw, inner, grid_perm, acc_refs, out_refs, ct_tin)
 
   spec_of = lambda bm: block_spec_of(bm, n, to_orig)
   args = [sds(bm.array_aval) for bm in gm.in_mappings] + [
@@ -472,34 +452,77 @@ def _accumulating(spec, red, const, ks, primals, feed_args, recs):
                      in_specs=in_specs, out_specs=[spec_of(bm) for bm in maps],
                      scratch=[MemorySpace.VMEM(s.shape, s.dtype) for s in scratch],
                      suffix="transpose",
-                     compiler_params=_semantics(spec, semantics))
+                     compiler_params=with_semantics(spec, semantics))
   acc = acc.replace(jaxpr=simplify_closed(acc.jaxpr))
   outs = pallas_call_p.bind(*primals, *feed_args, *recs, spec=acc)
   return [zero_unvisited(c, bm, grid) for c, bm in zip(outs, maps)]
 
 
-def _accumulate_over(raw, inner, grid, acc_refs, out_refs, contributions):
-  """Adds `contributions` into the scratch accumulators, zeroed at the
-  first step of the `inner` grid dims and written out at their last."""
-  # `program_id(p) == 0` as such: the grid plan reads it as the reset of
-  # an accumulator, so the outer dims stay parallel.
-  first = raw[inner[0]] == 0
-  last = raw[inner[0]] == grid[inner[0]] - 1
-  for p in inner[1:]:
-    first = first & (raw[p] == 0)
-    last = last & (raw[p] == grid[p] - 1)
+def _fed(gm, red, feeds, ids):
+  """The cotangents of the states a step leaves: the carried states' from
+  `feeds` (an output's cotangent block, zeroed past its array at grid
+  point `ids` unless None; or `c` per reduction), zeros for the others."""
+  feeds, out = iter(feeds), []
+  for a, c, j in zip(_state_shapes(gm), red.carried, red.identity):
+    if not c:
+      out.append(np.zeros(a.shape, a.dtype))
+    elif j is not None:
+      x = next(feeds)
+      if ids is not None:
+        x = zero_past_array(x, gm.out_mappings[j], ids, [])
+      out.append(x.astype(a.dtype))
+    else:
+      out.append(next(feeds).reshape(a.shape))
+  return out
 
-  @when(first)
-  def _():
-    for a in acc_refs:
-      a[...] = jnp.zeros(a.shape, a.dtype)
-  for a, c in zip(acc_refs, contributions):
-    a[...] += c.reshape(a.shape).astype(a.dtype)
 
-  @when(last)
-  def _():
-    for r, a in zip(out_refs, acc_refs):
-      r[...] = a[...].astype(r.dtype)
+def _step(F, gm, mask, ids, ins, fed, entry):
+  """The cotangents of the inputs in `mask` that one step gives, from
+  the cotangents `fed` of the states it leaves."""
+  n_out = gm.num_outputs
+  tp = transposed_point(F, ids, [], ins, entry[:n_out], entry[n_out:], mask)
+  return tp((fed[:n_out], fed[n_out:]))[0]
+
+
+def _step_jaxpr(spec, red, k, feed_args):
+  """One step's cotangent of input `k`, as a closed jaxpr of the grid ids,
+  the input blocks and the carried states' cotangents (blocks as the
+  forward has them; nothing zeroed past the arrays)."""
+  gm = spec.grid_mapping
+  n, n_in = len(gm.grid), gm.num_inputs
+  F = point_function(spec, transposable=True)
+  mask = [j == k for j in range(n_in)]
+
+  def step(*args):
+    ids, ins, feeds = KernelLayout.of(ids=n, inputs=n_in,
+                                      carried=len(feed_args)).split(args)
+    fed = _fed(gm, red, feeds, None)
+    return _step(F, gm, mask, list(ids), list(ins), fed, _zero_states(gm))[0]
+  feeds = [gm.out_mappings[j].ref_aval.inner_aval if j is not None else a
+           for a, c, j in zip(_state_shapes(gm), red.carried, red.identity)
+           if c]
+  avals = ([jax.ShapeDtypeStruct((), jnp.int32)] * n
+           + [sds(bm.ref_aval.inner_aval) for bm in gm.in_mappings]
+           + [sds(a) for a in feeds])
+  return simplify_closed(jax.make_jaxpr(step)(*avals))
+
+
+def _retiled(spec, red, k, primals, feed_args):
+  """Input `k`'s cotangent from a kernel with tiles of its own (`retile`),
+  or None where its steps are no contraction of whole blocks."""
+  if red.recorded:
+    return None
+  gm = spec.grid_mapping
+  step = _step_jaxpr(spec, red, k, feed_args)
+  feeds = [gm.out_mappings[j] if j is not None else None
+           for c, j in zip(red.carried, red.identity) if c]
+  tiling = retile.plan(spec, red.dim, step, list(gm.in_mappings) + feeds,
+                       gm.in_mappings[k])
+  if tiling is None:
+    return None
+  arrays = list(primals) + list(feed_args)
+  return retile.retiled(spec, tiling, step, gm.in_mappings[k],
+                        [arrays[p] for p, _ in tiling.operands])
 
 
 def _accumulating_in_specs(gm, red, to_orig, n_recs):
@@ -532,6 +555,10 @@ def transpose(spec: KernelSpec, red: Reduction, in_nz, primals, ct_outs):
   feed_args = [ct_outs[j] if j is not None else next(cs)
                for c, j in zip(red.carried, red.identity) if c]
   for const, ks in _groups(red, in_nz, gm.num_inputs).items():
-    got.update(zip(ks, _accumulating(spec, red, const, ks, primals,
-                                     feed_args, recs)))
+    for k in ks:
+      got[k] = _retiled(spec, red, k, primals, feed_args)
+    ks = [k for k in ks if got[k] is None]
+    if ks:
+      got.update(zip(ks, _accumulating(spec, red, const, ks, primals,
+                                       feed_args, recs)))
   return [got[k] for k in range(gm.num_inputs) if in_nz[k]]

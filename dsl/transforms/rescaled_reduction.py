@@ -477,14 +477,14 @@ def _finalize(spec, resc, recs, ct_outs):
 
 
 def linearization(spec: KernelSpec, in_nz, primals):
-  """For `spec`'s linearization: its outputs, the kernel to linearize, its
-  inputs' tangent mask and the residuals. For a rescaled reduction, the
-  forward kernel also records the final max and sums, and the kernel to
-  linearize (`linear_base`) takes them as inputs, after `spec`'s."""
+  """For `spec`'s linearization, when it runs a rescaled reduction: its
+  outputs from the forward kernel that also records the final max and
+  sums, the kernel to linearize (`linear_base`: it takes the records as
+  inputs, after `spec`'s), that kernel's inputs' tangent mask and the
+  residuals (the inputs, then the records); else None."""
   resc = find(spec)
   if resc is None:
-    return (pallas_call_p.bind(*primals, spec=spec), spec, tuple(in_nz),
-            list(primals))
+    return None
   n_out = spec.grid_mapping.num_outputs
   outs = pallas_call_p.bind(*primals, spec=recording_spec(spec, resc))
   recs = list(outs[n_out:])

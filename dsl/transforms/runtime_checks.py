@@ -31,6 +31,7 @@ from dsl.core.jax_internals import (api_util, checkify as jax_checkify,
                                     linear_util as lu, partial_eval as pe)
 
 from dsl.core import checks, host_failures, primitives
+from dsl.core.access import SLICE, DimWindow
 from dsl.tpu import primitives as tp
 from dsl.core.blockspec import BlockSpec, Element, element_padding
 from dsl.core.errors import (KernelCheckError, KernelDeadlockError,
@@ -168,7 +169,7 @@ def _index_text(transforms, args: list) -> str:
       x, "indices")):
     parts = []
     for i in getattr(t, "indices", ()):
-      if hasattr(i, "start"):            # a Slice
+      if DimWindow.of(i, None).kind == SLICE:
         parts.append(":")
         continue
       try:

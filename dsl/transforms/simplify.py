@@ -109,7 +109,9 @@ def simplify_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
   defs = {v: e for e in jx.eqns for v in e.outvars}
   divisions = {id(e): d for e in jx.eqns
                if (d := _division_by_broadcast(e, defs)) is not None}
-  if not facts.zero and not facts.alias and not divisions:
+  swaps = {id(e): d for e in jx.eqns
+           if (d := _transposed_dot(e, defs)) is not None}
+  if not facts.zero and not facts.alias and not divisions and not swaps:
     return transposed(closed)
   zeros = {v: np.zeros(v.aval.shape, v.aval.dtype) for v in facts.zero}
 
@@ -133,6 +135,11 @@ def simplify_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
           r = lax.div(np.ones((), small.aval.dtype), read(small))
           out = read(eqn.invars[0]) * (r if shape is None
                                        else lax.broadcast_in_dim(r, **shape))
+        elif id(eqn) in swaps:
+          dot = swaps[id(eqn)]
+          lhs, rhs = dot.invars
+          out = dot.primitive.bind(read(rhs), read(lhs),
+                                   **_swapped_dot_params(dot))
         else:
           out = eqn.primitive.bind(*[read(v) for v in eqn.invars], **params)
       env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results
@@ -162,6 +169,34 @@ def _division_by_broadcast(eqn, defs):
       and isinstance(b.invars[0], core.Var) and small(b.invars[0])):
     return b.invars[0], b.primitive.get_bind_params(b.params)
   return None
+
+
+def _transposed_dot(eqn, defs):
+  """The `dot_general` equation that `eqn` transposes, when the
+  transposition only puts the rhs's free dims before the lhs's (what
+  JAX's transpose of a product gives for its rhs: `(c^T x)^T`): a dot of
+  the swapped operands gives it, without a transposition of the result."""
+  if eqn.primitive.name != "transpose":
+    return None
+  dot = defs.get(eqn.invars[0])
+  if dot is None or dot.primitive.name != "dot_general":
+    return None
+  (lc, rc), (lb, _) = dot.params["dimension_numbers"]
+  if lb:
+    return None
+  lhs, rhs = dot.invars
+  nl, nr = lhs.aval.ndim - len(lc), rhs.aval.ndim - len(rc)
+  swapped = tuple(range(nl, nl + nr)) + tuple(range(nl))
+  return dot if tuple(eqn.params["permutation"]) == swapped else None
+
+
+def _swapped_dot_params(dot):
+  params = dict(dot.primitive.get_bind_params(dot.params))
+  (lc, rc), batch = params["dimension_numbers"]
+  params["dimension_numbers"] = ((rc, lc), batch)
+  if isinstance(params.get("precision"), tuple):
+    params["precision"] = params["precision"][::-1]
+  return params
 
 
 def _pruned(jx):

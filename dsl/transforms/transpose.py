@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dsl.core.jax_internals import ad, core, partial_eval as pe
+from dsl.core.jax_internals import ad
 from dsl.core.kernel_layout import KernelLayout
 
 from dsl.core.errors import KernelError
@@ -42,11 +42,9 @@ from dsl.transforms.revisits import (every_step_new, first_visit,
                                     scatter_contributions, zero_unvisited)
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 from dsl.transforms.synchronous_dmas import synchronous_dmas
-from dsl.transforms import prefetch_state, reduction_transpose
+from dsl.transforms import prefetch_state, reduction_transpose, residuals
 from dsl.transforms import rescaled_reduction
-from dsl.transforms.dependencies import dependencies
-from dsl.transforms.points import (float_call, overhangs, transposed_point,
-                                   zero_past_array)
+from dsl.transforms.points import overhangs, zero_past_array
 
 
 # ----------------------------------------------------------- linearize
@@ -59,52 +57,30 @@ def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
     primal_out = pallas_call_p.bind(*primals, spec=spec)
     zeros = [_zero_tangent(bm.array_aval) for bm in gm.out_mappings]
     return primal_out, [False] * len(zeros), [], None, lambda *_: zeros
-  primal_out, spec_in, in_nz_lin, residuals = (
-      rescaled_reduction.linearization(spec, in_nz, primals))
-  lin = jvp_spec(spec_in, in_nz_lin, meta=("linear", spec_in, in_nz_lin))
+  # A rescaled reduction's forward kernel also records its final max and
+  # sums: the kernel it linearizes takes them as residuals.
+  rescaled = rescaled_reduction.linearization(spec, in_nz, primals)
+  if rescaled is not None:
+    primal_out, base, base_nz, res = rescaled
+    lin = jvp_spec(base, base_nz, meta=("linear", base, base_nz, ()))
+  else:
+    primal_out = pallas_call_p.bind(*primals, spec=spec)
+    # Outputs whose blocks are residuals of the tangent map ride along as
+    # residuals (operands the linear kernel does not read): its transpose
+    # reads them instead of recomputing them.
+    so = residuals.saved_outputs(spec)
+    saved = so.outputs if so is not None else ()
+    lin = jvp_spec(spec, in_nz, meta=("linear", spec, tuple(in_nz), saved),
+                   saved=[gm.out_mappings[o] for o in saved])
+    res = list(primals) + [primal_out[o] for o in saved]
 
-  def linearized(residuals, _, *tangents):
+  def linearized(res, _, *tangents):
     tins = [ad.instantiate_zeros(t) for t, nz in
             zip(gm.split_operands(tangents).inputs, in_nz) if nz]
-    outs = pallas_call_p.bind(*residuals, *tins, spec=lin)
+    outs = pallas_call_p.bind(*res, *tins, spec=lin)
     return split_outputs(spec, outs, out_nz)[1]
 
-  return primal_out, out_nz, residuals, None, linearized
-
-
-# ----------------------------------------------------------- entry state
-
-def needs_entry_state(spec: KernelSpec) -> bool:
-  """Does the tangent map at a point depend on its entry output/scratch state?"""
-  gm = spec.grid_mapping
-  F = point_function(spec)
-  n_grid = len(gm.grid)
-  ids = [jax.ShapeDtypeStruct((), jnp.int32)] * n_grid
-  pf = [sds(a.inner_aval) for a in gm.prefetch_avals]
-  ins = [sds(bm.ref_aval.inner_aval) for bm in gm.in_mappings]
-  outs = [sds(bm.ref_aval.inner_aval) for bm in gm.out_mappings]
-  scr = [sds(a.inner_aval) for a in gm.scratch_avals]
-  fl = lambda xs: [x for x in xs if has_tangent(x.dtype)]
-  if not fl(outs) and not fl(scr):
-    return False
-
-  def jvp_point(ids, pf, ins, outs, scr, tins, touts, tscr):
-    def f(fi, fo, fs):
-      return float_call(F, ids, pf, ins, outs, scr, fi, fo, fs)
-    return jax.jvp(f, (fl(ins), fl(outs), fl(scr)), (tins, touts, tscr))
-
-  closed = jax.make_jaxpr(jvp_point)(ids, pf, ins, outs, scr, fl(ins),
-                                     fl(outs), fl(scr))
-  n_primal = len(ids) + len(pf) + len(ins) + len(outs) + len(scr)
-  n_tan = len(closed.jaxpr.invars) - n_primal
-  unknowns = [False] * n_primal + [True] * n_tan
-  known, _, out_uk, res_avals = pe.partial_eval_jaxpr_nounits(
-      closed, unknowns, instantiate=False)
-  deps = dependencies(known.jaxpr)
-  state_inputs = set(range(len(ids) + len(pf) + len(ins), n_primal))
-  residuals = known.jaxpr.outvars[len(known.jaxpr.outvars) - len(res_avals):]
-  return any(isinstance(v, core.Var) and deps.get(v, set()) & state_inputs
-             for v in residuals)
+  return primal_out, out_nz, res, None, linearized
 
 
 def _state_refs(gm):
@@ -378,8 +354,10 @@ def _entry_state(gm, rec_refs, ids, pf_refs, written):
   return entry[:n_out], entry[n_out:], pf
 
 
-def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
-  """The transposed kernel's spec, and `_ct_in_kinds` of its ct_ins."""
+def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool, so=None):
+  """The transposed kernel's spec, and `_ct_in_kinds` of its ct_ins; with
+  `so` (`residuals.SavedOutputs`), it reads the saved outputs and only the
+  inputs `so.reads`."""
   gm = spec.grid_mapping
   grid, n_grid = gm.grid, len(gm.grid)
   n_pf, n_in = gm.num_scalar_prefetch, gm.num_inputs
@@ -405,35 +383,34 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
   kinds = _ct_in_kinds(gm, in_nz, sequential)
   resets = scratch_reset_dims(spec)
   flows = _ct_out_flows(spec, rev, out_f)
-  layout = KernelLayout.of(prefetch=n_pf, inputs=n_in, records=n_rec,
-                           ct_outputs_in=n_ct_out, ct_inputs=n_ct_in,
-                           ct_outputs=sum(flows), ct_scratch=len(ct_scr_avals))
+  reads, saved = (so.reads, so.outputs) if so else ((True,) * n_in, ())
+  layout = KernelLayout.of(prefetch=n_pf, inputs=sum(reads), saved=len(saved),
+                           records=n_rec, ct_outputs_in=n_ct_out,
+                           ct_inputs=n_ct_in, ct_outputs=sum(flows),
+                           ct_scratch=len(ct_scr_avals))
 
   def body(*refs):
     raw = [program_id(d) for d in range(n_grid)]
     ids = rev(raw)
-    (pf_refs, in_refs, rec_refs, ct_out_in, ct_in_refs, ct_out_refs,
-     ct_scr_refs) = layout.split(refs)
+    (pf_refs, in_refs, saved_refs, rec_refs, ct_out_in, ct_in_refs,
+     ct_out_refs, ct_scr_refs) = layout.split(refs)
     _zero_at_reset(raw, ct_scr_refs, [d for d, f in zip(resets, scr_f) if f])
-    # An output block is not read in on a TPU: at the first of a run of
-    # visits, the cotangent flowing in is the aliased input's block.
-    out_first = [None if in_hbm(bm.ref_aval) else
-                 first_visit(bm, grid, raw, rev, pf_refs)
-                 for bm in gm.out_mappings]
-    in_first = [first_visit(bm, grid, raw, rev, pf_refs) if k == "inplace"
-                else None for bm, k in zip(ct_in_maps, kinds)]
+    out_first, in_first = _first_visits(gm, raw, rev, pf_refs, ct_in_maps,
+                                        kinds)
     _staged(raw, in_refs, ct_in_refs, ct_out_refs, lambda *r: point(
         ids, pf_refs, rec_refs, ct_scr_refs, (ct_out_in, out_first, in_first),
-        *r))
+        saved_refs, *r))
 
-  def point(ids, pf_refs, rec_refs, ct_scr_refs, firsts, in_refs, ct_in_refs,
-            ct_out_refs):
+  def point(ids, pf_refs, rec_refs, ct_scr_refs, firsts, saved_refs, in_refs,
+            ct_in_refs, ct_out_refs):
     ct_out_in, out_first, in_first = firsts
-    ins = [zero_past_array(r[...], bm, ids, pf_refs)
-           for r, bm in zip(in_refs, gm.in_mappings)]
+    given = iter(in_refs)
+    ins = [zero_past_array(next(given)[...], bm, ids, pf_refs) if r else None
+           for bm, r in zip(gm.in_mappings, reads)]
     outs_e, scr_e, pf = _entry_state(gm, rec_refs if recorded else None, ids,
                                      pf_refs, written)
-    transposed = transposed_point(F, ids, pf, ins, outs_e, scr_e, in_nz)
+    transposed = residuals.point_transpose(
+        F, so, gm, (ids, pf, ins, outs_e, scr_e), saved_refs, in_nz)
     ct_out_now = _ct_outs_now(ct_out_refs, ct_out_in, [
         f for f, keep in zip(out_first, out_f) if keep], ct_out_maps, flows,
         ids, pf_refs)
@@ -448,7 +425,7 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
 
   args, out_shapes, kw = _transpose_io(gm, rev, recorded, state_avals,
                                        pf_avals, ct_in_maps, ct_out_maps,
-                                       kinds, flows)
+                                       kinds, flows, so)
   new = derived_spec(spec, body, args, out_shapes, **kw,
                      scratch=ct_scr_avals, suffix="transpose")
   if "staged" in kinds:
@@ -457,6 +434,19 @@ def _transpose_spec(spec: KernelSpec, in_nz, recorded: bool):
     new = new.replace(compiler_params=all_arbitrary(new.compiler_params))
   return (new.replace(jaxpr=simplify_closed(restore_reads(new.jaxpr))),
           kinds, flows)
+
+
+def _first_visits(gm, raw, rev, pf_refs, ct_in_maps, kinds):
+  """Whether this step starts a run of visits of each output's block, and
+  of each input cotangent's accumulated in place."""
+  # An output block is not read in on a TPU: at the first of a run of
+  # visits, the cotangent flowing in is the aliased input's block.
+  out_first = [None if in_hbm(bm.ref_aval) else
+               first_visit(bm, gm.grid, raw, rev, pf_refs)
+               for bm in gm.out_mappings]
+  in_first = [first_visit(bm, gm.grid, raw, rev, pf_refs) if k == "inplace"
+              else None for bm, k in zip(ct_in_maps, kinds)]
+  return out_first, in_first
 
 
 def _ct_outs_now(ct_out_refs, ct_out_in, firsts, maps, flows, ids, pf_refs):
@@ -484,11 +474,14 @@ def _ct_out_flows(spec, rev, out_f) -> tuple[bool, ...]:
 
 
 def _transpose_io(gm, rev, recorded, state_avals, pf_avals, ct_in_maps,
-                  ct_out_maps, kinds, flows):
+                  ct_out_maps, kinds, flows, so):
   """The transposed kernel's operands, outputs, their specs and aliases:
   (args, out_shapes, and a dict of grid/in_specs/out_specs/aliases)."""
   grid, n_grid = gm.grid, len(gm.grid)
   in_maps = list(gm.in_mappings)
+  if so is not None:      # the inputs it reads, then the saved outputs
+    in_maps = ([bm for bm, r in zip(in_maps, so.reads) if r]
+               + [gm.out_mappings[o] for o in so.outputs])
   if not recorded:
     state_avals, pf_avals = [], []
   n_rec = len(state_avals) + len(pf_avals)
@@ -512,7 +505,7 @@ def _transpose_io(gm, rev, recorded, state_avals, pf_avals, ct_in_maps,
   out_specs = ([per_point_spec(bm.kernel_shape, n_grid, rev) if pp
                 else spec_of(bm) for bm, pp in zip(ct_in_maps, per_point)]
                + [spec_of(bm) for bm in flowing])
-  first_ct_out = gm.call_layout().only("prefetch", "inputs").total + n_rec
+  first_ct_out = gm.num_scalar_prefetch + len(in_maps) + n_rec
   flowing_at = [j for j, f in enumerate(flows) if f]
   aliases = {first_ct_out + j: n_ct_in + k for k, j in enumerate(flowing_at)}
   return args, out_shapes, dict(grid=grid, in_specs=in_specs,
@@ -524,13 +517,15 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
     raise KernelError(spec.name, "cannot transpose this kernel: reverse mode "
                       "applies to the linear kernels that jax.grad/jax.vjp "
                       "derive", spec.where)
-  _, base, in_nz = spec.meta
+  _, base, in_nz, saved = spec.meta
   gm = base.grid_mapping
   _refuse_dynamic_grid(base)
   n_out = gm.num_outputs
-  n_primals = gm.call_layout().only("prefetch", "inputs").total
+  n_primals = gm.call_layout().only("prefetch", "inputs").total + len(saved)
   primals, tangent_args = args[:n_primals], args[n_primals:]
-  if any(ad.is_undefined_primal(p) for p in primals):
+  primals, saved_outs = (primals[:n_primals - len(saved)],
+                         primals[n_primals - len(saved):])
+  if any(ad.is_undefined_primal(p) for p in args[:n_primals]):
     raise KernelError(base.name, "reverse mode needs the kernel's primal "
                       "inputs as residuals", base.where)
   out_f = [has_tangent(bm.array_aval.dtype) for bm in gm.out_mappings]
@@ -544,7 +539,8 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
   if rescaled_reduction.is_linear_base(base):
     return rescaled_reduction.transpose(base, in_nz, args, ct_outs)
-  recorded = needs_entry_state(base) or any(written_prefetch(base))
+  recorded = (residuals.needs_entry_state(base)
+              or any(written_prefetch(base)))
   red = None if any(written_prefetch(base)) else reduction_transpose.find(
       base, reads_state=recorded)
   if red is not None:
@@ -555,8 +551,11 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
   if recorded:
     rec_outs = pallas_call_p.bind(*primals, spec=_recording_spec(base))
     rec = list(rec_outs[n_out:])
-  tspec, kinds, flows = _transpose_spec(base, in_nz, recorded)
-  outs = pallas_call_p.bind(*primals, *rec, *ct_outs, spec=tspec)
+  so = residuals.saved_outputs(base) if saved else None
+  tspec, kinds, flows = _transpose_spec(base, in_nz, recorded, so)
+  kept = ([p for p, r in zip(primals[gm.num_scalar_prefetch:], so.reads) if r]
+          + list(saved_outs) if so is not None else [])
+  outs = pallas_call_p.bind(*(kept or primals), *rec, *ct_outs, spec=tspec)
   n_ct_in = sum(in_nz)
   ct_ins, ct_out_final = list(outs[:n_ct_in]), list(outs[n_ct_in:])
   ct_in_maps = [bm for bm, nz in zip(gm.in_mappings, in_nz) if nz]

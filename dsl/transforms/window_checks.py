@@ -19,7 +19,7 @@ from dsl.core.jax_internals import (checkify as jax_checkify, core,
 from jax.extend.core import Primitive
 
 from dsl.core import ref_ops, windows
-from dsl.core.access import RefAccess
+from dsl.core.access import INDEX, SLICE, RefAccess
 from dsl.core.checks import window_access
 from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.operand_layout import (RefLayout, eqn_ref_operands,
@@ -107,27 +107,28 @@ def _indexer_parts(indexer, values: list) -> str:
   """The window in numpy notation, with `{}` for values computed at run
   time (appended to `values`)."""
   parts = []
-  for i, n in zip(indexer.indices, indexer.shape):
-    if isinstance(i, indexing.Slice):
-      stop_off = (int(i.size) - 1) * int(i.stride) + 1
-      step = "" if int(i.stride) == 1 else f":{int(i.stride)}"
-      if isinstance(i.start, (int, np.integer)):
-        start = int(i.start)
+  for w, n in zip(RefAccess.of(indexer).dims, indexer.shape):
+    static = isinstance(w.start, (int, np.integer))
+    if w.kind == SLICE:
+      stop_off = (w.size - 1) * w.stride + 1
+      step = "" if w.stride == 1 else f":{w.stride}"
+      if static:
+        start = int(w.start)
         parts.append(":" if (start, stop_off) == (0, n) else
                      f"{start}:{start + stop_off}{step}")
       else:
-        s = jnp.asarray(i.start, jnp.int32)
+        s = jnp.asarray(w.start, jnp.int32)
         values += [s, s + stop_off]
         parts.append("{}:{}" + step)
-    elif np.ndim(i) == 0:     # a window of one, as the Mosaic backend sees
-      if isinstance(i, (int, np.integer)):
-        parts.append(f"{int(i)}:{int(i) + 1}")
+    elif w.kind == INDEX:     # a window of one, as the Mosaic backend sees
+      if static:
+        parts.append(f"{int(w.start)}:{int(w.start) + 1}")
       else:
-        s = jnp.asarray(i, jnp.int32)
+        s = jnp.asarray(w.start, jnp.int32)
         values += [s, s + 1]
         parts.append("{}:{}")
     else:
-      a = jnp.asarray(i, jnp.int32)
+      a = jnp.asarray(w.start, jnp.int32)
       values += [jnp.min(a), jnp.max(a)]
       parts.append("indices {} to {}")
   return ", ".join(parts)

@@ -38,6 +38,7 @@ from dsl.core.jax_internals import (close_jaxpr, ClosedJaxpr, core,
                                     state_indexing as indexing,
                                     state_primitives, state_types)
 
+from dsl.core.access import SLICE, RefAccess
 from dsl.core.jaxpr_walk import sub_jaxprs, used_vars
 from dsl.core.operand_layout import eqn_ref_operands
 from lowering_mosaic.gpu.schedule import WARPGROUP
@@ -78,10 +79,9 @@ def selects_whole(transforms) -> bool:
   for t in transforms or ():
     if not isinstance(t, indexing.NDIndexer) or t.int_indexer_shape:
       return False
-    for idx, n in zip(t.indices, t.shape):
-      if not (isinstance(idx, indexing.Slice) and isinstance(idx.start, int)
-              and idx.start == 0 and int(idx.size) == n
-              and int(idx.stride) == 1):
+    for w, n in zip(RefAccess.of(t).dims, t.shape):
+      if not (w.kind == SLICE and isinstance(w.start, int) and w.start == 0
+              and w.size == n and w.stride == 1):
         return False
   return True
 

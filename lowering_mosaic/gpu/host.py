@@ -212,6 +212,7 @@ class GpuHost(LoweringHost):
   def __init__(self, kernel: str, where: str | None, rules: RuleTable):
     self.rules = rules
     self.kernel = kernel
+    self.spec = None        # the KernelSpec, for its range analysis
     self.where = where
     self.scoped = {}        # id(run_scoped equation) -> its SMEM buffers
     # (byte offset, bytes) of the shared scratch of cross-warp reductions

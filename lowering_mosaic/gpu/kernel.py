@@ -443,6 +443,7 @@ def build_gpu_module(spec) -> GpuModule:
   by `jax.interpreters.mlir.make_ir_context()` (as lowering rules do)."""
   plan = make_gpu_plan(spec)
   host = GpuHost(spec.name, spec.where, TABLE)
+  host.spec = spec
   ins, outs, smem, where, starts = _shapes(plan)
   semantics = mgpu_lib.LoweringSemantics.Warpgroup
   try:

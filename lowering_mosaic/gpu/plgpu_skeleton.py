@@ -38,8 +38,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from dsl.core.access import INDEX, INDICES, SLICE, DimWindow
 from dsl.core.errors import KernelError, source_info_frame
-from dsl.core.jax_internals import NDIndexer, Slice, lax_control_flow as cf
+from dsl.core.jax_internals import NDIndexer, lax_control_flow as cf
 from dsl.core.jax_internals import core, state_primitives, state_types
 from dsl.core.jaxpr_walk import CALL_PRIMITIVES, RuleTable, call_body
 from dsl.core.normalize import scan_layout
@@ -122,20 +123,25 @@ def _window(buf: Buffer, transforms) -> str:
   t = transforms[0] if transforms else None
   if not isinstance(t, NDIndexer) or not t.indices:
     return buf.name
-  idx = t.indices[0]
-  if isinstance(idx, Slice):
-    if _known(idx.start) and _known(idx.size):
-      start = int(idx.start)
-      if start == 0 and int(idx.size) == (buf.shape or (0,))[0]:
+  w = DimWindow.of(t.indices[0], None, _static)
+  if w.kind == SLICE:
+    if w.static_start is not None and w.size is not None:
+      start = w.static_start
+      if start == 0 and w.size == (buf.shape or (0,))[0]:
         return buf.name
-      return f"{buf.name}[{start}:{start + int(idx.size)}]"
+      return f"{buf.name}[{start}:{start + w.size}]"
     return f"{buf.name}[?]"
-  return f"{buf.name}[{int(idx)}]" if _known(idx) and np.ndim(idx) == 0 \
-      else f"{buf.name}[?]"
+  return f"{buf.name}[{w.static_start}]" if w.kind == INDEX and \
+      w.static_start is not None else f"{buf.name}[?]"
 
 
 def _known(x) -> bool:
   return x is not UNKNOWN and not isinstance(x, Ref)
+
+
+def _static(x) -> int | None:
+  """A known scalar index as an int (the access model's `static`)."""
+  return int(x) if _known(x) and np.ndim(x) == 0 else None
 
 
 # ---------------------------------------------------------------- the walk
@@ -279,16 +285,11 @@ def _cells(buf: Buffer, transforms) -> tuple[int, ...]:
   t = transforms[0] if transforms else None
   if buf.count == 1 or not isinstance(t, NDIndexer) or not t.indices:
     return whole
-  idx, rows = t.indices[0], buf.shape[0]
-  if isinstance(idx, Slice):
-    if not (_known(idx.start) and _known(idx.size) and _known(idx.stride)):
-      return whole
-    start, size, stride = int(idx.start), int(idx.size), int(idx.stride)
-    lo, hi = start, start + max(size - 1, 0) * stride
-  elif _known(idx) and np.ndim(idx) == 0:
-    lo = hi = int(idx)
-  else:
+  w, rows = DimWindow.of(t.indices[0], None, _static), buf.shape[0]
+  if w.kind == INDICES or w.static_start is None or w.size is None:
     return whole
+  lo = w.static_start
+  hi = lo + max(w.size - 1, 0) * w.stride
   if not 0 <= lo <= hi < rows:
     return whole
   first, last = lo * buf.count // rows, hi * buf.count // rows

@@ -91,6 +91,10 @@ class LoweringContext:
   current_traceback: Any = None
   in_call: bool = False         # lowering (inside) a call's body
   kernel_jaxpr: Any = None      # for jax_pallas_verbose_errors
+  spec: Any = None              # the KernelSpec (its range analysis)
+  # (ref, exits, line) of each access placed at run time that may leave
+  # its ref (lowering_mosaic.unchecked_windows), noted with runtime asserts
+  unchecked_windows: list = dataclasses.field(default_factory=list)
   # The RuleTable the walker dispatches through (`lowering_mosaic.tpu.rules`).
   rules: Any = None
   # JAX's cache of traceback -> MLIR location, one per module; made in the

@@ -6,44 +6,20 @@ interpret_launch.py.)
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
-from dsl.core.jax_internals import core, mlir, sharding_impls, tpu_custom_call
+from dsl.core.jax_internals import core, mlir, tpu_custom_call
 
 from dsl import tpu
+from dsl.core import config
 from dsl.core.errors import BackendError, KernelError
-from dsl.core.inspection import mesh_axes_of
+from dsl.core.device_launch import mesh_axes_from_context, num_devices
 from dsl.core.semaphores import barrier_tag
 from lowering_mosaic.tpu.mlir_modules import dump_module
 from lowering_mosaic.tpu.lowering import (build_module_and_context, entry_name,
                                           strip_annotations)
+from lowering_mosaic.unchecked_windows import refusal
 from lowering_mosaic.verification import promela
-
-
-def num_devices(mesh_axes) -> int:
-  return math.prod(s for _, s in mesh_axes) if mesh_axes else 1
-
-
-def mesh_axes_from_context(ctx, spec, on_host: bool = False) -> tuple:
-  """((axis, size), ...) of the shard_map mesh the kernel runs in, or ().
-
-  Under a sharded `jax.jit` (no shard_map) a kernel partitions itself
-  (dsl/transforms/partitioning.py) and each device runs its part alone (`spec.local`).
-  """
-  ac = ctx.module_context.axis_context
-  if spec.local:     # partitioned under a sharded jit: one device, its shards
-    return ()
-  if isinstance(ac, sharding_impls.SPMDAxisContext):
-    manual = set(ac.manual_axes)
-    return tuple((n, s) for n, s in mesh_axes_of(ac.mesh)
-                 if not manual or n in manual)
-  if (isinstance(ac, sharding_impls.ShardingContext) and ac.num_devices > 1
-      and not on_host):
-    raise BackendError(spec.name, "a Mosaic kernel cannot be partitioned "
-                       "automatically over several devices; call it inside "
-                       "jax.shard_map", spec.where)
-  return ()
 
 
 def _tpu_params(spec):
@@ -70,6 +46,9 @@ def mosaic_lowering(ctx, *args, spec):
         spec.where)
   mesh_axes = mesh_axes_from_context(ctx, spec)
   module, lctx = build_module_and_context(spec, mesh_axes)
+  if lctx.unchecked_windows and config.enable_runtime_assert():
+    raise refusal(spec.name, "the TPU", *lctx.unchecked_windows[0],
+                  "backend='mosaic_interpret' or 'interpret'")
   dump_module(spec, module)
   promela.maybe_dump(module, spec.name, num_devices=num_devices(mesh_axes))
   params = _tpu_params(spec)

@@ -111,7 +111,7 @@ def build_module_and_context(spec, mesh_axes=()):
   ctx = dialect.make_context()
   lctx = LoweringContext(spec.name, spec.where,
                          tuple(spec.grid_mapping.grid), tuple(mesh_axes),
-                         rules=TABLE, kernel_jaxpr=spec.jaxpr)
+                         rules=TABLE, kernel_jaxpr=spec.jaxpr, spec=spec)
   with ctx, ir.Location.unknown():
     module = _build(spec, lctx)
     try:

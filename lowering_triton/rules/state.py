@@ -14,6 +14,7 @@ from dsl.core.jax_internals import state_indexing as indexing, state_primitives
 from dsl.core import checks, config
 from dsl.core import primitives as dsl_primitives
 from dsl.core import ref_ops
+from dsl.core.access import INDEX, INDICES, SLICE
 from dsl.core.poison import poison_value
 from dsl.core.errors import source_info_frame
 from dsl.core.operand_layout import ref_operands
@@ -24,7 +25,8 @@ from lowering_triton.codegen import paren
 from lowering_triton.kernel_refs import (MemRef, UnsupportedIndex, ValueRef,
                                          apply_indexer, as_sym, bcast,
                                          emit_address, has_padding_or_bounds,
-                                         index_sym, run_time_dims, with_proofs,
+                                         index_sym, ref_windows,
+                                         run_time_dims, with_proofs,
                                          without_proven_wraps)
 from lowering_triton.rules import register
 from lowering_triton.rules.shapes import clamp, lanes, reshape_value, take
@@ -81,23 +83,23 @@ def _window_text(indexer, values: list) -> str:
   """The window of `indexer` in numpy notation, `{}` for the values
   computed at run time (their source appended to `values`)."""
   parts = []
-  for i, n in zip(indexer.indices, indexer.shape):
-    if isinstance(i, indexing.Slice):
-      size, stride = int(i.size), int(i.stride)
+  for w, n in zip(ref_windows(indexer, indexer.shape), indexer.shape):
+    if w.kind == SLICE:
+      size, stride = w.size, w.stride
       stop = (size - 1) * stride + 1
       step = "" if stride == 1 else f":{stride}"
-      start = as_sym(i.start)
+      start = as_sym(w.start)
       if isinstance(start, int):
         parts.append(":" if (start, stop) == (0, n) else
                      f"{start}:{start + stop}{step}")
       else:
         values += [start, f"{paren(start)} + {stop}"]
         parts.append("{}:{}" + step)
-    elif isinstance(i, TVal) and i.shape:
-      values += [f"tl.min({i.expr})", f"tl.max({i.expr})"]
+    elif w.kind == INDICES:
+      values += [f"tl.min({w.start.expr})", f"tl.max({w.start.expr})"]
       parts.append("indices {} to {}")
     else:                     # a window of one, as the Mosaic backend sees
-      sym = as_sym(i)
+      sym = as_sym(w.start)
       if isinstance(sym, int):
         parts.append(f"{sym}:{sym + 1}")
       else:
@@ -167,12 +169,8 @@ def _shared_ptr(ctx, ptr: str, view: MemRef) -> str:
 # ------------------------------------------------------------- value refs
 
 def _is_full(indexer, shape) -> bool:
-  for idx, n in zip(indexer.indices, shape):
-    if not isinstance(idx, indexing.Slice):
-      return False
-    if as_sym(idx.start) != 0 or int(idx.size) != n or int(idx.stride) != 1:
-      return False
-  return True
+  return all(w.kind == SLICE and (as_sym(w.start), w.size, w.stride) ==
+             (0, n, 1) for w, n in zip(ref_windows(indexer, shape), shape))
 
 
 def _current(vref: ValueRef) -> TVal:
@@ -189,10 +187,10 @@ def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
     return x
   drop = []
   at_run_time = run_time_dims(indexer, x.shape)
-  for axis, idx in enumerate(indexer.indices):
+  for axis, w in enumerate(ref_windows(indexer, x.shape)):
     n = x.shape[axis]
-    if isinstance(idx, indexing.Slice):
-      s, size, st = as_sym(idx.start), int(idx.size), int(idx.stride)
+    if w.kind == SLICE:
+      s, size, st = as_sym(w.start), w.size, w.stride
       if s == 0 and size == n and st == 1:
         continue
       pos = lanes(size) if st == 1 else f"{lanes(size)} * {st}"
@@ -204,8 +202,8 @@ def _index_value(ctx, x: TVal, indexer, hint: str) -> TVal:
       if axis in at_run_time:
         x = _poison_outside(ctx, x, f"({pos} >= 0) & ({pos} < {n})",
                             bcast(axis, len(x.shape)), hint)
-    elif isinstance(idx, TVal) and idx.shape == () or isinstance(idx, int):
-      s = index_sym(idx, n)
+    elif w.kind == INDEX:
+      s = index_sym(w.start, n)
       x = take(ctx, x, axis, clamp(f"tl.full((1,), {s}, tl.int32)", 0, n - 1),
                1, hint)
       if axis in at_run_time:
@@ -237,15 +235,16 @@ def _check_value_window(ctx, vref: ValueRef, verb: str, transforms) -> None:
     return
   inside = []
   at_run_time = run_time_dims(indexer, vref.shape)
-  for axis, (idx, n) in enumerate(zip(indexer.indices, vref.shape)):
+  windows = ref_windows(indexer, vref.shape)
+  for axis, (w, n) in enumerate(zip(windows, vref.shape)):
     if axis not in at_run_time:
       continue
-    if isinstance(idx, indexing.Slice):
-      s = as_sym(idx.start)
-      last = (int(idx.size) - 1) * int(idx.stride)
+    if w.kind == SLICE:
+      s = as_sym(w.start)
+      last = (w.size - 1) * w.stride
       inside.append(f"({paren(s)} >= 0) & ({paren(s)} + {last} < {n})")
     else:
-      s = paren(index_sym(idx, n))
+      s = paren(index_sym(w.start, n))
       inside.append(f"({s} >= 0) & ({s} < {n})")
   if inside:
     check, comment = _window_check(ctx, vref.origin or vref.var, verb,
@@ -269,8 +268,9 @@ def _spread(ctx, vref: ValueRef, indexer, v: TVal, fill_mask: bool):
   conds = []
   # Re-insert the integer-indexed axes as size-1 axes.
   full_rank_shape, k = [], 0
-  for idx, n in zip(indexer.indices, shape):
-    if isinstance(idx, indexing.Slice):
+  windows = ref_windows(indexer, shape)
+  for w in windows:
+    if w.kind == SLICE:
       full_rank_shape.append(v.shape[k])
       k += 1
     else:
@@ -281,10 +281,10 @@ def _spread(ctx, vref: ValueRef, indexer, v: TVal, fill_mask: bool):
                  if x.literal is None else
                  full_expr(full_rank_shape, x.literal, x.dtype),
                  full_rank_shape, x.dtype, "spread")
-  for axis, (idx, n) in enumerate(zip(indexer.indices, shape)):
+  for axis, (w, n) in enumerate(zip(windows, shape)):
     ar = lanes(n)
-    if isinstance(idx, indexing.Slice):
-      s, size, st = as_sym(idx.start), int(idx.size), int(idx.stride)
+    if w.kind == SLICE:
+      s, size, st = as_sym(w.start), w.size, w.stride
       if s == 0 and size == n and st == 1:
         continue
       rel = f"{ar} - {paren(s)}" if s != 0 else ar
@@ -296,7 +296,7 @@ def _spread(ctx, vref: ValueRef, indexer, v: TVal, fill_mask: bool):
         cond = f"({rel} >= 0) & ({rel} < {size * st}) & (({rel}) % {st} == 0)"
       x = take(ctx, x, axis, src, n, "spread")
     else:
-      s = index_sym(idx, n)
+      s = index_sym(w.start, n)
       new_shape = list(x.shape)
       new_shape[axis] = n
       x = ctx.bind(f"tl.broadcast_to({x.expr}, {padded(new_shape)})",

@@ -17,42 +17,12 @@ from benchmarks.pallas_library.swap import (  # noqa: F401 -- re-exported
 SECTION = "## Pallas's kernel library on dsl"
 
 
-_SEMAPHORES = ("Pallas's GPU interpret mode cannot run it either: its "
-               "semaphores stop it (Pallas fails with `{}`)")
-_TALKS = ("its lax.axis_index({!r}) of a device axis, where it starts "
-          "talking to peer devices ({}), is refused by name: the interpret "
-          "backend runs one device's warpgroups (backend='mosaic_gpu' "
-          "lowers the op: docs/mosaic-gpu.md); ")
-
-
 # (op, backend) -> why it fails today: a strict xfail in test_pallas_ops.py
 # (a fix shows up as an XPASS) and a row of docs/pallas-compat.md. Where
 # Pallas's interpret mode fails on the same case too, PALLAS_FAILS_TOO says
 # how (test_pallas_ops_limits.py holds both); the others are dsl's gaps,
 # which Pallas's interpret mode runs (the same test holds that).
 XFAIL: dict[tuple[str, str], str] = {
-    ("gpu.collective_matmul_mgpu", "interpret"): _TALKS.format(
-        "x", "plgpu.remote_ref TMA stores of the lhs, "
-        "pl.semaphore_signal(device_id=...), "
-        "pl.semaphore_wait(decrement=False)") + _SEMAPHORES.format(
-            "Cannot lower jaxpr with effects: ... SemaphoreEffect"),
-    ("gpu.reduce_scatter_mgpu", "interpret"): _TALKS.format(
-        "x", "plgpu.multimem_load_reduce, "
-        "plgpu.semaphore_signal_multicast, "
-        "pl.semaphore_wait(decrement=False)") + _SEMAPHORES.format(
-            "NotImplementedError: nan + semaphore"),
-    ("gpu.all_gather_mgpu", "interpret"): _TALKS.format(
-        "x", "plgpu.multimem_store, plgpu.semaphore_signal_multicast, "
-        "pl.semaphore_wait(decrement=False)") + _SEMAPHORES.format(
-            "NotImplementedError: nan + semaphore"),
-    ("gpu.blackwell_ragged_dot_mgpu", "interpret"): (
-        "the op calls lax.axis_index('x') of a cluster axis it declares "
-        "only with collective=True (NameError: unbound axis name x), and "
-        "with collective=True it issues collective tcgen05 MMAs: Pallas's "
-        "GPU interpret mode fails on both (the same NameError; "
-        "'collective_axis not supported yet'); dsl fails with the same "
-        "NameError, and with collective=True refuses its copies "
-        "partitioned among a cluster's blocks by name"),
 }
 
 # `*_mgpu` op -> its module on backend "mosaic_gpu" (lowered for CUDA on
@@ -101,7 +71,7 @@ PALLAS_FAILS_TOO: dict[str, str] = {
     "gpu.collective_matmul_mgpu": "Cannot lower jaxpr with effects",
     "gpu.reduce_scatter_mgpu": "nan \\+ semaphore",
     "gpu.all_gather_mgpu": "nan \\+ semaphore",
-    "gpu.blackwell_ragged_dot_mgpu": "unbound axis name: x",
+    "gpu.blackwell_ragged_dot_mgpu": "collective_axis not supported yet",
     "tpu.ragged_paged_attention": (
         "'ReshapeTransform' object has no attribute 'indices'"),
     "gpu.hopper_mixed_type_matmul_mgpu": "Expected shape \\(6,\\) but got",

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from dsl.transforms import reduction_transpose
+from dsl.transforms import reduction_transpose, simplify
 from lowering_triton import aot
 from tests.pallas.testing import CPU_BACKENDS, matmul_call
 
@@ -96,7 +96,8 @@ def test_scaled_state_is_not_a_reduction_and_still_differentiates():
 _SHAPES = {"interpret": [(64, 64, 64, (32, 32, 16)),
                          (40, 72, 48, (16, 16, 32))],
            "triton_interpret": [(64, 48, 32, (32, 16, 16))],
-           "mosaic_interpret": [(16, 256, 384, (8, 128, 128))]}
+           "mosaic_interpret": [(16, 256, 384, (8, 128, 128)),
+                                (16, 256, 512, (8, 256, 128))]}
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -138,6 +139,99 @@ def test_accumulating_kernels_keep_outer_dims_parallel():
       assert plan.parallel == (0, 1) and plan.sequential == (2,)
 
 
+def _transposed(f, *args):
+  """{name: (grid, block shapes)} of the accumulating kernels of `f`'s
+  gradient, in order."""
+  jaxpr = jax.make_jaxpr(jax.grad(f, tuple(range(len(args)))))(*args)
+  return [(e.params["spec"].grid_mapping.grid,
+           [bm.block_shape for bm in e.params["spec"].grid_mapping.block_mappings])
+          for e in jaxpr.eqns if e.primitive.name == "pallas_call"
+          and e.params["spec"].name == "matmul_transpose"]
+
+
+def test_accumulating_kernels_take_the_forward_tile_for_their_own_problem():
+  """dx = c @ y.T and dy = x.T @ c in (bm, bn) blocks summed over bk-wide
+  steps, as the forward's (bm, bn, bk) tile gives them, not in the blocks
+  of x and y."""
+  x, y, ct = _data((64, 128), (128, 64), (64, 64))
+  got = _transposed(lambda x, y: jnp.sum(mm.matmul_2d(
+      x, y, backend="interpret", blocks=(32, 32, 16)) * ct), x, y)
+  # dx: operands y (K, N) and c (M, N), output (M, K); grid (M, K, N).
+  # dy: operands x (M, K) and c (M, N), output (K, N); grid (K, N, M).
+  assert got == [((2, 4, 4), [(32, 16), (32, 16), (32, 32)]),
+                 ((4, 2, 4), [(16, 32), (16, 32), (32, 32)])], got
+
+
+def test_accumulating_kernels_keep_the_forward_blocks_where_new_ones_would_not_fit():
+  """No retiling where the new blocks would be less aligned than the
+  forward's (a TPU's (8, 128) rule: dy's x block would be (128, 8))."""
+  x, y, ct = _data((16, 256), (256, 512), (16, 512))
+  got = _transposed(lambda x, y: jnp.sum(mm.matmul_2d(
+      x, y, backend="interpret", blocks=(8, 256, 128)) * ct), x, y)
+  # dx retiled: K whole (256 wide), N in 128-wide steps.
+  assert got[0] == ((2, 1, 4), [(256, 128), (8, 128), (8, 256)]), got
+  # dy as the forward's blocks: inputs x, y, then c; output y's blocks.
+  assert got[1] == ((2, 2, 2), [(8, 128), (128, 256), (8, 256),
+                                (128, 256)]), got
+
+
+def _weighted_matmul(x, y, weight=lambda k: (k + 1).astype(jnp.float32)):
+  """sum over K steps k of weight(k) * x_k @ y_k (by default (k + 1): each
+  step reads its id)."""
+  def kernel(x_ref, y_ref, o_ref):
+    k = pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...]) * weight(k)
+  return pl.pallas_call(
+      kernel, jax.ShapeDtypeStruct((32, 64), jnp.float32), grid=(2, 2, 4),
+      in_specs=[pl.BlockSpec((16, 16), lambda i, j, k: (i, k)),
+                pl.BlockSpec((16, 32), lambda i, j, k: (k, j))],
+      out_specs=pl.BlockSpec((16, 32), lambda i, j, k: (i, j)),
+      backend="interpret", name="matmul")(x, y)
+
+
+def test_a_step_that_reads_its_grid_ids_keeps_the_forward_blocks():
+  x, y, ct = _data((32, 64), (64, 64), (32, 64))
+  loss = lambda x, y: jnp.sum(_weighted_matmul(x, y) * ct)
+  got = _transposed(loss, x, y)
+  assert [blocks[-1] for _, blocks in got] == [(16, 16), (16, 32)], got
+
+  def want(x, y):
+    w = jnp.repeat(jnp.arange(1.0, 5.0), 16)
+    return jnp.sum(((x * w) @ y) * ct)
+  for g, w in zip(jax.grad(loss, (0, 1))(x, y),
+                  jax.grad(want, (0, 1))(x, y)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
+
+
+def test_a_scaled_product_is_retiled():
+  """`acc += (x @ y) * 0.5`: a scalar scales the step at any tile."""
+  x, y, ct = _data((32, 64), (64, 64), (32, 64))
+  f = lambda x, y: _weighted_matmul(x, y, weight=lambda k: 0.5)
+  loss = lambda x, y: jnp.sum(f(x, y) * ct)
+  got = _transposed(loss, x, y)
+  # dx in (16, 32) blocks (the forward's out tile), dy in (16, 32) too.
+  assert [blocks[-1] for _, blocks in got] == [(16, 32), (16, 32)], got
+  for g, w in zip(jax.grad(loss, (0, 1))(x, y), jax.grad(
+      lambda x, y: jnp.sum(0.5 * (x @ y) * ct), (0, 1))(x, y)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
+
+
+def test_a_transposed_product_is_the_product_of_swapped_operands():
+  """`(c^T x)^T`, what JAX's transpose of a product gives for its rhs,
+  is cleaned to `x^T c`: no transposition of the result in the kernel."""
+  c, x = _data((32, 16), (32, 24))
+  closed = jax.make_jaxpr(lambda c, x: jax.lax.dot_general(
+      c, x, (((0,), (0,)), ((), ()))).T)(c, x)
+  clean = simplify.simplify_closed(closed)
+  assert [e.primitive.name for e in clean.jaxpr.eqns] == ["dot_general"]
+  np.testing.assert_allclose(
+      jax.core.eval_jaxpr(clean.jaxpr, clean.consts, c, x)[0], x.T @ c, rtol=1e-5, atol=1e-5)
+
+
 def _hot_loops(side):
   _, fns, args = importlib.import_module("benchmarks.grad_vs_hand").gradients(
       "matmul", "triton", m=512, k=512, n=512)
@@ -152,10 +246,10 @@ def _hot_loops(side):
 
 def test_derived_matmul_backward_on_sm90_stays_near_hand_written():
   """The derived dx and dy kernels against the hand-written backward's two
-  matmuls (same block sizes): no spills, registers within 1.25x, hot
-  loops within 1.6x (they loop over the forward's blocks: a (64, 64) x
-  (64, 32) step where the hand-written kernels take (64, 32) x (32, 64),
-  narrower wgmmas for the same work)."""
+  matmuls: with tiles of their own (the forward's, the reduced and kept
+  dims swapped: `dsl/transforms/retile.py`) their steps are the
+  hand-written kernels' (64, 32) x (32, 64) dots, so no spills, and
+  registers and hot loops within 1.25x."""
   hand, auto = _hot_loops("hand"), _hot_loops("auto")
   assert "matmul_record" not in auto and len(auto["matmul_transpose"]) == 2
   worst_hand = max(h for h, _, _ in hand["matmul"])
@@ -163,4 +257,4 @@ def test_derived_matmul_backward_on_sm90_stays_near_hand_written():
   for instr, regs, spills in auto["matmul_transpose"]:
     assert not spills
     assert regs <= 1.25 * regs_hand, (regs, regs_hand)
-    assert instr <= 1.6 * worst_hand, (instr, worst_hand)
+    assert instr <= 1.25 * worst_hand, (instr, worst_hand)

@@ -2,6 +2,9 @@
 against the interpret backend and Pallas's TPU interpret mode, and the
 Mosaic interpreter's report of an out-of-bounds access. The core DSL's
 features run on every CPU backend in test_features.py."""
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,3 +121,30 @@ def test_sigmoid_of_a_scalar():
                 pl.BlockSpec((8, 128), lambda: (0, 0))],
       backend="mosaic_interpret")(s, x)
   np.testing.assert_allclose(out, x * jax.nn.sigmoid(0.3), rtol=1e-6)
+
+
+def test_import_dsl_defines_the_interpreter_options_state():
+  """The mosaic_interpret backend's option state is part of JAX's trace
+  context; were it defined when the interpreter first runs, every function
+  jitted before would be traced again (a cache miss per kernel)."""
+  code = ("import jax; from jax._src import config as c; import dsl; "
+          "print('jax_mosaic_interpret_options' in jax.config.values, "
+          "len(c.trace_context()))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True).stdout.split()
+  assert out[0] == "True"
+
+
+def test_first_mosaic_interpret_run_keeps_jit_cache():
+  traces = []
+
+  @jax.jit
+  def f(x):
+    traces.append(x)
+    return pl.pallas_call(
+        lambda x_ref, o_ref: o_ref.__setitem__(..., x_ref[...] * 2),
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        backend="mosaic_interpret")(x)
+  for k in range(2):
+    f(jnp.full((8, 128), float(k), jnp.float32))
+  assert len(traces) == 1

@@ -28,6 +28,9 @@ from dsl.core.errors import BackendError
 from lowering_mosaic.gpu import to_gpu_modules
 from benchmarks.pallas_library.cases_mgpu import simulated_gpu
 from benchmarks.pallas_library.swap import original, swapped
+from tests.pallas.plgpu_collective_kernels import (
+    device_index, multicast_signal, multimem_load_max, multimem_load_reduce,
+    multimem_store, multimem_store_scalar, remote_copy, signal_and_wait)
 from tests.pallas.plgpu_modules import captured  # noqa: F401 -- a fixture
 from tests.pallas.plgpu_modules import (canonical, key_ops, lower_op_both,
                                         only_in, schedule, unnamed)
@@ -174,81 +177,6 @@ def test_collective_matmul_module_is_pallas_module(captured):
 
 # ------------------------------------------------- the primitives alone
 
-def _kernel(plgpu, body, scratch=(), dtype=F32, **extra):
-  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), dtype),
-                      scratch_types=scratch, **extra)
-
-
-def multimem_store(pl, plgpu, **extra):
-  def body(x_ref, o_ref):
-    plgpu.multimem_store(x_ref[...], o_ref, "x")
-  return _kernel(plgpu, body, **extra)
-
-
-def multimem_store_scalar(pl, plgpu, **extra):
-  """One thread stores (the library stores 32-bit integer scalars)."""
-  def body(x_ref, o_ref):
-    plgpu.multimem_store(x_ref[3], o_ref.at[3], "x")
-  return _kernel(plgpu, body, dtype=jnp.int32, **extra)
-
-
-def multimem_load_reduce(pl, plgpu, **extra):
-  def body(x_ref, o_ref):
-    o_ref[...] = plgpu.layout_cast(
-        plgpu.multimem_load_reduce(x_ref, collective_axes="x",
-                                   reduction_op="add"),
-        plgpu.Layout.WG_STRIDED((128,), vec_size=1))
-  return _kernel(plgpu, body, **extra)
-
-
-def multimem_load_max(pl, plgpu, **extra):
-  """A signed maximum (of int32: the library's `Smax`)."""
-  def body(x_ref, o_ref):
-    o_ref[...] = plgpu.layout_cast(
-        plgpu.multimem_load_reduce(x_ref, collective_axes="x",
-                                   reduction_op="max"),
-        plgpu.Layout.WG_STRIDED((128,), vec_size=1))
-  return _kernel(plgpu, body, dtype=jnp.int32, **extra)
-
-
-def device_index(pl, plgpu, **extra):
-  def body(x_ref, o_ref):
-    o_ref[...] = x_ref[...] + lax.axis_index("x").astype(F32)
-  return _kernel(plgpu, body, **extra)
-
-
-def signal_and_wait(pl, plgpu, **extra):
-  """A signal to the next device, through a global semaphore, and a wait
-  for the previous one's that keeps the count."""
-  def body(x_ref, o_ref):
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
-    nxt = lax.rem(lax.axis_index("x") + 1, 8)
-    pl.semaphore_signal(sem, device_id={"x": nxt})
-    pl.semaphore_wait(sem, 1, decrement=False)
-  return _kernel(plgpu, body, **extra)
-
-
-def multicast_signal(pl, plgpu, **extra):
-  def body(x_ref, o_ref, sem):
-    plgpu.semaphore_signal_multicast(sem, collective_axes="x")
-    pl.semaphore_wait(sem, 8, decrement=False)
-  return _kernel(plgpu, body, scratch=(plgpu.SemaphoreType.REGULAR,),
-                 grid=(2,), grid_names=("blocks",), **extra)
-
-
-def remote_copy(pl, plgpu, **extra):
-  """A TMA store into the next device's output."""
-  def body(x_ref, o_ref):
-    def scope(smem, barrier):
-      plgpu.copy_gmem_to_smem(x_ref, smem, barrier)
-      plgpu.barrier_wait(barrier)
-      nxt = lax.rem(lax.axis_index("x") + 1, 8)
-      plgpu.copy_smem_to_gmem(smem, plgpu.remote_ref(o_ref, {"x": nxt}))
-      plgpu.wait_smem_to_gmem(0)
-    pl.run_scoped(scope, plgpu.SMEM((128,), F32), plgpu.Barrier())
-  return _kernel(plgpu, body, **extra)
-
-
 def lower_both_on_mesh(make, captured, dtype=F32):
   """[(dialect, lowered) of dsl's module, the same of Pallas's] of the
   kernel `make(pl, plgpu)` on each device."""
@@ -338,19 +266,3 @@ def test_wait_that_keeps_the_count_is_refused_on_a_tpu():
   with pytest.raises(BackendError, match=r"semaphore_wait\(decrement=False\)"
                      r".*tpu\.sem_wait always decrements"):
     jax.jit(f).trace().lower(lowering_platforms=("tpu",))
-
-
-@pytest.mark.parametrize("make,name", [
-    (device_index, "axis_index"), (multimem_store, "multimem_store"),
-    (multicast_signal, "semaphore_signal_multicast")])
-def test_interpret_backend_refuses_collectives_by_name(make, name):
-  kernel = make(pl, plgpu, backend="interpret")
-  mesh = jax.make_mesh((8,), ("x",))
-  x = jax.device_put(jnp.ones((8 * 128,), F32),
-                     jax.sharding.NamedSharding(mesh, jax.P("x")))
-  f = jax.jit(jax.shard_map(kernel, mesh=mesh, in_specs=jax.P("x"),
-                            out_specs=jax.P("x"), check_vma=False))
-  with pytest.raises(BackendError, match=rf"{name}: {name} .*runs the "
-                     "warpgroups of one device.*backend='mosaic_gpu' "
-                     r"lowers them \(at \S+\.py:\d+\)"):
-    f(x)

@@ -377,11 +377,13 @@ def test_bad_tensor_memory_names_the_operand_and_line():
     _traced(acc_in_smem, _scratch(plgpu))
 
 
-def test_collective_mmas_are_refused_on_the_interpret_backend():
+def test_a_collective_mma_along_an_axis_not_of_the_cluster_is_refused():
+  """(Collective MMAs of a cluster: tests/pallas/test_plgpu_cluster.py.)"""
   def body(a_gmem, b_gmem, o_gmem, a_smem, b_smem, acc, loaded, done):
     plgpu.tcgen05_mma(acc, a_smem, b_smem.at[:, :N // 2], done,
                       collective_axis="x")
-  with pytest.raises(BackendError, match=rf"collective tcgen05_mma.*{HERE}"):
+  with pytest.raises(BackendError, match=rf"collective_axis: 'x' is not a "
+                     rf"cluster axis of this kernel.*{HERE}"):
     _traced(body, _scratch(plgpu))
 
 

@@ -16,20 +16,29 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-from dsl.core import dtypes, ref_ops
+from dsl.core import config, dtypes, ref_ops
+from dsl.core.access import SLICE, RefAccess
 from dsl.core.operand_layout import ref_operands
+from dsl.core.errors import source_info_frame
 from dsl.mosaic_gpu.multi_device import PeerMemRef
 from lowering_mosaic.gpu.device_ids import peer_device
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.smem_layout import memref_of
 from lowering_mosaic.gpu.host import (TRITON_HINT, broadcast_to,
                                       is_vector, phys, to_index)
+from lowering_mosaic.unchecked_windows import (ref_label, refusal,
+                                               run_time_exits)
 
 
 def _static(x):
   if isinstance(x, ir.Value):
     return x
   return int(x)
+
+
+def _known(x) -> int | None:
+  """An index's value when it is static (the access model's `static`)."""
+  return None if isinstance(x, ir.Value) else int(x)
 
 
 def window(ctx, ref: ir.Value, transforms, static_ints=True,
@@ -61,20 +70,20 @@ def window(ctx, ref: ir.Value, transforms, static_ints=True,
     index = []
     shape = ir.MemRefType(ref.type).shape
     whole = True
-    for idx, n in zip(t.indices, shape):
-      if isinstance(idx, indexing.Slice):
-        if int(idx.stride) != 1:
+    for w, n in zip(RefAccess.of(t, shape, static=_known).dims, shape):
+      if w.kind == SLICE:
+        if w.stride != 1:
           raise ctx.error("strided ref slices are not supported by the "
                           "Mosaic GPU lowering" + TRITON_HINT)
-        start = _static(idx.start)
+        start = _static(w.start)
         if isinstance(start, int):
-          index.append(slice(start, start + int(idx.size)))
-          whole &= start == 0 and int(idx.size) == n
+          index.append(slice(start, start + w.size))
+          whole &= start == 0 and w.size == n
         else:
-          index.append(mgpu_utils.DynamicSlice(to_index(start), int(idx.size)))
+          index.append(mgpu_utils.DynamicSlice(to_index(start), w.size))
           whole = False
       else:
-        i = _static(idx)
+        i = _static(w.start)
         if isinstance(i, int) and not static_ints:
           i = arith.constant(ir.IndexType.get(), i)
         index.append(i if isinstance(i, int) else to_index(i))
@@ -122,9 +131,26 @@ def store(ref: ir.Value, val: ir.Value) -> None:
 
 
 def _window(ctx, args, params):
-  """The ref primitive's operands by role, and the window they access."""
+  """The ref primitive's operands by role, and the window they access.
+  With runtime asserts on, a window placed at run time that the range
+  analysis does not prove inside its ref is refused: the GPU cannot check
+  it (lowering_mosaic.unchecked_windows)."""
   ops = ref_operands(ctx.eqn.primitive, args, params)
+  _check_run_time_exits(ctx, ops)
   return ops, window(ctx, ops.ref, ops.transforms)
+
+
+def _check_run_time_exits(ctx, ops) -> None:
+  spec = ctx.host.spec
+  if spec is None or not config.enable_runtime_assert():
+    return
+  shape = ir.MemRefType(memref_of(ops.ref).type).shape
+  exits = run_time_exits(spec, ctx.eqn, ops.transforms, shape, _known)
+  if exits:
+    raise refusal(spec.name, "the Mosaic GPU lowering",
+                  ref_label(spec, ctx.eqn.invars[0]), exits,
+                  source_info_frame(ctx.eqn.source_info) or spec.where,
+                  "backend='triton' or 'interpret'")
 
 
 @TABLE.register(state_primitives.get_p)

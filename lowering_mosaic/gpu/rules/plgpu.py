@@ -20,6 +20,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import layouts
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
+from dsl.core.access import SLICE, Axis, RefAccess, StartAlgebra, compose
 from dsl.core.operand_layout import unpack
 from dsl.mosaic_gpu import compute, primitives as plgpu_p
 from dsl.mosaic_gpu.memory import (Layout, OOBFillMode, ParameterizedLayout,
@@ -58,12 +59,11 @@ def _barrier(ctx, ref, transforms, shape):
     raise ctx.error("barriers are selected with indices (barriers.at[i, j])")
   offset = None
   strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-  for idx, stride in zip(transforms[0].indices, strides):
-    if isinstance(idx, indexing.Slice):
-      if int(idx.stride) != 1:
-        raise ctx.error("barriers are not selected with strided slices")
-      idx = idx.start
-    term = arith.muli(_as_index(_static(idx)), _as_index(stride))
+  for w, stride in zip(RefAccess.of(transforms[0], static=_known).dims,
+                       strides):
+    if w.kind == SLICE and w.stride != 1:
+      raise ctx.error("barriers are not selected with strided slices")
+    term = arith.muli(_as_index(_static(w.start)), _as_index(stride))
     offset = term if offset is None else arith.addi(offset, term)
   return ref[offset]
 
@@ -72,13 +72,16 @@ def _static(x):
   return x if isinstance(x, ir.Value) else int(x)
 
 
+def _known(x) -> int | None:
+  """An index's value when it is static (the access model's `static`)."""
+  return None if isinstance(x, ir.Value) else int(x)
+
+
 def _gmem_window(ctx, transforms, shape):
   """(indices (i32), slice lengths, peer) of the window of a global-memory
   ref that `transforms` select (-1: an integer-indexed, dropped dim; peer:
   the logical id of the device of a `plgpu.remote_ref`, or None)."""
-  starts = [None] * len(shape)
-  lengths = list(shape)
-  dims = list(range(len(shape)))
+  axes, fixed = tuple(Axis(d, None, 1, n) for d, n in enumerate(shape)), ()
   peer = None
   for t in transforms:
     if isinstance(t, PeerMemRef):
@@ -87,26 +90,31 @@ def _gmem_window(ctx, transforms, shape):
     if not isinstance(t, indexing.NDIndexer) or t.int_indexer_shape:
       raise ctx.error("only windows (x.at[...] with slices and indices) of "
                       "global-memory refs are copied by TMA" + TRITON_HINT)
-    kept = []
-    for d, idx in zip(dims, t.indices):
-      if isinstance(idx, indexing.Slice):
-        if int(idx.stride) != 1:
-          raise ctx.error("strided windows are not copied by TMA" + TRITON_HINT)
-        start, length = _static(idx.start), int(idx.size)
-        kept.append(d)
-      else:
-        start, length = _static(idx), -1
-      starts[d] = start if starts[d] is None else _add(starts[d], start)
-      lengths[d] = length
-    dims = kept
+    dims = RefAccess.of(t, [a.size for a in axes], static=_known).dims
+    if any(w.kind == SLICE and w.stride != 1 for w in dims):
+      raise ctx.error("strided windows are not copied by TMA" + TRITON_HINT)
+    axes, fixed = compose(axes, fixed, dims, _STARTS,
+                          lambda w, _: _static(w.start))
+  starts = [None] * len(shape)
+  lengths = list(shape)
+  for a in axes:
+    starts[a.dim], lengths[a.dim] = a.start, a.size
+  for a in fixed:                 # an integer index drops the dim
+    starts[a.dim], lengths[a.dim] = a.start, -1
   return starts, lengths, peer
 
 
 def _add(a, b):
+  if a is None:                   # no window placed the dim yet
+    return b
   if isinstance(a, int) and isinstance(b, int):
     return a + b
   as_i32 = lambda v: i32(v) if isinstance(v, int) else _i32(v)
   return arith.addi(as_i32(a), as_i32(b))
+
+
+# TMA windows have unit strides: a start only adds.
+_STARTS = StartAlgebra(_add, lambda a, k: a)
 
 
 def _i32(v):

@@ -17,24 +17,42 @@ from dsl.core.jax_internals import (arith, ir, memref,
                                     state_primitives, state_types, tpu,
                                     vector)
 
-from dsl.core import ref_ops
+from dsl.core import config, ref_ops
+from dsl.core.access import (INDEX, Axis, DimWindow, RefAccess, StartAlgebra,
+                             compose)
 from dsl.core.operand_layout import ref_operands
 from lowering_mosaic import dialect
 from lowering_mosaic.tpu import emit
 from lowering_mosaic.tpu.host import RefVal, to_i32, to_index
 from lowering_mosaic.tpu.rules import register
 from lowering_mosaic.tpu.rules.integer import static_int
+from lowering_mosaic.unchecked_windows import run_time_exits
 
 
 @dataclasses.dataclass
 class View:
-  """A rectangular window of a ref: per ref dim a start (int or i32 value),
-  a size, a stride and whether the dim is indexed away."""
+  """A rectangular window of a ref: per ref dim, the access model's `Axis`
+  (a start, int or i32 value; a size; a stride), and whether the dim is
+  indexed away (`fixed`)."""
   ref: RefVal
-  starts: list
-  sizes: list
-  strides: list
-  squeezed: list
+  axes: tuple[Axis, ...]        # one per ref dim, in order
+  fixed: frozenset = frozenset()
+
+  @property
+  def starts(self) -> list:
+    return [a.start for a in self.axes]
+
+  @property
+  def sizes(self) -> list[int]:
+    return [a.size for a in self.axes]
+
+  @property
+  def strides(self) -> list[int]:
+    return [a.step for a in self.axes]
+
+  @property
+  def squeezed(self) -> list[bool]:
+    return [a.dim in self.fixed for a in self.axes]
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -49,6 +67,16 @@ class View:
     return (all(isinstance(s, int) and s == 0 for s in self.starts)
             and tuple(self.sizes) == self.ref.memref_shape
             and not any(self.squeezed) and all(s == 1 for s in self.strides))
+
+  def index(self, dims) -> "View":
+    """The view narrowed by an indexer's windows (one per shown dim),
+    through the access model's one composition."""
+    shown = [a for a in self.axes if a.dim not in self.fixed]
+    shown, fixed = compose(shown, [a for a in self.axes
+                                   if a.dim in self.fixed],
+                           dims, _MLIR, _start_of)
+    return View(self.ref, tuple(sorted(shown + fixed, key=lambda a: a.dim)),
+                frozenset(a.dim for a in fixed))
 
 
 def _add(a, b):
@@ -69,9 +97,29 @@ def _mul(a, k: int):
   return arith.MulIOp(to_i32(a), to_i32(k)).result
 
 
+_MLIR = StartAlgebra(_add, _mul)
+
+
 def _static(x):
   """Static indices become ints; MLIR values stay."""
   return x if isinstance(x, ir.Value) else int(x)
+
+
+def _known(x) -> int | None:
+  """An index's value when the lowering knows it (a constant)."""
+  x = _static(x)
+  return x if isinstance(x, int) else static_int(x)
+
+
+def _start_of(w: DimWindow, ax: Axis):
+  """A window's start as an int or i32 value; a static negative integer
+  index counts from the end."""
+  i = _static(w.start)
+  if w.kind == INDEX:
+    c = _known(i)
+    if c is not None and c < 0:
+      i = c + ax.size
+  return i
 
 
 def _after_reshape(ctx, ref: RefVal, transforms):
@@ -91,9 +139,9 @@ def view_of(ctx, ref: RefVal, transforms) -> View:
   """Composes a ref's NDIndexer transforms into one window; a reshape
   (`ref.reshape`) makes the window before it a memref of its own first."""
   ref, transforms = _after_reshape(ctx, ref, transforms)
-  rank = len(ref.memref_shape)
-  v = View(ref, [0] * rank, list(ref.memref_shape), [1] * rank,
-           [d in ref.hidden for d in range(rank)])
+  v = View(ref, tuple(Axis(d, 0, 1, n)
+                      for d, n in enumerate(ref.memref_shape)),
+           frozenset(ref.hidden))
   for t in transforms or ():
     if not isinstance(t, indexing.NDIndexer):
       raise ctx.error(f"ref transform {type(t).__name__} is not supported by "
@@ -101,21 +149,7 @@ def view_of(ctx, ref: RefVal, transforms) -> View:
     if t.int_indexer_shape:
       raise ctx.error("indexing a ref with an array of indices (a gather) is "
                       "not supported on TPU; use slices and scalar indices")
-    visible = [d for d in range(rank) if not v.squeezed[d]]
-    for d, idx in zip(visible, t.indices):
-      if isinstance(idx, indexing.Slice):
-        start = _static(idx.start)
-        v.starts[d] = _add(v.starts[d], _mul(start, v.strides[d]))
-        v.sizes[d] = int(idx.size)
-        v.strides[d] = v.strides[d] * int(idx.stride)
-      else:
-        i = _static(idx)
-        c = i if isinstance(i, int) else static_int(i)
-        if c is not None and c < 0:     # a static index: from the end
-          i = c + v.sizes[d]
-        v.starts[d] = _add(v.starts[d], _mul(i, v.strides[d]))
-        v.sizes[d] = 1
-        v.squeezed[d] = True
+    v = v.index(RefAccess.of(t, v.shape, static=_known).dims)
   return v
 
 
@@ -271,9 +305,18 @@ def store(ctx, view: View, val: ir.Value, mask: ir.Value | None = None):
 
 
 def _view(ctx, args, params):
-  """The ref primitive's operands by role, and the view they access."""
+  """The ref primitive's operands by role, and the view they access; with
+  runtime asserts on, the access's run-time exits are noted (the TPU
+  cannot check them: lowering_mosaic.unchecked_windows)."""
   ops = ref_operands(ctx.eqn.primitive, args, params)
-  return ops, view_of(ctx, ops.ref, ops.transforms)
+  view = view_of(ctx, ops.ref, ops.transforms)
+  if config.enable_runtime_assert():
+    exits = run_time_exits(ctx.lctx.spec, ctx.eqn, ops.transforms,
+                           ops.ref.shape, _known)
+    if exits:
+      ctx.lctx.unchecked_windows.append(
+          (ops.ref.name, exits, ctx.lctx.current_line))
+  return ops, view
 
 
 @register(state_primitives.get_p)

@@ -18,8 +18,6 @@ import contextlib
 import dataclasses
 import threading
 
-from dsl.core.jax_internals import config as jax_config
-
 from lowering_mosaic.verification.interpreter.simulator import (InterpreterOptions,
                                                                 KernelDeadlockError,
                                                                 KernelRaceError,
@@ -30,11 +28,7 @@ _OPTIONS: dict[int, InterpreterOptions] = {0: InterpreterOptions()}
 _IDS: dict[InterpreterOptions, int] = {InterpreterOptions(): 0}
 _LOCK = threading.Lock()
 
-_options_id = jax_config.int_state(
-    "jax_mosaic_interpret_options", 0,
-    "Internal: which lowering_mosaic.InterpreterOptions the mosaic_interpret "
-    "backend uses (set with lowering_mosaic.interpreter_options).",
-    include_in_jit_key=True, include_in_trace_context=True)
+_options_id = config.mosaic_interpret_options_id
 
 
 def _set_options() -> InterpreterOptions:
