@@ -39,7 +39,8 @@ from dsl.core.primitives import when
 from dsl.core.tracing import program_id
 from dsl.transforms import grouped_grid, reduction_transpose, rescaled_steps
 from dsl.transforms.common import (block_spec_of, derived_spec,
-                                   discharged_point, eval_ref_jaxpr, sds)
+                                   discharged_point, eval_ref_jaxpr, sds,
+                                   with_semantics)
 from dsl.transforms.dependencies import dependencies
 from dsl.transforms.points import overhangs, zero_past_array
 from dsl.transforms.revisits import per_point_sds, per_point_spec
@@ -470,7 +471,7 @@ def _finalize(spec, resc, recs, ct_outs):
       [per_point_sds(a.shape, a.dtype, grid_p) for a in c_avals],
       grid=grid_p, in_specs=in_specs,
       out_specs=[rec_spec(a) for a in c_avals], scratch=[],
-      suffix="finalize", compiler_params=reduction_transpose._semantics(
+      suffix="finalize", compiler_params=with_semantics(
           spec, ("parallel",) * n_p))
   fin = fin.replace(jaxpr=simplify_closed(fin.jaxpr))
   return list(pallas_call_p.bind(*recs, *ct_outs, spec=fin))
