@@ -88,7 +88,8 @@ def _fits(spec: KernelSpec) -> int | None:
   if any(is_semaphore(a) or not has_tangent(a.inner_aval.dtype)
          for a in states):
     return None
-  seq = gm.plan(spec.compiler_params, spec.jaxpr).sequential
+  seq = [e for e in gm.plan(spec.compiler_params, spec.jaxpr).sequential
+         if gm.grid[e] != 1]     # a dim of one step carries nothing
   if len(seq) != 1 or gm.grid[seq[0]] < 2:
     return None
   d = seq[0]

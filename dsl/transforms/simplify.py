@@ -5,7 +5,9 @@ not write: a `cond` (a `pl.when` of the forward) whose branches all give the
 same zeros, additions of those zeros, selects between equal cases, and the
 values only those feed. In a derived kernel each costs instructions in the
 hot loop (a select per element, a register tile of zeros).
-`simplify_closed` folds these away and drops what only they used.
+`simplify_closed` folds these away and drops what only they used, and
+computes transposed the tiles that a dot contracts along their leading
+dim (`transposed_tiles`).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from jax import lax
 from dsl.core.jax_internals import (ClosedJaxpr, close_jaxpr, core,
                                     linear_util as lu,
                                     partial_eval as pe, source_info_util)
+from dsl.transforms.transposed_tiles import transposed
 
 _ADDS = ("add", "add_any")
 _ZERO = object()     # a cond branch's result that is all zeros
@@ -109,7 +112,7 @@ def simplify_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
   swaps = {id(e): d for e in jx.eqns
            if (d := _transposed_dot(e, defs)) is not None}
   if not facts.zero and not facts.alias and not divisions and not swaps:
-    return closed
+    return transposed(closed)
   zeros = {v: np.zeros(v.aval.shape, v.aval.dtype) for v in facts.zero}
 
   def f(*args):
@@ -144,7 +147,7 @@ def simplify_closed(closed: ClosedJaxpr) -> ClosedJaxpr:
     return [read(v) for v in jx.outvars]
   fn = lu.wrap_init(f, debug_info=jx.debug_info)
   new, _, consts = pe.trace_to_jaxpr_dynamic(fn, [v.aval for v in jx.invars])
-  return close_jaxpr(_pruned(new), consts)
+  return transposed(close_jaxpr(_pruned(new), consts))
 
 
 def _division_by_broadcast(eqn, defs):

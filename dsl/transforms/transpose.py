@@ -43,6 +43,7 @@ from dsl.transforms.revisits import (every_step_new, first_visit,
 from dsl.transforms.staging import in_hbm, is_semaphore, with_vmem_copies
 from dsl.transforms.synchronous_dmas import synchronous_dmas
 from dsl.transforms import prefetch_state, reduction_transpose, residuals
+from dsl.transforms import rescaled_reduction
 from dsl.transforms.points import overhangs, zero_past_array
 
 
@@ -52,17 +53,26 @@ def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
   gm = spec.grid_mapping
   in_nz = input_tangent_mask(spec, nonzeros)
   out_nz, _ = tangent_pattern(spec, in_nz)
-  primal_out = pallas_call_p.bind(*primals, spec=spec)
   if not any(in_nz):
+    primal_out = pallas_call_p.bind(*primals, spec=spec)
     zeros = [_zero_tangent(bm.array_aval) for bm in gm.out_mappings]
     return primal_out, [False] * len(zeros), [], None, lambda *_: zeros
-  # Outputs whose blocks are residuals of the tangent map ride along as
-  # residuals (operands the linear kernel does not read): its transpose
-  # reads them instead of recomputing them.
-  so = residuals.saved_outputs(spec)
-  saved = so.outputs if so is not None else ()
-  lin = jvp_spec(spec, in_nz, meta=("linear", spec, tuple(in_nz), saved),
-                 saved=[gm.out_mappings[o] for o in saved])
+  # A rescaled reduction's forward kernel also records its final max and
+  # sums: the kernel it linearizes takes them as residuals.
+  rescaled = rescaled_reduction.linearization(spec, in_nz, primals)
+  if rescaled is not None:
+    primal_out, base, base_nz, res = rescaled
+    lin = jvp_spec(base, base_nz, meta=("linear", base, base_nz, ()))
+  else:
+    primal_out = pallas_call_p.bind(*primals, spec=spec)
+    # Outputs whose blocks are residuals of the tangent map ride along as
+    # residuals (operands the linear kernel does not read): its transpose
+    # reads them instead of recomputing them.
+    so = residuals.saved_outputs(spec)
+    saved = so.outputs if so is not None else ()
+    lin = jvp_spec(spec, in_nz, meta=("linear", spec, tuple(in_nz), saved),
+                   saved=[gm.out_mappings[o] for o in saved])
+    res = list(primals) + [primal_out[o] for o in saved]
 
   def linearized(res, _, *tangents):
     tins = [ad.instantiate_zeros(t) for t, nz in
@@ -70,7 +80,6 @@ def pallas_call_linearize(is_vjp, nonzeros, *primals, spec: KernelSpec):
     outs = pallas_call_p.bind(*res, *tins, spec=lin)
     return split_outputs(spec, outs, out_nz)[1]
 
-  res = list(primals) + [primal_out[o] for o in saved]
   return primal_out, out_nz, res, None, linearized
 
 
@@ -528,6 +537,8 @@ def pallas_call_transpose(cts, *args, spec: KernelSpec):
       ct_outs.append(ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct)
   ct_outs = [jnp.asarray(c).astype(bm.array_aval.dtype) for c, bm in
              zip(ct_outs, [bm for bm, f in zip(gm.out_mappings, out_f) if f])]
+  if rescaled_reduction.is_linear_base(base):
+    return rescaled_reduction.transpose(base, in_nz, args, ct_outs)
   recorded = (residuals.needs_entry_state(base)
               or any(written_prefetch(base)))
   red = None if any(written_prefetch(base)) else reduction_transpose.find(

@@ -31,20 +31,6 @@ MISSES = {
     ("rms_norm", "straight_line"):
         "straight line 847 vs 623 instructions (1.36x): the derived kernel "
         "recomputes the row reduction of rstd, which the forward saved",
-    ("flash_attention", "hot_loop"):
-        "hot loop 2344 vs 722 instructions (3.25x)",
-    ("flash_attention_noncausal", "hot_loop"):
-        "hot loop 2309 vs 722 instructions (3.20x)",
-    ("flash_attention_noncausal", "registers"):
-        "registers 255 vs 201 per thread (1.27x)",
-    ("flash_attention_gqa", "hot_loop"):
-        "hot loop 2344 vs 849 instructions (2.76x)",
-    ("flash_attention", "spills"):
-        "spills 1456 vs 0 bytes spilled per thread (infx)",
-    ("flash_attention_noncausal", "spills"):
-        "spills 760 vs 0 bytes spilled per thread (infx)",
-    ("flash_attention_gqa", "spills"):
-        "spills 1456 vs 120 bytes spilled per thread (12.13x)",
 }
 
 
