@@ -44,7 +44,7 @@ def _sides(name):
 def _cases():
   for name in PAIRS:
     for criterion in grad_structure.CRITERIA:
-      marks = [pytest.mark.slow] if name in ATTENTION else []
+      marks = []
       if (name, criterion) in MISSES:
         marks.append(pytest.mark.xfail(
             strict=True, reason=MISSES[name, criterion]))
@@ -67,9 +67,7 @@ def test_derived_backward_is_within_goal_of_hand_written(name, criterion):
                          f"(goal: within {slack}x)")
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=[pytest.mark.slow] if n in ATTENTION else [])
-    for n in PAIRS])
+@pytest.mark.parametrize("name", PAIRS)
 def test_both_sides_have_backward_kernels_and_leave_the_forward_out(name):
   """What the comparison stands on: each gradient starts with the kernels
   of its forward function (left out), then has backward kernels, and
