@@ -10,12 +10,10 @@ the rank, row-major over the mesh, as Pallas's lowering reads it).
 from __future__ import annotations
 
 import numpy as np
-from jax import lax
 
 from dsl.core.jax_internals import arith, ir
 from dsl.core.semaphores import DeviceIdType
 from lowering_mosaic.gpu.host import i32
-from lowering_mosaic.gpu.rules import TABLE
 
 
 def in_mesh_kernel(ctx, what: str) -> None:
@@ -55,18 +53,6 @@ def device_index(ctx, axis_name) -> ir.Value:
   size = i32(shape[k])
   minor = i32(int(np.prod(shape[k + 1:], dtype=np.int64)))
   return arith.remsi(arith.divsi(device, minor), size)
-
-
-@TABLE.register(lax.axis_index_p)
-def _axis_index(ctx, *, axis_name):
-  in_mesh_kernel(ctx, f"lax.axis_index({axis_name!r})")
-  mesh = ctx.host.jax_mesh
-  known = () if mesh is None else tuple(mesh.axis_names)
-  if axis_name not in known:
-    raise ctx.error(f"lax.axis_index({axis_name!r}) names neither an axis "
-                    "of the plgpu.kernel's mesh nor one of the device mesh "
-                    f"{known} of the shard_map it runs in")
-  return device_index(ctx, axis_name)
 
 
 def logical_device(ctx, values, device_id_type, axes=None) -> ir.Value:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
+from jax import lax
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
 from dsl.core.jax_internals import ir, mosaic_gpu_dialect as mgpu
@@ -23,8 +24,9 @@ from dsl.core.state_scopes import get_global_p
 from dsl.mosaic_gpu import multi_device as md
 from dsl.tpu import primitives as tp
 from lowering_mosaic.gpu import gmem_semaphores as gsem
-from lowering_mosaic.gpu.device_ids import (as_i32, device_mesh,
-                                            in_mesh_kernel, logical_device)
+from lowering_mosaic.gpu.device_ids import (as_i32, device_index,
+                                            device_mesh, in_mesh_kernel,
+                                            logical_device)
 from lowering_mosaic.gpu.rules import TABLE
 from lowering_mosaic.gpu.rules.memory import squeezed, window
 from lowering_mosaic.gpu.rules.plgpu import parts
@@ -51,6 +53,18 @@ def lane_region(operands):
 
 
 # ------------------------------------------------------------ semaphores
+
+@TABLE.register(lax.axis_index_p)
+def _axis_index(ctx, *, axis_name):
+  in_mesh_kernel(ctx, f"lax.axis_index({axis_name!r})")
+  mesh = ctx.host.jax_mesh
+  known = () if mesh is None else tuple(mesh.axis_names)
+  if axis_name not in known:
+    raise ctx.error(f"lax.axis_index({axis_name!r}) names neither an axis "
+                    "of the plgpu.kernel's mesh nor one of the device mesh "
+                    f"{known} of the shard_map it runs in")
+  return device_index(ctx, axis_name)
+
 
 @TABLE.register(get_global_p)
 def _get_global(ctx, *, what):
