@@ -192,9 +192,9 @@ def _saved_values(jx, written: dict) -> dict:
   saved = {v: o for v, o in written.items()
            if any(v in e.outvars and len(e.outvars) == 1 for e in jx.eqns)}
   for eqn in reversed(jx.eqns):
-    out, ok = eqn.outvars[0], _RESHAPES.get(eqn.primitive)
-    if out in saved and ok is not None and ok(eqn):
-      src = eqn.invars[0]
+    ok = _RESHAPES.get(eqn.primitive)
+    if ok is not None and eqn.outvars[0] in saved and ok(eqn):
+      out, src = eqn.outvars[0], eqn.invars[0]
       if (isinstance(src, core.Var) and src.aval.dtype == out.aval.dtype
           and src.aval.size == out.aval.size and src not in jx.invars):
         saved.setdefault(src, saved[out])
