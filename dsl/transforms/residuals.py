@@ -36,10 +36,11 @@ from dsl.core import config
 from dsl.core.dtypes import has_tangent
 from dsl.core.jax_internals import ClosedJaxpr, close_jaxpr, core
 from dsl.core.jax_internals import partial_eval as pe
+from dsl.core.jaxpr_walk import sub_jaxprs
 from dsl.core.pallas_call import KernelSpec
 from dsl.transforms.common import point_function, sds
 from dsl.transforms.dependencies import dependencies
-from dsl.transforms.points import (float_call, transposed_point,
+from dsl.transforms.points import (float_call, overhangs, transposed_point,
                                    zero_past_array)
 from dsl.transforms.staging import in_hbm
 
@@ -219,7 +220,10 @@ def _cut(lin: Linearization, cuts: dict):
 
 
 def _costly(jaxpr) -> int:
-  return sum(e.primitive in _COSTLY for e in jaxpr.eqns)
+  """How many `_COSTLY` equations `jaxpr` holds, in its control flow too."""
+  return sum((e.primitive in _COSTLY)
+             + sum(_costly(j) for j in sub_jaxprs(e.params))
+             for e in jaxpr.eqns)
 
 
 def saved_outputs(spec: KernelSpec) -> SavedOutputs | None:
@@ -245,7 +249,8 @@ def saved_outputs(spec: KernelSpec) -> SavedOutputs | None:
   saved = _saved_values(jx, written)
   start = len(gm.grid) + gm.num_scalar_prefetch
   reads_of = lambda used: tuple(used[start:start + gm.num_inputs])
-  kept = _chosen(lin, saved, reads_of)
+  inside = {o for o, bm in enumerate(gm.out_mappings) if not overhangs(bm)}
+  kept = _chosen(lin, saved, reads_of, inside)
   if not kept:
     return None
   rest, used = _cut(lin, kept)
@@ -257,17 +262,20 @@ def saved_outputs(spec: KernelSpec) -> SavedOutputs | None:
                       reads_of(used), rest, used, lin)
 
 
-def _chosen(lin: Linearization, saved: dict, reads_of) -> dict:
+def _chosen(lin: Linearization, saved: dict, reads_of, inside) -> dict:
   """The saved values the backward reads: all of them where that spares
   it an input, else those of each output whose read spares it a
-  reduction (`_COSTLY`)."""
+  reduction (`_COSTLY`) and whose blocks lie inside its array (`inside`:
+  past the array, a saved statistic reads 0 where the inputs' zeros give
+  the statistic of zeros, and `0 / 0` would reach the cotangents of the
+  inputs that the points share)."""
   if not saved:
     return {}
   rest, used = _cut(lin, {})
   if sum(reads_of(_cut(lin, saved)[1])) < sum(reads_of(used)):
     return saved
   kept = {}
-  for o in sorted(set(saved.values())):
+  for o in sorted(set(saved.values()) & inside):
     mine = {v: p for v, p in saved.items() if p == o}
     if _costly(_cut(lin, mine)[0].jaxpr) < _costly(rest.jaxpr):
       kept.update(mine)
