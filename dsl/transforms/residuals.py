@@ -10,17 +10,21 @@ primal inputs. Two questions about them decide what else they read:
 - whether a residual depends on the state the point finds in its output
   or scratch blocks (`needs_entry_state`): then a recording kernel saves
   that state per point;
-- whether residuals are computed from the blocks the point writes to its
-  outputs alone (a softmax whose jvp is written in its result, `y * (dx -
-  sum(y * dx))`; `tanh`, whose derivative is `1 - y**2`): the forward
-  pass has saved those blocks already, so the backward computes the
-  residuals from the output's block rather than from the inputs
-  (`saved_outputs`), where this spares it an input: a pass over that
-  input less. Only outputs whose every block is written by one grid point
-  qualify (the saved array holds what that point wrote), in kernels
-  without scalar prefetch, aliases or operands in HBM, and only the value
-  the point writes (an output stored in a narrower dtype is not the
-  value the tangent map needs).
+- which values of the known part the point also writes to its outputs
+  (a softmax whose jvp is written in its result, `y * (dx - sum(y *
+  dx))`; `tanh`, whose derivative is `1 - y**2`; a norm's row statistic,
+  `rstd_ref[...] = rstd[:, 0]`): the forward pass has saved those blocks
+  already, so the backward reads them rather than computing them from the
+  inputs (`saved_outputs`), all of them where this spares it an input (a
+  pass over that input less), else an output's where this spares it a
+  reduction (`_COSTLY`) and its blocks lie inside its array. Only outputs
+  whose every block is written by one grid point qualify (the saved array
+  holds what that point wrote), in kernels without scalar prefetch,
+  aliases or operands in HBM, and only the value the point writes or a
+  reshape of it (an output stored in a narrower dtype is not the value
+  the tangent map needs). The point is linearized with `rsqrt`'s
+  derivative written in its result (`DERIVATIVES_OF_RESULTS`), so that a
+  saved 1/rms gives its derivative too.
 """
 from __future__ import annotations
 
