@@ -102,16 +102,19 @@ def _zero_masked_lanes(*args, out_aval, **params):
   return masked_load_p.bind(*args, **{**params, **layout}, out_aval=out_aval)
 
 
-def discharged_point(spec: KernelSpec, transposable: bool = False):
+def discharged_point(spec: KernelSpec, transposable: bool = False,
+                     rules=None):
   """(jaxpr, kept): the kernel at one grid point as a pure jaxpr
   `(ids, pf, ins, outs, scratch) -> (pf', outs', scratch')` (see
   `point_function`), and which scalar-prefetch refs stay refs (are not
-  among its results)."""
+  among its results); `rules`: more equations rewritten (primitive ->
+  fn, as `rewrite_closed` takes them) before it is discharged."""
   gm = spec.grid_mapping
   kept = (tuple(not w for w in written_prefetch(spec)) if transposable
           else ())
   # What is differentiated: nonlinear cumulative ops as lax ops a TPU has.
-  jaxpr = rewrite_closed(spec.jaxpr, SCANS_TO_DIFFERENTIATE)
+  jaxpr = rewrite_closed(spec.jaxpr, {**SCANS_TO_DIFFERENTIATE,
+                                     **(rules or {})})
   if transposable:
     jaxpr = rewrite_closed(jaxpr, {masked_load_p: _zero_masked_lanes})
   dj = discharged_kernel(jaxpr, len(gm.grid), kept)
@@ -122,7 +125,8 @@ def discharged_point(spec: KernelSpec, transposable: bool = False):
   return dj, kept
 
 
-def point_function(spec: KernelSpec, transposable: bool = False):
+def point_function(spec: KernelSpec, transposable: bool = False,
+                   rules=None):
   """The kernel at one grid point as a pure function.
 
   `F(ids, pf, ins, outs, scratch) -> (outs', scratch')`: given the blocks it
@@ -136,7 +140,7 @@ def point_function(spec: KernelSpec, transposable: bool = False):
   there is unspecified: poison would reach the cotangents as `0 * NaN`).
   """
   gm = spec.grid_mapping
-  dj, kept = discharged_point(spec, transposable)
+  dj, kept = discharged_point(spec, transposable, rules)
 
   def F(ids, pf, ins, outs, scratch):
     finals = iter(core.eval_jaxpr(dj.jaxpr, dj.consts, *ids, *pf, *ins,

@@ -2,7 +2,10 @@
 (dsl/transforms/residuals.py): where the tangent map of a grid point needs
 only the blocks the point writes (a softmax whose jvp is written in its
 result, `tanh`, `exp`), the transposed kernel reads the output instead of
-recomputing it from the inputs, and does not read those inputs at all."""
+recomputing it from the inputs, and does not read those inputs at all;
+a row statistic the forward saves (a norm's 1/rms, mean) is read where
+recomputing it would take a reduction, though the inputs are read for
+other residuals."""
 import importlib
 
 import jax
@@ -11,10 +14,13 @@ import numpy as np
 import pytest
 
 import dsl as pl
-from dsl.core.inspection import traced_kernel_calls
+from dsl.core.inspection import traced_kernel_calls, traced_kernels
+from dsl.transforms import residuals
 from tests.pallas.testing import CPU_BACKENDS
 
 sm = importlib.import_module("kernels.softmax")
+rn = importlib.import_module("kernels.rms_norm")
+ln = importlib.import_module("kernels.layer_norm")
 
 
 def _data(*shapes, seed=0):
@@ -104,3 +110,98 @@ def test_linearize_runs_the_linear_kernel_with_the_saved_output():
   want_y, want_dy = jax.jvp(sm.reference, (x,), (dx,))
   np.testing.assert_allclose(y, want_y, rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(f_jvp(dx), want_dy, rtol=1e-5, atol=1e-6)
+
+
+def _forward_spec(f, *args):
+  (spec, _), = traced_kernels(f, *args)
+  return spec
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("rows", [256, 200])   # 200: a partial edge block
+def test_a_saved_row_statistic_is_read_not_recomputed(backend, rows):
+  """RMS norm's forward saves each row's 1/rms: the backward still reads x
+  and the weight (its tangent map needs them) and reads the saved 1/rms
+  rather than its reduction over x, where the statistic's blocks lie
+  inside its array; with a partial edge block it recomputes it."""
+  x, w, ct = _data((rows, 128), (128,), (rows, 128))
+  # blocks of 128 rows: a TPU tiles the saved (rows,) statistic by 128
+  f = lambda x, w: rn.forward(x, w, eps=1e-6, backend=backend,
+                              block_rows=128)[0]
+  _check_grads(f, rn.reference, (x, w), ct)
+  so = residuals.saved_outputs(_forward_spec(f, x, w))
+  if rows % 128:
+    assert so is None
+  else:
+    assert so.outputs == (1,) and so.reads == (True, True)
+  assert _transposed_operands(f, x, w) == {"rms_norm_fwd_transpose": (0, 1)}
+
+
+def _scaled_by_row_sum(x, w):
+  """`x * w / s` per row, saving the row statistic `s = sum(x**2) + 1`."""
+  def kernel(x_ref, w_ref, y_ref, s_ref):
+    v = x_ref[...]
+    s = jnp.sum(v * v, axis=1, keepdims=True) + 1.0
+    y_ref[...] = v * w_ref[...][None, :] / s
+    s_ref[...] = s[:, 0]
+  return pl.pallas_call(
+      kernel, (jax.ShapeDtypeStruct(x.shape, x.dtype),
+               jax.ShapeDtypeStruct(x.shape[:1], x.dtype)),
+      grid=(pl.cdiv(x.shape[0], 8),),
+      in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                pl.BlockSpec((128,), lambda i: (0,))],
+      out_specs=(pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                 pl.BlockSpec((8,), lambda i: (i,))),
+      backend="interpret", name="scaled")(x, w)[0]
+
+
+@pytest.mark.parametrize("rows", [24, 20])
+def test_a_statistic_divided_by_is_read_only_inside_its_array(rows):
+  """The weight's cotangent sums over every row, the edge block's rows
+  past the array too: a saved `s` read as 0 there would give `0 / 0`;
+  recomputed from the zeros of x there, it is 1."""
+  x, w, ct = _data((rows, 128), (128,), (rows, 128))
+  want = lambda x, w: x * w / (jnp.sum(x * x, axis=1, keepdims=True) + 1.0)
+  _check_grads(_scaled_by_row_sum, want, (x, w), ct)
+  so = residuals.saved_outputs(_forward_spec(_scaled_by_row_sum, x, w))
+  assert (so is not None) == (rows % 8 == 0)
+
+
+def test_layer_norm_reads_its_saved_mean_and_rstd():
+  x, w, b, ct = _data((24, 128), (128,), (128,), (24, 128))
+  f = lambda x, w, b: ln.forward(x, w, b, eps=1e-5, backend="interpret",
+                                 block_rows=8)[0]
+  _check_grads(f, ln.reference, (x, w, b), ct)
+  so = residuals.saved_outputs(_forward_spec(f, x, w, b))
+  assert so is not None and so.outputs == (1, 2)
+
+
+def _rms_saving(stat_dtype):
+  """RMS norm (no weight) saving its 1/rms in `stat_dtype`."""
+  def f(x):
+    def kernel(x_ref, y_ref, r_ref):
+      v = x_ref[...]
+      r = jax.lax.rsqrt(jnp.mean(v * v, axis=1, keepdims=True) + 1e-6)
+      y_ref[...] = v * r
+      r_ref[...] = r[:, 0].astype(r_ref.dtype)
+    return pl.pallas_call(
+        kernel, (jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct(x.shape[:1], stat_dtype)),
+        grid=(pl.cdiv(x.shape[0], 8),),
+        in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0))],
+        out_specs=(pl.BlockSpec((8, 128), lambda i: (i, 0)),
+                   pl.BlockSpec((8,), lambda i: (i,))),
+        backend="interpret", name="rms_saving")(x)[0]
+  return f
+
+
+@pytest.mark.parametrize("stat_dtype,read", [(jnp.float32, True),
+                                             (jnp.bfloat16, False)])
+def test_a_statistic_saved_in_a_narrower_dtype_is_not_read(stat_dtype, read):
+  """Saved in bfloat16, the statistic is not the value the tangent map
+  needs: the backward recomputes it from x (and its gradient stays the
+  float32 one)."""
+  x, ct = _data((24, 128), (24, 128))
+  f = _rms_saving(stat_dtype)
+  _check_grads(f, lambda x: rn.reference(x, None), (x,), ct)
+  assert (residuals.saved_outputs(_forward_spec(f, x)) is not None) == read

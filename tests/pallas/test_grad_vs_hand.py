@@ -27,11 +27,7 @@ ATTENTION = ("flash_attention", "flash_attention_noncausal",
 PAIRS = ("softmax", "layer_norm", "rms_norm", "matmul") + ATTENTION
 
 # (pair, criterion) -> its figures (derived vs hand-written) when marked.
-MISSES = {
-    ("rms_norm", "straight_line"):
-        "straight line 847 vs 623 instructions (1.36x): the derived kernel "
-        "recomputes the row reduction of rstd, which the forward saved",
-}
+MISSES: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
