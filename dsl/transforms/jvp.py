@@ -27,10 +27,15 @@ def tangent_pattern(spec: KernelSpec, in_nz):
 
 
 def input_tangent_mask(spec: KernelSpec, nonzeros):
+  """Which inputs have a tangent: where the derivation of forward and
+  reverse mode starts (an explicit GPU kernel with one is refused)."""
   gm = spec.grid_mapping
-  return [bool(nz) and has_tangent(bm.array_aval.dtype)
+  mask = [bool(nz) and has_tangent(bm.array_aval.dtype)
           for nz, bm in zip(gm.split_operands(nonzeros).inputs,
                             gm.in_mappings)]
+  if any(mask):
+    refuse_explicit_gpu_kernel(spec)
+  return mask
 
 
 def _jvp_jaxpr(spec: KernelSpec, nonzeros):
@@ -118,6 +123,22 @@ def split_outputs(spec: KernelSpec, outs, out_nz):
   touts = [next(tangents) if nz else _zero_tangent(bm.array_aval)
            for bm, nz in zip(gm.out_mappings, out_nz)]
   return primal, touts
+
+
+def refuse_explicit_gpu_kernel(spec: KernelSpec) -> None:
+  """A `plgpu.kernel` (Pallas's explicit Mosaic GPU API; its compiler
+  params carry the warpgroup mesh) orders its work between warpgroups with
+  barriers, TMA copies and WGMMAs, which no derivative rule here
+  transforms: differentiating it is an error naming the kernel."""
+  if getattr(spec.compiler_params, "mesh", None) is None:
+    return
+  raise KernelError(
+      spec.name, "jax.jvp and jax.grad cannot differentiate a plgpu.kernel: "
+      "its TMA copies, barriers and WGMMAs order work between warpgroups, "
+      "which dsl's derivation does not transform (Pallas cannot "
+      "differentiate it either). Give it a hand-written backward pass with "
+      "jax.custom_vjp, as Pallas's attention_mgpu does", spec.where,
+      operand="plgpu.kernel")
 
 
 def pallas_call_jvp(primals, tangents, *, spec: KernelSpec):

@@ -117,3 +117,26 @@ def test_every_mgpu_op_is_compared_or_refused():
                       "gpu.all_gather_mgpu", "gpu.reduce_scatter_mgpu",
                       "gpu.collective_matmul_mgpu"}
   assert ops == compared | set(_BLACKWELL)
+
+
+
+def _scaled_copy():
+  """x * 2 through a plgpu.kernel."""
+  def body(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((128,), F32))
+
+def test_differentiating_a_plgpu_kernel_is_an_error_naming_it():
+  """Explicit warpgroup programs (barriers, TMA, WGMMA) have no derivative
+  rule: jax.grad and jax.jvp name the kernel and the user's line, and point
+  at jax.custom_vjp (Pallas cannot differentiate one either)."""
+  x = jnp.arange(128, dtype=jnp.float32)
+  with pl.default_backend("interpret"):
+    f = _scaled_copy()
+    assert jnp.array_equal(f(x), x * 2)
+    for transform in (lambda: jax.grad(lambda x: f(x).sum())(x),
+                      lambda: jax.jvp(f, (x,), (x,))):
+      with pytest.raises(KernelError, match=(
+          r"cannot differentiate a plgpu.kernel.*custom_vjp.*"
+          r"test_plgpu_refusals.py")):
+        transform()
