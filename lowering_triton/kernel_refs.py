@@ -29,24 +29,10 @@ from lowering_triton.values import TVal, pow2
 Sym = Union[int, str]   # a static int, or the source of an int32 scalar
 
 
-def sym_add(a: Sym, b: Sym) -> Sym:
-  if isinstance(a, int) and isinstance(b, int):
-    return a + b
-  if isinstance(a, int) and a == 0:
-    return b
-  if isinstance(b, int) and b == 0:
-    return a
-  return f"{a} + {paren(b)}"
-
-
-def sym_mul(a: Sym, k: int) -> Sym:
-  if isinstance(a, int):
-    return a * k
-  if k == 1:
-    return a
-  if k == 0:
-    return 0
-  return f"{paren(a)} * {k}"
+# Starts of windows as source text, folded where they are ints.
+SYMS = access.StartAlgebra.folding(lambda a, b: f"{a} + {paren(b)}",
+                                   lambda a, k: f"{paren(a)} * {k}")
+sym_add, sym_mul = SYMS.add, SYMS.scale
 
 
 def as_sym(x) -> Sym:
@@ -203,7 +189,6 @@ def _start_align(ax: Axis) -> int:
   return ax.start if isinstance(ax.start, int) else ax.align
 
 
-SYMS = access.StartAlgebra(sym_add, sym_mul)
 
 
 def _start_sym(w: access.DimWindow, ax: Axis) -> Sym:

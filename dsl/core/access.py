@@ -158,6 +158,30 @@ class StartAlgebra(NamedTuple):
   add: Callable[[Any, Any], Any]
   scale: Callable[[Any, int], Any]
 
+  @classmethod
+  def folding(cls, add, scale) -> "StartAlgebra":
+    """The algebra of a backend's values that folds what is known at trace
+    time (ints: sums, adding 0, scaling by 1 or 0) and leaves the rest to
+    `add(a, b)` and `scale(a, k)`, which build the backend's value."""
+    def add_folded(a, b):
+      if isinstance(a, int) and isinstance(b, int):
+        return a + b
+      if isinstance(a, int) and a == 0:
+        return b
+      if isinstance(b, int) and b == 0:
+        return a
+      return add(a, b)
+
+    def scale_folded(a, k: int):
+      if isinstance(a, int):
+        return a * k
+      if k == 1:
+        return a
+      if k == 0:
+        return 0
+      return scale(a, k)
+    return cls(add_folded, scale_folded)
+
 
 INTS = StartAlgebra(lambda a, b: a + b, lambda a, k: a * k)
 

@@ -79,25 +79,9 @@ class View:
                 frozenset(a.dim for a in fixed))
 
 
-def _add(a, b):
-  if isinstance(a, int) and isinstance(b, int):
-    return a + b
-  if isinstance(b, int) and b == 0:
-    return a
-  if isinstance(a, int) and a == 0:
-    return b
-  return arith.AddIOp(to_i32(a), to_i32(b)).result
-
-
-def _mul(a, k: int):
-  if isinstance(a, int):
-    return a * k
-  if k == 1:
-    return a
-  return arith.MulIOp(to_i32(a), to_i32(k)).result
-
-
-_MLIR = StartAlgebra(_add, _mul)
+_MLIR = StartAlgebra.folding(
+    lambda a, b: arith.AddIOp(to_i32(a), to_i32(b)).result,
+    lambda a, k: arith.MulIOp(to_i32(a), to_i32(k)).result)
 
 
 def _static(x):
